@@ -1,0 +1,22 @@
+//! The data plane of trajectory-operator: everything a pod (or a local run) does.
+//!
+//! ```text
+//!  run file / plan ConfigMap ──► plan ──► manifest.json ─┐
+//!                                                        ▼
+//!  dataset.jsonl ──seek(offset)──► batch ──► agent ◄──► model server (OpenAI-compatible)
+//!                                    │         └──► tools (terminal, file) in a workspace
+//!                                    ▼
+//!                     batches/batch-NNNNNN.jsonl (+ .done)
+//!                                    │
+//!                                    ▼
+//!                     merge ──► trajectories.jsonl, failures.jsonl, statistics.json
+//! ```
+//!
+//! [`spec`] and [`plan`] are the contract with the operator and build with serde alone
+//! (`default-features = false`); everything else sits behind the `engine` feature.
+
+pub mod plan;
+pub mod spec;
+
+#[cfg(feature = "engine")]
+pub mod tools;

@@ -1,0 +1,487 @@
+//! The `TrajectoryRun` spec: what a user writes, in a run file or as a Kubernetes resource.
+//!
+//! These types are serde-only (plus JSON-schema derives behind the `schema` feature) so that the
+//! operator's CRD and the worker's run file are one definition. Defaults live here, in one place;
+//! [`RunSpec::validate`] checks what the schema cannot express and names the field at fault.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+#[cfg(feature = "schema")]
+use schemars::JsonSchema;
+
+/// Desired state of a trajectory run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct RunSpec {
+    /// The JSONL file of prompts.
+    pub dataset: DatasetSpec,
+    /// Prompts per batch. A batch is one Job completion index and one file on storage.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: u32,
+    /// Batches worked at once (pods running in parallel; in a local run, batches in flight).
+    /// Can be changed while a run is going.
+    #[serde(default = "default_workers")]
+    pub workers: u32,
+    /// Conversations in flight inside one batch.
+    #[serde(default = "default_concurrency")]
+    pub concurrency: u32,
+    /// Toolset distribution: the name of a built-in distribution, or an inline map of toolset
+    /// name to inclusion probability in percent (each toolset drawn independently per prompt).
+    #[serde(default)]
+    pub distribution: DistributionSpec,
+    /// Seed of toolset sampling. The toolsets of a prompt are a pure function of
+    /// (seed, prompt index, sample), identical across runs and machines.
+    #[serde(default)]
+    pub seed: u64,
+    /// Samples generated per prompt; each sample is a distinct record.
+    #[serde(default = "default_samples_per_prompt")]
+    pub samples_per_prompt: u32,
+    /// The OpenAI-compatible model server and sampling settings.
+    pub model: ModelSpec,
+    /// Agent loop settings.
+    #[serde(default)]
+    pub agent: AgentSpec,
+    /// Tool settings.
+    #[serde(default)]
+    pub tools: ToolsSpec,
+    /// Which finished conversations are kept as trajectories.
+    #[serde(default)]
+    pub filters: FiltersSpec,
+    /// Where the run's outputs go.
+    #[serde(default)]
+    pub storage: StorageSpec,
+    /// Retry limits.
+    #[serde(default)]
+    pub retry: RetrySpec,
+    /// Also write `trajectories.openai.jsonl` with each record as OpenAI `messages` + `tools`.
+    #[serde(default)]
+    pub openai_format: bool,
+    /// Kueue LocalQueue to admit the run's Jobs through (cluster only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_name: Option<String>,
+    /// Stop starting new work; finished batches stay finished. Can be changed while a run is going.
+    #[serde(default)]
+    pub suspend: bool,
+    /// Pod settings of the run's Jobs (cluster only): image, resources, scheduling, env.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
+    pub pod_template: Option<Value>,
+}
+
+/// The dataset of prompts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct DatasetSpec {
+    /// Path of the JSONL file, relative to the storage volume. Absolute paths and `..` are refused.
+    pub path: String,
+    /// Field of each JSON line that holds the prompt. Lines may instead carry a chat-style
+    /// `conversations` or `messages` list whose first user turn is the prompt.
+    #[serde(default = "default_prompt_field")]
+    pub prompt_field: String,
+    /// Keep only the first N valid prompts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_samples: Option<u64>,
+}
+
+/// A named distribution or an inline one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(untagged)]
+pub enum DistributionSpec {
+    /// One of the built-in distribution names (e.g. `terminal_only`, `development`).
+    Named(String),
+    /// Toolset name → inclusion probability in percent (0–100).
+    Inline(BTreeMap<String, f64>),
+}
+
+impl Default for DistributionSpec {
+    fn default() -> Self {
+        Self::Named("terminal_only".to_owned())
+    }
+}
+
+/// The model server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSpec {
+    /// Base URL of the OpenAI-compatible API, including `/v1` (e.g. `http://vllm:8000/v1`).
+    pub base_url: String,
+    /// Model name sent in every request.
+    pub name: String,
+    /// Secret holding the API key (cluster). Never inline, never logged, never in status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_secret_ref: Option<SecretKeyRef>,
+    /// Environment variable holding the API key (local runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_env: Option<String>,
+    /// `max_tokens` of every completion; unset leaves the provider default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    /// Sampling temperature; unset leaves the provider default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    /// Reasoning settings, passed as the provider expects.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<ReasoningSpec>,
+    /// Timeout of one HTTP request to the model, in seconds.
+    #[serde(default = "default_request_timeout")]
+    pub request_timeout_seconds: u64,
+    /// Attempts per model call for retryable errors (429, 5xx, timeouts, empty replies).
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    /// Receive completions as server-sent events instead of one JSON body.
+    #[serde(default)]
+    pub stream: bool,
+    /// Extra JSON merged verbatim into every request body (provider routing and the like).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
+    pub extra_body: Option<Value>,
+}
+
+/// A key of a Kubernetes Secret.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+pub struct SecretKeyRef {
+    /// Secret name, in the run's namespace.
+    pub name: String,
+    /// Key inside the Secret.
+    pub key: String,
+}
+
+/// Reasoning ("thinking") settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ReasoningSpec {
+    /// Effort level (`none`, `minimal`, `low`, `medium`, `high`, `xhigh`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effort: Option<String>,
+    /// Turn thinking off entirely; wins over `effort`.
+    #[serde(default)]
+    pub disabled: bool,
+}
+
+/// Agent loop settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AgentSpec {
+    /// Model calls per conversation before a final call without tools asks for an answer.
+    #[serde(default = "default_max_turns")]
+    pub max_turns: u32,
+    /// System prompt used while generating and never saved into trajectories.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ephemeral_system_prompt: Option<String>,
+    /// Wall-clock budget of one conversation, in seconds.
+    #[serde(default = "default_prompt_timeout")]
+    pub prompt_timeout_seconds: u64,
+}
+
+impl Default for AgentSpec {
+    fn default() -> Self {
+        Self {
+            max_turns: default_max_turns(),
+            ephemeral_system_prompt: None,
+            prompt_timeout_seconds: default_prompt_timeout(),
+        }
+    }
+}
+
+/// Tool settings.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ToolsSpec {
+    /// Terminal tool settings.
+    #[serde(default)]
+    pub terminal: TerminalSpec,
+    /// Keep each conversation's workspace directory after it ends (for debugging).
+    #[serde(default)]
+    pub keep_workspaces: bool,
+}
+
+/// Terminal tool settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct TerminalSpec {
+    /// Time limit of one command, in seconds; the command's whole process group is killed after it.
+    #[serde(default = "default_command_timeout")]
+    pub timeout_seconds: u64,
+    /// Bytes of output kept from one command.
+    #[serde(default = "default_max_output_bytes")]
+    pub max_output_bytes: u64,
+}
+
+impl Default for TerminalSpec {
+    fn default() -> Self {
+        Self {
+            timeout_seconds: default_command_timeout(),
+            max_output_bytes: default_max_output_bytes(),
+        }
+    }
+}
+
+/// Which conversations are kept.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct FiltersSpec {
+    /// Discard conversations in which no assistant turn has reasoning (the reference always did).
+    #[serde(default)]
+    pub require_reasoning: bool,
+}
+
+/// Where outputs go.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct StorageSpec {
+    /// The shared volume (a Kubernetes volume source, cluster only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
+    pub volume: Option<Value>,
+    /// Output directory relative to the volume; defaults to `runs/<namespace>/<name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_path: Option<String>,
+}
+
+/// Retry limits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct RetrySpec {
+    /// Retries of one batch before it counts as failed.
+    #[serde(default = "default_per_batch")]
+    pub per_batch: u32,
+    /// Failed batches tolerated before the whole run fails.
+    #[serde(default = "default_max_failed_batches")]
+    pub max_failed_batches: u32,
+}
+
+impl Default for RetrySpec {
+    fn default() -> Self {
+        Self {
+            per_batch: default_per_batch(),
+            max_failed_batches: default_max_failed_batches(),
+        }
+    }
+}
+
+fn default_batch_size() -> u32 {
+    10
+}
+fn default_workers() -> u32 {
+    4
+}
+fn default_concurrency() -> u32 {
+    4
+}
+fn default_samples_per_prompt() -> u32 {
+    1
+}
+fn default_prompt_field() -> String {
+    "prompt".to_owned()
+}
+fn default_request_timeout() -> u64 {
+    600
+}
+fn default_max_attempts() -> u32 {
+    6
+}
+fn default_max_turns() -> u32 {
+    10
+}
+fn default_prompt_timeout() -> u64 {
+    1800
+}
+fn default_command_timeout() -> u64 {
+    60
+}
+fn default_max_output_bytes() -> u64 {
+    16 * 1024
+}
+fn default_per_batch() -> u32 {
+    3
+}
+fn default_max_failed_batches() -> u32 {
+    10
+}
+
+/// A spec value that is out of bounds, named by its field path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecViolation {
+    /// Field path, e.g. `spec.batchSize`.
+    pub field: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for SpecViolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+impl RunSpec {
+    /// Checks bounds that the types alone do not; returns every violation, each naming its field.
+    pub fn validate(&self) -> Vec<SpecViolation> {
+        let mut violations = Vec::new();
+        let mut check = |ok: bool, field: &str, message: String| {
+            if !ok {
+                violations.push(SpecViolation { field: format!("spec.{field}"), message });
+            }
+        };
+        check(
+            is_relative_clean_path(&self.dataset.path),
+            "dataset.path",
+            format!(
+                "{:?} must be a relative path inside the storage volume, without `..`",
+                self.dataset.path
+            ),
+        );
+        check(
+            !self.dataset.prompt_field.is_empty(),
+            "dataset.promptField",
+            "must not be empty".to_owned(),
+        );
+        check(self.batch_size >= 1, "batchSize", format!("must be at least 1, got {}", self.batch_size));
+        check(self.workers >= 1, "workers", format!("must be at least 1, got {}", self.workers));
+        check(
+            (1..=10_000).contains(&self.concurrency),
+            "concurrency",
+            format!("must be between 1 and 10000, got {}", self.concurrency),
+        );
+        check(
+            self.samples_per_prompt >= 1,
+            "samplesPerPrompt",
+            format!("must be at least 1, got {}", self.samples_per_prompt),
+        );
+        check(
+            self.model.base_url.starts_with("http://") || self.model.base_url.starts_with("https://"),
+            "model.baseUrl",
+            format!("{:?} must be an http:// or https:// URL", self.model.base_url),
+        );
+        check(!self.model.name.is_empty(), "model.name", "must not be empty".to_owned());
+        check(
+            self.model.max_attempts >= 1,
+            "model.maxAttempts",
+            format!("must be at least 1, got {}", self.model.max_attempts),
+        );
+        check(
+            self.model.request_timeout_seconds >= 1,
+            "model.requestTimeoutSeconds",
+            "must be at least 1".to_owned(),
+        );
+        if let Some(temperature) = self.model.temperature {
+            check(
+                (0.0..=2.0).contains(&temperature),
+                "model.temperature",
+                format!("must be between 0 and 2, got {temperature}"),
+            );
+        }
+        if let Some(extra) = &self.model.extra_body {
+            check(extra.is_object(), "model.extraBody", "must be a JSON object".to_owned());
+        }
+        check(self.agent.max_turns >= 1, "agent.maxTurns", "must be at least 1".to_owned());
+        check(
+            self.agent.prompt_timeout_seconds >= 1,
+            "agent.promptTimeoutSeconds",
+            "must be at least 1".to_owned(),
+        );
+        check(
+            self.tools.terminal.timeout_seconds >= 1,
+            "tools.terminal.timeoutSeconds",
+            "must be at least 1".to_owned(),
+        );
+        if let Some(output) = &self.storage.output_path {
+            check(
+                is_relative_clean_path(output),
+                "storage.outputPath",
+                format!("{output:?} must be a relative path inside the storage volume, without `..`"),
+            );
+        }
+        if let DistributionSpec::Inline(map) = &self.distribution {
+            check(!map.is_empty(), "distribution", "an inline distribution needs a toolset".to_owned());
+            for (toolset, percent) in map {
+                check(
+                    (0.0..=100.0).contains(percent),
+                    &format!("distribution.{toolset}"),
+                    format!("percent must be between 0 and 100, got {percent}"),
+                );
+            }
+        }
+        violations
+    }
+
+    /// The output directory relative to the storage root.
+    pub fn output_path(&self, namespace: &str, name: &str) -> String {
+        self.storage
+            .output_path
+            .clone()
+            .unwrap_or_else(|| format!("runs/{namespace}/{name}"))
+    }
+}
+
+/// True for a non-empty relative path with no `..`, root or empty components.
+pub fn is_relative_clean_path(path: &str) -> bool {
+    !path.is_empty()
+        && !path.starts_with('/')
+        && path.split('/').all(|part| !part.is_empty() && part != "..")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn minimal() -> RunSpec {
+        serde_json::from_value(serde_json::json!({
+            "dataset": {"path": "data/p.jsonl"},
+            "model": {"baseUrl": "http://127.0.0.1:1/v1", "name": "m"},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn defaults_fill_a_minimal_spec() {
+        let spec = minimal();
+        assert_eq!(spec.batch_size, 10);
+        assert_eq!(spec.dataset.prompt_field, "prompt");
+        assert_eq!(spec.agent.max_turns, 10);
+        assert_eq!(spec.distribution, DistributionSpec::Named("terminal_only".into()));
+        assert!(spec.validate().is_empty());
+    }
+
+    #[test]
+    fn violations_name_their_field() {
+        let mut spec = minimal();
+        spec.dataset.path = "../etc/passwd".into();
+        spec.batch_size = 0;
+        spec.model.base_url = "ftp://x".into();
+        spec.distribution = DistributionSpec::Inline([("terminal".to_owned(), 120.0)].into());
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.dataset.path",
+                "spec.batchSize",
+                "spec.model.baseUrl",
+                "spec.distribution.terminal"
+            ]
+        );
+    }
+
+    #[test]
+    fn clean_paths() {
+        assert!(is_relative_clean_path("a/b.jsonl"));
+        assert!(!is_relative_clean_path("/a"));
+        assert!(!is_relative_clean_path("a/../b"));
+        assert!(!is_relative_clean_path("a//b"));
+        assert!(!is_relative_clean_path(""));
+    }
+}

@@ -1,0 +1,353 @@
+//! Tools the agent can call, grouped into toolsets.
+//!
+//! A [`Tool`] is a name, a description, a JSON schema for its arguments and an async handler. Tools
+//! are grouped into toolsets (`terminal`, `file`, ...) because distributions sample toolsets, not
+//! tools. The [`Registry`] knows every toolset name the reference's distributions use; the ones this
+//! build cannot serve are *known but unavailable*, so a run that could draw them is refused before
+//! any work starts, naming the toolset and what would enable it (the reference silently dropped them).
+//!
+//! Every conversation gets its own [`Workspace`] directory; file tools are confined to it and the
+//! terminal runs inside it.
+
+pub mod file;
+pub mod terminal;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Component, Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use serde_json::{Map, Value};
+
+use crate::spec::ToolsSpec;
+
+/// The future a tool handler returns.
+pub type ToolFuture<'a> = Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>>;
+
+/// What the model is told about a tool (the `function` of an OpenAI tool definition).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    /// JSON schema of the arguments object.
+    pub parameters: Value,
+}
+
+/// The result of one tool call, before it is rendered into the `tool` message content.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolOutcome {
+    /// The tool ran; the value is its JSON result (an object, as the reference's tools return).
+    Ok(Value),
+    /// The tool refused or failed; the message goes back to the model as `{"error": message}`.
+    Err(String),
+}
+
+impl ToolOutcome {
+    /// Renders the outcome as the `content` string of a `tool` message. Errors use the
+    /// `{"error": ...}` convention that the reference's tool statistics classify as failures.
+    pub fn into_content(self) -> String {
+        match self {
+            Self::Ok(Value::String(text)) => text,
+            Self::Ok(value) => value.to_string(),
+            Self::Err(message) => serde_json::json!({ "error": message }).to_string(),
+        }
+    }
+}
+
+/// A callable tool.
+pub trait Tool: Send + Sync + fmt::Debug {
+    fn spec(&self) -> &ToolSpec;
+    /// Runs the tool with already-parsed arguments inside the conversation's context.
+    fn call<'a>(&'a self, args: Map<String, Value>, ctx: &'a ToolContext) -> ToolFuture<'a>;
+}
+
+/// Per-conversation state shared by every tool call of that conversation.
+#[derive(Debug)]
+pub struct ToolContext {
+    pub workspace: Workspace,
+    pub limits: ToolLimits,
+}
+
+/// Caps that keep a misbehaving model from producing unbounded work or output.
+#[derive(Debug, Clone)]
+pub struct ToolLimits {
+    /// Wall-clock limit of one terminal command; the whole process group is killed after it.
+    pub command_timeout: std::time::Duration,
+    /// Bytes of stdout+stderr kept from one command (head and tail are kept, the middle elided).
+    pub max_output_bytes: usize,
+    /// Lines returned by one `read_file` page.
+    pub max_read_lines: usize,
+    /// Bytes `write_file` accepts in one call.
+    pub max_write_bytes: usize,
+    /// Matches returned by one `search_files` call.
+    pub max_search_results: usize,
+}
+
+impl Default for ToolLimits {
+    fn default() -> Self {
+        Self {
+            command_timeout: std::time::Duration::from_secs(60),
+            max_output_bytes: 16 * 1024,
+            max_read_lines: 500,
+            max_write_bytes: 1024 * 1024,
+            max_search_results: 100,
+        }
+    }
+}
+
+/// Why a path given by the model was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WorkspaceError {
+    #[error("absolute paths are not allowed: {0}")]
+    Absolute(String),
+    #[error("path escapes the workspace: {0}")]
+    Escapes(String),
+    #[error("cannot resolve {path}: {reason}")]
+    Io { path: String, reason: String },
+}
+
+/// The directory one conversation works in. Tools resolve every path through
+/// [`Workspace::resolve`], which refuses absolute paths, `..` that climbs out, and symlinks whose
+/// target lies outside.
+#[derive(Debug, Clone)]
+pub struct Workspace {
+    root: PathBuf,
+}
+
+impl Workspace {
+    /// Uses `root` (which must exist) as the workspace.
+    pub fn new(root: impl Into<PathBuf>) -> std::io::Result<Self> {
+        let root = root.into().canonicalize()?;
+        Ok(Self { root })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Maps a path the model gave (relative to the workspace) to a real path inside it.
+    ///
+    /// The path need not exist (so `write_file` can create it), but every existing ancestor is
+    /// canonicalised, so a symlink anywhere along the way that points outside is refused.
+    pub fn resolve(&self, requested: &str) -> Result<PathBuf, WorkspaceError> {
+        let relative = Path::new(requested);
+        if relative.is_absolute() {
+            return Err(WorkspaceError::Absolute(requested.to_owned()));
+        }
+        let mut lexical = PathBuf::new();
+        for component in relative.components() {
+            match component {
+                Component::Normal(part) => lexical.push(part),
+                Component::CurDir => {}
+                Component::ParentDir => {
+                    if !lexical.pop() {
+                        return Err(WorkspaceError::Escapes(requested.to_owned()));
+                    }
+                }
+                Component::RootDir | Component::Prefix(_) => {
+                    return Err(WorkspaceError::Absolute(requested.to_owned()));
+                }
+            }
+        }
+        let candidate = self.root.join(&lexical);
+        // Canonicalise the longest existing prefix: that resolves symlinks on the way.
+        let mut existing = candidate.as_path();
+        let mut rest = Vec::new();
+        while !existing.exists() {
+            match (existing.parent(), existing.file_name()) {
+                (Some(parent), Some(name)) => {
+                    rest.push(name.to_owned());
+                    existing = parent;
+                }
+                _ => break,
+            }
+        }
+        let mut real = existing.canonicalize().map_err(|err| WorkspaceError::Io {
+            path: requested.to_owned(),
+            reason: err.to_string(),
+        })?;
+        if !real.starts_with(&self.root) {
+            return Err(WorkspaceError::Escapes(requested.to_owned()));
+        }
+        for name in rest.into_iter().rev() {
+            real.push(name);
+        }
+        Ok(real)
+    }
+
+    /// Shows a resolved path to the model relative to the workspace root.
+    pub fn display(&self, path: &Path) -> String {
+        path.strip_prefix(&self.root).unwrap_or(path).display().to_string()
+    }
+}
+
+/// Whether a toolset can be served by this build and configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Availability {
+    Available,
+    /// Known name, but it cannot be served; the text says what would enable it.
+    Unavailable(String),
+}
+
+/// A named group of tools.
+#[derive(Debug, Clone)]
+pub struct Toolset {
+    pub name: &'static str,
+    pub availability: Availability,
+    pub tools: Vec<Arc<dyn Tool>>,
+}
+
+/// Every toolset this build knows, in a fixed order (which is also the catalog order).
+#[derive(Debug, Clone)]
+pub struct Registry {
+    toolsets: Vec<Toolset>,
+}
+
+/// Toolsets named by the reference's distributions that this build does not ship yet, with what
+/// would enable them.
+const NOT_YET_SHIPPED: [(&str, &str); 4] = [
+    (
+        "web",
+        "web search and extraction are not in this build yet; use a distribution without `web`",
+    ),
+    (
+        "vision",
+        "vision tools are not in this build yet; use a distribution without `vision`",
+    ),
+    (
+        "image_gen",
+        "image generation is not in this build yet; use a distribution without `image_gen`",
+    ),
+    (
+        "browser",
+        "browser tools are not in this build yet; use a distribution without `browser`",
+    ),
+];
+
+impl Registry {
+    /// The built-in toolsets, configured from the run's `tools` spec.
+    pub fn builtin(config: &ToolsSpec) -> Self {
+        let mut toolsets = vec![
+            Toolset {
+                name: terminal::TOOLSET,
+                availability: Availability::Available,
+                tools: terminal::tools(config),
+            },
+            Toolset {
+                name: file::TOOLSET,
+                availability: Availability::Available,
+                tools: file::tools(config),
+            },
+        ];
+        toolsets.extend(NOT_YET_SHIPPED.iter().map(|(name, hint)| Toolset {
+            name,
+            availability: Availability::Unavailable((*hint).to_owned()),
+            tools: Vec::new(),
+        }));
+        Self { toolsets }
+    }
+
+    pub fn toolset(&self, name: &str) -> Option<&Toolset> {
+        self.toolsets.iter().find(|toolset| toolset.name == name)
+    }
+
+    pub fn toolset_names(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.toolsets.iter().map(|toolset| toolset.name)
+    }
+
+    /// The tools of the given toolsets, in registry order, without duplicates.
+    pub fn tools_for(&self, toolsets: &[String]) -> Vec<Arc<dyn Tool>> {
+        let mut seen = std::collections::BTreeSet::new();
+        self.toolsets
+            .iter()
+            .filter(|toolset| toolsets.iter().any(|name| name == toolset.name))
+            .flat_map(|toolset| toolset.tools.iter())
+            .filter(|tool| seen.insert(tool.spec().name.clone()))
+            .cloned()
+            .collect()
+    }
+
+    /// The frozen tool catalog of a run: every tool of the given toolsets, in registry order.
+    /// `tool_stats` of every record are normalised over it, so every line has the same keys.
+    pub fn catalog(&self, toolsets: &[String]) -> Vec<String> {
+        self.tools_for(toolsets)
+            .iter()
+            .map(|tool| tool.spec().name.clone())
+            .collect()
+    }
+
+    /// Tool name → toolset name, for the tools of available toolsets.
+    pub fn tool_to_toolset(&self) -> BTreeMap<String, &'static str> {
+        self.toolsets
+            .iter()
+            .flat_map(|toolset| {
+                toolset
+                    .tools
+                    .iter()
+                    .map(move |tool| (tool.spec().name.clone(), toolset.name))
+            })
+            .collect()
+    }
+}
+
+/// Reads a required string argument, with an error message the model can act on.
+pub(crate) fn string_arg<'a>(args: &'a Map<String, Value>, name: &str) -> Result<&'a str, String> {
+    match args.get(name) {
+        Some(Value::String(value)) => Ok(value),
+        Some(other) => Err(format!("argument `{name}` must be a string, got {other}")),
+        None => Err(format!("missing required argument `{name}`")),
+    }
+}
+
+/// Reads an optional non-negative integer argument (numbers given as strings are accepted, as
+/// small models often quote them).
+pub(crate) fn optional_u64_arg(args: &Map<String, Value>, name: &str) -> Result<Option<u64>, String> {
+    match args.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(number)) => number
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| format!("argument `{name}` must be a non-negative integer")),
+        Some(Value::String(text)) => text
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| format!("argument `{name}` must be a non-negative integer, got {text:?}")),
+        Some(other) => Err(format!("argument `{name}` must be a non-negative integer, got {other}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workspace_refuses_absolute_and_climbing_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let workspace = Workspace::new(dir.path()).unwrap();
+        assert!(matches!(workspace.resolve("/etc/passwd"), Err(WorkspaceError::Absolute(_))));
+        assert!(matches!(workspace.resolve("../x"), Err(WorkspaceError::Escapes(_))));
+        assert!(matches!(workspace.resolve("a/../../x"), Err(WorkspaceError::Escapes(_))));
+        assert_eq!(workspace.resolve("a/../b").unwrap(), workspace.root().join("b"));
+    }
+
+    #[test]
+    fn workspace_refuses_symlink_that_points_outside() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("link")).unwrap();
+        let workspace = Workspace::new(dir.path()).unwrap();
+        assert!(matches!(workspace.resolve("link/secret"), Err(WorkspaceError::Escapes(_))));
+        assert!(matches!(workspace.resolve("link"), Err(WorkspaceError::Escapes(_))));
+    }
+
+    #[test]
+    fn error_outcome_renders_as_error_object() {
+        assert_eq!(ToolOutcome::Err("boom".into()).into_content(), r#"{"error":"boom"}"#);
+        assert_eq!(
+            ToolOutcome::Ok(serde_json::json!({"a": 1})).into_content(),
+            r#"{"a":1}"#
+        );
+    }
+}
