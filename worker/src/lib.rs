@@ -20,3 +20,13 @@ pub mod spec;
 
 #[cfg(feature = "engine")]
 pub mod tools;
+#[cfg(feature = "engine")]
+pub mod model;
+#[cfg(feature = "engine")]
+pub mod agent;
+#[cfg(feature = "engine")]
+pub mod distribution;
+#[cfg(feature = "engine")]
+pub mod hermes;
+#[cfg(feature = "engine")]
+pub mod pyjson;

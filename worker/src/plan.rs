@@ -1,1 +1,242 @@
-//! The contract between the operator and the worker.
+//! The contract between the operator and the worker: the run plan a pod receives, the names of
+//! the environment variables and mount paths, the exit codes, and the summaries the worker
+//! reports through the pod's termination message.
+//!
+//! It builds with serde alone so that the operator can depend on it (`default-features = false`)
+//! without pulling in the HTTP client or the tools. Change it only in ways both sides understand:
+//! the operator of one version may schedule worker images of another.
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::RunSpec;
+
+/// Environment variables, named in one place for the operator (which writes pod specs) and the
+/// worker (which reads them).
+pub mod env {
+    /// Path of the run plan JSON (a mounted ConfigMap in a pod).
+    pub const PLAN_PATH: &str = "TRAJ_PLAN_PATH";
+    /// Root of the shared storage volume; dataset and output paths are relative to it.
+    pub const STORAGE_ROOT: &str = "TRAJ_STORAGE_ROOT";
+    /// The batch index Kubernetes gives each pod of an Indexed Job.
+    pub const JOB_COMPLETION_INDEX: &str = "JOB_COMPLETION_INDEX";
+    /// The model API key, from a Secret reference.
+    pub const MODEL_API_KEY: &str = "TRAJ_MODEL_API_KEY";
+    /// A file holding the model API key (a mounted Secret), used when the variable above is unset.
+    pub const MODEL_API_KEY_FILE: &str = "TRAJ_MODEL_API_KEY_FILE";
+    /// Where the termination summary is written.
+    pub const TERMINATION_LOG: &str = "TRAJ_TERMINATION_LOG";
+    /// Directory under which per-conversation tool workspaces are created.
+    pub const WORKSPACE_ROOT: &str = "TRAJ_WORKSPACE_ROOT";
+    /// `json` or `pretty` log output.
+    pub const LOG_FORMAT: &str = "TRAJ_LOG_FORMAT";
+}
+
+/// Paths inside a worker pod.
+pub mod paths {
+    /// Mount point of the plan ConfigMap.
+    pub const PLAN_DIR: &str = "/etc/trajectory";
+    /// File name of the run plan inside [`PLAN_DIR`].
+    pub const PLAN_FILE: &str = "plan.json";
+    /// Mount point of the shared storage volume.
+    pub const STORAGE_ROOT: &str = "/data";
+    /// Kubernetes' default termination message path.
+    pub const TERMINATION_LOG: &str = "/dev/termination-log";
+    /// Scratch space for tool workspaces (an emptyDir).
+    pub const WORKSPACE_ROOT: &str = "/workspace";
+}
+
+/// Process exit codes. Anything not listed is transient: the Job retries the index.
+pub mod exit {
+    /// Everything asked was done.
+    pub const OK: i32 = 0;
+    /// A configuration error no retry can fix (401/403 from the model, exhausted credit, a bad
+    /// plan). The operator's pod failure policy fails the whole Job on it.
+    pub const PERMANENT_CONFIG: i32 = 78;
+    /// The batch's input is bad (e.g. the dataset changed under the plan). Fails only this index.
+    pub const BAD_BATCH_INPUT: i32 = 65;
+    /// A transient failure; retried.
+    pub const TRANSIENT: i32 = 1;
+    /// Stopped by a signal (SIGTERM / Ctrl-C) after leaving storage consistent; retried.
+    pub const INTERRUPTED: i32 = 130;
+}
+
+/// Kubernetes truncates termination messages at 4096 bytes.
+pub const TERMINATION_MESSAGE_LIMIT: usize = 4096;
+
+/// Everything a worker pod needs to know about its run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunPlan {
+    /// Name of the run (the resource name, or the run file's `metadata.name`).
+    pub name: String,
+    /// Namespace of the run (`local` for local runs).
+    pub namespace: String,
+    /// UID of the resource; recorded in the manifest as the run's identity.
+    #[serde(default)]
+    pub uid: String,
+    /// The spec as applied.
+    pub spec: RunSpec,
+    /// Output directory relative to the storage root.
+    pub output_path: String,
+    /// On a later attempt: the batch id each completion index works (`batches[index]`).
+    /// Absent on the first attempt, where index *i* is batch *i*.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batches: Option<Vec<u32>>,
+}
+
+impl RunPlan {
+    /// The batch a Job completion index works.
+    pub fn batch_for_index(&self, index: u32) -> Option<u32> {
+        match &self.batches {
+            None => Some(index),
+            Some(batches) => usize::try_from(index).ok().and_then(|i| batches.get(i).copied()),
+        }
+    }
+}
+
+/// What `plan` reports (termination message, stdout, and the operator's status).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanSummary {
+    /// Valid prompts after `maxSamples`.
+    pub prompts: u64,
+    /// Rejected dataset lines (listed in `invalid.jsonl`).
+    pub invalid: u64,
+    /// Batches in the run.
+    pub batches: u32,
+    /// Batches already done on storage (from an earlier attempt or run).
+    pub done: Vec<BatchRange>,
+    /// `sha256:` digest of the dataset file.
+    pub dataset_digest: String,
+    /// Digest of the generating fields of the spec.
+    pub spec_hash: String,
+}
+
+/// What `batch` reports.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BatchSummary {
+    pub batch: u32,
+    pub succeeded: u64,
+    pub discarded: u64,
+    pub failed: u64,
+    /// Records found on storage from an earlier attempt and not redone.
+    pub resumed: u64,
+    /// Set when the batch stopped early, with the error class (e.g. `unauthorized`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
+}
+
+/// What `merge` reports.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MergeSummary {
+    pub trajectories: u64,
+    pub discarded: u64,
+    pub failed: u64,
+    /// Size of `trajectories.jsonl` in bytes.
+    pub bytes: u64,
+    /// Duplicate or torn lines that were skipped.
+    pub skipped_lines: u64,
+}
+
+/// An inclusive range of batch ids, for compact lists (`0-41,44`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchRange {
+    pub first: u32,
+    pub last: u32,
+}
+
+/// Compacts sorted, de-duplicated ids into ranges.
+pub fn compact_ranges(ids: impl IntoIterator<Item = u32>) -> Vec<BatchRange> {
+    let mut ranges: Vec<BatchRange> = Vec::new();
+    for id in ids {
+        match ranges.last_mut() {
+            Some(range) if range.last.checked_add(1) == Some(id) => range.last = id,
+            Some(range) if range.last >= id => {}
+            _ => ranges.push(BatchRange { first: id, last: id }),
+        }
+    }
+    ranges
+}
+
+/// Formats ranges the way Kubernetes formats `completedIndexes`: `0-41,44`.
+pub fn format_ranges(ranges: &[BatchRange]) -> String {
+    ranges
+        .iter()
+        .map(|range| {
+            if range.first == range.last {
+                range.first.to_string()
+            } else {
+                format!("{}-{}", range.first, range.last)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Parses `0-41,44` (Kubernetes' `completedIndexes` format) into ids.
+pub fn parse_ranges(text: &str) -> Result<Vec<u32>, String> {
+    let mut ids = Vec::new();
+    for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
+        let (first, last) = match part.split_once('-') {
+            Some((first, last)) => (first, last),
+            None => (part, part),
+        };
+        let first: u32 = first.parse().map_err(|_| format!("bad index range {part:?}"))?;
+        let last: u32 = last.parse().map_err(|_| format!("bad index range {part:?}"))?;
+        if first > last {
+            return Err(format!("bad index range {part:?}"));
+        }
+        ids.extend(first..=last);
+    }
+    Ok(ids)
+}
+
+/// Serialises a summary for the termination message, which Kubernetes caps at 4 KiB.
+pub fn termination_message<T: Serialize>(summary: &T) -> String {
+    let text = serde_json::to_string(summary).unwrap_or_else(|err| format!("{{\"error\":\"{err}\"}}"));
+    if text.len() <= TERMINATION_MESSAGE_LIMIT {
+        text
+    } else {
+        // A summary never legitimately grows this large; say so rather than write broken JSON.
+        format!("{{\"truncated\":true,\"bytes\":{}}}", text.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_round_trip_in_kubernetes_format() {
+        let ids = [0, 1, 2, 3, 5, 7, 8];
+        let ranges = compact_ranges(ids);
+        assert_eq!(format_ranges(&ranges), "0-3,5,7-8");
+        assert_eq!(parse_ranges("0-3,5,7-8").unwrap(), ids);
+        assert_eq!(parse_ranges("").unwrap(), Vec::<u32>::new());
+        assert!(parse_ranges("3-1").is_err());
+        assert!(parse_ranges("x").is_err());
+    }
+
+    #[test]
+    fn later_attempts_map_indexes_through_the_pending_list() {
+        let spec = serde_json::from_value(serde_json::json!({
+            "dataset": {"path": "d.jsonl"},
+            "model": {"baseUrl": "http://m/v1", "name": "m"},
+        }))
+        .unwrap();
+        let mut plan = RunPlan {
+            name: "r".into(),
+            namespace: "ns".into(),
+            uid: String::new(),
+            spec,
+            output_path: "runs/ns/r".into(),
+            batches: None,
+        };
+        assert_eq!(plan.batch_for_index(7), Some(7));
+        plan.batches = Some(vec![4, 9]);
+        assert_eq!(plan.batch_for_index(1), Some(9));
+        assert_eq!(plan.batch_for_index(2), None);
+    }
+}

@@ -1,0 +1,445 @@
+use std::fmt;
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
+
+use rand::Rng;
+use reqwest::header::{AUTHORIZATION, HeaderValue, RETRY_AFTER};
+use serde_json::{Map, Value};
+use tracing::{debug, warn};
+
+use super::types::{Completion, Message, ParseFailure, parse_completion};
+use super::{ErrorClass, ModelError, Verdict, classify_status, sse};
+use crate::spec::ModelSpec;
+
+/// The model API key. Its `Debug` and `Display` never show the value.
+#[derive(Clone)]
+pub struct ApiKey(String);
+
+impl fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ApiKey(<redacted>)")
+    }
+}
+
+impl ApiKey {
+    pub fn new(key: impl Into<String>) -> Self {
+        Self(key.into().trim().to_owned())
+    }
+
+    /// Finds the key: the contract's variable, then the variable the spec names, then the
+    /// contract's key file. `Ok(None)` when none is configured (local servers need no key).
+    /// A variable or file that is named but missing is an error naming it.
+    pub fn discover(spec_env: Option<&str>) -> Result<Option<Self>, String> {
+        use crate::plan::env;
+        if let Ok(key) = std::env::var(env::MODEL_API_KEY) {
+            if !key.trim().is_empty() {
+                return Ok(Some(Self::new(key)));
+            }
+        }
+        if let Some(name) = spec_env {
+            return match std::env::var(name) {
+                Ok(key) if !key.trim().is_empty() => Ok(Some(Self::new(key))),
+                _ => Err(format!(
+                    "spec.model.apiKeyEnv names the environment variable {name}, which is not set"
+                )),
+            };
+        }
+        if let Ok(path) = std::env::var(env::MODEL_API_KEY_FILE) {
+            return Self::from_file(Path::new(&path)).map(Some);
+        }
+        Ok(None)
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self, String> {
+        let key = std::fs::read_to_string(path)
+            .map_err(|err| format!("cannot read the API key file {}: {err}", path.display()))?;
+        if key.trim().is_empty() {
+            return Err(format!("the API key file {} is empty", path.display()));
+        }
+        Ok(Self::new(key))
+    }
+}
+
+/// Retry limits of one model call.
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    pub max_attempts: u32,
+    /// First backoff; doubles per attempt.
+    pub base_delay: Duration,
+    /// Cap of one backoff, and of a server's `Retry-After`.
+    pub max_delay: Duration,
+    /// Cap of all waiting within one call.
+    pub max_total_wait: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 6,
+            base_delay: Duration::from_secs(1),
+            max_delay: Duration::from_secs(60),
+            max_total_wait: Duration::from_secs(600),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Exponential backoff with "equal jitter": between half and all of the capped exponential.
+    fn backoff(&self, attempt: u32) -> Duration {
+        let exponential = self
+            .base_delay
+            .saturating_mul(1u32.checked_shl(attempt.saturating_sub(1)).unwrap_or(u32::MAX))
+            .min(self.max_delay);
+        let half = exponential / 2;
+        half + half.mul_f64(rand::rng().random::<f64>())
+    }
+}
+
+/// Everything that shapes a request, taken from the run spec.
+#[derive(Debug, Clone)]
+pub struct ModelSettings {
+    pub base_url: String,
+    pub model: String,
+    pub api_key: Option<ApiKey>,
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f64>,
+    /// Request-body fields for the reasoning settings, in the provider's convention.
+    pub reasoning_fields: Map<String, Value>,
+    pub extra_body: Map<String, Value>,
+    pub request_timeout: Duration,
+    pub stream: bool,
+    pub retry: RetryPolicy,
+}
+
+impl ModelSettings {
+    /// Settings from the spec, with the key found by [`ApiKey::discover`].
+    pub fn from_spec(spec: &ModelSpec, api_key: Option<ApiKey>) -> Result<Self, ModelError> {
+        let url = reqwest::Url::parse(&spec.base_url).map_err(|err| {
+            ModelError::Settings(format!("spec.model.baseUrl {:?} is not a URL: {err}", spec.base_url))
+        })?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(ModelError::Settings(format!(
+                "spec.model.baseUrl {:?} must be http:// or https://",
+                spec.base_url
+            )));
+        }
+        let extra_body = match &spec.extra_body {
+            None => Map::new(),
+            Some(Value::Object(map)) => map.clone(),
+            Some(other) => {
+                return Err(ModelError::Settings(format!(
+                    "spec.model.extraBody must be a JSON object, got {other}"
+                )));
+            }
+        };
+        Ok(Self {
+            base_url: spec.base_url.trim_end_matches('/').to_owned(),
+            model: spec.name.clone(),
+            api_key,
+            max_tokens: spec.max_tokens,
+            temperature: spec.temperature,
+            reasoning_fields: reasoning_fields(spec),
+            extra_body,
+            request_timeout: Duration::from_secs(spec.request_timeout_seconds),
+            stream: spec.stream,
+            retry: RetryPolicy { max_attempts: spec.max_attempts, ..RetryPolicy::default() },
+        })
+    }
+}
+
+/// OpenRouter takes a `reasoning` object; OpenAI-style servers take `reasoning_effort`.
+fn reasoning_fields(spec: &ModelSpec) -> Map<String, Value> {
+    let mut fields = Map::new();
+    let Some(reasoning) = &spec.reasoning else {
+        return fields;
+    };
+    let openrouter = spec.base_url.contains("openrouter");
+    if reasoning.disabled {
+        if openrouter {
+            fields.insert("reasoning".into(), serde_json::json!({"effort": "none"}));
+        } else {
+            fields.insert("reasoning_effort".into(), "none".into());
+        }
+    } else if let Some(effort) = &reasoning.effort {
+        if openrouter {
+            fields.insert("reasoning".into(), serde_json::json!({"enabled": true, "effort": effort}));
+        } else {
+            fields.insert("reasoning_effort".into(), effort.clone().into());
+        }
+    }
+    fields
+}
+
+/// A pooled client for one model endpoint.
+#[derive(Debug, Clone)]
+pub struct ModelClient {
+    http: reqwest::Client,
+    url: String,
+    authorization: Option<HeaderValue>,
+    settings: ModelSettings,
+}
+
+/// One failed attempt.
+pub(super) struct AttemptError {
+    verdict: Verdict,
+    status: u16,
+    message: String,
+}
+
+impl ModelClient {
+    pub fn new(settings: ModelSettings) -> Result<Self, ModelError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|err| ModelError::Settings(format!("cannot build the HTTP client: {err}")))?;
+        Self::with_http(http, settings)
+    }
+
+    /// Uses a given HTTP client (tests and benchmarks share one pool across clients).
+    pub fn with_http(http: reqwest::Client, settings: ModelSettings) -> Result<Self, ModelError> {
+        let authorization = match &settings.api_key {
+            None => None,
+            Some(ApiKey(key)) => {
+                let mut value = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
+                    ModelError::Settings("the API key contains characters not allowed in a header".into())
+                })?;
+                // Keeps the key out of any debug output of the request.
+                value.set_sensitive(true);
+                Some(value)
+            }
+        };
+        Ok(Self {
+            http,
+            url: format!("{}/chat/completions", settings.base_url),
+            authorization,
+            settings,
+        })
+    }
+
+    pub fn settings(&self) -> &ModelSettings {
+        &self.settings
+    }
+
+    /// The request body for one call.
+    pub fn request_body(&self, system: Option<&str>, messages: &[Message], tools: Option<&[Value]>) -> Value {
+        let settings = &self.settings;
+        let mut wire = Vec::with_capacity(messages.len() + 1);
+        if let Some(system) = system {
+            wire.push(Message::System(system.to_owned()).to_wire());
+        }
+        wire.extend(messages.iter().map(Message::to_wire));
+        let mut body = Map::new();
+        body.insert("model".into(), settings.model.clone().into());
+        body.insert("messages".into(), Value::Array(wire));
+        if let Some(tools) = tools.filter(|tools| !tools.is_empty()) {
+            body.insert("tools".into(), Value::Array(tools.to_vec()));
+            body.insert("tool_choice".into(), "auto".into());
+        }
+        if let Some(max_tokens) = settings.max_tokens {
+            body.insert("max_tokens".into(), max_tokens.into());
+        }
+        if let Some(temperature) = settings.temperature {
+            body.insert("temperature".into(), temperature.into());
+        }
+        if settings.stream {
+            body.insert("stream".into(), true.into());
+            body.insert("stream_options".into(), serde_json::json!({"include_usage": true}));
+        }
+        for (key, value) in settings.reasoning_fields.iter().chain(&settings.extra_body) {
+            body.insert(key.clone(), value.clone());
+        }
+        Value::Object(body)
+    }
+
+    /// One chat completion, with retries. `turn` numbers synthetic tool-call ids.
+    pub async fn complete(&self, body: &Value, turn: usize) -> Result<Completion, ModelError> {
+        let policy = &self.settings.retry;
+        let mut waited = Duration::ZERO;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let error = match self.attempt(body, turn).await {
+                Ok(completion) => return Ok(completion),
+                Err(error) => error,
+            };
+            let AttemptError { verdict, status, message } = error;
+            let (class, retry_after) = match verdict {
+                Verdict::Permanent(class) => return Err(ModelError::Permanent { class, status, message }),
+                Verdict::Reject(class) => return Err(ModelError::Rejected { class, status, message }),
+                Verdict::Retry { class, retry_after } => (class, retry_after),
+            };
+            let delay = retry_after.map_or_else(|| policy.backoff(attempt), |after| after.min(policy.max_delay));
+            if attempt >= policy.max_attempts || waited + delay > policy.max_total_wait {
+                return Err(ModelError::Exhausted { class, attempts: attempt, message });
+            }
+            warn!(attempt, %class, status, delay_ms = delay.as_millis(), "model call failed; retrying");
+            tokio::time::sleep(delay).await;
+            waited += delay;
+        }
+    }
+
+    async fn attempt(&self, body: &Value, turn: usize) -> Result<Completion, AttemptError> {
+        let started = Instant::now();
+        let mut request = self.http.post(&self.url).timeout(self.settings.request_timeout).json(body);
+        if let Some(authorization) = &self.authorization {
+            request = request.header(AUTHORIZATION, authorization.clone());
+        }
+        let response = request.send().await.map_err(transport_error)?;
+        let status = response.status();
+        if !status.is_success() {
+            let retry_after = response
+                .headers()
+                .get(RETRY_AFTER)
+                .and_then(|value| value.to_str().ok())
+                .and_then(parse_retry_after);
+            let text = response.text().await.unwrap_or_default();
+            return Err(AttemptError {
+                verdict: classify_status(status.as_u16(), &text, retry_after),
+                status: status.as_u16(),
+                message: truncate(&text, 500),
+            });
+        }
+        let parsed = if self.settings.stream {
+            sse::read_completion(response, turn).await?
+        } else {
+            let bytes = response.bytes().await.map_err(transport_error)?;
+            parse_completion(&bytes, turn)
+        };
+        debug!(elapsed_ms = started.elapsed().as_millis(), "model call answered");
+        parsed.map_err(|failure| parse_failure(failure, status.as_u16()))
+    }
+}
+
+/// Maps a transport error (no usable HTTP status) to a retry.
+pub(super) fn transport_error(error: reqwest::Error) -> AttemptError {
+    let class = if error.is_timeout() { ErrorClass::Timeout } else { ErrorClass::Connection };
+    AttemptError {
+        verdict: Verdict::Retry { class, retry_after: None },
+        status: 0,
+        message: error_chain(&error),
+    }
+}
+
+/// The error and its sources, so "connection reset" is not hidden behind "error sending request".
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}
+
+pub(super) fn parse_failure(failure: ParseFailure, status: u16) -> AttemptError {
+    let (class, message) = match failure {
+        ParseFailure::EmptyChoices => (ErrorClass::EmptyResponse, "response had no choices".to_owned()),
+        ParseFailure::Malformed(message) => (ErrorClass::MalformedResponse, message),
+    };
+    AttemptError { verdict: Verdict::Retry { class, retry_after: None }, status, message }
+}
+
+/// `Retry-After` is either delay-seconds or an HTTP-date.
+pub(crate) fn parse_retry_after(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<f64>() {
+        return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
+    }
+    let date = httpdate::parse_http_date(value).ok()?;
+    Some(date.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO))
+}
+
+fn truncate(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_accepts_seconds_and_http_dates() {
+        assert_eq!(parse_retry_after("3"), Some(Duration::from_secs(3)));
+        assert_eq!(parse_retry_after(" 0.5 "), Some(Duration::from_millis(500)));
+        let in_ten = SystemTime::now() + Duration::from_secs(10);
+        let parsed = parse_retry_after(&httpdate::fmt_http_date(in_ten)).unwrap();
+        assert!(parsed > Duration::from_secs(8) && parsed <= Duration::from_secs(10), "{parsed:?}");
+        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO));
+        assert_eq!(parse_retry_after("soon"), None);
+        assert_eq!(parse_retry_after("-1"), None);
+    }
+
+    #[test]
+    fn backoff_grows_is_capped_and_jittered() {
+        let policy = RetryPolicy {
+            base_delay: Duration::from_secs(1),
+            max_delay: Duration::from_secs(8),
+            ..RetryPolicy::default()
+        };
+        for attempt in 1..=10 {
+            let delay = policy.backoff(attempt);
+            let cap = Duration::from_secs(1 << (attempt - 1).min(3));
+            assert!(delay >= cap / 2 && delay <= cap, "attempt {attempt}: {delay:?}");
+        }
+    }
+
+    #[test]
+    fn api_key_never_shows_in_debug_output() {
+        let key = ApiKey::new("sk-very-secret");
+        assert!(!format!("{key:?}").contains("secret"));
+        let settings = ModelSettings {
+            base_url: "http://127.0.0.1:1/v1".into(),
+            model: "m".into(),
+            api_key: Some(key),
+            max_tokens: None,
+            temperature: None,
+            reasoning_fields: Map::new(),
+            extra_body: Map::new(),
+            request_timeout: Duration::from_secs(1),
+            stream: false,
+            retry: RetryPolicy::default(),
+        };
+        let client = ModelClient::new(settings).unwrap();
+        assert!(!format!("{client:?}").contains("secret"));
+    }
+
+    #[test]
+    fn request_body_merges_extra_body_verbatim_and_reasoning_by_provider() {
+        let spec: ModelSpec = serde_json::from_value(serde_json::json!({
+            "baseUrl": "https://openrouter.ai/api/v1", "name": "m", "maxTokens": 64,
+            "temperature": 0.0, "reasoning": {"effort": "high"},
+            "extraBody": {"provider": {"order": ["a"]}, "top_k": 5},
+        }))
+        .unwrap();
+        let client = ModelClient::new(ModelSettings::from_spec(&spec, None).unwrap()).unwrap();
+        let body = client.request_body(Some("sys"), &[Message::User("hi".into())], Some(&[serde_json::json!({"type": "function"})]));
+        assert_eq!(body["provider"], serde_json::json!({"order": ["a"]}));
+        assert_eq!(body["top_k"], 5);
+        assert_eq!(body["reasoning"], serde_json::json!({"enabled": true, "effort": "high"}));
+        assert_eq!(body["messages"][0]["role"], "system");
+        assert_eq!(body["tool_choice"], "auto");
+        assert_eq!(body["max_tokens"], 64);
+        let mut spec = spec;
+        spec.base_url = "http://vllm:8000/v1".into();
+        spec.reasoning = Some(crate::spec::ReasoningSpec { effort: Some("low".into()), disabled: true });
+        let client = ModelClient::new(ModelSettings::from_spec(&spec, None).unwrap()).unwrap();
+        assert_eq!(client.request_body(None, &[], None)["reasoning_effort"], "none");
+    }
+
+    #[test]
+    fn a_bad_base_url_is_refused_naming_the_field() {
+        let spec: ModelSpec =
+            serde_json::from_value(serde_json::json!({"baseUrl": "not a url", "name": "m"})).unwrap();
+        let error = ModelSettings::from_spec(&spec, None).unwrap_err().to_string();
+        assert!(error.contains("spec.model.baseUrl"), "{error}");
+    }
+}

@@ -1,0 +1,174 @@
+//! The OpenAI-compatible chat-completions client.
+//!
+//! One pooled [`ModelClient`] per process. Each [`ModelClient::complete`] call retries what a retry
+//! can fix (408, 429, 5xx, 529, timeouts, connection errors, empty or malformed replies) with
+//! jittered exponential backoff that honours `Retry-After`, within a bounded number of attempts and
+//! a bounded total wait. What a retry cannot fix is classified: prompt-level failures (400, 404,
+//! 422, context length) fail the prompt; configuration failures (401, 403, 402, exhausted quota)
+//! stop the batch, because every other prompt would fail the same way.
+
+mod client;
+mod sse;
+pub mod types;
+
+pub use client::{ApiKey, ModelClient, ModelSettings, RetryPolicy};
+pub use types::{AssistantMessage, Completion, Message, Reasoning, ReasoningShape, ToolCall, ToolMessage, Usage};
+
+use std::time::Duration;
+
+/// Why a model call failed, after retries.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A configuration error no retry fixes: stop the batch (exit code `PERMANENT_CONFIG`).
+    #[error("model server refused the configuration ({class}): HTTP {status}: {message}")]
+    Permanent { class: ErrorClass, status: u16, message: String },
+    /// This prompt cannot be completed (bad request, context too long, unknown model route).
+    #[error("model server rejected the request ({class}): HTTP {status}: {message}")]
+    Rejected { class: ErrorClass, status: u16, message: String },
+    /// Retryable failures went on past the attempt or wait budget.
+    #[error("model call failed after {attempts} attempts ({class}): {message}")]
+    Exhausted { class: ErrorClass, attempts: u32, message: String },
+    /// The settings cannot produce a request at all.
+    #[error("invalid model settings: {0}")]
+    Settings(String),
+}
+
+impl ModelError {
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            Self::Permanent { class, .. } | Self::Rejected { class, .. } | Self::Exhausted { class, .. } => {
+                *class
+            }
+            Self::Settings(_) => ErrorClass::InvalidSettings,
+        }
+    }
+
+    /// True when no other prompt can succeed either: the batch stops.
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, Self::Permanent { .. } | Self::Settings(_))
+    }
+}
+
+/// A short, stable label for an error, recorded per failed prompt and in statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ErrorClass {
+    Unauthorized,
+    Forbidden,
+    PaymentRequired,
+    QuotaExhausted,
+    BadRequest,
+    NotFound,
+    Unprocessable,
+    ContextLength,
+    RateLimited,
+    ServerError,
+    Timeout,
+    Connection,
+    EmptyResponse,
+    MalformedResponse,
+    HttpError,
+    InvalidSettings,
+}
+
+impl ErrorClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unauthorized => "unauthorized",
+            Self::Forbidden => "forbidden",
+            Self::PaymentRequired => "payment_required",
+            Self::QuotaExhausted => "quota_exhausted",
+            Self::BadRequest => "bad_request",
+            Self::NotFound => "not_found",
+            Self::Unprocessable => "unprocessable",
+            Self::ContextLength => "context_length",
+            Self::RateLimited => "rate_limited",
+            Self::ServerError => "server_error",
+            Self::Timeout => "timeout",
+            Self::Connection => "connection",
+            Self::EmptyResponse => "empty_response",
+            Self::MalformedResponse => "malformed_response",
+            Self::HttpError => "http_error",
+            Self::InvalidSettings => "invalid_settings",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How one HTTP outcome is handled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Try again after the backoff (or the server's `Retry-After`, when it sent one).
+    Retry { class: ErrorClass, retry_after: Option<Duration> },
+    /// Fail this prompt.
+    Reject(ErrorClass),
+    /// Stop the batch.
+    Permanent(ErrorClass),
+}
+
+/// Classifies an HTTP error status and its body.
+pub(crate) fn classify_status(status: u16, body: &str, retry_after: Option<Duration>) -> Verdict {
+    let lower = body.to_ascii_lowercase();
+    let mentions = |needles: &[&str]| needles.iter().any(|needle| lower.contains(needle));
+    match status {
+        401 => Verdict::Permanent(ErrorClass::Unauthorized),
+        403 => Verdict::Permanent(ErrorClass::Forbidden),
+        402 => Verdict::Permanent(ErrorClass::PaymentRequired),
+        429 if mentions(&["insufficient_quota", "quota exceeded", "exceeded your current quota", "credit"]) => {
+            Verdict::Permanent(ErrorClass::QuotaExhausted)
+        }
+        429 => Verdict::Retry { class: ErrorClass::RateLimited, retry_after },
+        408 => Verdict::Retry { class: ErrorClass::Timeout, retry_after },
+        500..=504 | 529 => Verdict::Retry { class: ErrorClass::ServerError, retry_after },
+        _ if mentions(&[
+            "context length",
+            "context_length",
+            "maximum context",
+            "context window",
+            "too many tokens",
+            "exceeds the available context",
+        ]) =>
+        {
+            Verdict::Reject(ErrorClass::ContextLength)
+        }
+        400 => Verdict::Reject(ErrorClass::BadRequest),
+        404 => Verdict::Reject(ErrorClass::NotFound),
+        422 => Verdict::Reject(ErrorClass::Unprocessable),
+        _ => Verdict::Reject(ErrorClass::HttpError),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_are_classified_as_the_contract_says() {
+        let after = Some(Duration::from_secs(2));
+        assert_eq!(classify_status(401, "", None), Verdict::Permanent(ErrorClass::Unauthorized));
+        assert_eq!(classify_status(403, "", None), Verdict::Permanent(ErrorClass::Forbidden));
+        assert_eq!(classify_status(402, "", None), Verdict::Permanent(ErrorClass::PaymentRequired));
+        assert_eq!(
+            classify_status(429, r#"{"error":{"code":"insufficient_quota"}}"#, None),
+            Verdict::Permanent(ErrorClass::QuotaExhausted)
+        );
+        assert_eq!(
+            classify_status(429, "slow down", after),
+            Verdict::Retry { class: ErrorClass::RateLimited, retry_after: after }
+        );
+        for status in [408, 500, 502, 503, 504, 529] {
+            assert!(matches!(classify_status(status, "", None), Verdict::Retry { .. }), "{status}");
+        }
+        assert_eq!(
+            classify_status(400, "This model's maximum context length is 4096 tokens", None),
+            Verdict::Reject(ErrorClass::ContextLength)
+        );
+        assert_eq!(classify_status(400, "bad", None), Verdict::Reject(ErrorClass::BadRequest));
+        assert_eq!(classify_status(404, "", None), Verdict::Reject(ErrorClass::NotFound));
+        assert_eq!(classify_status(422, "", None), Verdict::Reject(ErrorClass::Unprocessable));
+    }
+}

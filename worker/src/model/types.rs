@@ -1,0 +1,403 @@
+//! The conversation as the agent keeps it, and the tolerant parsing of what servers send back.
+//!
+//! "OpenAI-compatible" servers disagree in the details: `arguments` arrives as a JSON string, an
+//! object, `""`, double-encoded or HTML-escaped; tool-call ids go missing; reasoning comes in four
+//! shapes. Everything is normalised here so the agent loop and the output format see one shape.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// One message of the conversation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Message {
+    System(String),
+    User(String),
+    Assistant(AssistantMessage),
+    Tool(ToolMessage),
+}
+
+/// A model reply.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AssistantMessage {
+    /// Text content, as sent (inline `<think>` blocks stay in it).
+    pub content: String,
+    /// Reasoning the server returned outside the content.
+    pub reasoning: Option<Reasoning>,
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// Reasoning text and the shape it arrived in, so it can be sent back the way the provider expects.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reasoning {
+    pub text: String,
+    pub shape: ReasoningShape,
+}
+
+/// Where a server put its reasoning.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReasoningShape {
+    /// `message.reasoning` (DeepSeek, Qwen, vLLM's newer parsers).
+    Reasoning,
+    /// `message.reasoning_content` (vLLM, Moonshot).
+    ReasoningContent,
+    /// `message.reasoning_details` (OpenRouter); kept verbatim because it carries signatures.
+    Details(Value),
+}
+
+/// A tool call, normalised.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    /// The server's id, or one we made up when it sent none.
+    pub id: String,
+    pub name: String,
+    /// The arguments exactly as received (for sending back).
+    pub raw_arguments: String,
+    /// The parsed arguments object, or why they could not be parsed.
+    pub arguments: Result<Map<String, Value>, String>,
+}
+
+/// A tool result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolMessage {
+    pub tool_call_id: String,
+    pub name: String,
+    pub content: String,
+}
+
+/// Token counts of one call or a whole conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub reasoning_tokens: u64,
+}
+
+impl Usage {
+    pub fn add(&mut self, other: Self) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+        self.reasoning_tokens += other.reasoning_tokens;
+    }
+
+    pub(crate) fn from_json(usage: &Value) -> Self {
+        let count = |value: Option<&Value>| value.and_then(Value::as_u64).unwrap_or(0);
+        Self {
+            prompt_tokens: count(usage.get("prompt_tokens")),
+            completion_tokens: count(usage.get("completion_tokens")),
+            reasoning_tokens: count(
+                usage
+                    .get("completion_tokens_details")
+                    .and_then(|details| details.get("reasoning_tokens")),
+            ),
+        }
+    }
+}
+
+/// One parsed completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub message: AssistantMessage,
+    pub finish_reason: Option<String>,
+    pub usage: Usage,
+}
+
+impl Message {
+    /// The message as the chat-completions API expects it.
+    pub fn to_wire(&self) -> Value {
+        match self {
+            Self::System(content) => serde_json::json!({"role": "system", "content": content}),
+            Self::User(content) => serde_json::json!({"role": "user", "content": content}),
+            Self::Tool(tool) => serde_json::json!({
+                "role": "tool",
+                "tool_call_id": tool.tool_call_id,
+                "content": tool.content,
+            }),
+            Self::Assistant(message) => {
+                let mut wire = Map::new();
+                wire.insert("role".into(), "assistant".into());
+                // Always send `content`: some servers (llama.cpp among them) answer 500 to an
+                // assistant message that has tool calls but no content key.
+                wire.insert("content".into(), message.content.clone().into());
+                if !message.tool_calls.is_empty() {
+                    let calls = message
+                        .tool_calls
+                        .iter()
+                        .map(|call| {
+                            serde_json::json!({
+                                "id": call.id,
+                                "type": "function",
+                                "function": {"name": call.name, "arguments": call.raw_arguments},
+                            })
+                        })
+                        .collect();
+                    wire.insert("tool_calls".into(), Value::Array(calls));
+                }
+                if let Some(reasoning) = &message.reasoning {
+                    match &reasoning.shape {
+                        ReasoningShape::Reasoning => {
+                            wire.insert("reasoning".into(), reasoning.text.clone().into());
+                        }
+                        ReasoningShape::ReasoningContent => {
+                            wire.insert("reasoning_content".into(), reasoning.text.clone().into());
+                        }
+                        ReasoningShape::Details(details) => {
+                            wire.insert("reasoning_details".into(), details.clone());
+                        }
+                    }
+                }
+                Value::Object(wire)
+            }
+        }
+    }
+}
+
+/// Why a response body could not be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ParseFailure {
+    /// Not JSON, or JSON of the wrong shape.
+    Malformed(String),
+    /// Valid JSON with no choice in it (some servers do this under load).
+    EmptyChoices,
+}
+
+/// Parses a non-streaming chat-completions response body.
+pub fn parse_completion(body: &[u8], turn: usize) -> Result<Completion, ParseFailure> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|err| ParseFailure::Malformed(format!("response is not JSON: {err}")))?;
+    let choice = match value.get("choices") {
+        Some(Value::Array(choices)) if choices.is_empty() => return Err(ParseFailure::EmptyChoices),
+        Some(Value::Array(choices)) => &choices[0],
+        None | Some(Value::Null) => return Err(ParseFailure::EmptyChoices),
+        Some(other) => {
+            return Err(ParseFailure::Malformed(format!("`choices` is not an array: {other}")));
+        }
+    };
+    let message = choice
+        .get("message")
+        .ok_or_else(|| ParseFailure::Malformed("choice has no `message`".into()))?;
+    Ok(Completion {
+        message: parse_assistant(message, turn),
+        finish_reason: choice
+            .get("finish_reason")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        usage: value.get("usage").map(Usage::from_json).unwrap_or_default(),
+    })
+}
+
+/// Reads an assistant message in any of the shapes servers send.
+pub(crate) fn parse_assistant(message: &Value, turn: usize) -> AssistantMessage {
+    let content = content_text(message.get("content"));
+    let reasoning = parse_reasoning(message);
+    let tool_calls = match message.get("tool_calls") {
+        Some(Value::Array(calls)) => calls
+            .iter()
+            .filter(|call| call.is_object())
+            .enumerate()
+            .map(|(position, call)| {
+                let function = call.get("function").unwrap_or(call);
+                let name = function
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned();
+                let id = call
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .filter(|id| !id.is_empty())
+                    .map_or_else(|| synthetic_call_id(turn, position), str::to_owned);
+                tool_call(id, name, function.get("arguments"))
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    AssistantMessage { content, reasoning, tool_calls }
+}
+
+/// Builds a tool call from whatever `arguments` the server sent.
+pub(crate) fn tool_call(id: String, name: String, arguments: Option<&Value>) -> ToolCall {
+    let (raw_arguments, arguments) = match arguments {
+        None | Some(Value::Null) => ("{}".to_owned(), Ok(Map::new())),
+        Some(Value::Object(object)) => (Value::Object(object.clone()).to_string(), Ok(object.clone())),
+        Some(Value::String(text)) => (text.clone(), parse_arguments(text)),
+        Some(other) => (
+            other.to_string(),
+            Err(format!("arguments must be a JSON object, got {other}")),
+        ),
+    };
+    ToolCall { id, name, raw_arguments, arguments }
+}
+
+/// An id for a tool call that arrived without one; unique within the conversation.
+pub(crate) fn synthetic_call_id(turn: usize, position: usize) -> String {
+    format!("call_{turn}_{position}")
+}
+
+/// Parses an `arguments` string: `""` is `{}`, double-encoded JSON is unwrapped, and HTML-escaped
+/// JSON (`&quot;`) is unescaped, as small models produce all three.
+pub fn parse_arguments(text: &str) -> Result<Map<String, Value>, String> {
+    let trimmed = text.trim();
+    if trimmed.is_empty() {
+        return Ok(Map::new());
+    }
+    let first_error = match serde_json::from_str::<Value>(trimmed) {
+        Ok(Value::Object(object)) => return Ok(object),
+        Ok(Value::String(inner)) => match serde_json::from_str::<Value>(&inner) {
+            Ok(Value::Object(object)) => return Ok(object),
+            _ => format!("arguments are a JSON string, not an object: {inner:?}"),
+        },
+        Ok(other) => format!("arguments must be a JSON object, got {other}"),
+        Err(err) => format!("arguments are not valid JSON ({err})"),
+    };
+    if trimmed.contains('&') {
+        let unescaped = trimmed
+            .replace("&quot;", "\"")
+            .replace("&#34;", "\"")
+            .replace("&#39;", "'")
+            .replace("&lt;", "<")
+            .replace("&gt;", ">")
+            .replace("&amp;", "&");
+        if let Ok(Value::Object(object)) = serde_json::from_str::<Value>(&unescaped) {
+            return Ok(object);
+        }
+    }
+    Err(first_error)
+}
+
+/// Content may be a string, null, or a list of `{type: text, text}` parts.
+fn content_text(content: Option<&Value>) -> String {
+    match content {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|part| part.get("text").and_then(Value::as_str).or_else(|| part.as_str()))
+            .collect::<Vec<_>>()
+            .join(""),
+        _ => String::new(),
+    }
+}
+
+fn parse_reasoning(message: &Value) -> Option<Reasoning> {
+    let non_blank = |key: &str| {
+        message
+            .get(key)
+            .and_then(Value::as_str)
+            .filter(|text| !text.trim().is_empty())
+            .map(str::to_owned)
+    };
+    if let Some(Value::Array(details)) = message.get("reasoning_details") {
+        let text = details
+            .iter()
+            .filter_map(|detail| {
+                ["text", "summary", "content"]
+                    .iter()
+                    .find_map(|key| detail.get(*key).and_then(Value::as_str))
+            })
+            .filter(|text| !text.trim().is_empty())
+            .collect::<Vec<_>>()
+            .join("\n\n");
+        if !text.is_empty() {
+            return Some(Reasoning {
+                text,
+                shape: ReasoningShape::Details(Value::Array(details.clone())),
+            });
+        }
+    }
+    if let Some(text) = non_blank("reasoning_content") {
+        return Some(Reasoning { text, shape: ReasoningShape::ReasoningContent });
+    }
+    non_blank("reasoning").map(|text| Reasoning { text, shape: ReasoningShape::Reasoning })
+}
+
+/// The text of the first `<think>…</think>` block in content, if any and non-blank.
+pub fn inline_think(content: &str) -> Option<&str> {
+    let start = content.find("<think>")? + "<think>".len();
+    let end = content[start..].find("</think>").map_or(content.len(), |end| start + end);
+    let text = content[start..end].trim();
+    (!text.is_empty()).then_some(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn body(message: &Value) -> Vec<u8> {
+        json!({"choices": [{"message": message, "finish_reason": "stop"}],
+               "usage": {"prompt_tokens": 5, "completion_tokens": 7,
+                         "completion_tokens_details": {"reasoning_tokens": 3}}})
+        .to_string()
+        .into_bytes()
+    }
+
+    #[test]
+    fn arguments_are_accepted_in_every_tolerated_shape() {
+        let expected: Map<String, Value> = json!({"command": "ls"}).as_object().unwrap().clone();
+        for arguments in [
+            json!({"command": "ls"}),
+            json!("{\"command\": \"ls\"}"),
+            json!("\"{\\\"command\\\": \\\"ls\\\"}\""),
+            json!("{&quot;command&quot;: &quot;ls&quot;}"),
+        ] {
+            let message = json!({"tool_calls": [{"id": "a", "function": {"name": "terminal", "arguments": arguments}}]});
+            let completion = parse_completion(&body(&message), 0).unwrap();
+            assert_eq!(completion.message.tool_calls[0].arguments, Ok(expected.clone()), "{arguments}");
+        }
+        for empty in [json!(""), json!(null), json!("  ")] {
+            let message = json!({"tool_calls": [{"id": "a", "function": {"name": "t", "arguments": empty}}]});
+            let completion = parse_completion(&body(&message), 0).unwrap();
+            assert_eq!(completion.message.tool_calls[0].arguments, Ok(Map::new()));
+        }
+        let message = json!({"tool_calls": [{"id": "a", "function": {"name": "t", "arguments": "{oops"}}]});
+        let completion = parse_completion(&body(&message), 0).unwrap();
+        assert!(completion.message.tool_calls[0].arguments.is_err());
+    }
+
+    #[test]
+    fn missing_call_ids_are_made_up_uniquely() {
+        let message = json!({"content": null, "tool_calls": [
+            {"function": {"name": "a", "arguments": "{}"}},
+            {"id": "", "function": {"name": "b", "arguments": "{}"}},
+        ]});
+        let completion = parse_completion(&body(&message), 3).unwrap();
+        let ids: Vec<_> = completion.message.tool_calls.iter().map(|call| call.id.as_str()).collect();
+        assert_eq!(ids, ["call_3_0", "call_3_1"]);
+        assert_eq!(completion.message.content, "");
+    }
+
+    #[test]
+    fn reasoning_is_read_from_all_three_fields() {
+        let cases = [
+            (json!({"content": "x", "reasoning": "r1"}), "r1"),
+            (json!({"content": "x", "reasoning_content": "r2"}), "r2"),
+            (
+                json!({"content": "x", "reasoning_details": [{"type": "reasoning.text", "text": "r3"}, {"type": "reasoning.summary", "summary": "r4"}]}),
+                "r3\n\nr4",
+            ),
+        ];
+        for (message, expected) in cases {
+            let completion = parse_completion(&body(&message), 0).unwrap();
+            assert_eq!(completion.message.reasoning.unwrap().text, expected);
+        }
+        assert_eq!(inline_think("<think>\n r5 \n</think>answer"), Some("r5"));
+        assert_eq!(inline_think("<think>\n</think>answer"), None);
+    }
+
+    #[test]
+    fn reasoning_goes_back_in_the_shape_it_came() {
+        let details = json!([{"type": "reasoning.encrypted", "data": "sig", "text": "t"}]);
+        let message = json!({"content": "", "reasoning_details": details});
+        let completion = parse_completion(&body(&message), 0).unwrap();
+        let wire = Message::Assistant(completion.message).to_wire();
+        assert_eq!(wire["reasoning_details"], details);
+        assert_eq!(wire["content"], "");
+    }
+
+    #[test]
+    fn empty_and_malformed_bodies_are_told_apart() {
+        assert_eq!(parse_completion(br#"{"choices": []}"#, 0), Err(ParseFailure::EmptyChoices));
+        assert!(matches!(parse_completion(b"{\"choices\": [", 0), Err(ParseFailure::Malformed(_))));
+        let usage = parse_completion(&body(&json!({"content": "hi"})), 0).unwrap().usage;
+        assert_eq!(usage, Usage { prompt_tokens: 5, completion_tokens: 7, reasoning_tokens: 3 });
+    }
+}
