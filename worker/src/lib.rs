@@ -30,3 +30,13 @@ pub mod distribution;
 pub mod hermes;
 #[cfg(feature = "engine")]
 pub mod pyjson;
+#[cfg(feature = "scripted-server")]
+pub mod scripted_server;
+#[cfg(feature = "engine")]
+pub mod cli;
+#[cfg(feature = "engine")]
+pub mod dataset;
+#[cfg(feature = "engine")]
+pub mod run;
+#[cfg(feature = "engine")]
+pub mod storage;

@@ -264,6 +264,7 @@ impl ModelClient {
                 Err(error) => error,
             };
             let AttemptError { verdict, status, message } = error;
+            let message = self.redact(message);
             let (class, retry_after) = match verdict {
                 Verdict::Permanent(class) => return Err(ModelError::Permanent { class, status, message }),
                 Verdict::Reject(class) => return Err(ModelError::Rejected { class, status, message }),
@@ -276,6 +277,17 @@ impl ModelClient {
             warn!(attempt, %class, status, delay_ms = delay.as_millis(), "model call failed; retrying");
             tokio::time::sleep(delay).await;
             waited += delay;
+        }
+    }
+
+    /// Servers and proxies sometimes echo the key in an error body; it must not reach an error
+    /// message, which is logged and recorded with the failed prompt.
+    fn redact(&self, message: String) -> String {
+        match &self.settings.api_key {
+            Some(ApiKey(key)) if !key.is_empty() && message.contains(key.as_str()) => {
+                message.replace(key.as_str(), "<redacted>")
+            }
+            _ => message,
         }
     }
 
@@ -297,7 +309,7 @@ impl ModelClient {
             return Err(AttemptError {
                 verdict: classify_status(status.as_u16(), &text, retry_after),
                 status: status.as_u16(),
-                message: truncate(&text, 500),
+                message: truncate(&self.redact(text), 500),
             });
         }
         let parsed = if self.settings.stream {

@@ -25,7 +25,7 @@ use crate::spec::ToolsSpec;
 /// The future a tool handler returns.
 pub type ToolFuture<'a> = Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>>;
 
-/// What the model is told about a tool (the `function` of an OpenAI tool definition).
+/// What the model is told about a tool (the `function` of an `OpenAI` tool definition).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ToolSpec {
     pub name: String,
@@ -178,7 +178,10 @@ impl Workspace {
 
     /// Shows a resolved path to the model relative to the workspace root.
     pub fn display(&self, path: &Path) -> String {
-        path.strip_prefix(&self.root).unwrap_or(path).display().to_string()
+        path.strip_prefix(&self.root)
+            .unwrap_or(path)
+            .display()
+            .to_string()
     }
 }
 
@@ -302,19 +305,24 @@ pub(crate) fn string_arg<'a>(args: &'a Map<String, Value>, name: &str) -> Result
 
 /// Reads an optional non-negative integer argument (numbers given as strings are accepted, as
 /// small models often quote them).
-pub(crate) fn optional_u64_arg(args: &Map<String, Value>, name: &str) -> Result<Option<u64>, String> {
+pub(crate) fn optional_u64_arg(
+    args: &Map<String, Value>,
+    name: &str,
+) -> Result<Option<u64>, String> {
     match args.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(number)) => number
             .as_u64()
             .map(Some)
             .ok_or_else(|| format!("argument `{name}` must be a non-negative integer")),
-        Some(Value::String(text)) => text
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| format!("argument `{name}` must be a non-negative integer, got {text:?}")),
-        Some(other) => Err(format!("argument `{name}` must be a non-negative integer, got {other}")),
+        Some(Value::String(text)) => {
+            text.trim().parse().map(Some).map_err(|_| {
+                format!("argument `{name}` must be a non-negative integer, got {text:?}")
+            })
+        }
+        Some(other) => Err(format!(
+            "argument `{name}` must be a non-negative integer, got {other}"
+        )),
     }
 }
 
@@ -326,10 +334,22 @@ mod tests {
     fn workspace_refuses_absolute_and_climbing_paths() {
         let dir = tempfile::tempdir().unwrap();
         let workspace = Workspace::new(dir.path()).unwrap();
-        assert!(matches!(workspace.resolve("/etc/passwd"), Err(WorkspaceError::Absolute(_))));
-        assert!(matches!(workspace.resolve("../x"), Err(WorkspaceError::Escapes(_))));
-        assert!(matches!(workspace.resolve("a/../../x"), Err(WorkspaceError::Escapes(_))));
-        assert_eq!(workspace.resolve("a/../b").unwrap(), workspace.root().join("b"));
+        assert!(matches!(
+            workspace.resolve("/etc/passwd"),
+            Err(WorkspaceError::Absolute(_))
+        ));
+        assert!(matches!(
+            workspace.resolve("../x"),
+            Err(WorkspaceError::Escapes(_))
+        ));
+        assert!(matches!(
+            workspace.resolve("a/../../x"),
+            Err(WorkspaceError::Escapes(_))
+        ));
+        assert_eq!(
+            workspace.resolve("a/../b").unwrap(),
+            workspace.root().join("b")
+        );
     }
 
     #[test]
@@ -338,13 +358,22 @@ mod tests {
         let outside = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(outside.path(), dir.path().join("link")).unwrap();
         let workspace = Workspace::new(dir.path()).unwrap();
-        assert!(matches!(workspace.resolve("link/secret"), Err(WorkspaceError::Escapes(_))));
-        assert!(matches!(workspace.resolve("link"), Err(WorkspaceError::Escapes(_))));
+        assert!(matches!(
+            workspace.resolve("link/secret"),
+            Err(WorkspaceError::Escapes(_))
+        ));
+        assert!(matches!(
+            workspace.resolve("link"),
+            Err(WorkspaceError::Escapes(_))
+        ));
     }
 
     #[test]
     fn error_outcome_renders_as_error_object() {
-        assert_eq!(ToolOutcome::Err("boom".into()).into_content(), r#"{"error":"boom"}"#);
+        assert_eq!(
+            ToolOutcome::Err("boom".into()).into_content(),
+            r#"{"error":"boom"}"#
+        );
         assert_eq!(
             ToolOutcome::Ok(serde_json::json!({"a": 1})).into_content(),
             r#"{"a":1}"#

@@ -1,0 +1,272 @@
+//! The command line: `local`, `plan`, `batch`, `merge`, `prompt` and `distributions`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::Serialize;
+use tracing::error;
+
+use crate::plan::{env, exit, paths, termination_message};
+use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
+use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
+use crate::run::manifest::Manifest;
+use crate::run::{RunError, RunFile, RunLocation, load_plan, merge, plan};
+
+#[derive(Debug, Parser)]
+#[command(name = "trajectory-worker", version, about = "Generate tool-using agent trajectories")]
+pub struct Cli {
+    /// Log output format.
+    #[arg(long, env = env::LOG_FORMAT, value_enum, default_value_t = LogFormat::Pretty, global = true)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum LogFormat {
+    Json,
+    Pretty,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a whole run (plan, batches, merge) on this machine from a run file.
+    Local {
+        /// The TrajectoryRun YAML.
+        run_file: PathBuf,
+        /// Root the dataset and output paths are relative to (default: the run file's directory).
+        #[arg(long, env = env::STORAGE_ROOT)]
+        storage: Option<PathBuf>,
+        #[command(flatten)]
+        workspaces: WorkspaceArgs,
+        /// Print periodic progress lines instead of a progress bar.
+        #[arg(long)]
+        no_progress_bar: bool,
+    },
+    /// Validate the dataset and write the run's manifest.
+    Plan(RunArgs),
+    /// Generate one batch.
+    Batch {
+        #[command(flatten)]
+        run: RunArgs,
+        /// Job completion index; mapped to a batch id through the plan.
+        #[arg(long, env = env::JOB_COMPLETION_INDEX)]
+        index: Option<u32>,
+        /// Batch id (overrides --index).
+        batch: Option<u32>,
+        #[command(flatten)]
+        workspaces: WorkspaceArgs,
+    },
+    /// Merge the batches into trajectories.jsonl, failures.jsonl and statistics.json.
+    Merge(RunArgs),
+    /// Run one prompt end to end and print its record.
+    Prompt {
+        /// The TrajectoryRun YAML whose model and tools to use.
+        run_file: PathBuf,
+        /// The prompt.
+        prompt: String,
+        /// Toolsets to offer (default: drawn from the run's distribution for prompt 0).
+        #[arg(long, value_delimiter = ',')]
+        toolsets: Option<Vec<String>>,
+        #[command(flatten)]
+        workspaces: WorkspaceArgs,
+    },
+    /// List the built-in toolset distributions.
+    Distributions,
+}
+
+/// Where the run plan comes from.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The run plan JSON (in a pod, the mounted ConfigMap).
+    #[arg(long, env = env::PLAN_PATH, conflicts_with = "run_file")]
+    pub plan: Option<PathBuf>,
+    /// A run file instead of a plan (for running a step by hand).
+    #[arg(long)]
+    pub run_file: Option<PathBuf>,
+    /// Root of the storage volume.
+    #[arg(long, env = env::STORAGE_ROOT, default_value = paths::STORAGE_ROOT)]
+    pub storage_root: PathBuf,
+    /// Where the summary for the operator is written.
+    #[arg(long, env = env::TERMINATION_LOG)]
+    pub termination_log: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct WorkspaceArgs {
+    /// Directory for per-conversation tool workspaces.
+    #[arg(long, env = env::WORKSPACE_ROOT)]
+    pub workspace_root: Option<PathBuf>,
+}
+
+impl WorkspaceArgs {
+    fn root(&self) -> PathBuf {
+        self.workspace_root
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join("trajectory-workspaces"))
+    }
+}
+
+impl RunArgs {
+    fn location(&self) -> Result<RunLocation, RunError> {
+        let plan = match (&self.plan, &self.run_file) {
+            (Some(path), _) => load_plan(path)?,
+            (None, Some(path)) => RunFile::load(path)?.to_plan(),
+            (None, None) => {
+                return Err(RunError::Spec(format!(
+                    "no run plan: pass --plan (or set {}) or --run-file",
+                    env::PLAN_PATH
+                )));
+            }
+        };
+        Ok(RunLocation { storage_root: self.storage_root.clone(), plan })
+    }
+
+    /// Writes the summary (or the error) where the operator reads it.
+    fn report<T: Serialize>(&self, result: &Result<T, RunError>) {
+        let Some(path) = &self.termination_log else { return };
+        let message = match result {
+            Ok(summary) => termination_message(summary),
+            Err(error) => termination_message(&serde_json::json!({
+                "error": error.to_string(), "reason": error.reason(), "exitCode": error.exit_code(),
+            })),
+        };
+        if let Err(err) = std::fs::write(path, message) {
+            error!(path = %path.display(), %err, "cannot write the termination message");
+        }
+    }
+}
+
+/// Starts logging to stderr.
+pub fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Pretty => builder.compact().init(),
+    }
+}
+
+/// Triggers shutdown on SIGINT or SIGTERM.
+fn watch_signals(trigger: ShutdownTrigger) {
+    tokio::spawn(async move {
+        let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(err) => {
+                error!(%err, "cannot listen for SIGTERM");
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminate.recv() => {}
+        }
+        eprintln!("stopping: finishing in-flight conversations (send again to force)…");
+        trigger.trigger();
+        // A second signal ends the process at once; storage holds only whole lines either way.
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminate.recv() => {}
+        }
+        std::process::exit(exit::INTERRUPTED);
+    });
+}
+
+/// Runs the command and returns the process exit code.
+pub async fn run(cli: Cli) -> i32 {
+    let (trigger, shutdown) = shutdown_channel();
+    watch_signals(trigger);
+    let result = dispatch(cli.command, &shutdown).await;
+    match result {
+        Ok(()) => exit::OK,
+        Err(error) => {
+            error!(reason = error.reason(), "{error}");
+            eprintln!("error: {error}");
+            error.exit_code()
+        }
+    }
+}
+
+async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError> {
+    match command {
+        Command::Local { run_file, storage, workspaces, no_progress_bar } => {
+            let options = LocalOptions {
+                run_file,
+                storage,
+                workspace_root: workspaces.root(),
+                progress: if no_progress_bar { ProgressMode::Lines } else { ProgressMode::Auto },
+            };
+            let report = run_local(&options, shutdown).await?;
+            print!("{}", render_report(&report));
+            Ok(())
+        }
+        Command::Plan(args) => {
+            let location = args.location()?;
+            let result = tokio::task::spawn_blocking(move || plan::plan(&location))
+                .await
+                .map_err(|err| RunError::Internal(err.to_string()))
+                .and_then(|result| result.map(|(_, summary)| summary));
+            args.report(&result);
+            println!("{}", termination_message(&result?));
+            Ok(())
+        }
+        Command::Batch { run, index, batch, workspaces } => {
+            let result = batch_command(&run, index, batch, &workspaces, shutdown).await;
+            run.report(&result);
+            println!("{}", termination_message(&result?));
+            Ok(())
+        }
+        Command::Merge(args) => {
+            let location = args.location()?;
+            let result = tokio::task::spawn_blocking(move || merge::merge(&location))
+                .await
+                .map_err(|err| RunError::Internal(err.to_string()))
+                .and_then(|result| result);
+            args.report(&result);
+            println!("{}", termination_message(&result?));
+            Ok(())
+        }
+        Command::Prompt { run_file, prompt, toolsets, workspaces } => {
+            let record = crate::run::prompt::run_prompt(&run_file, &prompt, toolsets, workspaces.root()).await?;
+            println!("{}", serde_json::to_string_pretty(&record).unwrap_or_default());
+            Ok(())
+        }
+        Command::Distributions => {
+            for distribution in crate::distribution::builtin() {
+                println!("{:<16} {}", distribution.name, distribution.description);
+                let mut toolsets = distribution.toolsets.clone();
+                toolsets.sort_by(|a, b| b.1.total_cmp(&a.1));
+                for (toolset, percent) in toolsets {
+                    println!("    • {toolset:<15}: {percent}% chance");
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn batch_command(
+    run: &RunArgs,
+    index: Option<u32>,
+    batch: Option<u32>,
+    workspaces: &WorkspaceArgs,
+    shutdown: &Shutdown,
+) -> Result<crate::plan::BatchSummary, RunError> {
+    let location = run.location()?;
+    let batch = match (batch, index) {
+        (Some(batch), _) => batch,
+        (None, Some(index)) => location.plan.batch_for_index(index).ok_or_else(|| {
+            RunError::BadBatchInput(format!("completion index {index} has no batch in the run plan"))
+        })?,
+        (None, None) => {
+            return Err(RunError::Spec(format!(
+                "no batch: pass a batch id or set {}",
+                env::JOB_COMPLETION_INDEX
+            )));
+        }
+    };
+    let manifest = Manifest::require(&location.run_dir())?;
+    let engine = Engine::new(&location.plan.spec, workspaces.root())?;
+    run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await
+}

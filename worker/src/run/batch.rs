@@ -1,0 +1,489 @@
+//! `batch`: generate the records of one batch, resuming from what storage already holds.
+//!
+//! The batch's lines are read from their byte range in the dataset (checked against the plan's
+//! digest), every (prompt, sample) without a record is run with `concurrency` conversations in
+//! flight, and each finished conversation becomes one record line: a trajectory, a discarded
+//! record or a failed record. A single writer appends lines whole and fsyncs them (grouping the
+//! lines that arrive together). When every (prompt, sample) has a record, the `.done` marker is
+//! written atomically. A killed batch loses at most its in-flight conversations.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use tokio::sync::{mpsc, watch};
+use tracing::{Instrument, info, info_span, warn};
+
+use super::manifest::Manifest;
+use super::{RunError, RunLocation};
+use crate::agent::{AgentConfig, run_conversation};
+use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row};
+use crate::distribution::Distribution;
+use crate::hermes::{RecordContext, openai_record, reasoning_stats, timestamp, trajectory_record};
+use crate::model::{ApiKey, ModelClient, ModelSettings};
+use crate::plan::BatchSummary;
+use crate::spec::RunSpec;
+use crate::storage::{AppendLog, RunDir, StorageError, read_whole_lines, write_atomic};
+use crate::tools::{Registry, ToolContext, ToolLimits, ToolSpec, Workspace};
+
+/// What a process needs to run conversations, built once and shared by all batches.
+#[derive(Debug)]
+pub struct Engine {
+    pub client: ModelClient,
+    pub registry: Registry,
+    pub distribution: Distribution,
+    pub agent: AgentConfig,
+    pub limits: ToolLimits,
+    pub workspace_root: PathBuf,
+    pub keep_workspaces: bool,
+    pub require_reasoning: bool,
+    pub openai_format: bool,
+    pub seed: u64,
+    pub samples_per_prompt: u32,
+    pub concurrency: usize,
+    /// Time in-flight conversations get to finish after a shutdown request.
+    pub grace: Duration,
+}
+
+impl Engine {
+    /// Builds the engine from a spec, finding the API key by the contract's rules.
+    pub fn new(spec: &RunSpec, workspace_root: PathBuf) -> Result<Self, RunError> {
+        let api_key = ApiKey::discover(spec.model.api_key_env.as_deref()).map_err(RunError::Spec)?;
+        let settings = ModelSettings::from_spec(&spec.model, api_key).map_err(|err| RunError::Spec(err.to_string()))?;
+        Self::with_client(spec, workspace_root, ModelClient::new(settings).map_err(|err| RunError::Spec(err.to_string()))?)
+    }
+
+    /// Builds the engine around a given client.
+    pub fn with_client(spec: &RunSpec, workspace_root: PathBuf, client: ModelClient) -> Result<Self, RunError> {
+        let registry = Registry::builtin(&spec.tools);
+        let distribution =
+            Distribution::resolve(&spec.distribution, &registry).map_err(|err| RunError::Spec(err.to_string()))?;
+        std::fs::create_dir_all(&workspace_root)
+            .map_err(|err| StorageError::new("creating", &workspace_root, err))?;
+        Ok(Self {
+            client,
+            registry,
+            distribution,
+            agent: AgentConfig {
+                max_turns: spec.agent.max_turns,
+                prompt_timeout: Duration::from_secs(spec.agent.prompt_timeout_seconds),
+                ephemeral_system_prompt: spec.agent.ephemeral_system_prompt.clone(),
+            },
+            limits: ToolLimits {
+                command_timeout: Duration::from_secs(spec.tools.terminal.timeout_seconds),
+                max_output_bytes: usize::try_from(spec.tools.terminal.max_output_bytes).unwrap_or(usize::MAX),
+                ..ToolLimits::default()
+            },
+            workspace_root,
+            keep_workspaces: spec.tools.keep_workspaces,
+            require_reasoning: spec.filters.require_reasoning,
+            openai_format: spec.openai_format,
+            seed: spec.seed,
+            samples_per_prompt: spec.samples_per_prompt,
+            concurrency: usize::try_from(spec.concurrency).unwrap_or(1),
+            grace: Duration::from_secs(20),
+        })
+    }
+}
+
+/// Tells running batches to stop taking new work.
+#[derive(Debug, Clone)]
+pub struct Shutdown(watch::Receiver<bool>);
+
+/// The sending side of [`Shutdown`].
+#[derive(Debug)]
+pub struct ShutdownTrigger(watch::Sender<bool>);
+
+impl ShutdownTrigger {
+    pub fn trigger(&self) {
+        self.0.send_replace(true);
+    }
+}
+
+/// A trigger and its signal.
+pub fn shutdown_channel() -> (ShutdownTrigger, Shutdown) {
+    let (sender, receiver) = watch::channel(false);
+    (ShutdownTrigger(sender), Shutdown(receiver))
+}
+
+impl Shutdown {
+    pub fn is_triggered(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Resolves once shutdown was requested.
+    pub async fn wait(&self) {
+        let mut receiver = self.0.clone();
+        // An error means the trigger was dropped: nobody can ask any more, so never resolve.
+        if receiver.wait_for(|triggered| *triggered).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// The outcome of one (prompt, sample), for progress displays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Succeeded,
+    Discarded,
+    Failed,
+}
+
+/// The fields of a record line that bookkeeping needs.
+#[derive(Debug, Deserialize)]
+pub(crate) struct RecordKey {
+    pub prompt_index: u64,
+    #[serde(default)]
+    pub sample: u32,
+    #[serde(default)]
+    pub status: Option<String>,
+}
+
+/// The `.done` marker.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct DoneMarker {
+    batch: u32,
+    succeeded: u64,
+    discarded: u64,
+    failed: u64,
+    finished_at: String,
+}
+
+/// Runs one batch to completion (or until shutdown or a permanent error).
+pub async fn run_batch(
+    engine: &Engine,
+    location: &RunLocation,
+    manifest: &Manifest,
+    batch: u32,
+    shutdown: &Shutdown,
+    progress: &(dyn Fn(Outcome) + Send + Sync),
+) -> Result<BatchSummary, RunError> {
+    let span = info_span!("batch", run = %location.plan.name, batch);
+    run_batch_inner(engine, location, manifest, batch, shutdown, progress).instrument(span).await
+}
+
+async fn run_batch_inner(
+    engine: &Engine,
+    location: &RunLocation,
+    manifest: &Manifest,
+    batch: u32,
+    shutdown: &Shutdown,
+    progress: &(dyn Fn(Outcome) + Send + Sync),
+) -> Result<BatchSummary, RunError> {
+    let run_dir = location.run_dir();
+    let Some(layout) = manifest.batches.get(batch as usize) else {
+        return Err(RunError::BadBatchInput(format!(
+            "batch {batch} does not exist; the plan has {} batches",
+            manifest.batch_count()
+        )));
+    };
+    if let Ok(bytes) = std::fs::read(run_dir.batch_done(batch)) {
+        if let Ok(marker) = serde_json::from_slice::<DoneMarker>(&bytes) {
+            info!("batch already done");
+            return Ok(BatchSummary {
+                batch,
+                succeeded: marker.succeeded,
+                discarded: marker.discarded,
+                failed: marker.failed,
+                resumed: marker.succeeded + marker.discarded + marker.failed,
+                stopped: None,
+            });
+        }
+    }
+    let first_prompt = manifest.first_prompt(batch);
+    let rows = read_batch_rows(location, manifest, batch, layout)?;
+
+    let records_path = run_dir.batch_records(batch);
+    let main_log = AppendLog::open(&records_path)?;
+    let (existing, mut summary) = existing_records(&run_dir, batch)?;
+    summary.resumed = summary.succeeded + summary.discarded + summary.failed;
+    let openai_log = if engine.openai_format { Some(AppendLog::open(&run_dir.batch_openai_records(batch))?) } else { None };
+
+    let items: Vec<(u64, u32)> = (0..rows.len() as u64)
+        .flat_map(|offset| (0..engine.samples_per_prompt).map(move |sample| (first_prompt + offset, sample)))
+        .filter(|key| !existing.contains(key))
+        .collect();
+    info!(pending = items.len(), resumed = summary.resumed, "starting batch");
+
+    let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
+    let writer = tokio::task::spawn_blocking(move || write_lines(receiver, main_log, openai_log));
+    let stop = AtomicBool::new(false);
+    let mut permanent: Option<String> = None;
+    let context = BatchContext {
+        id_prefix: manifest.spec_hash.trim_start_matches("blake3:").chars().take(12).collect(),
+        batch,
+        catalog: &manifest.tool_catalog,
+        model: &location.plan.spec.model.name,
+    };
+    let rows = &rows;
+    let context = &context;
+    let mut results = futures::stream::iter(items)
+        .take_while(|_| std::future::ready(!shutdown.is_triggered() && !stop.load(Ordering::SeqCst)))
+        .map(|(prompt_index, sample)| async move {
+            let row = &rows[usize::try_from(prompt_index - first_prompt).unwrap_or(usize::MAX)];
+            let work = run_item(engine, context, row, prompt_index, sample);
+            tokio::select! {
+                result = work => Some(result),
+                () = async { shutdown.wait().await; tokio::time::sleep(engine.grace).await } => None,
+            }
+        })
+        .buffer_unordered(engine.concurrency.max(1));
+    while let Some(result) = results.next().await {
+        match result {
+            None => {}
+            Some(Item::Record { outcome, line, openai }) => {
+                match outcome {
+                    Outcome::Succeeded => summary.succeeded += 1,
+                    Outcome::Discarded => summary.discarded += 1,
+                    Outcome::Failed => summary.failed += 1,
+                }
+                if sender.send(Lines { main: line, openai }).is_err() {
+                    break;
+                }
+                progress(outcome);
+            }
+            Some(Item::Permanent(message)) => {
+                stop.store(true, Ordering::SeqCst);
+                permanent.get_or_insert(message);
+            }
+        }
+    }
+    drop(results);
+    drop(sender);
+    writer.await.map_err(|err| RunError::Internal(format!("record writer panicked: {err}")))??;
+
+    if let Some(message) = permanent {
+        return Err(RunError::ModelConfiguration(message));
+    }
+    if shutdown.is_triggered() {
+        return Err(RunError::Interrupted);
+    }
+    // Count from storage, the source of truth, rather than from this process's tally.
+    let (_, counted) = existing_records(&run_dir, batch)?;
+    let marker = DoneMarker {
+        batch,
+        succeeded: counted.succeeded,
+        discarded: counted.discarded,
+        failed: counted.failed,
+        finished_at: timestamp(chrono::Utc::now()),
+    };
+    let expected = rows.len() as u64 * u64::from(engine.samples_per_prompt);
+    if counted.succeeded + counted.discarded + counted.failed < expected {
+        return Err(RunError::Internal(format!(
+            "batch {batch} has {} records of {expected} after its run",
+            counted.succeeded + counted.discarded + counted.failed
+        )));
+    }
+    let marker_json = serde_json::to_vec(&marker).map_err(|err| RunError::Internal(err.to_string()))?;
+    write_atomic(&run_dir.batch_done(batch), &marker_json)?;
+    info!(succeeded = marker.succeeded, discarded = marker.discarded, failed = marker.failed, "batch done");
+    Ok(BatchSummary { batch, succeeded: marker.succeeded, discarded: marker.discarded, failed: marker.failed, resumed: summary.resumed, stopped: None })
+}
+
+/// Reads the batch's rows from its byte range and checks them against the plan.
+fn read_batch_rows(
+    location: &RunLocation,
+    manifest: &Manifest,
+    batch: u32,
+    layout: &super::manifest::BatchLayout,
+) -> Result<Vec<Row>, RunError> {
+    let path = location.dataset_path();
+    let bad = |message: String| RunError::BadBatchInput(format!("{}: {message}", path.display()));
+    let mut file = File::open(&path).map_err(|err| bad(format!("cannot open: {err}")))?;
+    file.seek(SeekFrom::Start(layout.start())).map_err(|err| bad(format!("cannot seek: {err}")))?;
+    let range = BufReader::new(file.take(layout.end() - layout.start()));
+    let mut reader = LineReader::new(range, MAX_LINE_BYTES);
+    let mut buffer = Vec::new();
+    let mut hasher = blake3::Hasher::new();
+    let mut rows = Vec::new();
+    let field = &location.plan.spec.dataset.prompt_field;
+    while let Some(info) = reader.next_line(&mut buffer, &mut |_| {}).map_err(|err| bad(format!("cannot read: {err}")))? {
+        if info.too_long {
+            continue;
+        }
+        if let Ok(row) = parse_row(&buffer, field) {
+            hasher.update(&buffer);
+            hasher.update(b"\n");
+            rows.push(row);
+        }
+    }
+    let digest = hasher.finalize().to_hex()[..32].to_owned();
+    let expected = manifest.prompts_in(batch);
+    if digest != layout.digest() || rows.len() as u64 != expected {
+        return Err(bad(format!(
+            "the dataset changed since the plan: batch {batch} has {} valid lines with digest {digest}, \
+             the plan recorded {expected} with digest {}",
+            rows.len(),
+            layout.digest()
+        )));
+    }
+    Ok(rows)
+}
+
+/// Keys of the records already on storage, and their counts by outcome.
+fn existing_records(run_dir: &RunDir, batch: u32) -> Result<(HashSet<(u64, u32)>, BatchSummary), RunError> {
+    let (data, lines) = read_whole_lines(&run_dir.batch_records(batch))?;
+    let mut keys = HashSet::with_capacity(lines.len());
+    let mut summary = BatchSummary { batch, ..BatchSummary::default() };
+    for (start, end) in lines {
+        let Ok(key) = serde_json::from_slice::<RecordKey>(&data[start..end]) else {
+            warn!(batch, offset = start, "skipping an unreadable record line");
+            continue;
+        };
+        if !keys.insert((key.prompt_index, key.sample)) {
+            continue;
+        }
+        match key.status.as_deref() {
+            None => summary.succeeded += 1,
+            Some("discarded") => summary.discarded += 1,
+            Some(_) => summary.failed += 1,
+        }
+    }
+    Ok((keys, summary))
+}
+
+struct BatchContext<'a> {
+    id_prefix: String,
+    batch: u32,
+    catalog: &'a [String],
+    model: &'a str,
+}
+
+enum Item {
+    Record { outcome: Outcome, line: Vec<u8>, openai: Option<Vec<u8>> },
+    Permanent(String),
+}
+
+struct Lines {
+    main: Vec<u8>,
+    openai: Option<Vec<u8>>,
+}
+
+/// The single writer: appends what arrived together with one write and one fsync per file.
+fn write_lines(
+    mut receiver: mpsc::UnboundedReceiver<Lines>,
+    mut main: AppendLog,
+    mut openai: Option<AppendLog>,
+) -> Result<(), RunError> {
+    while let Some(first) = receiver.blocking_recv() {
+        let mut group = vec![first];
+        while let Ok(more) = receiver.try_recv() {
+            group.push(more);
+        }
+        if let Some(log) = openai.as_mut() {
+            let lines: Vec<&[u8]> = group.iter().filter_map(|lines| lines.openai.as_deref()).collect();
+            if !lines.is_empty() {
+                log.append_lines(&lines)?;
+            }
+        }
+        // The main file is the source of truth, so it is written last.
+        let lines: Vec<&[u8]> = group.iter().map(|lines| lines.main.as_slice()).collect();
+        main.append_lines(&lines)?;
+    }
+    Ok(())
+}
+
+/// Runs one (prompt, sample) and renders its record line.
+async fn run_item(engine: &Engine, context: &BatchContext<'_>, row: &Row, prompt_index: u64, sample: u32) -> Item {
+    let id = format!("{}-{prompt_index}-{sample}", context.id_prefix);
+    let toolsets = engine.distribution.sample(engine.seed, prompt_index, sample);
+    let tools = engine.registry.tools_for(&toolsets);
+    let tools_offered: Vec<ToolSpec> = tools.iter().map(|tool| tool.spec().clone()).collect();
+    let started_at = chrono::Utc::now();
+    let workspace_dir = match tempfile::Builder::new()
+        .prefix(&format!("p{prompt_index}-s{sample}-"))
+        .tempdir_in(&engine.workspace_root)
+        .and_then(|dir| Workspace::new(dir.path()).map(|workspace| (dir, workspace)))
+    {
+        Ok(pair) => pair,
+        Err(err) => {
+            return failed_item(context, &id, prompt_index, sample, "workspace", &format!("cannot create a workspace: {err}"), started_at);
+        }
+    };
+    let (dir, workspace) = workspace_dir;
+    let tool_context = ToolContext { workspace, limits: engine.limits.clone() };
+    let span = info_span!("conversation", prompt_index, sample);
+    let result = run_conversation(&engine.client, &tools, &tool_context, &row.prompt, &engine.agent).instrument(span).await;
+    if engine.keep_workspaces {
+        let _kept = dir.keep();
+    }
+    let finished_at = chrono::Utc::now();
+    let conversation = match result {
+        Ok(conversation) => conversation,
+        Err(error) if error.is_permanent() => return Item::Permanent(error.to_string()),
+        Err(error) => {
+            return failed_item(context, &id, prompt_index, sample, error.class(), &error.to_string(), started_at);
+        }
+    };
+    if engine.require_reasoning && !reasoning_stats(&conversation.messages).has_any_reasoning() {
+        let record = serde_json::json!({
+            "prompt_index": prompt_index, "sample": sample, "id": id, "status": "discarded",
+            "filter": "require_reasoning", "batch_num": context.batch, "api_calls": conversation.api_calls,
+            "timestamp": timestamp(finished_at),
+        });
+        return Item::Record { outcome: Outcome::Discarded, line: crate::pyjson::to_string(&record).into_bytes(), openai: None };
+    }
+    let record_context = RecordContext {
+        id: &id,
+        prompt_index,
+        sample,
+        batch: context.batch,
+        model: context.model,
+        toolsets_used: &toolsets,
+        tools_offered: &tools_offered,
+        catalog: context.catalog,
+        started_at,
+        finished_at,
+        source: &row.source,
+    };
+    let line = crate::pyjson::to_string(&Value::Object(trajectory_record(&conversation, &record_context))).into_bytes();
+    let openai = engine
+        .openai_format
+        .then(|| serde_json::to_vec(&Value::Object(openai_record(&conversation, &record_context))).unwrap_or_default());
+    Item::Record { outcome: Outcome::Succeeded, line, openai }
+}
+
+fn failed_item(
+    context: &BatchContext<'_>,
+    id: &str,
+    prompt_index: u64,
+    sample: u32,
+    class: &str,
+    message: &str,
+    started_at: chrono::DateTime<chrono::Utc>,
+) -> Item {
+    let finished_at = chrono::Utc::now();
+    let mut record = Map::new();
+    record.insert("prompt_index".into(), prompt_index.into());
+    record.insert("sample".into(), sample.into());
+    record.insert("id".into(), id.into());
+    record.insert("status".into(), "failed".into());
+    record.insert("error_class".into(), class.into());
+    record.insert("error".into(), message.into());
+    record.insert("batch_num".into(), context.batch.into());
+    record.insert("duration_ms".into(), (finished_at - started_at).num_milliseconds().max(0).into());
+    record.insert("timestamp".into(), timestamp(finished_at).into());
+    warn!(prompt_index, sample, class, "prompt failed");
+    Item::Record { outcome: Outcome::Failed, line: crate::pyjson::to_string(&Value::Object(record)).into_bytes(), openai: None }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shutdown_is_observed_by_every_clone() {
+        let (trigger, shutdown) = shutdown_channel();
+        let clone = shutdown.clone();
+        assert!(!clone.is_triggered());
+        trigger.trigger();
+        assert!(shutdown.is_triggered() && clone.is_triggered());
+    }
+}

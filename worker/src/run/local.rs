@@ -1,0 +1,271 @@
+//! `local`: a whole run on one machine, from the same run file a user would `kubectl apply`.
+//!
+//! Plan, then up to `workers` batches at once (each with `concurrency` conversations in flight),
+//! then merge. Interrupted runs resume where they stopped when the same command runs again: the
+//! data on storage, not this process, says what is done.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use tracing::info;
+
+use super::batch::{Engine, Outcome, Shutdown, run_batch};
+use super::manifest::Manifest;
+use super::{RunError, RunFile, RunLocation, merge, plan};
+use crate::plan::{MergeSummary, PlanSummary};
+use crate::storage::read_whole_lines;
+
+/// How progress is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProgressMode {
+    /// A bar on a terminal, periodic log lines otherwise.
+    Auto,
+    /// Periodic log lines only.
+    Lines,
+}
+
+/// Options of a local run.
+#[derive(Debug, Clone)]
+pub struct LocalOptions {
+    pub run_file: PathBuf,
+    /// Root of "the storage volume"; defaults to the run file's directory.
+    pub storage: Option<PathBuf>,
+    pub workspace_root: PathBuf,
+    pub progress: ProgressMode,
+}
+
+/// What a finished local run reports.
+#[derive(Debug, Clone)]
+pub struct LocalReport {
+    pub run_dir: PathBuf,
+    pub plan: PlanSummary,
+    pub merge: MergeSummary,
+    pub elapsed: Duration,
+}
+
+/// Runs plan, every pending batch and merge.
+pub async fn run_local(options: &LocalOptions, shutdown: &Shutdown) -> Result<LocalReport, RunError> {
+    let started = Instant::now();
+    let run_file = RunFile::load(&options.run_file)?;
+    note_cluster_only_fields(&run_file);
+    let storage_root = match &options.storage {
+        Some(root) => root.clone(),
+        None => options.run_file.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf),
+    };
+    let location = RunLocation { storage_root, plan: run_file.to_plan() };
+    let plan_location = location.clone();
+    let (manifest, plan_summary) = tokio::task::spawn_blocking(move || plan::plan(&plan_location))
+        .await
+        .map_err(|err| RunError::Internal(err.to_string()))??;
+    let run_dir = location.run_dir();
+    eprintln!(
+        "planned {}: {} prompts ({} invalid lines), {} batches, {} already done",
+        run_dir.root().display(),
+        plan_summary.prompts,
+        plan_summary.invalid,
+        plan_summary.batches,
+        plan_summary.done.iter().map(|range| range.last - range.first + 1).sum::<u32>()
+    );
+
+    let engine = Engine::new(&location.plan.spec, options.workspace_root.clone())?;
+    let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
+    let pending: Vec<u32> = (0..manifest.batch_count()).filter(|batch| !done.contains(batch)).collect();
+    let total = manifest.dataset.prompts * u64::from(manifest.samples_per_prompt);
+    let already = records_on_storage(&location, &manifest)?;
+    let tracker = Arc::new(Tracker::new(total, already, options.progress));
+    let workers = usize::try_from(location.plan.spec.workers).unwrap_or(1).max(1);
+
+    let ticker = tracker.clone().start_ticker();
+    let progress_tracker = tracker.clone();
+    let progress = move |outcome: Outcome| progress_tracker.record(outcome);
+    let mut results = futures::stream::iter(pending)
+        .map(|batch| run_batch(&engine, &location, &manifest, batch, shutdown, &progress))
+        .buffer_unordered(workers);
+    let mut first_error = None;
+    while let Some(result) = results.next().await {
+        if let Err(error) = result {
+            // Interruption is reported once, after every batch has wound down.
+            if first_error.is_none() || matches!(first_error, Some(RunError::Interrupted)) {
+                first_error = Some(error);
+            }
+        }
+    }
+    drop(results);
+    ticker.abort();
+    tracker.finish();
+    if let Some(error) = first_error {
+        return Err(error);
+    }
+    if shutdown.is_triggered() {
+        return Err(RunError::Interrupted);
+    }
+    let merge_location = location.clone();
+    let merge_summary = tokio::task::spawn_blocking(move || merge::merge(&merge_location))
+        .await
+        .map_err(|err| RunError::Internal(err.to_string()))??;
+    Ok(LocalReport { run_dir: run_dir.root().to_path_buf(), plan: plan_summary, merge: merge_summary, elapsed: started.elapsed() })
+}
+
+fn note_cluster_only_fields(run_file: &RunFile) {
+    let spec = &run_file.spec;
+    let ignored: Vec<&str> = [
+        (spec.pod_template.is_some(), "podTemplate"),
+        (spec.queue_name.is_some(), "queueName"),
+        (spec.storage.volume.is_some(), "storage.volume"),
+        (spec.model.api_key_secret_ref.is_some(), "model.apiKeySecretRef"),
+    ]
+    .into_iter()
+    .filter_map(|(set, name)| set.then_some(name))
+    .collect();
+    if !ignored.is_empty() {
+        info!("local run: ignoring cluster-only fields: {}", ignored.join(", "));
+    }
+}
+
+/// Records already on storage, so a resumed run's progress starts where it stopped.
+fn records_on_storage(location: &RunLocation, manifest: &Manifest) -> Result<u64, RunError> {
+    let run_dir = location.run_dir();
+    let mut count = 0;
+    for batch in 0..manifest.batch_count() {
+        let path = run_dir.batch_records(batch);
+        if path.exists() {
+            count += read_whole_lines(&path)?.1.len() as u64;
+        }
+    }
+    Ok(count)
+}
+
+/// Progress: a bar on a terminal, log lines every few seconds otherwise.
+struct Tracker {
+    bar: Option<ProgressBar>,
+    total: u64,
+    done: AtomicU64,
+    failed: AtomicU64,
+    discarded: AtomicU64,
+    started: Instant,
+    initial: u64,
+}
+
+impl Tracker {
+    fn new(total: u64, initial: u64, mode: ProgressMode) -> Self {
+        let bar = (mode == ProgressMode::Auto && std::io::stderr().is_terminal()).then(|| {
+            let bar = ProgressBar::new(total);
+            // The template is a constant known to be valid.
+            let style = ProgressStyle::with_template(
+                "{spinner} {bar:40} {pos}/{len} prompts • {per_sec} • ETA {eta} • {msg}",
+            )
+            .expect("constant progress template is valid");
+            bar.set_style(style);
+            bar.set_position(initial);
+            bar.reset_eta();
+            bar.enable_steady_tick(Duration::from_millis(200));
+            bar
+        });
+        Self {
+            bar,
+            total,
+            done: AtomicU64::new(initial),
+            failed: AtomicU64::new(0),
+            discarded: AtomicU64::new(0),
+            started: Instant::now(),
+            initial,
+        }
+    }
+
+    fn record(&self, outcome: Outcome) {
+        self.done.fetch_add(1, Ordering::Relaxed);
+        match outcome {
+            Outcome::Failed => {
+                self.failed.fetch_add(1, Ordering::Relaxed);
+            }
+            Outcome::Discarded => {
+                self.discarded.fetch_add(1, Ordering::Relaxed);
+            }
+            Outcome::Succeeded => {}
+        }
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+            bar.set_message(format!(
+                "{} failed, {} discarded",
+                self.failed.load(Ordering::Relaxed),
+                self.discarded.load(Ordering::Relaxed)
+            ));
+        }
+    }
+
+    fn line(&self) -> String {
+        let done = self.done.load(Ordering::Relaxed);
+        let elapsed = self.started.elapsed().as_secs_f64().max(1e-3);
+        let rate = (done - self.initial) as f64 / elapsed;
+        let eta = if rate > 0.0 { format!("{:.0}s", (self.total - done.min(self.total)) as f64 / rate) } else { "?".into() };
+        format!(
+            "progress: {done}/{} prompts, {rate:.2}/s, ETA {eta}, {} failed, {} discarded",
+            self.total,
+            self.failed.load(Ordering::Relaxed),
+            self.discarded.load(Ordering::Relaxed)
+        )
+    }
+
+    fn start_ticker(self: Arc<Self>) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            if self.bar.is_some() {
+                return;
+            }
+            let mut interval = tokio::time::interval(Duration::from_secs(10));
+            interval.tick().await;
+            loop {
+                interval.tick().await;
+                eprintln!("{}", self.line());
+            }
+        })
+    }
+
+    fn finish(&self) {
+        match &self.bar {
+            Some(bar) => bar.finish_and_clear(),
+            None => eprintln!("{}", self.line()),
+        }
+    }
+}
+
+/// The end-of-run summary table.
+pub fn render_report(report: &LocalReport) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let merge = &report.merge;
+    let _ = writeln!(out, "\nRUN COMPLETE in {:.1}s", report.elapsed.as_secs_f64());
+    let _ = writeln!(out, "  prompts        {:>8}   (invalid lines: {})", report.plan.prompts, report.plan.invalid);
+    let _ = writeln!(out, "  trajectories   {:>8}", merge.trajectories);
+    let _ = writeln!(out, "  discarded      {:>8}", merge.discarded);
+    let _ = writeln!(out, "  failed         {:>8}", merge.failed);
+    let statistics = std::fs::read(report.run_dir.join("statistics.json"))
+        .ok()
+        .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok());
+    if let Some(tools) = statistics.as_ref().and_then(|s| s.get("tool_statistics")).and_then(|t| t.as_object()) {
+        if tools.is_empty() {
+            let _ = writeln!(out, "\n  No tool calls were made.");
+        } else {
+            let _ = writeln!(out, "\n  {:<16} {:>7} {:>8} {:>8} {:>8}", "tool", "count", "success", "failure", "rate");
+            for (name, counts) in tools {
+                let _ = writeln!(
+                    out,
+                    "  {:<16} {:>7} {:>8} {:>8} {:>7.1}%",
+                    name,
+                    counts["count"],
+                    counts["success"],
+                    counts["failure"],
+                    counts["success_rate"].as_f64().unwrap_or(0.0)
+                );
+            }
+        }
+    }
+    let _ = writeln!(out, "\n  trajectories: {}", report.run_dir.join("trajectories.jsonl").display());
+    let _ = writeln!(out, "  failures:     {}", report.run_dir.join("failures.jsonl").display());
+    let _ = writeln!(out, "  statistics:   {}", report.run_dir.join("statistics.json").display());
+    out
+}

@@ -1,0 +1,168 @@
+//! The run modes: `plan`, `batch`, `merge`, and `local` (all three on one machine).
+//!
+//! Each mode reads the run plan (or a run file), works on the run's directory on storage, and
+//! reports a summary. Errors carry the exit code of the worker contract ([`crate::plan::exit`]).
+
+pub mod batch;
+pub mod local;
+pub mod manifest;
+pub mod merge;
+pub mod plan;
+pub mod prompt;
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::plan::{RunPlan, exit};
+use crate::spec::RunSpec;
+use crate::storage::StorageError;
+
+/// Why a run mode stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    /// The spec or run file is wrong; the message names the file and field.
+    #[error("{0}")]
+    Spec(String),
+    /// The dataset cannot be used at all (missing, unreadable, no valid line).
+    #[error("invalid dataset: {0}")]
+    InvalidDataset(String),
+    /// The output directory belongs to another dataset or spec.
+    #[error("{0}")]
+    OutputMismatch(String),
+    /// The batch's input is not what the plan recorded.
+    #[error("bad batch input: {0}")]
+    BadBatchInput(String),
+    /// The model server refused the configuration; every prompt would fail.
+    #[error("stopped: {0}")]
+    ModelConfiguration(String),
+    /// Stopped by a signal after leaving storage consistent.
+    #[error("interrupted; run the same command again to resume")]
+    Interrupted,
+    /// A batch task failed unexpectedly.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl RunError {
+    /// The process exit code for this error, per the worker contract.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::Spec(_) | Self::InvalidDataset(_) | Self::OutputMismatch(_) | Self::ModelConfiguration(_) => {
+                exit::PERMANENT_CONFIG
+            }
+            Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
+            Self::Interrupted => exit::INTERRUPTED,
+            Self::Storage(_) | Self::Internal(_) => exit::TRANSIENT,
+        }
+    }
+
+    /// A PascalCase reason for the operator's status.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Storage(_) => "StorageError",
+            Self::Spec(_) => "InvalidSpec",
+            Self::InvalidDataset(_) => "InvalidDataset",
+            Self::OutputMismatch(_) => "OutputMismatch",
+            Self::BadBatchInput(_) => "BadBatchInput",
+            Self::ModelConfiguration(_) => "ModelUnauthorized",
+            Self::Interrupted => "Interrupted",
+            Self::Internal(_) => "InternalError",
+        }
+    }
+}
+
+/// A run file: the same YAML a user would `kubectl apply`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunFile {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: RunFileMetadata,
+    pub spec: RunSpec,
+}
+
+/// The part of `metadata` a local run uses.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RunFileMetadata {
+    pub name: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+}
+
+/// The namespace local runs use when the run file names none.
+pub const LOCAL_NAMESPACE: &str = "local";
+
+impl RunFile {
+    /// Reads and validates a run file; errors name the file and the field.
+    pub fn load(path: &Path) -> Result<Self, RunError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|err| RunError::Spec(format!("cannot read run file {}: {err}", path.display())))?;
+        let file: Self = serde_yaml::from_str(&text).map_err(|err| {
+            let place = err
+                .location()
+                .map(|location| format!(":{}:{}", location.line(), location.column()))
+                .unwrap_or_default();
+            RunError::Spec(format!("{}{place}: {err}", path.display()))
+        })?;
+        if file.kind != "TrajectoryRun" {
+            return Err(RunError::Spec(format!(
+                "{}: kind is {:?}, expected \"TrajectoryRun\"",
+                path.display(),
+                file.kind
+            )));
+        }
+        let violations = file.spec.validate();
+        if !violations.is_empty() {
+            let list: Vec<String> = violations.iter().map(ToString::to_string).collect();
+            return Err(RunError::Spec(format!("{}: {}", path.display(), list.join("; "))));
+        }
+        Ok(file)
+    }
+
+    /// The run plan this file stands for.
+    pub fn to_plan(&self) -> RunPlan {
+        let namespace = self.metadata.namespace.clone().unwrap_or_else(|| LOCAL_NAMESPACE.to_owned());
+        RunPlan {
+            output_path: self.spec.output_path(&namespace, &self.metadata.name),
+            name: self.metadata.name.clone(),
+            namespace,
+            uid: String::new(),
+            spec: self.spec.clone(),
+            batches: None,
+        }
+    }
+}
+
+/// Reads a run plan JSON (the mounted ConfigMap in a pod).
+pub fn load_plan(path: &Path) -> Result<RunPlan, RunError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|err| RunError::Spec(format!("cannot read run plan {}: {err}", path.display())))?;
+    let plan: RunPlan = serde_json::from_str(&text)
+        .map_err(|err| RunError::Spec(format!("{}: invalid run plan: {err}", path.display())))?;
+    let violations = plan.spec.validate();
+    if !violations.is_empty() {
+        let list: Vec<String> = violations.iter().map(ToString::to_string).collect();
+        return Err(RunError::Spec(format!("{}: {}", path.display(), list.join("; "))));
+    }
+    Ok(plan)
+}
+
+/// Where a run's files live: the storage root and the plan.
+#[derive(Debug, Clone)]
+pub struct RunLocation {
+    pub storage_root: PathBuf,
+    pub plan: RunPlan,
+}
+
+impl RunLocation {
+    pub fn run_dir(&self) -> crate::storage::RunDir {
+        crate::storage::RunDir::new(self.storage_root.join(&self.plan.output_path))
+    }
+
+    pub fn dataset_path(&self) -> PathBuf {
+        self.storage_root.join(&self.plan.spec.dataset.path)
+    }
+}
