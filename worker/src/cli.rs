@@ -42,6 +42,9 @@ pub enum Command {
         /// Print periodic progress lines instead of a progress bar.
         #[arg(long)]
         no_progress_bar: bool,
+        /// Use this model server instead of the run file's `spec.model.baseUrl`.
+        #[arg(long, env = "TRAJ_MODEL_BASE_URL")]
+        base_url: Option<String>,
     },
     /// Validate the dataset and write the run's manifest.
     Plan(RunArgs),
@@ -190,10 +193,11 @@ pub async fn run(cli: Cli) -> i32 {
 
 async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError> {
     match command {
-        Command::Local { run_file, storage, workspaces, no_progress_bar } => {
+        Command::Local { run_file, storage, workspaces, no_progress_bar, base_url } => {
             let options = LocalOptions {
                 run_file,
                 storage,
+                base_url,
                 workspace_root: workspaces.root(),
                 progress: if no_progress_bar { ProgressMode::Lines } else { ProgressMode::Auto },
             };

@@ -244,7 +244,7 @@ mod tests {
         assert_eq!(draws, PINNED_DRAWS);
     }
 
-    const PINNED_DRAWS: [&str; 6] = ["", "", "", "", "", ""];
+    const PINNED_DRAWS: [&str; 6] = ["file+terminal", "file+terminal", "file+terminal", "file", "file", "file"];
 
     proptest! {
         #[test]

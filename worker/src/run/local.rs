@@ -35,6 +35,8 @@ pub struct LocalOptions {
     pub run_file: PathBuf,
     /// Root of "the storage volume"; defaults to the run file's directory.
     pub storage: Option<PathBuf>,
+    /// Overrides `spec.model.baseUrl` (an operational field: it does not change the spec hash).
+    pub base_url: Option<String>,
     pub workspace_root: PathBuf,
     pub progress: ProgressMode,
 }
@@ -51,7 +53,10 @@ pub struct LocalReport {
 /// Runs plan, every pending batch and merge.
 pub async fn run_local(options: &LocalOptions, shutdown: &Shutdown) -> Result<LocalReport, RunError> {
     let started = Instant::now();
-    let run_file = RunFile::load(&options.run_file)?;
+    let mut run_file = RunFile::load(&options.run_file)?;
+    if let Some(base_url) = &options.base_url {
+        run_file.spec.model.base_url.clone_from(base_url);
+    }
     note_cluster_only_fields(&run_file);
     let storage_root = match &options.storage {
         Some(root) => root.clone(),

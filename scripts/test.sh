@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh machine or a warm one: formatting and lints, then every test
+# of the workspace with the real components they need running — a llama.cpp model server
+# (scripts/model-server) and a Kubernetes control plane built from source (scripts/cluster).
+# Both are installed or built into caches outside the repository on first use, started here,
+# and stopped at the end whatever happens.
+#
+# Usage: scripts/test.sh [extra cargo test args]
+set -euo pipefail
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "${REPO_ROOT}"
+
+step() { printf '\n==> %s (%(%H:%M:%S)T)\n' "$1" -1 >&2; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy"
+cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
+
+step "build the tests"
+cargo test --workspace --all-features --no-run --quiet
+
+step "model server: install (cached)"
+scripts/model-server/install.sh
+
+step "control plane: build (cached)"
+scripts/cluster/build.sh
+
+step "run the tests with a model server and a control plane"
+scripts/model-server/with-model-server.sh \
+  scripts/cluster/with-cluster.sh \
+  cargo test --workspace --all-features -- "$@"
