@@ -50,7 +50,25 @@ struct Row {
     concurrency: usize,
     conversations: usize,
     elapsed: Duration,
-    cpu: Duration,
+    cpu: Cpu,
+    /// Model-call time as the client saw it, summed over all calls.
+    model_time: Duration,
+}
+
+#[derive(Clone, Copy)]
+struct Cpu {
+    user: Duration,
+    system: Duration,
+}
+
+impl Cpu {
+    fn total(self) -> Duration {
+        self.user + self.system
+    }
+
+    fn since(self, before: Self) -> Self {
+        Self { user: self.user - before.user, system: self.system - before.system }
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -81,7 +99,8 @@ fn main() -> anyhow::Result<()> {
     let rows = runtime.block_on(async {
         let mut rows = Vec::new();
         for &concurrency in &concurrencies {
-            let conversations = (rounds * concurrency).max(200);
+            // Whole rounds of C, so the last round is not a partial one that the ideal ignores.
+            let conversations = (rounds * concurrency).max(200).div_ceil(concurrency) * concurrency;
             rows.push(measure(&base_url, concurrency, conversations).await?);
         }
         anyhow::Ok(rows)
@@ -129,6 +148,7 @@ async fn measure(base_url: &str, concurrency: usize, conversations: usize) -> an
         async move {
             let permits = Arc::new(Semaphore::new(concurrency));
             let mut tasks = JoinSet::new();
+            let mut model_time = Duration::ZERO;
             for index in 0..count {
                 let permit = permits.clone().acquire_owned().await?;
                 let (client, ctx, tools, config) = (client.clone(), ctx.clone(), tools.clone(), config.clone());
@@ -142,41 +162,57 @@ async fn measure(base_url: &str, concurrency: usize, conversations: usize) -> an
             while let Some(done) = tasks.join_next().await {
                 let conversation = done??;
                 ensure!(conversation.completed && conversation.api_calls == 2, "unexpected conversation shape");
+                model_time += conversation.model_time;
             }
-            anyhow::Ok(())
+            anyhow::Ok(model_time)
         }
     };
     run(concurrency).await.context("warm-up")?;
     let cpu_before = cpu_time(UsageWho::RUSAGE_SELF)?;
     let started = Instant::now();
-    run(conversations).await?;
+    let model_time = run(conversations).await?;
     let elapsed = started.elapsed();
-    let cpu = cpu_time(UsageWho::RUSAGE_SELF)? - cpu_before;
-    Ok(Row { concurrency, conversations, elapsed, cpu })
+    let cpu = cpu_time(UsageWho::RUSAGE_SELF)?.since(cpu_before);
+    Ok(Row { concurrency, conversations, elapsed, cpu, model_time })
 }
 
-fn report(rows: &[Row], latency: Duration, server_cpu: Duration) {
+fn report(rows: &[Row], latency: Duration, server_cpu: Cpu) {
     let ideal = |row: &Row| row.concurrency as f64 / (2.0 * latency.as_secs_f64());
-    println!("latency {} ms per call, 2 calls per conversation; client in this process, server in a child", latency.as_millis());
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    println!(
+        "latency {} ms per call, 2 calls per conversation; client in this process, server in a child; {cores} CPUs",
+        latency.as_millis()
+    );
     println!();
-    println!("| C | conversations | elapsed s | throughput conv/s | ideal C/(2×latency) | ratio | client CPU s / trajectory |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| C | conversations | elapsed s | throughput conv/s | ideal C/(2×latency) | ratio \
+         | client CPU s / trajectory (user + sys) | mean call as seen by the client ms |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     for row in rows {
         let throughput = row.conversations as f64 / row.elapsed.as_secs_f64();
+        let per = |time: Duration| time.as_secs_f64() / row.conversations as f64;
         println!(
-            "| {} | {} | {:.3} | {:.1} | {:.1} | {:.3} | {:.6} |",
+            "| {} | {} | {:.3} | {:.1} | {:.1} | {:.3} | {:.6} ({:.6} + {:.6}) | {:.1} |",
             row.concurrency,
             row.conversations,
             row.elapsed.as_secs_f64(),
             throughput,
             ideal(row),
             throughput / ideal(row),
-            row.cpu.as_secs_f64() / row.conversations as f64,
+            per(row.cpu.total()),
+            per(row.cpu.user),
+            per(row.cpu.system),
+            per(row.model_time) * 1000.0 / 2.0,
         );
     }
     println!();
     println!("targets: ratio >= 0.95; client CPU <= 0.007 s per trajectory");
-    println!("server process CPU over the whole run (all C, warm-ups included): {:.2} s", server_cpu.as_secs_f64());
+    println!(
+        "server process CPU over the whole run (all C, warm-ups included): {:.2} s user + {:.2} s sys",
+        server_cpu.user.as_secs_f64(),
+        server_cpu.system.as_secs_f64()
+    );
 }
 
 /// The server process: serve until the parent closes stdin.
@@ -208,10 +244,10 @@ fn raise_open_files_limit(concurrency: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn cpu_time(who: UsageWho) -> anyhow::Result<Duration> {
+fn cpu_time(who: UsageWho) -> anyhow::Result<Cpu> {
     let usage = getrusage(who)?;
-    let micros = (usage.user_time() + usage.system_time()).num_microseconds();
-    Ok(Duration::from_micros(u64::try_from(micros)?))
+    let duration = |time: nix::sys::time::TimeVal| u64::try_from(time.num_microseconds()).map(Duration::from_micros);
+    Ok(Cpu { user: duration(usage.user_time())?, system: duration(usage.system_time())? })
 }
 
 fn env_number(name: &str, default: u64) -> anyhow::Result<u64> {

@@ -12,7 +12,7 @@ use futures::future::join_all;
 use serde_json::Value;
 use tracing::{debug, info_span, Instrument};
 
-use crate::model::{AssistantMessage, Message, ModelClient, ModelError, ToolCall, ToolMessage, Usage};
+use crate::model::{AssistantMessage, ErrorClass, Message, ModelClient, ModelError, ToolCall, ToolMessage, Usage};
 use crate::tools::{Tool, ToolContext, ToolOutcome};
 
 /// The user message that asks for a final answer once the turn budget is spent.
@@ -64,6 +64,13 @@ impl ConversationError {
 
     pub fn is_permanent(&self) -> bool {
         matches!(self, Self::Model(error) if error.is_permanent())
+    }
+
+    /// The server could not be reached at all, after retries. Recording that as the prompt's
+    /// failure would let a dead server burn through the whole dataset, so the batch stops instead
+    /// and the prompt is retried when the batch is.
+    pub fn is_server_unreachable(&self) -> bool {
+        matches!(self, Self::Model(ModelError::Exhausted { class: ErrorClass::Connection, .. }))
     }
 }
 

@@ -25,6 +25,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::Response;
+use axum::serve::ListenerExt;
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
@@ -163,6 +164,11 @@ impl ScriptedServer {
             .expect("a test server can bind 127.0.0.1:0");
         let listener = socket.listen(4096).expect("a test server can listen");
         let address = listener.local_addr().expect("a bound socket has an address");
+        // As real servers do: without it, Nagle's algorithm and delayed ACKs add up to 40 ms to
+        // some replies, which the benchmark would blame on the client.
+        let listener = listener.tap_io(|stream| {
+            let _ = stream.set_nodelay(true);
+        });
         let task = tokio::spawn(async move {
             // Serving only fails when accepting fails for good; the test then sees refused connections.
             let _ = axum::serve(listener, app).await;

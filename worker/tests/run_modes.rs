@@ -320,3 +320,17 @@ impl Lcg {
         self.0 >> 33
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_model_server_stops_the_batch_without_burning_prompts() {
+    // Nothing listens on the discard port: every connection is refused.
+    let fixture = RunFixture::new("http://127.0.0.1:9/v1", 6).with("/model/maxAttempts", json!(2));
+    let (manifest, _) = plan::plan(&fixture.location()).unwrap();
+    let error = run_batch(&fixture.engine(), &fixture.location(), &manifest, 0, &no_shutdown(), &|_| {})
+        .await
+        .unwrap_err();
+    assert!(matches!(error, RunError::ModelUnavailable(_)), "{error}");
+    assert_eq!(error.exit_code(), exit::TRANSIENT);
+    let records = std::fs::read_to_string(fixture.out().join("batches/batch-000000.jsonl")).unwrap_or_default();
+    assert_eq!(records, "", "no prompt may be recorded as failed because the server was down");
+}

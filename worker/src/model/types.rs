@@ -215,7 +215,7 @@ pub(crate) fn parse_assistant(message: &Value, turn: usize) -> AssistantMessage 
 }
 
 /// Builds a tool call from whatever `arguments` the server sent.
-pub(crate) fn tool_call(id: String, name: String, arguments: Option<&Value>) -> ToolCall {
+pub fn tool_call(id: String, name: String, arguments: Option<&Value>) -> ToolCall {
     let (raw_arguments, arguments) = match arguments {
         None | Some(Value::Null) => ("{}".to_owned(), Ok(Map::new())),
         Some(Value::Object(object)) => (Value::Object(object.clone()).to_string(), Ok(object.clone())),

@@ -215,7 +215,7 @@ async fn run_batch_inner(
     let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
     let writer = tokio::task::spawn_blocking(move || write_lines(receiver, main_log, openai_log));
     let stop = AtomicBool::new(false);
-    let mut permanent: Option<String> = None;
+    let mut permanent: Option<RunError> = None;
     let context = BatchContext {
         id_prefix: manifest.spec_hash.trim_start_matches("blake3:").chars().take(12).collect(),
         batch,
@@ -249,9 +249,12 @@ async fn run_batch_inner(
                 }
                 progress(outcome);
             }
-            Some(Item::Permanent(message)) => {
+            Some(Item::Stop(error)) => {
                 stop.store(true, Ordering::SeqCst);
-                permanent.get_or_insert(message);
+                // A configuration error outranks an unreachable server.
+                if permanent.as_ref().is_none_or(|first| matches!(first, RunError::ModelUnavailable(_))) {
+                    permanent = Some(error);
+                }
             }
         }
     }
@@ -259,8 +262,8 @@ async fn run_batch_inner(
     drop(sender);
     writer.await.map_err(|err| RunError::Internal(format!("record writer panicked: {err}")))??;
 
-    if let Some(message) = permanent {
-        return Err(RunError::ModelConfiguration(message));
+    if let Some(error) = permanent {
+        return Err(error);
     }
     if shutdown.is_triggered() {
         return Err(RunError::Interrupted);
@@ -358,7 +361,8 @@ struct BatchContext<'a> {
 
 enum Item {
     Record { outcome: Outcome, line: Vec<u8>, openai: Option<Vec<u8>> },
-    Permanent(String),
+    /// Stop the batch: no other prompt can succeed now.
+    Stop(RunError),
 }
 
 struct Lines {
@@ -417,7 +421,10 @@ async fn run_item(engine: &Engine, context: &BatchContext<'_>, row: &Row, prompt
     let finished_at = chrono::Utc::now();
     let conversation = match result {
         Ok(conversation) => conversation,
-        Err(error) if error.is_permanent() => return Item::Permanent(error.to_string()),
+        Err(error) if error.is_permanent() => return Item::Stop(RunError::ModelConfiguration(error.to_string())),
+        Err(error) if error.is_server_unreachable() => {
+            return Item::Stop(RunError::ModelUnavailable(error.to_string()));
+        }
         Err(error) => {
             return failed_item(context, &id, prompt_index, sample, error.class(), &error.to_string(), started_at);
         }

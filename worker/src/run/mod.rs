@@ -38,6 +38,9 @@ pub enum RunError {
     /// The model server refused the configuration; every prompt would fail.
     #[error("stopped: {0}")]
     ModelConfiguration(String),
+    /// The model server could not be reached; nothing was recorded for the prompts it stopped.
+    #[error("model server unreachable; the affected prompts were not recorded and are retried on resume: {0}")]
+    ModelUnavailable(String),
     /// Stopped by a signal after leaving storage consistent.
     #[error("interrupted; run the same command again to resume")]
     Interrupted,
@@ -55,7 +58,7 @@ impl RunError {
             }
             Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
             Self::Interrupted => exit::INTERRUPTED,
-            Self::Storage(_) | Self::Internal(_) => exit::TRANSIENT,
+            Self::Storage(_) | Self::Internal(_) | Self::ModelUnavailable(_) => exit::TRANSIENT,
         }
     }
 
@@ -68,6 +71,7 @@ impl RunError {
             Self::OutputMismatch(_) => "OutputMismatch",
             Self::BadBatchInput(_) => "BadBatchInput",
             Self::ModelConfiguration(_) => "ModelUnauthorized",
+            Self::ModelUnavailable(_) => "ModelUnavailable",
             Self::Interrupted => "Interrupted",
             Self::Internal(_) => "InternalError",
         }

@@ -1,0 +1,175 @@
+//! Golden tests of the Hermes conversion: records in the reference's exact shape (reference
+//! sections 7.2 and 11), compared byte for byte.
+
+use std::time::Duration;
+
+use chrono::TimeZone;
+use serde_json::{Map, Value, json};
+use trajectory_worker::agent::Conversation;
+use trajectory_worker::hermes::{RecordContext, system_turn, trajectory_record};
+use trajectory_worker::model::types::{parse_arguments, tool_call};
+use trajectory_worker::model::{AssistantMessage, Message, Reasoning, ReasoningShape, ToolMessage, Usage};
+use trajectory_worker::tools::ToolSpec;
+
+fn terminal_spec() -> ToolSpec {
+    ToolSpec {
+        name: "terminal".into(),
+        description: "Run a shell command".into(),
+        parameters: json!({"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}),
+    }
+}
+
+fn read_file_spec() -> ToolSpec {
+    ToolSpec { name: "read_file".into(), description: "Read a file".into(), parameters: json!({"type": "object"}) }
+}
+
+fn call(id: &str, name: &str, arguments: &str) -> trajectory_worker::model::ToolCall {
+    let mut call = tool_call(id.into(), name.into(), Some(&Value::String(arguments.into())));
+    call.arguments = parse_arguments(arguments);
+    call
+}
+
+fn conversation() -> Conversation {
+    Conversation {
+        messages: vec![
+            Message::User("Which Python is installed? Also show notes.txt.".into()),
+            // A multi-tool turn with reasoning returned separately.
+            Message::Assistant(AssistantMessage {
+                content: "Checking both.".into(),
+                reasoning: Some(Reasoning { text: "I should run python3 and read the file.".into(), shape: ReasoningShape::ReasoningContent }),
+                tool_calls: vec![
+                    call("call_1", "terminal", r#"{"command": "python3 --version"}"#),
+                    call("call_2", "read_file", r#"{"path": "notes.txt"}"#),
+                ],
+            }),
+            Message::Tool(ToolMessage {
+                tool_call_id: "call_1".into(),
+                name: "terminal".into(),
+                content: r#"{"output": "Python 3.11.6", "exit_code": 0, "error": null}"#.into(),
+            }),
+            Message::Tool(ToolMessage {
+                tool_call_id: "call_2".into(),
+                name: "read_file".into(),
+                content: r#"{"error": "file not found: notes.txt"}"#.into(),
+            }),
+            // An empty-reasoning final turn, with non-ASCII text.
+            Message::Assistant(AssistantMessage { content: "Python 3.11.6 — no notes.".into(), reasoning: None, tool_calls: vec![] }),
+        ],
+        api_calls: 2,
+        completed: true,
+        partial: false,
+        usage: Usage { prompt_tokens: 100, completion_tokens: 20, reasoning_tokens: 5 },
+        model_time: Duration::from_millis(900),
+    }
+}
+
+#[test]
+fn system_turn_is_the_hermes_template_with_python_json() {
+    let system = system_turn(&[terminal_spec()]);
+    let expected_tools = r#"[{"name": "terminal", "description": "Run a shell command", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}, "required": null}]"#;
+    assert!(system.starts_with("You are a function calling AI model. You are provided with function signatures within <tools> </tools> XML tags."));
+    assert!(system.contains(&format!("Here are the available tools:\n<tools>\n{expected_tools}\n</tools>\nFor each function call return a JSON object")));
+    assert!(system.ends_with("Example:\n<tool_call>\n{'name': <function-name>,'arguments': <args-dict>}\n</tool_call>"));
+    assert!(system_turn(&[]).contains("<tools>\n[]\n</tools>"));
+}
+
+#[test]
+fn a_conversation_becomes_the_reference_record_byte_for_byte() {
+    let source: Map<String, Value> = json!({"id": "q1"}).as_object().unwrap().clone();
+    let tools = [terminal_spec(), read_file_spec()];
+    let catalog = ["terminal".to_owned(), "read_file".to_owned(), "write_file".to_owned()];
+    let toolsets = ["terminal".to_owned(), "file".to_owned()];
+    let started = chrono::Utc.with_ymd_and_hms(2026, 3, 5, 14, 2, 10).unwrap();
+    let context = RecordContext {
+        id: "abc-42-0",
+        prompt_index: 42,
+        sample: 0,
+        batch: 4,
+        model: "hermes-test",
+        toolsets_used: &toolsets,
+        tools_offered: &tools,
+        catalog: &catalog,
+        started_at: started,
+        finished_at: started + chrono::Duration::milliseconds(1532),
+        source: &source,
+    };
+    let record = trajectory_record(&conversation(), &context);
+    let line = trajectory_worker::pyjson::to_string(&Value::Object(record.clone()));
+
+    let turns = record["conversations"].as_array().unwrap();
+    assert_eq!(turns[1], json!({"from": "human", "value": "Which Python is installed? Also show notes.txt."}));
+    assert_eq!(
+        turns[2]["value"],
+        "<think>\nI should run python3 and read the file.\n</think>\nChecking both.\n<tool_call>\n{\"name\": \"terminal\", \"arguments\": {\"command\": \"python3 --version\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"notes.txt\"}}\n</tool_call>"
+    );
+    assert_eq!(turns[3]["from"], "tool");
+    assert_eq!(
+        turns[3]["value"],
+        "<tool_response>\n{\"tool_call_id\": \"call_1\", \"name\": \"terminal\", \"content\": {\"output\": \"Python 3.11.6\", \"exit_code\": 0, \"error\": null}}\n</tool_response>\n<tool_response>\n{\"tool_call_id\": \"call_2\", \"name\": \"read_file\", \"content\": {\"error\": \"file not found: notes.txt\"}}\n</tool_response>"
+    );
+    assert_eq!(turns[4], json!({"from": "gpt", "value": "<think>\n</think>\nPython 3.11.6 — no notes."}));
+    assert_eq!(turns.len(), 5);
+
+    // The line after the conversations, exactly as Python's json.dumps writes it.
+    let tail = &line[line.find("], \"metadata\"").unwrap() + 3..];
+    assert_eq!(
+        tail,
+        concat!(
+            r#""metadata": {"batch_num": 4, "timestamp": "2026-03-05T14:02:11.532000Z", "model": "hermes-test"}, "#,
+            r#""completed": true, "partial": false, "api_calls": 2, "toolsets_used": ["terminal", "file"], "#,
+            r#""tool_stats": {"terminal": {"count": 1, "success": 1, "failure": 0}, "read_file": {"count": 1, "success": 0, "failure": 1}, "write_file": {"count": 0, "success": 0, "failure": 0}}, "#,
+            r#""tool_error_counts": {"terminal": 0, "read_file": 1, "write_file": 0}, "#,
+            r#""id": "abc-42-0", "sample": 0, "tools_offered": ["terminal", "read_file"], "#,
+            r#""usage": {"prompt_tokens": 100, "completion_tokens": 20, "reasoning_tokens": 5, "total_tokens": 120}, "#,
+            r#""reasoning_stats": {"total_assistant_turns": 2, "turns_with_reasoning": 1, "turns_without_reasoning": 1}, "#,
+            r#""duration_ms": 1532, "model_time_ms": 900, "started_at": "2026-03-05T14:02:10.000000Z", "#,
+            r#""finished_at": "2026-03-05T14:02:11.532000Z", "source": {"id": "q1"}}"#
+        )
+    );
+    assert!(line.starts_with(r#"{"prompt_index": 42, "conversations": [{"from": "system", "value": "You are a function calling AI model."#));
+    assert!(line.contains("— no notes."), "non-ASCII stays UTF-8");
+}
+
+#[test]
+fn inline_think_and_scratchpads_are_kept_and_unparsable_arguments_become_empty_objects() {
+    let conversation = Conversation {
+        messages: vec![
+            Message::User("q".into()),
+            Message::Assistant(AssistantMessage {
+                content: "<REASONING_SCRATCHPAD>plan</REASONING_SCRATCHPAD>".into(),
+                reasoning: None,
+                tool_calls: vec![call("c", "terminal", "{not json")],
+            }),
+            Message::Tool(ToolMessage { tool_call_id: "c".into(), name: "terminal".into(), content: "Error: invalid arguments".into() }),
+            Message::Assistant(AssistantMessage { content: "<think>inline</think>\nanswer ".into(), reasoning: None, tool_calls: vec![] }),
+        ],
+        api_calls: 2,
+        completed: true,
+        partial: false,
+        usage: Usage::default(),
+        model_time: Duration::ZERO,
+    };
+    let turns = trajectory_worker::hermes::sharegpt(&conversation, &[terminal_spec()]);
+    assert_eq!(turns[2]["value"], "<think>plan</think>\n<tool_call>\n{\"name\": \"terminal\", \"arguments\": {}}\n</tool_call>");
+    assert_eq!(
+        turns[3]["value"],
+        "<tool_response>\n{\"tool_call_id\": \"c\", \"name\": \"terminal\", \"content\": \"Error: invalid arguments\"}\n</tool_response>"
+    );
+    assert_eq!(turns[4]["value"], "<think>inline</think>\nanswer");
+    let stats = trajectory_worker::hermes::reasoning_stats(&conversation.messages);
+    assert_eq!((stats.total_assistant_turns, stats.turns_with_reasoning), (2, 2));
+}
+
+#[test]
+fn tool_failures_are_classified_by_the_reference_rules() {
+    use trajectory_worker::hermes::is_tool_failure;
+    assert!(is_tool_failure(r#"{"error": "x"}"#));
+    assert!(!is_tool_failure(r#"{"error": null, "output": "ok"}"#));
+    assert!(is_tool_failure(r#"{"content": {"error": "inner"}}"#));
+    assert!(is_tool_failure(r#"{"success": false}"#));
+    assert!(!is_tool_failure(r#"{"exit_code": 1, "error": null}"#), "non-zero exit is not a failure");
+    assert!(!is_tool_failure("[1, 2]"));
+    assert!(is_tool_failure(""));
+    assert!(is_tool_failure("  Error: nope"));
+    assert!(!is_tool_failure("an error occurred somewhere"), "no substring matching");
+}
