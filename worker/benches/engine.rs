@@ -9,25 +9,35 @@
 //! The server is the scripted test server in fixed-latency mode, run in a child process (this
 //! binary re-executed with `ENGINE_BENCH_SERVER` set), so `getrusage(RUSAGE_SELF)` of this process
 //! counts the client alone. Each conversation is two model calls: a tool call of a no-op tool, then
-//! a final answer. For each concurrency C, C conversations warm the connection pool, then N =
-//! max(ROUNDS × C, 200) conversations are timed. Knobs (environment): `ENGINE_BENCH_LATENCY_MS`
-//! (100), `ENGINE_BENCH_CONCURRENCY` ("16,256,1000"), `ENGINE_BENCH_ROUNDS` (4).
+//! a final answer. For each concurrency C a semaphore keeps C conversations in flight; after 2 × C
+//! warm-up conversations, the next N = max(ROUNDS × C, 200) completions are timed (wall clock and
+//! this process's CPU), so neither the start nor the drain at the end is counted.
+//!
+//! Each C runs twice: with the first C conversations spread over one conversation's duration
+//! (`staggered`, the steady state of a real batch, whose prompts take different times) and all
+//! started at once (`lockstep`: against a fixed latency they then stay in step, so C requests
+//! arrive together and C replies return together — a worst case for a machine with few cores).
+//!
+//! Knobs (environment): `ENGINE_BENCH_LATENCY_MS` (100), `ENGINE_BENCH_CONCURRENCY`
+//! ("16,256,1000"), `ENGINE_BENCH_ROUNDS` (4), `ENGINE_BENCH_START` ("staggered,lockstep").
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use nix::sys::resource::{Resource, UsageWho, getrlimit, getrusage, setrlimit};
-use nix::sys::time::TimeValLike;
+use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 use trajectory_worker::agent::{AgentConfig, run_conversation};
-use trajectory_worker::model::{ModelClient, RetryPolicy};
-use trajectory_worker::scripted_server::{FixedLatency, ScriptedServer};
-use trajectory_worker::tools::{Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace};
+use trajectory_worker::model::{ModelClient, ModelSettings, RetryPolicy};
+use trajectory_worker::scripted_server::{FixedLatency, MODEL, ScriptedServer};
+use trajectory_worker::tools::{
+    Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace,
+};
 
 const SERVER_ENV: &str = "ENGINE_BENCH_SERVER";
 const TOOL: &str = "noop";
@@ -46,16 +56,23 @@ impl Tool for Noop {
     }
 }
 
-struct Row {
-    concurrency: usize,
-    conversations: usize,
-    elapsed: Duration,
-    cpu: Cpu,
-    /// Model-call time as the client saw it, summed over all calls.
-    model_time: Duration,
+/// How the first C conversations start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    Staggered,
+    Lockstep,
 }
 
-#[derive(Clone, Copy)]
+impl Start {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Staggered => "staggered",
+            Self::Lockstep => "lockstep",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
 struct Cpu {
     user: Duration,
     system: Duration,
@@ -67,8 +84,43 @@ impl Cpu {
     }
 
     fn since(self, before: Self) -> Self {
-        Self { user: self.user - before.user, system: self.system - before.system }
+        Self {
+            user: self.user.saturating_sub(before.user),
+            system: self.system.saturating_sub(before.system),
+        }
     }
+}
+
+/// One measured configuration.
+#[derive(Debug)]
+struct Row {
+    start: Start,
+    concurrency: usize,
+    conversations: usize,
+    elapsed: Duration,
+    cpu: Cpu,
+    /// Model-call time as the client saw it, summed over the measured conversations.
+    model_time: Duration,
+}
+
+/// What the conversations themselves record: the completion that ends the warm-up opens the
+/// window, the N-th completion after it closes it.
+#[derive(Debug, Default)]
+struct Window {
+    completed: AtomicUsize,
+    failed: AtomicUsize,
+    model_micros: AtomicU64,
+    opened: OnceLock<(Instant, Cpu)>,
+    closed: OnceLock<(Instant, Cpu)>,
+}
+
+/// Everything one conversation needs, shared by all of them.
+#[derive(Debug)]
+struct Engine {
+    client: ModelClient,
+    tools: Vec<Arc<dyn Tool>>,
+    ctx: ToolContext,
+    config: AgentConfig,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -79,10 +131,23 @@ fn main() -> anyhow::Result<()> {
     let concurrencies: Vec<usize> = std::env::var("ENGINE_BENCH_CONCURRENCY")
         .unwrap_or_else(|_| "16,256,1000".into())
         .split(',')
-        .map(|c| c.trim().parse().context("ENGINE_BENCH_CONCURRENCY is a comma-separated list of numbers"))
+        .map(|c| {
+            c.trim()
+                .parse()
+                .context("ENGINE_BENCH_CONCURRENCY is a comma-separated list of numbers")
+        })
+        .collect::<Result<_, _>>()?;
+    let rounds = usize::try_from(env_number("ENGINE_BENCH_ROUNDS", 4)?)?;
+    let starts: Vec<Start> = std::env::var("ENGINE_BENCH_START")
+        .unwrap_or_else(|_| "staggered,lockstep".into())
+        .split(',')
+        .map(|start| match start.trim() {
+            "staggered" => Ok(Start::Staggered),
+            "lockstep" => Ok(Start::Lockstep),
+            other => bail!("ENGINE_BENCH_START lists `staggered` and `lockstep`, not {other:?}"),
+        })
         .collect::<Result<_, _>>()?;
     raise_open_files_limit(concurrencies.iter().copied().max().unwrap_or(0))?;
-    let rounds = usize::try_from(env_number("ENGINE_BENCH_ROUNDS", 4)?)?;
 
     let mut server = Command::new(std::env::current_exe()?)
         .env(SERVER_ENV, "1")
@@ -91,17 +156,27 @@ fn main() -> anyhow::Result<()> {
         .spawn()
         .context("cannot start the server process")?;
     let mut base_url = String::new();
-    BufReader::new(server.stdout.take().context("server stdout is piped")?).read_line(&mut base_url)?;
+    BufReader::new(server.stdout.take().context("server stdout is piped")?)
+        .read_line(&mut base_url)?;
     let base_url = base_url.trim().to_owned();
-    ensure!(base_url.starts_with("http://"), "the server process printed {base_url:?}, not its URL");
+    ensure!(
+        base_url.starts_with("http://"),
+        "the server process printed {base_url:?}, not its URL"
+    );
 
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let rows = runtime.block_on(async {
         let mut rows = Vec::new();
-        for &concurrency in &concurrencies {
-            // Whole rounds of C, so the last round is not a partial one that the ideal ignores.
-            let conversations = (rounds * concurrency).max(200).div_ceil(concurrency) * concurrency;
-            rows.push(measure(&base_url, concurrency, conversations).await?);
+        for &start in &starts {
+            for &concurrency in &concurrencies {
+                // Whole rounds of C, so that in lockstep the window ends with a round.
+                let conversations =
+                    (rounds * concurrency).max(200).div_ceil(concurrency) * concurrency;
+                let engine = Arc::new(engine(&base_url)?);
+                rows.push(measure(engine, latency, start, concurrency, conversations).await?);
+            }
         }
         anyhow::Ok(rows)
     })?;
@@ -116,10 +191,11 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn measure(base_url: &str, concurrency: usize, conversations: usize) -> anyhow::Result<Row> {
-    let settings = trajectory_worker::model::ModelSettings {
+/// A fresh client (and connection pool) per measurement, as a batch process has.
+fn engine(base_url: &str) -> anyhow::Result<Engine> {
+    let settings = ModelSettings {
         base_url: base_url.to_owned(),
-        model: trajectory_worker::scripted_server::MODEL.to_owned(),
+        model: MODEL.to_owned(),
         api_key: None,
         max_tokens: Some(256),
         temperature: Some(0.0),
@@ -129,51 +205,101 @@ async fn measure(base_url: &str, concurrency: usize, conversations: usize) -> an
         stream: false,
         retry: RetryPolicy::default(),
     };
-    let client = Arc::new(ModelClient::new(settings)?);
-    let workspace = tempfile::tempdir()?;
-    let ctx = Arc::new(ToolContext { workspace: Workspace::new(workspace.path())?, limits: ToolLimits::default() });
     let spec = ToolSpec {
         name: TOOL.into(),
         description: "Does nothing.".into(),
         parameters: json!({"type": "object", "properties": {}}),
     };
-    let tools: Arc<[Arc<dyn Tool>]> = Arc::new([Arc::new(Noop(spec)) as Arc<dyn Tool>]);
-    let config = Arc::new(AgentConfig {
-        max_turns: 10,
-        prompt_timeout: Duration::from_secs(120),
-        ephemeral_system_prompt: Some("You are a benchmark.".into()),
-    });
-    let run = |count: usize| {
-        let (client, ctx, tools, config) = (client.clone(), ctx.clone(), tools.clone(), config.clone());
-        async move {
-            let permits = Arc::new(Semaphore::new(concurrency));
-            let mut tasks = JoinSet::new();
-            let mut model_time = Duration::ZERO;
-            for index in 0..count {
-                let permit = permits.clone().acquire_owned().await?;
-                let (client, ctx, tools, config) = (client.clone(), ctx.clone(), tools.clone(), config.clone());
-                tasks.spawn(async move {
-                    let prompt = format!("Benchmark prompt {index}: call the tool, then answer.");
-                    let result = run_conversation(&client, &tools, &ctx, &prompt, &config).await;
-                    drop(permit);
-                    result
-                });
-            }
-            while let Some(done) = tasks.join_next().await {
-                let conversation = done??;
-                ensure!(conversation.completed && conversation.api_calls == 2, "unexpected conversation shape");
-                model_time += conversation.model_time;
-            }
-            anyhow::Ok(model_time)
+    Ok(Engine {
+        client: ModelClient::new(settings)?,
+        tools: vec![Arc::new(Noop(spec))],
+        // The no-op tool never touches its workspace.
+        ctx: ToolContext {
+            workspace: Workspace::new(std::env::temp_dir())?,
+            limits: ToolLimits::default(),
+        },
+        config: AgentConfig {
+            max_turns: 10,
+            prompt_timeout: Duration::from_secs(120),
+            ephemeral_system_prompt: Some("You are a benchmark.".into()),
+        },
+    })
+}
+
+async fn measure(
+    engine: Arc<Engine>,
+    latency: Duration,
+    start: Start,
+    concurrency: usize,
+    conversations: usize,
+) -> anyhow::Result<Row> {
+    let warm_up = 2 * concurrency;
+    let last = warm_up + conversations;
+    let window = Arc::new(Window::default());
+    let permits = Arc::new(Semaphore::new(concurrency));
+    let began = tokio::time::Instant::now();
+    let spacing = latency.mul_f64(2.0 / concurrency as f64);
+    for index in 0u32.. {
+        let permit = Arc::clone(&permits).acquire_owned().await?;
+        ensure!(
+            window.failed.load(Ordering::SeqCst) == 0,
+            "a benchmark conversation failed"
+        );
+        if window.closed.get().is_some() {
+            break;
         }
-    };
-    run(concurrency).await.context("warm-up")?;
-    let cpu_before = cpu_time(UsageWho::RUSAGE_SELF)?;
-    let started = Instant::now();
-    let model_time = run(conversations).await?;
-    let elapsed = started.elapsed();
-    let cpu = cpu_time(UsageWho::RUSAGE_SELF)?.since(cpu_before);
-    Ok(Row { concurrency, conversations, elapsed, cpu, model_time })
+        if start == Start::Staggered && (index as usize) < concurrency {
+            tokio::time::sleep_until(began + spacing * index).await;
+        }
+        let (engine, window) = (Arc::clone(&engine), Arc::clone(&window));
+        tokio::spawn(async move {
+            let prompt = format!("Benchmark prompt {index}: call the tool, then answer.");
+            let result = run_conversation(
+                &engine.client,
+                &engine.tools,
+                &engine.ctx,
+                &prompt,
+                &engine.config,
+            )
+            .await;
+            match result {
+                Ok(conversation) if conversation.completed && conversation.api_calls == 2 => {
+                    let done = window.completed.fetch_add(1, Ordering::SeqCst) + 1;
+                    if done > warm_up && done <= last {
+                        let micros =
+                            u64::try_from(conversation.model_time.as_micros()).unwrap_or(u64::MAX);
+                        window.model_micros.fetch_add(micros, Ordering::Relaxed);
+                    }
+                    if done == warm_up || done == last {
+                        let mark = if done == warm_up {
+                            &window.opened
+                        } else {
+                            &window.closed
+                        };
+                        if let Ok(cpu) = cpu_time(UsageWho::RUSAGE_SELF) {
+                            let _ = mark.set((Instant::now(), cpu));
+                        }
+                    }
+                }
+                _ => {
+                    window.failed.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            drop(permit);
+        });
+    }
+    // The conversations still in flight finish before the next measurement starts.
+    let _all = permits.acquire_many(u32::try_from(concurrency)?).await?;
+    let (opened, cpu_opened) = *window.opened.get().context("the window never opened")?;
+    let (closed, cpu_closed) = *window.closed.get().context("the window never closed")?;
+    Ok(Row {
+        start,
+        concurrency,
+        conversations,
+        elapsed: closed - opened,
+        cpu: cpu_closed.since(cpu_opened),
+        model_time: Duration::from_micros(window.model_micros.load(Ordering::Relaxed)),
+    })
 }
 
 fn report(rows: &[Row], latency: Duration, server_cpu: Cpu) {
@@ -185,15 +311,16 @@ fn report(rows: &[Row], latency: Duration, server_cpu: Cpu) {
     );
     println!();
     println!(
-        "| C | conversations | elapsed s | throughput conv/s | ideal C/(2×latency) | ratio \
+        "| start | C | conversations | elapsed s | throughput conv/s | ideal C/(2×latency) | ratio \
          | client CPU s / trajectory (user + sys) | mean call as seen by the client ms |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for row in rows {
         let throughput = row.conversations as f64 / row.elapsed.as_secs_f64();
         let per = |time: Duration| time.as_secs_f64() / row.conversations as f64;
         println!(
-            "| {} | {} | {:.3} | {:.1} | {:.1} | {:.3} | {:.6} ({:.6} + {:.6}) | {:.1} |",
+            "| {} | {} | {} | {:.3} | {:.1} | {:.1} | {:.3} | {:.6} ({:.6} + {:.6}) | {:.1} |",
+            row.start.as_str(),
             row.concurrency,
             row.conversations,
             row.elapsed.as_secs_f64(),
@@ -209,7 +336,7 @@ fn report(rows: &[Row], latency: Duration, server_cpu: Cpu) {
     println!();
     println!("targets: ratio >= 0.95; client CPU <= 0.007 s per trajectory");
     println!(
-        "server process CPU over the whole run (all C, warm-ups included): {:.2} s user + {:.2} s sys",
+        "server process CPU over the whole run (warm-ups included): {:.2} s user + {:.2} s sys",
         server_cpu.user.as_secs_f64(),
         server_cpu.system.as_secs_f64()
     );
@@ -217,8 +344,12 @@ fn report(rows: &[Row], latency: Duration, server_cpu: Cpu) {
 
 /// The server process: serve until the parent closes stdin.
 fn serve(latency: Duration) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let server = runtime.block_on(ScriptedServer::start_fixed_latency(FixedLatency::new(latency, TOOL)));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let server = runtime.block_on(ScriptedServer::start_fixed_latency(FixedLatency::new(
+        latency, TOOL,
+    )));
     let mut stdout = std::io::stdout();
     writeln!(stdout, "{}", server.base_url())?;
     stdout.flush()?;
@@ -246,13 +377,20 @@ fn raise_open_files_limit(concurrency: usize) -> anyhow::Result<()> {
 
 fn cpu_time(who: UsageWho) -> anyhow::Result<Cpu> {
     let usage = getrusage(who)?;
-    let duration = |time: nix::sys::time::TimeVal| u64::try_from(time.num_microseconds()).map(Duration::from_micros);
-    Ok(Cpu { user: duration(usage.user_time())?, system: duration(usage.system_time())? })
+    let duration =
+        |time: TimeVal| u64::try_from(time.num_microseconds()).map(Duration::from_micros);
+    Ok(Cpu {
+        user: duration(usage.user_time())?,
+        system: duration(usage.system_time())?,
+    })
 }
 
 fn env_number(name: &str, default: u64) -> anyhow::Result<u64> {
     match std::env::var(name) {
-        Ok(value) => value.trim().parse().with_context(|| format!("{name} must be a number, got {value:?}")),
+        Ok(value) => value
+            .trim()
+            .parse()
+            .with_context(|| format!("{name} must be a number, got {value:?}")),
         Err(_) => Ok(default),
     }
 }

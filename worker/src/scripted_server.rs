@@ -25,8 +25,8 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::Response;
-use axum::serve::ListenerExt;
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
@@ -58,7 +58,10 @@ pub enum Step {
 impl Step {
     /// An OpenAI-style error answer: `{"error": {"message", "type", "code"}}`.
     pub fn error(status: u16, code: &str, message: &str) -> Self {
-        Self::Json(status, json!({"error": {"message": message, "type": code, "code": code}}))
+        Self::Json(
+            status,
+            json!({"error": {"message": message, "type": code, "code": code}}),
+        )
     }
 
     /// A 200 answer with this completion body.
@@ -97,8 +100,15 @@ pub struct ReceivedRequest {
 }
 
 enum Mode {
-    Script { steps: Mutex<VecDeque<Step>>, default: Step },
-    FixedLatency { latency: Duration, tool_call: Bytes, final_answer: Bytes },
+    Script {
+        steps: Mutex<VecDeque<Step>>,
+        default: Step,
+    },
+    FixedLatency {
+        latency: Duration,
+        tool_call: Bytes,
+        final_answer: Bytes,
+    },
 }
 
 struct Shared {
@@ -130,28 +140,43 @@ impl Drop for ScriptedServer {
 impl ScriptedServer {
     /// Serves `steps` in order, then a 500 saying the script is exhausted.
     pub async fn start(steps: impl IntoIterator<Item = Step>) -> Self {
-        let exhausted = Step::error(500, "script_exhausted", "the scripted server's script is exhausted");
+        let exhausted = Step::error(
+            500,
+            "script_exhausted",
+            "the scripted server's script is exhausted",
+        );
         Self::start_with_default(steps, exhausted).await
     }
 
     /// Serves `steps` in order, then `default` for every further request.
+    #[allow(
+        clippy::unused_async,
+        reason = "async so that it is called on the tokio runtime it spawns onto"
+    )]
     pub async fn start_with_default(steps: impl IntoIterator<Item = Step>, default: Step) -> Self {
         let steps = Mutex::new(steps.into_iter().collect());
-        Self::serve(Mode::Script { steps, default }).await
+        Self::serve(Mode::Script { steps, default })
     }
 
     /// Serves the benchmark mode.
+    #[allow(
+        clippy::unused_async,
+        reason = "async so that it is called on the tokio runtime it spawns onto"
+    )]
     pub async fn start_fixed_latency(config: FixedLatency) -> Self {
         Self::serve(Mode::FixedLatency {
             latency: config.latency,
             tool_call: Bytes::from(config.tool_call.to_string()),
             final_answer: Bytes::from(config.final_answer.to_string()),
         })
-        .await
     }
 
-    async fn serve(mode: Mode) -> Self {
-        let shared = Arc::new(Shared { mode, received: Mutex::new(Vec::new()) });
+    /// Binds, and spawns the server onto the current tokio runtime.
+    fn serve(mode: Mode) -> Self {
+        let shared = Arc::new(Shared {
+            mode,
+            received: Mutex::new(Vec::new()),
+        });
         let app = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
@@ -163,7 +188,9 @@ impl ScriptedServer {
             .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
             .expect("a test server can bind 127.0.0.1:0");
         let listener = socket.listen(4096).expect("a test server can listen");
-        let address = listener.local_addr().expect("a bound socket has an address");
+        let address = listener
+            .local_addr()
+            .expect("a bound socket has an address");
         // As real servers do: without it, Nagle's algorithm and delayed ACKs add up to 40 ms to
         // some replies, which the benchmark would blame on the client.
         let listener = listener.tap_io(|stream| {
@@ -173,7 +200,11 @@ impl ScriptedServer {
             // Serving only fails when accepting fails for good; the test then sees refused connections.
             let _ = axum::serve(listener, app).await;
         });
-        Self { address, shared, task }
+        Self {
+            address,
+            shared,
+            task,
+        }
     }
 
     /// The base URL, as `spec.model.baseUrl` takes it: `http://127.0.0.1:PORT/v1`.
@@ -236,7 +267,11 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-async fn chat_completions(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let authorization = headers
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
@@ -247,19 +282,38 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, headers: HeaderMap,
             let step = lock(steps).pop_front().unwrap_or_else(|| default.clone());
             perform(step).await
         }
-        Mode::FixedLatency { latency, tool_call, final_answer } => {
+        Mode::FixedLatency {
+            latency,
+            tool_call,
+            final_answer,
+        } => {
             tokio::time::sleep(*latency).await;
             // The client serialises compactly, so a tool result is exactly this byte string.
             let has_tool_result = contains(&body, br#""role":"tool""#);
-            let reply = if has_tool_result { final_answer } else { tool_call };
-            respond(StatusCode::OK, "application/json", None, Body::from(reply.clone()))
+            let reply = if has_tool_result {
+                final_answer
+            } else {
+                tool_call
+            };
+            respond(
+                StatusCode::OK,
+                "application/json",
+                None,
+                Body::from(reply.clone()),
+            )
         }
     }
 }
 
 async fn models() -> Response {
-    let body = json!({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "test"}]});
-    respond(StatusCode::OK, "application/json", None, Body::from(body.to_string()))
+    let body =
+        json!({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "test"}]});
+    respond(
+        StatusCode::OK,
+        "application/json",
+        None,
+        Body::from(body.to_string()),
+    )
 }
 
 async fn perform(mut step: Step) -> Response {
@@ -270,16 +324,36 @@ async fn perform(mut step: Step) -> Response {
                 *inner
             }
             Step::Hang => std::future::pending().await,
-            Step::Json(status, body) => return respond(status_code(status), "application/json", None, body.to_string().into()),
-            Step::Raw(status, bytes) => return respond(status_code(status), "application/json", None, bytes.into()),
+            Step::Json(status, body) => {
+                return respond(
+                    status_code(status),
+                    "application/json",
+                    None,
+                    body.to_string().into(),
+                );
+            }
+            Step::Raw(status, bytes) => {
+                return respond(status_code(status), "application/json", None, bytes.into());
+            }
             Step::RetryAfterSeconds(status, seconds) => {
                 let after = HeaderValue::from(seconds);
-                return respond(status_code(status), "application/json", Some(after), rate_limit_body());
+                return respond(
+                    status_code(status),
+                    "application/json",
+                    Some(after),
+                    rate_limit_body(),
+                );
             }
             Step::RetryAfterDate(status, after) => {
                 let date = httpdate::fmt_http_date(SystemTime::now() + after);
-                let after = HeaderValue::from_str(&date).expect("an HTTP-date is a valid header value");
-                return respond(status_code(status), "application/json", Some(after), rate_limit_body());
+                let after =
+                    HeaderValue::from_str(&date).expect("an HTTP-date is a valid header value");
+                return respond(
+                    status_code(status),
+                    "application/json",
+                    Some(after),
+                    rate_limit_body(),
+                );
             }
             Step::Sse(events) => {
                 let mut text = String::new();
@@ -304,7 +378,12 @@ fn status_code(status: u16) -> StatusCode {
     StatusCode::from_u16(status).expect("scripts use valid HTTP status codes")
 }
 
-fn respond(status: StatusCode, content_type: &'static str, retry_after: Option<HeaderValue>, body: Body) -> Response {
+fn respond(
+    status: StatusCode,
+    content_type: &'static str,
+    retry_after: Option<HeaderValue>,
+    body: Body,
+) -> Response {
     let mut response = Response::new(body);
     *response.status_mut() = status;
     let headers = response.headers_mut();
@@ -316,21 +395,25 @@ fn respond(status: StatusCode, content_type: &'static str, retry_after: Option<H
 }
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|window| window == needle)
+    haystack
+        .windows(needle.len())
+        .any(|window| window == needle)
 }
 
 // ---- Replies -------------------------------------------------------------------------------------
 
 /// A non-streaming completion body around one assistant message.
 pub fn completion(message: Value, finish_reason: &str) -> Value {
-    json!({
+    let mut body = json!({
         "id": "chatcmpl-scripted",
         "object": "chat.completion",
         "created": 0,
         "model": MODEL,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": null, "finish_reason": finish_reason}],
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
-    })
+    });
+    body["choices"][0]["message"] = message;
+    body
 }
 
 /// A final answer.
@@ -338,7 +421,7 @@ pub fn text_reply(content: &str) -> Value {
     completion(json!({"role": "assistant", "content": content}), "stop")
 }
 
-/// One tool call with `arguments` JSON-encoded into a string, as the OpenAI API sends them.
+/// One tool call with `arguments` JSON-encoded into a string, as the `OpenAI` API sends them.
 pub fn tool_call_reply(name: &str, arguments: &Value) -> Value {
     tool_calls_reply(&[(name, Value::String(arguments.to_string()))])
 }
@@ -354,7 +437,10 @@ pub fn tool_calls_reply(calls: &[(&str, Value)]) -> Value {
             json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
         })
         .collect();
-    completion(json!({"role": "assistant", "content": null, "tool_calls": calls}), "tool_calls")
+    completion(
+        json!({"role": "assistant", "content": null, "tool_calls": calls}),
+        "tool_calls",
+    )
 }
 
 /// Where a reply carries its reasoning.
@@ -377,8 +463,7 @@ pub fn with_reasoning(mut reply: Value, field: ReasoningField, text: &str) -> Va
         ReasoningField::Reasoning => message["reasoning"] = text.into(),
         ReasoningField::ReasoningContent => message["reasoning_content"] = text.into(),
         ReasoningField::ReasoningDetails => {
-            message["reasoning_details"] =
-                json!([{"type": "reasoning.text", "text": text, "signature": "sig-scripted", "index": 0}]);
+            message["reasoning_details"] = json!([{"type": "reasoning.text", "text": text, "signature": "sig-scripted", "index": 0}]);
         }
         ReasoningField::InlineThink => {
             let content = message["content"].as_str().unwrap_or_default();
@@ -409,7 +494,12 @@ pub fn sse_events(completion: &Value) -> Vec<Value> {
             events.push(chunk(json!({ field: tail }), Value::Null));
         }
     }
-    for (index, call) in message["tool_calls"].as_array().into_iter().flatten().enumerate() {
+    for (index, call) in message["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
         let function = &call["function"];
         let arguments = match &function["arguments"] {
             Value::String(text) => text.clone(),
@@ -423,8 +513,10 @@ pub fn sse_events(completion: &Value) -> Vec<Value> {
         events.push(chunk(json!({"tool_calls": [rest]}), Value::Null));
     }
     events.push(chunk(json!({}), choice["finish_reason"].clone()));
-    events.push(json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "choices": [],
-                       "usage": completion["usage"]}));
+    events.push(
+        json!({"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "choices": [],
+                       "usage": completion["usage"]}),
+    );
     events
 }
 

@@ -6,12 +6,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
-use trajectory_worker::agent::{AgentConfig, Conversation, ConversationError, FINAL_ANSWER_REQUEST, run_conversation};
+use trajectory_worker::agent::{
+    AgentConfig, Conversation, ConversationError, FINAL_ANSWER_REQUEST, run_conversation,
+};
 use trajectory_worker::model::{Message, ModelClient};
 use trajectory_worker::scripted_server::{
-    ReasoningField, ScriptedServer, Step, text_reply, tool_call_reply, tool_calls_reply, with_reasoning,
+    ReasoningField, ScriptedServer, Step, text_reply, tool_call_reply, tool_calls_reply,
+    with_reasoning,
 };
-use trajectory_worker::tools::{Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace};
+use trajectory_worker::tools::{
+    Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace,
+};
 
 // ---- Test tools ----------------------------------------------------------------------------------
 
@@ -32,7 +37,10 @@ struct Echo {
 
 impl Echo {
     fn new() -> Arc<Self> {
-        Arc::new(Self { spec: spec("echo"), calls: Mutex::new(Vec::new()) })
+        Arc::new(Self {
+            spec: spec("echo"),
+            calls: Mutex::new(Vec::new()),
+        })
     }
 
     fn calls(&self) -> Vec<Map<String, Value>> {
@@ -115,10 +123,22 @@ impl Fixture {
         let server = ScriptedServer::start(steps).await;
         let client = ModelClient::new(server.settings()).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let ctx = ToolContext { workspace: Workspace::new(dir.path()).unwrap(), limits: ToolLimits::default() };
-        let config =
-            AgentConfig { max_turns: 5, prompt_timeout: Duration::from_secs(20), ephemeral_system_prompt: None };
-        Self { server, client, ctx, config, _dir: dir }
+        let ctx = ToolContext {
+            workspace: Workspace::new(dir.path()).unwrap(),
+            limits: ToolLimits::default(),
+        };
+        let config = AgentConfig {
+            max_turns: 5,
+            prompt_timeout: Duration::from_secs(20),
+            ephemeral_system_prompt: None,
+        };
+        Self {
+            server,
+            client,
+            ctx,
+            config,
+            _dir: dir,
+        }
     }
 
     fn with_max_turns(mut self, max_turns: u32) -> Self {
@@ -132,12 +152,22 @@ impl Fixture {
     }
 
     async fn run(&self, tools: &[Arc<dyn Tool>]) -> Result<Conversation, ConversationError> {
-        run_conversation(&self.client, tools, &self.ctx, "Do the thing.", &self.config).await
+        run_conversation(
+            &self.client,
+            tools,
+            &self.ctx,
+            "Do the thing.",
+            &self.config,
+        )
+        .await
     }
 
     /// The messages of the `index`-th request the server received.
     fn sent_messages(&self, index: usize) -> Vec<Value> {
-        self.server.requests()[index].body["messages"].as_array().unwrap().clone()
+        self.server.requests()[index].body["messages"]
+            .as_array()
+            .unwrap()
+            .clone()
     }
 }
 
@@ -160,16 +190,38 @@ async fn arguments_in_every_tolerated_shape_reach_the_tool_parsed() {
     let cases = [
         ("an object", expected.clone(), expected.clone()),
         ("an empty string", json!(""), json!({})),
-        ("a JSON string", json!(expected.to_string()), expected.clone()),
-        ("double-encoded", json!(json!(expected.to_string()).to_string()), expected.clone()),
-        ("HTML-escaped", json!(r#"{&quot;text&quot;: &quot;hi \&quot;there\&quot;&quot;}"#), expected.clone()),
+        (
+            "a JSON string",
+            json!(expected.to_string()),
+            expected.clone(),
+        ),
+        (
+            "double-encoded",
+            json!(json!(expected.to_string()).to_string()),
+            expected.clone(),
+        ),
+        (
+            "HTML-escaped",
+            json!(r"{&quot;text&quot;: &quot;hi \&quot;there\&quot;&quot;}"),
+            expected.clone(),
+        ),
     ];
     for (shape, arguments, parsed) in cases {
-        let fixture =
-            Fixture::new([Step::ok(tool_calls_reply(&[("echo", arguments)])), Step::ok(text_reply("done"))]).await;
+        let fixture = Fixture::new([
+            Step::ok(tool_calls_reply(&[("echo", arguments)])),
+            Step::ok(text_reply("done")),
+        ])
+        .await;
         let echo = Echo::new();
-        let conversation = fixture.run(&[echo.clone()]).await.unwrap();
-        assert_eq!(echo.calls(), vec![parsed.as_object().unwrap().clone()], "arguments as {shape}");
+        let conversation = fixture
+            .run(&[Arc::clone(&echo) as Arc<dyn Tool>])
+            .await
+            .unwrap();
+        assert_eq!(
+            echo.calls(),
+            vec![parsed.as_object().unwrap().clone()],
+            "arguments as {shape}"
+        );
         assert!(conversation.completed, "{shape}");
         assert_eq!(conversation.api_calls, 2);
     }
@@ -178,8 +230,16 @@ async fn arguments_in_every_tolerated_shape_reach_the_tool_parsed() {
 #[tokio::test]
 async fn reasoning_in_every_shape_is_sent_back_in_that_shape() {
     let cases = [
-        (ReasoningField::Reasoning, "reasoning", json!("weighing options")),
-        (ReasoningField::ReasoningContent, "reasoning_content", json!("weighing options")),
+        (
+            ReasoningField::Reasoning,
+            "reasoning",
+            json!("weighing options"),
+        ),
+        (
+            ReasoningField::ReasoningContent,
+            "reasoning_content",
+            json!("weighing options"),
+        ),
         (
             ReasoningField::ReasoningDetails,
             "reasoning_details",
@@ -187,16 +247,33 @@ async fn reasoning_in_every_shape_is_sent_back_in_that_shape() {
         ),
     ];
     for (field, key, sent_back) in cases {
-        let first = with_reasoning(tool_call_reply("echo", &json!({})), field, "weighing options");
+        let first = with_reasoning(
+            tool_call_reply("echo", &json!({})),
+            field,
+            "weighing options",
+        );
         let fixture = Fixture::new([Step::ok(first), Step::ok(text_reply("done"))]).await;
         let conversation = fixture.run(&[Echo::new()]).await.unwrap();
-        let Message::Assistant(reply) = &conversation.messages[1] else { panic!("{:?}", conversation.messages) };
-        assert_eq!(reply.reasoning.as_ref().unwrap().text, "weighing options", "{key}");
+        let Message::Assistant(reply) = &conversation.messages[1] else {
+            panic!("{:?}", conversation.messages)
+        };
+        assert_eq!(
+            reply.reasoning.as_ref().unwrap().text,
+            "weighing options",
+            "{key}"
+        );
         let assistant = &fixture.sent_messages(1)[1];
         assert_eq!(assistant["role"], "assistant");
         assert_eq!(assistant[key], sent_back, "{key}");
-        for other in ["reasoning", "reasoning_content", "reasoning_details"].into_iter().filter(|other| *other != key) {
-            assert_eq!(assistant.get(other), None, "{key} must not also be sent as {other}");
+        for other in ["reasoning", "reasoning_content", "reasoning_details"]
+            .into_iter()
+            .filter(|other| *other != key)
+        {
+            assert_eq!(
+                assistant.get(other),
+                None,
+                "{key} must not also be sent as {other}"
+            );
         }
     }
 
@@ -214,54 +291,100 @@ async fn reasoning_in_every_shape_is_sent_back_in_that_shape() {
 
 #[tokio::test]
 async fn unknown_tool_goes_back_to_the_model_as_a_tool_error_and_the_loop_continues() {
-    let fixture =
-        Fixture::new([Step::ok(tool_call_reply("no_such_tool", &json!({}))), Step::ok(text_reply("sorry"))]).await;
+    let fixture = Fixture::new([
+        Step::ok(tool_call_reply("no_such_tool", &json!({}))),
+        Step::ok(text_reply("sorry")),
+    ])
+    .await;
     let conversation = fixture.run(&[Echo::new()]).await.unwrap();
     assert!(conversation.completed);
     let tool = &fixture.sent_messages(1)[2];
     assert_eq!(tool["role"], "tool");
     let content: Value = serde_json::from_str(tool["content"].as_str().unwrap()).unwrap();
     let error = content["error"].as_str().unwrap();
-    assert!(error.contains("unknown tool") && error.contains("no_such_tool") && error.contains("echo"), "{error}");
+    assert!(
+        error.contains("unknown tool") && error.contains("no_such_tool") && error.contains("echo"),
+        "{error}"
+    );
 }
 
 #[tokio::test]
 async fn invalid_arguments_go_back_to_the_model_as_a_tool_error_and_the_tool_is_not_run() {
-    let fixture =
-        Fixture::new([Step::ok(tool_calls_reply(&[("echo", json!("{\"text\": oops"))])), Step::ok(text_reply("ok"))])
-            .await;
+    let fixture = Fixture::new([
+        Step::ok(tool_calls_reply(&[("echo", json!("{\"text\": oops"))])),
+        Step::ok(text_reply("ok")),
+    ])
+    .await;
     let echo = Echo::new();
-    let conversation = fixture.run(&[echo.clone()]).await.unwrap();
+    let conversation = fixture
+        .run(&[Arc::clone(&echo) as Arc<dyn Tool>])
+        .await
+        .unwrap();
     assert!(conversation.completed);
     assert!(echo.calls().is_empty());
     let tool = &fixture.sent_messages(1)[2];
     let content: Value = serde_json::from_str(tool["content"].as_str().unwrap()).unwrap();
-    assert!(content["error"].as_str().unwrap().contains("invalid arguments for echo"), "{content}");
+    assert!(
+        content["error"]
+            .as_str()
+            .unwrap()
+            .contains("invalid arguments for echo"),
+        "{content}"
+    );
     // The malformed arguments go back verbatim, so the model sees what it sent.
-    assert_eq!(fixture.sent_messages(1)[1]["tool_calls"][0]["function"]["arguments"], "{\"text\": oops");
+    assert_eq!(
+        fixture.sent_messages(1)[1]["tool_calls"][0]["function"]["arguments"],
+        "{\"text\": oops"
+    );
 }
 
 #[tokio::test]
 async fn tool_calls_of_one_turn_run_concurrently_and_results_keep_call_order() {
-    let calls = [("sleep", json!(r#"{"ms": 300, "tag": "first"}"#)), ("sleep", json!(r#"{"ms": 250, "tag": "second"}"#))];
-    let fixture = Fixture::new([Step::ok(tool_calls_reply(&calls)), Step::ok(text_reply("done"))]).await;
-    let sleep: Arc<dyn Tool> = Arc::new(Sleep { spec: spec("sleep") });
+    let calls = [
+        ("sleep", json!(r#"{"ms": 300, "tag": "first"}"#)),
+        ("sleep", json!(r#"{"ms": 250, "tag": "second"}"#)),
+    ];
+    let fixture = Fixture::new([
+        Step::ok(tool_calls_reply(&calls)),
+        Step::ok(text_reply("done")),
+    ])
+    .await;
+    let sleep: Arc<dyn Tool> = Arc::new(Sleep {
+        spec: spec("sleep"),
+    });
     let started = Instant::now();
     let conversation = fixture.run(&[sleep]).await.unwrap();
-    assert!(started.elapsed() < Duration::from_millis(550), "took {:?}", started.elapsed());
-    let tags: Vec<String> = tool_messages(&conversation).into_iter().map(|(_, content)| content).collect();
+    assert!(
+        started.elapsed() < Duration::from_millis(550),
+        "took {:?}",
+        started.elapsed()
+    );
+    let tags: Vec<String> = tool_messages(&conversation)
+        .into_iter()
+        .map(|(_, content)| content)
+        .collect();
     assert_eq!(tags, [r#"{"tag":"first"}"#, r#"{"tag":"second"}"#]);
     let sent = fixture.sent_messages(1);
-    let ids: Vec<&Value> = sent[1]["tool_calls"].as_array().unwrap().iter().map(|call| &call["id"]).collect();
+    let ids: Vec<&Value> = sent[1]["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|call| &call["id"])
+        .collect();
     assert_eq!(ids, [&sent[2]["tool_call_id"], &sent[3]["tool_call_id"]]);
 }
 
 #[tokio::test]
 async fn reaching_max_turns_makes_one_final_call_without_tools() {
     let call = || Step::ok(tool_call_reply("echo", &json!({"text": "again"})));
-    let fixture = Fixture::new([call(), call(), Step::ok(text_reply("final answer"))]).await.with_max_turns(2);
+    let fixture = Fixture::new([call(), call(), Step::ok(text_reply("final answer"))])
+        .await
+        .with_max_turns(2);
     let echo = Echo::new();
-    let conversation = fixture.run(&[echo.clone()]).await.unwrap();
+    let conversation = fixture
+        .run(&[Arc::clone(&echo) as Arc<dyn Tool>])
+        .await
+        .unwrap();
     assert!(!conversation.completed);
     assert!(!conversation.partial);
     assert_eq!(conversation.api_calls, 2);
@@ -273,8 +396,13 @@ async fn reaching_max_turns_makes_one_final_call_without_tools() {
     assert_eq!(last.get("tools"), None);
     assert_eq!(last.get("tool_choice"), None);
     let messages = last["messages"].as_array().unwrap();
-    assert_eq!(messages.last().unwrap(), &json!({"role": "user", "content": FINAL_ANSWER_REQUEST}));
-    let Some(Message::Assistant(reply)) = conversation.messages.last() else { panic!() };
+    assert_eq!(
+        messages.last().unwrap(),
+        &json!({"role": "user", "content": FINAL_ANSWER_REQUEST})
+    );
+    let Some(Message::Assistant(reply)) = conversation.messages.last() else {
+        panic!()
+    };
     assert_eq!(reply.content, "final answer");
 }
 
@@ -292,12 +420,21 @@ async fn a_reply_cut_off_by_the_token_limit_marks_the_conversation_partial() {
 
 #[tokio::test]
 async fn the_prompt_budget_ends_a_conversation_waiting_on_the_model() {
-    let fixture = Fixture::new([Step::Hang]).await.with_prompt_timeout(Duration::from_millis(300));
+    let fixture = Fixture::new([Step::Hang])
+        .await
+        .with_prompt_timeout(Duration::from_millis(300));
     let started = Instant::now();
     let error = fixture.run(&[Echo::new()]).await.unwrap_err();
-    assert!(matches!(error, ConversationError::Timeout(budget) if budget == Duration::from_millis(300)), "{error:?}");
+    assert!(
+        matches!(error, ConversationError::Timeout(budget) if budget == Duration::from_millis(300)),
+        "{error:?}"
+    );
     assert_eq!(error.class(), "prompt_timeout");
-    assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -306,12 +443,18 @@ async fn a_tool_call_that_never_ends_is_cancelled_by_the_budget() {
         .await
         .with_prompt_timeout(Duration::from_millis(300));
     let cancelled = Arc::new(AtomicBool::new(false));
-    let forever: Arc<dyn Tool> = Arc::new(Forever { spec: spec("forever"), cancelled: Arc::clone(&cancelled) });
+    let forever: Arc<dyn Tool> = Arc::new(Forever {
+        spec: spec("forever"),
+        cancelled: Arc::clone(&cancelled),
+    });
     let started = Instant::now();
     let error = fixture.run(&[forever]).await.unwrap_err();
     assert!(matches!(error, ConversationError::Timeout(_)), "{error:?}");
     assert!(started.elapsed() < Duration::from_secs(2));
-    assert!(cancelled.load(Ordering::SeqCst), "the tool's future must be dropped");
+    assert!(
+        cancelled.load(Ordering::SeqCst),
+        "the tool's future must be dropped"
+    );
 }
 
 #[tokio::test]
@@ -324,13 +467,22 @@ async fn a_permanent_model_error_fails_the_conversation_as_permanent() {
 
 #[tokio::test]
 async fn the_tool_result_follows_its_call_and_usage_is_summed() {
-    let fixture =
-        Fixture::new([Step::ok(tool_call_reply("echo", &json!({"text": "x"}))), Step::ok(text_reply("done"))]).await;
+    let fixture = Fixture::new([
+        Step::ok(tool_call_reply("echo", &json!({"text": "x"}))),
+        Step::ok(text_reply("done")),
+    ])
+    .await;
     let conversation = fixture.run(&[Echo::new()]).await.unwrap();
     let sent = fixture.sent_messages(1);
-    let roles: Vec<&str> = sent.iter().map(|message| message["role"].as_str().unwrap()).collect();
+    let roles: Vec<&str> = sent
+        .iter()
+        .map(|message| message["role"].as_str().unwrap())
+        .collect();
     assert_eq!(roles, ["user", "assistant", "tool"]);
-    assert_eq!(tool_messages(&conversation), [("echo".to_owned(), r#"{"echo":{"text":"x"}}"#.to_owned())]);
+    assert_eq!(
+        tool_messages(&conversation),
+        [("echo".to_owned(), r#"{"echo":{"text":"x"}}"#.to_owned())]
+    );
     assert_eq!(conversation.usage.prompt_tokens, 20);
     assert_eq!(conversation.usage.completion_tokens, 10);
 }

@@ -4,7 +4,9 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use trajectory_worker::model::{ApiKey, Completion, ErrorClass, Message, ModelClient, ModelError, ModelSettings};
+use trajectory_worker::model::{
+    ApiKey, Completion, ErrorClass, Message, ModelClient, ModelError, ModelSettings,
+};
 use trajectory_worker::scripted_server::{
     ReasoningField, ScriptedServer, Step, sse_events, text_reply, tool_calls_reply, with_reasoning,
 };
@@ -25,15 +27,27 @@ async fn assert_permanent_without_retry(step: Step, class: ErrorClass) {
     assert!(matches!(error, ModelError::Permanent { .. }), "{error:?}");
     assert_eq!(error.class(), class);
     assert!(error.is_permanent());
-    assert_eq!(server.request_count(), 1, "a permanent error must not be retried");
+    assert_eq!(
+        server.request_count(),
+        1,
+        "a permanent error must not be retried"
+    );
 }
 
 #[tokio::test]
 async fn rate_limit_with_retry_after_in_seconds_is_waited_out() {
-    let server = ScriptedServer::start([Step::RetryAfterSeconds(429, 1), Step::ok(text_reply("hello"))]).await;
+    let server = ScriptedServer::start([
+        Step::RetryAfterSeconds(429, 1),
+        Step::ok(text_reply("hello")),
+    ])
+    .await;
     let started = Instant::now();
     let completion = call(&client(server.settings())).await.unwrap();
-    assert!(started.elapsed() >= Duration::from_secs(1), "waited only {:?}", started.elapsed());
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "waited only {:?}",
+        started.elapsed()
+    );
     assert_eq!(completion.message.content, "hello");
     assert_eq!(server.request_count(), 2);
 }
@@ -41,18 +55,29 @@ async fn rate_limit_with_retry_after_in_seconds_is_waited_out() {
 #[tokio::test]
 async fn rate_limit_with_retry_after_as_http_date_is_waited_out() {
     // An HTTP-date has whole seconds: a date 2 s ahead means a wait of more than 1 s.
-    let server =
-        ScriptedServer::start([Step::RetryAfterDate(429, Duration::from_secs(2)), Step::ok(text_reply("hello"))]).await;
+    let server = ScriptedServer::start([
+        Step::RetryAfterDate(429, Duration::from_secs(2)),
+        Step::ok(text_reply("hello")),
+    ])
+    .await;
     let started = Instant::now();
     let completion = call(&client(server.settings())).await.unwrap();
-    assert!(started.elapsed() >= Duration::from_secs(1), "waited only {:?}", started.elapsed());
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "waited only {:?}",
+        started.elapsed()
+    );
     assert_eq!(completion.message.content, "hello");
     assert_eq!(server.request_count(), 2);
 }
 
 #[tokio::test]
 async fn server_error_is_retried_then_succeeds() {
-    let server = ScriptedServer::start([Step::error(500, "server_error", "boom"), Step::ok(text_reply("ok"))]).await;
+    let server = ScriptedServer::start([
+        Step::error(500, "server_error", "boom"),
+        Step::ok(text_reply("ok")),
+    ])
+    .await;
     let completion = call(&client(server.settings())).await.unwrap();
     assert_eq!(completion.message.content, "ok");
     assert_eq!(server.request_count(), 2);
@@ -60,7 +85,8 @@ async fn server_error_is_retried_then_succeeds() {
 
 #[tokio::test]
 async fn ok_with_empty_choices_is_retried_then_succeeds() {
-    let server = ScriptedServer::start([Step::ok(json!({"choices": []})), Step::ok(text_reply("ok"))]).await;
+    let server =
+        ScriptedServer::start([Step::ok(json!({"choices": []})), Step::ok(text_reply("ok"))]).await;
     let completion = call(&client(server.settings())).await.unwrap();
     assert_eq!(completion.message.content, "ok");
     assert_eq!(server.request_count(), 2);
@@ -68,9 +94,15 @@ async fn ok_with_empty_choices_is_retried_then_succeeds() {
 
 #[tokio::test]
 async fn unauthorized_is_permanent_and_not_retried() {
-    let server = ScriptedServer::start([Step::error(401, "invalid_api_key", "bad key"), Step::ok(text_reply("x"))]).await;
+    let server = ScriptedServer::start([
+        Step::error(401, "invalid_api_key", "bad key"),
+        Step::ok(text_reply("x")),
+    ])
+    .await;
     let error = call(&client(server.settings())).await.unwrap_err();
-    let ModelError::Permanent { class, status, .. } = &error else { panic!("expected Permanent, got {error:?}") };
+    let ModelError::Permanent { class, status, .. } = &error else {
+        panic!("expected Permanent, got {error:?}")
+    };
     assert_eq!((*class, *status), (ErrorClass::Unauthorized, 401));
     assert_eq!(error.class().as_str(), "unauthorized");
     assert_eq!(server.request_count(), 1);
@@ -78,18 +110,29 @@ async fn unauthorized_is_permanent_and_not_retried() {
 
 #[tokio::test]
 async fn forbidden_is_permanent_and_not_retried() {
-    assert_permanent_without_retry(Step::error(403, "forbidden", "no access"), ErrorClass::Forbidden).await;
+    assert_permanent_without_retry(
+        Step::error(403, "forbidden", "no access"),
+        ErrorClass::Forbidden,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn payment_required_is_permanent_and_not_retried() {
-    assert_permanent_without_retry(Step::error(402, "payment_required", "add credits"), ErrorClass::PaymentRequired)
-        .await;
+    assert_permanent_without_retry(
+        Step::error(402, "payment_required", "add credits"),
+        ErrorClass::PaymentRequired,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn rate_limit_for_insufficient_quota_is_permanent_and_not_retried() {
-    let step = Step::error(429, "insufficient_quota", "You exceeded your current quota.");
+    let step = Step::error(
+        429,
+        "insufficient_quota",
+        "You exceeded your current quota.",
+    );
     assert_permanent_without_retry(step, ErrorClass::QuotaExhausted).await;
 }
 
@@ -102,7 +145,9 @@ async fn context_length_error_rejects_the_prompt_without_retry() {
     );
     let server = ScriptedServer::start([step]).await;
     let error = call(&client(server.settings())).await.unwrap_err();
-    let ModelError::Rejected { class, status, .. } = &error else { panic!("expected Rejected, got {error:?}") };
+    let ModelError::Rejected { class, status, .. } = &error else {
+        panic!("expected Rejected, got {error:?}")
+    };
     assert_eq!((*class, *status), (ErrorClass::ContextLength, 400));
     assert!(!error.is_permanent());
     assert_eq!(server.request_count(), 1);
@@ -110,8 +155,10 @@ async fn context_length_error_rejects_the_prompt_without_retry() {
 
 #[tokio::test]
 async fn truncated_json_is_retried_then_succeeds() {
-    let truncated = br#"{"choices": [{"index": 0, "message": {"role": "assistant", "content": "hel"#.to_vec();
-    let server = ScriptedServer::start([Step::Raw(200, truncated), Step::ok(text_reply("hello"))]).await;
+    let truncated =
+        br#"{"choices": [{"index": 0, "message": {"role": "assistant", "content": "hel"#.to_vec();
+    let server =
+        ScriptedServer::start([Step::Raw(200, truncated), Step::ok(text_reply("hello"))]).await;
     let completion = call(&client(server.settings())).await.unwrap();
     assert_eq!(completion.message.content, "hello");
     assert_eq!(server.request_count(), 2);
@@ -133,11 +180,17 @@ async fn malformed_body_is_retried_then_succeeds() {
 
 #[tokio::test]
 async fn attempts_are_bounded_when_the_server_always_fails() {
-    let server = ScriptedServer::start_with_default([], Step::error(503, "overloaded", "try later")).await;
+    let server =
+        ScriptedServer::start_with_default([], Step::error(503, "overloaded", "try later")).await;
     let mut settings = server.settings();
     settings.retry.max_attempts = 3;
     let error = call(&client(settings)).await.unwrap_err();
-    let ModelError::Exhausted { class, attempts, .. } = &error else { panic!("expected Exhausted, got {error:?}") };
+    let ModelError::Exhausted {
+        class, attempts, ..
+    } = &error
+    else {
+        panic!("expected Exhausted, got {error:?}")
+    };
     assert_eq!((*class, *attempts), (ErrorClass::ServerError, 3));
     assert!(!error.is_permanent());
     assert_eq!(server.request_count(), 3);
@@ -152,8 +205,22 @@ async fn total_wait_is_bounded_even_when_attempts_remain() {
     let started = Instant::now();
     let error = call(&client(settings)).await.unwrap_err();
     // 1 s waited after the first 429; a second wait would pass 1.5 s, so the call gives up.
-    assert!(started.elapsed() < Duration::from_millis(1500), "took {:?}", started.elapsed());
-    assert!(matches!(error, ModelError::Exhausted { class: ErrorClass::RateLimited, attempts: 2, .. }), "{error:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        matches!(
+            error,
+            ModelError::Exhausted {
+                class: ErrorClass::RateLimited,
+                attempts: 2,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
     assert_eq!(server.request_count(), 2);
 }
 
@@ -176,16 +243,32 @@ async fn a_server_that_always_hangs_exhausts_with_class_timeout() {
     settings.request_timeout = Duration::from_millis(100);
     settings.retry.max_attempts = 2;
     let error = call(&client(settings)).await.unwrap_err();
-    assert!(matches!(error, ModelError::Exhausted { class: ErrorClass::Timeout, attempts: 2, .. }), "{error:?}");
+    assert!(
+        matches!(
+            error,
+            ModelError::Exhausted {
+                class: ErrorClass::Timeout,
+                attempts: 2,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
 }
 
 #[tokio::test]
 async fn a_slow_reply_within_the_request_timeout_is_accepted() {
-    let slow = Step::Delay(Duration::from_millis(200), Box::new(Step::ok(text_reply("slow"))));
+    let slow = Step::Delay(
+        Duration::from_millis(200),
+        Box::new(Step::ok(text_reply("slow"))),
+    );
     let server = ScriptedServer::start([slow]).await;
     let mut settings = server.settings();
     settings.request_timeout = Duration::from_secs(2);
-    assert_eq!(call(&client(settings)).await.unwrap().message.content, "slow");
+    assert_eq!(
+        call(&client(settings)).await.unwrap().message.content,
+        "slow"
+    );
     assert_eq!(server.request_count(), 1);
 }
 
@@ -193,11 +276,18 @@ async fn a_slow_reply_within_the_request_timeout_is_accepted() {
 async fn streaming_produces_the_same_completion_as_non_streaming() {
     let replies = [
         with_reasoning(
-            tool_calls_reply(&[("terminal", json!(r#"{"command": "ls -la"}"#)), ("read_file", json!(r#"{"path": "ä.txt"}"#))]),
+            tool_calls_reply(&[
+                ("terminal", json!(r#"{"command": "ls -la"}"#)),
+                ("read_file", json!(r#"{"path": "ä.txt"}"#)),
+            ]),
             ReasoningField::ReasoningContent,
             "I should look around first.",
         ),
-        with_reasoning(text_reply("The answer is 42 — ünïcödé."), ReasoningField::Reasoning, "Counting…"),
+        with_reasoning(
+            text_reply("The answer is 42 — ünïcödé."),
+            ReasoningField::Reasoning,
+            "Counting…",
+        ),
     ];
     for reply in replies {
         let plain = ScriptedServer::start([Step::ok(reply.clone())]).await;
@@ -216,7 +306,11 @@ async fn streaming_produces_the_same_completion_as_non_streaming() {
 async fn api_key_is_sent_as_bearer_and_never_shown_in_an_error() {
     const KEY: &str = "sk-test-0123456789-very-secret";
     // Some proxies echo the key back in their error body.
-    let echo = Step::error(401, "invalid_api_key", &format!("Incorrect API key provided: {KEY}."));
+    let echo = Step::error(
+        401,
+        "invalid_api_key",
+        &format!("Incorrect API key provided: {KEY}."),
+    );
     let server = ScriptedServer::start([Step::ok(text_reply("ok")), echo]).await;
     let mut settings = server.settings();
     settings.api_key = Some(ApiKey::new(KEY));
@@ -224,7 +318,10 @@ async fn api_key_is_sent_as_bearer_and_never_shown_in_an_error() {
     call(&client).await.unwrap();
     let error = call(&client).await.unwrap_err();
     for request in server.requests() {
-        assert_eq!(request.authorization.as_deref(), Some(format!("Bearer {KEY}").as_str()));
+        assert_eq!(
+            request.authorization.as_deref(),
+            Some(format!("Bearer {KEY}").as_str())
+        );
     }
     assert_eq!(error.class(), ErrorClass::Unauthorized);
     assert!(!error.to_string().contains(KEY), "{error}");
@@ -254,6 +351,11 @@ async fn extra_body_is_merged_into_the_request() {
 #[tokio::test]
 async fn models_endpoint_lists_the_scripted_model() {
     let server = ScriptedServer::start([]).await;
-    let models: Value = reqwest::get(format!("{}/models", server.base_url())).await.unwrap().json().await.unwrap();
+    let models: Value = reqwest::get(format!("{}/models", server.base_url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(models["data"][0]["id"], "scripted");
 }
