@@ -261,9 +261,9 @@ pub fn render_report(report: &LocalReport) -> String {
                     out,
                     "  {:<16} {:>7} {:>8} {:>8} {:>7.1}%",
                     name,
-                    counts["count"],
-                    counts["success"],
-                    counts["failure"],
+                    counts["count"].as_u64().unwrap_or(0),
+                    counts["success"].as_u64().unwrap_or(0),
+                    counts["failure"].as_u64().unwrap_or(0),
                     counts["success_rate"].as_f64().unwrap_or(0.0)
                 );
             }

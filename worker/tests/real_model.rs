@@ -1,0 +1,153 @@
+//! Tests against the real model server: llama.cpp serving SmolLM2-135M through its
+//! OpenAI-compatible API (scripts/model-server). `scripts/test.sh` starts it and exports
+//! `MODEL_BASE_URL`; without it these tests fail and say how to start it.
+//!
+//! The model is small and erratic, so the assertions are about structure (a tool call made, its
+//! result returned, the record valid), never about what the model says.
+
+mod common;
+
+use std::path::Path;
+
+use serde_json::Value;
+use trajectory_worker::agent::{AgentConfig, run_conversation};
+use trajectory_worker::hermes::{RecordContext, trajectory_record};
+use trajectory_worker::model::{Message, ModelClient, ModelSettings, RetryPolicy};
+use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
+use trajectory_worker::spec::ToolsSpec;
+use trajectory_worker::tools::{Registry, ToolContext, ToolLimits, Workspace};
+
+fn model_server() -> String {
+    std::env::var("MODEL_BASE_URL").unwrap_or_else(|_| {
+        panic!(
+            "MODEL_BASE_URL is not set: this test needs the real llama.cpp model server. Start it with \
+             `scripts/model-server/start.sh && source /tmp/trajectory-model-server/env`, or run the whole \
+             suite with `scripts/test.sh`"
+        )
+    })
+}
+
+fn model_name() -> String {
+    std::env::var("MODEL_NAME").unwrap_or_else(|_| "smollm2-135m-instruct-q4_1".to_owned())
+}
+
+#[tokio::test]
+async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
+    let client = ModelClient::new(ModelSettings {
+        base_url: model_server(),
+        model: model_name(),
+        api_key: None,
+        max_tokens: Some(128),
+        temperature: Some(0.0),
+        reasoning_fields: serde_json::Map::new(),
+        extra_body: serde_json::Map::new(),
+        request_timeout: std::time::Duration::from_secs(120),
+        stream: false,
+        retry: RetryPolicy { max_attempts: 3, ..RetryPolicy::default() },
+    })
+    .unwrap();
+    let registry = Registry::builtin(&ToolsSpec::default());
+    let toolsets = ["terminal".to_owned(), "file".to_owned()];
+    let tools = registry.tools_for(&toolsets);
+    let dir = tempfile::tempdir().unwrap();
+    let context = ToolContext { workspace: Workspace::new(dir.path()).unwrap(), limits: ToolLimits::default() };
+    let config = AgentConfig { max_turns: 2, prompt_timeout: std::time::Duration::from_secs(600), ephemeral_system_prompt: None };
+    let prompt = "Create a file named hello.txt containing the word hello, then read it back.";
+
+    let conversation = run_conversation(&client, &tools, &context, prompt, &config).await.expect("the conversation finishes");
+
+    let (position, call) = conversation
+        .messages
+        .iter()
+        .enumerate()
+        .find_map(|(i, m)| match m {
+            Message::Assistant(a) if !a.tool_calls.is_empty() => Some((i, a.tool_calls[0].clone())),
+            _ => None,
+        })
+        .expect("the model made a tool call");
+    let Some(Message::Tool(result)) = conversation.messages.get(position + 1) else {
+        panic!("the tool call's result follows it: {:?}", conversation.messages);
+    };
+    assert_eq!(result.tool_call_id, call.id);
+    assert!(!result.content.is_empty());
+    assert!(conversation.usage.completion_tokens > 0, "usage is captured");
+
+    let offered: Vec<_> = tools.iter().map(|tool| tool.spec().clone()).collect();
+    let catalog = registry.catalog(&toolsets);
+    let source = serde_json::Map::new();
+    let now = chrono::Utc::now();
+    let record = trajectory_record(
+        &conversation,
+        &RecordContext {
+            id: "real-0-0",
+            prompt_index: 0,
+            sample: 0,
+            batch: 0,
+            model: &model_name(),
+            toolsets_used: &toolsets,
+            tools_offered: &offered,
+            catalog: &catalog,
+            started_at: now,
+            finished_at: now,
+            source: &source,
+        },
+    );
+    assert_valid_record(&Value::Object(record));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
+    let storage = tempfile::tempdir().unwrap();
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/quickstart");
+    std::fs::create_dir_all(storage.path().join("datasets")).unwrap();
+    std::fs::copy(example.join("run.yaml"), storage.path().join("run.yaml")).unwrap();
+    std::fs::copy(example.join("datasets/quickstart.jsonl"), storage.path().join("datasets/quickstart.jsonl")).unwrap();
+    let options = LocalOptions {
+        run_file: storage.path().join("run.yaml"),
+        storage: None,
+        base_url: Some(model_server()),
+        workspace_root: storage.path().join("workspaces"),
+        progress: ProgressMode::Lines,
+    };
+    let report = run_local(&options, &common::no_shutdown()).await.expect("the quickstart run finishes");
+    assert_eq!(report.plan.prompts, 8);
+    assert_eq!(report.merge.trajectories + report.merge.failed, 8, "every prompt has exactly one record");
+    assert!(report.merge.trajectories >= 6, "most prompts succeed: {:?}", report.merge);
+    let text = std::fs::read_to_string(report.run_dir.join("trajectories.jsonl")).unwrap();
+    let mut indexes = Vec::new();
+    for line in text.lines() {
+        let record: Value = serde_json::from_str(line).unwrap();
+        assert_valid_record(&record);
+        assert_eq!(record["toolsets_used"], serde_json::json!(["terminal", "file"]));
+        indexes.push(record["prompt_index"].as_u64().unwrap());
+    }
+    assert!(indexes.windows(2).all(|pair| pair[0] < pair[1]), "dataset order: {indexes:?}");
+    let statistics: Value = serde_json::from_slice(&std::fs::read(report.run_dir.join("statistics.json")).unwrap()).unwrap();
+    assert_eq!(statistics["counts"]["records"], 8);
+}
+
+/// The structure every Hermes record has, whatever the model said.
+fn assert_valid_record(record: &Value) {
+    let turns = record["conversations"].as_array().expect("conversations");
+    assert_eq!(turns[0]["from"], "system");
+    assert!(turns[0]["value"].as_str().unwrap().contains("<tools>\n[{\"name\": "));
+    assert_eq!(turns[1]["from"], "human");
+    let mut previous = "human";
+    for turn in &turns[2..] {
+        let from = turn["from"].as_str().unwrap();
+        let value = turn["value"].as_str().unwrap();
+        match from {
+            "gpt" => assert!(value.starts_with("<think>"), "gpt turns open with a think block: {value:?}"),
+            "tool" => {
+                assert_eq!(previous, "gpt", "a tool turn follows a gpt turn");
+                assert!(value.starts_with("<tool_response>\n{\"tool_call_id\": "), "{value:?}");
+            }
+            "human" => {}
+            other => panic!("unexpected role {other}"),
+        }
+        previous = from;
+    }
+    for key in ["metadata", "completed", "partial", "api_calls", "tool_stats", "tool_error_counts", "id", "usage"] {
+        assert!(record.get(key).is_some(), "record has {key}");
+    }
+}
