@@ -10,9 +10,11 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use serde_json::Value;
-use tracing::{debug, info_span, Instrument};
+use tracing::{Instrument, debug, info_span};
 
-use crate::model::{AssistantMessage, ErrorClass, Message, ModelClient, ModelError, ToolCall, ToolMessage, Usage};
+use crate::model::{
+    AssistantMessage, ErrorClass, Message, ModelClient, ModelError, ToolCall, ToolMessage, Usage,
+};
 use crate::tools::{Tool, ToolContext, ToolOutcome};
 
 /// The user message that asks for a final answer once the turn budget is spent.
@@ -70,7 +72,13 @@ impl ConversationError {
     /// failure would let a dead server burn through the whole dataset, so the batch stops instead
     /// and the prompt is retried when the batch is.
     pub fn is_server_unreachable(&self) -> bool {
-        matches!(self, Self::Model(ModelError::Exhausted { class: ErrorClass::Connection, .. }))
+        matches!(
+            self,
+            Self::Model(ModelError::Exhausted {
+                class: ErrorClass::Connection,
+                ..
+            })
+        )
     }
 }
 
@@ -142,15 +150,28 @@ async fn converse(
             conversation.completed = true;
             return Ok(conversation);
         }
-        let results = join_all(message.tool_calls.iter().map(|call| execute(call, tools, ctx))).await;
+        let results = join_all(
+            message
+                .tool_calls
+                .iter()
+                .map(|call| execute(call, tools, ctx)),
+        )
+        .await;
         conversation.messages.push(Message::Assistant(message));
-        conversation.messages.extend(results.into_iter().map(Message::Tool));
+        conversation
+            .messages
+            .extend(results.into_iter().map(Message::Tool));
     }
-    conversation.messages.push(Message::User(FINAL_ANSWER_REQUEST.to_owned()));
+    conversation
+        .messages
+        .push(Message::User(FINAL_ANSWER_REQUEST.to_owned()));
     let body = client.request_body(system, &conversation.messages, None);
     let reply = timed_call(client, &body, turn, &mut conversation).await?;
     // Without tools offered, a server may still emit calls; they cannot run, so they are dropped.
-    let message = AssistantMessage { tool_calls: Vec::new(), ..reply.message };
+    let message = AssistantMessage {
+        tool_calls: Vec::new(),
+        ..reply.message
+    };
     conversation.messages.push(Message::Assistant(message));
     Ok(conversation)
 }
@@ -170,16 +191,25 @@ async fn timed_call(
 
 /// Runs one tool call; unknown tools and invalid arguments go back to the model as tool errors.
 async fn execute(call: &ToolCall, tools: &[Arc<dyn Tool>], ctx: &ToolContext) -> ToolMessage {
-    let outcome = match (tools.iter().find(|tool| tool.spec().name == call.name), &call.arguments) {
+    let outcome = match (
+        tools.iter().find(|tool| tool.spec().name == call.name),
+        &call.arguments,
+    ) {
         (None, _) => {
             let available: Vec<_> = tools.iter().map(|tool| tool.spec().name.as_str()).collect();
             ToolOutcome::Err(format!(
                 "unknown tool {:?}; available tools: {}",
                 call.name,
-                if available.is_empty() { "none".to_owned() } else { available.join(", ") }
+                if available.is_empty() {
+                    "none".to_owned()
+                } else {
+                    available.join(", ")
+                }
             ))
         }
-        (Some(_), Err(reason)) => ToolOutcome::Err(format!("invalid arguments for {}: {reason}", call.name)),
+        (Some(_), Err(reason)) => {
+            ToolOutcome::Err(format!("invalid arguments for {}: {reason}", call.name))
+        }
         (Some(tool), Ok(arguments)) => {
             let started = Instant::now();
             let outcome = tool.call(arguments.clone(), ctx).await;

@@ -13,7 +13,11 @@ use crate::run::manifest::Manifest;
 use crate::run::{RunError, RunFile, RunLocation, load_plan, merge, plan};
 
 #[derive(Debug, Parser)]
-#[command(name = "trajectory-worker", version, about = "Generate tool-using agent trajectories")]
+#[command(
+    name = "trajectory-worker",
+    version,
+    about = "Generate tool-using agent trajectories"
+)]
 pub struct Cli {
     /// Log output format.
     #[arg(long, env = env::LOG_FORMAT, value_enum, default_value_t = LogFormat::Pretty, global = true)]
@@ -32,7 +36,7 @@ pub enum LogFormat {
 pub enum Command {
     /// Run a whole run (plan, batches, merge) on this machine from a run file.
     Local {
-        /// The TrajectoryRun YAML.
+        /// The `TrajectoryRun` YAML.
         run_file: PathBuf,
         /// Root the dataset and output paths are relative to (default: the run file's directory).
         #[arg(long, env = env::STORAGE_ROOT)]
@@ -64,7 +68,7 @@ pub enum Command {
     Merge(RunArgs),
     /// Run one prompt end to end and print its record.
     Prompt {
-        /// The TrajectoryRun YAML whose model and tools to use.
+        /// The `TrajectoryRun` YAML whose model and tools to use.
         run_file: PathBuf,
         /// The prompt.
         prompt: String,
@@ -81,7 +85,7 @@ pub enum Command {
 /// Where the run plan comes from.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// The run plan JSON (in a pod, the mounted ConfigMap).
+    /// The run plan JSON (in a pod, the mounted `ConfigMap`).
     #[arg(long, env = env::PLAN_PATH, conflicts_with = "run_file")]
     pub plan: Option<PathBuf>,
     /// A run file instead of a plan (for running a step by hand).
@@ -122,12 +126,17 @@ impl RunArgs {
                 )));
             }
         };
-        Ok(RunLocation { storage_root: self.storage_root.clone(), plan })
+        Ok(RunLocation {
+            storage_root: self.storage_root.clone(),
+            plan,
+        })
     }
 
     /// Writes the summary (or the error) where the operator reads it.
     fn report<T: Serialize>(&self, result: &Result<T, RunError>) {
-        let Some(path) = &self.termination_log else { return };
+        let Some(path) = &self.termination_log else {
+            return;
+        };
         let message = match result {
             Ok(summary) => termination_message(summary),
             Err(error) => termination_message(&serde_json::json!({
@@ -144,7 +153,9 @@ impl RunArgs {
 pub fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Pretty => builder.compact().init(),
@@ -154,13 +165,14 @@ pub fn init_tracing(format: LogFormat) {
 /// Triggers shutdown on SIGINT or SIGTERM.
 fn watch_signals(trigger: ShutdownTrigger) {
     tokio::spawn(async move {
-        let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(signal) => signal,
-            Err(err) => {
-                error!(%err, "cannot listen for SIGTERM");
-                return;
-            }
-        };
+        let mut terminate =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(signal) => signal,
+                Err(err) => {
+                    error!(%err, "cannot listen for SIGTERM");
+                    return;
+                }
+            };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = terminate.recv() => {}
@@ -193,13 +205,23 @@ pub async fn run(cli: Cli) -> i32 {
 
 async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError> {
     match command {
-        Command::Local { run_file, storage, workspaces, no_progress_bar, base_url } => {
+        Command::Local {
+            run_file,
+            storage,
+            workspaces,
+            no_progress_bar,
+            base_url,
+        } => {
             let options = LocalOptions {
                 run_file,
                 storage,
                 base_url,
                 workspace_root: workspaces.root(),
-                progress: if no_progress_bar { ProgressMode::Lines } else { ProgressMode::Auto },
+                progress: if no_progress_bar {
+                    ProgressMode::Lines
+                } else {
+                    ProgressMode::Auto
+                },
             };
             let report = run_local(&options, shutdown).await?;
             print!("{}", render_report(&report));
@@ -215,7 +237,12 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             println!("{}", termination_message(&result?));
             Ok(())
         }
-        Command::Batch { run, index, batch, workspaces } => {
+        Command::Batch {
+            run,
+            index,
+            batch,
+            workspaces,
+        } => {
             let result = batch_command(&run, index, batch, &workspaces, shutdown).await;
             run.report(&result);
             println!("{}", termination_message(&result?));
@@ -231,9 +258,19 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             println!("{}", termination_message(&result?));
             Ok(())
         }
-        Command::Prompt { run_file, prompt, toolsets, workspaces } => {
-            let record = crate::run::prompt::run_prompt(&run_file, &prompt, toolsets, workspaces.root()).await?;
-            println!("{}", serde_json::to_string_pretty(&record).unwrap_or_default());
+        Command::Prompt {
+            run_file,
+            prompt,
+            toolsets,
+            workspaces,
+        } => {
+            let record =
+                crate::run::prompt::run_prompt(&run_file, &prompt, toolsets, workspaces.root())
+                    .await?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&record).unwrap_or_default()
+            );
             Ok(())
         }
         Command::Distributions => {
@@ -261,7 +298,9 @@ async fn batch_command(
     let batch = match (batch, index) {
         (Some(batch), _) => batch,
         (None, Some(index)) => location.plan.batch_for_index(index).ok_or_else(|| {
-            RunError::BadBatchInput(format!("completion index {index} has no batch in the run plan"))
+            RunError::BadBatchInput(format!(
+                "completion index {index} has no batch in the run plan"
+            ))
         })?,
         (None, None) => {
             return Err(RunError::Spec(format!(

@@ -39,12 +39,21 @@ pub struct LineReader<R> {
 
 impl<R: BufRead> LineReader<R> {
     pub fn new(reader: R, max: usize) -> Self {
-        Self { reader, number: 0, offset: 0, max }
+        Self {
+            reader,
+            number: 0,
+            offset: 0,
+            max,
+        }
     }
 
     /// Reads the next line into `buffer` (without its newline). `None` at the end.
     /// `observe` sees every byte read, for digests.
-    pub fn next_line(&mut self, buffer: &mut Vec<u8>, observe: &mut impl FnMut(&[u8])) -> io::Result<Option<LineInfo>> {
+    pub fn next_line(
+        &mut self,
+        buffer: &mut Vec<u8>,
+        observe: &mut impl FnMut(&[u8]),
+    ) -> io::Result<Option<LineInfo>> {
         buffer.clear();
         let start = self.offset;
         let mut too_long = false;
@@ -59,7 +68,11 @@ impl<R: BufRead> LineReader<R> {
                 None => (available, false),
             };
             observe(chunk);
-            let content = if done { &chunk[..chunk.len() - 1] } else { chunk };
+            let content = if done {
+                &chunk[..chunk.len() - 1]
+            } else {
+                chunk
+            };
             if !too_long {
                 if buffer.len() + content.len() > self.max {
                     too_long = true;
@@ -80,7 +93,12 @@ impl<R: BufRead> LineReader<R> {
         }
         self.number += 1;
         self.offset += length;
-        Ok(Some(LineInfo { number: self.number, offset: start, length, too_long }))
+        Ok(Some(LineInfo {
+            number: self.number,
+            offset: start,
+            length,
+            too_long,
+        }))
     }
 }
 
@@ -130,17 +148,26 @@ impl fmt::Display for Reason {
 }
 
 fn reject(reason: Reason, message: impl Into<String>) -> Rejection {
-    Rejection { reason, message: message.into() }
+    Rejection {
+        reason,
+        message: message.into(),
+    }
 }
 
 /// The checks every line passes before its JSON is looked at.
 fn frame_checks<'a>(line: &'a [u8], info: Option<&LineInfo>) -> Result<&'a str, Rejection> {
     if info.is_some_and(|info| info.too_long) {
-        return Err(reject(Reason::TooLong, format!("line is longer than {MAX_LINE_BYTES} bytes")));
+        return Err(reject(
+            Reason::TooLong,
+            format!("line is longer than {MAX_LINE_BYTES} bytes"),
+        ));
     }
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let text = std::str::from_utf8(line).map_err(|err| {
-        reject(Reason::InvalidUtf8, format!("invalid UTF-8 at byte {}", err.valid_up_to()))
+        reject(
+            Reason::InvalidUtf8,
+            format!("invalid UTF-8 at byte {}", err.valid_up_to()),
+        )
     })?;
     if text.trim().is_empty() {
         return Err(reject(Reason::EmptyLine, "empty line"));
@@ -152,16 +179,18 @@ fn frame_checks<'a>(line: &'a [u8], info: Option<&LineInfo>) -> Result<&'a str, 
 pub fn probe_line(line: &[u8], info: &LineInfo, prompt_field: &str) -> Result<(), Rejection> {
     let text = frame_checks(line, Some(info))?;
     let mut deserializer = serde_json::Deserializer::from_str(text);
-    let found = ProbeSeed { field: prompt_field }
-        .deserialize(&mut deserializer)
-        .and_then(|found| deserializer.end().map(|()| found))
-        .map_err(|err| {
-            if err.is_data() {
-                reject(Reason::NotAnObject, "line is JSON but not an object")
-            } else {
-                reject(Reason::InvalidJson, format!("invalid JSON: {err}"))
-            }
-        })?;
+    let found = ProbeSeed {
+        field: prompt_field,
+    }
+    .deserialize(&mut deserializer)
+    .and_then(|found| deserializer.end().map(|()| found))
+    .map_err(|err| {
+        if err.is_data() {
+            reject(Reason::NotAnObject, "line is JSON but not an object")
+        } else {
+            reject(Reason::InvalidJson, format!("invalid JSON: {err}"))
+        }
+    })?;
     found.into_result(prompt_field).map(|_| ())
 }
 
@@ -176,11 +205,18 @@ pub struct Row {
 pub fn parse_row(line: &[u8], prompt_field: &str) -> Result<Row, Rejection> {
     let text = frame_checks(line, None)?;
     if text.len() > MAX_LINE_BYTES {
-        return Err(reject(Reason::TooLong, format!("line is longer than {MAX_LINE_BYTES} bytes")));
+        return Err(reject(
+            Reason::TooLong,
+            format!("line is longer than {MAX_LINE_BYTES} bytes"),
+        ));
     }
-    let value: Value = serde_json::from_str(text).map_err(|err| reject(Reason::InvalidJson, format!("invalid JSON: {err}")))?;
+    let value: Value = serde_json::from_str(text)
+        .map_err(|err| reject(Reason::InvalidJson, format!("invalid JSON: {err}")))?;
     let Value::Object(mut source) = value else {
-        return Err(reject(Reason::NotAnObject, "line is JSON but not an object"));
+        return Err(reject(
+            Reason::NotAnObject,
+            "line is JSON but not an object",
+        ));
     };
     let found = match source.get(prompt_field) {
         Some(value) => Found::Prompt(classify_prompt(value)),
@@ -192,13 +228,13 @@ pub fn parse_row(line: &[u8], prompt_field: &str) -> Result<Row, Rejection> {
         ),
     };
     let prompt = found.into_result(prompt_field)?;
-    match source.get(prompt_field) {
-        Some(_) => {
-            source.remove(prompt_field);
-        }
-        None => {}
+    if source.get(prompt_field).is_some() {
+        source.remove(prompt_field);
     }
-    Ok(Row { prompt: prompt.into_owned(), source })
+    Ok(Row {
+        prompt: prompt.into_owned(),
+        source,
+    })
 }
 
 /// Chat-style rows: the first user turn of one of these lists is the prompt.
@@ -218,14 +254,15 @@ enum PromptValue {
 impl Found {
     fn into_result(self, field: &str) -> Result<Cow<'static, str>, Rejection> {
         match self {
-            Self::Prompt(PromptValue::Text(text)) if text.trim().is_empty() => {
-                Err(reject(Reason::EmptyPrompt, format!("field {field:?} is an empty string")))
-            }
-            Self::Prompt(PromptValue::Text(text)) => Ok(Cow::Owned(text)),
-            Self::Prompt(PromptValue::Other(kind)) => {
-                Err(reject(Reason::PromptNotString, format!("field {field:?} is {kind}, not a string")))
-            }
-            Self::Chat(Some(text)) => Ok(Cow::Owned(text)),
+            Self::Prompt(PromptValue::Text(text)) if text.trim().is_empty() => Err(reject(
+                Reason::EmptyPrompt,
+                format!("field {field:?} is an empty string"),
+            )),
+            Self::Prompt(PromptValue::Text(text)) | Self::Chat(Some(text)) => Ok(Cow::Owned(text)),
+            Self::Prompt(PromptValue::Other(kind)) => Err(reject(
+                Reason::PromptNotString,
+                format!("field {field:?} is {kind}, not a string"),
+            )),
             Self::Chat(None) => Err(reject(
                 Reason::MissingPrompt,
                 format!("no {field:?} field and no user turn in \"conversations\" or \"messages\""),
@@ -252,7 +289,10 @@ fn chat_prompt(list: &Value) -> Option<String> {
         if role != "user" && role != "human" {
             return None;
         }
-        let text = turn.get("content").or_else(|| turn.get("value"))?.as_str()?;
+        let text = turn
+            .get("content")
+            .or_else(|| turn.get("value"))?
+            .as_str()?;
         (!text.trim().is_empty()).then(|| text.to_owned())
     })
 }
@@ -298,13 +338,20 @@ mod tests {
     use super::*;
 
     fn info() -> LineInfo {
-        LineInfo { number: 1, offset: 0, length: 1, too_long: false }
+        LineInfo {
+            number: 1,
+            offset: 0,
+            length: 1,
+            too_long: false,
+        }
     }
 
     fn both(line: &[u8]) -> (Result<(), Reason>, Result<String, Reason>) {
         (
             probe_line(line, &info(), "prompt").map_err(|r| r.reason),
-            parse_row(line, "prompt").map(|row| row.prompt).map_err(|r| r.reason),
+            parse_row(line, "prompt")
+                .map(|row| row.prompt)
+                .map_err(|r| r.reason),
         )
     }
 
@@ -326,15 +373,28 @@ mod tests {
         ];
         for (line, expected) in cases {
             let (probe, parse) = both(line);
-            assert_eq!(parse, expected.map(str::to_owned), "{}", String::from_utf8_lossy(line));
-            assert_eq!(probe, expected.map(|_| ()), "{}", String::from_utf8_lossy(line));
+            assert_eq!(
+                parse,
+                expected.map(str::to_owned),
+                "{}",
+                String::from_utf8_lossy(line)
+            );
+            assert_eq!(
+                probe,
+                expected.map(|_| ()),
+                "{}",
+                String::from_utf8_lossy(line)
+            );
         }
     }
 
     #[test]
     fn parse_keeps_the_other_fields_as_source() {
         let row = parse_row(br#"{"prompt": "p", "id": "a1", "answer": 4}"#, "prompt").unwrap();
-        assert_eq!(serde_json::Value::Object(row.source), serde_json::json!({"id": "a1", "answer": 4}));
+        assert_eq!(
+            serde_json::Value::Object(row.source),
+            serde_json::json!({"id": "a1", "answer": 4})
+        );
     }
 
     #[test]
@@ -344,11 +404,17 @@ mod tests {
         let mut buffer = Vec::new();
         let mut seen = 0usize;
         let mut lines = Vec::new();
-        while let Some(info) = reader.next_line(&mut buffer, &mut |bytes| seen += bytes.len()).unwrap() {
+        while let Some(info) = reader
+            .next_line(&mut buffer, &mut |bytes| seen += bytes.len())
+            .unwrap()
+        {
             lines.push((info, buffer.clone()));
         }
         assert_eq!(seen, data.len());
-        let summary: Vec<_> = lines.iter().map(|(i, b)| (i.number, i.offset, i.too_long, b.clone())).collect();
+        let summary: Vec<_> = lines
+            .iter()
+            .map(|(i, b)| (i.number, i.offset, i.too_long, b.clone()))
+            .collect();
         assert_eq!(
             summary,
             vec![

@@ -19,48 +19,143 @@ pub struct Distribution {
     pub toolsets: Vec<(String, f64)>,
 }
 
+/// A built-in distribution: name, description, toolsets with percentages.
+type BuiltinDistribution = (&'static str, &'static str, &'static [(&'static str, f64)]);
+
 /// The reference's distributions, without the removed `moa` toolset.
-const BUILTIN: &[(&str, &str, &[(&str, f64)])] = &[
-    ("default", "All toolsets, always", &[
-        ("web", 100.0), ("vision", 100.0), ("image_gen", 100.0), ("terminal", 100.0),
-        ("file", 100.0), ("browser", 100.0),
-    ]),
-    ("image_gen", "Image generation focus", &[
-        ("web", 55.0), ("vision", 90.0), ("image_gen", 90.0), ("terminal", 45.0),
-    ]),
-    ("research", "Web research with vision", &[
-        ("web", 90.0), ("vision", 50.0), ("terminal", 10.0), ("browser", 70.0),
-    ]),
-    ("science", "Scientific problem solving", &[
-        ("web", 94.0), ("vision", 65.0), ("image_gen", 15.0), ("terminal", 94.0),
-        ("file", 94.0), ("browser", 50.0),
-    ]),
-    ("development", "Terminal and file work", &[
-        ("web", 30.0), ("vision", 10.0), ("terminal", 80.0), ("file", 80.0),
-    ]),
-    ("safe", "Everything except the terminal", &[
-        ("web", 80.0), ("vision", 60.0), ("image_gen", 60.0), ("browser", 70.0),
-    ]),
-    ("balanced", "Equal chances for every toolset", &[
-        ("web", 50.0), ("vision", 50.0), ("image_gen", 50.0), ("terminal", 50.0),
-        ("file", 50.0), ("browser", 50.0),
-    ]),
+const BUILTIN: &[BuiltinDistribution] = &[
+    (
+        "default",
+        "All toolsets, always",
+        &[
+            ("web", 100.0),
+            ("vision", 100.0),
+            ("image_gen", 100.0),
+            ("terminal", 100.0),
+            ("file", 100.0),
+            ("browser", 100.0),
+        ],
+    ),
+    (
+        "image_gen",
+        "Image generation focus",
+        &[
+            ("web", 55.0),
+            ("vision", 90.0),
+            ("image_gen", 90.0),
+            ("terminal", 45.0),
+        ],
+    ),
+    (
+        "research",
+        "Web research with vision",
+        &[
+            ("web", 90.0),
+            ("vision", 50.0),
+            ("terminal", 10.0),
+            ("browser", 70.0),
+        ],
+    ),
+    (
+        "science",
+        "Scientific problem solving",
+        &[
+            ("web", 94.0),
+            ("vision", 65.0),
+            ("image_gen", 15.0),
+            ("terminal", 94.0),
+            ("file", 94.0),
+            ("browser", 50.0),
+        ],
+    ),
+    (
+        "development",
+        "Terminal and file work",
+        &[
+            ("web", 30.0),
+            ("vision", 10.0),
+            ("terminal", 80.0),
+            ("file", 80.0),
+        ],
+    ),
+    (
+        "safe",
+        "Everything except the terminal",
+        &[
+            ("web", 80.0),
+            ("vision", 60.0),
+            ("image_gen", 60.0),
+            ("browser", 70.0),
+        ],
+    ),
+    (
+        "balanced",
+        "Equal chances for every toolset",
+        &[
+            ("web", 50.0),
+            ("vision", 50.0),
+            ("image_gen", 50.0),
+            ("terminal", 50.0),
+            ("file", 50.0),
+            ("browser", 50.0),
+        ],
+    ),
     ("minimal", "Web only", &[("web", 100.0)]),
-    ("terminal_only", "Terminal and file", &[("terminal", 100.0), ("file", 100.0)]),
-    ("terminal_web", "Terminal, file and web", &[("web", 100.0), ("terminal", 100.0), ("file", 100.0)]),
-    ("creative", "Image generation and vision", &[("web", 30.0), ("vision", 90.0), ("image_gen", 90.0)]),
-    ("reasoning", "Reasoning with a little web and terminal", &[("web", 30.0), ("terminal", 20.0)]),
-    ("browser_use", "Full browser interaction", &[("web", 80.0), ("vision", 70.0), ("browser", 100.0)]),
+    (
+        "terminal_only",
+        "Terminal and file",
+        &[("terminal", 100.0), ("file", 100.0)],
+    ),
+    (
+        "terminal_web",
+        "Terminal, file and web",
+        &[("web", 100.0), ("terminal", 100.0), ("file", 100.0)],
+    ),
+    (
+        "creative",
+        "Image generation and vision",
+        &[("web", 30.0), ("vision", 90.0), ("image_gen", 90.0)],
+    ),
+    (
+        "reasoning",
+        "Reasoning with a little web and terminal",
+        &[("web", 30.0), ("terminal", 20.0)],
+    ),
+    (
+        "browser_use",
+        "Full browser interaction",
+        &[("web", 80.0), ("vision", 70.0), ("browser", 100.0)],
+    ),
     ("browser_only", "Browser only", &[("browser", 100.0)]),
-    ("browser_tasks", "Browser-task datasets", &[("vision", 12.0), ("terminal", 15.0), ("browser", 97.0)]),
-    ("terminal_tasks", "Terminal-task datasets", &[
-        ("web", 97.0), ("vision", 50.0), ("image_gen", 10.0), ("terminal", 97.0), ("file", 97.0),
-        ("browser", 75.0),
-    ]),
-    ("mixed_tasks", "Browser and terminal tasks", &[
-        ("web", 35.0), ("vision", 15.0), ("image_gen", 15.0), ("terminal", 92.0), ("file", 92.0),
-        ("browser", 92.0),
-    ]),
+    (
+        "browser_tasks",
+        "Browser-task datasets",
+        &[("vision", 12.0), ("terminal", 15.0), ("browser", 97.0)],
+    ),
+    (
+        "terminal_tasks",
+        "Terminal-task datasets",
+        &[
+            ("web", 97.0),
+            ("vision", 50.0),
+            ("image_gen", 10.0),
+            ("terminal", 97.0),
+            ("file", 97.0),
+            ("browser", 75.0),
+        ],
+    ),
+    (
+        "mixed_tasks",
+        "Browser and terminal tasks",
+        &[
+            ("web", 35.0),
+            ("vision", 15.0),
+            ("image_gen", 15.0),
+            ("terminal", 92.0),
+            ("file", 92.0),
+            ("browser", 92.0),
+        ],
+    ),
 ];
 
 /// Why a distribution cannot be used; each names the field and value at fault.
@@ -75,7 +170,12 @@ pub enum DistributionError {
     #[error(
         "spec.distribution: {distribution:?} can draw toolset {toolset:?} ({percent}%), which is not available: {hint}"
     )]
-    Unavailable { distribution: String, toolset: String, percent: f64, hint: String },
+    Unavailable {
+        distribution: String,
+        toolset: String,
+        percent: f64,
+        hint: String,
+    },
     #[error("spec.distribution: the distribution has no toolset with a probability above 0")]
     Empty,
 }
@@ -87,41 +187,60 @@ pub fn builtin() -> Vec<Distribution> {
         .map(|(name, description, toolsets)| Distribution {
             name: (*name).to_owned(),
             description: (*description).to_owned(),
-            toolsets: toolsets.iter().map(|(toolset, percent)| ((*toolset).to_owned(), *percent)).collect(),
+            toolsets: toolsets
+                .iter()
+                .map(|(toolset, percent)| ((*toolset).to_owned(), *percent))
+                .collect(),
         })
         .collect()
 }
 
 impl Distribution {
     /// Resolves the spec into a distribution this build can serve, or says why not.
-    pub fn resolve(spec: &DistributionSpec, registry: &Registry) -> Result<Self, DistributionError> {
+    pub fn resolve(
+        spec: &DistributionSpec,
+        registry: &Registry,
+    ) -> Result<Self, DistributionError> {
         let distribution = match spec {
-            DistributionSpec::Named(name) => builtin().into_iter().find(|d| &d.name == name).ok_or_else(|| {
-                let known: Vec<_> = BUILTIN.iter().map(|(name, ..)| *name).collect();
-                DistributionError::UnknownName(name.clone(), known.join(", "))
-            })?,
+            DistributionSpec::Named(name) => builtin()
+                .into_iter()
+                .find(|d| &d.name == name)
+                .ok_or_else(|| {
+                    let known: Vec<_> = BUILTIN.iter().map(|(name, ..)| *name).collect();
+                    DistributionError::UnknownName(name.clone(), known.join(", "))
+                })?,
             DistributionSpec::Inline(map) => Self::inline(map),
         };
         let known: Vec<_> = registry.toolset_names().collect();
         for (toolset, percent) in &distribution.toolsets {
             if !(0.0..=100.0).contains(percent) {
-                return Err(DistributionError::Percent { toolset: toolset.clone(), percent: *percent });
+                return Err(DistributionError::Percent {
+                    toolset: toolset.clone(),
+                    percent: *percent,
+                });
             }
             let Some(entry) = registry.toolset(toolset) else {
-                return Err(DistributionError::UnknownToolset(toolset.clone(), known.join(", ")));
+                return Err(DistributionError::UnknownToolset(
+                    toolset.clone(),
+                    known.join(", "),
+                ));
             };
-            if let Availability::Unavailable(hint) = &entry.availability {
-                if *percent > 0.0 {
-                    return Err(DistributionError::Unavailable {
-                        distribution: distribution.name.clone(),
-                        toolset: toolset.clone(),
-                        percent: *percent,
-                        hint: hint.clone(),
-                    });
-                }
+            if let Availability::Unavailable(hint) = &entry.availability
+                && *percent > 0.0
+            {
+                return Err(DistributionError::Unavailable {
+                    distribution: distribution.name.clone(),
+                    toolset: toolset.clone(),
+                    percent: *percent,
+                    hint: hint.clone(),
+                });
             }
         }
-        if distribution.toolsets.iter().all(|(_, percent)| *percent <= 0.0) {
+        if distribution
+            .toolsets
+            .iter()
+            .all(|(_, percent)| *percent <= 0.0)
+        {
             return Err(DistributionError::Empty);
         }
         Ok(distribution)
@@ -131,7 +250,10 @@ impl Distribution {
         Self {
             name: "inline".to_owned(),
             description: "Inline distribution from the spec".to_owned(),
-            toolsets: map.iter().map(|(toolset, percent)| (toolset.clone(), *percent)).collect(),
+            toolsets: map
+                .iter()
+                .map(|(toolset, percent)| (toolset.clone(), *percent))
+                .collect(),
         }
     }
 
@@ -150,7 +272,9 @@ impl Distribution {
         let mut chosen: Vec<String> = self
             .toolsets
             .iter()
-            .filter(|(toolset, percent)| unit_draw(seed, prompt_index, sample, toolset) * 100.0 < *percent)
+            .filter(|(toolset, percent)| {
+                unit_draw(seed, prompt_index, sample, toolset) * 100.0 < *percent
+            })
             .map(|(toolset, _)| toolset.clone())
             .collect();
         if chosen.is_empty() {
@@ -166,7 +290,7 @@ impl Distribution {
     }
 }
 
-/// A uniform draw in [0, 1) from the inputs alone. SplitMix64's finaliser over the seed, the
+/// A uniform draw in [0, 1) from the inputs alone. `SplitMix64`'s finaliser over the seed, the
 /// prompt, the sample and an FNV-1a hash of the toolset name: stable across platforms and
 /// releases, which a library RNG's stream does not promise.
 fn unit_draw(seed: u64, prompt_index: u64, sample: u32, toolset: &str) -> f64 {
@@ -207,44 +331,80 @@ mod tests {
     #[test]
     fn there_are_seventeen_reference_distributions() {
         assert_eq!(builtin().len(), 17);
-        assert!(builtin().iter().all(|d| d.toolsets.iter().all(|(t, _)| t != "moa")));
+        assert!(
+            builtin()
+                .iter()
+                .all(|d| d.toolsets.iter().all(|(t, _)| t != "moa"))
+        );
     }
 
     #[test]
     fn unknown_names_and_toolsets_are_refused_naming_them() {
-        let error = Distribution::resolve(&DistributionSpec::Named("nope".into()), &registry()).unwrap_err();
+        let error = Distribution::resolve(&DistributionSpec::Named("nope".into()), &registry())
+            .unwrap_err();
         assert!(error.to_string().contains("\"nope\""), "{error}");
         let error = Distribution::resolve(&inline(&[("shell", 50.0)]), &registry()).unwrap_err();
-        assert!(error.to_string().starts_with("spec.distribution.shell: unknown toolset"), "{error}");
-        let error = Distribution::resolve(&inline(&[("terminal", 101.0)]), &registry()).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .starts_with("spec.distribution.shell: unknown toolset"),
+            "{error}"
+        );
+        let error =
+            Distribution::resolve(&inline(&[("terminal", 101.0)]), &registry()).unwrap_err();
         assert!(matches!(error, DistributionError::Percent { .. }));
     }
 
     #[test]
     fn a_distribution_that_can_draw_an_unavailable_toolset_is_refused() {
-        let error = Distribution::resolve(&DistributionSpec::Named("development".into()), &registry()).unwrap_err();
+        let error =
+            Distribution::resolve(&DistributionSpec::Named("development".into()), &registry())
+                .unwrap_err();
         let text = error.to_string();
-        assert!(text.contains("\"web\"") && text.contains("not available"), "{text}");
+        assert!(
+            text.contains("\"web\"") && text.contains("not available"),
+            "{text}"
+        );
         // At 0% it can never be drawn, so it is fine.
-        assert!(Distribution::resolve(&inline(&[("web", 0.0), ("terminal", 50.0)]), &registry()).is_ok());
+        assert!(
+            Distribution::resolve(&inline(&[("web", 0.0), ("terminal", 50.0)]), &registry())
+                .is_ok()
+        );
     }
 
     #[test]
     fn fallback_takes_the_most_probable_toolset() {
-        let distribution = Distribution::resolve(&inline(&[("file", 0.001), ("terminal", 0.002)]), &registry()).unwrap();
-        let fallbacks = (0..200).filter(|i| distribution.sample(1, *i, 0) == ["terminal"]).count();
+        let distribution = Distribution::resolve(
+            &inline(&[("file", 0.001), ("terminal", 0.002)]),
+            &registry(),
+        )
+        .unwrap();
+        let fallbacks = (0..200)
+            .filter(|i| distribution.sample(1, *i, 0) == ["terminal"])
+            .count();
         assert!(fallbacks >= 199, "{fallbacks}");
     }
 
     #[test]
     fn known_draws_are_stable_across_releases() {
         // Pinned values: changing the hash silently changes every run's toolsets.
-        let balanced = Distribution::resolve(&inline(&[("file", 50.0), ("terminal", 50.0)]), &registry()).unwrap();
-        let draws: Vec<_> = (0..6).map(|i| balanced.sample(42, i, 0).join("+")).collect();
+        let balanced =
+            Distribution::resolve(&inline(&[("file", 50.0), ("terminal", 50.0)]), &registry())
+                .unwrap();
+        let draws: Vec<_> = (0..6)
+            .map(|i| balanced.sample(42, i, 0).join("+"))
+            .collect();
         assert_eq!(draws, PINNED_DRAWS);
     }
 
-    const PINNED_DRAWS: [&str; 6] = ["file+terminal", "file+terminal", "file+terminal", "file", "file", "file"];
+    const PINNED_DRAWS: [&str; 6] = [
+        "file+terminal",
+        "file+terminal",
+        "file+terminal",
+        "file",
+        "file",
+        "file",
+    ];
 
     proptest! {
         #[test]

@@ -1,7 +1,7 @@
 //! The Hermes trajectory format: a finished conversation as one training record.
 //!
 //! Compatibility matters here: trainers and datasets built on the reference read these lines, so
-//! keys, their order, the ShareGPT roles, the system-prompt template and the `<think>`,
+//! keys, their order, the `ShareGPT` roles, the system-prompt template and the `<think>`,
 //! `<tool_call>` and `<tool_response>` encodings follow the reference byte for byte (reference
 //! sections 7.2 and 11), with JSON written as Python writes it ([`crate::pyjson`]). Our additions
 //! come after the reference's keys.
@@ -29,14 +29,18 @@ pub fn system_turn(tools: &[ToolSpec]) -> String {
             })
         })
         .collect();
-    format!("{SYSTEM_PROMPT_HEAD}{}{SYSTEM_PROMPT_TAIL}", crate::pyjson::to_string(&listed))
+    format!(
+        "{SYSTEM_PROMPT_HEAD}{}{SYSTEM_PROMPT_TAIL}",
+        crate::pyjson::to_string(&listed)
+    )
 }
 
-fn turn(from: &str, value: String) -> Value {
+fn turn(from: &str, value: impl Into<Value>) -> Value {
+    let value = value.into();
     json!({"from": from, "value": value})
 }
 
-/// The ShareGPT turns of a conversation: system, human, then gpt / tool / human turns.
+/// The `ShareGPT` turns of a conversation: system, human, then gpt / tool / human turns.
 pub fn sharegpt(conversation: &Conversation, tools: &[ToolSpec]) -> Vec<Value> {
     let mut turns = vec![turn("system", system_turn(tools))];
     let mut messages = conversation.messages.iter().peekable();
@@ -59,7 +63,10 @@ pub fn sharegpt(conversation: &Conversation, tools: &[ToolSpec]) -> Vec<Value> {
                 }
             }
             // A tool message without a preceding call cannot happen in our loop; show it anyway.
-            Message::Tool(result) => turns.push(turn("tool", tool_response(result, &AssistantMessage::default(), 0))),
+            Message::Tool(result) => turns.push(turn(
+                "tool",
+                tool_response(result, &AssistantMessage::default(), 0),
+            )),
         }
     }
     turns
@@ -67,7 +74,9 @@ pub fn sharegpt(conversation: &Conversation, tools: &[ToolSpec]) -> Vec<Value> {
 
 fn think_prefix(assistant: &AssistantMessage) -> String {
     match &assistant.reasoning {
-        Some(reasoning) if !reasoning.text.trim().is_empty() => format!("<think>\n{}\n</think>\n", reasoning.text),
+        Some(reasoning) if !reasoning.text.trim().is_empty() => {
+            format!("<think>\n{}\n</think>\n", reasoning.text)
+        }
         _ => String::new(),
     }
 }
@@ -79,7 +88,11 @@ fn convert_scratchpad(content: &str) -> String {
 }
 
 fn ensure_think(value: String) -> String {
-    if value.contains("<think>") { value } else { format!("<think>\n</think>\n{value}") }
+    if value.contains("<think>") {
+        value
+    } else {
+        format!("<think>\n</think>\n{value}")
+    }
 }
 
 fn tool_call_turn_value(assistant: &AssistantMessage) -> String {
@@ -89,7 +102,10 @@ fn tool_call_turn_value(assistant: &AssistantMessage) -> String {
         value.push('\n');
     }
     for call in &assistant.tool_calls {
-        let arguments = call.arguments.clone().map_or_else(|_| Value::Object(Map::new()), Value::Object);
+        let arguments = call
+            .arguments
+            .clone()
+            .map_or_else(|_| Value::Object(Map::new()), Value::Object);
         let payload = json!({"name": call.name, "arguments": arguments});
         value.push_str("<tool_call>\n");
         value.push_str(&crate::pyjson::to_string(&payload));
@@ -105,10 +121,17 @@ fn final_turn_value(assistant: &AssistantMessage) -> String {
 
 fn tool_response(result: &ToolMessage, parent: &AssistantMessage, position: usize) -> String {
     // The reference names each result after the parent's call at the same position.
-    let name = parent.tool_calls.get(position).map_or("unknown", |call| call.name.as_str());
-    let content = parse_json_content(&result.content).unwrap_or_else(|| Value::String(result.content.clone()));
+    let name = parent
+        .tool_calls
+        .get(position)
+        .map_or("unknown", |call| call.name.as_str());
+    let content = parse_json_content(&result.content)
+        .unwrap_or_else(|| Value::String(result.content.clone()));
     let payload = json!({"tool_call_id": result.tool_call_id, "name": name, "content": content});
-    format!("<tool_response>\n{}\n</tool_response>", crate::pyjson::to_string(&payload))
+    format!(
+        "<tool_response>\n{}\n</tool_response>",
+        crate::pyjson::to_string(&payload)
+    )
 }
 
 /// Content that looks like a JSON object or array and parses is embedded as JSON.
@@ -125,9 +148,14 @@ fn parse_json_content(content: &str) -> Option<Value> {
 pub fn is_tool_failure(content: &str) -> bool {
     match serde_json::from_str::<Value>(content) {
         Ok(Value::Object(object)) => {
-            let error_set = |object: &Map<String, Value>| object.get("error").is_some_and(|error| !error.is_null());
+            let error_set = |object: &Map<String, Value>| {
+                object.get("error").is_some_and(|error| !error.is_null())
+            };
             error_set(&object)
-                || object.get("content").and_then(Value::as_object).is_some_and(error_set)
+                || object
+                    .get("content")
+                    .and_then(Value::as_object)
+                    .is_some_and(error_set)
                 || object.get("success") == Some(&Value::Bool(false))
         }
         Ok(_) => false,
@@ -149,8 +177,10 @@ pub struct ToolCounts {
 /// `tool_stats` normalised over the run's catalog: every catalog tool in catalog order, then any
 /// other name the model called, in call order.
 pub fn tool_stats(messages: &[Message], catalog: &[String]) -> Vec<(String, ToolCounts)> {
-    let mut stats: Vec<(String, ToolCounts)> =
-        catalog.iter().map(|name| (name.clone(), ToolCounts::default())).collect();
+    let mut stats: Vec<(String, ToolCounts)> = catalog
+        .iter()
+        .map(|name| (name.clone(), ToolCounts::default()))
+        .collect();
     let mut call_names: Vec<(&str, &str)> = Vec::new();
     let entry = |stats: &mut Vec<(String, ToolCounts)>, name: &str| -> usize {
         if let Some(position) = stats.iter().position(|(known, _)| known == name) {
@@ -170,7 +200,8 @@ pub fn tool_stats(messages: &[Message], catalog: &[String]) -> Vec<(String, Tool
                 }
             }
             Message::Tool(result) => {
-                let Some((_, name)) = call_names.iter().find(|(id, _)| *id == result.tool_call_id) else {
+                let Some((_, name)) = call_names.iter().find(|(id, _)| *id == result.tool_call_id)
+                else {
                     continue;
                 };
                 let position = entry(&mut stats, name);
@@ -207,7 +238,10 @@ pub fn reasoning_stats(messages: &[Message]) -> ReasoningStats {
     for message in messages {
         if let Message::Assistant(assistant) = message {
             stats.total_assistant_turns += 1;
-            let separate = assistant.reasoning.as_ref().is_some_and(|r| !r.text.trim().is_empty());
+            let separate = assistant
+                .reasoning
+                .as_ref()
+                .is_some_and(|r| !r.text.trim().is_empty());
             let inline = crate::model::types::inline_think(&assistant.content).is_some()
                 || assistant.content.contains("<REASONING_SCRATCHPAD>");
             if separate || inline {
@@ -241,13 +275,21 @@ pub fn timestamp(time: chrono::DateTime<chrono::Utc>) -> String {
 }
 
 /// The full trajectory record, keys in the reference's order followed by ours.
-pub fn trajectory_record(conversation: &Conversation, context: &RecordContext<'_>) -> Map<String, Value> {
+pub fn trajectory_record(
+    conversation: &Conversation,
+    context: &RecordContext<'_>,
+) -> Map<String, Value> {
     let stats = tool_stats(&conversation.messages, context.catalog);
     let reasoning = reasoning_stats(&conversation.messages);
-    let duration_ms = (context.finished_at - context.started_at).num_milliseconds().max(0);
+    let duration_ms = (context.finished_at - context.started_at)
+        .num_milliseconds()
+        .max(0);
     let mut record = Map::new();
     record.insert("prompt_index".into(), context.prompt_index.into());
-    record.insert("conversations".into(), Value::Array(sharegpt(conversation, context.tools_offered)));
+    record.insert(
+        "conversations".into(),
+        Value::Array(sharegpt(conversation, context.tools_offered)),
+    );
     record.insert(
         "metadata".into(),
         json!({"batch_num": context.batch, "timestamp": timestamp(context.finished_at), "model": context.model}),
@@ -261,19 +303,35 @@ pub fn trajectory_record(conversation: &Conversation, context: &RecordContext<'_
         Value::Object(
             stats
                 .iter()
-                .map(|(name, c)| (name.clone(), json!({"count": c.count, "success": c.success, "failure": c.failure})))
+                .map(|(name, c)| {
+                    (
+                        name.clone(),
+                        json!({"count": c.count, "success": c.success, "failure": c.failure}),
+                    )
+                })
                 .collect(),
         ),
     );
     record.insert(
         "tool_error_counts".into(),
-        Value::Object(stats.iter().map(|(name, c)| (name.clone(), c.failure.into())).collect()),
+        Value::Object(
+            stats
+                .iter()
+                .map(|(name, c)| (name.clone(), c.failure.into()))
+                .collect(),
+        ),
     );
     record.insert("id".into(), context.id.into());
     record.insert("sample".into(), context.sample.into());
     record.insert(
         "tools_offered".into(),
-        json!(context.tools_offered.iter().map(|tool| tool.name.as_str()).collect::<Vec<_>>()),
+        json!(
+            context
+                .tools_offered
+                .iter()
+                .map(|tool| tool.name.as_str())
+                .collect::<Vec<_>>()
+        ),
     );
     let usage = conversation.usage;
     record.insert(
@@ -294,15 +352,23 @@ pub fn trajectory_record(conversation: &Conversation, context: &RecordContext<'_
         }),
     );
     record.insert("duration_ms".into(), duration_ms.into());
-    record.insert("model_time_ms".into(), u64::try_from(conversation.model_time.as_millis()).unwrap_or(u64::MAX).into());
+    record.insert(
+        "model_time_ms".into(),
+        u64::try_from(conversation.model_time.as_millis())
+            .unwrap_or(u64::MAX)
+            .into(),
+    );
     record.insert("started_at".into(), timestamp(context.started_at).into());
     record.insert("finished_at".into(), timestamp(context.finished_at).into());
     record.insert("source".into(), Value::Object(context.source.clone()));
     record
 }
 
-/// The same conversation in OpenAI `messages` + `tools` form, for trainers that want it.
-pub fn openai_record(conversation: &Conversation, context: &RecordContext<'_>) -> Map<String, Value> {
+/// The same conversation in `OpenAI` `messages` + `tools` form, for trainers that want it.
+pub fn openai_record(
+    conversation: &Conversation,
+    context: &RecordContext<'_>,
+) -> Map<String, Value> {
     let tools: Vec<Value> = context
         .tools_offered
         .iter()

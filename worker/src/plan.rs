@@ -13,7 +13,7 @@ use crate::spec::RunSpec;
 /// Environment variables, named in one place for the operator (which writes pod specs) and the
 /// worker (which reads them).
 pub mod env {
-    /// Path of the run plan JSON (a mounted ConfigMap in a pod).
+    /// Path of the run plan JSON (a mounted `ConfigMap` in a pod).
     pub const PLAN_PATH: &str = "TRAJ_PLAN_PATH";
     /// Root of the shared storage volume; dataset and output paths are relative to it.
     pub const STORAGE_ROOT: &str = "TRAJ_STORAGE_ROOT";
@@ -33,7 +33,7 @@ pub mod env {
 
 /// Paths inside a worker pod.
 pub mod paths {
-    /// Mount point of the plan ConfigMap.
+    /// Mount point of the plan `ConfigMap`.
     pub const PLAN_DIR: &str = "/etc/trajectory";
     /// File name of the run plan inside [`PLAN_DIR`].
     pub const PLAN_FILE: &str = "plan.json";
@@ -89,7 +89,9 @@ impl RunPlan {
     pub fn batch_for_index(&self, index: u32) -> Option<u32> {
         match &self.batches {
             None => Some(index),
-            Some(batches) => usize::try_from(index).ok().and_then(|i| batches.get(i).copied()),
+            Some(batches) => usize::try_from(index)
+                .ok()
+                .and_then(|i| batches.get(i).copied()),
         }
     }
 }
@@ -154,7 +156,10 @@ pub fn compact_ranges(ids: impl IntoIterator<Item = u32>) -> Vec<BatchRange> {
         match ranges.last_mut() {
             Some(range) if range.last.checked_add(1) == Some(id) => range.last = id,
             Some(range) if range.last >= id => {}
-            _ => ranges.push(BatchRange { first: id, last: id }),
+            _ => ranges.push(BatchRange {
+                first: id,
+                last: id,
+            }),
         }
     }
     ranges
@@ -178,13 +183,21 @@ pub fn format_ranges(ranges: &[BatchRange]) -> String {
 /// Parses `0-41,44` (Kubernetes' `completedIndexes` format) into ids.
 pub fn parse_ranges(text: &str) -> Result<Vec<u32>, String> {
     let mut ids = Vec::new();
-    for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
+    for part in text
+        .split(',')
+        .map(str::trim)
+        .filter(|part| !part.is_empty())
+    {
         let (first, last) = match part.split_once('-') {
             Some((first, last)) => (first, last),
             None => (part, part),
         };
-        let first: u32 = first.parse().map_err(|_| format!("bad index range {part:?}"))?;
-        let last: u32 = last.parse().map_err(|_| format!("bad index range {part:?}"))?;
+        let first: u32 = first
+            .parse()
+            .map_err(|_| format!("bad index range {part:?}"))?;
+        let last: u32 = last
+            .parse()
+            .map_err(|_| format!("bad index range {part:?}"))?;
         if first > last {
             return Err(format!("bad index range {part:?}"));
         }
@@ -195,7 +208,8 @@ pub fn parse_ranges(text: &str) -> Result<Vec<u32>, String> {
 
 /// Serialises a summary for the termination message, which Kubernetes caps at 4 KiB.
 pub fn termination_message<T: Serialize>(summary: &T) -> String {
-    let text = serde_json::to_string(summary).unwrap_or_else(|err| format!("{{\"error\":\"{err}\"}}"));
+    let text =
+        serde_json::to_string(summary).unwrap_or_else(|err| format!("{{\"error\":\"{err}\"}}"));
     if text.len() <= TERMINATION_MESSAGE_LIMIT {
         text
     } else {

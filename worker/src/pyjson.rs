@@ -14,12 +14,28 @@ use serde_json::ser::{Formatter, Serializer};
 pub struct PythonFormatter;
 
 impl Formatter for PythonFormatter {
-    fn begin_array_value<W: ?Sized + io::Write>(&mut self, writer: &mut W, first: bool) -> io::Result<()> {
-        if first { Ok(()) } else { writer.write_all(b", ") }
+    fn begin_array_value<W: ?Sized + io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
     }
 
-    fn begin_object_key<W: ?Sized + io::Write>(&mut self, writer: &mut W, first: bool) -> io::Result<()> {
-        if first { Ok(()) } else { writer.write_all(b", ") }
+    fn begin_object_key<W: ?Sized + io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
     }
 
     fn begin_object_value<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
@@ -32,7 +48,9 @@ pub fn write<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) {
     let mut serializer = Serializer::with_formatter(out, PythonFormatter);
     // Serialising a serde_json::Value or our own derive types into a Vec cannot fail: there are
     // no non-string map keys and no I/O errors from a Vec.
-    value.serialize(&mut serializer).expect("serialising JSON into memory cannot fail");
+    value
+        .serialize(&mut serializer)
+        .expect("serialising JSON into memory cannot fail");
 }
 
 /// `value` as Python's `json.dumps(value, ensure_ascii=False)` text.

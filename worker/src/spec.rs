@@ -57,10 +57,10 @@ pub struct RunSpec {
     /// Retry limits.
     #[serde(default)]
     pub retry: RetrySpec,
-    /// Also write `trajectories.openai.jsonl` with each record as OpenAI `messages` + `tools`.
+    /// Also write `trajectories.openai.jsonl` with each record as `OpenAI` `messages` + `tools`.
     #[serde(default)]
     pub openai_format: bool,
-    /// Kueue LocalQueue to admit the run's Jobs through (cluster only).
+    /// Kueue `LocalQueue` to admit the run's Jobs through (cluster only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_name: Option<String>,
     /// Stop starting new work; finished batches stay finished. Can be changed while a run is going.
@@ -334,7 +334,10 @@ impl RunSpec {
         let mut violations = Vec::new();
         let mut check = |ok: bool, field: &str, message: String| {
             if !ok {
-                violations.push(SpecViolation { field: format!("spec.{field}"), message });
+                violations.push(SpecViolation {
+                    field: format!("spec.{field}"),
+                    message,
+                });
             }
         };
         check(
@@ -350,8 +353,16 @@ impl RunSpec {
             "dataset.promptField",
             "must not be empty".to_owned(),
         );
-        check(self.batch_size >= 1, "batchSize", format!("must be at least 1, got {}", self.batch_size));
-        check(self.workers >= 1, "workers", format!("must be at least 1, got {}", self.workers));
+        check(
+            self.batch_size >= 1,
+            "batchSize",
+            format!("must be at least 1, got {}", self.batch_size),
+        );
+        check(
+            self.workers >= 1,
+            "workers",
+            format!("must be at least 1, got {}", self.workers),
+        );
         check(
             (1..=10_000).contains(&self.concurrency),
             "concurrency",
@@ -363,11 +374,19 @@ impl RunSpec {
             format!("must be at least 1, got {}", self.samples_per_prompt),
         );
         check(
-            self.model.base_url.starts_with("http://") || self.model.base_url.starts_with("https://"),
+            self.model.base_url.starts_with("http://")
+                || self.model.base_url.starts_with("https://"),
             "model.baseUrl",
-            format!("{:?} must be an http:// or https:// URL", self.model.base_url),
+            format!(
+                "{:?} must be an http:// or https:// URL",
+                self.model.base_url
+            ),
         );
-        check(!self.model.name.is_empty(), "model.name", "must not be empty".to_owned());
+        check(
+            !self.model.name.is_empty(),
+            "model.name",
+            "must not be empty".to_owned(),
+        );
         check(
             self.model.max_attempts >= 1,
             "model.maxAttempts",
@@ -386,9 +405,17 @@ impl RunSpec {
             );
         }
         if let Some(extra) = &self.model.extra_body {
-            check(extra.is_object(), "model.extraBody", "must be a JSON object".to_owned());
+            check(
+                extra.is_object(),
+                "model.extraBody",
+                "must be a JSON object".to_owned(),
+            );
         }
-        check(self.agent.max_turns >= 1, "agent.maxTurns", "must be at least 1".to_owned());
+        check(
+            self.agent.max_turns >= 1,
+            "agent.maxTurns",
+            "must be at least 1".to_owned(),
+        );
         check(
             self.agent.prompt_timeout_seconds >= 1,
             "agent.promptTimeoutSeconds",
@@ -403,11 +430,17 @@ impl RunSpec {
             check(
                 is_relative_clean_path(output),
                 "storage.outputPath",
-                format!("{output:?} must be a relative path inside the storage volume, without `..`"),
+                format!(
+                    "{output:?} must be a relative path inside the storage volume, without `..`"
+                ),
             );
         }
         if let DistributionSpec::Inline(map) = &self.distribution {
-            check(!map.is_empty(), "distribution", "an inline distribution needs a toolset".to_owned());
+            check(
+                !map.is_empty(),
+                "distribution",
+                "an inline distribution needs a toolset".to_owned(),
+            );
             for (toolset, percent) in map {
                 check(
                     (0.0..=100.0).contains(percent),
@@ -453,7 +486,10 @@ mod tests {
         assert_eq!(spec.batch_size, 10);
         assert_eq!(spec.dataset.prompt_field, "prompt");
         assert_eq!(spec.agent.max_turns, 10);
-        assert_eq!(spec.distribution, DistributionSpec::Named("terminal_only".into()));
+        assert_eq!(
+            spec.distribution,
+            DistributionSpec::Named("terminal_only".into())
+        );
         assert!(spec.validate().is_empty());
     }
 

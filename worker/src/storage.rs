@@ -31,7 +31,11 @@ pub struct StorageError {
 
 impl StorageError {
     pub fn new(action: &'static str, path: &Path, source: io::Error) -> Self {
-        Self { action, path: path.to_owned(), source }
+        Self {
+            action,
+            path: path.to_owned(),
+            source,
+        }
     }
 }
 
@@ -74,7 +78,8 @@ impl RunDir {
         self.batches_dir().join(format!("batch-{batch:06}.jsonl"))
     }
     pub fn batch_openai_records(&self, batch: u32) -> PathBuf {
-        self.batches_dir().join(format!("batch-{batch:06}.openai.jsonl"))
+        self.batches_dir()
+            .join(format!("batch-{batch:06}.openai.jsonl"))
     }
     pub fn batch_done(&self, batch: u32) -> PathBuf {
         self.batches_dir().join(format!("batch-{batch:06}.done"))
@@ -134,7 +139,9 @@ pub fn write_atomic_with(
     let file = File::create(&temp).at("creating", &temp)?;
     let mut writer = io::BufWriter::with_capacity(1 << 20, file);
     write(&mut writer).at("writing", &temp)?;
-    let file = writer.into_inner().map_err(|err| StorageError::new("writing", &temp, err.into_error()))?;
+    let file = writer
+        .into_inner()
+        .map_err(|err| StorageError::new("writing", &temp, err.into_error()))?;
     file.sync_all().at("syncing", &temp)?;
     fs::rename(&temp, path).at("renaming into place", path)?;
     sync_dir(dir)
@@ -142,13 +149,18 @@ pub fn write_atomic_with(
 
 /// A temp name beside `path`, unique per process so two writers never share one.
 pub fn temp_path(path: &Path) -> PathBuf {
-    let name = path.file_name().map(|name| name.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|name| name.to_string_lossy().into_owned())
+        .unwrap_or_default();
     path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }
 
 /// Makes a rename or a new file in `dir` durable.
 pub fn sync_dir(dir: &Path) -> Result<(), StorageError> {
-    File::open(dir).and_then(|dir_file| dir_file.sync_all()).at("syncing directory", dir)
+    File::open(dir)
+        .and_then(|dir_file| dir_file.sync_all())
+        .at("syncing directory", dir)
 }
 
 /// An append-only JSONL file whose every line is written whole and fsynced.
@@ -165,14 +177,22 @@ impl AppendLog {
         if let Some(dir) = path.parent() {
             fs::create_dir_all(dir).at("creating", dir)?;
         }
-        let mut file = OpenOptions::new().read(true).append(true).create(true).open(path).at("opening", path)?;
+        let mut file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(path)
+            .at("opening", path)?;
         let length = file.metadata().at("reading metadata of", path)?.len();
         let whole = whole_lines_length(&mut file, length).at("reading", path)?;
         if whole < length {
             file.set_len(whole).at("truncating a torn line of", path)?;
             file.sync_all().at("syncing", path)?;
         }
-        Ok(Self { path: path.to_owned(), file })
+        Ok(Self {
+            path: path.to_owned(),
+            file,
+        })
     }
 
     /// Appends one line (a newline is added) and makes it durable before returning.
@@ -189,7 +209,9 @@ impl AppendLog {
             buffer.push(b'\n');
         }
         // One write call: an O_APPEND write of a whole buffer lands contiguously.
-        self.file.write_all(&buffer).at("appending to", &self.path)?;
+        self.file
+            .write_all(&buffer)
+            .at("appending to", &self.path)?;
         self.file.sync_data().at("syncing", &self.path)
     }
 }
@@ -212,8 +234,11 @@ fn whole_lines_length(file: &mut File, length: u64) -> io::Result<u64> {
     Ok(0)
 }
 
+/// Byte ranges `(start, end)` of lines within a buffer, newlines excluded.
+pub type LineRanges = Vec<(usize, usize)>;
+
 /// The whole lines of a JSONL file (a torn last line is left out), without their newlines.
-pub fn read_whole_lines(path: &Path) -> Result<(Vec<u8>, Vec<(usize, usize)>), StorageError> {
+pub fn read_whole_lines(path: &Path) -> Result<(Vec<u8>, LineRanges), StorageError> {
     let data = match fs::read(path) {
         Ok(data) => data,
         Err(err) if err.kind() == io::ErrorKind::NotFound => Vec::new(),
@@ -244,7 +269,10 @@ mod tests {
         assert_eq!(lines.len(), 2);
         let mut log = AppendLog::open(&path).unwrap();
         log.append_line(b"{\"a\":3}").unwrap();
-        assert_eq!(fs::read_to_string(&path).unwrap(), "{\"a\":1}\n{\"a\":2}\n{\"a\":3}\n");
+        assert_eq!(
+            fs::read_to_string(&path).unwrap(),
+            "{\"a\":1}\n{\"a\":2}\n{\"a\":3}\n"
+        );
     }
 
     #[test]

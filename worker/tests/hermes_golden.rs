@@ -8,7 +8,9 @@ use serde_json::{Map, Value, json};
 use trajectory_worker::agent::Conversation;
 use trajectory_worker::hermes::{RecordContext, system_turn, trajectory_record};
 use trajectory_worker::model::types::{parse_arguments, tool_call};
-use trajectory_worker::model::{AssistantMessage, Message, Reasoning, ReasoningShape, ToolMessage, Usage};
+use trajectory_worker::model::{
+    AssistantMessage, Message, Reasoning, ReasoningShape, ToolMessage, Usage,
+};
 use trajectory_worker::tools::ToolSpec;
 
 fn terminal_spec() -> ToolSpec {
@@ -20,11 +22,19 @@ fn terminal_spec() -> ToolSpec {
 }
 
 fn read_file_spec() -> ToolSpec {
-    ToolSpec { name: "read_file".into(), description: "Read a file".into(), parameters: json!({"type": "object"}) }
+    ToolSpec {
+        name: "read_file".into(),
+        description: "Read a file".into(),
+        parameters: json!({"type": "object"}),
+    }
 }
 
 fn call(id: &str, name: &str, arguments: &str) -> trajectory_worker::model::ToolCall {
-    let mut call = tool_call(id.into(), name.into(), Some(&Value::String(arguments.into())));
+    let mut call = tool_call(
+        id.into(),
+        name.into(),
+        Some(&Value::String(arguments.into())),
+    );
     call.arguments = parse_arguments(arguments);
     call
 }
@@ -36,7 +46,10 @@ fn conversation() -> Conversation {
             // A multi-tool turn with reasoning returned separately.
             Message::Assistant(AssistantMessage {
                 content: "Checking both.".into(),
-                reasoning: Some(Reasoning { text: "I should run python3 and read the file.".into(), shape: ReasoningShape::ReasoningContent }),
+                reasoning: Some(Reasoning {
+                    text: "I should run python3 and read the file.".into(),
+                    shape: ReasoningShape::ReasoningContent,
+                }),
                 tool_calls: vec![
                     call("call_1", "terminal", r#"{"command": "python3 --version"}"#),
                     call("call_2", "read_file", r#"{"path": "notes.txt"}"#),
@@ -53,12 +66,20 @@ fn conversation() -> Conversation {
                 content: r#"{"error": "file not found: notes.txt"}"#.into(),
             }),
             // An empty-reasoning final turn, with non-ASCII text.
-            Message::Assistant(AssistantMessage { content: "Python 3.11.6 — no notes.".into(), reasoning: None, tool_calls: vec![] }),
+            Message::Assistant(AssistantMessage {
+                content: "Python 3.11.6 — no notes.".into(),
+                reasoning: None,
+                tool_calls: vec![],
+            }),
         ],
         api_calls: 2,
         completed: true,
         partial: false,
-        usage: Usage { prompt_tokens: 100, completion_tokens: 20, reasoning_tokens: 5 },
+        usage: Usage {
+            prompt_tokens: 100,
+            completion_tokens: 20,
+            reasoning_tokens: 5,
+        },
         model_time: Duration::from_millis(900),
     }
 }
@@ -69,7 +90,9 @@ fn system_turn_is_the_hermes_template_with_python_json() {
     let expected_tools = r#"[{"name": "terminal", "description": "Run a shell command", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}, "required": null}]"#;
     assert!(system.starts_with("You are a function calling AI model. You are provided with function signatures within <tools> </tools> XML tags."));
     assert!(system.contains(&format!("Here are the available tools:\n<tools>\n{expected_tools}\n</tools>\nFor each function call return a JSON object")));
-    assert!(system.ends_with("Example:\n<tool_call>\n{'name': <function-name>,'arguments': <args-dict>}\n</tool_call>"));
+    assert!(system.ends_with(
+        "Example:\n<tool_call>\n{'name': <function-name>,'arguments': <args-dict>}\n</tool_call>"
+    ));
     assert!(system_turn(&[]).contains("<tools>\n[]\n</tools>"));
 }
 
@@ -77,7 +100,11 @@ fn system_turn_is_the_hermes_template_with_python_json() {
 fn a_conversation_becomes_the_reference_record_byte_for_byte() {
     let source: Map<String, Value> = json!({"id": "q1"}).as_object().unwrap().clone();
     let tools = [terminal_spec(), read_file_spec()];
-    let catalog = ["terminal".to_owned(), "read_file".to_owned(), "write_file".to_owned()];
+    let catalog = [
+        "terminal".to_owned(),
+        "read_file".to_owned(),
+        "write_file".to_owned(),
+    ];
     let toolsets = ["terminal".to_owned(), "file".to_owned()];
     let started = chrono::Utc.with_ymd_and_hms(2026, 3, 5, 14, 2, 10).unwrap();
     let context = RecordContext {
@@ -97,7 +124,10 @@ fn a_conversation_becomes_the_reference_record_byte_for_byte() {
     let line = trajectory_worker::pyjson::to_string(&Value::Object(record.clone()));
 
     let turns = record["conversations"].as_array().unwrap();
-    assert_eq!(turns[1], json!({"from": "human", "value": "Which Python is installed? Also show notes.txt."}));
+    assert_eq!(
+        turns[1],
+        json!({"from": "human", "value": "Which Python is installed? Also show notes.txt."})
+    );
     assert_eq!(
         turns[2]["value"],
         "<think>\nI should run python3 and read the file.\n</think>\nChecking both.\n<tool_call>\n{\"name\": \"terminal\", \"arguments\": {\"command\": \"python3 --version\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"notes.txt\"}}\n</tool_call>"
@@ -107,7 +137,10 @@ fn a_conversation_becomes_the_reference_record_byte_for_byte() {
         turns[3]["value"],
         "<tool_response>\n{\"tool_call_id\": \"call_1\", \"name\": \"terminal\", \"content\": {\"output\": \"Python 3.11.6\", \"exit_code\": 0, \"error\": null}}\n</tool_response>\n<tool_response>\n{\"tool_call_id\": \"call_2\", \"name\": \"read_file\", \"content\": {\"error\": \"file not found: notes.txt\"}}\n</tool_response>"
     );
-    assert_eq!(turns[4], json!({"from": "gpt", "value": "<think>\n</think>\nPython 3.11.6 — no notes."}));
+    assert_eq!(
+        turns[4],
+        json!({"from": "gpt", "value": "<think>\n</think>\nPython 3.11.6 — no notes."})
+    );
     assert_eq!(turns.len(), 5);
 
     // The line after the conversations, exactly as Python's json.dumps writes it.
@@ -140,8 +173,16 @@ fn inline_think_and_scratchpads_are_kept_and_unparsable_arguments_become_empty_o
                 reasoning: None,
                 tool_calls: vec![call("c", "terminal", "{not json")],
             }),
-            Message::Tool(ToolMessage { tool_call_id: "c".into(), name: "terminal".into(), content: "Error: invalid arguments".into() }),
-            Message::Assistant(AssistantMessage { content: "<think>inline</think>\nanswer ".into(), reasoning: None, tool_calls: vec![] }),
+            Message::Tool(ToolMessage {
+                tool_call_id: "c".into(),
+                name: "terminal".into(),
+                content: "Error: invalid arguments".into(),
+            }),
+            Message::Assistant(AssistantMessage {
+                content: "<think>inline</think>\nanswer ".into(),
+                reasoning: None,
+                tool_calls: vec![],
+            }),
         ],
         api_calls: 2,
         completed: true,
@@ -150,14 +191,20 @@ fn inline_think_and_scratchpads_are_kept_and_unparsable_arguments_become_empty_o
         model_time: Duration::ZERO,
     };
     let turns = trajectory_worker::hermes::sharegpt(&conversation, &[terminal_spec()]);
-    assert_eq!(turns[2]["value"], "<think>plan</think>\n<tool_call>\n{\"name\": \"terminal\", \"arguments\": {}}\n</tool_call>");
+    assert_eq!(
+        turns[2]["value"],
+        "<think>plan</think>\n<tool_call>\n{\"name\": \"terminal\", \"arguments\": {}}\n</tool_call>"
+    );
     assert_eq!(
         turns[3]["value"],
         "<tool_response>\n{\"tool_call_id\": \"c\", \"name\": \"terminal\", \"content\": \"Error: invalid arguments\"}\n</tool_response>"
     );
     assert_eq!(turns[4]["value"], "<think>inline</think>\nanswer");
     let stats = trajectory_worker::hermes::reasoning_stats(&conversation.messages);
-    assert_eq!((stats.total_assistant_turns, stats.turns_with_reasoning), (2, 2));
+    assert_eq!(
+        (stats.total_assistant_turns, stats.turns_with_reasoning),
+        (2, 2)
+    );
 }
 
 #[test]
@@ -167,9 +214,15 @@ fn tool_failures_are_classified_by_the_reference_rules() {
     assert!(!is_tool_failure(r#"{"error": null, "output": "ok"}"#));
     assert!(is_tool_failure(r#"{"content": {"error": "inner"}}"#));
     assert!(is_tool_failure(r#"{"success": false}"#));
-    assert!(!is_tool_failure(r#"{"exit_code": 1, "error": null}"#), "non-zero exit is not a failure");
+    assert!(
+        !is_tool_failure(r#"{"exit_code": 1, "error": null}"#),
+        "non-zero exit is not a failure"
+    );
     assert!(!is_tool_failure("[1, 2]"));
     assert!(is_tool_failure(""));
     assert!(is_tool_failure("  Error: nope"));
-    assert!(!is_tool_failure("an error occurred somewhere"), "no substring matching");
+    assert!(
+        !is_tool_failure("an error occurred somewhere"),
+        "no substring matching"
+    );
 }

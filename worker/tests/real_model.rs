@@ -43,18 +43,30 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
         extra_body: serde_json::Map::new(),
         request_timeout: std::time::Duration::from_secs(120),
         stream: false,
-        retry: RetryPolicy { max_attempts: 3, ..RetryPolicy::default() },
+        retry: RetryPolicy {
+            max_attempts: 3,
+            ..RetryPolicy::default()
+        },
     })
     .unwrap();
     let registry = Registry::builtin(&ToolsSpec::default());
     let toolsets = ["terminal".to_owned(), "file".to_owned()];
     let tools = registry.tools_for(&toolsets);
     let dir = tempfile::tempdir().unwrap();
-    let context = ToolContext { workspace: Workspace::new(dir.path()).unwrap(), limits: ToolLimits::default() };
-    let config = AgentConfig { max_turns: 2, prompt_timeout: std::time::Duration::from_secs(600), ephemeral_system_prompt: None };
+    let context = ToolContext {
+        workspace: Workspace::new(dir.path()).unwrap(),
+        limits: ToolLimits::default(),
+    };
+    let config = AgentConfig {
+        max_turns: 2,
+        prompt_timeout: std::time::Duration::from_secs(600),
+        ephemeral_system_prompt: None,
+    };
     let prompt = "Create a file named hello.txt containing the word hello, then read it back.";
 
-    let conversation = run_conversation(&client, &tools, &context, prompt, &config).await.expect("the conversation finishes");
+    let conversation = run_conversation(&client, &tools, &context, prompt, &config)
+        .await
+        .expect("the conversation finishes");
 
     let (position, call) = conversation
         .messages
@@ -66,11 +78,17 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
         })
         .expect("the model made a tool call");
     let Some(Message::Tool(result)) = conversation.messages.get(position + 1) else {
-        panic!("the tool call's result follows it: {:?}", conversation.messages);
+        panic!(
+            "the tool call's result follows it: {:?}",
+            conversation.messages
+        );
     };
     assert_eq!(result.tool_call_id, call.id);
     assert!(!result.content.is_empty());
-    assert!(conversation.usage.completion_tokens > 0, "usage is captured");
+    assert!(
+        conversation.usage.completion_tokens > 0,
+        "usage is captured"
+    );
 
     let offered: Vec<_> = tools.iter().map(|tool| tool.spec().clone()).collect();
     let catalog = registry.catalog(&toolsets);
@@ -101,7 +119,11 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/quickstart");
     std::fs::create_dir_all(storage.path().join("datasets")).unwrap();
     std::fs::copy(example.join("run.yaml"), storage.path().join("run.yaml")).unwrap();
-    std::fs::copy(example.join("datasets/quickstart.jsonl"), storage.path().join("datasets/quickstart.jsonl")).unwrap();
+    std::fs::copy(
+        example.join("datasets/quickstart.jsonl"),
+        storage.path().join("datasets/quickstart.jsonl"),
+    )
+    .unwrap();
     let options = LocalOptions {
         run_file: storage.path().join("run.yaml"),
         storage: None,
@@ -109,20 +131,38 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
         workspace_root: storage.path().join("workspaces"),
         progress: ProgressMode::Lines,
     };
-    let report = run_local(&options, &common::no_shutdown()).await.expect("the quickstart run finishes");
+    let report = run_local(&options, &common::no_shutdown())
+        .await
+        .expect("the quickstart run finishes");
     assert_eq!(report.plan.prompts, 8);
-    assert_eq!(report.merge.trajectories + report.merge.failed, 8, "every prompt has exactly one record");
-    assert!(report.merge.trajectories >= 6, "most prompts succeed: {:?}", report.merge);
+    assert_eq!(
+        report.merge.trajectories + report.merge.failed,
+        8,
+        "every prompt has exactly one record"
+    );
+    assert!(
+        report.merge.trajectories >= 6,
+        "most prompts succeed: {:?}",
+        report.merge
+    );
     let text = std::fs::read_to_string(report.run_dir.join("trajectories.jsonl")).unwrap();
     let mut indexes = Vec::new();
     for line in text.lines() {
         let record: Value = serde_json::from_str(line).unwrap();
         assert_valid_record(&record);
-        assert_eq!(record["toolsets_used"], serde_json::json!(["terminal", "file"]));
+        assert_eq!(
+            record["toolsets_used"],
+            serde_json::json!(["terminal", "file"])
+        );
         indexes.push(record["prompt_index"].as_u64().unwrap());
     }
-    assert!(indexes.windows(2).all(|pair| pair[0] < pair[1]), "dataset order: {indexes:?}");
-    let statistics: Value = serde_json::from_slice(&std::fs::read(report.run_dir.join("statistics.json")).unwrap()).unwrap();
+    assert!(
+        indexes.windows(2).all(|pair| pair[0] < pair[1]),
+        "dataset order: {indexes:?}"
+    );
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(report.run_dir.join("statistics.json")).unwrap())
+            .unwrap();
     assert_eq!(statistics["counts"]["records"], 8);
 }
 
@@ -130,24 +170,44 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
 fn assert_valid_record(record: &Value) {
     let turns = record["conversations"].as_array().expect("conversations");
     assert_eq!(turns[0]["from"], "system");
-    assert!(turns[0]["value"].as_str().unwrap().contains("<tools>\n[{\"name\": "));
+    assert!(
+        turns[0]["value"]
+            .as_str()
+            .unwrap()
+            .contains("<tools>\n[{\"name\": ")
+    );
     assert_eq!(turns[1]["from"], "human");
     let mut previous = "human";
     for turn in &turns[2..] {
         let from = turn["from"].as_str().unwrap();
         let value = turn["value"].as_str().unwrap();
         match from {
-            "gpt" => assert!(value.starts_with("<think>"), "gpt turns open with a think block: {value:?}"),
+            "gpt" => assert!(
+                value.starts_with("<think>"),
+                "gpt turns open with a think block: {value:?}"
+            ),
             "tool" => {
                 assert_eq!(previous, "gpt", "a tool turn follows a gpt turn");
-                assert!(value.starts_with("<tool_response>\n{\"tool_call_id\": "), "{value:?}");
+                assert!(
+                    value.starts_with("<tool_response>\n{\"tool_call_id\": "),
+                    "{value:?}"
+                );
             }
             "human" => {}
             other => panic!("unexpected role {other}"),
         }
         previous = from;
     }
-    for key in ["metadata", "completed", "partial", "api_calls", "tool_stats", "tool_error_counts", "id", "usage"] {
+    for key in [
+        "metadata",
+        "completed",
+        "partial",
+        "api_calls",
+        "tool_stats",
+        "tool_error_counts",
+        "id",
+        "usage",
+    ] {
         assert!(record.get(key).is_some(), "record has {key}");
     }
 }

@@ -44,7 +44,12 @@ fn plan_records_every_kind_of_bad_line_and_goes_on() {
     let invalid: Vec<(u64, String)> = fixture
         .lines("invalid.jsonl")
         .iter()
-        .map(|entry| (entry["line"].as_u64().unwrap(), entry["reason"].as_str().unwrap().to_owned()))
+        .map(|entry| {
+            (
+                entry["line"].as_u64().unwrap(),
+                entry["reason"].as_str().unwrap().to_owned(),
+            )
+        })
         .collect();
     let expected: Vec<(u64, String)> = [
         (2, "invalid_json"),
@@ -60,14 +65,20 @@ fn plan_records_every_kind_of_bad_line_and_goes_on() {
     .map(|(line, reason)| (line, reason.to_owned()))
     .collect();
     assert_eq!(invalid, expected);
-    assert_eq!((summary.prompts, summary.invalid, summary.batches), (3, 8, 1));
+    assert_eq!(
+        (summary.prompts, summary.invalid, summary.batches),
+        (3, 8, 1)
+    );
     assert_eq!(manifest.dataset.lines, 11);
     assert!(summary.dataset_digest.starts_with("blake3:"));
 }
 
 #[test]
 fn a_dataset_without_any_valid_line_fails_the_plan_and_names_the_file() {
-    let fixture = RunFixture::with_lines("http://127.0.0.1:9/v1", &["{}".to_owned(), "nope".to_owned()]);
+    let fixture = RunFixture::with_lines(
+        "http://127.0.0.1:9/v1",
+        &["{}".to_owned(), "nope".to_owned()],
+    );
     let error = plan::plan(&fixture.location()).unwrap_err();
     assert!(matches!(error, RunError::InvalidDataset(_)), "{error}");
     assert!(error.to_string().contains("prompts.jsonl"), "{error}");
@@ -80,13 +91,18 @@ fn changing_the_dataset_or_a_generating_field_under_an_existing_output_is_refuse
     let (first, _) = plan::plan(&fixture.location()).unwrap();
 
     // Operational fields may change.
-    let fixture = fixture.with("/workers", json!(9)).with("/concurrency", json!(1));
+    let fixture = fixture
+        .with("/workers", json!(9))
+        .with("/concurrency", json!(1));
     let (again, _) = plan::plan(&fixture.location()).unwrap();
     assert_eq!(first, again);
 
     let fixture = fixture.with("/seed", json!(8));
     let error = plan::plan(&fixture.location()).unwrap_err().to_string();
-    assert!(error.contains(&first.spec_hash) && error.contains("spec.storage.outputPath"), "{error}");
+    assert!(
+        error.contains(&first.spec_hash) && error.contains("spec.storage.outputPath"),
+        "{error}"
+    );
 
     let fixture = fixture.with("/seed", json!(7));
     let mut data = std::fs::read_to_string(fixture.dataset()).unwrap();
@@ -96,7 +112,10 @@ fn changing_the_dataset_or_a_generating_field_under_an_existing_output_is_refuse
     assert!(matches!(error, RunError::OutputMismatch(_)));
     assert!(error.to_string().contains(&first.dataset.digest), "{error}");
     // The refused plan left the existing manifest alone.
-    assert_eq!(Manifest::require(&fixture.location().run_dir()).unwrap(), first);
+    assert_eq!(
+        Manifest::require(&fixture.location().run_dir()).unwrap(),
+        first
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -104,19 +123,41 @@ async fn a_batch_whose_dataset_lines_changed_since_the_plan_is_bad_input() {
     let server = terminal_server(Duration::ZERO).await;
     let fixture = RunFixture::new(&server.base_url(), 8);
     let (manifest, _) = plan::plan(&fixture.location()).unwrap();
-    let data = std::fs::read_to_string(fixture.dataset()).unwrap().replace("task number 5", "task number X");
+    let data = std::fs::read_to_string(fixture.dataset())
+        .unwrap()
+        .replace("task number 5", "task number X");
     std::fs::write(fixture.dataset(), data).unwrap();
     let engine = fixture.engine();
-    let error = run_batch(&engine, &fixture.location(), &manifest, 1, &no_shutdown(), &|_| {}).await.unwrap_err();
+    let error = run_batch(
+        &engine,
+        &fixture.location(),
+        &manifest,
+        1,
+        &no_shutdown(),
+        &|_| {},
+    )
+    .await
+    .unwrap_err();
     assert_eq!(error.exit_code(), exit::BAD_BATCH_INPUT, "{error}");
     // Batch 0's lines are untouched, so it still runs.
-    run_batch(&engine, &fixture.location(), &manifest, 0, &no_shutdown(), &|_| {}).await.unwrap();
+    run_batch(
+        &engine,
+        &fixture.location(),
+        &manifest,
+        0,
+        &no_shutdown(),
+        &|_| {},
+    )
+    .await
+    .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merge_writes_dataset_order_across_batches_past_9_and_99() {
     let server = terminal_server(Duration::ZERO).await;
-    let fixture = RunFixture::new(&server.base_url(), 103).with("/batchSize", json!(1)).with("/concurrency", json!(1));
+    let fixture = RunFixture::new(&server.base_url(), 103)
+        .with("/batchSize", json!(1))
+        .with("/concurrency", json!(1));
     let location = fixture.location();
     let (manifest, _) = plan::plan(&location).unwrap();
     assert_eq!(manifest.batch_count(), 103);
@@ -124,11 +165,23 @@ async fn merge_writes_dataset_order_across_batches_past_9_and_99() {
     // Batches finish in reverse order, so completion order and name order both differ from
     // dataset order.
     for batch in (0..103).rev() {
-        run_batch(&engine, &location, &manifest, batch, &no_shutdown(), &|_| {}).await.unwrap();
+        run_batch(
+            &engine,
+            &location,
+            &manifest,
+            batch,
+            &no_shutdown(),
+            &|_| {},
+        )
+        .await
+        .unwrap();
     }
     let summary = merge::merge(&location).unwrap();
     assert_eq!(summary.trajectories, 103);
-    let order: Vec<u64> = keys(&fixture.lines("trajectories.jsonl")).into_iter().map(|(index, _)| index).collect();
+    let order: Vec<u64> = keys(&fixture.lines("trajectories.jsonl"))
+        .into_iter()
+        .map(|(index, _)| index)
+        .collect();
     assert_eq!(order, (0..103).collect::<Vec<_>>());
     assert!(fixture.out().join("batches/batch-000102.done").exists());
 }
@@ -136,76 +189,147 @@ async fn merge_writes_dataset_order_across_batches_past_9_and_99() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn intentional_duplicate_prompts_and_samples_are_each_generated_once() {
     let server = terminal_server(Duration::ZERO).await;
-    let lines: Vec<String> = ["same", "same", "other", "same"].iter().map(|p| json!({"prompt": p}).to_string()).collect();
-    let fixture = RunFixture::with_lines(&server.base_url(), &lines).with("/samplesPerPrompt", json!(2));
+    let lines: Vec<String> = ["same", "same", "other", "same"]
+        .iter()
+        .map(|p| json!({"prompt": p}).to_string())
+        .collect();
+    let fixture =
+        RunFixture::with_lines(&server.base_url(), &lines).with("/samplesPerPrompt", json!(2));
     let options = local_options(&fixture);
     run_local(&options, &no_shutdown()).await.unwrap();
     let records = fixture.lines("trajectories.jsonl");
-    assert_eq!(keys(&records), [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]);
-    let ids: std::collections::HashSet<_> = records.iter().map(|r| r["id"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(
+        keys(&records),
+        [
+            (0, 0),
+            (0, 1),
+            (1, 0),
+            (1, 1),
+            (2, 0),
+            (2, 1),
+            (3, 0),
+            (3, 1)
+        ]
+    );
+    let ids: std::collections::HashSet<_> = records
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_owned())
+        .collect();
     assert_eq!(ids.len(), 8);
     // Running the same command again finds everything done and changes nothing.
     let before = std::fs::read(fixture.out().join("trajectories.jsonl")).unwrap();
     run_local(&options, &no_shutdown()).await.unwrap();
-    assert_eq!(std::fs::read(fixture.out().join("trajectories.jsonl")).unwrap(), before);
+    assert_eq!(
+        std::fs::read(fixture.out().join("trajectories.jsonl")).unwrap(),
+        before
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_run_writes_hermes_records_failures_and_statistics() {
     let server = terminal_server(Duration::ZERO).await;
-    let fixture = RunFixture::new(&server.base_url(), 3).with("/batchSize", json!(10)).with("/concurrency", json!(1));
+    let fixture = RunFixture::new(&server.base_url(), 3)
+        .with("/batchSize", json!(10))
+        .with("/concurrency", json!(1));
     let options = local_options(&fixture);
     let report = run_local(&options, &no_shutdown()).await.unwrap();
     assert_eq!(report.merge.trajectories, 3);
     let record = &fixture.lines("trajectories.jsonl")[0];
-    let keys_in_order: Vec<&str> = record.as_object().unwrap().keys().map(String::as_str).collect();
+    let keys_in_order: Vec<&str> = record
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
     assert_eq!(
         &keys_in_order[..9],
-        ["prompt_index", "conversations", "metadata", "completed", "partial", "api_calls", "toolsets_used", "tool_stats", "tool_error_counts"]
+        [
+            "prompt_index",
+            "conversations",
+            "metadata",
+            "completed",
+            "partial",
+            "api_calls",
+            "toolsets_used",
+            "tool_stats",
+            "tool_error_counts"
+        ]
     );
-    let roles: Vec<&str> = record["conversations"].as_array().unwrap().iter().map(|t| t["from"].as_str().unwrap()).collect();
+    let roles: Vec<&str> = record["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["from"].as_str().unwrap())
+        .collect();
     assert_eq!(roles, ["system", "human", "gpt", "tool", "gpt"]);
     assert_eq!(record["source"], json!({"row": 0}));
-    assert_eq!(record["tool_stats"]["terminal"], json!({"count": 1, "success": 1, "failure": 0}));
-    assert_eq!(record["tool_stats"]["read_file"], json!({"count": 0, "success": 0, "failure": 0}));
-    let statistics: Value = serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap()).unwrap();
+    assert_eq!(
+        record["tool_stats"]["terminal"],
+        json!({"count": 1, "success": 1, "failure": 0})
+    );
+    assert_eq!(
+        record["tool_stats"]["read_file"],
+        json!({"count": 0, "success": 0, "failure": 0})
+    );
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
     assert_eq!(statistics["counts"]["succeeded"], 3);
     assert_eq!(statistics["tool_statistics"]["terminal"]["count"], 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_prompts_are_recorded_with_their_error_class() {
-    let server = ScriptedServer::start_with_default([], Step::error(400, "context_length_exceeded", "maximum context length is 10 tokens")).await;
+    let server = ScriptedServer::start_with_default(
+        [],
+        Step::error(
+            400,
+            "context_length_exceeded",
+            "maximum context length is 10 tokens",
+        ),
+    )
+    .await;
     let fixture = RunFixture::new(&server.base_url(), 2);
-    run_local(&local_options(&fixture), &no_shutdown()).await.unwrap();
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
     assert!(fixture.lines("trajectories.jsonl").is_empty());
     let failures = fixture.lines("failures.jsonl");
     assert_eq!(keys(&failures), [(0, 0), (1, 0)]);
     assert_eq!(failures[0]["error_class"], "context_length");
-    let statistics: Value = serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap()).unwrap();
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
     assert_eq!(statistics["error_classes"], json!({"context_length": 2}));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_401_stops_the_batch_with_the_permanent_exit_code_and_writes_no_record() {
-    let server = ScriptedServer::start_with_default([], Step::error(401, "invalid_api_key", "bad key")).await;
+    let server =
+        ScriptedServer::start_with_default([], Step::error(401, "invalid_api_key", "bad key"))
+            .await;
     let fixture = RunFixture::new(&server.base_url(), 4);
     let status = worker(&fixture, &["plan"]).await;
     assert!(status.success());
     let status = worker(&fixture, &["batch", "0"]).await;
     assert_eq!(status.code(), Some(exit::PERMANENT_CONFIG));
-    let records = std::fs::read_to_string(fixture.out().join("batches/batch-000000.jsonl")).unwrap_or_default();
+    let records = std::fs::read_to_string(fixture.out().join("batches/batch-000000.jsonl"))
+        .unwrap_or_default();
     assert_eq!(records, "");
     // The same number of requests as prompts in flight at most: no retries of a 401.
     assert!(server.request_count() <= 4, "{}", server.request_count());
-    let message: Value = serde_json::from_slice(&std::fs::read(fixture.root().join("termination-log")).unwrap()).unwrap();
+    let message: Value =
+        serde_json::from_slice(&std::fs::read(fixture.root().join("termination-log")).unwrap())
+            .unwrap();
     assert_eq!(message["reason"], "ModelUnauthorized");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_killed_at_random_points_ends_with_every_prompt_exactly_once() {
     let server = terminal_server(Duration::from_millis(40)).await;
-    let fixture = RunFixture::new(&server.base_url(), 40).with("/batchSize", json!(40)).with("/concurrency", json!(6));
+    let fixture = RunFixture::new(&server.base_url(), 40)
+        .with("/batchSize", json!(40))
+        .with("/concurrency", json!(6));
     assert!(worker(&fixture, &["plan"]).await.success());
     let mut rng = Lcg::from_time();
     eprintln!("kill schedule seed: {}", rng.0);
@@ -222,10 +346,16 @@ async fn a_batch_killed_at_random_points_ends_with_every_prompt_exactly_once() {
         child.kill().unwrap();
         child.wait().unwrap();
         kills += 1;
-        assert!(started.elapsed() < Duration::from_secs(120), "the batch never finished");
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the batch never finished"
+        );
         assert_whole_lines(&fixture.out().join("batches/batch-000000.jsonl"), true);
     }
-    assert!(kills >= 3, "only {kills} kills: the schedule did not exercise resume");
+    assert!(
+        kills >= 3,
+        "only {kills} kills: the schedule did not exercise resume"
+    );
     assert!(worker(&fixture, &["merge"]).await.success());
     let records = fixture.lines("trajectories.jsonl");
     assert_eq!(keys(&records), (0..40).map(|i| (i, 0)).collect::<Vec<_>>());
@@ -235,20 +365,36 @@ async fn a_batch_killed_at_random_points_ends_with_every_prompt_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_leaves_whole_lines_and_the_same_command_resumes() {
     let server = terminal_server(Duration::from_millis(100)).await;
-    let fixture = RunFixture::new(&server.base_url(), 24).with("/batchSize", json!(24)).with("/concurrency", json!(2));
+    let fixture = RunFixture::new(&server.base_url(), 24)
+        .with("/batchSize", json!(24))
+        .with("/concurrency", json!(2));
     assert!(worker(&fixture, &["plan"]).await.success());
     let child = spawn_worker(&fixture, &["batch", "0"]);
     tokio::time::sleep(Duration::from_millis(700)).await;
     let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
-    assert_eq!(output.status.code(), Some(exit::INTERRUPTED), "{}", String::from_utf8_lossy(&output.stderr));
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        output.status.code(),
+        Some(exit::INTERRUPTED),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let partial = assert_whole_lines(&fixture.out().join("batches/batch-000000.jsonl"), false);
-    assert!(partial > 0 && partial < 24, "{partial} records after SIGTERM");
+    assert!(
+        partial > 0 && partial < 24,
+        "{partial} records after SIGTERM"
+    );
     assert!(!fixture.out().join("batches/batch-000000.done").exists());
     assert!(worker(&fixture, &["batch", "0"]).await.success());
     assert!(worker(&fixture, &["merge"]).await.success());
-    assert_eq!(keys(&fixture.lines("trajectories.jsonl")), (0..24).map(|i| (i, 0)).collect::<Vec<_>>());
+    assert_eq!(
+        keys(&fixture.lines("trajectories.jsonl")),
+        (0..24).map(|i| (i, 0)).collect::<Vec<_>>()
+    );
 }
 
 fn local_options(fixture: &RunFixture) -> LocalOptions {
@@ -269,7 +415,10 @@ fn spawn_worker(fixture: &RunFixture, args: &[&str]) -> std::process::Child {
         .arg(fixture.run_file())
         .arg("--storage-root")
         .arg(fixture.root())
-        .env("TRAJ_TERMINATION_LOG", fixture.root().join("termination-log"))
+        .env(
+            "TRAJ_TERMINATION_LOG",
+            fixture.root().join("termination-log"),
+        )
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
@@ -282,7 +431,10 @@ fn spawn_worker(fixture: &RunFixture, args: &[&str]) -> std::process::Child {
 
 async fn worker(fixture: &RunFixture, args: &[&str]) -> ExitStatus {
     let child = spawn_worker(fixture, args);
-    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
     if !output.status.success() {
         eprintln!("{}", String::from_utf8_lossy(&output.stderr));
     }
@@ -294,14 +446,19 @@ async fn worker(fixture: &RunFixture, args: &[&str]) -> ExitStatus {
 fn assert_whole_lines(path: &std::path::Path, torn_tail_allowed: bool) -> usize {
     let data = std::fs::read(path).unwrap_or_default();
     let ends_whole = data.is_empty() || data.ends_with(b"\n");
-    assert!(torn_tail_allowed || ends_whole, "{} ends with a torn line", path.display());
+    assert!(
+        torn_tail_allowed || ends_whole,
+        "{} ends with a torn line",
+        path.display()
+    );
     let whole = match data.iter().rposition(|&b| b == b'\n') {
         Some(end) => &data[..end],
         None => return 0,
     };
     let mut count = 0;
     for line in whole.split(|&b| b == b'\n') {
-        serde_json::from_slice::<Value>(line).unwrap_or_else(|err| panic!("{}: bad line: {err}", path.display()));
+        serde_json::from_slice::<Value>(line)
+            .unwrap_or_else(|err| panic!("{}: bad line: {err}", path.display()));
         count += 1;
     }
     count
@@ -312,11 +469,17 @@ struct Lcg(u64);
 
 impl Lcg {
     fn from_time() -> Self {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
         Self(u64::from(nanos))
     }
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
         self.0 >> 33
     }
 }
@@ -326,11 +489,22 @@ async fn an_unreachable_model_server_stops_the_batch_without_burning_prompts() {
     // Nothing listens on the discard port: every connection is refused.
     let fixture = RunFixture::new("http://127.0.0.1:9/v1", 6).with("/model/maxAttempts", json!(2));
     let (manifest, _) = plan::plan(&fixture.location()).unwrap();
-    let error = run_batch(&fixture.engine(), &fixture.location(), &manifest, 0, &no_shutdown(), &|_| {})
-        .await
-        .unwrap_err();
+    let error = run_batch(
+        &fixture.engine(),
+        &fixture.location(),
+        &manifest,
+        0,
+        &no_shutdown(),
+        &|_| {},
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(error, RunError::ModelUnavailable(_)), "{error}");
     assert_eq!(error.exit_code(), exit::TRANSIENT);
-    let records = std::fs::read_to_string(fixture.out().join("batches/batch-000000.jsonl")).unwrap_or_default();
-    assert_eq!(records, "", "no prompt may be recorded as failed because the server was down");
+    let records = std::fs::read_to_string(fixture.out().join("batches/batch-000000.jsonl"))
+        .unwrap_or_default();
+    assert_eq!(
+        records, "",
+        "no prompt may be recorded as failed because the server was down"
+    );
 }

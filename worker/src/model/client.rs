@@ -31,10 +31,10 @@ impl ApiKey {
     /// A variable or file that is named but missing is an error naming it.
     pub fn discover(spec_env: Option<&str>) -> Result<Option<Self>, String> {
         use crate::plan::env;
-        if let Ok(key) = std::env::var(env::MODEL_API_KEY) {
-            if !key.trim().is_empty() {
-                return Ok(Some(Self::new(key)));
-            }
+        if let Ok(key) = std::env::var(env::MODEL_API_KEY)
+            && !key.trim().is_empty()
+        {
+            return Ok(Some(Self::new(key)));
         }
         if let Some(name) = spec_env {
             return match std::env::var(name) {
@@ -88,7 +88,10 @@ impl RetryPolicy {
     fn backoff(&self, attempt: u32) -> Duration {
         let exponential = self
             .base_delay
-            .saturating_mul(1u32.checked_shl(attempt.saturating_sub(1)).unwrap_or(u32::MAX))
+            .saturating_mul(
+                1u32.checked_shl(attempt.saturating_sub(1))
+                    .unwrap_or(u32::MAX),
+            )
             .min(self.max_delay);
         let half = exponential / 2;
         half + half.mul_f64(rand::rng().random::<f64>())
@@ -115,7 +118,10 @@ impl ModelSettings {
     /// Settings from the spec, with the key found by [`ApiKey::discover`].
     pub fn from_spec(spec: &ModelSpec, api_key: Option<ApiKey>) -> Result<Self, ModelError> {
         let url = reqwest::Url::parse(&spec.base_url).map_err(|err| {
-            ModelError::Settings(format!("spec.model.baseUrl {:?} is not a URL: {err}", spec.base_url))
+            ModelError::Settings(format!(
+                "spec.model.baseUrl {:?} is not a URL: {err}",
+                spec.base_url
+            ))
         })?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err(ModelError::Settings(format!(
@@ -142,12 +148,15 @@ impl ModelSettings {
             extra_body,
             request_timeout: Duration::from_secs(spec.request_timeout_seconds),
             stream: spec.stream,
-            retry: RetryPolicy { max_attempts: spec.max_attempts, ..RetryPolicy::default() },
+            retry: RetryPolicy {
+                max_attempts: spec.max_attempts,
+                ..RetryPolicy::default()
+            },
         })
     }
 }
 
-/// OpenRouter takes a `reasoning` object; OpenAI-style servers take `reasoning_effort`.
+/// `OpenRouter` takes a `reasoning` object; OpenAI-style servers take `reasoning_effort`.
 fn reasoning_fields(spec: &ModelSpec) -> Map<String, Value> {
     let mut fields = Map::new();
     let Some(reasoning) = &spec.reasoning else {
@@ -162,7 +171,10 @@ fn reasoning_fields(spec: &ModelSpec) -> Map<String, Value> {
         }
     } else if let Some(effort) = &reasoning.effort {
         if openrouter {
-            fields.insert("reasoning".into(), serde_json::json!({"enabled": true, "effort": effort}));
+            fields.insert(
+                "reasoning".into(),
+                serde_json::json!({"enabled": true, "effort": effort}),
+            );
         } else {
             fields.insert("reasoning_effort".into(), effort.clone().into());
         }
@@ -202,7 +214,9 @@ impl ModelClient {
             None => None,
             Some(ApiKey(key)) => {
                 let mut value = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
-                    ModelError::Settings("the API key contains characters not allowed in a header".into())
+                    ModelError::Settings(
+                        "the API key contains characters not allowed in a header".into(),
+                    )
                 })?;
                 // Keeps the key out of any debug output of the request.
                 value.set_sensitive(true);
@@ -222,7 +236,12 @@ impl ModelClient {
     }
 
     /// The request body for one call.
-    pub fn request_body(&self, system: Option<&str>, messages: &[Message], tools: Option<&[Value]>) -> Value {
+    pub fn request_body(
+        &self,
+        system: Option<&str>,
+        messages: &[Message],
+        tools: Option<&[Value]>,
+    ) -> Value {
         let settings = &self.settings;
         let mut wire = Vec::with_capacity(messages.len() + 1);
         if let Some(system) = system {
@@ -244,7 +263,10 @@ impl ModelClient {
         }
         if settings.stream {
             body.insert("stream".into(), true.into());
-            body.insert("stream_options".into(), serde_json::json!({"include_usage": true}));
+            body.insert(
+                "stream_options".into(),
+                serde_json::json!({"include_usage": true}),
+            );
         }
         for (key, value) in settings.reasoning_fields.iter().chain(&settings.extra_body) {
             body.insert(key.clone(), value.clone());
@@ -263,16 +285,39 @@ impl ModelClient {
                 Ok(completion) => return Ok(completion),
                 Err(error) => error,
             };
-            let AttemptError { verdict, status, message } = error;
+            let AttemptError {
+                verdict,
+                status,
+                message,
+            } = error;
             let message = self.redact(message);
             let (class, retry_after) = match verdict {
-                Verdict::Permanent(class) => return Err(ModelError::Permanent { class, status, message }),
-                Verdict::Reject(class) => return Err(ModelError::Rejected { class, status, message }),
+                Verdict::Permanent(class) => {
+                    return Err(ModelError::Permanent {
+                        class,
+                        status,
+                        message,
+                    });
+                }
+                Verdict::Reject(class) => {
+                    return Err(ModelError::Rejected {
+                        class,
+                        status,
+                        message,
+                    });
+                }
                 Verdict::Retry { class, retry_after } => (class, retry_after),
             };
-            let delay = retry_after.map_or_else(|| policy.backoff(attempt), |after| after.min(policy.max_delay));
+            let delay = retry_after.map_or_else(
+                || policy.backoff(attempt),
+                |after| after.min(policy.max_delay),
+            );
             if attempt >= policy.max_attempts || waited + delay > policy.max_total_wait {
-                return Err(ModelError::Exhausted { class, attempts: attempt, message });
+                return Err(ModelError::Exhausted {
+                    class,
+                    attempts: attempt,
+                    message,
+                });
             }
             warn!(attempt, %class, status, delay_ms = delay.as_millis(), "model call failed; retrying");
             tokio::time::sleep(delay).await;
@@ -293,7 +338,11 @@ impl ModelClient {
 
     async fn attempt(&self, body: &Value, turn: usize) -> Result<Completion, AttemptError> {
         let started = Instant::now();
-        let mut request = self.http.post(&self.url).timeout(self.settings.request_timeout).json(body);
+        let mut request = self
+            .http
+            .post(&self.url)
+            .timeout(self.settings.request_timeout)
+            .json(body);
         if let Some(authorization) = &self.authorization {
             request = request.header(AUTHORIZATION, authorization.clone());
         }
@@ -318,16 +367,27 @@ impl ModelClient {
             let bytes = response.bytes().await.map_err(transport_error)?;
             parse_completion(&bytes, turn)
         };
-        debug!(elapsed_ms = started.elapsed().as_millis(), "model call answered");
+        debug!(
+            elapsed_ms = started.elapsed().as_millis(),
+            "model call answered"
+        );
         parsed.map_err(|failure| parse_failure(failure, status.as_u16()))
     }
 }
 
 /// Maps a transport error (no usable HTTP status) to a retry.
+#[allow(clippy::needless_pass_by_value)] // used as `map_err(transport_error)`
 pub(super) fn transport_error(error: reqwest::Error) -> AttemptError {
-    let class = if error.is_timeout() { ErrorClass::Timeout } else { ErrorClass::Connection };
+    let class = if error.is_timeout() {
+        ErrorClass::Timeout
+    } else {
+        ErrorClass::Connection
+    };
     AttemptError {
-        verdict: Verdict::Retry { class, retry_after: None },
+        verdict: Verdict::Retry {
+            class,
+            retry_after: None,
+        },
         status: 0,
         message: error_chain(&error),
     }
@@ -347,10 +407,20 @@ fn error_chain(error: &dyn std::error::Error) -> String {
 
 pub(super) fn parse_failure(failure: ParseFailure, status: u16) -> AttemptError {
     let (class, message) = match failure {
-        ParseFailure::EmptyChoices => (ErrorClass::EmptyResponse, "response had no choices".to_owned()),
+        ParseFailure::EmptyChoices => (
+            ErrorClass::EmptyResponse,
+            "response had no choices".to_owned(),
+        ),
         ParseFailure::Malformed(message) => (ErrorClass::MalformedResponse, message),
     };
-    AttemptError { verdict: Verdict::Retry { class, retry_after: None }, status, message }
+    AttemptError {
+        verdict: Verdict::Retry {
+            class,
+            retry_after: None,
+        },
+        status,
+        message,
+    }
 }
 
 /// `Retry-After` is either delay-seconds or an HTTP-date.
@@ -360,7 +430,10 @@ pub(crate) fn parse_retry_after(value: &str) -> Option<Duration> {
         return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
     }
     let date = httpdate::parse_http_date(value).ok()?;
-    Some(date.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO))
+    Some(
+        date.duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
 }
 
 fn truncate(text: &str, max: usize) -> String {
@@ -384,8 +457,14 @@ mod tests {
         assert_eq!(parse_retry_after(" 0.5 "), Some(Duration::from_millis(500)));
         let in_ten = SystemTime::now() + Duration::from_secs(10);
         let parsed = parse_retry_after(&httpdate::fmt_http_date(in_ten)).unwrap();
-        assert!(parsed > Duration::from_secs(8) && parsed <= Duration::from_secs(10), "{parsed:?}");
-        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO));
+        assert!(
+            parsed > Duration::from_secs(8) && parsed <= Duration::from_secs(10),
+            "{parsed:?}"
+        );
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"),
+            Some(Duration::ZERO)
+        );
         assert_eq!(parse_retry_after("soon"), None);
         assert_eq!(parse_retry_after("-1"), None);
     }
@@ -400,7 +479,10 @@ mod tests {
         for attempt in 1..=10 {
             let delay = policy.backoff(attempt);
             let cap = Duration::from_secs(1 << (attempt - 1).min(3));
-            assert!(delay >= cap / 2 && delay <= cap, "attempt {attempt}: {delay:?}");
+            assert!(
+                delay >= cap / 2 && delay <= cap,
+                "attempt {attempt}: {delay:?}"
+            );
         }
     }
 
@@ -433,25 +515,41 @@ mod tests {
         }))
         .unwrap();
         let client = ModelClient::new(ModelSettings::from_spec(&spec, None).unwrap()).unwrap();
-        let body = client.request_body(Some("sys"), &[Message::User("hi".into())], Some(&[serde_json::json!({"type": "function"})]));
+        let body = client.request_body(
+            Some("sys"),
+            &[Message::User("hi".into())],
+            Some(&[serde_json::json!({"type": "function"})]),
+        );
         assert_eq!(body["provider"], serde_json::json!({"order": ["a"]}));
         assert_eq!(body["top_k"], 5);
-        assert_eq!(body["reasoning"], serde_json::json!({"enabled": true, "effort": "high"}));
+        assert_eq!(
+            body["reasoning"],
+            serde_json::json!({"enabled": true, "effort": "high"})
+        );
         assert_eq!(body["messages"][0]["role"], "system");
         assert_eq!(body["tool_choice"], "auto");
         assert_eq!(body["max_tokens"], 64);
         let mut spec = spec;
         spec.base_url = "http://vllm:8000/v1".into();
-        spec.reasoning = Some(crate::spec::ReasoningSpec { effort: Some("low".into()), disabled: true });
+        spec.reasoning = Some(crate::spec::ReasoningSpec {
+            effort: Some("low".into()),
+            disabled: true,
+        });
         let client = ModelClient::new(ModelSettings::from_spec(&spec, None).unwrap()).unwrap();
-        assert_eq!(client.request_body(None, &[], None)["reasoning_effort"], "none");
+        assert_eq!(
+            client.request_body(None, &[], None)["reasoning_effort"],
+            "none"
+        );
     }
 
     #[test]
     fn a_bad_base_url_is_refused_naming_the_field() {
         let spec: ModelSpec =
-            serde_json::from_value(serde_json::json!({"baseUrl": "not a url", "name": "m"})).unwrap();
-        let error = ModelSettings::from_spec(&spec, None).unwrap_err().to_string();
+            serde_json::from_value(serde_json::json!({"baseUrl": "not a url", "name": "m"}))
+                .unwrap();
+        let error = ModelSettings::from_spec(&spec, None)
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("spec.model.baseUrl"), "{error}");
     }
 }

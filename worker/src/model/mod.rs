@@ -12,7 +12,9 @@ mod sse;
 pub mod types;
 
 pub use client::{ApiKey, ModelClient, ModelSettings, RetryPolicy};
-pub use types::{AssistantMessage, Completion, Message, Reasoning, ReasoningShape, ToolCall, ToolMessage, Usage};
+pub use types::{
+    AssistantMessage, Completion, Message, Reasoning, ReasoningShape, ToolCall, ToolMessage, Usage,
+};
 
 use std::time::Duration;
 
@@ -21,13 +23,25 @@ use std::time::Duration;
 pub enum ModelError {
     /// A configuration error no retry fixes: stop the batch (exit code `PERMANENT_CONFIG`).
     #[error("model server refused the configuration ({class}): HTTP {status}: {message}")]
-    Permanent { class: ErrorClass, status: u16, message: String },
+    Permanent {
+        class: ErrorClass,
+        status: u16,
+        message: String,
+    },
     /// This prompt cannot be completed (bad request, context too long, unknown model route).
     #[error("model server rejected the request ({class}): HTTP {status}: {message}")]
-    Rejected { class: ErrorClass, status: u16, message: String },
+    Rejected {
+        class: ErrorClass,
+        status: u16,
+        message: String,
+    },
     /// Retryable failures went on past the attempt or wait budget.
     #[error("model call failed after {attempts} attempts ({class}): {message}")]
-    Exhausted { class: ErrorClass, attempts: u32, message: String },
+    Exhausted {
+        class: ErrorClass,
+        attempts: u32,
+        message: String,
+    },
     /// The settings cannot produce a request at all.
     #[error("invalid model settings: {0}")]
     Settings(String),
@@ -36,9 +50,9 @@ pub enum ModelError {
 impl ModelError {
     pub fn class(&self) -> ErrorClass {
         match self {
-            Self::Permanent { class, .. } | Self::Rejected { class, .. } | Self::Exhausted { class, .. } => {
-                *class
-            }
+            Self::Permanent { class, .. }
+            | Self::Rejected { class, .. }
+            | Self::Exhausted { class, .. } => *class,
             Self::Settings(_) => ErrorClass::InvalidSettings,
         }
     }
@@ -103,7 +117,10 @@ impl std::fmt::Display for ErrorClass {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Verdict {
     /// Try again after the backoff (or the server's `Retry-After`, when it sent one).
-    Retry { class: ErrorClass, retry_after: Option<Duration> },
+    Retry {
+        class: ErrorClass,
+        retry_after: Option<Duration>,
+    },
     /// Fail this prompt.
     Reject(ErrorClass),
     /// Stop the batch.
@@ -118,12 +135,27 @@ pub(crate) fn classify_status(status: u16, body: &str, retry_after: Option<Durat
         401 => Verdict::Permanent(ErrorClass::Unauthorized),
         403 => Verdict::Permanent(ErrorClass::Forbidden),
         402 => Verdict::Permanent(ErrorClass::PaymentRequired),
-        429 if mentions(&["insufficient_quota", "quota exceeded", "exceeded your current quota", "credit"]) => {
+        429 if mentions(&[
+            "insufficient_quota",
+            "quota exceeded",
+            "exceeded your current quota",
+            "credit",
+        ]) =>
+        {
             Verdict::Permanent(ErrorClass::QuotaExhausted)
         }
-        429 => Verdict::Retry { class: ErrorClass::RateLimited, retry_after },
-        408 => Verdict::Retry { class: ErrorClass::Timeout, retry_after },
-        500..=504 | 529 => Verdict::Retry { class: ErrorClass::ServerError, retry_after },
+        429 => Verdict::Retry {
+            class: ErrorClass::RateLimited,
+            retry_after,
+        },
+        408 => Verdict::Retry {
+            class: ErrorClass::Timeout,
+            retry_after,
+        },
+        500..=504 | 529 => Verdict::Retry {
+            class: ErrorClass::ServerError,
+            retry_after,
+        },
         _ if mentions(&[
             "context length",
             "context_length",
@@ -149,26 +181,54 @@ mod tests {
     #[test]
     fn statuses_are_classified_as_the_contract_says() {
         let after = Some(Duration::from_secs(2));
-        assert_eq!(classify_status(401, "", None), Verdict::Permanent(ErrorClass::Unauthorized));
-        assert_eq!(classify_status(403, "", None), Verdict::Permanent(ErrorClass::Forbidden));
-        assert_eq!(classify_status(402, "", None), Verdict::Permanent(ErrorClass::PaymentRequired));
+        assert_eq!(
+            classify_status(401, "", None),
+            Verdict::Permanent(ErrorClass::Unauthorized)
+        );
+        assert_eq!(
+            classify_status(403, "", None),
+            Verdict::Permanent(ErrorClass::Forbidden)
+        );
+        assert_eq!(
+            classify_status(402, "", None),
+            Verdict::Permanent(ErrorClass::PaymentRequired)
+        );
         assert_eq!(
             classify_status(429, r#"{"error":{"code":"insufficient_quota"}}"#, None),
             Verdict::Permanent(ErrorClass::QuotaExhausted)
         );
         assert_eq!(
             classify_status(429, "slow down", after),
-            Verdict::Retry { class: ErrorClass::RateLimited, retry_after: after }
+            Verdict::Retry {
+                class: ErrorClass::RateLimited,
+                retry_after: after
+            }
         );
         for status in [408, 500, 502, 503, 504, 529] {
-            assert!(matches!(classify_status(status, "", None), Verdict::Retry { .. }), "{status}");
+            assert!(
+                matches!(classify_status(status, "", None), Verdict::Retry { .. }),
+                "{status}"
+            );
         }
         assert_eq!(
-            classify_status(400, "This model's maximum context length is 4096 tokens", None),
+            classify_status(
+                400,
+                "This model's maximum context length is 4096 tokens",
+                None
+            ),
             Verdict::Reject(ErrorClass::ContextLength)
         );
-        assert_eq!(classify_status(400, "bad", None), Verdict::Reject(ErrorClass::BadRequest));
-        assert_eq!(classify_status(404, "", None), Verdict::Reject(ErrorClass::NotFound));
-        assert_eq!(classify_status(422, "", None), Verdict::Reject(ErrorClass::Unprocessable));
+        assert_eq!(
+            classify_status(400, "bad", None),
+            Verdict::Reject(ErrorClass::BadRequest)
+        );
+        assert_eq!(
+            classify_status(404, "", None),
+            Verdict::Reject(ErrorClass::NotFound)
+        );
+        assert_eq!(
+            classify_status(422, "", None),
+            Verdict::Reject(ErrorClass::Unprocessable)
+        );
     }
 }

@@ -34,7 +34,11 @@ impl Accumulator {
         if let Some(usage) = chunk.get("usage").filter(|usage| usage.is_object()) {
             self.usage = Usage::from_json(usage);
         }
-        let Some(choice) = chunk.get("choices").and_then(Value::as_array).and_then(|c| c.first()) else {
+        let Some(choice) = chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .and_then(|c| c.first())
+        else {
             return Ok(());
         };
         self.saw_choice = true;
@@ -50,7 +54,11 @@ impl Accumulator {
         for field in ["reasoning_content", "reasoning"] {
             if let Some(text) = delta.get(field).and_then(Value::as_str) {
                 self.reasoning.push_str(text);
-                self.reasoning_field = if field == "reasoning" { "reasoning" } else { "reasoning_content" };
+                self.reasoning_field = if field == "reasoning" {
+                    "reasoning"
+                } else {
+                    "reasoning_content"
+                };
             }
         }
         if let Some(calls) = delta.get("tool_calls").and_then(Value::as_array) {
@@ -74,7 +82,9 @@ impl Accumulator {
                     match function.get("arguments") {
                         Some(Value::String(text)) => partial.arguments.push_str(text),
                         Some(Value::Object(object)) => {
-                            partial.arguments.push_str(&Value::Object(object.clone()).to_string());
+                            partial
+                                .arguments
+                                .push_str(&Value::Object(object.clone()).to_string());
                         }
                         _ => {}
                     }
@@ -123,12 +133,16 @@ pub(super) async fn read_completion(
     let mut accumulator = Accumulator::default();
     let mut done = false;
     while !done {
-        let Some(chunk) = stream.next().await else { break };
+        let Some(chunk) = stream.next().await else {
+            break;
+        };
         buffer.extend_from_slice(&chunk.map_err(transport_error)?);
         while let Some(newline) = buffer.iter().position(|&byte| byte == b'\n') {
             let line: Vec<u8> = buffer.drain(..=newline).collect();
             let line = String::from_utf8_lossy(&line);
-            let Some(data) = line.trim().strip_prefix("data:") else { continue };
+            let Some(data) = line.trim().strip_prefix("data:") else {
+                continue;
+            };
             let data = data.trim();
             if data == "[DONE]" {
                 done = true;
@@ -137,7 +151,10 @@ pub(super) async fn read_completion(
             let event: Value = match serde_json::from_str(data) {
                 Ok(event) => event,
                 Err(err) => {
-                    return Err(parse_failure(ParseFailure::Malformed(format!("bad stream event: {err}")), status));
+                    return Err(parse_failure(
+                        ParseFailure::Malformed(format!("bad stream event: {err}")),
+                        status,
+                    ));
                 }
             };
             if let Err(failure) = accumulator.apply(&event) {
@@ -170,13 +187,19 @@ mod tests {
         assert_eq!(completion.message.content, "Let me check.");
         assert_eq!(completion.message.reasoning.unwrap().text, "thinking");
         assert_eq!(completion.message.tool_calls[0].id, "c1");
-        assert_eq!(completion.message.tool_calls[0].arguments.as_ref().unwrap()["command"], "ls");
+        assert_eq!(
+            completion.message.tool_calls[0].arguments.as_ref().unwrap()["command"],
+            "ls"
+        );
         assert_eq!(completion.finish_reason.as_deref(), Some("tool_calls"));
         assert_eq!(completion.usage.completion_tokens, 4);
     }
 
     #[test]
     fn a_stream_without_choices_is_empty() {
-        assert!(matches!(Accumulator::default().finish(0), Err(ParseFailure::EmptyChoices)));
+        assert!(matches!(
+            Accumulator::default().finish(0),
+            Err(ParseFailure::EmptyChoices)
+        ));
     }
 }

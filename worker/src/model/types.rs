@@ -36,11 +36,11 @@ pub struct Reasoning {
 /// Where a server put its reasoning.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ReasoningShape {
-    /// `message.reasoning` (DeepSeek, Qwen, vLLM's newer parsers).
+    /// `message.reasoning` (`DeepSeek`, Qwen, vLLM's newer parsers).
     Reasoning,
     /// `message.reasoning_content` (vLLM, Moonshot).
     ReasoningContent,
-    /// `message.reasoning_details` (OpenRouter); kept verbatim because it carries signatures.
+    /// `message.reasoning_details` (`OpenRouter`); kept verbatim because it carries signatures.
     Details(Value),
 }
 
@@ -165,11 +165,15 @@ pub fn parse_completion(body: &[u8], turn: usize) -> Result<Completion, ParseFai
     let value: Value = serde_json::from_slice(body)
         .map_err(|err| ParseFailure::Malformed(format!("response is not JSON: {err}")))?;
     let choice = match value.get("choices") {
-        Some(Value::Array(choices)) if choices.is_empty() => return Err(ParseFailure::EmptyChoices),
+        Some(Value::Array(choices)) if choices.is_empty() => {
+            return Err(ParseFailure::EmptyChoices);
+        }
         Some(Value::Array(choices)) => &choices[0],
         None | Some(Value::Null) => return Err(ParseFailure::EmptyChoices),
         Some(other) => {
-            return Err(ParseFailure::Malformed(format!("`choices` is not an array: {other}")));
+            return Err(ParseFailure::Malformed(format!(
+                "`choices` is not an array: {other}"
+            )));
         }
     };
     let message = choice
@@ -211,21 +215,33 @@ pub(crate) fn parse_assistant(message: &Value, turn: usize) -> AssistantMessage 
             .collect(),
         _ => Vec::new(),
     };
-    AssistantMessage { content, reasoning, tool_calls }
+    AssistantMessage {
+        content,
+        reasoning,
+        tool_calls,
+    }
 }
 
 /// Builds a tool call from whatever `arguments` the server sent.
 pub fn tool_call(id: String, name: String, arguments: Option<&Value>) -> ToolCall {
     let (raw_arguments, arguments) = match arguments {
         None | Some(Value::Null) => ("{}".to_owned(), Ok(Map::new())),
-        Some(Value::Object(object)) => (Value::Object(object.clone()).to_string(), Ok(object.clone())),
+        Some(Value::Object(object)) => (
+            Value::Object(object.clone()).to_string(),
+            Ok(object.clone()),
+        ),
         Some(Value::String(text)) => (text.clone(), parse_arguments(text)),
         Some(other) => (
             other.to_string(),
             Err(format!("arguments must be a JSON object, got {other}")),
         ),
     };
-    ToolCall { id, name, raw_arguments, arguments }
+    ToolCall {
+        id,
+        name,
+        raw_arguments,
+        arguments,
+    }
 }
 
 /// An id for a tool call that arrived without one; unique within the conversation.
@@ -270,7 +286,11 @@ fn content_text(content: Option<&Value>) -> String {
         Some(Value::String(text)) => text.clone(),
         Some(Value::Array(parts)) => parts
             .iter()
-            .filter_map(|part| part.get("text").and_then(Value::as_str).or_else(|| part.as_str()))
+            .filter_map(|part| {
+                part.get("text")
+                    .and_then(Value::as_str)
+                    .or_else(|| part.as_str())
+            })
             .collect::<Vec<_>>()
             .join(""),
         _ => String::new(),
@@ -304,15 +324,23 @@ fn parse_reasoning(message: &Value) -> Option<Reasoning> {
         }
     }
     if let Some(text) = non_blank("reasoning_content") {
-        return Some(Reasoning { text, shape: ReasoningShape::ReasoningContent });
+        return Some(Reasoning {
+            text,
+            shape: ReasoningShape::ReasoningContent,
+        });
     }
-    non_blank("reasoning").map(|text| Reasoning { text, shape: ReasoningShape::Reasoning })
+    non_blank("reasoning").map(|text| Reasoning {
+        text,
+        shape: ReasoningShape::Reasoning,
+    })
 }
 
 /// The text of the first `<think>…</think>` block in content, if any and non-blank.
 pub fn inline_think(content: &str) -> Option<&str> {
     let start = content.find("<think>")? + "<think>".len();
-    let end = content[start..].find("</think>").map_or(content.len(), |end| start + end);
+    let end = content[start..]
+        .find("</think>")
+        .map_or(content.len(), |end| start + end);
     let text = content[start..end].trim();
     (!text.is_empty()).then_some(text)
 }
@@ -341,14 +369,20 @@ mod tests {
         ] {
             let message = json!({"tool_calls": [{"id": "a", "function": {"name": "terminal", "arguments": arguments}}]});
             let completion = parse_completion(&body(&message), 0).unwrap();
-            assert_eq!(completion.message.tool_calls[0].arguments, Ok(expected.clone()), "{arguments}");
+            assert_eq!(
+                completion.message.tool_calls[0].arguments,
+                Ok(expected.clone()),
+                "{arguments}"
+            );
         }
         for empty in [json!(""), json!(null), json!("  ")] {
-            let message = json!({"tool_calls": [{"id": "a", "function": {"name": "t", "arguments": empty}}]});
+            let message =
+                json!({"tool_calls": [{"id": "a", "function": {"name": "t", "arguments": empty}}]});
             let completion = parse_completion(&body(&message), 0).unwrap();
             assert_eq!(completion.message.tool_calls[0].arguments, Ok(Map::new()));
         }
-        let message = json!({"tool_calls": [{"id": "a", "function": {"name": "t", "arguments": "{oops"}}]});
+        let message =
+            json!({"tool_calls": [{"id": "a", "function": {"name": "t", "arguments": "{oops"}}]});
         let completion = parse_completion(&body(&message), 0).unwrap();
         assert!(completion.message.tool_calls[0].arguments.is_err());
     }
@@ -360,7 +394,12 @@ mod tests {
             {"id": "", "function": {"name": "b", "arguments": "{}"}},
         ]});
         let completion = parse_completion(&body(&message), 3).unwrap();
-        let ids: Vec<_> = completion.message.tool_calls.iter().map(|call| call.id.as_str()).collect();
+        let ids: Vec<_> = completion
+            .message
+            .tool_calls
+            .iter()
+            .map(|call| call.id.as_str())
+            .collect();
         assert_eq!(ids, ["call_3_0", "call_3_1"]);
         assert_eq!(completion.message.content, "");
     }
@@ -395,9 +434,24 @@ mod tests {
 
     #[test]
     fn empty_and_malformed_bodies_are_told_apart() {
-        assert_eq!(parse_completion(br#"{"choices": []}"#, 0), Err(ParseFailure::EmptyChoices));
-        assert!(matches!(parse_completion(b"{\"choices\": [", 0), Err(ParseFailure::Malformed(_))));
-        let usage = parse_completion(&body(&json!({"content": "hi"})), 0).unwrap().usage;
-        assert_eq!(usage, Usage { prompt_tokens: 5, completion_tokens: 7, reasoning_tokens: 3 });
+        assert_eq!(
+            parse_completion(br#"{"choices": []}"#, 0),
+            Err(ParseFailure::EmptyChoices)
+        );
+        assert!(matches!(
+            parse_completion(b"{\"choices\": [", 0),
+            Err(ParseFailure::Malformed(_))
+        ));
+        let usage = parse_completion(&body(&json!({"content": "hi"})), 0)
+            .unwrap()
+            .usage;
+        assert_eq!(
+            usage,
+            Usage {
+                prompt_tokens: 5,
+                completion_tokens: 7,
+                reasoning_tokens: 3
+            }
+        );
     }
 }

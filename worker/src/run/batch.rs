@@ -54,16 +54,26 @@ pub struct Engine {
 impl Engine {
     /// Builds the engine from a spec, finding the API key by the contract's rules.
     pub fn new(spec: &RunSpec, workspace_root: PathBuf) -> Result<Self, RunError> {
-        let api_key = ApiKey::discover(spec.model.api_key_env.as_deref()).map_err(RunError::Spec)?;
-        let settings = ModelSettings::from_spec(&spec.model, api_key).map_err(|err| RunError::Spec(err.to_string()))?;
-        Self::with_client(spec, workspace_root, ModelClient::new(settings).map_err(|err| RunError::Spec(err.to_string()))?)
+        let api_key =
+            ApiKey::discover(spec.model.api_key_env.as_deref()).map_err(RunError::Spec)?;
+        let settings = ModelSettings::from_spec(&spec.model, api_key)
+            .map_err(|err| RunError::Spec(err.to_string()))?;
+        Self::with_client(
+            spec,
+            workspace_root,
+            ModelClient::new(settings).map_err(|err| RunError::Spec(err.to_string()))?,
+        )
     }
 
     /// Builds the engine around a given client.
-    pub fn with_client(spec: &RunSpec, workspace_root: PathBuf, client: ModelClient) -> Result<Self, RunError> {
+    pub fn with_client(
+        spec: &RunSpec,
+        workspace_root: PathBuf,
+        client: ModelClient,
+    ) -> Result<Self, RunError> {
         let registry = Registry::builtin(&spec.tools);
-        let distribution =
-            Distribution::resolve(&spec.distribution, &registry).map_err(|err| RunError::Spec(err.to_string()))?;
+        let distribution = Distribution::resolve(&spec.distribution, &registry)
+            .map_err(|err| RunError::Spec(err.to_string()))?;
         std::fs::create_dir_all(&workspace_root)
             .map_err(|err| StorageError::new("creating", &workspace_root, err))?;
         Ok(Self {
@@ -77,7 +87,8 @@ impl Engine {
             },
             limits: ToolLimits {
                 command_timeout: Duration::from_secs(spec.tools.terminal.timeout_seconds),
-                max_output_bytes: usize::try_from(spec.tools.terminal.max_output_bytes).unwrap_or(usize::MAX),
+                max_output_bytes: usize::try_from(spec.tools.terminal.max_output_bytes)
+                    .unwrap_or(usize::MAX),
                 ..ToolLimits::default()
             },
             workspace_root,
@@ -166,7 +177,9 @@ pub async fn run_batch(
     progress: &(dyn Fn(Outcome) + Send + Sync),
 ) -> Result<BatchSummary, RunError> {
     let span = info_span!("batch", run = %location.plan.name, batch);
-    run_batch_inner(engine, location, manifest, batch, shutdown, progress).instrument(span).await
+    run_batch_inner(engine, location, manifest, batch, shutdown, progress)
+        .instrument(span)
+        .await
 }
 
 async fn run_batch_inner(
@@ -184,18 +197,18 @@ async fn run_batch_inner(
             manifest.batch_count()
         )));
     };
-    if let Ok(bytes) = std::fs::read(run_dir.batch_done(batch)) {
-        if let Ok(marker) = serde_json::from_slice::<DoneMarker>(&bytes) {
-            info!("batch already done");
-            return Ok(BatchSummary {
-                batch,
-                succeeded: marker.succeeded,
-                discarded: marker.discarded,
-                failed: marker.failed,
-                resumed: marker.succeeded + marker.discarded + marker.failed,
-                stopped: None,
-            });
-        }
+    if let Ok(bytes) = std::fs::read(run_dir.batch_done(batch))
+        && let Ok(marker) = serde_json::from_slice::<DoneMarker>(&bytes)
+    {
+        info!("batch already done");
+        return Ok(BatchSummary {
+            batch,
+            succeeded: marker.succeeded,
+            discarded: marker.discarded,
+            failed: marker.failed,
+            resumed: marker.succeeded + marker.discarded + marker.failed,
+            stopped: None,
+        });
     }
     let first_prompt = manifest.first_prompt(batch);
     let rows = read_batch_rows(location, manifest, batch, layout)?;
@@ -204,20 +217,35 @@ async fn run_batch_inner(
     let main_log = AppendLog::open(&records_path)?;
     let (existing, mut summary) = existing_records(&run_dir, batch)?;
     summary.resumed = summary.succeeded + summary.discarded + summary.failed;
-    let openai_log = if engine.openai_format { Some(AppendLog::open(&run_dir.batch_openai_records(batch))?) } else { None };
+    let openai_log = if engine.openai_format {
+        Some(AppendLog::open(&run_dir.batch_openai_records(batch))?)
+    } else {
+        None
+    };
 
     let items: Vec<(u64, u32)> = (0..rows.len() as u64)
-        .flat_map(|offset| (0..engine.samples_per_prompt).map(move |sample| (first_prompt + offset, sample)))
+        .flat_map(|offset| {
+            (0..engine.samples_per_prompt).map(move |sample| (first_prompt + offset, sample))
+        })
         .filter(|key| !existing.contains(key))
         .collect();
-    info!(pending = items.len(), resumed = summary.resumed, "starting batch");
+    info!(
+        pending = items.len(),
+        resumed = summary.resumed,
+        "starting batch"
+    );
 
     let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
     let writer = tokio::task::spawn_blocking(move || write_lines(receiver, main_log, openai_log));
     let stop = AtomicBool::new(false);
     let mut permanent: Option<RunError> = None;
     let context = BatchContext {
-        id_prefix: manifest.spec_hash.trim_start_matches("blake3:").chars().take(12).collect(),
+        id_prefix: manifest
+            .spec_hash
+            .trim_start_matches("blake3:")
+            .chars()
+            .take(12)
+            .collect(),
         batch,
         catalog: &manifest.tool_catalog,
         model: &location.plan.spec.model.name,
@@ -238,7 +266,11 @@ async fn run_batch_inner(
     while let Some(result) = results.next().await {
         match result {
             None => {}
-            Some(Item::Record { outcome, line, openai }) => {
+            Some(Item::Record {
+                outcome,
+                line,
+                openai,
+            }) => {
                 match outcome {
                     Outcome::Succeeded => summary.succeeded += 1,
                     Outcome::Discarded => summary.discarded += 1,
@@ -252,7 +284,10 @@ async fn run_batch_inner(
             Some(Item::Stop(error)) => {
                 stop.store(true, Ordering::SeqCst);
                 // A configuration error outranks an unreachable server.
-                if permanent.as_ref().is_none_or(|first| matches!(first, RunError::ModelUnavailable(_))) {
+                if permanent
+                    .as_ref()
+                    .is_none_or(|first| matches!(first, RunError::ModelUnavailable(_)))
+                {
                     permanent = Some(error);
                 }
             }
@@ -260,7 +295,9 @@ async fn run_batch_inner(
     }
     drop(results);
     drop(sender);
-    writer.await.map_err(|err| RunError::Internal(format!("record writer panicked: {err}")))??;
+    writer
+        .await
+        .map_err(|err| RunError::Internal(format!("record writer panicked: {err}")))??;
 
     if let Some(error) = permanent {
         return Err(error);
@@ -284,10 +321,23 @@ async fn run_batch_inner(
             counted.succeeded + counted.discarded + counted.failed
         )));
     }
-    let marker_json = serde_json::to_vec(&marker).map_err(|err| RunError::Internal(err.to_string()))?;
+    let marker_json =
+        serde_json::to_vec(&marker).map_err(|err| RunError::Internal(err.to_string()))?;
     write_atomic(&run_dir.batch_done(batch), &marker_json)?;
-    info!(succeeded = marker.succeeded, discarded = marker.discarded, failed = marker.failed, "batch done");
-    Ok(BatchSummary { batch, succeeded: marker.succeeded, discarded: marker.discarded, failed: marker.failed, resumed: summary.resumed, stopped: None })
+    info!(
+        succeeded = marker.succeeded,
+        discarded = marker.discarded,
+        failed = marker.failed,
+        "batch done"
+    );
+    Ok(BatchSummary {
+        batch,
+        succeeded: marker.succeeded,
+        discarded: marker.discarded,
+        failed: marker.failed,
+        resumed: summary.resumed,
+        stopped: None,
+    })
 }
 
 /// Reads the batch's rows from its byte range and checks them against the plan.
@@ -300,14 +350,18 @@ fn read_batch_rows(
     let path = location.dataset_path();
     let bad = |message: String| RunError::BadBatchInput(format!("{}: {message}", path.display()));
     let mut file = File::open(&path).map_err(|err| bad(format!("cannot open: {err}")))?;
-    file.seek(SeekFrom::Start(layout.start())).map_err(|err| bad(format!("cannot seek: {err}")))?;
+    file.seek(SeekFrom::Start(layout.start()))
+        .map_err(|err| bad(format!("cannot seek: {err}")))?;
     let range = BufReader::new(file.take(layout.end() - layout.start()));
     let mut reader = LineReader::new(range, MAX_LINE_BYTES);
     let mut buffer = Vec::new();
     let mut hasher = blake3::Hasher::new();
     let mut rows = Vec::new();
     let field = &location.plan.spec.dataset.prompt_field;
-    while let Some(info) = reader.next_line(&mut buffer, &mut |_| {}).map_err(|err| bad(format!("cannot read: {err}")))? {
+    while let Some(info) = reader
+        .next_line(&mut buffer, &mut |_| {})
+        .map_err(|err| bad(format!("cannot read: {err}")))?
+    {
         if info.too_long {
             continue;
         }
@@ -331,10 +385,16 @@ fn read_batch_rows(
 }
 
 /// Keys of the records already on storage, and their counts by outcome.
-fn existing_records(run_dir: &RunDir, batch: u32) -> Result<(HashSet<(u64, u32)>, BatchSummary), RunError> {
+fn existing_records(
+    run_dir: &RunDir,
+    batch: u32,
+) -> Result<(HashSet<(u64, u32)>, BatchSummary), RunError> {
     let (data, lines) = read_whole_lines(&run_dir.batch_records(batch))?;
     let mut keys = HashSet::with_capacity(lines.len());
-    let mut summary = BatchSummary { batch, ..BatchSummary::default() };
+    let mut summary = BatchSummary {
+        batch,
+        ..BatchSummary::default()
+    };
     for (start, end) in lines {
         let Ok(key) = serde_json::from_slice::<RecordKey>(&data[start..end]) else {
             warn!(batch, offset = start, "skipping an unreadable record line");
@@ -360,7 +420,11 @@ struct BatchContext<'a> {
 }
 
 enum Item {
-    Record { outcome: Outcome, line: Vec<u8>, openai: Option<Vec<u8>> },
+    Record {
+        outcome: Outcome,
+        line: Vec<u8>,
+        openai: Option<Vec<u8>>,
+    },
     /// Stop the batch: no other prompt can succeed now.
     Stop(RunError),
 }
@@ -382,7 +446,10 @@ fn write_lines(
             group.push(more);
         }
         if let Some(log) = openai.as_mut() {
-            let lines: Vec<&[u8]> = group.iter().filter_map(|lines| lines.openai.as_deref()).collect();
+            let lines: Vec<&[u8]> = group
+                .iter()
+                .filter_map(|lines| lines.openai.as_deref())
+                .collect();
             if !lines.is_empty() {
                 log.append_lines(&lines)?;
             }
@@ -395,9 +462,17 @@ fn write_lines(
 }
 
 /// Runs one (prompt, sample) and renders its record line.
-async fn run_item(engine: &Engine, context: &BatchContext<'_>, row: &Row, prompt_index: u64, sample: u32) -> Item {
+async fn run_item(
+    engine: &Engine,
+    context: &BatchContext<'_>,
+    row: &Row,
+    prompt_index: u64,
+    sample: u32,
+) -> Item {
     let id = format!("{}-{prompt_index}-{sample}", context.id_prefix);
-    let toolsets = engine.distribution.sample(engine.seed, prompt_index, sample);
+    let toolsets = engine
+        .distribution
+        .sample(engine.seed, prompt_index, sample);
     let tools = engine.registry.tools_for(&toolsets);
     let tools_offered: Vec<ToolSpec> = tools.iter().map(|tool| tool.spec().clone()).collect();
     let started_at = chrono::Utc::now();
@@ -408,25 +483,54 @@ async fn run_item(engine: &Engine, context: &BatchContext<'_>, row: &Row, prompt
     {
         Ok(pair) => pair,
         Err(err) => {
-            return failed_item(context, &id, prompt_index, sample, "workspace", &format!("cannot create a workspace: {err}"), started_at);
+            return failed_item(
+                context,
+                &id,
+                prompt_index,
+                sample,
+                "workspace",
+                &format!("cannot create a workspace: {err}"),
+                started_at,
+            );
         }
     };
     let (dir, workspace) = workspace_dir;
-    let tool_context = ToolContext { workspace, limits: engine.limits.clone() };
+    let tool_context = ToolContext {
+        workspace,
+        limits: engine.limits.clone(),
+    };
     let span = info_span!("conversation", prompt_index, sample);
-    let result = run_conversation(&engine.client, &tools, &tool_context, &row.prompt, &engine.agent).instrument(span).await;
+    let result = run_conversation(
+        &engine.client,
+        &tools,
+        &tool_context,
+        &row.prompt,
+        &engine.agent,
+    )
+    .instrument(span)
+    .await;
     if engine.keep_workspaces {
         let _kept = dir.keep();
     }
     let finished_at = chrono::Utc::now();
     let conversation = match result {
         Ok(conversation) => conversation,
-        Err(error) if error.is_permanent() => return Item::Stop(RunError::ModelConfiguration(error.to_string())),
+        Err(error) if error.is_permanent() => {
+            return Item::Stop(RunError::ModelConfiguration(error.to_string()));
+        }
         Err(error) if error.is_server_unreachable() => {
             return Item::Stop(RunError::ModelUnavailable(error.to_string()));
         }
         Err(error) => {
-            return failed_item(context, &id, prompt_index, sample, error.class(), &error.to_string(), started_at);
+            return failed_item(
+                context,
+                &id,
+                prompt_index,
+                sample,
+                error.class(),
+                &error.to_string(),
+                started_at,
+            );
         }
     };
     if engine.require_reasoning && !reasoning_stats(&conversation.messages).has_any_reasoning() {
@@ -435,7 +539,11 @@ async fn run_item(engine: &Engine, context: &BatchContext<'_>, row: &Row, prompt
             "filter": "require_reasoning", "batch_num": context.batch, "api_calls": conversation.api_calls,
             "timestamp": timestamp(finished_at),
         });
-        return Item::Record { outcome: Outcome::Discarded, line: crate::pyjson::to_string(&record).into_bytes(), openai: None };
+        return Item::Record {
+            outcome: Outcome::Discarded,
+            line: crate::pyjson::to_string(&record).into_bytes(),
+            openai: None,
+        };
     }
     let record_context = RecordContext {
         id: &id,
@@ -450,11 +558,23 @@ async fn run_item(engine: &Engine, context: &BatchContext<'_>, row: &Row, prompt
         finished_at,
         source: &row.source,
     };
-    let line = crate::pyjson::to_string(&Value::Object(trajectory_record(&conversation, &record_context))).into_bytes();
-    let openai = engine
-        .openai_format
-        .then(|| serde_json::to_vec(&Value::Object(openai_record(&conversation, &record_context))).unwrap_or_default());
-    Item::Record { outcome: Outcome::Succeeded, line, openai }
+    let line = crate::pyjson::to_string(&Value::Object(trajectory_record(
+        &conversation,
+        &record_context,
+    )))
+    .into_bytes();
+    let openai = engine.openai_format.then(|| {
+        serde_json::to_vec(&Value::Object(openai_record(
+            &conversation,
+            &record_context,
+        )))
+        .unwrap_or_default()
+    });
+    Item::Record {
+        outcome: Outcome::Succeeded,
+        line,
+        openai,
+    }
 }
 
 fn failed_item(
@@ -475,10 +595,17 @@ fn failed_item(
     record.insert("error_class".into(), class.into());
     record.insert("error".into(), message.into());
     record.insert("batch_num".into(), context.batch.into());
-    record.insert("duration_ms".into(), (finished_at - started_at).num_milliseconds().max(0).into());
+    record.insert(
+        "duration_ms".into(),
+        (finished_at - started_at).num_milliseconds().max(0).into(),
+    );
     record.insert("timestamp".into(), timestamp(finished_at).into());
     warn!(prompt_index, sample, class, "prompt failed");
-    Item::Record { outcome: Outcome::Failed, line: crate::pyjson::to_string(&Value::Object(record)).into_bytes(), openai: None }
+    Item::Record {
+        outcome: Outcome::Failed,
+        line: crate::pyjson::to_string(&Value::Object(record)).into_bytes(),
+        openai: None,
+    }
 }
 
 #[cfg(test)]

@@ -51,7 +51,10 @@ pub struct LocalReport {
 }
 
 /// Runs plan, every pending batch and merge.
-pub async fn run_local(options: &LocalOptions, shutdown: &Shutdown) -> Result<LocalReport, RunError> {
+pub async fn run_local(
+    options: &LocalOptions,
+    shutdown: &Shutdown,
+) -> Result<LocalReport, RunError> {
     let started = Instant::now();
     let mut run_file = RunFile::load(&options.run_file)?;
     if let Some(base_url) = &options.base_url {
@@ -60,9 +63,15 @@ pub async fn run_local(options: &LocalOptions, shutdown: &Shutdown) -> Result<Lo
     note_cluster_only_fields(&run_file);
     let storage_root = match &options.storage {
         Some(root) => root.clone(),
-        None => options.run_file.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf),
+        None => options
+            .run_file
+            .parent()
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
     };
-    let location = RunLocation { storage_root, plan: run_file.to_plan() };
+    let location = RunLocation {
+        storage_root,
+        plan: run_file.to_plan(),
+    };
     let plan_location = location.clone();
     let (manifest, plan_summary) = tokio::task::spawn_blocking(move || plan::plan(&plan_location))
         .await
@@ -74,16 +83,24 @@ pub async fn run_local(options: &LocalOptions, shutdown: &Shutdown) -> Result<Lo
         plan_summary.prompts,
         plan_summary.invalid,
         plan_summary.batches,
-        plan_summary.done.iter().map(|range| range.last - range.first + 1).sum::<u32>()
+        plan_summary
+            .done
+            .iter()
+            .map(|range| range.last - range.first + 1)
+            .sum::<u32>()
     );
 
     let engine = Engine::new(&location.plan.spec, options.workspace_root.clone())?;
     let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
-    let pending: Vec<u32> = (0..manifest.batch_count()).filter(|batch| !done.contains(batch)).collect();
+    let pending: Vec<u32> = (0..manifest.batch_count())
+        .filter(|batch| !done.contains(batch))
+        .collect();
     let total = manifest.dataset.prompts * u64::from(manifest.samples_per_prompt);
     let already = records_on_storage(&location, &manifest)?;
     let tracker = Arc::new(Tracker::new(total, already, options.progress));
-    let workers = usize::try_from(location.plan.spec.workers).unwrap_or(1).max(1);
+    let workers = usize::try_from(location.plan.spec.workers)
+        .unwrap_or(1)
+        .max(1);
 
     let ticker = tracker.clone().start_ticker();
     let progress_tracker = tracker.clone();
@@ -113,7 +130,12 @@ pub async fn run_local(options: &LocalOptions, shutdown: &Shutdown) -> Result<Lo
     let merge_summary = tokio::task::spawn_blocking(move || merge::merge(&merge_location))
         .await
         .map_err(|err| RunError::Internal(err.to_string()))??;
-    Ok(LocalReport { run_dir: run_dir.root().to_path_buf(), plan: plan_summary, merge: merge_summary, elapsed: started.elapsed() })
+    Ok(LocalReport {
+        run_dir: run_dir.root().to_path_buf(),
+        plan: plan_summary,
+        merge: merge_summary,
+        elapsed: started.elapsed(),
+    })
 }
 
 fn note_cluster_only_fields(run_file: &RunFile) {
@@ -122,13 +144,19 @@ fn note_cluster_only_fields(run_file: &RunFile) {
         (spec.pod_template.is_some(), "podTemplate"),
         (spec.queue_name.is_some(), "queueName"),
         (spec.storage.volume.is_some(), "storage.volume"),
-        (spec.model.api_key_secret_ref.is_some(), "model.apiKeySecretRef"),
+        (
+            spec.model.api_key_secret_ref.is_some(),
+            "model.apiKeySecretRef",
+        ),
     ]
     .into_iter()
     .filter_map(|(set, name)| set.then_some(name))
     .collect();
     if !ignored.is_empty() {
-        info!("local run: ignoring cluster-only fields: {}", ignored.join(", "));
+        info!(
+            "local run: ignoring cluster-only fields: {}",
+            ignored.join(", ")
+        );
     }
 }
 
@@ -207,7 +235,11 @@ impl Tracker {
         let done = self.done.load(Ordering::Relaxed);
         let elapsed = self.started.elapsed().as_secs_f64().max(1e-3);
         let rate = (done - self.initial) as f64 / elapsed;
-        let eta = if rate > 0.0 { format!("{:.0}s", (self.total - done.min(self.total)) as f64 / rate) } else { "?".into() };
+        let eta = if rate > 0.0 {
+            format!("{:.0}s", (self.total - done.min(self.total)) as f64 / rate)
+        } else {
+            "?".into()
+        };
         format!(
             "progress: {done}/{} prompts, {rate:.2}/s, ETA {eta}, {} failed, {} discarded",
             self.total,
@@ -243,19 +275,35 @@ pub fn render_report(report: &LocalReport) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
     let merge = &report.merge;
-    let _ = writeln!(out, "\nRUN COMPLETE in {:.1}s", report.elapsed.as_secs_f64());
-    let _ = writeln!(out, "  prompts        {:>8}   (invalid lines: {})", report.plan.prompts, report.plan.invalid);
+    let _ = writeln!(
+        out,
+        "\nRUN COMPLETE in {:.1}s",
+        report.elapsed.as_secs_f64()
+    );
+    let _ = writeln!(
+        out,
+        "  prompts        {:>8}   (invalid lines: {})",
+        report.plan.prompts, report.plan.invalid
+    );
     let _ = writeln!(out, "  trajectories   {:>8}", merge.trajectories);
     let _ = writeln!(out, "  discarded      {:>8}", merge.discarded);
     let _ = writeln!(out, "  failed         {:>8}", merge.failed);
     let statistics = std::fs::read(report.run_dir.join("statistics.json"))
         .ok()
         .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok());
-    if let Some(tools) = statistics.as_ref().and_then(|s| s.get("tool_statistics")).and_then(|t| t.as_object()) {
+    if let Some(tools) = statistics
+        .as_ref()
+        .and_then(|s| s.get("tool_statistics"))
+        .and_then(|t| t.as_object())
+    {
         if tools.is_empty() {
             let _ = writeln!(out, "\n  No tool calls were made.");
         } else {
-            let _ = writeln!(out, "\n  {:<16} {:>7} {:>8} {:>8} {:>8}", "tool", "count", "success", "failure", "rate");
+            let _ = writeln!(
+                out,
+                "\n  {:<16} {:>7} {:>8} {:>8} {:>8}",
+                "tool", "count", "success", "failure", "rate"
+            );
             for (name, counts) in tools {
                 let _ = writeln!(
                     out,
@@ -269,8 +317,20 @@ pub fn render_report(report: &LocalReport) -> String {
             }
         }
     }
-    let _ = writeln!(out, "\n  trajectories: {}", report.run_dir.join("trajectories.jsonl").display());
-    let _ = writeln!(out, "  failures:     {}", report.run_dir.join("failures.jsonl").display());
-    let _ = writeln!(out, "  statistics:   {}", report.run_dir.join("statistics.json").display());
+    let _ = writeln!(
+        out,
+        "\n  trajectories: {}",
+        report.run_dir.join("trajectories.jsonl").display()
+    );
+    let _ = writeln!(
+        out,
+        "  failures:     {}",
+        report.run_dir.join("failures.jsonl").display()
+    );
+    let _ = writeln!(
+        out,
+        "  statistics:   {}",
+        report.run_dir.join("statistics.json").display()
+    );
     out
 }

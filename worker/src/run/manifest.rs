@@ -95,7 +95,10 @@ impl Manifest {
     /// Prompts in a batch (the last one may be short).
     pub fn prompts_in(&self, batch: u32) -> u64 {
         let first = self.first_prompt(batch);
-        self.dataset.prompts.saturating_sub(first).min(u64::from(self.batch_size))
+        self.dataset
+            .prompts
+            .saturating_sub(first)
+            .min(u64::from(self.batch_size))
     }
 
     pub fn batch_count(&self) -> u32 {

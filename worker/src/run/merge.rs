@@ -1,7 +1,7 @@
 //! `merge`: batch files, in batch order, into one dataset-ordered `trajectories.jsonl`, plus
 //! `failures.jsonl` and `statistics.json`.
 //!
-//! Every line is validated; exactly one record per (prompt_index, sample) is kept (a trajectory
+//! Every line is validated; exactly one record per (`prompt_index`, sample) is kept (a trajectory
 //! wins over a failure); lines are copied byte for byte. Outputs are written to temp names and
 //! renamed when complete, so a half-written merge never passes for a finished one.
 
@@ -56,6 +56,8 @@ struct ToolCountsView {
     failure: u64,
 }
 
+// The field names mirror the record's JSON keys.
+#[allow(clippy::struct_field_names)]
 #[derive(Debug, Default, Deserialize)]
 struct UsageView {
     #[serde(default)]
@@ -136,17 +138,28 @@ impl Output {
     fn create(path: PathBuf) -> Result<Self, StorageError> {
         let temp = temp_path(&path);
         let file = File::create(&temp).at("creating", &temp)?;
-        Ok(Self { writer: BufWriter::with_capacity(1 << 20, file), path, temp, bytes: 0 })
+        Ok(Self {
+            writer: BufWriter::with_capacity(1 << 20, file),
+            path,
+            temp,
+            bytes: 0,
+        })
     }
 
     fn line(&mut self, line: &[u8]) -> Result<(), StorageError> {
-        self.writer.write_all(line).and_then(|()| self.writer.write_all(b"\n")).at("writing", &self.temp)?;
+        self.writer
+            .write_all(line)
+            .and_then(|()| self.writer.write_all(b"\n"))
+            .at("writing", &self.temp)?;
         self.bytes += line.len() as u64 + 1;
         Ok(())
     }
 
     fn finish(self) -> Result<u64, StorageError> {
-        let file = self.writer.into_inner().map_err(|err| StorageError::new("writing", &self.temp, err.into_error()))?;
+        let file = self
+            .writer
+            .into_inner()
+            .map_err(|err| StorageError::new("writing", &self.temp, err.into_error()))?;
         file.sync_all().at("syncing", &self.temp)?;
         std::fs::rename(&self.temp, &self.path).at("renaming into place", &self.path)?;
         Ok(self.bytes)
@@ -160,7 +173,11 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
     let openai = location.plan.spec.openai_format;
     let mut trajectories = Output::create(run_dir.trajectories())?;
     let mut failures = Output::create(run_dir.failures())?;
-    let mut openai_out = if openai { Some(Output::create(run_dir.trajectories_openai())?) } else { None };
+    let mut openai_out = if openai {
+        Some(Output::create(run_dir.trajectories_openai())?)
+    } else {
+        None
+    };
     let mut totals = Totals::default();
     let mut skipped_lines = 0u64;
     let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
@@ -196,14 +213,21 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
         kept.dedup_by_key(|(prompt_index, sample, ..)| (*prompt_index, *sample));
         skipped_lines += (before - kept.len()) as u64;
 
-        let openai_lines = if openai { openai_index(&run_dir.batch_openai_records(batch))? } else { HashMap::new() };
+        let openai_lines = if openai {
+            openai_index(&run_dir.batch_openai_records(batch))?
+        } else {
+            HashMap::new()
+        };
         for (prompt_index, sample, rank, position) in kept {
             let (view, start, end) = &views[position];
             totals.add(view);
             let line = &data[*start..*end];
             if rank == 0 {
                 trajectories.line(line)?;
-                if let (Some(out), Some(openai_line)) = (openai_out.as_mut(), openai_lines.get(&(prompt_index, sample))) {
+                if let (Some(out), Some(openai_line)) = (
+                    openai_out.as_mut(),
+                    openai_lines.get(&(prompt_index, sample)),
+                ) {
                     out.line(openai_line)?;
                 }
             } else {
@@ -217,7 +241,8 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
         out.finish()?;
     }
     let statistics = statistics(location, &manifest, &mut totals, &missing);
-    let statistics_json = serde_json::to_vec_pretty(&statistics).map_err(|err| RunError::Internal(err.to_string()))?;
+    let statistics_json = serde_json::to_vec_pretty(&statistics)
+        .map_err(|err| RunError::Internal(err.to_string()))?;
     write_atomic(&run_dir.statistics(), &statistics_json)?;
     // Last, so that a trajectories file on storage always comes with its statistics.
     let bytes = trajectories.finish()?;
@@ -232,7 +257,12 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
         bytes,
         skipped_lines,
     };
-    info!(trajectories = summary.trajectories, failed = summary.failed, bytes, "merged");
+    info!(
+        trajectories = summary.trajectories,
+        failed = summary.failed,
+        bytes,
+        "merged"
+    );
     Ok(summary)
 }
 
@@ -248,7 +278,9 @@ fn openai_index(path: &Path) -> Result<HashMap<(u64, u32), Vec<u8>>, RunError> {
     let mut index = HashMap::new();
     for (start, end) in lines {
         if let Ok(key) = serde_json::from_slice::<Key>(&data[start..end]) {
-            index.entry((key.prompt_index, key.sample)).or_insert_with(|| data[start..end].to_vec());
+            index
+                .entry((key.prompt_index, key.sample))
+                .or_insert_with(|| data[start..end].to_vec());
         }
     }
     Ok(index)
@@ -268,12 +300,19 @@ fn percentiles(values: &mut [u64]) -> Option<Percentiles> {
         return None;
     }
     values.sort_unstable();
-    let at = |q: f64| {
-        let rank = (q * values.len() as f64).ceil() as usize;
+    // Nearest rank: the smallest value with at least `percent`% of the values at or below it.
+    let at = |percent: usize| {
+        let rank = (values.len() * percent).div_ceil(100);
         values[rank.saturating_sub(1).min(values.len() - 1)]
     };
     let sum: u64 = values.iter().sum();
-    Some(Percentiles { p50: at(0.5), p90: at(0.9), p99: at(0.99), max: values[values.len() - 1], mean: round2(sum as f64 / values.len() as f64) })
+    Some(Percentiles {
+        p50: at(50),
+        p90: at(90),
+        p99: at(99),
+        max: values[values.len() - 1],
+        mean: round2(sum as f64 / values.len() as f64),
+    })
 }
 
 fn round2(value: f64) -> f64 {
@@ -281,12 +320,25 @@ fn round2(value: f64) -> f64 {
 }
 
 fn rate(part: u64, whole: u64) -> f64 {
-    if whole == 0 { 0.0 } else { round2(part as f64 * 100.0 / whole as f64) }
+    if whole == 0 {
+        0.0
+    } else {
+        round2(part as f64 * 100.0 / whole as f64)
+    }
 }
 
-fn statistics(location: &RunLocation, manifest: &Manifest, totals: &mut Totals, missing: &[u32]) -> serde_json::Value {
+fn statistics(
+    location: &RunLocation,
+    manifest: &Manifest,
+    totals: &mut Totals,
+    missing: &[u32],
+) -> serde_json::Value {
     let spec = &location.plan.spec;
-    let mut tools: Vec<_> = totals.tools.iter().filter(|(_, (count, ..))| *count > 0).collect();
+    let mut tools: Vec<_> = totals
+        .tools
+        .iter()
+        .filter(|(_, (count, ..))| *count > 0)
+        .collect();
     tools.sort_by(|a, b| b.1.0.cmp(&a.1.0).then_with(|| a.0.cmp(b.0)));
     let tool_statistics: serde_json::Map<String, serde_json::Value> = tools
         .into_iter()

@@ -39,7 +39,9 @@ pub enum RunError {
     #[error("stopped: {0}")]
     ModelConfiguration(String),
     /// The model server could not be reached; nothing was recorded for the prompts it stopped.
-    #[error("model server unreachable; the affected prompts were not recorded and are retried on resume: {0}")]
+    #[error(
+        "model server unreachable; the affected prompts were not recorded and are retried on resume: {0}"
+    )]
     ModelUnavailable(String),
     /// Stopped by a signal after leaving storage consistent.
     #[error("interrupted; run the same command again to resume")]
@@ -53,16 +55,17 @@ impl RunError {
     /// The process exit code for this error, per the worker contract.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Spec(_) | Self::InvalidDataset(_) | Self::OutputMismatch(_) | Self::ModelConfiguration(_) => {
-                exit::PERMANENT_CONFIG
-            }
+            Self::Spec(_)
+            | Self::InvalidDataset(_)
+            | Self::OutputMismatch(_)
+            | Self::ModelConfiguration(_) => exit::PERMANENT_CONFIG,
             Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
             Self::Interrupted => exit::INTERRUPTED,
             Self::Storage(_) | Self::Internal(_) | Self::ModelUnavailable(_) => exit::TRANSIENT,
         }
     }
 
-    /// A PascalCase reason for the operator's status.
+    /// A `PascalCase` reason for the operator's status.
     pub fn reason(&self) -> &'static str {
         match self {
             Self::Storage(_) => "StorageError",
@@ -102,8 +105,9 @@ pub const LOCAL_NAMESPACE: &str = "local";
 impl RunFile {
     /// Reads and validates a run file; errors name the file and the field.
     pub fn load(path: &Path) -> Result<Self, RunError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|err| RunError::Spec(format!("cannot read run file {}: {err}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|err| {
+            RunError::Spec(format!("cannot read run file {}: {err}", path.display()))
+        })?;
         let file: Self = serde_yaml::from_str(&text).map_err(|err| {
             let place = err
                 .location()
@@ -121,14 +125,22 @@ impl RunFile {
         let violations = file.spec.validate();
         if !violations.is_empty() {
             let list: Vec<String> = violations.iter().map(ToString::to_string).collect();
-            return Err(RunError::Spec(format!("{}: {}", path.display(), list.join("; "))));
+            return Err(RunError::Spec(format!(
+                "{}: {}",
+                path.display(),
+                list.join("; ")
+            )));
         }
         Ok(file)
     }
 
     /// The run plan this file stands for.
     pub fn to_plan(&self) -> RunPlan {
-        let namespace = self.metadata.namespace.clone().unwrap_or_else(|| LOCAL_NAMESPACE.to_owned());
+        let namespace = self
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| LOCAL_NAMESPACE.to_owned());
         RunPlan {
             output_path: self.spec.output_path(&namespace, &self.metadata.name),
             name: self.metadata.name.clone(),
@@ -140,7 +152,7 @@ impl RunFile {
     }
 }
 
-/// Reads a run plan JSON (the mounted ConfigMap in a pod).
+/// Reads a run plan JSON (the mounted `ConfigMap` in a pod).
 pub fn load_plan(path: &Path) -> Result<RunPlan, RunError> {
     let text = std::fs::read_to_string(path)
         .map_err(|err| RunError::Spec(format!("cannot read run plan {}: {err}", path.display())))?;
@@ -149,7 +161,11 @@ pub fn load_plan(path: &Path) -> Result<RunPlan, RunError> {
     let violations = plan.spec.validate();
     if !violations.is_empty() {
         let list: Vec<String> = violations.iter().map(ToString::to_string).collect();
-        return Err(RunError::Spec(format!("{}: {}", path.display(), list.join("; "))));
+        return Err(RunError::Spec(format!(
+            "{}: {}",
+            path.display(),
+            list.join("; ")
+        )));
     }
     Ok(plan)
 }

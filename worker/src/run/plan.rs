@@ -6,7 +6,9 @@ use std::io::{BufReader, BufWriter, Write};
 
 use tracing::info;
 
-use super::manifest::{BatchLayout, DatasetInfo, MANIFEST_VERSION, Manifest, RunIdentity, spec_hash};
+use super::manifest::{
+    BatchLayout, DatasetInfo, MANIFEST_VERSION, Manifest, RunIdentity, spec_hash,
+};
 use super::{RunError, RunLocation};
 use crate::dataset::{LineReader, MAX_LINE_BYTES, probe_line};
 use crate::distribution::Distribution;
@@ -18,18 +20,23 @@ use crate::tools::Registry;
 pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError> {
     let spec = &location.plan.spec;
     let registry = Registry::builtin(&spec.tools);
-    let distribution = Distribution::resolve(&spec.distribution, &registry).map_err(|err| RunError::Spec(err.to_string()))?;
+    let distribution = Distribution::resolve(&spec.distribution, &registry)
+        .map_err(|err| RunError::Spec(err.to_string()))?;
     let catalog = registry.catalog(&distribution.possible_toolsets());
     let run_dir = location.run_dir();
     let dataset_path = location.dataset_path();
     let file = File::open(&dataset_path).map_err(|err| {
-        RunError::InvalidDataset(format!("cannot open spec.dataset.path {}: {err}", dataset_path.display()))
+        RunError::InvalidDataset(format!(
+            "cannot open spec.dataset.path {}: {err}",
+            dataset_path.display()
+        ))
     })?;
 
     std::fs::create_dir_all(run_dir.root()).at("creating", run_dir.root())?;
     let invalid_path = run_dir.invalid();
     let invalid_temp = temp_path(&invalid_path);
-    let mut invalid_out = BufWriter::new(File::create(&invalid_temp).at("creating", &invalid_temp)?);
+    let mut invalid_out =
+        BufWriter::new(File::create(&invalid_temp).at("creating", &invalid_temp)?);
 
     let max_samples = spec.dataset.max_samples.unwrap_or(u64::MAX);
     let batch_size = u64::from(spec.batch_size);
@@ -45,9 +52,9 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         file_hasher.update(chunk);
     };
     loop {
-        let next = reader
-            .next_line(&mut buffer, &mut observe)
-            .map_err(|err| RunError::InvalidDataset(format!("cannot read {}: {err}", dataset_path.display())))?;
+        let next = reader.next_line(&mut buffer, &mut observe).map_err(|err| {
+            RunError::InvalidDataset(format!("cannot read {}: {err}", dataset_path.display()))
+        })?;
         let Some(line) = next else { break };
         lines += 1;
         bytes = line.offset + line.length;
@@ -64,13 +71,18 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
                 prompts += 1;
                 valid_end = bytes;
                 if prompts % batch_size == 0 {
-                    batches.push(BatchLayout(batch_start, valid_end, batch_hasher.finalize().to_hex()[..32].to_owned()));
+                    batches.push(BatchLayout(
+                        batch_start,
+                        valid_end,
+                        batch_hasher.finalize().to_hex()[..32].to_owned(),
+                    ));
                     batch_hasher = blake3::Hasher::new();
                 }
             }
             Err(rejection) => {
                 invalid += 1;
-                let excerpt = String::from_utf8_lossy(&buffer[..buffer.len().min(200)]).into_owned();
+                let excerpt =
+                    String::from_utf8_lossy(&buffer[..buffer.len().min(200)]).into_owned();
                 let entry = serde_json::json!({
                     "line": line.number,
                     "offset": line.offset,
@@ -86,9 +98,15 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         }
     }
     if prompts % batch_size != 0 {
-        batches.push(BatchLayout(batch_start, valid_end, batch_hasher.finalize().to_hex()[..32].to_owned()));
+        batches.push(BatchLayout(
+            batch_start,
+            valid_end,
+            batch_hasher.finalize().to_hex()[..32].to_owned(),
+        ));
     }
-    let file = invalid_out.into_inner().map_err(|err| StorageError::new("writing", &invalid_temp, err.into_error()))?;
+    let file = invalid_out
+        .into_inner()
+        .map_err(|err| StorageError::new("writing", &invalid_temp, err.into_error()))?;
 
     let dataset = DatasetInfo {
         path: spec.dataset.path.clone(),
@@ -144,7 +162,8 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
     };
     file.sync_all().at("syncing", &invalid_temp)?;
     std::fs::rename(&invalid_temp, &invalid_path).at("renaming into place", &invalid_path)?;
-    let manifest_json = serde_json::to_vec(&manifest).map_err(|err| RunError::Internal(err.to_string()))?;
+    let manifest_json =
+        serde_json::to_vec(&manifest).map_err(|err| RunError::Internal(err.to_string()))?;
     write_atomic(&run_dir.manifest(), &manifest_json)?;
     sync_dir(run_dir.root())?;
 

@@ -22,8 +22,13 @@ pub async fn run_prompt(
     let engine = Engine::new(spec, workspace_root)?;
     let toolsets = match toolsets {
         Some(names) => {
-            if let Some(unknown) = names.iter().find(|name| engine.registry.toolset(name).is_none()) {
-                return Err(RunError::Spec(format!("--toolsets: unknown toolset {unknown:?}")));
+            if let Some(unknown) = names
+                .iter()
+                .find(|name| engine.registry.toolset(name).is_none())
+            {
+                return Err(RunError::Spec(format!(
+                    "--toolsets: unknown toolset {unknown:?}"
+                )));
             }
             names
         }
@@ -31,18 +36,28 @@ pub async fn run_prompt(
     };
     let tools = engine.registry.tools_for(&toolsets);
     let offered: Vec<ToolSpec> = tools.iter().map(|tool| tool.spec().clone()).collect();
-    let catalog = engine.registry.catalog(&engine.distribution.possible_toolsets());
+    let catalog = engine
+        .registry
+        .catalog(&engine.distribution.possible_toolsets());
     let dir = tempfile::Builder::new()
         .prefix("prompt-")
         .tempdir_in(&engine.workspace_root)
         .map_err(|err| RunError::Internal(format!("cannot create a workspace: {err}")))?;
-    let workspace = Workspace::new(dir.path()).map_err(|err| RunError::Internal(err.to_string()))?;
-    let context = ToolContext { workspace, limits: engine.limits.clone() };
+    let workspace =
+        Workspace::new(dir.path()).map_err(|err| RunError::Internal(err.to_string()))?;
+    let context = ToolContext {
+        workspace,
+        limits: engine.limits.clone(),
+    };
     let started_at = chrono::Utc::now();
     let conversation = run_conversation(&engine.client, &tools, &context, prompt, &engine.agent)
         .await
         .map_err(|err| {
-            if err.is_permanent() { RunError::ModelConfiguration(err.to_string()) } else { RunError::Internal(err.to_string()) }
+            if err.is_permanent() {
+                RunError::ModelConfiguration(err.to_string())
+            } else {
+                RunError::Internal(err.to_string())
+            }
         })?;
     let source = Map::new();
     let record_context = RecordContext {

@@ -9,7 +9,9 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use trajectory_worker::run::batch::{Engine, Shutdown, shutdown_channel};
 use trajectory_worker::run::{RunFile, RunLocation};
-use trajectory_worker::scripted_server::{FixedLatency, ScriptedServer, text_reply, tool_call_reply};
+use trajectory_worker::scripted_server::{
+    FixedLatency, ScriptedServer, text_reply, tool_call_reply,
+};
 
 /// A run on disk: `<dir>/run.yaml`, `<dir>/datasets/prompts.jsonl`, outputs under `<dir>/out`.
 pub struct RunFixture {
@@ -83,7 +85,10 @@ impl RunFixture {
 
     pub fn location(&self) -> RunLocation {
         let run_file = RunFile::load(&self.run_file()).expect("the fixture's run file is valid");
-        RunLocation { storage_root: self.root().to_path_buf(), plan: run_file.to_plan() }
+        RunLocation {
+            storage_root: self.root().to_path_buf(),
+            plan: run_file.to_plan(),
+        }
     }
 
     pub fn engine(&self) -> Engine {
@@ -93,7 +98,11 @@ impl RunFixture {
     /// The JSON lines of an output file.
     pub fn lines(&self, name: &str) -> Vec<Value> {
         let text = std::fs::read_to_string(self.out().join(name)).unwrap_or_default();
-        text.lines().map(|line| serde_json::from_str(line).unwrap_or_else(|err| panic!("bad line {line:?}: {err}"))).collect()
+        text.lines()
+            .map(|line| {
+                serde_json::from_str(line).unwrap_or_else(|err| panic!("bad line {line:?}: {err}"))
+            })
+            .collect()
     }
 }
 
@@ -114,10 +123,15 @@ pub fn no_shutdown() -> Shutdown {
     shutdown
 }
 
-/// (prompt_index, sample) of each line.
+/// (`prompt_index`, sample) of each line.
 pub fn keys(lines: &[Value]) -> Vec<(u64, u64)> {
     lines
         .iter()
-        .map(|line| (line["prompt_index"].as_u64().unwrap(), line["sample"].as_u64().unwrap_or(0)))
+        .map(|line| {
+            (
+                line["prompt_index"].as_u64().unwrap(),
+                line["sample"].as_u64().unwrap_or(0),
+            )
+        })
         .collect()
 }
