@@ -508,3 +508,47 @@ async fn an_unreachable_model_server_stops_the_batch_without_burning_prompts() {
         "no prompt may be recorded as failed because the server was down"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_form_is_written_beside_the_hermes_form_in_the_same_order() {
+    let server = terminal_server(Duration::ZERO).await;
+    let fixture = RunFixture::new(&server.base_url(), 6).with("/openaiFormat", json!(true));
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    let hermes = fixture.lines("trajectories.jsonl");
+    let openai = fixture.lines("trajectories.openai.jsonl");
+    assert_eq!(keys(&hermes), keys(&openai));
+    let first = &openai[0];
+    let roles: Vec<&str> = first["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"]);
+    assert_eq!(
+        first["messages"][1]["tool_calls"][0]["function"]["name"],
+        "terminal"
+    );
+    assert_eq!(first["tools"][0]["type"], "function");
+    assert_eq!(first["id"], hermes[0]["id"]);
+}
+
+#[test]
+fn a_missing_api_key_file_or_variable_is_refused_before_any_request() {
+    let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1)
+        .with("/model/apiKeyEnv", json!("TRAJ_TEST_KEY_THAT_IS_NOT_SET"));
+    let error = trajectory_worker::run::batch::Engine::new(
+        &fixture.location().plan.spec,
+        fixture.workspaces(),
+    )
+    .unwrap_err();
+    assert!(
+        error.to_string().contains("TRAJ_TEST_KEY_THAT_IS_NOT_SET"),
+        "{error}"
+    );
+    let missing = trajectory_worker::model::ApiKey::from_file(&fixture.root().join("no-such-key"))
+        .unwrap_err();
+    assert!(missing.contains("no-such-key"), "{missing}");
+}
