@@ -168,21 +168,8 @@ struct DoneMarker {
 }
 
 /// Runs one batch to completion (or until shutdown or a permanent error).
+#[tracing::instrument(name = "batch", skip_all, fields(run = %location.plan.name, batch))]
 pub async fn run_batch(
-    engine: &Engine,
-    location: &RunLocation,
-    manifest: &Manifest,
-    batch: u32,
-    shutdown: &Shutdown,
-    progress: &(dyn Fn(Outcome) + Send + Sync),
-) -> Result<BatchSummary, RunError> {
-    let span = info_span!("batch", run = %location.plan.name, batch);
-    run_batch_inner(engine, location, manifest, batch, shutdown, progress)
-        .instrument(span)
-        .await
-}
-
-async fn run_batch_inner(
     engine: &Engine,
     location: &RunLocation,
     manifest: &Manifest,

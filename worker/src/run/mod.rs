@@ -122,15 +122,7 @@ impl RunFile {
                 file.kind
             )));
         }
-        let violations = file.spec.validate();
-        if !violations.is_empty() {
-            let list: Vec<String> = violations.iter().map(ToString::to_string).collect();
-            return Err(RunError::Spec(format!(
-                "{}: {}",
-                path.display(),
-                list.join("; ")
-            )));
-        }
+        check_spec(path, &file.spec)?;
         Ok(file)
     }
 
@@ -158,16 +150,22 @@ pub fn load_plan(path: &Path) -> Result<RunPlan, RunError> {
         .map_err(|err| RunError::Spec(format!("cannot read run plan {}: {err}", path.display())))?;
     let plan: RunPlan = serde_json::from_str(&text)
         .map_err(|err| RunError::Spec(format!("{}: invalid run plan: {err}", path.display())))?;
-    let violations = plan.spec.validate();
-    if !violations.is_empty() {
-        let list: Vec<String> = violations.iter().map(ToString::to_string).collect();
-        return Err(RunError::Spec(format!(
-            "{}: {}",
-            path.display(),
-            list.join("; ")
-        )));
-    }
+    check_spec(path, &plan.spec)?;
     Ok(plan)
+}
+
+/// Every bound the spec violates, named by file and field.
+fn check_spec(path: &Path, spec: &RunSpec) -> Result<(), RunError> {
+    let violations = spec.validate();
+    if violations.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = violations.iter().map(ToString::to_string).collect();
+    Err(RunError::Spec(format!(
+        "{}: {}",
+        path.display(),
+        list.join("; ")
+    )))
 }
 
 /// Where a run's files live: the storage root and the plan.
