@@ -1,0 +1,397 @@
+//! The `TrajectoryRun` API (`trajectories.dev/v1alpha1`): the custom resource a researcher applies.
+//!
+//! The spec *is* the worker's [`RunSpec`] (one definition for the run file and the resource); this
+//! module wraps it for kube's derive and adds what only the API server can enforce: bounds, CEL rules
+//! with messages a user understands, and immutability of the fields that define what is generated.
+//! Those rules are one table ([`spec_validations`]) so that a reader sees every rule in one place.
+//!
+//! The status is small by design: counts, ranges and conditions. Per-batch details and statistics
+//! live on storage.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
+use trajectory_worker::spec::RunSpec;
+
+/// A run that generates tool-using agent trajectories from a JSONL dataset of prompts.
+///
+/// The operator plans the run, works its batches in an Indexed Job (one completion index per batch),
+/// and merges the batch files into one `trajectories.jsonl` on the storage volume.
+// Several `printcolumn(..., type_ = "string", ...)` look like duplicated attributes to clippy.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "trajectories.dev",
+    version = "v1alpha1",
+    kind = "TrajectoryRun",
+    namespaced,
+    shortname = "trun",
+    category = "trajectories",
+    status = "TrajectoryRunStatus",
+    derive = "PartialEq",
+    doc = "A run that generates tool-using agent trajectories from a JSONL dataset of prompts.",
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Progress", type_ = "string", json_path = ".status.progress"),
+    printcolumn(
+        name = "Trajectories",
+        type_ = "integer",
+        json_path = ".status.output.trajectories"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[schemars(transform = spec_validations)]
+pub struct TrajectoryRunSpec {
+    /// The run spec shared with the worker's run files (`trajectory-worker local run.yaml`).
+    #[serde(flatten)]
+    pub run: RunSpec,
+}
+
+impl From<RunSpec> for TrajectoryRunSpec {
+    fn from(run: RunSpec) -> Self {
+        Self { run }
+    }
+}
+
+/// Observed state of a run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(transform = kubernetes_formats)]
+pub struct TrajectoryRunStatus {
+    /// The `metadata.generation` of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Standard conditions: `Ready`, `Progressing`, `Succeeded`, `Failed`, `Suspended`, and the
+    /// kstatus pair `Reconciling` / `Stalled`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Where the run is, for humans: Pending, Planning, Running, Merging, Succeeded or Failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    /// Prompt counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompts: Option<PromptCounts>,
+    /// Batch counts and the ids of finished batches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batches: Option<BatchCounts>,
+    /// Batches done out of all batches, e.g. `42/120`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<String>,
+    /// The generation attempt in progress (1 for the first Indexed Job, 2 for the one that re-runs
+    /// the batches the first left undone, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    /// When the operator started the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<Time>,
+    /// When the run succeeded or failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<Time>,
+    /// The merged output, once the merge Job succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<OutputStatus>,
+}
+
+/// The phase of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Phase {
+    /// Accepted; nothing started yet.
+    Pending,
+    /// The plan Job is validating the dataset and counting batches.
+    Planning,
+    /// An Indexed Job is working the batches.
+    Running,
+    /// The merge Job is writing `trajectories.jsonl`.
+    Merging,
+    /// The output is complete.
+    Succeeded,
+    /// The run stopped; the `Failed` condition says why.
+    Failed,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "Pending",
+            Self::Planning => "Planning",
+            Self::Running => "Running",
+            Self::Merging => "Merging",
+            Self::Succeeded => "Succeeded",
+            Self::Failed => "Failed",
+        }
+    }
+
+    /// True once nothing more will happen to the run.
+    pub fn is_finished(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed)
+    }
+}
+
+/// Prompt counts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PromptCounts {
+    /// Valid prompts in the dataset (after `maxSamples`).
+    pub total: u64,
+    /// Prompts whose conversations were kept as trajectories.
+    pub succeeded: u64,
+    /// Prompts whose conversations were dropped by the filters.
+    pub discarded: u64,
+    /// Prompts whose conversations failed (listed in `failures.jsonl`).
+    pub failed: u64,
+    /// Dataset lines refused by the plan (listed in `invalid.jsonl`).
+    pub invalid: u64,
+}
+
+/// Batch counts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BatchCounts {
+    /// Batches in the run.
+    pub total: u32,
+    /// Ids of the finished batches, as ranges in Kubernetes' `completedIndexes` format (`0-41,44`).
+    #[serde(default)]
+    pub completed: String,
+    /// Ids of the batches that failed after their retries, in the same format.
+    #[serde(default)]
+    pub failed: String,
+}
+
+/// The merged output.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OutputStatus {
+    /// Output directory relative to the storage volume.
+    pub path: String,
+    /// Records in `trajectories.jsonl`.
+    pub trajectories: u64,
+    /// Size of `trajectories.jsonl` in bytes.
+    pub bytes: u64,
+}
+
+/// Condition types of a `TrajectoryRun`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ConditionType {
+    /// The run is complete and its output usable (kstatus' "Current" for a finished run).
+    Ready,
+    /// Work is under way.
+    Progressing,
+    /// The output is complete.
+    Succeeded,
+    /// The run stopped; the reason says why.
+    Failed,
+    /// `spec.suspend` is set; pods are stopped and finished batches stay finished.
+    Suspended,
+    /// kstatus: the operator has not yet acted on the latest spec.
+    Reconciling,
+    /// kstatus: the run cannot make progress without a change.
+    Stalled,
+}
+
+impl ConditionType {
+    pub const ALL: [Self; 7] = [
+        Self::Ready,
+        Self::Progressing,
+        Self::Succeeded,
+        Self::Failed,
+        Self::Suspended,
+        Self::Reconciling,
+        Self::Stalled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ready => "Ready",
+            Self::Progressing => "Progressing",
+            Self::Succeeded => "Succeeded",
+            Self::Failed => "Failed",
+            Self::Suspended => "Suspended",
+            Self::Reconciling => "Reconciling",
+            Self::Stalled => "Stalled",
+        }
+    }
+}
+
+/// What the API server enforces on the spec, beyond the types: bounds, CEL rules and immutability.
+///
+/// Applied as a schemars transform on the spec's schema. The spec types live in the worker crate,
+/// which stays serde-only; keeping the rules here also keeps them in one table a reader can audit.
+/// Immutable fields are those that define what is generated — the same fields the worker hashes
+/// into the manifest's `specHash` — plus the output path; `workers`, `suspend`, `retry` and the
+/// model server's address stay mutable.
+fn spec_validations(schema: &mut schemars::Schema) {
+    kubernetes_formats(schema);
+    let Some(root) = schema.as_object_mut() else {
+        return;
+    };
+    // `distribution` is a name or a map (an untagged enum). A structural schema cannot say "string
+    // or object", so it is left untyped; CRD CEL rules cannot be compiled on an untyped field, so
+    // its percent bounds and immutability are checked by the admission policy in `crd::policy`.
+    let distribution = property(root, &["distribution"]);
+    distribution.remove("anyOf");
+    distribution.remove("type");
+    distribution.insert("x-kubernetes-preserve-unknown-fields".into(), json!(true));
+
+    let relative_path = |field: &str| {
+        rule(
+            "!self.startsWith('/') && !self.contains('//') && !self.matches('(^|/)[.][.](/|$)')",
+            &format!(
+                "{field} must be a path relative to the storage volume, without \"..\" or a leading \"/\""
+            ),
+        )
+    };
+
+    for (path, min) in [
+        (&["batchSize"][..], 1),
+        (&["workers"], 1),
+        (&["concurrency"], 1),
+        (&["samplesPerPrompt"], 1),
+        (&["model", "requestTimeoutSeconds"], 1),
+        (&["model", "maxAttempts"], 1),
+        (&["agent", "maxTurns"], 1),
+        (&["agent", "promptTimeoutSeconds"], 1),
+        (&["tools", "terminal", "timeoutSeconds"], 1),
+        (&["retry", "perBatch"], 0),
+        (&["retry", "maxFailedBatches"], 0),
+    ] {
+        property(root, path).insert("minimum".into(), json!(min));
+    }
+    property(root, &["concurrency"]).insert("maximum".into(), json!(10_000));
+    let temperature = property(root, &["model", "temperature"]);
+    temperature.insert("minimum".into(), json!(0));
+    temperature.insert("maximum".into(), json!(2));
+    for path in [
+        &["dataset", "path"][..],
+        &["dataset", "promptField"],
+        &["model", "name"],
+    ] {
+        property(root, path).insert("minLength".into(), json!(1));
+    }
+
+    add_rules(
+        property(root, &["dataset", "path"]),
+        [relative_path("dataset.path")],
+    );
+    add_rules(
+        property(root, &["storage", "outputPath"]),
+        [relative_path("storage.outputPath")],
+    );
+    add_rules(
+        property(root, &["model", "baseUrl"]),
+        [rule(
+            "self.startsWith('http://') || self.startsWith('https://')",
+            "model.baseUrl must be an http:// or https:// URL",
+        )],
+    );
+
+    // Fields that always exist after defaulting: `self == oldSelf` on the field itself.
+    for (path, name) in [
+        (&["dataset"][..], "dataset"),
+        (&["batchSize"], "batchSize"),
+        (&["seed"], "seed"),
+        (&["samplesPerPrompt"], "samplesPerPrompt"),
+        (&["model", "name"], "model.name"),
+        (&["agent", "maxTurns"], "agent.maxTurns"),
+        (&["tools", "terminal"], "tools.terminal"),
+        (&["filters"], "filters"),
+    ] {
+        add_rules(property(root, path), [immutable("self == oldSelf", name)]);
+    }
+    // Optional fields: a transition rule on the parent, so that adding or removing one is refused
+    // too (a rule on the field itself only runs when both old and new values exist).
+    for (parent, fields, prefix) in [
+        (
+            &["model"][..],
+            &["maxTokens", "temperature", "reasoning"][..],
+            "model",
+        ),
+        (&["agent"], &["ephemeralSystemPrompt"], "agent"),
+        (&["storage"], &["outputPath"], "storage"),
+    ] {
+        let rules = fields.iter().map(|field| {
+            let mut rule = immutable(
+                &format!(
+                    "has(self.{field}) ? has(oldSelf.{field}) && self.{field} == oldSelf.{field} : !has(oldSelf.{field})"
+                ),
+                &format!("{prefix}.{field}"),
+            );
+            rule.insert("fieldPath".into(), json!(format!(".{field}")));
+            rule
+        });
+        add_rules(property(root, parent), rules.collect::<Vec<_>>());
+    }
+}
+
+/// The schema object of the property at `path` (by `properties`). Panics when the path does not
+/// exist: the table above names fields of [`RunSpec`], and the CRD test catches a renamed one.
+fn property<'a>(root: &'a mut Map<String, Value>, path: &[&str]) -> &'a mut Map<String, Value> {
+    let mut node = root;
+    for key in path {
+        node = node
+            .get_mut("properties")
+            .and_then(|properties| properties.get_mut(*key))
+            .and_then(Value::as_object_mut)
+            .unwrap_or_else(|| panic!("the spec schema has no property {}", path.join(".")));
+    }
+    node
+}
+
+fn rule(rule: &str, message: &str) -> Map<String, Value> {
+    let mut map = Map::new();
+    map.insert("rule".into(), json!(rule));
+    map.insert("message".into(), json!(message));
+    map
+}
+
+fn immutable(expression: &str, field: &str) -> Map<String, Value> {
+    rule(
+        expression,
+        &format!(
+            "{field} is immutable: it defines what the run generates; create a new TrajectoryRun to change it"
+        ),
+    )
+}
+
+fn add_rules(node: &mut Map<String, Value>, rules: impl IntoIterator<Item = Map<String, Value>>) {
+    let list = node
+        .entry("x-kubernetes-validations")
+        .or_insert_with(|| Value::Array(Vec::new()));
+    if let Value::Array(list) = list {
+        list.extend(rules.into_iter().map(Value::Object));
+    }
+}
+
+/// Drops the integer formats Kubernetes does not know (`uint32`, `uint64`, ...: the API server warns
+/// on each), keeping their bounds as `minimum` / `maximum`.
+fn kubernetes_formats(schema: &mut schemars::Schema) {
+    fn visit(value: &mut Value) {
+        match value {
+            Value::Object(map) => {
+                let unsigned = map
+                    .get("format")
+                    .and_then(Value::as_str)
+                    .filter(|format| format.starts_with("uint"))
+                    .map(str::to_owned);
+                if let Some(format) = unsigned {
+                    map.remove("format");
+                    map.entry("minimum").or_insert(json!(0));
+                    if format == "uint32" {
+                        map.entry("maximum").or_insert(json!(u32::MAX));
+                    }
+                }
+                map.values_mut().for_each(visit);
+            }
+            Value::Array(items) => items.iter_mut().for_each(visit),
+            _ => {}
+        }
+    }
+    if let Some(root) = schema.pointer_mut("") {
+        visit(root);
+    }
+}

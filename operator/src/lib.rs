@@ -1,0 +1,20 @@
+//! The control plane of trajectory-operator: the `TrajectoryRun` API and its reconciliation into
+//! Kubernetes Jobs that run the worker.
+//!
+//! ```text
+//!  TrajectoryRun ──► desired (pure) ──► plan Job ─► gen-N Indexed Job ─► merge Job
+//!        ▲                 │                 each pod: trajectory-worker <mode>
+//!        └── status ◄──────┘◄── Job status (completedIndexes / failedIndexes → batch ids)
+//! ```
+//!
+//! - [`api`]: the custom resource types and the validation the API server enforces.
+//! - [`crd`]: the generated `CustomResourceDefinition` (the `crd` subcommand and `crds/`).
+//! - [`desired`]: pure functions from a run (and what was observed) to the objects it should own
+//!   and the status it should show; unit-tested without a client.
+//!
+//! The spec types and the worker contract come from `trajectory-worker` built without its engine:
+//! this crate must never pull in the worker's HTTP client or tools.
+
+pub mod api;
+pub mod crd;
+pub mod desired;
