@@ -357,7 +357,8 @@ pub fn generation_job(
         completions: Some(to_i32(len_u32(pending))),
         parallelism: Some(to_i32(spec.workers)),
         backoff_limit_per_index: Some(to_i32(spec.retry.per_batch)),
-        max_failed_indexes: Some(to_i32(spec.retry.max_failed_batches)),
+        // The API server refuses a limit above `completions`; a limit of all of them is the same.
+        max_failed_indexes: Some(to_i32(spec.retry.max_failed_batches.min(len_u32(pending)))),
         pod_failure_policy: Some(failure_policy(true)),
         suspend,
         ..job.spec.take().unwrap_or_default()
@@ -813,6 +814,9 @@ mod tests {
             spec.retry.max_failed_batches = 5;
         });
         let pending = [3, 4, 9];
+        let many: Vec<u32> = (0..40).collect();
+        let big = generation_job(&run.0, &settings(), 1, &many, false).unwrap();
+        assert_eq!(big.spec.as_ref().unwrap().max_failed_indexes, Some(5));
         let job = generation_job(&run.0, &settings(), 2, &pending, false).unwrap();
         assert_eq!(job.metadata.name.as_deref(), Some("coding-v1-gen-2"));
         let spec = job.spec.as_ref().unwrap();
@@ -820,7 +824,8 @@ mod tests {
         assert_eq!(spec.completions, Some(3));
         assert_eq!(spec.parallelism, Some(8));
         assert_eq!(spec.backoff_limit_per_index, Some(2));
-        assert_eq!(spec.max_failed_indexes, Some(5));
+        // At most `completions`, or the API server refuses the Job.
+        assert_eq!(spec.max_failed_indexes, Some(3));
         assert_eq!(spec.suspend, Some(false));
         assert_eq!(pod(&job).restart_policy.as_deref(), Some("Never"));
         assert_eq!(

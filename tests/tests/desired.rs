@@ -1,0 +1,97 @@
+//! The operator's desired children as the real API server sees them: the Jobs and `ConfigMap`s it
+//! builds are valid objects, and their pods pass the restricted Pod Security Standard enforced on
+//! the namespace. Needs a running cluster:
+//! `scripts/cluster/with-cluster.sh cargo test -p trajectory-tests --test desired`.
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod};
+use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
+use serde_json::json;
+use trajectory_operator::api::{TrajectoryRun, TrajectoryRunSpec};
+use trajectory_operator::desired::{self, Settings, Stage};
+use trajectory_tests::{TestNamespace, client};
+use trajectory_worker::spec::RunSpec;
+
+/// A run as if read from the API server (a uid), in `namespace`, with a volume and a pod template.
+fn stored_run(namespace: &str) -> TrajectoryRun {
+    let spec: RunSpec = serde_json::from_value(json!({
+        "dataset": {"path": "datasets/coding.jsonl"},
+        "model": {
+            "baseUrl": "http://vllm:8000/v1",
+            "name": "hermes",
+            "apiKeySecretRef": {"name": "llm-key", "key": "api-key"},
+        },
+        "storage": {"volume": {"persistentVolumeClaim": {"claimName": "trajectories"}}},
+        "queueName": "team-a",
+        "podTemplate": {
+            "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+            "nodeSelector": {"type": "kwok"},
+            "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    }))
+    .expect("a valid spec");
+    let mut run = TrajectoryRun::new("coding-v1", TrajectoryRunSpec::from(spec));
+    run.metadata.namespace = Some(namespace.to_owned());
+    run.metadata.uid = Some("6f1c2d1e-0000-4000-8000-000000000001".to_owned());
+    run
+}
+
+#[tokio::test]
+async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard() {
+    let client = client().await;
+    let namespace = TestNamespace::create(&client, "desired-restricted").await;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .patch(
+            namespace.name(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {
+                "pod-security.kubernetes.io/enforce": "restricted",
+                "pod-security.kubernetes.io/enforce-version": "latest",
+            }}})),
+        )
+        .await
+        .expect("label the namespace restricted");
+
+    let run = stored_run(namespace.name());
+    let settings = Settings::default();
+    let jobs = [
+        desired::plan_job(&run, &settings).expect("plan Job"),
+        desired::generation_job(&run, &settings, 2, &[3, 4, 9], false).expect("generation Job"),
+        desired::merge_job(&run, &settings).expect("merge Job"),
+    ];
+    let dry_run = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    let job_api: Api<Job> = Api::namespaced(client.clone(), namespace.name());
+    let pod_api: Api<Pod> = Api::namespaced(client.clone(), namespace.name());
+    for job in &jobs {
+        let name = job.name_any();
+        job_api
+            .create(&dry_run, job)
+            .await
+            .unwrap_or_else(|e| panic!("the API server refused Job {name}: {e}"));
+        // Pod Security admission enforces on pods, not on Jobs: check the template as a pod.
+        let template = job.spec.as_ref().expect("a Job spec").template.clone();
+        let pod = Pod {
+            metadata: ObjectMeta {
+                name: Some(format!("{name}-probe")),
+                ..template.metadata.unwrap_or_default()
+            },
+            spec: template.spec,
+            status: None,
+        };
+        pod_api.create(&dry_run, &pod).await.unwrap_or_else(|e| {
+            panic!("the pod of Job {name} breaks the restricted standard: {e}")
+        });
+    }
+
+    let maps: Api<ConfigMap> = Api::namespaced(client, namespace.name());
+    let map = desired::plan_config_map(&run, Stage::Generate { attempt: 2 }, Some(&[3, 4, 9]))
+        .expect("plan ConfigMap");
+    maps.create(&dry_run, &map)
+        .await
+        .expect("the API server accepts the plan ConfigMap");
+}
