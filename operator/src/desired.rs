@@ -626,7 +626,8 @@ pub enum Reason {
     InvalidSpec,
     InvalidDataset,
     TooManyFailedBatches,
-    ModelUnauthorized,
+    /// A worker exited with the "permanent configuration error" code (e.g. 401 from the model).
+    WorkerConfigError,
     MergeFailed,
     PlanFailed,
     Reconciled,
@@ -645,7 +646,7 @@ impl Reason {
             Self::InvalidSpec => "InvalidSpec",
             Self::InvalidDataset => "InvalidDataset",
             Self::TooManyFailedBatches => "TooManyFailedBatches",
-            Self::ModelUnauthorized => "ModelUnauthorized",
+            Self::WorkerConfigError => "WorkerConfigError",
             Self::MergeFailed => "MergeFailed",
             Self::PlanFailed => "PlanFailed",
             Self::Reconciled => "Reconciled",

@@ -11,6 +11,7 @@
 //! - [`crd`]: the generated `CustomResourceDefinition` (the `crd` subcommand and `crds/`).
 //! - [`desired`]: pure functions from a run (and what was observed) to the objects it should own
 //!   and the status it should show; unit-tested without a client.
+//! - [`state`]: the reconcile decision (plan → attempts → merge) over what was observed.
 //!
 //! The spec types and the worker contract come from `trajectory-worker` built without its engine:
 //! this crate must never pull in the worker's HTTP client or tools.
@@ -18,3 +19,4 @@
 pub mod api;
 pub mod crd;
 pub mod desired;
+pub mod state;
