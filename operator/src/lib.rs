@@ -12,11 +12,15 @@
 //! - [`desired`]: pure functions from a run (and what was observed) to the objects it should own
 //!   and the status it should show; unit-tested without a client.
 //! - [`state`]: the reconcile decision (plan → attempts → merge) over what was observed.
+//! - [`observe`], [`apply`]: the thin reads and writes around it; [`controller`] runs the loop.
 //!
 //! The spec types and the worker contract come from `trajectory-worker` built without its engine:
 //! this crate must never pull in the worker's HTTP client or tools.
 
 pub mod api;
+pub mod apply;
+pub mod controller;
 pub mod crd;
 pub mod desired;
+pub mod observe;
 pub mod state;

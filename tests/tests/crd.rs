@@ -6,59 +6,15 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
-use kube::runtime::wait::conditions;
-use kube::{Api, Client};
-use serde::Deserialize;
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::json;
-use tokio::sync::OnceCell;
 use trajectory_operator::api::{TrajectoryRun, TrajectoryRunSpec};
-use trajectory_operator::crd;
-use trajectory_tests::{TestNamespace, client, wait_for_object, wait_until};
+use trajectory_tests::{TestNamespace, client, wait_until};
 use trajectory_worker::spec::{DistributionSpec, RunSpec};
 
-const FIELD_MANAGER: &str = "trajectory-tests";
-
-/// Applies every document of the generated file (server-side apply), once per test binary, and waits
-/// until the CRD is Established and the admission policy refuses a bad run.
-async fn install_crds(client: &Client) {
-    static INSTALLED: OnceCell<()> = OnceCell::const_new();
-    INSTALLED
-        .get_or_init(|| async {
-            let path = concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../",
-                "crds/trajectories.dev_trajectoryruns.yaml"
-            );
-            let text = std::fs::read_to_string(path).expect("read the generated CRD file");
-            for document in serde_yaml::Deserializer::from_str(&text) {
-                let object = DynamicObject::deserialize(document).expect("a Kubernetes object");
-                let types = object.types.clone().expect("apiVersion and kind");
-                let gvk = GroupVersionKind::try_from(&types).expect("a valid apiVersion");
-                let api: Api<DynamicObject> =
-                    Api::all_with(client.clone(), &ApiResource::from_gvk(&gvk));
-                let name = object.metadata.name.clone().expect("a named object");
-                api.patch(
-                    &name,
-                    &PatchParams::apply(FIELD_MANAGER).force(),
-                    &Patch::Apply(&object),
-                )
-                .await
-                .unwrap_or_else(|e| panic!("applying {} {name}: {e}", types.kind));
-            }
-            let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-            wait_for_object(
-                &crds,
-                crd::NAME,
-                "Established",
-                Duration::from_secs(30),
-                conditions::is_crd_established(),
-            )
-            .await;
-        })
-        .await;
-}
+mod common;
+use common::install_crds;
 
 /// A valid run with the defaults, for the tests to change one thing at a time.
 fn run(name: &str) -> TrajectoryRun {

@@ -1,0 +1,78 @@
+//! Apply: write the desired children and the status (thin I/O, no decisions).
+//!
+//! New children are created by server-side apply under one field manager ([`MANAGER`]). A Job's pod
+//! template is immutable once created, so an existing Job gets only its live-tunable fields
+//! (`parallelism`, `suspend`) by a merge patch; applying the whole Job again would either conflict
+//! on the template or, by dropping fields, ask the API server to change it.
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+
+use crate::api::{TrajectoryRun, TrajectoryRunStatus};
+use crate::desired::MANAGER;
+use crate::state::{Desired, Observed};
+
+/// Applies the desired `ConfigMap`s and Jobs of `run`.
+pub async fn apply(
+    client: &Client,
+    run: &TrajectoryRun,
+    observed: &Observed,
+    desired: &Desired,
+) -> Result<(), kube::Error> {
+    let namespace = run.namespace().unwrap_or_default();
+    let params = PatchParams::apply(MANAGER).force();
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+    for map in &desired.config_maps {
+        maps.patch(&map.name_any(), &params, &Patch::Apply(map))
+            .await?;
+    }
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &namespace);
+    let existing: Vec<&Job> = observed
+        .plan_job
+        .iter()
+        .chain(observed.attempts.iter().map(|attempt| &attempt.job))
+        .chain(observed.merge_job.iter())
+        .collect();
+    for job in &desired.jobs {
+        let name = job.name_any();
+        let Some(current) = existing.iter().find(|j| j.name_any() == name) else {
+            jobs.patch(&name, &params, &Patch::Apply(job)).await?;
+            continue;
+        };
+        let (want, have) = (job.spec.as_ref(), current.spec.as_ref());
+        let parallelism = want.and_then(|s| s.parallelism);
+        let suspend = want.and_then(|s| s.suspend);
+        if parallelism != have.and_then(|s| s.parallelism)
+            || suspend.is_some_and(|s| Some(s) != have.and_then(|h| h.suspend))
+        {
+            let mut spec = serde_json::Map::new();
+            spec.insert("parallelism".into(), json!(parallelism));
+            if let Some(suspend) = suspend {
+                spec.insert("suspend".into(), json!(suspend));
+            }
+            let patch = Patch::Merge(json!({ "spec": spec }));
+            jobs.patch(&name, &PatchParams::default(), &patch).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes `status` when it differs from the run's; returns whether it wrote.
+pub async fn update_status(
+    client: &Client,
+    run: &TrajectoryRun,
+    status: &TrajectoryRunStatus,
+) -> Result<bool, kube::Error> {
+    if run.status.as_ref() == Some(status) {
+        return Ok(false);
+    }
+    let runs: Api<TrajectoryRun> =
+        Api::namespaced(client.clone(), &run.namespace().unwrap_or_default());
+    let patch = Patch::Merge(json!({ "status": status }));
+    runs.patch_status(&run.name_any(), &PatchParams::default(), &patch)
+        .await?;
+    Ok(true)
+}
