@@ -552,3 +552,58 @@ fn a_missing_api_key_file_or_variable_is_refused_before_any_request() {
         .unwrap_err();
     assert!(missing.contains("no-such-key"), "{missing}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_stops_a_local_run_and_the_same_command_finishes_it() {
+    let server = terminal_server(Duration::from_millis(100)).await;
+    let fixture = RunFixture::new(&server.base_url(), 30)
+        .with("/batchSize", json!(5))
+        .with("/concurrency", json!(2));
+    let local = || {
+        Command::new(WORKER)
+            .arg("local")
+            .arg(fixture.run_file())
+            .arg("--no-progress-bar")
+            .arg("--workspace-root")
+            .arg(fixture.workspaces())
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the worker binary starts")
+    };
+    let child = local();
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        output.status.code(),
+        Some(exit::INTERRUPTED),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        !fixture.out().join("trajectories.jsonl").exists(),
+        "an interrupted run does not merge"
+    );
+
+    let child = local();
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(String::from_utf8_lossy(&output.stdout).contains("trajectories.jsonl"));
+    assert_eq!(
+        keys(&fixture.lines("trajectories.jsonl")),
+        (0..30).map(|i| (i, 0)).collect::<Vec<_>>()
+    );
+}
