@@ -14,8 +14,9 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::watcher;
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 use tracing::{info, instrument, warn};
 
 use crate::api::{ConditionType, Phase, TrajectoryRun};
@@ -28,6 +29,19 @@ use crate::{apply, observe};
 pub struct Context {
     pub client: Client,
     pub settings: Settings,
+    /// Publishes an Event on the run at every phase change.
+    pub recorder: Recorder,
+}
+
+impl Context {
+    pub fn new(client: Client, settings: Settings) -> Self {
+        let recorder = Recorder::new(client.clone(), MANAGER.into());
+        Self {
+            client,
+            settings,
+            recorder,
+        }
+    }
 }
 
 impl std::fmt::Debug for Context {
@@ -128,6 +142,23 @@ pub async fn reconcile(run: Arc<TrajectoryRun>, ctx: Arc<Context>) -> Result<Act
             run: name.clone(),
             source,
         })?;
+    let before = run.status.as_ref().and_then(|status| status.phase);
+    if let Some(phase) = desired.status.phase.filter(|phase| Some(*phase) != before) {
+        let message = desired
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == ConditionType::Failed.as_str() && c.status == "True")
+            .or_else(|| {
+                desired
+                    .status
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == ConditionType::Progressing.as_str())
+            })
+            .map(|c| c.message.clone());
+        publish(&ctx, &run, phase, message).await;
+    }
     if wrote {
         info!(
             phase = desired.status.phase.map(Phase::as_str),
@@ -164,6 +195,9 @@ async fn stall(ctx: &Context, run: &TrajectoryRun, error: &DesiredError) -> Resu
         );
     }
     warn!(error = %message, "the run cannot proceed until it changes");
+    if run.status.as_ref().and_then(|s| s.phase) != Some(Phase::Failed) {
+        publish(ctx, run, Phase::Failed, Some(message.clone())).await;
+    }
     apply::update_status(&ctx.client, run, &status)
         .await
         .map(|_| ())
@@ -171,6 +205,26 @@ async fn stall(ctx: &Context, run: &TrajectoryRun, error: &DesiredError) -> Resu
             run: run.name_any(),
             source,
         })
+}
+
+/// Publishes a phase change as an Event on the run. A lost Event is logged, not retried: the
+/// status holds the same facts.
+async fn publish(ctx: &Context, run: &TrajectoryRun, phase: Phase, note: Option<String>) {
+    let event = Event {
+        type_: if phase == Phase::Failed {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: phase.as_str().to_owned(),
+        // Events cap notes at 1 kB.
+        note: note.map(|note| note.chars().take(1000).collect()),
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    };
+    if let Err(error) = ctx.recorder.publish(&event, &run.object_ref(&())).await {
+        warn!(%error, "publishing an Event failed");
+    }
 }
 
 /// Transient errors are retried soon; permanent ones wait for the run to change.

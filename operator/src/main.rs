@@ -61,7 +61,7 @@ async fn main() -> anyhow::Result<()> {
                 // Without a signal handler the process still stops on SIGTERM, just not gracefully.
                 let _ = tokio::signal::ctrl_c().await;
             };
-            controller::run(Context { client, settings }, shutdown).await;
+            controller::run(Context::new(client, settings), shutdown).await;
         }
     }
     Ok(())

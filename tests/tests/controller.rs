@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::events::v1::Event;
 use kube::Api;
-use kube::api::PostParams;
+use kube::api::{ListParams, PostParams};
 use serde_json::json;
 use tokio::sync::oneshot;
 use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunSpec};
@@ -40,10 +41,7 @@ async fn a_new_run_is_planned_and_a_plan_without_summary_fails_it() {
 
     let (stop, stopped) = oneshot::channel::<()>();
     let _guard = ControllerGuard(Some(stop));
-    let ctx = Context {
-        client: client.clone(),
-        settings: Settings::default(),
-    };
+    let ctx = Context::new(client.clone(), Settings::default());
     tokio::spawn(controller::run(ctx, async {
         let _ = stopped.await;
     }));
@@ -108,4 +106,26 @@ async fn a_new_run_is_planned_and_a_plan_without_summary_fails_it() {
     assert_eq!(condition("Stalled").status, "True");
     assert_eq!(condition("Progressing").status, "False");
     assert!(status.start_time.is_some() && status.completion_time.is_some());
+
+    // Every phase change is an Event on the run.
+    let events: Api<Event> = Api::namespaced(client.clone(), namespace.name());
+    let reasons = wait_until(
+        "Planning and Failed Events on the run",
+        Duration::from_secs(30),
+        || async {
+            let list = events.list(&ListParams::default()).await.ok()?;
+            let reasons: Vec<String> = list
+                .items
+                .into_iter()
+                .filter(|event| {
+                    event.regarding.as_ref().and_then(|r| r.uid.as_deref()) == Some(uid.as_str())
+                })
+                .filter_map(|event| event.reason)
+                .collect();
+            (reasons.iter().any(|r| r == "Planning") && reasons.iter().any(|r| r == "Failed"))
+                .then_some(reasons)
+        },
+    )
+    .await;
+    assert!(!reasons.is_empty());
 }
