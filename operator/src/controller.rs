@@ -254,3 +254,44 @@ pub async fn run(ctx: Context, shutdown: impl Future<Output = ()> + Send + Sync 
         })
         .await;
 }
+
+#[cfg(test)]
+mod tests {
+    use kube::core::Status;
+
+    use super::*;
+
+    fn api_error(code: u16) -> kube::Error {
+        kube::Error::Api(
+            Status::failure("refused", "Refused")
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    #[test]
+    fn errors_are_permanent_only_when_retrying_cannot_help() {
+        let apply = |code| Error::Apply {
+            run: "r".into(),
+            source: api_error(code),
+        };
+        let cases = [
+            (422, true),
+            (403, true),
+            (409, false),
+            (429, false),
+            (500, false),
+            (503, false),
+        ];
+        for (code, permanent) in cases {
+            assert_eq!(apply(code).is_permanent(), permanent, "HTTP {code}");
+        }
+        let desired = |source| Error::Desired {
+            run: "r".into(),
+            source,
+        };
+        assert!(desired(DesiredError::MissingVolume).is_permanent());
+        assert!(!desired(DesiredError::NotStored).is_permanent());
+        assert_eq!(apply(500).label(), "apply");
+    }
+}
