@@ -61,6 +61,10 @@ pub async fn apply(
 }
 
 /// Writes `status` when it differs from the run's; returns whether it wrote.
+///
+/// The write is conditional on the run's `resourceVersion`: a reconcile of a stale copy of the run
+/// (the watch cache lags the controller's own status writes) gets a 409 Conflict, is retried on the
+/// fresh copy, and so neither overwrites newer status nor announces a phase change twice.
 pub async fn update_status(
     client: &Client,
     run: &TrajectoryRun,
@@ -71,7 +75,10 @@ pub async fn update_status(
     }
     let runs: Api<TrajectoryRun> =
         Api::namespaced(client.clone(), &run.namespace().unwrap_or_default());
-    let patch = Patch::Merge(json!({ "status": status }));
+    let patch = Patch::Merge(json!({
+        "metadata": { "resourceVersion": run.resource_version() },
+        "status": status,
+    }));
     runs.patch_status(&run.name_any(), &PatchParams::default(), &patch)
         .await?;
     Ok(true)
