@@ -22,7 +22,7 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
@@ -160,6 +160,8 @@ struct Kubelet {
     scratch: PathBuf,
     played: Arc<Mutex<Vec<Played>>>,
     crash: Box<Crash>,
+    /// Batches whose pods are left Pending for now.
+    hold: BTreeSet<u32>,
 }
 
 impl Kubelet {
@@ -173,6 +175,7 @@ impl Kubelet {
             scratch: scratch.0.join("pods"),
             played: Arc::default(),
             crash: Box::new(|_, _, _| None),
+            hold: BTreeSet::new(),
         }
     }
 
@@ -192,16 +195,20 @@ impl Kubelet {
         for pod in list.items {
             let pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
             let seen = self.played().iter().any(|p| p.pod == pod.name_any());
-            if pending && !seen && pod.metadata.deletion_timestamp.is_none() {
-                self.play(&pod).await;
+            if pending
+                && !seen
+                && pod.metadata.deletion_timestamp.is_none()
+                && self.play(&pod).await
+            {
                 count += 1;
             }
         }
         count
     }
 
-    /// Runs what the pod's container would run, then reports it through the pod's status.
-    async fn play(&self, pod: &Pod) {
+    /// Runs what the pod's container would run, then reports it through the pod's status; false
+    /// when the pod's batch is held.
+    async fn play(&self, pod: &Pod) -> bool {
         let name = pod.name_any();
         let spec = pod.spec.as_ref().expect("a pod spec");
         let container = spec
@@ -263,6 +270,9 @@ impl Kubelet {
         let batch = load_plan(&plan_path)
             .ok()
             .and_then(|plan| index.and_then(|i| plan.batch_for_index(i)));
+        if batch.is_some_and(|batch| self.hold.contains(&batch)) {
+            return false;
+        }
         let crash = (self.crash)(&mode, batch, &self.played());
         let (exit_code, message, ran) = if let Some(code) = crash {
             (code, String::new(), false)
@@ -287,6 +297,7 @@ impl Kubelet {
             &message,
         )
         .await;
+        true
     }
 
     /// The worker's step, as `trajectory-worker <mode>` runs it: exit code and termination message.
@@ -763,4 +774,113 @@ async fn a_crashed_batch_is_retried_and_a_wiped_status_is_rebuilt_without_redoin
         .expect("status");
     assert_eq!(gen_status.completed_indexes.as_deref(), Some("0-3"));
     assert_eq!(gen_status.failed, Some(1));
+}
+
+/// A run deleted mid-generation and re-created under the same name on the same storage picks up
+/// where the data says it stopped: the plan's scan finds the done batches, the new run's Indexed Job
+/// works only the others (its plan `ConfigMap` maps index *i* to `batches[i]`), and nothing is
+/// generated twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_re_created_run_generates_only_the_batches_not_done_on_storage() {
+    let client = client().await;
+    install_crds(&client).await;
+    let namespace = TestNamespace::create(&client, "e2e-again").await;
+    let ns = namespace.name();
+    let _controller = start_controller(&client);
+    let model = model().await;
+    let scratch = Scratch::new();
+    write_dataset(&scratch.storage(), 10);
+
+    let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
+    let run = TrajectoryRun::new("again", run_spec(&model.base_url(), &json!({})));
+    runs.create(&PostParams::default(), &run)
+        .await
+        .expect("create the run");
+
+    // Batches 0 and 1 get done; 2 and 3 stay Pending.
+    let mut kubelet = Kubelet::new(&client, ns, "again", &scratch);
+    kubelet.hold = BTreeSet::from([2, 3]);
+    kubelet
+        .serve_until("batches 0 and 1 done", Duration::from_secs(90), |run| {
+            done_batches(run) >= 2
+        })
+        .await;
+    assert_eq!(model.request_count(), 12, "two batches of three prompts");
+
+    // Delete the run and its children (never the data), and wait until all are gone.
+    runs.delete("again", &DeleteParams::foreground())
+        .await
+        .expect("delete the run");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait_until(
+        "the run, its Jobs, ConfigMaps and pods to be gone",
+        Duration::from_secs(60),
+        || async {
+            let run_gone = runs.get_opt("again").await.ok()?.is_none();
+            let (jobs, maps) = children(&client, ns, "again").await;
+            let selector = format!("{}=again", labels::RUN);
+            let pods = pods
+                .list(&ListParams::default().labels(&selector))
+                .await
+                .ok()?;
+            (run_gone && jobs.is_empty() && maps.is_empty() && pods.items.is_empty()).then_some(())
+        },
+    )
+    .await;
+
+    // The same run again.
+    runs.create(&PostParams::default(), &run)
+        .await
+        .expect("re-create the run");
+    kubelet.hold.clear();
+    let before = kubelet.played().len();
+    let finished = kubelet
+        .serve_until(
+            "the re-created run to finish",
+            Duration::from_secs(120),
+            |run| matches!(phase_of(run), Some(Phase::Succeeded | Phase::Failed)),
+        )
+        .await;
+    let status = finished.status.clone().expect("a status");
+    let played: Vec<Played> = kubelet.played().split_off(before);
+    assert_eq!(
+        status.phase,
+        Some(Phase::Succeeded),
+        "{status:#?}; played {played:#?}"
+    );
+    assert_eq!(status.progress.as_deref(), Some("4/4"));
+    assert_eq!(
+        status.batches.as_ref().map(|b| b.completed.as_str()),
+        Some("0-3")
+    );
+    assert_eq!(status.output.as_ref().map(|o| o.trajectories), Some(10));
+
+    // Only batches 2 and 3 ran, on indexes 0 and 1 of the new run's Indexed Job.
+    let mut ran: Vec<u32> = played
+        .iter()
+        .filter(|p| p.mode == "batch")
+        .filter_map(|p| p.batch)
+        .collect();
+    ran.sort_unstable();
+    assert_eq!(ran, [2, 3], "{played:#?}");
+    assert_eq!(
+        model.request_count(),
+        20,
+        "a conversation was generated twice"
+    );
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    let gen_plan = maps.get("again-gen-1").await.expect("the gen-1 plan");
+    let gen_plan: Value =
+        serde_json::from_str(&gen_plan.data.expect("data")[paths::PLAN_FILE]).expect("plan JSON");
+    assert_eq!(gen_plan["batches"], json!([2, 3]));
+    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+    let gen_job = jobs.get("again-gen-1").await.expect("gen-1");
+    assert_eq!(gen_job.spec.and_then(|s| s.completions), Some(2));
+
+    let out = scratch.storage().join(format!("runs/{ns}/again"));
+    let indexes: Vec<u64> = jsonl(&out.join("trajectories.jsonl"))
+        .iter()
+        .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
+        .collect();
+    assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
 }
