@@ -21,6 +21,7 @@ use tracing::{info, instrument, warn};
 
 use crate::api::{ConditionType, Phase, TrajectoryRun};
 use crate::desired::{DesiredError, MANAGER, Reason, Settings, labels, set_condition};
+use crate::metrics::Metrics;
 use crate::state::desired_state;
 use crate::{apply, observe};
 
@@ -31,6 +32,8 @@ pub struct Context {
     pub settings: Settings,
     /// Publishes an Event on the run at every phase change.
     pub recorder: Recorder,
+    /// Reconcile counters and durations; runs by phase from the controller's cache.
+    pub metrics: Arc<Metrics>,
 }
 
 impl Context {
@@ -40,6 +43,7 @@ impl Context {
             client,
             settings,
             recorder,
+            metrics: Arc::default(),
         }
     }
 }
@@ -243,10 +247,16 @@ pub async fn run(ctx: Context, shutdown: impl Future<Output = ()> + Send + Sync 
     let runs: Api<TrajectoryRun> = Api::all(ctx.client.clone());
     let jobs: Api<Job> = Api::all(ctx.client.clone());
     let managed = format!("{}={MANAGER}", labels::MANAGED_BY);
-    Controller::new(runs, watcher::Config::default())
-        .owns(jobs, watcher::Config::default().labels(&managed))
+    let controller = Controller::new(runs, watcher::Config::default())
+        .owns(jobs, watcher::Config::default().labels(&managed));
+    ctx.metrics.count_runs_in(controller.store());
+    controller
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, Arc::new(ctx))
+        .run(
+            crate::metrics::measured_reconcile,
+            error_policy,
+            Arc::new(ctx),
+        )
         .for_each(|result| async move {
             if let Err(error) = result {
                 warn!(%error, "reconcile failed");

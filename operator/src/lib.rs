@@ -13,6 +13,8 @@
 //!   and the status it should show; unit-tested without a client.
 //! - [`state`]: the reconcile decision (plan → attempts → merge) over what was observed.
 //! - [`observe`], [`apply`]: the thin reads and writes around it; [`controller`] runs the loop.
+//! - [`service`]: the process around the loop: [`http`] (`/metrics`, `/healthz`, `/readyz`),
+//!   [`leader`] election on a Lease, [`metrics`], and graceful shutdown on SIGTERM.
 //!
 //! The spec types and the worker contract come from `trajectory-worker` built without its engine:
 //! this crate must never pull in the worker's HTTP client or tools.
@@ -22,5 +24,9 @@ pub mod apply;
 pub mod controller;
 pub mod crd;
 pub mod desired;
+pub mod http;
+pub mod leader;
+pub mod metrics;
 pub mod observe;
+pub mod service;
 pub mod state;

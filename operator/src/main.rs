@@ -1,6 +1,11 @@
-use clap::{Parser, Subcommand, ValueEnum};
-use trajectory_operator::controller::{self, Context};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use trajectory_operator::desired::Settings;
+use trajectory_operator::leader::LeaseConfig;
+use trajectory_operator::service::{self, Exit};
 
 /// The trajectory-operator control plane.
 #[derive(Debug, Parser)]
@@ -22,7 +27,50 @@ enum Command {
         /// Log output of the operator (and of the worker pods).
         #[arg(long, env = "TRAJ_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
         log_format: LogFormat,
+        /// Address of the HTTP listener for `/metrics`, `/healthz` and `/readyz`.
+        #[arg(long, env = "TRAJ_OPERATOR_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+        http_addr: SocketAddr,
+        #[command(flatten)]
+        leader: LeaderArgs,
     },
+}
+
+#[derive(Debug, Args)]
+struct LeaderArgs {
+    /// Reconcile only while holding a Lease, so that several replicas can run (`false`: always).
+    #[arg(long, env = "TRAJ_LEADER_ELECTION", action = ArgAction::Set, default_value_t = true)]
+    leader_election: bool,
+    /// Name of the leader Lease.
+    #[arg(long, env = "TRAJ_LEASE_NAME", default_value = "trajectory-operator")]
+    lease_name: String,
+    /// Namespace of the leader Lease: the operator's own (the downward API's `POD_NAMESPACE`).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    /// This replica's name in the Lease: the pod name.
+    #[arg(long, env = "HOSTNAME")]
+    identity: Option<String>,
+    /// Seconds the Lease holds without renewal; a stand-by takes over at most this long after
+    /// the leader dies.
+    #[arg(long, env = "TRAJ_LEASE_DURATION_SECONDS", default_value_t = 15)]
+    lease_duration_seconds: u64,
+    /// Seconds before expiry at which the leader renews the Lease (less than the duration).
+    #[arg(long, env = "TRAJ_LEASE_GRACE_SECONDS", default_value_t = 5)]
+    lease_grace_seconds: u64,
+}
+
+impl LeaderArgs {
+    fn lease(self) -> Option<LeaseConfig> {
+        self.leader_election.then(|| LeaseConfig {
+            name: self.lease_name,
+            namespace: self.lease_namespace,
+            // Without a pod name, a name no other process has.
+            identity: self
+                .identity
+                .unwrap_or_else(|| format!("trajectory-operator-{}", std::process::id())),
+            duration: Duration::from_secs(self.lease_duration_seconds),
+            grace: Duration::from_secs(self.lease_grace_seconds),
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -38,6 +86,8 @@ async fn main() -> anyhow::Result<()> {
         Command::Run {
             worker_image,
             log_format,
+            http_addr,
+            leader,
         } => {
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -52,16 +102,26 @@ async fn main() -> anyhow::Result<()> {
                     "pretty"
                 }
             };
+            let listener = tokio::net::TcpListener::bind(http_addr)
+                .await
+                .with_context(|| format!("binding the HTTP listener to {http_addr}"))?;
             let client = kube::Client::try_default().await?;
             let settings = Settings {
                 worker_image,
                 worker_log_format: worker_log_format.to_owned(),
             };
-            let shutdown = async {
-                // Without a signal handler the process still stops on SIGTERM, just not gracefully.
-                let _ = tokio::signal::ctrl_c().await;
-            };
-            controller::run(Context::new(client, settings), shutdown).await;
+            let exit = service::run(
+                client,
+                settings,
+                listener,
+                leader.lease(),
+                service::termination_signal(),
+            )
+            .await?;
+            if exit == Exit::LostLease {
+                // Non-zero, so the Deployment restarts this pod as a stand-by.
+                anyhow::bail!("lost the leader Lease");
+            }
         }
     }
     Ok(())

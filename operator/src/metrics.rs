@@ -1,0 +1,330 @@
+//! Prometheus metrics of the operator, served in the `OpenMetrics` text format on `/metrics` by [`crate::http`].
+//!
+//! Counters and the duration histogram are recorded around every reconcile by
+//! [`measured_reconcile`]. The gauges of runs by phase and of batches are computed from the
+//! controller's cache of runs at every scrape rather than kept up to date by the reconciler: a
+//! deleted run is never reconciled again, so only the cache knows that it is gone.
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::Store;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::api::{Phase, TrajectoryRun};
+use crate::controller::{self, Context, Error};
+
+/// Every phase, so each one has a series (zero included) from the first scrape on.
+const PHASES: [Phase; 6] = [
+    Phase::Pending,
+    Phase::Planning,
+    Phase::Running,
+    Phase::Merging,
+    Phase::Succeeded,
+    Phase::Failed,
+];
+
+/// The stages of [`Error::label`].
+const STAGES: [&str; 4] = ["observe", "desired", "apply", "status"];
+
+/// The content type of [`Metrics::encode`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    /// `success` or `error`.
+    result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    /// The stage that failed: `observe`, `desired`, `apply`, `status` ([`Error::label`]).
+    stage: &'static str,
+    /// `permanent` (waits for a change of the run) or `transient` (retried).
+    class: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    phase: &'static str,
+}
+
+/// The operator's metrics and the registry that encodes them.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    reconciles: Family<ResultLabels, Counter>,
+    errors: Family<ErrorLabels, Counter>,
+    duration: Histogram,
+    runs: Family<PhaseLabels, Gauge>,
+    batches: Gauge,
+    batches_done: Gauge,
+    leader: Gauge,
+    /// The controller's cache of runs, once the controller has started.
+    runs_cache: OnceLock<Store<TrajectoryRun>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("trajectory_operator");
+        let reconciles = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "reconciles",
+            "Reconciles of TrajectoryRuns, by result",
+            reconciles.clone(),
+        );
+        let errors = Family::<ErrorLabels, Counter>::default();
+        registry.register(
+            "reconcile_errors",
+            "Failed reconciles, by stage and by class (permanent or transient)",
+            errors.clone(),
+        );
+        // 5 ms to about 20 s: a reconcile is a few API calls, slow ones are the API server's.
+        let duration = Histogram::new(exponential_buckets(0.005, 2.0, 13));
+        registry.register_with_unit(
+            "reconcile_duration",
+            "Duration of a reconcile",
+            Unit::Seconds,
+            duration.clone(),
+        );
+        let runs = Family::<PhaseLabels, Gauge>::default();
+        registry.register("runs", "TrajectoryRuns, by phase", runs.clone());
+        let batches = Gauge::default();
+        registry.register(
+            "batches",
+            "Batches of all TrajectoryRuns that have been planned",
+            batches.clone(),
+        );
+        let batches_done = Gauge::default();
+        registry.register(
+            "batches_done",
+            "Finished batches of all TrajectoryRuns",
+            batches_done.clone(),
+        );
+        let leader = Gauge::default();
+        registry.register(
+            "leader",
+            "1 while this replica holds the leader Lease (or runs without leader election)",
+            leader.clone(),
+        );
+        // Every series from the first scrape on, so `rate()` and alerts see zeros, not gaps.
+        for result in ["success", "error"] {
+            drop(reconciles.get_or_create(&ResultLabels { result }));
+        }
+        for stage in STAGES {
+            for class in ["permanent", "transient"] {
+                drop(errors.get_or_create(&ErrorLabels { stage, class }));
+            }
+        }
+        Self {
+            registry,
+            reconciles,
+            errors,
+            duration,
+            runs,
+            batches,
+            batches_done,
+            leader,
+            runs_cache: OnceLock::new(),
+        }
+    }
+}
+
+impl Metrics {
+    /// Records one reconcile's result and duration.
+    pub fn record(&self, result: &Result<Action, Error>, elapsed: Duration) {
+        self.duration.observe(elapsed.as_secs_f64());
+        let result = match result {
+            Ok(_) => "success",
+            Err(error) => {
+                let class = if error.is_permanent() {
+                    "permanent"
+                } else {
+                    "transient"
+                };
+                self.errors
+                    .get_or_create(&ErrorLabels {
+                        stage: error.label(),
+                        class,
+                    })
+                    .inc();
+                "error"
+            }
+        };
+        self.reconciles
+            .get_or_create(&ResultLabels { result })
+            .inc();
+    }
+
+    /// Gives the gauges of runs and batches the controller's cache to count from. Only the first
+    /// cache counts: one process runs one controller.
+    pub fn count_runs_in(&self, store: Store<TrajectoryRun>) {
+        let _ = self.runs_cache.set(store);
+    }
+
+    /// Sets whether this replica leads.
+    pub fn set_leader(&self, leading: bool) {
+        self.leader.set(i64::from(leading));
+    }
+
+    /// Refreshes the gauges from the runs and encodes every metric in the `OpenMetrics` text format.
+    pub fn encode(&self) -> String {
+        let runs: Vec<Arc<TrajectoryRun>> =
+            self.runs_cache.get().map(Store::state).unwrap_or_default();
+        self.refresh(&runs);
+        let mut text = String::new();
+        // Writing into a String cannot fail.
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)
+            .expect("encoding into a String");
+        text
+    }
+
+    fn refresh(&self, runs: &[Arc<TrajectoryRun>]) {
+        let (mut batches, mut done) = (0_i64, 0_i64);
+        let mut by_phase = [0_i64; PHASES.len()];
+        for run in runs {
+            let status = run.status.as_ref();
+            // A run the operator has not written a status for yet is waiting to start.
+            let phase = status.and_then(|s| s.phase).unwrap_or(Phase::Pending);
+            if let Some(i) = PHASES.iter().position(|p| *p == phase) {
+                by_phase[i] += 1;
+            }
+            if let Some(counts) = status.and_then(|s| s.batches.as_ref()) {
+                batches += i64::from(counts.total);
+                // The status is the operator's own writing; an unreadable one counts nothing.
+                let finished = trajectory_worker::plan::parse_ranges(&counts.completed)
+                    .map_or(0, |ids| ids.len());
+                done += i64::try_from(finished).unwrap_or(i64::MAX);
+            }
+        }
+        for (phase, count) in PHASES.iter().zip(by_phase) {
+            self.runs
+                .get_or_create(&PhaseLabels {
+                    phase: phase.as_str(),
+                })
+                .set(count);
+        }
+        self.batches.set(batches);
+        self.batches_done.set(done);
+    }
+}
+
+/// [`controller::reconcile`], with its result and duration recorded in `ctx.metrics`.
+pub async fn measured_reconcile(
+    run: Arc<TrajectoryRun>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
+    let start = Instant::now();
+    // Boxed: the reconcile future is large (clippy::large_futures), and it is one per run anyway.
+    let result = Box::pin(controller::reconcile(run, ctx.clone())).await;
+    ctx.metrics.record(&result, start.elapsed());
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::core::Status;
+    use serde_json::json;
+
+    use super::*;
+    use crate::desired::DesiredError;
+
+    fn run_with_status(name: &str, status: &serde_json::Value) -> Arc<TrajectoryRun> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "apiVersion": "trajectories.dev/v1alpha1",
+                "kind": "TrajectoryRun",
+                "metadata": {"name": name, "namespace": "ns"},
+                "spec": {
+                    "dataset": {"path": "d.jsonl"},
+                    "model": {"baseUrl": "http://m/v1", "name": "m"},
+                    "storage": {"volume": {"emptyDir": {}}},
+                },
+                "status": status,
+            }))
+            .expect("a valid run"),
+        )
+    }
+
+    #[test]
+    fn the_registry_encodes_every_metric_name() {
+        let metrics = Metrics::default();
+        metrics.record(&Ok(Action::await_change()), Duration::from_millis(20));
+        let text = metrics.encode();
+        for name in [
+            "# TYPE trajectory_operator_reconciles counter",
+            "# TYPE trajectory_operator_reconcile_errors counter",
+            "# TYPE trajectory_operator_reconcile_duration_seconds histogram",
+            "# TYPE trajectory_operator_runs gauge",
+            "# TYPE trajectory_operator_batches gauge",
+            "# TYPE trajectory_operator_batches_done gauge",
+            "# TYPE trajectory_operator_leader gauge",
+            "trajectory_operator_reconciles_total{result=\"success\"} 1",
+            "trajectory_operator_reconcile_duration_seconds_count 1",
+            "trajectory_operator_runs{phase=\"Running\"} 0",
+            "trajectory_operator_reconcile_errors_total{stage=\"status\",class=\"permanent\"} 0",
+        ] {
+            assert!(text.contains(name), "no `{name}` in:\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn errors_are_counted_by_stage_and_class() {
+        let metrics = Metrics::default();
+        let apply = Error::Apply {
+            run: "r".into(),
+            source: kube::Error::Api(Status::failure("busy", "Busy").with_code(503).boxed()),
+        };
+        let desired = Error::Desired {
+            run: "r".into(),
+            source: DesiredError::MissingVolume,
+        };
+        for error in [apply, desired] {
+            metrics.record(&Err(error), Duration::from_millis(1));
+        }
+        let text = metrics.encode();
+        for line in [
+            "trajectory_operator_reconciles_total{result=\"error\"} 2",
+            "trajectory_operator_reconcile_errors_total{stage=\"apply\",class=\"transient\"} 1",
+            "trajectory_operator_reconcile_errors_total{stage=\"desired\",class=\"permanent\"} 1",
+        ] {
+            assert!(text.contains(line), "no `{line}` in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn runs_are_counted_by_phase_and_batches_from_their_status() {
+        let metrics = Metrics::default();
+        let runs = [
+            run_with_status("new", &json!({})),
+            run_with_status(
+                "working",
+                &json!({"phase": "Running", "batches": {"total": 10, "completed": "0-3,7", "failed": "5"}}),
+            ),
+            run_with_status(
+                "done",
+                &json!({"phase": "Succeeded", "batches": {"total": 2, "completed": "0-1"}}),
+            ),
+        ];
+        metrics.refresh(&runs);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &metrics.registry).expect("encode");
+        for line in [
+            "trajectory_operator_runs{phase=\"Pending\"} 1",
+            "trajectory_operator_runs{phase=\"Running\"} 1",
+            "trajectory_operator_runs{phase=\"Succeeded\"} 1",
+            "trajectory_operator_runs{phase=\"Failed\"} 0",
+            "trajectory_operator_batches 12",
+            "trajectory_operator_batches_done 7",
+        ] {
+            assert!(text.contains(line), "no `{line}` in:\n{text}");
+        }
+    }
+}
