@@ -207,7 +207,7 @@ impl Kubelet {
     }
 
     /// Runs what the pod's container would run, then reports it through the pod's status; false
-    /// when the pod's batch is held.
+    /// when the pod's batch is held or the run's phase is not yet the pod's stage.
     async fn play(&self, pod: &Pod) -> bool {
         let name = pod.name_any();
         let spec = pod.spec.as_ref().expect("a pod spec");
@@ -267,6 +267,16 @@ impl Kubelet {
             .await
             .ok()
             .and_then(|r| r.status.and_then(|s| s.phase));
+        // A pod is played once the run's status shows its stage (the controller writes the status
+        // right after creating the Job; this keeps the test from outrunning it).
+        let stage_phase = match mode.as_str() {
+            "plan" => Phase::Planning,
+            "batch" => Phase::Running,
+            _ => Phase::Merging,
+        };
+        if phase != Some(stage_phase) {
+            return false;
+        }
         let batch = load_plan(&plan_path)
             .ok()
             .and_then(|plan| index.and_then(|i| plan.batch_for_index(i)));
