@@ -126,3 +126,43 @@ async fn main() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn the_cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn leader_election_is_on_by_default_and_can_be_turned_off() {
+        let run = |args: &[&str]| {
+            let cli = Cli::try_parse_from([&["trajectory-operator", "run"], args].concat())
+                .expect("valid arguments");
+            match cli.command {
+                Command::Run {
+                    http_addr, leader, ..
+                } => (http_addr, leader.lease()),
+                Command::Crd => unreachable!("parsed `run`"),
+            }
+        };
+        let (addr, lease) = run(&["--identity", "pod-0", "--lease-namespace", "ops"]);
+        assert_eq!(addr, "0.0.0.0:8080".parse().expect("an address"));
+        let lease = lease.expect("leader election is on");
+        assert_eq!(
+            (
+                lease.name.as_str(),
+                lease.namespace.as_str(),
+                lease.identity.as_str()
+            ),
+            ("trajectory-operator", "ops", "pod-0")
+        );
+        let (addr, lease) = run(&["--leader-election=false", "--http-addr", "127.0.0.1:9090"]);
+        assert_eq!(addr, "127.0.0.1:9090".parse().expect("an address"));
+        assert_eq!(lease, None);
+    }
+}

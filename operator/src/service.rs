@@ -82,10 +82,9 @@ pub async fn run(
             identity = %started.config().identity,
             "standing by for the leader Lease"
         );
-        let mut stopping = stopping.clone();
         tokio::select! {
             acquired = started.acquired() => acquired?,
-            _ = stopping.wait_for(|stop| *stop) => {
+            () = stopped(stopping.clone()) => {
                 health.set(Phase::Stopping);
                 started.step_down().await?;
                 return finish(server, signal, &stop, Exit::Stopped).await;
