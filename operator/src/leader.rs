@@ -106,7 +106,9 @@ impl Election {
     }
 
     /// A future that resolves when this replica no longer holds the Lease (or the election
-    /// stopped). Owns what it needs, so it can be handed to another task.
+    /// stopped); call it once the Lease is held. Owns what it needs, so it can be handed to
+    /// another task; it holds a receiver of the Lease state, so drop it before
+    /// [`Election::step_down`], which waits until no receiver is left.
     pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
         let mut leading = self.leading.clone();
         async move {
