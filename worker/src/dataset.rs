@@ -1,15 +1,16 @@
 //! Reading the JSONL dataset: line framing with a length cap, and the validation rules.
 //!
-//! The plan step streams the whole file through [`LineReader`] and [`probe_line`] (no value is
-//! built, so memory does not depend on the file); a batch re-reads only its own byte range and
-//! parses its rows fully with [`parse_row`]. Both apply the same rules, so a line is valid in one
-//! exactly when it is valid in the other.
+//! The plan step streams the whole file in blocks of whole lines through [`LineBlocks`] and
+//! [`probe`] (no value is built, so memory does not depend on the file); a batch re-reads only its
+//! own byte range with [`LineReader`] and parses its rows fully with [`parse_row`]. Both frame
+//! lines alike and apply the same rules, so a line is valid in one exactly when it is valid in the
+//! other.
 
 use std::borrow::Cow;
 use std::fmt;
 use std::io::{self, BufRead};
 
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
 
 /// Lines longer than this are rejected (and never held in memory whole).
@@ -63,7 +64,7 @@ impl<R: BufRead> LineReader<R> {
             if available.is_empty() {
                 break;
             }
-            let (chunk, done) = match memchr(available) {
+            let (chunk, done) = match memchr::memchr(b'\n', available) {
                 Some(position) => (&available[..=position], true),
                 None => (available, false),
             };
@@ -102,8 +103,171 @@ impl<R: BufRead> LineReader<R> {
     }
 }
 
-fn memchr(bytes: &[u8]) -> Option<usize> {
-    bytes.iter().position(|&byte| byte == b'\n')
+/// A piece of the input handed out by [`LineBlocks`]; it owns its bytes, so it can be handed to
+/// another thread.
+#[derive(Debug)]
+pub enum Block {
+    /// Whole lines: each ends with a newline except the input's last line. A line here may still
+    /// be longer than the limit; the caller checks lengths.
+    Lines(LinesBlock),
+    /// One line too long to hold (more than the limit without a newline), of `length` bytes
+    /// including its newline. Its content is not kept.
+    TooLong { offset: u64, length: u64 },
+}
+
+/// Whole lines of the input and the file offset of their first byte.
+#[derive(Debug)]
+pub struct LinesBlock {
+    pub offset: u64,
+    buffer: Vec<u8>,
+    len: usize,
+}
+
+impl LinesBlock {
+    pub fn bytes(&self) -> &[u8] {
+        &self.buffer[..self.len]
+    }
+}
+
+/// Reads input in big blocks of whole lines, the plan's fast path: lines are slices of a block
+/// (no copy per line), and `observe` sees every byte in block-sized slices (fast for digests).
+/// Memory is a few buffers of the block size plus the line limit; hand blocks back with
+/// [`LineBlocks::recycle`] to reuse them.
+#[derive(Debug)]
+pub struct LineBlocks<R> {
+    reader: R,
+    /// `buffer[..filled]` holds bytes not handed out yet, of which `buffer[..scanned]` are known
+    /// to hold no newline (the start of a line whose end has not been read).
+    buffer: Vec<u8>,
+    filled: usize,
+    scanned: usize,
+    /// File offset of `buffer[0]`.
+    offset: u64,
+    max: usize,
+    block: usize,
+    spare: Vec<Vec<u8>>,
+}
+
+impl<R: io::Read> LineBlocks<R> {
+    /// Reads of about `block` bytes; lines of more than `max` bytes are reported as too long.
+    pub fn new(reader: R, block: usize, max: usize) -> Self {
+        Self {
+            reader,
+            buffer: Vec::new(),
+            filled: 0,
+            scanned: 0,
+            offset: 0,
+            max,
+            block: block.max(1),
+            spare: Vec::new(),
+        }
+    }
+
+    /// Gives a block's buffer back for reuse.
+    pub fn recycle(&mut self, block: Block) {
+        if let Block::Lines(lines) = block
+            && self.spare.len() < 4
+        {
+            self.spare.push(lines.buffer);
+        }
+    }
+
+    fn fresh_buffer(&mut self) -> Vec<u8> {
+        let capacity = self.block + self.max + 1;
+        let mut buffer = self.spare.pop().unwrap_or_default();
+        // Reused buffers keep their length, so they are not zeroed again.
+        if buffer.len() < capacity {
+            buffer.resize(capacity, 0);
+        }
+        buffer
+    }
+
+    /// Hands out `buffer[..end]`, keeping `buffer[end..filled]` (a partial line) in a fresh buffer.
+    fn hand_out(&mut self, end: usize) -> Block {
+        let mut fresh = self.fresh_buffer();
+        fresh[..self.filled - end].copy_from_slice(&self.buffer[end..self.filled]);
+        let buffer = std::mem::replace(&mut self.buffer, fresh);
+        let offset = self.offset;
+        self.filled -= end;
+        self.scanned = self.filled;
+        self.offset += end as u64;
+        Block::Lines(LinesBlock {
+            offset,
+            buffer,
+            len: end,
+        })
+    }
+
+    /// The next block, or `None` at the end of the input.
+    pub fn next_block(&mut self, observe: &mut impl FnMut(&[u8])) -> io::Result<Option<Block>> {
+        if self.buffer.len() < self.block + self.max + 1 {
+            self.buffer = self.fresh_buffer();
+        }
+        loop {
+            let start = self.filled;
+            let room = self.buffer.len().min(start + self.block);
+            let read = read_some(&mut self.reader, &mut self.buffer[start..room])?;
+            self.filled += read;
+            observe(&self.buffer[start..self.filled]);
+            if let Some(last) = memchr::memrchr(b'\n', &self.buffer[self.scanned..self.filled]) {
+                return Ok(Some(self.hand_out(self.scanned + last + 1)));
+            }
+            self.scanned = self.filled;
+            if read == 0 {
+                // The end: what is left is the last line, without a newline.
+                return Ok(match self.filled {
+                    0 => None,
+                    length if length > self.max => {
+                        let offset = self.offset;
+                        self.offset += length as u64;
+                        (self.filled, self.scanned) = (0, 0);
+                        Some(Block::TooLong {
+                            offset,
+                            length: length as u64,
+                        })
+                    }
+                    length => Some(self.hand_out(length)),
+                });
+            }
+            if self.filled > self.max {
+                return self.skip_long_line(observe).map(Some);
+            }
+        }
+    }
+
+    /// Reads past a line that does not fit (the buffer holds its first `filled` bytes).
+    fn skip_long_line(&mut self, observe: &mut impl FnMut(&[u8])) -> io::Result<Block> {
+        let offset = self.offset;
+        let mut length = self.filled as u64;
+        (self.filled, self.scanned) = (0, 0);
+        loop {
+            let read = read_some(&mut self.reader, &mut self.buffer[..self.block])?;
+            observe(&self.buffer[..read]);
+            if read == 0 {
+                break;
+            }
+            if let Some(position) = memchr::memchr(b'\n', &self.buffer[..read]) {
+                length += position as u64 + 1;
+                // The rest starts the next line.
+                self.buffer.copy_within(position + 1..read, 0);
+                self.filled = read - position - 1;
+                break;
+            }
+            length += read as u64;
+        }
+        self.offset = offset + length;
+        Ok(Block::TooLong { offset, length })
+    }
+}
+
+/// One `read`, retried when interrupted.
+fn read_some(reader: &mut impl io::Read, buffer: &mut [u8]) -> io::Result<usize> {
+    loop {
+        match reader.read(buffer) {
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            result => return result,
+        }
+    }
 }
 
 /// Why a dataset line was rejected.
@@ -155,19 +319,22 @@ fn reject(reason: Reason, message: impl Into<String>) -> Rejection {
 }
 
 /// The checks every line passes before its JSON is looked at.
-fn frame_checks<'a>(line: &'a [u8], info: Option<&LineInfo>) -> Result<&'a str, Rejection> {
-    if info.is_some_and(|info| info.too_long) {
+fn frame_checks(line: &[u8], too_long: bool) -> Result<&str, Rejection> {
+    if too_long {
         return Err(reject(
             Reason::TooLong,
             format!("line is longer than {MAX_LINE_BYTES} bytes"),
         ));
     }
     let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let text = std::str::from_utf8(line).map_err(|err| {
-        reject(
-            Reason::InvalidUtf8,
-            format!("invalid UTF-8 at byte {}", err.valid_up_to()),
-        )
+    // The SIMD check is the fast path; std's finds where the error is.
+    let text = simdutf8::basic::from_utf8(line).or_else(|_| {
+        std::str::from_utf8(line).map_err(|err| {
+            reject(
+                Reason::InvalidUtf8,
+                format!("invalid UTF-8 at byte {}", err.valid_up_to()),
+            )
+        })
     })?;
     if text.trim().is_empty() {
         return Err(reject(Reason::EmptyLine, "empty line"));
@@ -177,7 +344,12 @@ fn frame_checks<'a>(line: &'a [u8], info: Option<&LineInfo>) -> Result<&'a str, 
 
 /// Validates a line without building its value (the plan's fast path).
 pub fn probe_line(line: &[u8], info: &LineInfo, prompt_field: &str) -> Result<(), Rejection> {
-    let text = frame_checks(line, Some(info))?;
+    probe(line, info.too_long, prompt_field)
+}
+
+/// [`probe_line`] for a line known only by its content and whether it was too long to keep.
+pub fn probe(line: &[u8], too_long: bool, prompt_field: &str) -> Result<(), Rejection> {
+    let text = frame_checks(line, too_long)?;
     let mut deserializer = serde_json::Deserializer::from_str(text);
     let found = ProbeSeed {
         field: prompt_field,
@@ -191,7 +363,7 @@ pub fn probe_line(line: &[u8], info: &LineInfo, prompt_field: &str) -> Result<()
             reject(Reason::InvalidJson, format!("invalid JSON: {err}"))
         }
     })?;
-    found.into_result(prompt_field).map(|_| ())
+    found.into_result(prompt_field).map(drop)
 }
 
 /// A valid dataset row: its prompt and its other fields.
@@ -203,7 +375,7 @@ pub struct Row {
 
 /// Parses a line fully (the batch's path).
 pub fn parse_row(line: &[u8], prompt_field: &str) -> Result<Row, Rejection> {
-    let text = frame_checks(line, None)?;
+    let text = frame_checks(line, false)?;
     if text.len() > MAX_LINE_BYTES {
         return Err(reject(
             Reason::TooLong,
@@ -227,38 +399,67 @@ pub fn parse_row(line: &[u8], prompt_field: &str) -> Result<Row, Rejection> {
                 .flatten(),
         ),
     };
-    let prompt = found.into_result(prompt_field)?;
+    let prompt = match found.into_result(prompt_field)? {
+        Prompt::Field(text) | Prompt::Chat(text) => text,
+    };
     if source.get(prompt_field).is_some() {
         source.remove(prompt_field);
     }
-    Ok(Row {
-        prompt: prompt.into_owned(),
-        source,
-    })
+    Ok(Row { prompt, source })
 }
 
 /// Chat-style rows: the first user turn of one of these lists is the prompt.
 const CHAT_FIELDS: [&str; 2] = ["conversations", "messages"];
 
-/// What a row offers as its prompt.
-enum Found {
-    Prompt(PromptValue),
+/// What a row offers as its prompt: the prompt field's value (its text of type `T`), or the
+/// first user turn of a chat list.
+enum Found<T> {
+    Prompt(PromptValue<T>),
     Chat(Option<String>),
 }
 
-enum PromptValue {
-    Text(String),
+enum PromptValue<T> {
+    Text(T),
     Other(&'static str),
 }
 
-impl Found {
-    fn into_result(self, field: &str) -> Result<Cow<'static, str>, Rejection> {
+/// The prompt a valid row has.
+enum Prompt<T> {
+    Field(T),
+    Chat(String),
+}
+
+/// Prompt text as kept: the whole string when parsing, only whether it is blank when probing.
+trait PromptText {
+    fn is_blank(&self) -> bool;
+}
+
+impl PromptText for String {
+    fn is_blank(&self) -> bool {
+        self.trim().is_empty()
+    }
+}
+
+/// What probing keeps of a prompt string.
+struct Probed {
+    blank: bool,
+}
+
+impl PromptText for Probed {
+    fn is_blank(&self) -> bool {
+        self.blank
+    }
+}
+
+impl<T: PromptText> Found<T> {
+    fn into_result(self, field: &str) -> Result<Prompt<T>, Rejection> {
         match self {
-            Self::Prompt(PromptValue::Text(text)) if text.trim().is_empty() => Err(reject(
+            Self::Prompt(PromptValue::Text(text)) if text.is_blank() => Err(reject(
                 Reason::EmptyPrompt,
                 format!("field {field:?} is an empty string"),
             )),
-            Self::Prompt(PromptValue::Text(text)) | Self::Chat(Some(text)) => Ok(Cow::Owned(text)),
+            Self::Prompt(PromptValue::Text(text)) => Ok(Prompt::Field(text)),
+            Self::Chat(Some(text)) => Ok(Prompt::Chat(text)),
             Self::Prompt(PromptValue::Other(kind)) => Err(reject(
                 Reason::PromptNotString,
                 format!("field {field:?} is {kind}, not a string"),
@@ -271,7 +472,7 @@ impl Found {
     }
 }
 
-fn classify_prompt(value: &Value) -> PromptValue {
+fn classify_prompt(value: &Value) -> PromptValue<String> {
     match value {
         Value::String(text) => PromptValue::Text(text.clone()),
         Value::Null => PromptValue::Other("null"),
@@ -279,6 +480,62 @@ fn classify_prompt(value: &Value) -> PromptValue {
         Value::Number(_) => PromptValue::Other("a number"),
         Value::Array(_) => PromptValue::Other("an array"),
         Value::Object(_) => PromptValue::Other("an object"),
+    }
+}
+
+/// Classifies the prompt field's value as [`classify_prompt`] does, without building it: a string
+/// is looked at where it lies (or in serde's scratch buffer), containers are skipped.
+struct ProbePrompt;
+
+impl<'de> DeserializeSeed<'de> for ProbePrompt {
+    type Value = PromptValue<Probed>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ProbePrompt {
+    type Value = PromptValue<Probed>;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str("any JSON value")
+    }
+
+    fn visit_str<E>(self, text: &str) -> Result<Self::Value, E> {
+        Ok(PromptValue::Text(Probed {
+            blank: text.trim().is_empty(),
+        }))
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(PromptValue::Other("null"))
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(PromptValue::Other("a boolean"))
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(PromptValue::Other("a number"))
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(PromptValue::Other("a number"))
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(PromptValue::Other("a number"))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(PromptValue::Other("an array"))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(PromptValue::Other("an object"))
     }
 }
 
@@ -303,26 +560,26 @@ struct ProbeSeed<'f> {
 }
 
 impl<'de> DeserializeSeed<'de> for ProbeSeed<'_> {
-    type Value = Found;
+    type Value = Found<Probed>;
 
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Found, D::Error> {
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
         deserializer.deserialize_map(self)
     }
 }
 
 impl<'de> Visitor<'de> for ProbeSeed<'_> {
-    type Value = Found;
+    type Value = Found<Probed>;
 
     fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str("a JSON object")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Found, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut prompt = None;
         let mut chat = None;
         while let Some(key) = map.next_key::<Cow<'de, str>>()? {
             if key == self.field {
-                prompt = Some(classify_prompt(&map.next_value::<Value>()?));
+                prompt = Some(map.next_value_seed(ProbePrompt)?);
             } else if chat.is_none() && CHAT_FIELDS.contains(&key.as_ref()) {
                 chat = chat_prompt(&map.next_value::<Value>()?);
             } else {
@@ -357,8 +614,16 @@ mod tests {
 
     #[test]
     fn probe_and_parse_agree_on_every_kind_of_line() {
-        let cases: [(&[u8], Result<&str, Reason>); 12] = [
+        let cases: [(&[u8], Result<&str, Reason>); 20] = [
             (br#"{"prompt": "hi", "id": 3}"#, Ok("hi")),
+            (br#"{"prompt": "a\"b\u00e9\n", "x": [1, {"y": null}]}"#, Ok("a\"b\u{e9}\n")),
+            (br#"{"prompt": "\n\t "}"#, Err(Reason::EmptyPrompt)),
+            (br#"{"prompt": null}"#, Err(Reason::PromptNotString)),
+            (br#"{"prompt": true}"#, Err(Reason::PromptNotString)),
+            (br#"{"prompt": -1.5e3}"#, Err(Reason::PromptNotString)),
+            (br#"{"prompt": [1, {"a": "b"}]}"#, Err(Reason::PromptNotString)),
+            (br#"{"prompt": {"text": "x"}}"#, Err(Reason::PromptNotString)),
+            (br#"{"prompt": [1, }"#, Err(Reason::InvalidJson)),
             (br#"{"id": 3, "prompt": "h\u00e9"}"#, Ok("hé")),
             (br#"{"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}]}"#, Ok("q")),
             (br#"{"messages": [{"role": "user", "content": "m"}]}"#, Ok("m")),
@@ -395,6 +660,79 @@ mod tests {
             serde_json::Value::Object(row.source),
             serde_json::json!({"id": "a1", "answer": 4})
         );
+    }
+
+    /// A framed line: offset, length, too long, content.
+    type Framed = (u64, u64, bool, Vec<u8>);
+
+    /// Lines as [`LineReader`] frames them.
+    fn reader_lines(data: &[u8], max: usize) -> Vec<Framed> {
+        let mut reader = LineReader::new(data, max);
+        let mut buffer = Vec::new();
+        let mut lines = Vec::new();
+        while let Some(info) = reader.next_line(&mut buffer, &mut |_| {}).unwrap() {
+            lines.push((info.offset, info.length, info.too_long, buffer.clone()));
+        }
+        lines
+    }
+
+    /// Lines as the plan frames [`LineBlocks`]' blocks, and every byte `observe` saw.
+    fn block_lines(data: &[u8], block: usize, max: usize) -> (Vec<Framed>, Vec<u8>) {
+        let mut blocks = LineBlocks::new(data, block, max);
+        let mut seen = Vec::new();
+        let mut lines = Vec::new();
+        while let Some(piece) = blocks
+            .next_block(&mut |bytes| seen.extend_from_slice(bytes))
+            .unwrap()
+        {
+            match &piece {
+                Block::TooLong { offset, length } => lines.push((*offset, *length, true, vec![])),
+                Block::Lines(block) => {
+                    let bytes = block.bytes();
+                    let mut position = 0;
+                    while position < bytes.len() {
+                        let (end, next) = match memchr::memchr(b'\n', &bytes[position..]) {
+                            Some(newline) => (position + newline, position + newline + 1),
+                            None => (bytes.len(), bytes.len()),
+                        };
+                        let content = &bytes[position..end];
+                        let too_long = content.len() > max;
+                        lines.push((
+                            block.offset + position as u64,
+                            (next - position) as u64,
+                            too_long,
+                            if too_long { vec![] } else { content.to_vec() },
+                        ));
+                        position = next;
+                    }
+                }
+            }
+            blocks.recycle(piece);
+        }
+        (lines, seen)
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn blocks_frame_lines_as_the_line_reader_does(
+            lines in proptest::collection::vec((0usize..60, proptest::bool::ANY), 0..40),
+            trailing_newline in proptest::bool::ANY,
+            block in 1usize..40,
+        ) {
+            let mut data = Vec::new();
+            for (index, (length, crlf)) in lines.iter().enumerate() {
+                data.extend((0..*length).map(|i| b'a' + u8::try_from((index + i) % 26).unwrap()));
+                if *crlf {
+                    data.push(b'\r');
+                }
+                if index + 1 < lines.len() || trailing_newline {
+                    data.push(b'\n');
+                }
+            }
+            let (framed, seen) = block_lines(&data, block, 16);
+            proptest::prop_assert_eq!(framed, reader_lines(&data, 16));
+            proptest::prop_assert_eq!(seen, data);
+        }
     }
 
     #[test]

@@ -226,7 +226,7 @@ fn whole_lines_length(file: &mut File, length: u64) -> io::Result<u64> {
         let size = usize::try_from(end - start).unwrap_or(buffer.len());
         file.seek(SeekFrom::Start(start))?;
         file.read_exact(&mut buffer[..size])?;
-        if let Some(position) = buffer[..size].iter().rposition(|&byte| byte == b'\n') {
+        if let Some(position) = memchr::memrchr(b'\n', &buffer[..size]) {
             return Ok(start + position as u64 + 1);
         }
         end = start;
@@ -246,8 +246,7 @@ pub fn read_whole_lines(path: &Path) -> Result<(Vec<u8>, LineRanges), StorageErr
     };
     let mut lines = Vec::new();
     let mut start = 0;
-    while let Some(offset) = data[start..].iter().position(|&byte| byte == b'\n') {
-        let end = start + offset;
+    for end in memchr::memchr_iter(b'\n', &data) {
         if end > start {
             lines.push((start, end));
         }

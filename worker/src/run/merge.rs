@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -18,7 +19,9 @@ use tracing::{info, warn};
 use super::manifest::Manifest;
 use super::{RunError, RunLocation};
 use crate::plan::{MergeSummary, compact_ranges, format_ranges};
-use crate::storage::{Context, StorageError, read_whole_lines, sync_dir, temp_path, write_atomic};
+use crate::storage::{
+    Context, RunDir, StorageError, read_whole_lines, sync_dir, temp_path, write_atomic,
+};
 
 /// The fields of a record line that merge and statistics read; the conversation is skipped.
 #[derive(Debug, Deserialize)]
@@ -96,6 +99,31 @@ struct Totals {
 }
 
 impl Totals {
+    /// Adds another reader's totals.
+    fn absorb(&mut self, other: Self) {
+        self.succeeded += other.succeeded;
+        self.discarded += other.discarded;
+        self.failed += other.failed;
+        self.completed += other.completed;
+        self.partial += other.partial;
+        self.api_calls += other.api_calls;
+        for (class, count) in other.error_classes {
+            *self.error_classes.entry(class).or_default() += count;
+        }
+        for (name, (count, success, failure)) in other.tools {
+            let entry = self.tools.entry(name).or_default();
+            entry.0 += count;
+            entry.1 += success;
+            entry.2 += failure;
+        }
+        self.assistant_turns += other.assistant_turns;
+        self.turns_with_reasoning += other.turns_with_reasoning;
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+        self.reasoning_tokens += other.reasoning_tokens;
+        self.durations.extend(other.durations);
+    }
+
     fn add(&mut self, view: &RecordView<'_>) {
         match view.status.as_deref() {
             None => {
@@ -166,7 +194,82 @@ impl Output {
     }
 }
 
-/// Merges every batch of the run.
+/// One batch, read and sorted by the reader thread, for the writer.
+struct SortedBatch {
+    data: Vec<u8>,
+    /// The kept lines in output order: byte range, and whether it is a trajectory (else a
+    /// failed or discarded record).
+    kept: Vec<(usize, usize, bool)>,
+    /// The `OpenAI`-form line of each kept trajectory, when the run writes that form.
+    openai: Vec<Option<Vec<u8>>>,
+}
+
+/// Reads, validates and orders one batch, and counts its kept records into `totals`.
+fn sort_batch(
+    run_dir: &RunDir,
+    batch: u32,
+    openai: bool,
+    totals: &mut Totals,
+    skipped_lines: &mut u64,
+) -> Result<SortedBatch, RunError> {
+    let (data, lines) = read_whole_lines(&run_dir.batch_records(batch))?;
+    let mut order: Vec<(u64, u32, u8, usize)> = Vec::with_capacity(lines.len());
+    let mut views = Vec::with_capacity(lines.len());
+    for (start, end) in &lines {
+        match serde_json::from_slice::<RecordView<'_>>(&data[*start..*end]) {
+            Ok(view) => {
+                let rank = match view.status.as_deref() {
+                    None => 0,
+                    Some("discarded") => 1,
+                    Some(_) => 2,
+                };
+                order.push((view.prompt_index, view.sample, rank, views.len()));
+                views.push((view, *start, *end));
+            }
+            Err(err) => {
+                *skipped_lines += 1;
+                warn!(batch, offset = start, %err, "skipping an invalid record line");
+            }
+        }
+    }
+    // Dataset order; for one key the best record first, then the first written.
+    order.sort_unstable();
+    let before = order.len();
+    order.dedup_by_key(|(prompt_index, sample, ..)| (*prompt_index, *sample));
+    *skipped_lines += (before - order.len()) as u64;
+
+    let mut openai_lines = if openai {
+        openai_index(&run_dir.batch_openai_records(batch))?
+    } else {
+        HashMap::new()
+    };
+    let mut kept = Vec::with_capacity(order.len());
+    let mut openai_kept = Vec::new();
+    for (prompt_index, sample, rank, position) in order {
+        let (view, start, end) = &views[position];
+        totals.add(view);
+        kept.push((*start, *end, rank == 0));
+        if openai && rank == 0 {
+            openai_kept.push(openai_lines.remove(&(prompt_index, sample)));
+        }
+    }
+    drop(views);
+    Ok(SortedBatch {
+        data,
+        kept,
+        openai: openai_kept,
+    })
+}
+
+/// Reader threads: each reads, validates and sorts every `READERS`-th batch. Validating the
+/// records is most of a merge's work, so it is spread over two threads while this one writes.
+const READERS: u32 = 2;
+
+/// Batches each reader sorts ahead of the one being written.
+const BATCHES_AHEAD: usize = 1;
+
+/// Merges every batch of the run. Reader threads read, validate and sort the next batches while
+/// this one writes the current one.
 pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
     let run_dir = location.run_dir();
     let manifest = Manifest::require(&run_dir)?;
@@ -178,63 +281,64 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
     } else {
         None
     };
-    let mut totals = Totals::default();
-    let mut skipped_lines = 0u64;
     let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
-    let mut missing = Vec::new();
+    let missing: Vec<u32> = (0..manifest.batch_count())
+        .filter(|batch| !done.contains(batch))
+        .collect();
 
-    for batch in 0..manifest.batch_count() {
-        if !done.contains(&batch) {
-            missing.push(batch);
-        }
-        let (data, lines) = read_whole_lines(&run_dir.batch_records(batch))?;
-        let mut kept: Vec<(u64, u32, u8, usize)> = Vec::with_capacity(lines.len());
-        let mut views = Vec::with_capacity(lines.len());
-        for (start, end) in &lines {
-            match serde_json::from_slice::<RecordView<'_>>(&data[*start..*end]) {
-                Ok(view) => {
-                    let rank = match view.status.as_deref() {
-                        None => 0,
-                        Some("discarded") => 1,
-                        Some(_) => 2,
-                    };
-                    kept.push((view.prompt_index, view.sample, rank, views.len()));
-                    views.push((view, *start, *end));
+    let batch_count = manifest.batch_count();
+    let (mut totals, skipped_lines) = std::thread::scope(|scope| {
+        let mut inboxes = Vec::new();
+        let mut readers = Vec::new();
+        for first in 0..READERS {
+            let (to_writer, sorted) =
+                mpsc::sync_channel::<Result<SortedBatch, RunError>>(BATCHES_AHEAD);
+            inboxes.push(sorted);
+            let reader_dir = &run_dir;
+            readers.push(scope.spawn(move || {
+                let mut totals = Totals::default();
+                let mut skipped_lines = 0u64;
+                for batch in (first..batch_count).step_by(READERS as usize) {
+                    let result =
+                        sort_batch(reader_dir, batch, openai, &mut totals, &mut skipped_lines);
+                    let failed = result.is_err();
+                    // A closed channel: the writer stopped at an error.
+                    if to_writer.send(result).is_err() || failed {
+                        break;
+                    }
                 }
-                Err(err) => {
-                    skipped_lines += 1;
-                    warn!(batch, offset = start, %err, "skipping an invalid record line");
+                (totals, skipped_lines)
+            }));
+        }
+        let lost = || RunError::Internal("a merge reader thread stopped".into());
+        for batch in 0..batch_count {
+            let sorted = inboxes[(batch % READERS) as usize]
+                .recv()
+                .map_err(|_| lost())??;
+            let mut openai = sorted.openai.iter();
+            for &(start, end, trajectory) in &sorted.kept {
+                let line = &sorted.data[start..end];
+                if trajectory {
+                    trajectories.line(line)?;
+                    if let (Some(out), Some(Some(openai_line))) =
+                        (openai_out.as_mut(), openai.next())
+                    {
+                        out.line(openai_line)?;
+                    }
+                } else {
+                    failures.line(line)?;
                 }
             }
         }
-        // Dataset order; for one key the best record first, then the first written.
-        kept.sort_unstable();
-        let before = kept.len();
-        kept.dedup_by_key(|(prompt_index, sample, ..)| (*prompt_index, *sample));
-        skipped_lines += (before - kept.len()) as u64;
-
-        let openai_lines = if openai {
-            openai_index(&run_dir.batch_openai_records(batch))?
-        } else {
-            HashMap::new()
-        };
-        for (prompt_index, sample, rank, position) in kept {
-            let (view, start, end) = &views[position];
-            totals.add(view);
-            let line = &data[*start..*end];
-            if rank == 0 {
-                trajectories.line(line)?;
-                if let (Some(out), Some(openai_line)) = (
-                    openai_out.as_mut(),
-                    openai_lines.get(&(prompt_index, sample)),
-                ) {
-                    out.line(openai_line)?;
-                }
-            } else {
-                failures.line(line)?;
-            }
+        let mut totals = Totals::default();
+        let mut skipped_lines = 0;
+        for reader in readers {
+            let (part, skipped) = reader.join().map_err(|_| lost())?;
+            totals.absorb(part);
+            skipped_lines += skipped;
         }
-    }
+        Ok::<_, RunError>((totals, skipped_lines))
+    })?;
 
     failures.finish()?;
     if let Some(out) = openai_out {

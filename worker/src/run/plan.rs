@@ -1,8 +1,16 @@
 //! `plan`: one streaming pass over the dataset that validates every line, records the batch
 //! layout and the run's identity, and finds batches already done.
+//!
+//! The pass runs on two threads: this one reads big blocks of whole lines, digests the file,
+//! lays out the batches (digesting each batch's valid lines) and writes `invalid.jsonl`; a second
+//! one validates the lines of the blocks, a few blocks behind the reader. Memory is a handful of
+//! blocks, whatever the size of the dataset.
 
 use std::fs::File;
-use std::io::{BufReader, BufWriter, Write};
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
 
 use tracing::info;
 
@@ -10,11 +18,282 @@ use super::manifest::{
     BatchLayout, DatasetInfo, MANIFEST_VERSION, Manifest, RunIdentity, spec_hash,
 };
 use super::{RunError, RunLocation};
-use crate::dataset::{LineReader, MAX_LINE_BYTES, probe_line};
+use crate::dataset::{Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe};
 use crate::distribution::Distribution;
 use crate::plan::{PlanSummary, compact_ranges};
-use crate::storage::{Context, StorageError, sync_dir, temp_path, write_atomic};
+use crate::spec::RunSpec;
+use crate::storage::{Context, StorageError, sync_dir, temp_path, write_atomic_with};
 use crate::tools::Registry;
+
+/// The dataset is read in blocks of this size: large reads, and large updates for the digests
+/// (BLAKE3 hashes many 1 KiB chunks at once only when it is given them at once).
+const BLOCK_BYTES: usize = 1 << 20;
+
+/// Blocks read ahead of the one whose lines are being laid out.
+const BLOCKS_IN_FLIGHT: usize = 3;
+
+/// One line of a block as the validator saw it.
+#[derive(Debug)]
+struct Checked {
+    /// End of the line within the block, after its newline.
+    next: usize,
+    /// `None` when the validator skipped it (the run's `maxSamples` was reached before it).
+    result: Option<Result<(), Rejection>>,
+}
+
+/// Frames and validates the lines of a block (the validator thread's work).
+fn check_block(block: &Block, prompt_field: &str, skip: bool) -> Vec<Checked> {
+    let Block::Lines(lines) = block else {
+        return Vec::new();
+    };
+    let data = lines.bytes();
+    let mut checked = Vec::with_capacity(data.len() / 512);
+    let mut position = 0;
+    while position < data.len() {
+        let (end, next) = match memchr::memchr(b'\n', &data[position..]) {
+            Some(newline) => (position + newline, position + newline + 1),
+            None => (data.len(), data.len()),
+        };
+        let content = &data[position..end];
+        let result = (!skip).then(|| probe(content, content.len() > MAX_LINE_BYTES, prompt_field));
+        checked.push(Checked { next, result });
+        position = next;
+    }
+    checked
+}
+
+/// Adds whole lines to a batch digest: each valid line followed by a newline, so the file's last
+/// line, which may lack one, gets it.
+fn hash_lines(hasher: &mut blake3::Hasher, lines: &[u8]) {
+    hasher.update(lines);
+    if lines.last() != Some(&b'\n') {
+        hasher.update(b"\n");
+    }
+}
+
+/// The layout being built, block by block, in file order.
+struct Layout<'a> {
+    max_samples: u64,
+    batch_size: u64,
+    batch_hasher: blake3::Hasher,
+    batches: Vec<BatchLayout>,
+    lines: u64,
+    prompts: u64,
+    invalid: u64,
+    bytes: u64,
+    batch_start: u64,
+    valid_end: u64,
+    invalid_out: BufWriter<File>,
+    invalid_temp: &'a Path,
+}
+
+impl Layout<'_> {
+    fn reject(
+        &mut self,
+        info: &LineInfo,
+        content: &[u8],
+        rejection: &Rejection,
+    ) -> Result<(), StorageError> {
+        self.invalid += 1;
+        let excerpt = String::from_utf8_lossy(&content[..content.len().min(200)]).into_owned();
+        let entry = serde_json::json!({
+            "line": info.number,
+            "offset": info.offset,
+            "reason": rejection.reason.as_str(),
+            "message": rejection.message,
+            "excerpt": excerpt,
+        });
+        serde_json::to_writer(&mut self.invalid_out, &entry)
+            .map_err(std::io::Error::from)
+            .and_then(|()| self.invalid_out.write_all(b"\n"))
+            .at("writing", self.invalid_temp)
+    }
+
+    fn end_batch(&mut self) {
+        self.batches.push(BatchLayout(
+            self.batch_start,
+            self.valid_end,
+            self.batch_hasher.finalize().to_hex()[..32].to_owned(),
+        ));
+        self.batch_hasher = blake3::Hasher::new();
+    }
+
+    /// Lays out one block's lines, with the validator's verdicts.
+    fn add(&mut self, block: &Block, checked: &[Checked]) -> Result<(), StorageError> {
+        let lines = match block {
+            Block::TooLong { offset, length } => {
+                self.lines += 1;
+                self.bytes = offset + length;
+                if self.prompts < self.max_samples {
+                    let info = LineInfo {
+                        number: self.lines,
+                        offset: *offset,
+                        length: *length,
+                        too_long: true,
+                    };
+                    let rejection = probe(&[], true, "")
+                        .expect_err("a line too long to keep is always rejected");
+                    self.reject(&info, &[], &rejection)?;
+                }
+                return Ok(());
+            }
+            Block::Lines(lines) => lines,
+        };
+        let (offset, data) = (lines.offset, lines.bytes());
+        // Valid lines are digested for their batch in runs of adjacent lines, straight from the
+        // block: `run` is where the current run starts.
+        let mut run: Option<usize> = None;
+        let mut position = 0;
+        for line in checked {
+            let next = line.next;
+            self.lines += 1;
+            self.bytes = offset + next as u64;
+            match &line.result {
+                _ if self.prompts >= self.max_samples => {
+                    if let Some(start) = run.take() {
+                        hash_lines(&mut self.batch_hasher, &data[start..position]);
+                    }
+                }
+                Some(Ok(())) => {
+                    if self.prompts.is_multiple_of(self.batch_size) {
+                        self.batch_start = offset + position as u64;
+                    }
+                    run.get_or_insert(position);
+                    self.prompts += 1;
+                    self.valid_end = self.bytes;
+                    if self.prompts.is_multiple_of(self.batch_size) {
+                        if let Some(start) = run.take() {
+                            hash_lines(&mut self.batch_hasher, &data[start..next]);
+                        }
+                        self.end_batch();
+                    }
+                }
+                Some(Err(rejection)) => {
+                    if let Some(start) = run.take() {
+                        hash_lines(&mut self.batch_hasher, &data[start..position]);
+                    }
+                    let end = if data[next - 1] == b'\n' {
+                        next - 1
+                    } else {
+                        next
+                    };
+                    let info = LineInfo {
+                        number: self.lines,
+                        offset: offset + position as u64,
+                        length: (next - position) as u64,
+                        too_long: end - position > MAX_LINE_BYTES,
+                    };
+                    self.reject(&info, &data[position..end], rejection)?;
+                }
+                None => unreachable!("the validator skips lines only after maxSamples prompts"),
+            }
+            position = next;
+        }
+        if let Some(start) = run {
+            hash_lines(&mut self.batch_hasher, &data[start..]);
+        }
+        Ok(())
+    }
+}
+
+/// What the pass over the dataset found.
+struct Scanned {
+    digest: String,
+    layout_batches: Vec<BatchLayout>,
+    lines: u64,
+    prompts: u64,
+    invalid: u64,
+    bytes: u64,
+    invalid_out: BufWriter<File>,
+}
+
+/// Reads, digests, validates and lays out the whole dataset.
+fn scan(
+    file: File,
+    spec: &RunSpec,
+    dataset_path: &Path,
+    invalid_out: BufWriter<File>,
+    invalid_temp: &Path,
+) -> Result<Scanned, RunError> {
+    let read_error = |err: std::io::Error| {
+        RunError::InvalidDataset(format!("cannot read {}: {err}", dataset_path.display()))
+    };
+    let mut layout = Layout {
+        max_samples: spec.dataset.max_samples.unwrap_or(u64::MAX),
+        batch_size: u64::from(spec.batch_size),
+        batch_hasher: blake3::Hasher::new(),
+        batches: Vec::new(),
+        lines: 0,
+        prompts: 0,
+        invalid: 0,
+        bytes: 0,
+        batch_start: 0,
+        valid_end: 0,
+        invalid_out,
+        invalid_temp,
+    };
+    let mut blocks = LineBlocks::new(file, BLOCK_BYTES, MAX_LINE_BYTES);
+    let mut file_hasher = blake3::Hasher::new();
+    // Set once `maxSamples` prompts are laid out: the validator may skip the rest.
+    let enough = AtomicBool::new(layout.max_samples == 0);
+    let field = spec.dataset.prompt_field.as_str();
+    std::thread::scope(|scope| {
+        let (to_validator, inbox) = mpsc::sync_channel::<Block>(1);
+        let (to_layout, validated) = mpsc::channel::<(Block, Vec<Checked>)>();
+        let enough = &enough;
+        scope.spawn(move || {
+            for block in inbox {
+                let checked = check_block(&block, field, enough.load(Ordering::Relaxed));
+                if to_layout.send((block, checked)).is_err() {
+                    break;
+                }
+            }
+        });
+        let lost = || RunError::Internal("the dataset validator thread stopped".into());
+        let mut in_flight = 0usize;
+        let mut reading = true;
+        loop {
+            if reading && in_flight < BLOCKS_IN_FLIGHT {
+                match blocks
+                    .next_block(&mut |chunk| {
+                        file_hasher.update(chunk);
+                    })
+                    .map_err(read_error)?
+                {
+                    Some(block) => {
+                        to_validator.send(block).map_err(|_| lost())?;
+                        in_flight += 1;
+                        continue;
+                    }
+                    None => reading = false,
+                }
+            }
+            if in_flight == 0 {
+                break;
+            }
+            let (block, checked) = validated.recv().map_err(|_| lost())?;
+            in_flight -= 1;
+            layout.add(&block, &checked)?;
+            if layout.prompts >= layout.max_samples {
+                enough.store(true, Ordering::Relaxed);
+            }
+            blocks.recycle(block);
+        }
+        Ok::<(), RunError>(())
+    })?;
+    if !layout.prompts.is_multiple_of(layout.batch_size) {
+        layout.end_batch();
+    }
+    Ok(Scanned {
+        digest: format!("blake3:{}", file_hasher.finalize().to_hex()),
+        layout_batches: layout.batches,
+        lines: layout.lines,
+        prompts: layout.prompts,
+        invalid: layout.invalid,
+        bytes: layout.bytes,
+        invalid_out: layout.invalid_out,
+    })
+}
 
 /// Validates the dataset and writes `manifest.json` and `invalid.jsonl`.
 pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError> {
@@ -35,82 +314,30 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
     std::fs::create_dir_all(run_dir.root()).at("creating", run_dir.root())?;
     let invalid_path = run_dir.invalid();
     let invalid_temp = temp_path(&invalid_path);
-    let mut invalid_out =
-        BufWriter::new(File::create(&invalid_temp).at("creating", &invalid_temp)?);
+    let invalid_out = BufWriter::new(File::create(&invalid_temp).at("creating", &invalid_temp)?);
 
-    let max_samples = spec.dataset.max_samples.unwrap_or(u64::MAX);
-    let batch_size = u64::from(spec.batch_size);
-    let mut reader = LineReader::new(BufReader::with_capacity(1 << 20, file), MAX_LINE_BYTES);
-    let mut file_hasher = blake3::Hasher::new();
-    let mut batch_hasher = blake3::Hasher::new();
-    let mut buffer = Vec::new();
-    let mut batches: Vec<BatchLayout> = Vec::new();
-    let (mut lines, mut prompts, mut invalid, mut bytes) = (0u64, 0u64, 0u64, 0u64);
-    let mut batch_start = 0u64;
-    let mut valid_end = 0u64;
-    let mut observe = |chunk: &[u8]| {
-        file_hasher.update(chunk);
+    let Scanned {
+        digest,
+        layout_batches: batches,
+        lines,
+        prompts,
+        invalid,
+        bytes,
+        invalid_out,
+    } = match scan(file, spec, &dataset_path, invalid_out, &invalid_temp) {
+        Ok(scanned) => scanned,
+        Err(error) => {
+            let _ = std::fs::remove_file(&invalid_temp);
+            return Err(error);
+        }
     };
-    loop {
-        let next = reader.next_line(&mut buffer, &mut observe).map_err(|err| {
-            RunError::InvalidDataset(format!("cannot read {}: {err}", dataset_path.display()))
-        })?;
-        let Some(line) = next else { break };
-        lines += 1;
-        bytes = line.offset + line.length;
-        if prompts >= max_samples {
-            continue;
-        }
-        match probe_line(&buffer, &line, &spec.dataset.prompt_field) {
-            Ok(()) => {
-                if prompts % batch_size == 0 {
-                    batch_start = line.offset;
-                }
-                batch_hasher.update(&buffer);
-                batch_hasher.update(b"\n");
-                prompts += 1;
-                valid_end = bytes;
-                if prompts % batch_size == 0 {
-                    batches.push(BatchLayout(
-                        batch_start,
-                        valid_end,
-                        batch_hasher.finalize().to_hex()[..32].to_owned(),
-                    ));
-                    batch_hasher = blake3::Hasher::new();
-                }
-            }
-            Err(rejection) => {
-                invalid += 1;
-                let excerpt =
-                    String::from_utf8_lossy(&buffer[..buffer.len().min(200)]).into_owned();
-                let entry = serde_json::json!({
-                    "line": line.number,
-                    "offset": line.offset,
-                    "reason": rejection.reason.as_str(),
-                    "message": rejection.message,
-                    "excerpt": excerpt,
-                });
-                serde_json::to_writer(&mut invalid_out, &entry)
-                    .map_err(std::io::Error::from)
-                    .and_then(|()| invalid_out.write_all(b"\n"))
-                    .at("writing", &invalid_temp)?;
-            }
-        }
-    }
-    if prompts % batch_size != 0 {
-        batches.push(BatchLayout(
-            batch_start,
-            valid_end,
-            batch_hasher.finalize().to_hex()[..32].to_owned(),
-        ));
-    }
     let file = invalid_out
         .into_inner()
         .map_err(|err| StorageError::new("writing", &invalid_temp, err.into_error()))?;
 
     let dataset = DatasetInfo {
         path: spec.dataset.path.clone(),
-        digest: format!("blake3:{}", file_hasher.finalize().to_hex()),
+        digest,
         bytes,
         lines,
         prompts,
@@ -162,9 +389,10 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
     };
     file.sync_all().at("syncing", &invalid_temp)?;
     std::fs::rename(&invalid_temp, &invalid_path).at("renaming into place", &invalid_path)?;
-    let manifest_json =
-        serde_json::to_vec(&manifest).map_err(|err| RunError::Internal(err.to_string()))?;
-    write_atomic(&run_dir.manifest(), &manifest_json)?;
+    // Streamed: a run of a million batches has a manifest of tens of megabytes.
+    write_atomic_with(&run_dir.manifest(), |out| {
+        serde_json::to_writer(out, &manifest).map_err(std::io::Error::from)
+    })?;
     sync_dir(run_dir.root())?;
 
     let done = run_dir.done_batches()?;
@@ -184,4 +412,120 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         run_dir.root().display()
     );
     Ok((manifest, summary))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::BufReader;
+
+    use super::*;
+    use crate::dataset::{LineReader, parse_row};
+
+    /// The layout computed line by line, as a batch re-reads it: each valid line's content and a
+    /// newline, `batch_size` valid lines per batch.
+    fn reference(data: &[u8], batch_size: usize, max_samples: usize) -> Vec<BatchLayout> {
+        let mut reader = LineReader::new(BufReader::new(data), MAX_LINE_BYTES);
+        let mut buffer = Vec::new();
+        let mut valid = Vec::new();
+        while let Some(info) = reader.next_line(&mut buffer, &mut |_| {}).unwrap() {
+            if valid.len() < max_samples && !info.too_long && parse_row(&buffer, "prompt").is_ok() {
+                valid.push((info, buffer.clone()));
+            }
+        }
+        valid
+            .chunks(batch_size)
+            .map(|batch| {
+                let mut hasher = blake3::Hasher::new();
+                for (_, line) in batch {
+                    hasher.update(line);
+                    hasher.update(b"\n");
+                }
+                let (first, last) = (&batch[0].0, &batch[batch.len() - 1].0);
+                BatchLayout(
+                    first.offset,
+                    last.offset + last.length,
+                    hasher.finalize().to_hex()[..32].to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    fn location(root: &Path, max_samples: Option<u64>) -> RunLocation {
+        let spec: RunSpec = serde_json::from_value(serde_json::json!({
+            "dataset": {"path": "data.jsonl", "maxSamples": max_samples},
+            "batchSize": 7,
+            "model": {"baseUrl": "http://127.0.0.1:9/v1", "name": "m"},
+            "storage": {"outputPath": "out"},
+        }))
+        .unwrap();
+        RunLocation {
+            storage_root: root.to_path_buf(),
+            plan: crate::plan::RunPlan {
+                name: "t".into(),
+                namespace: "local".into(),
+                uid: String::new(),
+                output_path: "out".into(),
+                spec,
+                batches: None,
+            },
+        }
+    }
+
+    #[test]
+    fn blocks_lay_out_batches_as_line_by_line_reading_does() {
+        // Several blocks' worth, with invalid lines of every kind among valid ones, CRLF endings,
+        // a line too long to keep that spans blocks, and no newline at the end.
+        let mut data = Vec::new();
+        for index in 0..6000 {
+            let line = match index % 13 {
+                3 => "not json".to_owned(),
+                5 => String::new(),
+                7 => format!("{{\"prompt\": \"  \", \"i\": {index}}}"),
+                9 => format!("{{\"prompt\": \"crlf {index}\"}}\r"),
+                11 if index == 2000 => format!("{{\"prompt\": \"{}\"}}", "y".repeat(3 << 20)),
+                _ => format!(
+                    "{{\"id\": {index}, \"prompt\": \"{}é\"}}",
+                    "x".repeat(index % 700)
+                ),
+            };
+            data.extend_from_slice(line.as_bytes());
+            data.push(b'\n');
+        }
+        data.extend_from_slice(b"{\"prompt\": \"last, without a newline\"}");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("data.jsonl"), &data).unwrap();
+
+        for max_samples in [None, Some(1000)] {
+            let _ = std::fs::remove_dir_all(dir.path().join("out"));
+            let (manifest, _) = plan(&location(dir.path(), max_samples)).unwrap();
+            let cap = usize::try_from(max_samples.unwrap_or(u64::MAX)).unwrap_or(usize::MAX);
+            let expected = reference(&data, 7, cap);
+            assert_eq!(manifest.batches, expected);
+            assert_eq!(
+                manifest.dataset.prompts,
+                expected.len() as u64 * 7 - (7 - manifest.prompts_in(manifest.batch_count() - 1))
+            );
+            assert_eq!(manifest.dataset.lines, 6001);
+            assert_eq!(manifest.dataset.bytes, data.len() as u64);
+            assert_eq!(
+                manifest.dataset.digest,
+                format!("blake3:{}", blake3::hash(&data).to_hex())
+            );
+            let invalid = std::fs::read_to_string(dir.path().join("out/invalid.jsonl")).unwrap();
+            let reasons: Vec<String> = invalid
+                .lines()
+                .map(|line| {
+                    serde_json::from_str::<serde_json::Value>(line).unwrap()["reason"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned()
+                })
+                .collect();
+            assert_eq!(reasons.len() as u64, manifest.dataset.invalid);
+            if max_samples.is_none() {
+                assert!(reasons.iter().any(|reason| reason == "too_long"));
+                assert_eq!(manifest.dataset.prompts + manifest.dataset.invalid, 6001);
+            }
+        }
+    }
 }

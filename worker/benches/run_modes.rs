@@ -1,0 +1,1169 @@
+//! Run-mode benchmarks (design §12, issue 4): `merge` against `cat`, `plan` against `wc -l`, and a
+//! batch's records on disk per second against the engine's own conversations per second.
+//!
+//! ```text
+//! cargo bench -p trajectory-worker --bench run_modes
+//! ```
+//!
+//! Everything is a ratio measured in one run on the same disk, so the machine's speed cancels out:
+//!
+//! - **merge**: realistic batch files (Hermes records rendered by `hermes::trajectory_record`, in
+//!   completion order within each batch, mostly trajectories with some failed and discarded
+//!   records) plus a real manifest from `plan`. `merge::merge` is timed against
+//!   `cat batches/*.jsonl > out` into the same directory, alone and followed by an fsync of the
+//!   output (merge fsyncs what it writes). Runs alternate, after a `sync` so that no run pays for
+//!   the previous one's writeback; the median of the repeats is reported, with a warm page cache
+//!   and (if `/proc/sys/vm/drop_caches` is writable) a cold one.
+//! - **plan**: a dataset of JSONL rows of about 1 KiB with a few fields besides the prompt. The
+//!   release binary `trajectory-worker plan --run-file … --storage-root …` runs under
+//!   `/usr/bin/time -v` (its "Maximum resident set size" is the peak memory) against `wc -l` of the
+//!   same file, warm and cold as above.
+//! - **local**: the scripted server in fixed-latency mode, in a child process (as in the engine
+//!   benchmark), whose tool call is `read_file` of a file that does not exist (answered by one
+//!   failed `open`, no process spawned). In this process, first the engine path — `run_conversation`
+//!   with the batch engine's own client, tools and agent settings, C conversations in flight, all
+//!   started at once — as spawned tasks (A, the engine's own figure) and polled by one task (B, as
+//!   `run_batch` drives them); then `run_batch` on one batch of the same prompts with
+//!   `concurrency = C`: when each conversation finished (C, its progress callback) and when each
+//!   record was durably on disk (D: a watcher thread tails the batch file; the whole run ends when
+//!   the `.done` marker is written). All are reported over the whole run and over the steady window
+//!   between the 2·C-th and the (N − C)-th completion; the target is D ÷ A ≥ 0.95, and D ÷ C shows
+//!   whether the durable writes hold the batch back.
+//!
+//! Knobs (environment): `RUN_MODES_BENCH_PARTS` ("merge,plan,local"), `RUN_MODES_BENCH_MERGE_MIB`
+//! (1024), `RUN_MODES_BENCH_PLAN_MIB` (1024), `RUN_MODES_BENCH_REPEATS` (3), `RUN_MODES_BENCH_COLD`
+//! (1; 0 skips the cold-cache runs), `RUN_MODES_BENCH_DIR` (the system temp dir; the data and a
+//! copy of it must fit), `RUN_MODES_BENCH_LATENCY_MS` (50), `RUN_MODES_BENCH_CONCURRENCY` (256),
+//! `RUN_MODES_BENCH_PROMPTS` (10000), `RUN_MODES_BENCH_KEEP` (0; 1 keeps the generated data, for
+//! profiling `trajectory-worker merge` or `plan` on it). For a quick run:
+//! `RUN_MODES_BENCH_MERGE_MIB=64 RUN_MODES_BENCH_PLAN_MIB=64 RUN_MODES_BENCH_PROMPTS=2000`.
+
+use std::fmt::Write as _;
+use std::fs::{self, File};
+use std::io::{BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use chrono::TimeZone;
+use futures::StreamExt;
+use nix::sys::resource::{Resource, UsageWho, getrlimit, getrusage, setrlimit};
+use nix::sys::time::{TimeVal, TimeValLike};
+use serde_json::{Map, Value, json};
+use tokio::sync::Semaphore;
+use trajectory_worker::agent::{Conversation, run_conversation};
+use trajectory_worker::hermes::{RecordContext, timestamp, trajectory_record};
+use trajectory_worker::model::types::{parse_arguments, tool_call};
+use trajectory_worker::model::{
+    AssistantMessage, Message, Reasoning, ReasoningShape, ToolMessage, Usage,
+};
+use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
+use trajectory_worker::run::{RunFile, RunLocation, merge, plan};
+use trajectory_worker::scripted_server::{
+    FixedLatency, MODEL, ScriptedServer, text_reply, tool_call_reply,
+};
+use trajectory_worker::spec::ToolsSpec;
+use trajectory_worker::tools::{Registry, Tool, ToolContext, Workspace};
+
+const SERVER_ENV: &str = "RUN_MODES_BENCH_SERVER";
+const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
+const MIB: u64 = 1 << 20;
+
+#[derive(Debug)]
+struct Knobs {
+    parts: Vec<String>,
+    merge_bytes: u64,
+    plan_bytes: u64,
+    repeats: usize,
+    cold: bool,
+    dir: PathBuf,
+    latency: Duration,
+    concurrency: usize,
+    prompts: usize,
+    keep: bool,
+}
+
+impl Knobs {
+    fn from_env() -> anyhow::Result<Self> {
+        Ok(Self {
+            parts: std::env::var("RUN_MODES_BENCH_PARTS")
+                .unwrap_or_else(|_| "merge,plan,local".into())
+                .split(',')
+                .map(|part| part.trim().to_owned())
+                .collect(),
+            merge_bytes: env_number("RUN_MODES_BENCH_MERGE_MIB", 1024)? * MIB,
+            plan_bytes: env_number("RUN_MODES_BENCH_PLAN_MIB", 1024)? * MIB,
+            repeats: usize::try_from(env_number("RUN_MODES_BENCH_REPEATS", 3)?.max(1))?,
+            cold: env_number("RUN_MODES_BENCH_COLD", 1)? != 0,
+            dir: std::env::var_os("RUN_MODES_BENCH_DIR")
+                .map_or_else(std::env::temp_dir, Into::into),
+            latency: Duration::from_millis(env_number("RUN_MODES_BENCH_LATENCY_MS", 50)?),
+            concurrency: usize::try_from(env_number("RUN_MODES_BENCH_CONCURRENCY", 256)?)?,
+            prompts: usize::try_from(env_number("RUN_MODES_BENCH_PROMPTS", 10_000)?)?,
+            keep: env_number("RUN_MODES_BENCH_KEEP", 0)? != 0,
+        })
+    }
+
+    fn wants(&self, part: &str) -> bool {
+        self.parts.iter().any(|wanted| wanted == part)
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let knobs = Knobs::from_env()?;
+    if std::env::var_os(SERVER_ENV).is_some() {
+        return serve(knobs.latency);
+    }
+    fs::create_dir_all(&knobs.dir)?;
+    let root = tempfile::Builder::new()
+        .prefix("run-modes-bench-")
+        .tempdir_in(&knobs.dir)
+        .with_context(|| format!("cannot create a temp dir in {}", knobs.dir.display()))?;
+    let cold = knobs.cold && drop_caches().is_ok();
+    println!(
+        "# run_modes benchmark: {} CPUs, data under {}, load average at start {}",
+        std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        root.path().display(),
+        load_average()
+    );
+    if knobs.cold && !cold {
+        println!("(cold-cache runs skipped: /proc/sys/vm/drop_caches is not writable)");
+    }
+    if knobs.wants("merge") {
+        merge_bench(&root.path().join("merge"), &knobs, cold)?;
+        if !knobs.keep {
+            fs::remove_dir_all(root.path().join("merge"))?;
+        }
+    }
+    if knobs.wants("plan") {
+        plan_bench(&root.path().join("plan"), &knobs, cold)?;
+        if !knobs.keep {
+            fs::remove_dir_all(root.path().join("plan"))?;
+        }
+    }
+    if knobs.wants("local") {
+        local_bench(&root.path().join("local"), &knobs)?;
+    }
+    println!("\nload average at end {}", load_average());
+    if knobs.keep {
+        println!("data kept in {}", root.keep().display());
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers
+
+/// A small deterministic generator (xorshift64*), so the data is the same on every run.
+#[derive(Debug)]
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, bound: usize) -> usize {
+        usize::try_from(self.next() % bound as u64).unwrap_or(0)
+    }
+
+    fn shuffle<T>(&mut self, items: &mut [T]) {
+        for index in (1..items.len()).rev() {
+            items.swap(index, self.below(index + 1));
+        }
+    }
+}
+
+const WORDS: [&str; 40] = [
+    "the",
+    "file",
+    "returns",
+    "a",
+    "list",
+    "of",
+    "values",
+    "when",
+    "function",
+    "called",
+    "with",
+    "config.yaml",
+    "src/main.rs",
+    "error",
+    "\"quoted\"",
+    "naïve",
+    "café",
+    "—",
+    "test",
+    "passes",
+    "after",
+    "we",
+    "fix",
+    "import",
+    "path",
+    "in",
+    "module",
+    "check",
+    "output",
+    "line\n",
+    "{x: 1}",
+    "tab\there",
+    "über",
+    "value",
+    "number",
+    "42",
+    "3.14",
+    "is",
+    "not",
+    "empty",
+];
+
+/// About `length` bytes of text with newlines, quotes, tabs and non-ASCII characters.
+fn text(rng: &mut Rng, length: usize) -> String {
+    let mut out = String::with_capacity(length + 16);
+    while out.len() < length {
+        out.push_str(WORDS[rng.below(WORDS.len())]);
+        out.push(' ');
+    }
+    out
+}
+
+/// The median of some durations.
+fn median(values: &[Duration]) -> Duration {
+    let mut sorted = values.to_vec();
+    sorted.sort_unstable();
+    sorted[sorted.len() / 2]
+}
+
+fn seconds(duration: Duration) -> String {
+    format!("{:.3}", duration.as_secs_f64())
+}
+
+fn list(values: &[Duration]) -> String {
+    values
+        .iter()
+        .map(|value| seconds(*value))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Flushes every dirty page, then empties the page cache.
+fn drop_caches() -> std::io::Result<()> {
+    sync()?;
+    fs::write("/proc/sys/vm/drop_caches", b"3")
+}
+
+/// `sync(1)`: writes every dirty page back, so the next timed run does not pay for this one's.
+fn sync() -> std::io::Result<()> {
+    let status = Command::new("sync").status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!("sync failed: {status}")))
+    }
+}
+
+fn load_average() -> String {
+    fs::read_to_string("/proc/loadavg")
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
+fn run_timed(command: &mut Command) -> anyhow::Result<(Duration, String)> {
+    let started = Instant::now();
+    let output = command.stdout(Stdio::null()).output()?;
+    let elapsed = started.elapsed();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    ensure!(output.status.success(), "{command:?} failed: {stderr}");
+    Ok((elapsed, stderr))
+}
+
+/// A run file for a run under `root`, `outputPath: out`.
+fn write_run_file(root: &Path, spec: &Value) -> anyhow::Result<RunLocation> {
+    let file = json!({
+        "apiVersion": "trajectories.dev/v1alpha1",
+        "kind": "TrajectoryRun",
+        "metadata": {"name": "bench"},
+        "spec": spec,
+    });
+    // JSON is YAML.
+    fs::write(root.join("run.yaml"), serde_json::to_vec_pretty(&file)?)?;
+    let run_file = RunFile::load(&root.join("run.yaml"))?;
+    Ok(RunLocation {
+        storage_root: root.to_path_buf(),
+        plan: run_file.to_plan(),
+    })
+}
+
+fn cpu_time() -> anyhow::Result<Duration> {
+    let usage = getrusage(UsageWho::RUSAGE_SELF)?;
+    let micros = |time: TimeVal| u64::try_from(time.num_microseconds()).unwrap_or(0);
+    Ok(Duration::from_micros(
+        micros(usage.user_time()) + micros(usage.system_time()),
+    ))
+}
+
+fn env_number(name: &str, default: u64) -> anyhow::Result<u64> {
+    match std::env::var(name) {
+        Ok(value) => value
+            .trim()
+            .parse()
+            .with_context(|| format!("{name} must be a number, got {value:?}")),
+        Err(_) => Ok(default),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// merge
+
+/// Trajectory records of several shapes (1-3 tool rounds, tool outputs of 0.3-9 KB), rendered
+/// once; each generated record is one of them with its own index, id, prompt and timestamp.
+fn record_templates(rng: &mut Rng) -> Vec<Map<String, Value>> {
+    let registry = Registry::builtin(&ToolsSpec::default());
+    let toolsets = ["file".to_owned()];
+    let tools: Vec<_> = registry
+        .tools_for(&toolsets)
+        .iter()
+        .map(|tool| tool.spec().clone())
+        .collect();
+    let catalog = registry.catalog(&toolsets);
+    let source = json!({"id": "q-1", "category": "coding"})
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    let started = chrono::Utc.with_ymd_and_hms(2026, 3, 5, 14, 2, 10).unwrap();
+    let mut templates = Vec::new();
+    for (shape, output) in [300usize, 1000, 2500, 5000, 9000, 1500, 700, 4000]
+        .into_iter()
+        .enumerate()
+    {
+        let mut messages = vec![Message::User(text(rng, 200))];
+        let rounds = 1 + shape % 3;
+        for round in 0..rounds {
+            let id = format!("call_{round}");
+            let arguments = json!({"path": format!("src/module_{round}.py")}).to_string();
+            let mut call = tool_call(
+                id.clone(),
+                "read_file".into(),
+                Some(&Value::String(arguments.clone())),
+            );
+            call.arguments = parse_arguments(&arguments);
+            messages.push(Message::Assistant(AssistantMessage {
+                content: text(rng, 120),
+                reasoning: Some(Reasoning {
+                    text: text(rng, 400),
+                    shape: ReasoningShape::ReasoningContent,
+                }),
+                tool_calls: vec![call],
+            }));
+            messages.push(Message::Tool(ToolMessage {
+                tool_call_id: id,
+                name: "read_file".into(),
+                content: json!({"content": text(rng, output / rounds), "total_lines": 40})
+                    .to_string(),
+            }));
+        }
+        messages.push(Message::Assistant(AssistantMessage {
+            content: text(rng, 600),
+            reasoning: Some(Reasoning {
+                text: text(rng, 300),
+                shape: ReasoningShape::ReasoningContent,
+            }),
+            tool_calls: vec![],
+        }));
+        let conversation = Conversation {
+            messages,
+            api_calls: u32::try_from(rounds + 1).unwrap_or(2),
+            completed: true,
+            partial: false,
+            usage: Usage {
+                prompt_tokens: 1500,
+                completion_tokens: 400,
+                reasoning_tokens: 120,
+            },
+            model_time: Duration::from_millis(900),
+        };
+        let context = RecordContext {
+            id: "abcdef123456-0-0",
+            prompt_index: 0,
+            sample: 0,
+            batch: 0,
+            model: "bench-model",
+            toolsets_used: &toolsets,
+            tools_offered: &tools,
+            catalog: &catalog,
+            started_at: started,
+            finished_at: started + chrono::Duration::milliseconds(1532),
+            source: &source,
+        };
+        templates.push(trajectory_record(&conversation, &context));
+    }
+    templates
+}
+
+/// One record line of `prompt_index`: mostly trajectories, 4% failed, 2% discarded.
+fn record_line(
+    rng: &mut Rng,
+    templates: &[Map<String, Value>],
+    prompt_index: u64,
+    batch: u32,
+) -> (u8, String) {
+    let id = format!("abcdef123456-{prompt_index}-0");
+    let stamp = timestamp(
+        chrono::Utc.with_ymd_and_hms(2026, 3, 5, 14, 2, 10).unwrap()
+            + chrono::Duration::milliseconds(i64::try_from(prompt_index).unwrap_or(0) * 37),
+    );
+    let roll = rng.below(100);
+    let (kind, value) = if roll < 4 {
+        let mut record = Map::new();
+        record.insert("prompt_index".into(), prompt_index.into());
+        record.insert("sample".into(), 0.into());
+        record.insert("id".into(), id.into());
+        record.insert("status".into(), "failed".into());
+        record.insert(
+            "error_class".into(),
+            ["timeout", "model_error"][rng.below(2)].into(),
+        );
+        record.insert(
+            "error".into(),
+            "conversation exceeded its budget of 600s".into(),
+        );
+        record.insert("batch_num".into(), batch.into());
+        record.insert("duration_ms".into(), 600_000.into());
+        record.insert("timestamp".into(), stamp.into());
+        (2, Value::Object(record))
+    } else if roll < 6 {
+        (
+            1,
+            json!({
+                "prompt_index": prompt_index, "sample": 0, "id": id, "status": "discarded",
+                "filter": "require_reasoning", "batch_num": batch, "api_calls": 2,
+                "timestamp": stamp,
+            }),
+        )
+    } else {
+        let mut record = templates[rng.below(templates.len())].clone();
+        record.insert("prompt_index".into(), prompt_index.into());
+        record.insert("id".into(), id.into());
+        record.insert("duration_ms".into(), (800 + rng.below(5000)).into());
+        if let Some(Value::Array(turns)) = record.get_mut("conversations") {
+            turns[1]["value"] = Value::String(format!("Task {prompt_index}: {}", text(rng, 200)));
+        }
+        if let Some(metadata) = record.get_mut("metadata") {
+            metadata["batch_num"] = batch.into();
+            metadata["timestamp"] = stamp.into();
+        }
+        (0, Value::Object(record))
+    };
+    (kind, trajectory_worker::pyjson::to_string(&value))
+}
+
+#[derive(Debug, Default)]
+struct MergeTimes {
+    merge: Vec<Duration>,
+    cat: Vec<Duration>,
+    cat_fsync: Vec<Duration>,
+}
+
+fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
+    const BATCH_SIZE: u64 = 100;
+    fs::create_dir_all(dir.join("datasets"))?;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let templates = record_templates(&mut rng);
+    let sample: Vec<usize> = (0..200)
+        .map(|index| record_line(&mut rng, &templates, index, 0).1.len() + 1)
+        .collect();
+    let average = sample.iter().sum::<usize>() / sample.len();
+    let prompts = (knobs.merge_bytes / average as u64).max(BATCH_SIZE);
+
+    let generating = Instant::now();
+    let mut dataset = BufWriter::new(File::create(dir.join("datasets/prompts.jsonl"))?);
+    for index in 0..prompts {
+        writeln!(
+            dataset,
+            "{}",
+            json!({"prompt": format!("Task {index}"), "id": index})
+        )?;
+    }
+    dataset.into_inner()?.sync_all()?;
+    let location = write_run_file(
+        dir,
+        &json!({
+            "dataset": {"path": "datasets/prompts.jsonl"},
+            "batchSize": BATCH_SIZE,
+            "distribution": {"file": 100},
+            "model": {"baseUrl": "http://127.0.0.1:9/v1", "name": "bench-model"},
+            "storage": {"outputPath": "out"},
+        }),
+    )?;
+    let (manifest, _) = plan::plan(&location)?;
+    let run_dir = location.run_dir();
+    fs::create_dir_all(run_dir.batches_dir())?;
+    let (mut batch_bytes, mut counts) = (0u64, [0u64; 3]);
+    for batch in 0..manifest.batch_count() {
+        let first = manifest.first_prompt(batch);
+        let mut lines: Vec<(u8, String)> = (first..first + manifest.prompts_in(batch))
+            .map(|index| record_line(&mut rng, &templates, index, batch))
+            .collect();
+        // Records are appended in completion order, not dataset order.
+        rng.shuffle(&mut lines);
+        let mut out = BufWriter::new(File::create(run_dir.batch_records(batch))?);
+        let mut marker = [0u64; 3];
+        for (kind, line) in &lines {
+            out.write_all(line.as_bytes())?;
+            out.write_all(b"\n")?;
+            batch_bytes += line.len() as u64 + 1;
+            marker[usize::from(*kind)] += 1;
+        }
+        out.flush()?;
+        for (total, count) in counts.iter_mut().zip(marker) {
+            *total += count;
+        }
+        fs::write(
+            run_dir.batch_done(batch),
+            json!({"batch": batch, "succeeded": marker[0], "discarded": marker[1], "failed": marker[2],
+                   "finishedAt": "2026-03-05T14:02:10.000000Z"})
+            .to_string(),
+        )?;
+    }
+    println!(
+        "\n## merge: {} batch files of {BATCH_SIZE} records, {:.0} MiB ({} records: {} trajectories, \
+         {} discarded, {} failed; mean {} bytes), generated in {:.0} s",
+        manifest.batch_count(),
+        batch_bytes as f64 / MIB as f64,
+        prompts,
+        counts[0],
+        counts[1],
+        counts[2],
+        average,
+        generating.elapsed().as_secs_f64()
+    );
+
+    let cat_out = run_dir.root().join("cat.jsonl");
+    let outputs = [
+        run_dir.trajectories(),
+        run_dir.failures(),
+        run_dir.statistics(),
+        cat_out.clone(),
+    ];
+    let clean = || -> anyhow::Result<()> {
+        for path in &outputs {
+            match fs::remove_file(path) {
+                Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(err.into()),
+                _ => {}
+            }
+        }
+        sync()?;
+        Ok(())
+    };
+    let mut cat = Command::new("sh");
+    cat.arg("-c")
+        .arg("cat batches/*.jsonl > cat.jsonl")
+        .current_dir(run_dir.root());
+    let mut check = None;
+    let mut measure = |times: &mut MergeTimes, cache_cold: bool| -> anyhow::Result<()> {
+        for round in 0..knobs.repeats {
+            for step in 0..2 {
+                clean()?;
+                if cache_cold {
+                    drop_caches()?;
+                } else {
+                    // Warm: every batch file is in the page cache.
+                    run_timed(
+                        Command::new("sh")
+                            .arg("-c")
+                            .arg("cat batches/*.jsonl >/dev/null")
+                            .current_dir(run_dir.root()),
+                    )?;
+                }
+                if (round + step) % 2 == 0 {
+                    let started = Instant::now();
+                    let summary = merge::merge(&location)?;
+                    times.merge.push(started.elapsed());
+                    check = Some(summary);
+                } else {
+                    let (elapsed, _) = run_timed(&mut cat)?;
+                    let started = Instant::now();
+                    File::open(&cat_out)?.sync_all()?;
+                    times.cat.push(elapsed);
+                    times.cat_fsync.push(elapsed + started.elapsed());
+                    ensure!(
+                        fs::metadata(&cat_out)?.len() == batch_bytes,
+                        "cat wrote the wrong size"
+                    );
+                }
+            }
+        }
+        Ok(())
+    };
+    let mut warm = MergeTimes::default();
+    measure(&mut warm, false)?;
+    let mut cold_times = MergeTimes::default();
+    if cold {
+        measure(&mut cold_times, true)?;
+    }
+    clean()?;
+    let summary = check.context("merge never ran")?;
+    ensure!(
+        summary.trajectories == counts[0]
+            && summary.discarded == counts[1]
+            && summary.failed == counts[2]
+            && summary.skipped_lines == 0,
+        "merge kept the wrong records: {summary:?}"
+    );
+
+    println!(
+        "\n| page cache | merge s | cat s | cat + fsync s | merge ÷ cat | merge ÷ (cat + fsync) | runs (merge; cat; cat + fsync) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---|");
+    for (label, times) in [("warm", &warm), ("cold", &cold_times)] {
+        if times.merge.is_empty() {
+            continue;
+        }
+        let (m, c, cf) = (
+            median(&times.merge),
+            median(&times.cat),
+            median(&times.cat_fsync),
+        );
+        println!(
+            "| {label} | {} | {} | {} | **{:.2}** | **{:.2}** | {}; {}; {} |",
+            seconds(m),
+            seconds(c),
+            seconds(cf),
+            m.as_secs_f64() / c.as_secs_f64(),
+            m.as_secs_f64() / cf.as_secs_f64(),
+            list(&times.merge),
+            list(&times.cat),
+            list(&times.cat_fsync),
+        );
+    }
+    println!(
+        "target: merge ÷ cat ≤ 2; median of {} runs each",
+        knobs.repeats
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// plan
+
+fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
+    fs::create_dir_all(dir.join("datasets"))?;
+    let dataset_path = dir.join("datasets/prompts.jsonl");
+    let mut rng = Rng(0x0123_4567_89ab_cdef);
+    let mut dataset = BufWriter::new(File::create(&dataset_path)?);
+    let (mut bytes, mut rows) = (0u64, 0u64);
+    let generating = Instant::now();
+    while bytes < knobs.plan_bytes {
+        let length = 700 + rng.below(300);
+        let row = json!({
+            "id": format!("q-{rows:09}"),
+            "source": "synthetic-coding",
+            "difficulty": rng.below(5),
+            "tags": ["python", "files", "debugging"],
+            "prompt": text(&mut rng, length),
+            "reference_answer": text(&mut rng, 100),
+        });
+        let line = serde_json::to_string(&row)?;
+        dataset.write_all(line.as_bytes())?;
+        dataset.write_all(b"\n")?;
+        bytes += line.len() as u64 + 1;
+        rows += 1;
+    }
+    dataset.into_inner()?.sync_all()?;
+    // The default batch size (10): the most batches, so the biggest manifest.
+    write_run_file(
+        dir,
+        &json!({
+            "dataset": {"path": "datasets/prompts.jsonl"},
+            "distribution": {"file": 100},
+            "model": {"baseUrl": "http://127.0.0.1:9/v1", "name": "bench-model"},
+            "storage": {"outputPath": "out"},
+        }),
+    )?;
+    println!(
+        "\n## plan: dataset of {rows} rows, {:.0} MiB (mean {} bytes a row), batch size 10, generated in {:.0} s",
+        bytes as f64 / MIB as f64,
+        bytes / rows,
+        generating.elapsed().as_secs_f64()
+    );
+
+    let mut wc = Command::new("wc");
+    wc.arg("-l").arg(&dataset_path);
+    let mut worker = Command::new("/usr/bin/time");
+    worker
+        .arg("-v")
+        .arg(WORKER)
+        .args(["--log-format", "json", "plan", "--run-file"])
+        .arg(dir.join("run.yaml"))
+        .arg("--storage-root")
+        .arg(dir);
+    let mut rss_kib = Vec::new();
+    let mut measure = |cache_cold: bool| -> anyhow::Result<(Vec<Duration>, Vec<Duration>)> {
+        let (mut plans, mut wcs) = (Vec::new(), Vec::new());
+        for round in 0..knobs.repeats {
+            for step in 0..2 {
+                let plan_turn = (round + step) % 2 == 0;
+                if plan_turn {
+                    let _ = fs::remove_dir_all(dir.join("out"));
+                }
+                if cache_cold {
+                    drop_caches()?;
+                } else {
+                    run_timed(&mut wc)?;
+                    sync()?;
+                }
+                if plan_turn {
+                    let (elapsed, stderr) = run_timed(&mut worker)?;
+                    let rss = stderr
+                        .lines()
+                        .find_map(|line| {
+                            line.trim()
+                                .strip_prefix("Maximum resident set size (kbytes): ")
+                        })
+                        .context("no maximum resident set size from /usr/bin/time -v")?;
+                    rss_kib.push(rss.trim().parse::<u64>()?);
+                    plans.push(elapsed);
+                } else {
+                    wcs.push(run_timed(&mut wc)?.0);
+                }
+            }
+        }
+        Ok((plans, wcs))
+    };
+    let warm = measure(false)?;
+    let cold_times = if cold { Some(measure(true)?) } else { None };
+    let manifest: Value = serde_json::from_slice(&fs::read(dir.join("out/manifest.json"))?)?;
+    ensure!(
+        manifest["dataset"]["prompts"] == json!(rows),
+        "plan counted the wrong prompts"
+    );
+
+    let warm_plan = median(&warm.0);
+    println!("\n| page cache | plan s | wc -l s | plan ÷ wc -l | runs (plan; wc -l) |");
+    println!("|---|---:|---:|---:|---|");
+    for (label, times) in [("warm", Some(warm)), ("cold", cold_times)] {
+        let Some((plans, wcs)) = times else { continue };
+        let (p, w) = (median(&plans), median(&wcs));
+        println!(
+            "| {label} | {} | {} | **{:.2}** | {}; {} |",
+            seconds(p),
+            seconds(w),
+            p.as_secs_f64() / w.as_secs_f64(),
+            list(&plans),
+            list(&wcs),
+        );
+    }
+    println!(
+        "plan peak RSS (/usr/bin/time -v, max over runs): **{:.1} MiB**; plan throughput warm {:.0} MiB/s",
+        rss_kib.iter().copied().max().unwrap_or(0) as f64 / 1024.0,
+        bytes as f64 / MIB as f64 / warm_plan.as_secs_f64()
+    );
+    println!("targets: plan ÷ wc -l ≤ 2, peak RSS < 50 MB");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// local: run_batch against the engine path
+
+/// One measured path: completion times since its start.
+#[derive(Debug)]
+struct PathRun {
+    /// When each conversation finished (engine) or each record was seen on disk (batch).
+    completions: Vec<Duration>,
+    /// Start to end (the last completion; for the batch, its `.done` marker).
+    elapsed: Duration,
+    cpu: Duration,
+}
+
+impl PathRun {
+    fn whole_rate(&self) -> f64 {
+        self.completions.len() as f64 / self.elapsed.as_secs_f64()
+    }
+
+    /// Completions per second between the 2·C-th and the (N − C)-th.
+    fn window_rate(&self, concurrency: usize) -> Option<f64> {
+        let (first, last) = (
+            2 * concurrency,
+            self.completions.len().checked_sub(concurrency)?,
+        );
+        (last > first + concurrency).then(|| {
+            (last - first) as f64
+                / self.completions[last - 1]
+                    .saturating_sub(self.completions[first - 1])
+                    .as_secs_f64()
+        })
+    }
+}
+
+fn local_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
+    let (concurrency, prompts) = (knobs.concurrency, knobs.prompts);
+    ensure!(
+        concurrency >= 1 && prompts >= concurrency,
+        "needs PROMPTS >= CONCURRENCY >= 1"
+    );
+    raise_open_files_limit(concurrency)?;
+    fs::create_dir_all(dir.join("datasets"))?;
+    let texts: Vec<String> = (0..prompts)
+        .map(|index| format!("Benchmark prompt {index}: read the file, then answer."))
+        .collect();
+    let mut dataset = BufWriter::new(File::create(dir.join("datasets/prompts.jsonl"))?);
+    for (index, text) in texts.iter().enumerate() {
+        writeln!(dataset, "{}", json!({"prompt": text, "id": index}))?;
+    }
+    dataset.flush()?;
+
+    let mut server = Command::new(std::env::current_exe()?)
+        .env(SERVER_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("cannot start the server process")?;
+    let mut base_url = String::new();
+    BufReader::new(server.stdout.take().context("server stdout is piped")?)
+        .read_line(&mut base_url)?;
+    let base_url = base_url.trim().to_owned();
+    ensure!(
+        base_url.starts_with("http://"),
+        "the server printed {base_url:?}"
+    );
+
+    let location = write_run_file(
+        dir,
+        &json!({
+            "dataset": {"path": "datasets/prompts.jsonl"},
+            "batchSize": prompts,
+            "workers": 1,
+            "concurrency": concurrency,
+            "distribution": {"file": 100},
+            "model": {"baseUrl": base_url, "name": MODEL, "maxAttempts": 3, "requestTimeoutSeconds": 60},
+            "agent": {"maxTurns": 10, "promptTimeoutSeconds": 120},
+            "storage": {"outputPath": "out"},
+        }),
+    )?;
+    let (manifest, _) = plan::plan(&location)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let engine = Arc::new(
+        runtime.block_on(async { Engine::new(&location.plan.spec, dir.join("workspaces")) })?,
+    );
+    let texts = Arc::new(texts);
+    let mut rounds = Vec::new();
+    for _ in 0..knobs.repeats {
+        let mut round = Vec::new();
+        for drive in [Drive::Spawned, Drive::OneTask] {
+            round.push(runtime.block_on(engine_path(
+                Arc::clone(&engine),
+                Arc::clone(&texts),
+                concurrency,
+                &dir.join("engine-workspace"),
+                drive,
+            ))?);
+        }
+        let _ = fs::remove_dir_all(location.run_dir().batches_dir());
+        let (finished, on_disk) = batch_path(&runtime, &engine, &location, &manifest, prompts)?;
+        round.extend([finished, on_disk]);
+        rounds.push(round);
+    }
+    drop(runtime);
+    drop(server.stdin.take());
+    server.wait()?;
+
+    let ideal = concurrency as f64 / (2.0 * knobs.latency.as_secs_f64());
+    println!(
+        "\n## local: one batch of {prompts} prompts, concurrency {concurrency}, latency {} ms × 2 calls \
+         (ideal {ideal:.0}/s); tool call: read_file of a missing file",
+        knobs.latency.as_millis()
+    );
+    println!(
+        "\nPer second over the whole run (in brackets: over the steady window from the {}-th to the {}-th):\n",
+        2 * concurrency,
+        prompts.saturating_sub(concurrency)
+    );
+    println!(
+        "| round | A: engine, spawned tasks (conv/s) | B: engine, one task (conv/s) | C: batch, conversations finished/s | D: batch, records on disk/s | D ÷ A | D ÷ B | D ÷ C | client CPU ms per conversation: A; B; D |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    let mut ratios = vec![Vec::new(); 6];
+    for (index, round) in rounds.iter().enumerate() {
+        let rate = |run: &PathRun| {
+            let window = run
+                .window_rate(concurrency)
+                .map_or_else(String::new, |rate| format!(" ({rate:.0})"));
+            format!("{:.0}{window}", run.whole_rate())
+        };
+        let mut line = format!("| {} |", index + 1);
+        for run in round {
+            let _ = write!(line, " {} |", rate(run));
+        }
+        for (slot, base) in [0, 1, 2].into_iter().enumerate() {
+            let whole = round[3].whole_rate() / round[base].whole_rate();
+            ratios[slot].push(whole);
+            let window = match (
+                round[3].window_rate(concurrency),
+                round[base].window_rate(concurrency),
+            ) {
+                (Some(disk), Some(other)) => {
+                    ratios[slot + 3].push(disk / other);
+                    format!(" ({:.3})", disk / other)
+                }
+                _ => String::new(),
+            };
+            let _ = write!(line, " **{whole:.3}**{window} |");
+        }
+        let per = |run: &PathRun| run.cpu.as_secs_f64() * 1000.0 / run.completions.len() as f64;
+        let _ = write!(
+            line,
+            " {:.3}; {:.3}; {:.3} |",
+            per(&round[0]),
+            per(&round[1]),
+            per(&round[3])
+        );
+        println!("{line}");
+    }
+    let middle = |values: &mut Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values.get(values.len() / 2).copied()
+    };
+    let show = |value: Option<f64>| value.map_or_else(|| "–".into(), |ratio| format!("{ratio:.3}"));
+    println!(
+        "median D ÷ A (records on disk ÷ the engine's own figure): whole run **{}**, steady window **{}**; \
+         D ÷ B: {} ({}); D ÷ C: {} ({}); target D ÷ A ≥ 0.95",
+        show(middle(&mut ratios[0])),
+        show(middle(&mut ratios[3])),
+        show(middle(&mut ratios[1])),
+        show(middle(&mut ratios[4])),
+        show(middle(&mut ratios[2])),
+        show(middle(&mut ratios[5])),
+    );
+    Ok(())
+}
+
+/// How the engine path drives its conversations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drive {
+    /// Each conversation a spawned task (as the engine benchmark does).
+    Spawned,
+    /// All of them polled by one task through `buffer_unordered` (as `run_batch` does).
+    OneTask,
+}
+
+/// The engine's own figure: `run_conversation` with the batch engine's client, tools and agent
+/// settings, `concurrency` conversations in flight, all started at once.
+async fn engine_path(
+    engine: Arc<Engine>,
+    texts: Arc<Vec<String>>,
+    concurrency: usize,
+    workspace: &Path,
+    drive: Drive,
+) -> anyhow::Result<PathRun> {
+    fs::create_dir_all(workspace)?;
+    let tools: Arc<Vec<Arc<dyn Tool>>> = Arc::new(engine.registry.tools_for(&["file".to_owned()]));
+    let context = Arc::new(ToolContext {
+        workspace: Workspace::new(workspace)?,
+        limits: engine.limits.clone(),
+    });
+    let completions = Arc::new(Mutex::new(Vec::with_capacity(texts.len())));
+    let failed = Arc::new(AtomicBool::new(false));
+    let permits = Arc::new(Semaphore::new(concurrency));
+    let cpu_before = cpu_time()?;
+    let started = Instant::now();
+    if drive == Drive::OneTask {
+        let mut finished = futures::stream::iter(0..texts.len())
+            .map(|index| {
+                run_conversation(
+                    &engine.client,
+                    &tools,
+                    &context,
+                    &texts[index],
+                    &engine.agent,
+                )
+            })
+            .buffer_unordered(concurrency);
+        let mut times = Vec::with_capacity(texts.len());
+        while let Some(result) = finished.next().await {
+            ensure!(
+                result.is_ok_and(|conversation| conversation.completed),
+                "an engine-path conversation failed"
+            );
+            times.push(started.elapsed());
+        }
+        return Ok(PathRun {
+            elapsed: times.last().copied().unwrap_or_default(),
+            completions: times,
+            cpu: cpu_time()?.saturating_sub(cpu_before),
+        });
+    }
+    for index in 0..texts.len() {
+        let permit = Arc::clone(&permits).acquire_owned().await?;
+        let (engine, texts, tools, context) = (
+            Arc::clone(&engine),
+            Arc::clone(&texts),
+            Arc::clone(&tools),
+            Arc::clone(&context),
+        );
+        let (completions, failed) = (Arc::clone(&completions), Arc::clone(&failed));
+        tokio::spawn(async move {
+            let result = run_conversation(
+                &engine.client,
+                &tools,
+                &context,
+                &texts[index],
+                &engine.agent,
+            )
+            .await;
+            match result {
+                Ok(conversation) if conversation.completed => completions
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(started.elapsed()),
+                _ => failed.store(true, Ordering::SeqCst),
+            }
+            drop(permit);
+        });
+    }
+    let _all = permits.acquire_many(u32::try_from(concurrency)?).await?;
+    let cpu = cpu_time()?.saturating_sub(cpu_before);
+    ensure!(
+        !failed.load(Ordering::SeqCst),
+        "an engine-path conversation failed"
+    );
+    let completions =
+        std::mem::take(&mut *completions.lock().unwrap_or_else(PoisonError::into_inner));
+    Ok(PathRun {
+        elapsed: completions.last().copied().unwrap_or_default(),
+        completions,
+        cpu,
+    })
+}
+
+/// `run_batch` on batch 0: when each conversation finished (its progress callback), and when each
+/// record reached the file (a watcher thread tails it; the whole run ends with the `.done`
+/// marker). The CPU time includes the watcher's, which is small.
+fn batch_path(
+    runtime: &tokio::runtime::Runtime,
+    engine: &Engine,
+    location: &RunLocation,
+    manifest: &trajectory_worker::run::manifest::Manifest,
+    prompts: usize,
+) -> anyhow::Result<(PathRun, PathRun)> {
+    let path = location.run_dir().batch_records(0);
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let watcher = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || tail_lines(&path, &stop, started))
+    };
+    let (_trigger, shutdown) = shutdown_channel();
+    let finished = Mutex::new(Vec::with_capacity(prompts));
+    let progress = |_| {
+        finished
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(started.elapsed());
+    };
+    let cpu_before = cpu_time()?;
+    let summary = runtime.block_on(run_batch(
+        engine, location, manifest, 0, &shutdown, &progress,
+    ))?;
+    let elapsed = started.elapsed();
+    let cpu = cpu_time()?.saturating_sub(cpu_before);
+    stop.store(true, Ordering::SeqCst);
+    let on_disk = watcher
+        .join()
+        .map_err(|_| anyhow::anyhow!("the watcher panicked"))??;
+    ensure!(
+        summary.succeeded == prompts as u64 && on_disk.len() == prompts,
+        "the batch recorded {summary:?}, {} lines seen",
+        on_disk.len()
+    );
+    let finished = finished
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner);
+    Ok((
+        PathRun {
+            elapsed: finished.last().copied().unwrap_or_default(),
+            completions: finished,
+            cpu,
+        },
+        PathRun {
+            completions: on_disk,
+            elapsed,
+            cpu,
+        },
+    ))
+}
+
+/// Follows a growing file, noting the time each line was first seen, until told to stop.
+fn tail_lines(path: &Path, stop: &AtomicBool, started: Instant) -> anyhow::Result<Vec<Duration>> {
+    let mut seen = Vec::new();
+    let mut file = None;
+    let mut offset = 0u64;
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let stopping = stop.load(Ordering::SeqCst);
+        if file.is_none() {
+            file = File::open(path).ok();
+        }
+        if let Some(file) = file.as_mut() {
+            file.seek(SeekFrom::Start(offset))?;
+            loop {
+                let read = file.read(&mut buffer)?;
+                if read == 0 {
+                    break;
+                }
+                offset += read as u64;
+                let now = started.elapsed();
+                let lines = memchr::memchr_iter(b'\n', &buffer[..read]).count();
+                seen.extend(std::iter::repeat_n(now, lines));
+            }
+        }
+        if stopping {
+            return Ok(seen);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The server process: serve until the parent closes stdin.
+fn serve(latency: Duration) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let server = runtime.block_on(ScriptedServer::start_fixed_latency(FixedLatency {
+        latency,
+        tool_call: tool_call_reply("read_file", &json!({"path": "missing.txt"})),
+        final_answer: text_reply("done"),
+    }));
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "{}", server.base_url())?;
+    stdout.flush()?;
+    std::io::stdin().read_to_end(&mut Vec::new())?;
+    drop(server);
+    runtime.shutdown_background();
+    Ok(())
+}
+
+fn raise_open_files_limit(concurrency: usize) -> anyhow::Result<()> {
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    }
+    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    let needed = u64::try_from(concurrency)? * 2 + 100;
+    if soft < needed {
+        bail!("the open-files limit is {soft}; concurrency {concurrency} needs about {needed}");
+    }
+    Ok(())
+}
