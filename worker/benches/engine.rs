@@ -305,9 +305,16 @@ async fn measure(
 fn report(rows: &[Row], latency: Duration, server_cpu: Cpu) {
     let ideal = |row: &Row| row.concurrency as f64 / (2.0 * latency.as_secs_f64());
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    // Other work on the machine competes for the same cores; say how much there was.
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "latency {} ms per call, 2 calls per conversation; client in this process, server in a child; {cores} CPUs",
-        latency.as_millis()
+        "latency {} ms per call, 2 calls per conversation; client in this process, server in a child; \
+         {cores} CPUs; load average at the end {}",
+        latency.as_millis(),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" "),
     );
     println!();
     println!(
