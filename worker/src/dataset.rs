@@ -363,7 +363,39 @@ pub fn probe(line: &[u8], too_long: bool, prompt_field: &str) -> Result<(), Reje
             reject(Reason::InvalidJson, format!("invalid JSON: {err}"))
         }
     })?;
-    found.into_result(prompt_field).map(drop)
+    found.into_result(prompt_field)?;
+    if needs_full_parse(text.as_bytes()) {
+        parse_row(line, prompt_field)?;
+    }
+    Ok(())
+}
+
+/// Skipping values without building them lets through three things a full parse refuses: lone
+/// surrogate escapes, numbers beyond `f64`, and nesting deeper than serde_json's limit of 128.
+/// A line that might hold one is confirmed with the full parse, so that the plan never counts a
+/// line the batch would drop (which would fail that batch as bad input on every retry).
+fn needs_full_parse(text: &[u8]) -> bool {
+    memchr::memmem::find(text, b"\\ud").is_some()
+        || memchr::memmem::find(text, b"\\uD").is_some()
+        || text
+            .iter()
+            .filter(|&&byte| byte == b'[' || byte == b'{')
+            .nth(128)
+            .is_some()
+        || memchr::memchr2_iter(b'e', b'E', text).any(|at| {
+            let rest = &text[at + 1..];
+            let rest = rest
+                .strip_prefix(b"+")
+                .or_else(|| rest.strip_prefix(b"-"))
+                .unwrap_or(rest);
+            at > 0
+                && text[at - 1].is_ascii_digit()
+                && rest
+                    .iter()
+                    .take_while(|b| b.is_ascii_digit())
+                    .nth(2)
+                    .is_some()
+        })
 }
 
 /// A valid dataset row: its prompt and its other fields.
@@ -610,6 +642,42 @@ mod tests {
                 .map(|row| row.prompt)
                 .map_err(|r| r.reason),
         )
+    }
+
+    #[test]
+    fn probe_refuses_what_only_a_full_parse_notices() {
+        let deep = format!(
+            "{{\"prompt\": \"p\", \"x\": {}{}}}",
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        let lines: [&[u8]; 4] = [
+            br#"{"prompt": "p", "x": "\ud800"}"#,
+            br#"{"prompt": "p", "x": 1e400}"#,
+            br#"{"prompt": "p", "x": -2E+999}"#,
+            deep.as_bytes(),
+        ];
+        for line in lines {
+            let info = LineInfo {
+                number: 1,
+                offset: 0,
+                length: 1,
+                too_long: false,
+            };
+            assert!(
+                parse_row(line, "prompt").is_err(),
+                "{}",
+                String::from_utf8_lossy(line)
+            );
+            assert!(
+                probe_line(line, &info, "prompt").is_err(),
+                "{}",
+                String::from_utf8_lossy(&line[..40])
+            );
+        }
+        let fine = br#"{"prompt": "e 123 and \u00e9", "x": 1e300, "y": "the 2e5 cases"}"#;
+        assert!(probe(fine, false, "prompt").is_ok());
+        assert!(parse_row(fine, "prompt").is_ok());
     }
 
     #[test]
