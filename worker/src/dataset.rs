@@ -371,7 +371,7 @@ pub fn probe(line: &[u8], too_long: bool, prompt_field: &str) -> Result<(), Reje
 }
 
 /// Skipping values without building them lets through three things a full parse refuses: lone
-/// surrogate escapes, numbers beyond `f64`, and nesting deeper than serde_json's limit of 128.
+/// surrogate escapes, numbers beyond `f64`, and nesting deeper than `serde_json`'s limit of 128.
 /// A line that might hold one is confirmed with the full parse, so that the plan never counts a
 /// line the batch would drop (which would fail that batch as bad input on every retry).
 fn needs_full_parse(text: &[u8]) -> bool {
