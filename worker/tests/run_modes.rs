@@ -8,6 +8,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{RunFixture, keys, no_shutdown, terminal_server};
+use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use trajectory_worker::plan::exit;
 use trajectory_worker::run::batch::run_batch;
@@ -370,13 +371,7 @@ async fn sigterm_leaves_whole_lines_and_the_same_command_resumes() {
         .with("/concurrency", json!(2));
     assert!(worker(&fixture, &["plan"]).await.success());
     let child = spawn_worker(&fixture, &["batch", "0"]);
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
+    let output = signal_after(child, Duration::from_millis(700), Signal::SIGTERM).await;
     assert_eq!(
         output.status.code(),
         Some(exit::INTERRUPTED),
@@ -430,15 +425,31 @@ fn spawn_worker(fixture: &RunFixture, args: &[&str]) -> std::process::Child {
 }
 
 async fn worker(fixture: &RunFixture, args: &[&str]) -> ExitStatus {
-    let child = spawn_worker(fixture, args);
-    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
+    let output = wait(spawn_worker(fixture, args)).await;
     if !output.status.success() {
         eprintln!("{}", String::from_utf8_lossy(&output.stderr));
     }
     output.status
+}
+
+/// Waits for a child process without blocking the runtime that serves its model.
+async fn wait(child: std::process::Child) -> std::process::Output {
+    tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// Sends `signal` to the child after `delay`, then waits for it.
+async fn signal_after(
+    child: std::process::Child,
+    delay: Duration,
+    signal: Signal,
+) -> std::process::Output {
+    tokio::time::sleep(delay).await;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, signal).unwrap();
+    wait(child).await
 }
 
 /// Checks that every complete line parses; a torn tail is allowed only where a kill may have
@@ -573,13 +584,7 @@ async fn ctrl_c_stops_a_local_run_and_the_same_command_finishes_it() {
             .expect("the worker binary starts")
     };
     let child = local();
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
-    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
+    let output = signal_after(child, Duration::from_millis(900), Signal::SIGINT).await;
     assert_eq!(
         output.status.code(),
         Some(exit::INTERRUPTED),
@@ -591,11 +596,7 @@ async fn ctrl_c_stops_a_local_run_and_the_same_command_finishes_it() {
         "an interrupted run does not merge"
     );
 
-    let child = local();
-    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
+    let output = wait(local()).await;
     assert!(
         output.status.success(),
         "{}",
