@@ -6,8 +6,16 @@
 //! - [`wait_until`] and [`wait_for_object`] wait for a condition with a timeout and say what they waited
 //!   for when it runs out.
 //!
+//! - [`install_crds`] applies the generated CRD file; [`e2e`] drives a run end to end (an in-process
+//!   controller and a test-kubelet running the worker's real steps).
+//!
 //! Run the tests with a cluster that lives only as long as the run:
 //! `scripts/cluster/with-cluster.sh cargo test -p trajectory-tests`.
+
+pub mod crds;
+pub mod e2e;
+
+pub use crds::install_crds;
 
 use std::fmt::Debug;
 use std::future::Future;

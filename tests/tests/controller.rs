@@ -16,11 +16,8 @@ use tokio::sync::oneshot;
 use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunSpec};
 use trajectory_operator::controller::{self, Context};
 use trajectory_operator::desired::Settings;
-use trajectory_tests::{TestNamespace, client, wait_until};
+use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::spec::RunSpec;
-
-mod common;
-use common::install_crds;
 
 /// Stops the in-process controller when the test ends, also when it fails.
 struct ControllerGuard(Option<oneshot::Sender<()>>);

@@ -10,11 +10,8 @@ use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::json;
 use trajectory_operator::api::{TrajectoryRun, TrajectoryRunSpec};
-use trajectory_tests::{TestNamespace, client, wait_until};
+use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::spec::{DistributionSpec, RunSpec};
-
-mod common;
-use common::install_crds;
 
 /// A valid run with the defaults, for the tests to change one thing at a time.
 fn run(name: &str) -> TrajectoryRun {

@@ -19,10 +19,7 @@ use tokio::time::Instant;
 use trajectory_operator::desired::Settings;
 use trajectory_operator::leader::{Election, LeaseConfig};
 use trajectory_operator::service::{self, Exit};
-use trajectory_tests::{TestNamespace, client, wait_until};
-
-mod common;
-use common::install_crds;
+use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 
 const DURATION: Duration = Duration::from_secs(6);
 

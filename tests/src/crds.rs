@@ -1,7 +1,8 @@
-//! Helpers shared by the operator's integration tests.
+//! The generated CRD file installed on the test cluster.
 
 use std::time::Duration;
 
+use crate::wait_for_object;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use kube::runtime::wait::conditions;
@@ -9,7 +10,6 @@ use kube::{Api, Client};
 use serde::Deserialize;
 use tokio::sync::OnceCell;
 use trajectory_operator::crd;
-use trajectory_tests::wait_for_object;
 
 const FIELD_MANAGER: &str = "trajectory-tests";
 

@@ -1,0 +1,551 @@
+//! The end-to-end driver: an in-process controller, a scratch directory standing in for the shared
+//! volume, and a test-kubelet that runs the worker's real steps where a run's pods would.
+//!
+//! kwok would complete the run's pods without running anything, so a run driven by [`Kubelet`] gets
+//! a node selector no node matches ([`NO_NODE`]): its pods stay Pending, and the kubelet reads what
+//! a real one would hand the container — the mounted plan `ConfigMap`, the completion index
+//! annotation behind `JOB_COMPLETION_INDEX` — runs the worker's step (`plan`, `batch` or `merge`,
+//! from the container's args) on the scratch storage with a scripted OpenAI-compatible server as
+//! the model, and reports the result through the pod's `status` subresource: phase, exit code and
+//! the summary as the termination message.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunSpec};
+use trajectory_operator::controller::{self, Context};
+use trajectory_operator::desired::{CONTAINER, Settings, labels};
+use trajectory_worker::plan::{exit, paths, termination_message};
+use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
+use trajectory_worker::run::manifest::Manifest;
+use trajectory_worker::run::{RunError, RunLocation, load_plan, merge, plan};
+use trajectory_worker::scripted_server::{
+    FixedLatency, ScriptedServer, text_reply, tool_call_reply,
+};
+use trajectory_worker::spec::RunSpec;
+
+use crate::unique_name;
+
+/// The annotation the Job controller puts on an Indexed Job's pods (the source of
+/// `JOB_COMPLETION_INDEX`).
+pub const COMPLETION_INDEX: &str = "batch.kubernetes.io/job-completion-index";
+
+/// A node selector no node of the test cluster matches: the run's pods stay Pending and kwok
+/// never completes them.
+pub const NO_NODE: (&str, &str) = ("trajectories.dev/e2e-kubelet", "the-test");
+
+/// Stops the in-process controller when the test ends, also when it fails.
+#[derive(Debug)]
+pub struct ControllerGuard(Option<oneshot::Sender<()>>);
+
+impl Drop for ControllerGuard {
+    fn drop(&mut self) {
+        if let Some(stop) = self.0.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+pub fn start_controller(client: &Client) -> ControllerGuard {
+    start_controller_with(client, Settings::default())
+}
+
+/// [`start_controller`] with the operator's settings of a given deployment.
+pub fn start_controller_with(client: &Client, settings: Settings) -> ControllerGuard {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let ctx = Context::new(client.clone(), settings);
+    tokio::spawn(controller::run(ctx, async {
+        let _ = stopped.await;
+    }));
+    ControllerGuard(Some(stop))
+}
+
+/// A temporary directory: `data/` stands in for the shared volume, `pods/` holds what a kubelet
+/// would mount into each pod. Removed on drop unless the test failed (then its path is printed).
+#[derive(Debug)]
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new() -> Self {
+        let dir = std::env::temp_dir().join(unique_name("trajectory-e2e"));
+        std::fs::create_dir_all(dir.join("data/datasets")).expect("create the scratch directory");
+        Self(dir)
+    }
+
+    pub fn storage(&self) -> PathBuf {
+        self.0.join("data")
+    }
+}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "keeping the storage of the failed test: {}",
+                self.0.display()
+            );
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Writes `prompts` prompts to `datasets/prompts.jsonl` on the storage.
+pub fn write_dataset(storage: &Path, prompts: usize) {
+    let mut text = String::new();
+    for i in 0..prompts {
+        text.push_str(&json!({"prompt": format!("task number {i}")}).to_string());
+        text.push('\n');
+    }
+    std::fs::write(storage.join("datasets/prompts.jsonl"), text).expect("write the dataset");
+}
+
+/// The run's spec: 10 prompts in batches of 3 (4 batches), two pods at a time, the scripted model.
+pub fn run_spec(base_url: &str, extra: &Value) -> TrajectoryRunSpec {
+    let mut spec = json!({
+        "dataset": {"path": "datasets/prompts.jsonl"},
+        "batchSize": 3,
+        "workers": 2,
+        "concurrency": 2,
+        "distribution": "terminal_only",
+        "seed": 7,
+        "model": {"baseUrl": base_url, "name": "scripted", "maxAttempts": 2, "requestTimeoutSeconds": 10},
+        "agent": {"maxTurns": 3, "promptTimeoutSeconds": 60},
+        "storage": {"volume": {"emptyDir": {}}},
+        "podTemplate": {"nodeSelector": {NO_NODE.0: NO_NODE.1}},
+    });
+    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
+        for (key, value) in extra {
+            spec.insert(key.clone(), value.clone());
+        }
+    }
+    let spec: RunSpec = serde_json::from_value(spec).expect("a valid spec");
+    TrajectoryRunSpec::from(spec)
+}
+
+/// What the test-kubelet did with one pod.
+#[derive(Debug, Clone)]
+pub struct Played {
+    pub pod: String,
+    /// `plan`, `batch` or `merge` (the container's args).
+    pub mode: String,
+    /// The batch a `batch` pod worked.
+    pub batch: Option<u32>,
+    /// The run's phase when the pod was played.
+    pub phase: Option<Phase>,
+    pub exit_code: i32,
+    /// Whether the worker step ran (false when the test made the pod fail without running it).
+    pub ran: bool,
+}
+
+/// Decides, per pod about to be played, whether it crashes (exit code) before running the worker.
+pub type Crash = dyn Fn(&str, Option<u32>, &[Played]) -> Option<i32> + Send + Sync;
+
+/// Plays the kubelet for the pods of one run.
+pub struct Kubelet {
+    pub pods: Api<Pod>,
+    pub maps: Api<ConfigMap>,
+    pub runs: Api<TrajectoryRun>,
+    pub run: String,
+    pub storage: PathBuf,
+    pub scratch: PathBuf,
+    pub played: Arc<Mutex<Vec<Played>>>,
+    pub crash: Box<Crash>,
+    /// Batches whose pods are left Pending for now.
+    pub hold: BTreeSet<u32>,
+}
+
+impl std::fmt::Debug for Kubelet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kubelet")
+            .field("run", &self.run)
+            .field("storage", &self.storage)
+            .field("hold", &self.hold)
+            .field("played", &self.played())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Kubelet {
+    pub fn new(client: &Client, namespace: &str, run: &str, scratch: &Scratch) -> Self {
+        Self {
+            pods: Api::namespaced(client.clone(), namespace),
+            maps: Api::namespaced(client.clone(), namespace),
+            runs: Api::namespaced(client.clone(), namespace),
+            run: run.to_owned(),
+            storage: scratch.storage(),
+            scratch: scratch.0.join("pods"),
+            played: Arc::default(),
+            crash: Box::new(|_, _, _| None),
+            hold: BTreeSet::new(),
+        }
+    }
+
+    pub fn played(&self) -> Vec<Played> {
+        self.played.lock().expect("not poisoned").clone()
+    }
+
+    /// Plays every Pending pod of the run once; returns how many it played.
+    pub async fn play_pending(&self) -> usize {
+        let selector = format!("{}={}", labels::RUN, self.run);
+        let list = self
+            .pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .expect("list the run's pods");
+        let mut count = 0;
+        for pod in list.items {
+            let pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
+            let seen = self.played().iter().any(|p| p.pod == pod.name_any());
+            if pending
+                && !seen
+                && pod.metadata.deletion_timestamp.is_none()
+                && self.play(&pod).await
+            {
+                count += 1;
+            }
+        }
+        count
+    }
+
+    /// Runs what the pod's container would run, then reports it through the pod's status; false
+    /// when the pod's batch is held or the run's phase is not yet the pod's stage.
+    pub async fn play(&self, pod: &Pod) -> bool {
+        let name = pod.name_any();
+        let spec = pod.spec.as_ref().expect("a pod spec");
+        let container = spec
+            .containers
+            .iter()
+            .find(|c| c.name == CONTAINER)
+            .expect("the worker container");
+        let mode = container
+            .args
+            .as_ref()
+            .and_then(|args| args.first())
+            .cloned()
+            .expect("the worker subcommand in the container's args");
+        let env = |key: &str| {
+            container
+                .env
+                .iter()
+                .flatten()
+                .find(|e| e.name == key)
+                .and_then(|e| e.value.clone())
+        };
+        // The pod's contract paths; the test maps them onto its directories.
+        assert_eq!(
+            env("TRAJ_PLAN_PATH").as_deref(),
+            Some(format!("{}/{}", paths::PLAN_DIR, paths::PLAN_FILE).as_str())
+        );
+        assert_eq!(
+            env("TRAJ_STORAGE_ROOT").as_deref(),
+            Some(paths::STORAGE_ROOT)
+        );
+
+        // The mounted plan ConfigMap.
+        let map_name = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find_map(|v| v.config_map.as_ref().map(|c| c.name.clone()))
+            .expect("the plan ConfigMap volume");
+        let map = self.maps.get(&map_name).await.expect("the plan ConfigMap");
+        let plan_json = map
+            .data
+            .and_then(|mut d| d.remove(paths::PLAN_FILE))
+            .expect("plan.json in the ConfigMap");
+        let pod_dir = self.scratch.join(&name);
+        std::fs::create_dir_all(&pod_dir).expect("create the pod's directory");
+        let plan_path = pod_dir.join(paths::PLAN_FILE);
+        std::fs::write(&plan_path, plan_json).expect("write the mounted plan");
+        let index: Option<u32> = pod
+            .annotations()
+            .get(COMPLETION_INDEX)
+            .map(|i| i.parse().expect("a numeric completion index"));
+
+        let phase = self
+            .runs
+            .get(&self.run)
+            .await
+            .ok()
+            .and_then(|r| r.status.and_then(|s| s.phase));
+        // A pod is played once the run's status shows its stage (the controller writes the status
+        // right after creating the Job; this keeps the test from outrunning it).
+        let stage_phase = match mode.as_str() {
+            "plan" => Phase::Planning,
+            "batch" => Phase::Running,
+            _ => Phase::Merging,
+        };
+        if phase != Some(stage_phase) {
+            return false;
+        }
+        let batch = load_plan(&plan_path)
+            .ok()
+            .and_then(|plan| index.and_then(|i| plan.batch_for_index(i)));
+        if batch.is_some_and(|batch| self.hold.contains(&batch)) {
+            return false;
+        }
+        let crash = (self.crash)(&mode, batch, &self.played());
+        let (exit_code, message, ran) = if let Some(code) = crash {
+            (code, String::new(), false)
+        } else {
+            let (code, message) = self
+                .run_worker(&mode, &plan_path, index, &pod_dir.join("workspace"))
+                .await;
+            (code, message, true)
+        };
+        self.played.lock().expect("not poisoned").push(Played {
+            pod: name.clone(),
+            mode,
+            batch,
+            phase,
+            exit_code,
+            ran,
+        });
+        self.report(
+            &name,
+            &container.image.clone().unwrap_or_default(),
+            exit_code,
+            &message,
+        )
+        .await;
+        true
+    }
+
+    /// The worker's step, as `trajectory-worker <mode>` runs it: exit code and termination message.
+    pub async fn run_worker(
+        &self,
+        mode: &str,
+        plan_path: &Path,
+        index: Option<u32>,
+        workspace: &Path,
+    ) -> (i32, String) {
+        fn report<T: serde::Serialize>(result: Result<T, RunError>) -> (i32, String) {
+            match result {
+                Ok(summary) => (exit::OK, termination_message(&summary)),
+                Err(error) => (
+                    error.exit_code(),
+                    termination_message(&json!({
+                        "error": error.to_string(), "reason": error.reason(), "exitCode": error.exit_code(),
+                    })),
+                ),
+            }
+        }
+        let location = match load_plan(plan_path) {
+            Ok(plan) => RunLocation {
+                storage_root: self.storage.clone(),
+                plan,
+            },
+            Err(error) => return report::<()>(Err(error)),
+        };
+        match mode {
+            "plan" => report(
+                tokio::task::spawn_blocking(move || plan::plan(&location).map(|(_, s)| s))
+                    .await
+                    .expect("the plan step does not panic"),
+            ),
+            "merge" => report(
+                tokio::task::spawn_blocking(move || merge::merge(&location))
+                    .await
+                    .expect("the merge step does not panic"),
+            ),
+            "batch" => {
+                let result = async {
+                    let index =
+                        index.ok_or_else(|| RunError::Spec("no completion index".into()))?;
+                    let batch = location.plan.batch_for_index(index).ok_or_else(|| {
+                        RunError::BadBatchInput(format!("index {index} has no batch"))
+                    })?;
+                    let manifest = Manifest::require(&location.run_dir())?;
+                    let engine = Engine::new(&location.plan.spec, workspace.to_path_buf())?;
+                    let (_trigger, shutdown) = shutdown_channel();
+                    run_batch(&engine, &location, &manifest, batch, &shutdown, &|_| {}).await
+                }
+                .await;
+                report(result)
+            }
+            other => panic!("unknown worker mode {other:?}"),
+        }
+    }
+
+    /// Reports the container's end through the pod's `status` subresource, as a kubelet does.
+    pub async fn report(&self, pod: &str, image: &str, exit_code: i32, message: &str) {
+        let now = Timestamp::now().to_string();
+        let (phase, reason) = if exit_code == exit::OK {
+            ("Succeeded", "Completed")
+        } else {
+            ("Failed", "Error")
+        };
+        let patch = json!({
+            "status": {
+                "phase": phase,
+                "conditions": [
+                    {"type": "Ready", "status": "False", "reason": "PodCompleted", "lastTransitionTime": now},
+                    {"type": "ContainersReady", "status": "False", "reason": "PodCompleted", "lastTransitionTime": now},
+                ],
+                "containerStatuses": [{
+                    "name": CONTAINER,
+                    "image": image,
+                    "imageID": "",
+                    "ready": false,
+                    "restartCount": 0,
+                    "started": false,
+                    "state": {"terminated": {
+                        "exitCode": exit_code,
+                        "reason": reason,
+                        "message": message,
+                        "startedAt": now,
+                        "finishedAt": now,
+                    }},
+                }],
+            }
+        });
+        self.pods
+            .patch_status(pod, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap_or_else(|e| panic!("patching the status of pod {pod}: {e}"));
+    }
+
+    /// Plays pods until `done` holds for the run (checked after every round), or `timeout`.
+    pub async fn serve_until(
+        &self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&TrajectoryRun) -> bool,
+    ) -> TrajectoryRun {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            self.play_pending().await;
+            if let Ok(run) = self.runs.get(&self.run).await
+                && done(&run)
+            {
+                return run;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out after {timeout:?} waiting for {what}; played {:#?}; run status {:#?}",
+                self.played(),
+                self.runs.get(&self.run).await.ok().and_then(|r| r.status)
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+pub fn phase_of(run: &TrajectoryRun) -> Option<Phase> {
+    run.status.as_ref().and_then(|s| s.phase)
+}
+
+/// The done batches of `status.progress` (`done/total`).
+pub fn done_batches(run: &TrajectoryRun) -> u32 {
+    run.status
+        .as_ref()
+        .and_then(|s| s.progress.as_deref())
+        .and_then(|p| p.split_once('/'))
+        .and_then(|(done, _)| done.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The model: each conversation calls the terminal once, then answers.
+pub async fn model() -> ScriptedServer {
+    ScriptedServer::start_fixed_latency(FixedLatency {
+        latency: Duration::from_millis(5),
+        tool_call: tool_call_reply("terminal", &json!({"command": "echo hi"})),
+        final_answer: text_reply("done"),
+    })
+    .await
+}
+
+/// The lines of a JSONL output file of the run.
+pub fn jsonl(path: &Path) -> Vec<Value> {
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    text.lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("bad line {line:?}: {e}")))
+        .collect()
+}
+
+/// The run's row as `kubectl get trun` prints it: the server-side Table of the printer columns.
+pub async fn printed_row(client: &Client, namespace: &str, name: &str) -> BTreeMap<String, Value> {
+    let mut request = kube::core::Request::new(format!(
+        "/apis/trajectories.dev/v1alpha1/namespaces/{namespace}/trajectoryruns"
+    ))
+    .get(name, &kube::api::GetParams::default())
+    .expect("a GET request");
+    request.headers_mut().insert(
+        "accept",
+        "application/json;as=Table;v=v1;g=meta.k8s.io"
+            .try_into()
+            .expect("a valid header"),
+    );
+    let table: Value = client.request(request).await.expect("the run as a Table");
+    let columns: Vec<String> = table["columnDefinitions"]
+        .as_array()
+        .expect("column definitions")
+        .iter()
+        .map(|c| c["name"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    let cells = table["rows"][0]["cells"]
+        .as_array()
+        .expect("one row")
+        .clone();
+    columns.into_iter().zip(cells).collect()
+}
+
+/// Every Job and `ConfigMap` of the run, by name.
+pub async fn children(client: &Client, namespace: &str, run: &str) -> (Vec<String>, Vec<String>) {
+    let selector = format!("{}={run}", labels::RUN);
+    let params = ListParams::default().labels(&selector);
+    let jobs: Api<Job> = Api::namespaced(client.clone(), namespace);
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let mut job_names: Vec<String> = jobs
+        .list(&params)
+        .await
+        .expect("list Jobs")
+        .items
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect();
+    let mut map_names: Vec<String> = maps
+        .list(&params)
+        .await
+        .expect("list ConfigMaps")
+        .items
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect();
+    job_names.sort();
+    map_names.sort();
+    (job_names, map_names)
+}
+
+/// The phase-change Events on the run, in the order they happened.
+pub async fn phase_events(client: &Client, namespace: &str, uid: &str) -> Vec<String> {
+    let events: Api<Event> = Api::namespaced(client.clone(), namespace);
+    let mut list: Vec<Event> = events
+        .list(&ListParams::default())
+        .await
+        .expect("list Events")
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.uid.as_deref()) == Some(uid))
+        .collect();
+    list.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
+    list.into_iter().filter_map(|e| e.reason).collect()
+}
