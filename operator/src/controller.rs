@@ -242,10 +242,16 @@ pub fn error_policy(_run: Arc<TrajectoryRun>, error: &Error, _ctx: Arc<Context>)
     }
 }
 
-/// Runs the controller over every namespace until `shutdown` resolves.
+/// Runs the controller over every namespace (or the one of `settings.watch_namespace`) until
+/// `shutdown` resolves.
 pub async fn run(ctx: Context, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
-    let runs: Api<TrajectoryRun> = Api::all(ctx.client.clone());
-    let jobs: Api<Job> = Api::all(ctx.client.clone());
+    let (runs, jobs): (Api<TrajectoryRun>, Api<Job>) = match &ctx.settings.watch_namespace {
+        Some(namespace) => (
+            Api::namespaced(ctx.client.clone(), namespace),
+            Api::namespaced(ctx.client.clone(), namespace),
+        ),
+        None => (Api::all(ctx.client.clone()), Api::all(ctx.client.clone())),
+    };
     let managed = format!("{}={MANAGER}", labels::MANAGED_BY);
     let controller = Controller::new(runs, watcher::Config::default())
         .owns(jobs, watcher::Config::default().labels(&managed));

@@ -71,6 +71,9 @@ pub struct Settings {
     pub worker_image: String,
     /// `TRAJ_LOG_FORMAT` of the worker pods (`json` or `pretty`).
     pub worker_log_format: String,
+    /// The only namespace whose runs the operator acts on (the Helm chart's `scope: Namespace`,
+    /// where RBAC grants nothing elsewhere); `None`: every namespace.
+    pub watch_namespace: Option<String>,
 }
 
 impl Default for Settings {
@@ -78,6 +81,7 @@ impl Default for Settings {
         Self {
             worker_image: "ghcr.io/trajectory-operator/trajectory-worker:latest".to_owned(),
             worker_log_format: "json".to_owned(),
+            watch_namespace: None,
         }
     }
 }

@@ -30,6 +30,10 @@ enum Command {
         /// Address of the HTTP listener for `/metrics`, `/healthz` and `/readyz`.
         #[arg(long, env = "TRAJ_OPERATOR_HTTP_ADDR", default_value = "0.0.0.0:8080")]
         http_addr: SocketAddr,
+        /// Act only on the runs of this namespace (when RBAC grants nothing elsewhere); unset:
+        /// every namespace.
+        #[arg(long, env = "TRAJ_WATCH_NAMESPACE")]
+        watch_namespace: Option<String>,
         #[command(flatten)]
         leader: LeaderArgs,
     },
@@ -87,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
             worker_image,
             log_format,
             http_addr,
+            watch_namespace,
             leader,
         } => {
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -109,6 +114,7 @@ async fn main() -> anyhow::Result<()> {
             let settings = Settings {
                 worker_image,
                 worker_log_format: worker_log_format.to_owned(),
+                watch_namespace,
             };
             let exit = service::run(
                 client,
@@ -164,5 +170,24 @@ mod tests {
         let (addr, lease) = run(&["--leader-election=false", "--http-addr", "127.0.0.1:9090"]);
         assert_eq!(addr, "127.0.0.1:9090".parse().expect("an address"));
         assert_eq!(lease, None);
+    }
+
+    #[test]
+    fn the_watched_namespace_is_every_one_unless_named() {
+        let watched = |args: &[&str]| {
+            let cli = Cli::try_parse_from([&["trajectory-operator", "run"], args].concat())
+                .expect("valid arguments");
+            match cli.command {
+                Command::Run {
+                    watch_namespace, ..
+                } => watch_namespace,
+                Command::Crd => unreachable!("parsed `run`"),
+            }
+        };
+        assert_eq!(watched(&[]), None);
+        assert_eq!(
+            watched(&["--watch-namespace", "team-a"]).as_deref(),
+            Some("team-a")
+        );
     }
 }
