@@ -28,6 +28,20 @@ scripts/model-server/install.sh
 step "control plane: build (cached)"
 scripts/cluster/build.sh
 
+step "helm: build (cached)"
+TRAJ_HELM="$(scripts/helm/build.sh --print-path)"
+# tests/tests/chart.rs renders the chart with it.
+export TRAJ_HELM
+
+step "helm lint"
+"${TRAJ_HELM}" lint --strict charts/trajectory-operator
+
+step "helm template (default, and namespaced with two replicas)"
+"${TRAJ_HELM}" template trajectory-operator charts/trajectory-operator \
+  --namespace trajectory-system --include-crds >/dev/null
+"${TRAJ_HELM}" template trajectory-operator charts/trajectory-operator \
+  --namespace trajectory-system --set scope=Namespace,replicaCount=2 >/dev/null
+
 step "run the tests with a model server and a control plane"
 scripts/model-server/with-model-server.sh \
   scripts/cluster/with-cluster.sh \
