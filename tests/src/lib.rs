@@ -8,12 +8,14 @@
 //!
 //! - [`install_crds`] applies the generated CRD file; [`e2e`] drives a run end to end (an in-process
 //!   controller and a test-kubelet running the worker's real steps).
+//! - [`helm`] renders the Helm chart with the helm binary `scripts/helm/build.sh` builds.
 //!
 //! Run the tests with a cluster that lives only as long as the run:
 //! `scripts/cluster/with-cluster.sh cargo test -p trajectory-tests`.
 
 pub mod crds;
 pub mod e2e;
+pub mod helm;
 
 pub use crds::install_crds;
 

@@ -1,0 +1,93 @@
+//! Helm for tests: the binary `scripts/helm/build.sh` builds (`TRAJ_HELM`), and the chart
+//! `charts/trajectory-operator` rendered by it.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+/// The chart's directory.
+pub const CHART_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../charts/trajectory-operator");
+
+/// The Helm version `scripts/helm/version.env` pins.
+pub fn pinned_helm_version() -> &'static str {
+    include_str!("../../scripts/helm/version.env")
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("HELM_VERSION="))
+        .expect("scripts/helm/version.env sets HELM_VERSION")
+        .trim()
+}
+
+/// The helm binary: `TRAJ_HELM`, else where `scripts/helm/build.sh` caches the pinned version.
+/// Panics, saying how to build it, when there is none.
+pub fn helm() -> PathBuf {
+    const HOW: &str = "build it with `scripts/helm/build.sh` and `export TRAJ_HELM=\"$(scripts/helm/build.sh --print-path)\"` \
+                       (scripts/test.sh does both)";
+    if let Some(path) = std::env::var_os("TRAJ_HELM") {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "TRAJ_HELM={} is not a file; {HOW}",
+            path.display()
+        );
+        return path;
+    }
+    let cache = std::env::var_os("TRAJ_CACHE_DIR").map_or_else(
+        || {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/trajectory-operator")
+        },
+        PathBuf::from,
+    );
+    let cached = cache.join(format!("helm/v{}/bin/helm", pinned_helm_version()));
+    assert!(
+        cached.is_file(),
+        "no helm: TRAJ_HELM is unset and {} does not exist; {HOW}",
+        cached.display()
+    );
+    cached
+}
+
+/// `helm template RELEASE CHART --namespace NAMESPACE --include-crds --set S...`: the rendered
+/// manifests, or helm's error output when it refuses.
+pub fn template(release: &str, namespace: &str, sets: &[&str]) -> Result<String, String> {
+    let helm = helm();
+    let mut command = Command::new(&helm);
+    command
+        .args(["template", release, CHART_DIR, "--namespace", namespace])
+        .arg("--include-crds");
+    for set in sets {
+        command.args(["--set", set]);
+    }
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", helm.display()));
+    if output.status.success() {
+        Ok(String::from_utf8(output.stdout).expect("helm prints UTF-8"))
+    } else {
+        Err(String::from_utf8_lossy(&output.stderr).into_owned())
+    }
+}
+
+/// The YAML documents of a stream, without empty (comment-only) ones.
+pub fn documents(text: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(text)
+        .map(|document| Value::deserialize(document).expect("a YAML document"))
+        .filter(|value| !value.is_null())
+        .collect()
+}
+
+/// The rendered object of `kind` named `name`.
+pub fn object<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| {
+            let names: Vec<String> = objects
+                .iter()
+                .map(|o| format!("{}/{}", o["kind"], o["metadata"]["name"]))
+                .collect();
+            panic!("the chart renders no {kind} {name}; it renders {names:?}")
+        })
+}
