@@ -29,6 +29,7 @@ use trajectory_worker::plan::{self, RunPlan, compact_ranges, env, exit, format_r
 use trajectory_worker::spec::RunSpec;
 
 use crate::api::{BatchCounts, ConditionType, TrajectoryRun};
+use crate::controller::Pacing;
 
 /// Kubernetes limits label values (and so Job names, which become the `job-name` label) to 63.
 pub const MAX_NAME_LENGTH: usize = 63;
@@ -64,7 +65,7 @@ mod volumes {
     pub const TMP: &str = "tmp";
 }
 
-/// Operator-wide settings that shape the children.
+/// Operator-wide settings: what shapes the children, which runs to act on, and the pace of writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
     /// Worker image used when `spec.podTemplate.image` is unset.
@@ -74,6 +75,8 @@ pub struct Settings {
     /// The only namespace whose runs the operator acts on (the Helm chart's `scope: Namespace`,
     /// where RBAC grants nothing elsewhere); `None`: every namespace.
     pub watch_namespace: Option<String>,
+    /// How often the controller writes status and retries after errors (no effect on children).
+    pub pacing: Pacing,
 }
 
 impl Default for Settings {
@@ -82,6 +85,7 @@ impl Default for Settings {
             worker_image: "ghcr.io/trajectory-operator/trajectory-worker:latest".to_owned(),
             worker_log_format: "json".to_owned(),
             watch_namespace: None,
+            pacing: Pacing::default(),
         }
     }
 }
@@ -634,7 +638,6 @@ pub enum Reason {
     WorkerConfigError,
     MergeFailed,
     PlanFailed,
-    Reconciled,
 }
 
 impl Reason {
@@ -653,7 +656,6 @@ impl Reason {
             Self::WorkerConfigError => "WorkerConfigError",
             Self::MergeFailed => "MergeFailed",
             Self::PlanFailed => "PlanFailed",
-            Self::Reconciled => "Reconciled",
         }
     }
 }

@@ -3,8 +3,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
+use trajectory_operator::controller::Pacing;
 use trajectory_operator::desired::Settings;
 use trajectory_operator::leader::LeaseConfig;
+use trajectory_operator::metrics;
 use trajectory_operator::service::{self, Exit};
 
 /// The trajectory-operator control plane.
@@ -34,6 +36,10 @@ enum Command {
         /// every namespace.
         #[arg(long, env = "TRAJ_WATCH_NAMESPACE")]
         watch_namespace: Option<String>,
+        /// Milliseconds between two status writes of one run that change only its progress
+        /// (phase and condition changes are written at once); 0 writes every change.
+        #[arg(long, env = "TRAJ_STATUS_INTERVAL_MS", default_value_t = 3000)]
+        status_interval_ms: u64,
         #[command(flatten)]
         leader: LeaderArgs,
     },
@@ -92,6 +98,7 @@ async fn main() -> anyhow::Result<()> {
             log_format,
             http_addr,
             watch_namespace,
+            status_interval_ms,
             leader,
         } => {
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -110,11 +117,15 @@ async fn main() -> anyhow::Result<()> {
             let listener = tokio::net::TcpListener::bind(http_addr)
                 .await
                 .with_context(|| format!("binding the HTTP listener to {http_addr}"))?;
-            let client = kube::Client::try_default().await?;
+            let client = metrics::counted_client(kube::Config::infer().await?)?;
             let settings = Settings {
                 worker_image,
                 worker_log_format: worker_log_format.to_owned(),
                 watch_namespace,
+                pacing: Pacing {
+                    status_interval: Duration::from_millis(status_interval_ms),
+                    ..Pacing::default()
+                },
             };
             let exit = service::run(
                 client,

@@ -4,8 +4,11 @@
 //! [`measured_reconcile`]. The gauges of runs by phase and of batches are computed from the
 //! controller's cache of runs at every scrape rather than kept up to date by the reconciler: a
 //! deleted run is never reconciled again, so only the cache knows that it is gone.
+//!
+//! API requests are counted by verb and resource in the client itself ([`counted_client`]): what
+//! the operator costs the API server, writes per run included.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::{Duration, Instant};
 
 use kube::runtime::controller::Action;
@@ -49,6 +52,18 @@ struct ErrorLabels {
     /// `permanent` (waits for a change of the run) or `transient` (retried).
     class: &'static str,
 }
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    /// The Kubernetes verb: `get`, `list`, `watch`, `create`, `patch`, `update`, `delete`, ...
+    verb: &'static str,
+    /// The resource and subresource: `jobs`, `trajectoryruns/status`, `events`, ...
+    resource: String,
+}
+
+/// Requests of every [`counted_client`] of the process (a process has one client; the counter is
+/// global so that the client can be built before the [`Metrics`] that report it).
+static API_REQUESTS: LazyLock<Family<RequestLabels, Counter>> = LazyLock::new(Family::default);
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PhaseLabels {
@@ -106,6 +121,11 @@ impl Default for Metrics {
             "batches_done",
             "Finished batches of all TrajectoryRuns",
             batches_done.clone(),
+        );
+        registry.register(
+            "api_requests",
+            "Requests to the Kubernetes API server, by verb and resource",
+            API_REQUESTS.clone(),
         );
         let leader = Gauge::default();
         registry.register(
@@ -215,14 +235,66 @@ impl Metrics {
     }
 }
 
+/// A client for `config` whose requests are counted in `trajectory_operator_api_requests_total`.
+/// Counted as sent by the operator: kube's own retries of a failed request are not counted again.
+pub fn counted_client(config: kube::Config) -> Result<kube::Client, kube::Error> {
+    let layer = tower::util::MapRequestLayer::new(|request: http::Request<kube::client::Body>| {
+        let (verb, resource) = verb_and_resource(request.method(), request.uri());
+        API_REQUESTS
+            .get_or_create(&RequestLabels { verb, resource })
+            .inc();
+        request
+    });
+    Ok(kube::client::ClientBuilder::try_from(config)?
+        .with_layer(&layer)
+        .build())
+}
+
+/// The Kubernetes verb and the `resource[/subresource]` of a request to the API server, e.g.
+/// `PATCH /apis/batch/v1/namespaces/ns/jobs/j/status` → `("patch", "jobs/status")`.
+fn verb_and_resource(method: &http::Method, uri: &http::Uri) -> (&'static str, String) {
+    let segments: Vec<&str> = uri.path().split('/').filter(|s| !s.is_empty()).collect();
+    // `/api/v1/...` or `/apis/<group>/<version>/...`; anything else (`/version`) is its own path.
+    let rest = match segments.first() {
+        Some(&"api") => segments.get(2..),
+        Some(&"apis") => segments.get(3..),
+        _ => None,
+    }
+    .unwrap_or_default();
+    let rest = match rest {
+        ["namespaces", _, resource @ ..] if !resource.is_empty() => resource,
+        other => other,
+    };
+    let (resource, named) = match rest {
+        [] => (uri.path().to_owned(), false),
+        [resource] => ((*resource).to_owned(), false),
+        [resource, _name] => ((*resource).to_owned(), true),
+        [resource, _name, subresource, ..] => (format!("{resource}/{subresource}"), true),
+    };
+    let watch = uri
+        .query()
+        .is_some_and(|q| q.split('&').any(|p| p == "watch=true" || p == "watch=1"));
+    let verb = match *method {
+        http::Method::GET if watch => "watch",
+        http::Method::GET if named => "get",
+        http::Method::GET => "list",
+        http::Method::POST => "create",
+        http::Method::PATCH => "patch",
+        http::Method::PUT => "update",
+        http::Method::DELETE if named => "delete",
+        http::Method::DELETE => "deletecollection",
+        _ => "other",
+    };
+    (verb, resource)
+}
+
 /// [`controller::reconcile`], with its result and duration recorded in `ctx.metrics`.
 pub async fn measured_reconcile(
     run: Arc<TrajectoryRun>,
     ctx: Arc<Context>,
 ) -> Result<Action, Error> {
     let start = Instant::now();
-    // Boxed: the reconcile future is large (clippy::large_futures), and it is one per run anyway.
-    let result = Box::pin(controller::reconcile(run, ctx.clone())).await;
+    let result = controller::reconcile(run, ctx.clone()).await;
     ctx.metrics.record(&result, start.elapsed());
     result
 }
@@ -325,6 +397,63 @@ mod tests {
             "trajectory_operator_batches_done 7",
         ] {
             assert!(text.contains(line), "no `{line}` in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn requests_are_labelled_with_their_verb_and_resource() {
+        let cases = [
+            (
+                "GET",
+                "/apis/batch/v1/namespaces/ns/jobs?labelSelector=a%3Db",
+                ("list", "jobs"),
+            ),
+            (
+                "GET",
+                "/apis/batch/v1/jobs?watch=true&resourceVersion=5",
+                ("watch", "jobs"),
+            ),
+            (
+                "GET",
+                "/api/v1/namespaces/ns/configmaps/r-gen-1",
+                ("get", "configmaps"),
+            ),
+            (
+                "PATCH",
+                "/apis/batch/v1/namespaces/ns/jobs/r-plan?fieldManager=m",
+                ("patch", "jobs"),
+            ),
+            (
+                "PATCH",
+                "/apis/trajectories.dev/v1alpha1/namespaces/ns/trajectoryruns/r/status",
+                ("patch", "trajectoryruns/status"),
+            ),
+            (
+                "POST",
+                "/apis/events.k8s.io/v1/namespaces/ns/events",
+                ("create", "events"),
+            ),
+            (
+                "PUT",
+                "/apis/coordination.k8s.io/v1/namespaces/ns/leases/l",
+                ("update", "leases"),
+            ),
+            ("GET", "/api/v1/namespaces/ns", ("get", "namespaces")),
+            (
+                "DELETE",
+                "/api/v1/namespaces/ns/pods",
+                ("deletecollection", "pods"),
+            ),
+            ("GET", "/version", ("list", "/version")),
+        ];
+        for (method, uri, (verb, resource)) in cases {
+            let method: http::Method = method.parse().unwrap();
+            let uri: http::Uri = uri.parse().unwrap();
+            assert_eq!(
+                verb_and_resource(&method, &uri),
+                (verb, resource.to_owned()),
+                "{method} {uri}"
+            );
         }
     }
 }

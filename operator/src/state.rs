@@ -15,6 +15,7 @@
 //! `retry.maxFailedBatches` are missing.
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -111,6 +112,9 @@ pub fn desired_state(
     let mut out = Desired::default();
     let spec = &run.spec.run;
     let mut conditions = std::mem::take(&mut status.conditions);
+    let had_failed = conditions
+        .iter()
+        .any(|c| c.type_ == ConditionType::Failed.as_str());
     let mut set = |type_, value, reason: Reason, message: &str| {
         set_condition(
             &mut conditions,
@@ -136,13 +140,6 @@ pub fn desired_state(
             "running"
         },
     );
-    set(
-        ConditionType::Reconciling,
-        false,
-        Reason::Reconciled,
-        "the latest spec is acted on",
-    );
-
     let outcome = decide(run, observed, settings, &mut out, &mut status)?;
     match &outcome {
         Outcome::Working(phase, message) => {
@@ -152,15 +149,40 @@ pub fn desired_state(
                 Phase::Merging => Reason::Merging,
                 _ => Reason::Generating,
             };
-            set(ConditionType::Progressing, !spec.suspend, reason, message);
+            // kstatus: InProgress while work is under way (like a running Job); Current while
+            // suspended, which is what the spec asks for.
+            let working = !spec.suspend;
+            let (reconciling_reason, reconciling_message) = if working {
+                (reason, message.as_str())
+            } else {
+                (Reason::Suspended, "spec.suspend is set")
+            };
+            set(ConditionType::Progressing, working, reason, message);
+            set(
+                ConditionType::Reconciling,
+                working,
+                reconciling_reason,
+                reconciling_message,
+            );
             set(ConditionType::Ready, false, reason, message);
             set(ConditionType::Stalled, false, reason, message);
+            // A run stalled on a bad spec works again once the spec is fixed.
+            status.completion_time = None;
+            if had_failed {
+                set(ConditionType::Failed, false, reason, message);
+            }
         }
         Outcome::Succeeded(message) => {
             status.phase = Some(Phase::Succeeded);
             status.completion_time.get_or_insert_with(|| now.clone());
             set(
                 ConditionType::Progressing,
+                false,
+                Reason::Succeeded,
+                message,
+            );
+            set(
+                ConditionType::Reconciling,
                 false,
                 Reason::Succeeded,
                 message,
@@ -173,6 +195,7 @@ pub fn desired_state(
             status.phase = Some(Phase::Failed);
             status.completion_time.get_or_insert_with(|| now.clone());
             set(ConditionType::Progressing, false, *reason, message);
+            set(ConditionType::Reconciling, false, *reason, message);
             set(ConditionType::Failed, true, *reason, message);
             set(ConditionType::Ready, false, *reason, message);
             set(ConditionType::Stalled, true, *reason, message);
@@ -372,6 +395,61 @@ fn decide(
             )))
         }
     }
+}
+
+/// Whether to write a run's status now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusWrite {
+    /// The run already shows it.
+    Unchanged,
+    /// Write it now.
+    Now,
+    /// Only progress changed and the last write is recent: write it after this long (the caller
+    /// requeues the run for then, so the last progress is never lost).
+    After(Duration),
+}
+
+/// Decides when to write `desired` over the run's `current` status, `since_written` after this
+/// process last wrote it (`None`: not in the last `interval`, or never).
+///
+/// Anything but progress — phase, attempt, a condition's status or reason, `observedGeneration`,
+/// counts, output — is written at once, so that users, `kubectl wait`, kstatus and the phase-change
+/// Events see it promptly. A change of progress alone (completed and failed batch ranges, the
+/// progress column, and the condition messages that repeat it) is written at most once per
+/// `interval`.
+pub fn status_write(
+    current: Option<&TrajectoryRunStatus>,
+    desired: &TrajectoryRunStatus,
+    since_written: Option<Duration>,
+    interval: Duration,
+) -> StatusWrite {
+    let Some(current) = current else {
+        return StatusWrite::Now;
+    };
+    if current == desired {
+        return StatusWrite::Unchanged;
+    }
+    if without_progress(current) != without_progress(desired) {
+        return StatusWrite::Now;
+    }
+    match since_written
+        .and_then(|since| interval.checked_sub(since))
+        .filter(|rest| !rest.is_zero())
+    {
+        Some(rest) => StatusWrite::After(rest),
+        None => StatusWrite::Now,
+    }
+}
+
+/// The status with everything that moves as batches finish blanked out.
+fn without_progress(status: &TrajectoryRunStatus) -> TrajectoryRunStatus {
+    let mut status = status.clone();
+    status.batches = None;
+    status.progress = None;
+    for condition in &mut status.conditions {
+        condition.message.clear();
+    }
+    status
 }
 
 fn to_usize(value: u32) -> usize {
@@ -681,5 +759,147 @@ mod tests {
         let later = Time(Timestamp::from_second(20_000).unwrap());
         let second = desired_state(&run, &observed, &Settings::default(), &later).unwrap();
         assert_eq!(first.status, second.status);
+    }
+
+    #[test]
+    fn progress_alone_is_written_at_most_once_per_interval_and_anything_else_at_once() {
+        let interval = Duration::from_secs(3);
+        let mut running = planned(5, &[]);
+        running
+            .attempts
+            .push(attempt(1, &[0, 1, 2, 3, 4], "running", "", ""));
+        let written = decide(&running).status;
+        let mut moved = running.clone();
+        moved.attempts[0] = attempt(1, &[0, 1, 2, 3, 4], "running", "0-1", "");
+        let progressed = decide(&moved).status;
+        assert_eq!(progressed.progress.as_deref(), Some("2/5"));
+        let mut merging = planned(5, &[(0, 4)]);
+        merging.attempts = moved.attempts.clone();
+        let merged = decide(&merging).status;
+        assert_eq!(merged.phase, Some(Phase::Merging));
+        let mut regenerated = written.clone();
+        regenerated.observed_generation = Some(2);
+
+        let second = Duration::from_secs(1);
+        let cases = [
+            // (current, desired, since the last write, decision)
+            (None, &written, Some(second), StatusWrite::Now),
+            (Some(&written), &written, None, StatusWrite::Unchanged),
+            (
+                Some(&written),
+                &progressed,
+                Some(second),
+                StatusWrite::After(2 * second),
+            ),
+            (
+                Some(&written),
+                &progressed,
+                Some(interval),
+                StatusWrite::Now,
+            ),
+            (Some(&written), &progressed, None, StatusWrite::Now),
+            // A phase change is never held back, nor is a new generation of the spec.
+            (
+                Some(&written),
+                &merged,
+                Some(Duration::ZERO),
+                StatusWrite::Now,
+            ),
+            (
+                Some(&written),
+                &regenerated,
+                Some(Duration::ZERO),
+                StatusWrite::Now,
+            ),
+        ];
+        for (i, (current, desired, since, expected)) in cases.into_iter().enumerate() {
+            assert_eq!(
+                status_write(current, desired, since, interval),
+                expected,
+                "case {i}"
+            );
+        }
+        // A wiped status is rebuilt at once.
+        let wiped = TrajectoryRunStatus::default();
+        assert_eq!(
+            status_write(Some(&wiped), &progressed, Some(Duration::ZERO), interval),
+            StatusWrite::Now
+        );
+    }
+
+    /// kstatus (Flux, `kubectl wait`): `observedGeneration` always; `Reconciling` while work is under
+    /// way, `Stalled` when the run failed, `Ready` and `Succeeded` when it succeeded.
+    #[test]
+    fn conditions_say_what_kstatus_and_kubectl_wait_read() {
+        fn holds(status: &TrajectoryRunStatus) -> Vec<&str> {
+            let mut types: Vec<&str> = status
+                .conditions
+                .iter()
+                .filter(|c| c.status == "True")
+                .map(|c| c.type_.as_str())
+                .collect();
+            types.sort_unstable();
+            types
+        }
+        let planning = decide(&Observed::default()).status;
+        assert_eq!(planning.observed_generation, Some(1));
+        assert_eq!(holds(&planning), ["Progressing", "Reconciling"]);
+
+        let mut done = planned(2, &[(0, 1)]);
+        done.merge_job = Some(job("r-merge", "complete", "", ""));
+        let succeeded = decide(&done).status;
+        assert_eq!(holds(&succeeded), ["Ready", "Succeeded"]);
+
+        let mut failed = planned(3, &[]);
+        failed
+            .attempts
+            .push(attempt(1, &[0, 1, 2], "PodFailurePolicy", "", ""));
+        let failed = decide(&failed).status;
+        assert_eq!(holds(&failed), ["Failed", "Stalled"]);
+
+        let mut suspended = run();
+        suspended.spec.run.suspend = true;
+        let mut observed = planned(3, &[]);
+        observed
+            .attempts
+            .push(attempt(1, &[0, 1, 2], "running", "", ""));
+        let status = desired_state(&suspended, &observed, &Settings::default(), &now())
+            .unwrap()
+            .status;
+        assert_eq!(status.phase, Some(Phase::Running), "the phase names stay");
+        assert_eq!(holds(&status), ["Suspended"]);
+    }
+
+    #[test]
+    fn a_run_stalled_on_a_bad_spec_works_again_once_it_is_fixed() {
+        let mut stalled = run();
+        let mut failed = Vec::new();
+        for type_ in [ConditionType::Failed, ConditionType::Stalled] {
+            set_condition(
+                &mut failed,
+                type_,
+                true,
+                Reason::InvalidSpec,
+                "bad",
+                Some(1),
+                &now(),
+            );
+        }
+        stalled.metadata.generation = Some(2);
+        stalled.status = Some(TrajectoryRunStatus {
+            phase: Some(Phase::Failed),
+            completion_time: Some(now()),
+            conditions: failed,
+            ..TrajectoryRunStatus::default()
+        });
+        let status = desired_state(&stalled, &Observed::default(), &Settings::default(), &now())
+            .unwrap()
+            .status;
+        assert_eq!(status.phase, Some(Phase::Planning));
+        assert_eq!(status.completion_time, None);
+        let failed = status.conditions.iter().find(|c| c.type_ == "Failed");
+        assert_eq!(failed.map(|c| c.status.as_str()), Some("False"));
+        let stalled = status.conditions.iter().find(|c| c.type_ == "Stalled");
+        assert_eq!(stalled.map(|c| c.status.as_str()), Some("False"));
     }
 }
