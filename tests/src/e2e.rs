@@ -60,6 +60,18 @@ pub fn start_controller(client: &Client) -> ControllerGuard {
     start_controller_with(client, Settings::default())
 }
 
+/// [`start_controller`] acting only on the runs of `namespace`: tests running at once in one
+/// process each reconcile their own runs, as the one operator of a cluster would.
+pub fn start_controller_in(client: &Client, namespace: &str) -> ControllerGuard {
+    start_controller_with(
+        client,
+        Settings {
+            watch_namespace: Some(namespace.to_owned()),
+            ..Settings::default()
+        },
+    )
+}
+
 /// [`start_controller`] with the operator's settings of a given deployment.
 pub fn start_controller_with(client: &Client, settings: Settings) -> ControllerGuard {
     let (stop, stopped) = oneshot::channel::<()>();
@@ -166,6 +178,9 @@ pub struct Kubelet {
     pub storage: PathBuf,
     pub scratch: PathBuf,
     pub played: Arc<Mutex<Vec<Played>>>,
+    /// Pods that were deleted before they ended (a suspended Job, an eviction) and that the
+    /// kubelet stopped, as a real one kills a deleted pod's containers.
+    pub stopped: Arc<Mutex<Vec<String>>>,
     pub crash: Box<Crash>,
     /// Batches whose pods are left Pending for now.
     pub hold: BTreeSet<u32>,
@@ -192,6 +207,7 @@ impl Kubelet {
             storage: scratch.storage(),
             scratch: scratch.0.join("pods"),
             played: Arc::default(),
+            stopped: Arc::default(),
             crash: Box::new(|_, _, _| None),
             hold: BTreeSet::new(),
         }
@@ -201,7 +217,12 @@ impl Kubelet {
         self.played.lock().expect("not poisoned").clone()
     }
 
-    /// Plays every Pending pod of the run once; returns how many it played.
+    pub fn stopped(&self) -> Vec<String> {
+        self.stopped.lock().expect("not poisoned").clone()
+    }
+
+    /// Plays every Pending pod of the run once, and stops the deleted ones; returns how many it
+    /// played.
     pub async fn play_pending(&self) -> usize {
         let selector = format!("{}={}", labels::RUN, self.run);
         let list = self
@@ -213,19 +234,58 @@ impl Kubelet {
         for pod in list.items {
             let pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
             let seen = self.played().iter().any(|p| p.pod == pod.name_any());
-            if pending
-                && !seen
-                && pod.metadata.deletion_timestamp.is_none()
-                && self.play(&pod).await
-            {
+            if !pending || seen {
+                continue;
+            }
+            if pod.metadata.deletion_timestamp.is_some() {
+                self.stop(&pod).await;
+            } else if self.play(&pod).await {
                 count += 1;
             }
         }
         count
     }
 
+    /// Ends a pod deleted before it ran, as a kubelet does: its container killed (exit code 143,
+    /// SIGTERM), the pod `Failed`. The conditions the control plane set stay (a strategic merge
+    /// keeps `DisruptionTarget`), so the Job's pod failure policy sees why it was deleted.
+    pub async fn stop(&self, pod: &Pod) {
+        let name = pod.name_any();
+        if self.stopped().contains(&name) {
+            return;
+        }
+        let now = Timestamp::now().to_string();
+        let patch = json!({
+            "status": {
+                "phase": "Failed",
+                "containerStatuses": [{
+                    "name": CONTAINER,
+                    "image": pod.spec.as_ref().and_then(|s| s.containers.first()).and_then(|c| c.image.clone()).unwrap_or_default(),
+                    "imageID": "",
+                    "ready": false,
+                    "restartCount": 0,
+                    "started": false,
+                    "state": {"terminated": {
+                        "exitCode": 143, "reason": "Error", "startedAt": now, "finishedAt": now,
+                    }},
+                }],
+            }
+        });
+        match self
+            .pods
+            .patch_status(&name, &PatchParams::default(), &Patch::Strategic(&patch))
+            .await
+        {
+            Ok(_) => self.stopped.lock().expect("not poisoned").push(name),
+            // Gone already: the Job controller let go of it.
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => panic!("stopping the deleted pod {name}: {e}"),
+        }
+    }
+
     /// Runs what the pod's container would run, then reports it through the pod's status; false
-    /// when the pod's batch is held or the run's phase is not yet the pod's stage.
+    /// when the pod cannot start (no plan `ConfigMap`), its batch is held or the run's phase is not
+    /// yet the pod's stage.
     pub async fn play(&self, pod: &Pod) -> bool {
         let name = pod.name_any();
         let spec = pod.spec.as_ref().expect("a pod spec");
@@ -265,7 +325,15 @@ impl Kubelet {
             .flatten()
             .find_map(|v| v.config_map.as_ref().map(|c| c.name.clone()))
             .expect("the plan ConfigMap volume");
-        let map = self.maps.get(&map_name).await.expect("the plan ConfigMap");
+        // Without its ConfigMap (the run is being deleted) a kubelet cannot start the pod either.
+        let Some(map) = self
+            .maps
+            .get_opt(&map_name)
+            .await
+            .expect("get the plan ConfigMap")
+        else {
+            return false;
+        };
         let plan_json = map
             .data
             .and_then(|mut d| d.remove(paths::PLAN_FILE))
@@ -548,4 +616,40 @@ pub async fn phase_events(client: &Client, namespace: &str, uid: &str) -> Vec<St
         .collect();
     list.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
     list.into_iter().filter_map(|e| e.reason).collect()
+}
+
+/// Every file under `dir` with its content, to show that nothing on the storage changed.
+pub fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    fn walk(dir: &Path, files: &mut BTreeMap<PathBuf, Vec<u8>>) {
+        let entries =
+            std::fs::read_dir(dir).unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()));
+        for entry in entries {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                walk(&path, files);
+            } else {
+                let content = std::fs::read(&path)
+                    .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+                files.insert(path, content);
+            }
+        }
+    }
+    let mut files = BTreeMap::new();
+    walk(dir, &mut files);
+    files
+}
+
+/// The pods of the Job `job` that work completion index `index`, oldest first.
+pub async fn pods_of_index(pods: &Api<Pod>, job: &str, index: u32) -> Vec<Pod> {
+    let selector = format!("batch.kubernetes.io/job-name={job}");
+    let mut list: Vec<Pod> = pods
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .expect("list the Job's pods")
+        .items
+        .into_iter()
+        .filter(|pod| pod.annotations().get(COMPLETION_INDEX) == Some(&index.to_string()))
+        .collect();
+    list.sort_by_key(|pod| pod.metadata.creation_timestamp.as_ref().map(|t| t.0));
+    list
 }

@@ -11,21 +11,34 @@
 //! `status` subresource: phase, exit code and the summary as the termination message. The data
 //! path is the one a cluster runs: same plan, same storage directory, same summaries.
 //!
+//! Beyond the happy path: a crashed index retried, a wiped status rebuilt, a run re-created on its
+//! storage, `workers` scaled live, `suspend`, deletion by the garbage collector, an evicted pod
+//! not counted as a failure, and the operator replaced mid-run by another replica — each ending
+//! with every batch generated exactly once.
+//!
+//! Each test's controller acts only on its own namespace, as the one operator of a cluster would.
+//!
 //! Needs a running cluster: `scripts/cluster/with-cluster.sh cargo test -p trajectory-tests --test end_to_end`.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
 use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
 use trajectory_operator::api::{Phase, TrajectoryRun};
+use trajectory_operator::desired::Settings;
 use trajectory_operator::desired::labels;
+use trajectory_operator::leader::LeaseConfig;
+use trajectory_operator::service::{self, Exit};
 use trajectory_tests::e2e::{
-    Kubelet, Played, Scratch, children, done_batches, jsonl, model, phase_events, phase_of,
-    printed_row, run_spec, start_controller, write_dataset,
+    ControllerGuard, Kubelet, Played, Scratch, children, done_batches, jsonl, model, phase_events,
+    phase_of, pods_of_index, printed_row, run_spec, snapshot, start_controller_in, write_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::plan::{exit, paths};
@@ -36,7 +49,7 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
     install_crds(&client).await;
     let namespace = TestNamespace::create(&client, "e2e").await;
     let ns = namespace.name();
-    let _controller = start_controller(&client);
+    let _controller = start_controller_in(&client, ns);
     let model = model().await;
     let scratch = Scratch::new();
     write_dataset(&scratch.storage(), 10);
@@ -121,6 +134,13 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
     };
     assert_eq!(condition("Succeeded"), Some(("True", "Succeeded")));
     assert_eq!(condition("Ready"), Some(("True", "Succeeded")));
+    // kstatus reads a finished run as Current: the latest generation observed, neither
+    // Reconciling nor Stalled.
+    assert_eq!(condition("Reconciling").map(|c| c.0), Some("False"));
+    assert_eq!(condition("Stalled").map(|c| c.0), Some("False"));
+    assert_eq!(status.observed_generation, run.metadata.generation);
+    // What a user or a pipeline waits on.
+    kubectl_wait(ns, "trun/e2e", "condition=Succeeded").await;
 
     // `kubectl get trun`: the printer columns as the API server renders them.
     let row = printed_row(&client, ns, "e2e").await;
@@ -187,7 +207,7 @@ async fn a_crashed_batch_is_retried_and_a_wiped_status_is_rebuilt_without_redoin
     install_crds(&client).await;
     let namespace = TestNamespace::create(&client, "e2e-retry").await;
     let ns = namespace.name();
-    let _controller = start_controller(&client);
+    let _controller = start_controller_in(&client, ns);
     let model = model().await;
     let scratch = Scratch::new();
     write_dataset(&scratch.storage(), 10);
@@ -294,7 +314,7 @@ async fn a_re_created_run_generates_only_the_batches_not_done_on_storage() {
     install_crds(&client).await;
     let namespace = TestNamespace::create(&client, "e2e-again").await;
     let ns = namespace.name();
-    let _controller = start_controller(&client);
+    let _controller = start_controller_in(&client, ns);
     let model = model().await;
     let scratch = Scratch::new();
     write_dataset(&scratch.storage(), 10);
@@ -391,4 +411,528 @@ async fn a_re_created_run_generates_only_the_batches_not_done_on_storage() {
         .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
         .collect();
     assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
+}
+
+/// Tells an operator process to stop and checks that it stopped cleanly (its Lease released).
+async fn stop_replica(
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<Exit, service::ServiceError>>,
+) {
+    stop.send(()).expect("the replica runs");
+    let exit = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the replica stops in time")
+        .expect("the replica does not panic")
+        .expect("the replica runs without error");
+    assert_eq!(exit, Exit::Stopped);
+}
+
+/// `kubectl wait --for=FOR OBJECT` with the cluster's own kubectl; panics unless it succeeds.
+async fn kubectl_wait(namespace: &str, object: &str, wait_for: &str) {
+    let Some(kubectl) = std::env::var_os("TRAJ_CLUSTER_KUBECTL") else {
+        panic!(
+            "TRAJ_CLUSTER_KUBECTL is not set: {}",
+            trajectory_tests::HOW_TO_START
+        );
+    };
+    let output = tokio::process::Command::new(&kubectl)
+        .args(["wait", "-n", namespace, object, "--timeout=10s"])
+        .arg(format!("--for={wait_for}"))
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("running {}: {e}", kubectl.to_string_lossy()));
+    assert!(
+        output.status.success(),
+        "kubectl wait --for={wait_for} {object}: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A namespace with a controller acting on it, a scripted model, and storage with 10 prompts (4
+/// batches of 3 in [`run_spec`]).
+struct Setup {
+    client: kube::Client,
+    namespace: TestNamespace,
+    model: trajectory_worker::scripted_server::ScriptedServer,
+    scratch: Scratch,
+    runs: Api<TrajectoryRun>,
+}
+
+impl Setup {
+    /// Everything but the controller, which the test starts (or several, one after the other).
+    async fn without_controller(prefix: &str) -> Self {
+        let client = client().await;
+        install_crds(&client).await;
+        let namespace = TestNamespace::create(&client, prefix).await;
+        let runs = Api::namespaced(client.clone(), namespace.name());
+        let scratch = Scratch::new();
+        write_dataset(&scratch.storage(), 10);
+        Self {
+            client,
+            namespace,
+            model: model().await,
+            scratch,
+            runs,
+        }
+    }
+
+    /// A controller acting on the namespace, the run `name` created with `extra` in its spec, and
+    /// a kubelet for its pods.
+    async fn with_run(prefix: &str, name: &str, extra: &Value) -> (Self, ControllerGuard, Kubelet) {
+        let setup = Self::without_controller(prefix).await;
+        let controller = start_controller_in(&setup.client, setup.ns());
+        setup.create(name, extra).await;
+        let kubelet = Kubelet::new(&setup.client, setup.ns(), name, &setup.scratch);
+        (setup, controller, kubelet)
+    }
+
+    fn ns(&self) -> &str {
+        self.namespace.name()
+    }
+
+    async fn create(&self, name: &str, extra: &Value) {
+        self.runs
+            .create(
+                &PostParams::default(),
+                &TrajectoryRun::new(name, run_spec(&self.model.base_url(), extra)),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("create the run {name}: {e}"));
+    }
+
+    async fn patch_spec(&self, name: &str, spec: &Value) {
+        self.runs
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": spec })),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("patch the spec of {name} with {spec}: {e}"));
+    }
+
+    fn jobs(&self) -> Api<Job> {
+        Api::namespaced(self.client.clone(), self.ns())
+    }
+
+    /// The batches whose pods ran the worker, sorted.
+    fn ran(kubelet: &Kubelet) -> Vec<u32> {
+        let mut ran: Vec<u32> = kubelet
+            .played()
+            .iter()
+            .filter(|p| p.mode == "batch" && p.ran)
+            .filter_map(|p| p.batch)
+            .collect();
+        ran.sort_unstable();
+        ran
+    }
+
+    /// Checks a finished run: `Succeeded`, all 4 batches done, none failed, every prompt generated
+    /// exactly once (20 model calls) and merged once in dataset order.
+    fn assert_succeeded_once(&self, run: &TrajectoryRun, kubelet: &Kubelet) {
+        let name = run.metadata.name.as_deref().expect("a name");
+        let status = run.status.clone().expect("a status");
+        assert_eq!(
+            status.phase,
+            Some(Phase::Succeeded),
+            "{status:#?}; played {:#?}",
+            kubelet.played()
+        );
+        let batches = status.batches.as_ref().expect("batch counts");
+        assert_eq!(
+            (batches.completed.as_str(), batches.failed.as_str()),
+            ("0-3", "")
+        );
+        assert_eq!(Self::ran(kubelet), [0, 1, 2, 3], "{:#?}", kubelet.played());
+        assert_eq!(
+            self.model.request_count(),
+            20,
+            "a conversation was generated twice"
+        );
+        let out = self
+            .scratch
+            .storage()
+            .join(format!("runs/{}/{name}", self.ns()));
+        let indexes: Vec<u64> = jsonl(&out.join("trajectories.jsonl"))
+            .iter()
+            .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
+            .collect();
+        assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
+    }
+}
+
+fn finished(run: &TrajectoryRun) -> bool {
+    matches!(phase_of(run), Some(Phase::Succeeded | Phase::Failed))
+}
+
+fn condition_status(run: &TrajectoryRun, type_: &str) -> Option<String> {
+    run.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| c.status.clone())
+}
+
+/// `spec.workers` changed on a running run reaches the live Indexed Job's `parallelism`, and the
+/// real Job controller runs that many pods at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn scaling_workers_changes_the_live_jobs_parallelism() {
+    let (setup, _controller, mut kubelet) =
+        Setup::with_run("e2e-scale", "scale", &json!({"workers": 1})).await;
+    kubelet.hold = BTreeSet::from([0, 1, 2, 3]);
+    let jobs = setup.jobs();
+    let parallelism = |want: i32| {
+        let jobs = jobs.clone();
+        async move {
+            let job = jobs.get_opt("scale-gen-1").await.ok().flatten()?;
+            let have = job.spec.as_ref()?.parallelism?;
+            let active = job.status.as_ref()?.active.unwrap_or(0);
+            (have == want && active == want).then_some(())
+        }
+    };
+    kubelet
+        .serve_until("the Indexed Job", Duration::from_secs(60), |run| {
+            phase_of(run) == Some(Phase::Running)
+        })
+        .await;
+    wait_until("one pod at a time", Duration::from_secs(30), || {
+        parallelism(1)
+    })
+    .await;
+
+    setup.patch_spec("scale", &json!({"workers": 3})).await;
+    wait_until(
+        "parallelism 3 and three pods at once",
+        Duration::from_secs(30),
+        || parallelism(3),
+    )
+    .await;
+    let run = setup.runs.get("scale").await.expect("the run");
+    assert_eq!(
+        run.status.as_ref().and_then(|s| s.observed_generation),
+        run.metadata.generation,
+        "the new generation is observed"
+    );
+
+    kubelet.hold.clear();
+    let run = kubelet
+        .serve_until("the run to finish", Duration::from_secs(120), finished)
+        .await;
+    setup.assert_succeeded_once(&run, &kubelet);
+    let (jobs, _) = children(&setup.client, setup.ns(), "scale").await;
+    assert_eq!(
+        jobs,
+        ["scale-gen-1", "scale-merge", "scale-plan"],
+        "one Job per stage"
+    );
+}
+
+/// `spec.suspend` suspends the live Job — its pods are stopped, finished batches stay finished,
+/// the run says `Suspended` — and clearing it resumes the Job, which works only what is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_suspended_run_stops_its_pods_and_resumes_where_it_stopped() {
+    let (setup, _controller, mut kubelet) =
+        Setup::with_run("e2e-suspend", "pause", &json!({})).await;
+    kubelet.hold = BTreeSet::from([3]);
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), setup.ns());
+    kubelet
+        .serve_until("three batches done", Duration::from_secs(90), |run| {
+            done_batches(run) >= 3
+        })
+        .await;
+    let held = wait_until("the pod of batch 3", Duration::from_secs(30), || async {
+        pods_of_index(&pods, "pause-gen-1", 3)
+            .await
+            .into_iter()
+            .next()
+    })
+    .await
+    .metadata
+    .name
+    .expect("a pod name");
+
+    setup.patch_spec("pause", &json!({"suspend": true})).await;
+    let jobs = setup.jobs();
+    let suspended = kubelet
+        .serve_until(
+            "the run and its Job suspended, no pod left",
+            Duration::from_secs(60),
+            |run| condition_status(run, "Suspended").as_deref() == Some("True"),
+        )
+        .await;
+    assert_eq!(
+        phase_of(&suspended),
+        Some(Phase::Running),
+        "the phase names stay"
+    );
+    assert_eq!(
+        condition_status(&suspended, "Progressing").as_deref(),
+        Some("False")
+    );
+    wait_until(
+        "the Job suspended with no pod left",
+        Duration::from_secs(60),
+        || async {
+            kubelet.play_pending().await;
+            let job = jobs.get("pause-gen-1").await.ok()?;
+            let suspended = job.spec.as_ref()?.suspend == Some(true)
+                && job
+                    .status
+                    .as_ref()?
+                    .conditions
+                    .iter()
+                    .flatten()
+                    .any(|c| c.type_ == "Suspended" && c.status == "True");
+            let left = pods_of_index(&pods, "pause-gen-1", 3).await;
+            (suspended && left.is_empty()).then_some(())
+        },
+    )
+    .await;
+
+    setup.patch_spec("pause", &json!({"suspend": false})).await;
+    kubelet.hold.clear();
+    let run = kubelet
+        .serve_until(
+            "the resumed run to finish",
+            Duration::from_secs(120),
+            finished,
+        )
+        .await;
+    setup.assert_succeeded_once(&run, &kubelet);
+    let played = kubelet.played();
+    let batch_3: Vec<&Played> = played.iter().filter(|p| p.batch == Some(3)).collect();
+    assert!(
+        batch_3.len() == 1 && batch_3[0].pod != held,
+        "batch 3 ran once, on a pod of the resumed Job: {batch_3:#?}"
+    );
+    assert_eq!(
+        condition_status(&run, "Suspended").as_deref(),
+        Some("False")
+    );
+    assert_eq!(
+        run.status.as_ref().and_then(|s| s.attempt),
+        Some(1),
+        "the same Job resumed"
+    );
+}
+
+/// Deleting a run deletes its Jobs, `ConfigMaps` and pods through owner references (the garbage
+/// collector, not the operator) and leaves every byte on the storage as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deleted_run_leaves_no_children_and_its_data_untouched() {
+    let (setup, _controller, mut kubelet) = Setup::with_run("e2e-delete", "gone", &json!({})).await;
+    kubelet.hold = BTreeSet::from([2, 3]);
+    kubelet
+        .serve_until("two batches done", Duration::from_secs(90), |run| {
+            done_batches(run) >= 2
+        })
+        .await;
+    let (jobs, maps) = children(&setup.client, setup.ns(), "gone").await;
+    assert_eq!(jobs, ["gone-gen-1", "gone-plan"]);
+    assert_eq!(maps, jobs);
+    let before = snapshot(&setup.scratch.storage());
+    assert!(
+        before
+            .keys()
+            .any(|path| path.ends_with("batches/batch-000001.done")),
+        "{:?}",
+        before.keys()
+    );
+
+    // The default propagation of a custom resource: background, by the garbage collector.
+    setup
+        .runs
+        .delete("gone", &DeleteParams::default())
+        .await
+        .expect("delete the run");
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), setup.ns());
+    let selector = format!("{}=gone", labels::RUN);
+    wait_until(
+        "the run's Jobs, ConfigMaps and pods to be gone",
+        Duration::from_secs(60),
+        || async {
+            // Deleted pods are stopped, as a kubelet would.
+            kubelet.play_pending().await;
+            let (jobs, maps) = children(&setup.client, setup.ns(), "gone").await;
+            let pods = pods
+                .list(&ListParams::default().labels(&selector))
+                .await
+                .ok()?;
+            (jobs.is_empty() && maps.is_empty() && pods.items.is_empty()).then_some(())
+        },
+    )
+    .await;
+    assert!(setup.runs.get_opt("gone").await.expect("get").is_none());
+    assert_eq!(
+        snapshot(&setup.scratch.storage()),
+        before,
+        "the storage changed"
+    );
+}
+
+/// A pod evicted (the control plane marks it `DisruptionTarget`, as for preemption, a drained or
+/// lost node) is not a failure: with no retry allowed per batch and no failed batch allowed, the
+/// Job still replaces the pod on the same index and the run succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_evicted_pod_is_replaced_without_counting_as_a_failure() {
+    let (setup, _controller, mut kubelet) = Setup::with_run(
+        "e2e-evict",
+        "evict",
+        &json!({"retry": {"perBatch": 0, "maxFailedBatches": 0}}),
+    )
+    .await;
+    kubelet.hold = BTreeSet::from([1]);
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), setup.ns());
+    kubelet
+        .serve_until("the Indexed Job", Duration::from_secs(60), |run| {
+            phase_of(run) == Some(Phase::Running)
+        })
+        .await;
+    let first = wait_until("the pod of batch 1", Duration::from_secs(30), || async {
+        pods_of_index(&pods, "evict-gen-1", 1)
+            .await
+            .into_iter()
+            .next()
+    })
+    .await;
+    let evicted = first.metadata.name.clone().expect("a pod name");
+    pods.evict(&evicted, &EvictParams::default())
+        .await
+        .expect("evict the pod of batch 1");
+    let disrupted = pods
+        .get(&evicted)
+        .await
+        .expect("the evicted pod, kept by the Job's finalizer");
+    let reason = disrupted
+        .status
+        .and_then(|s| s.conditions)
+        .into_iter()
+        .flatten()
+        .find(|c| c.type_ == "DisruptionTarget")
+        .map(|c| (c.status, c.reason));
+    assert_eq!(
+        reason,
+        Some(("True".to_owned(), Some("EvictionByEvictionAPI".to_owned())))
+    );
+
+    // The kubelet stops the evicted pod; the Job controller replaces it on the same index.
+    let replacement = wait_until(
+        "a replacement pod for batch 1",
+        Duration::from_secs(60),
+        || async {
+            kubelet.play_pending().await;
+            pods_of_index(&pods, "evict-gen-1", 1)
+                .await
+                .into_iter()
+                .find(|pod| pod.metadata.name.as_deref() != Some(evicted.as_str()))
+        },
+    )
+    .await;
+    assert_eq!(kubelet.stopped(), std::slice::from_ref(&evicted));
+    kubelet.hold.clear();
+    let run = kubelet
+        .serve_until("the run to finish", Duration::from_secs(120), finished)
+        .await;
+    setup.assert_succeeded_once(&run, &kubelet);
+    let ran_on: Vec<String> = kubelet
+        .played()
+        .iter()
+        .filter(|p| p.batch == Some(1))
+        .map(|p| p.pod.clone())
+        .collect();
+    assert_eq!(ran_on, [replacement.metadata.name.clone().expect("a name")]);
+    let job = setup.jobs().get("evict-gen-1").await.expect("gen-1");
+    let status = job.status.expect("a Job status");
+    assert_eq!(status.failed_indexes.as_deref(), Some(""), "{status:#?}");
+    assert_eq!(status.completed_indexes.as_deref(), Some("0-3"));
+    assert_eq!(run.status.as_ref().and_then(|s| s.attempt), Some(1));
+}
+
+/// The operator replaced mid-run: replica A leads (leader election on a Lease), works the run
+/// half-way and stops; replica B, standing by, takes the Lease and finishes the run from what the
+/// Jobs and the storage say — every batch generated once, one Event per phase.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn another_replica_finishes_a_run_after_the_leader_stops_mid_run() {
+    let setup = Setup::without_controller("e2e-restart").await;
+    let ns = setup.ns().to_owned();
+    let lease = |identity: &str| LeaseConfig {
+        name: "trajectory-operator".into(),
+        namespace: ns.clone(),
+        identity: identity.into(),
+        duration: Duration::from_secs(6),
+        grace: Duration::from_secs(2),
+    };
+    let replica = |identity: &str| {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let client = setup.client.clone();
+        let settings = Settings {
+            watch_namespace: Some(ns.clone()),
+            ..Settings::default()
+        };
+        let lease = lease(identity);
+        let task = tokio::spawn(async move {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+            service::run(client, settings, listener, Some(lease), async {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        (stop, task)
+    };
+    let leases: Api<Lease> = Api::namespaced(setup.client.clone(), &ns);
+    let holder = || async {
+        leases
+            .get_opt("trajectory-operator")
+            .await
+            .ok()
+            .flatten()
+            .and_then(|lease| lease.spec?.holder_identity)
+    };
+
+    let (stop_a, a) = replica("replica-a");
+    wait_until("replica A to lead", Duration::from_secs(30), || async {
+        (holder().await.as_deref() == Some("replica-a")).then_some(())
+    })
+    .await;
+    let (stop_b, b) = replica("replica-b");
+
+    setup.create("relay", &json!({})).await;
+    let created = setup.runs.get("relay").await.expect("the run");
+    let mut kubelet = Kubelet::new(&setup.client, &ns, "relay", &setup.scratch);
+    kubelet.hold = BTreeSet::from([2, 3]);
+    kubelet
+        .serve_until(
+            "two batches done under replica A",
+            Duration::from_secs(90),
+            |run| done_batches(run) >= 2,
+        )
+        .await;
+    assert_eq!(holder().await.as_deref(), Some("replica-a"));
+
+    stop_replica(stop_a, a).await;
+    // Batches go on while no operator runs: the Job controller does not need one.
+    kubelet.hold.clear();
+    let run = kubelet
+        .serve_until(
+            "replica B to finish the run",
+            Duration::from_secs(120),
+            finished,
+        )
+        .await;
+    assert_eq!(holder().await.as_deref(), Some("replica-b"));
+    setup.assert_succeeded_once(&run, &kubelet);
+    assert_eq!(run.status.as_ref().and_then(|s| s.attempt), Some(1));
+    let (jobs, _) = children(&setup.client, &ns, "relay").await;
+    assert_eq!(jobs, ["relay-gen-1", "relay-merge", "relay-plan"]);
+    let uid = created.metadata.uid.expect("a uid");
+    let events = wait_until("the Succeeded Event", Duration::from_secs(30), || async {
+        let events = phase_events(&setup.client, &ns, &uid).await;
+        events.iter().any(|r| r == "Succeeded").then_some(events)
+    })
+    .await;
+    assert_eq!(events, ["Planning", "Running", "Merging", "Succeeded"]);
+
+    stop_replica(stop_b, b).await;
 }
