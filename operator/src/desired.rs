@@ -11,6 +11,7 @@
 //! - Job status is mapped back to batch ids through the pending list of the attempt.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::LazyLock;
 
 use k8s_openapi::api::batch::v1::{
     Job, JobSpec, PodFailurePolicy, PodFailurePolicyOnExitCodesRequirement,
@@ -24,6 +25,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, OwnerReference, Time};
 use kube::{Resource, ResourceExt};
+use regex::Regex;
 use serde::Deserialize;
 use trajectory_worker::plan::{self, RunPlan, compact_ranges, env, exit, format_ranges, paths};
 use trajectory_worker::spec::RunSpec;
@@ -111,6 +113,8 @@ pub enum DesiredError {
     InvalidVolume(#[source] serde_json::Error),
     #[error("spec.podTemplate is invalid: {0}")]
     InvalidPodTemplate(#[source] serde_json::Error),
+    #[error("{field}: {value:?} is not a quantity (e.g. 500m, 2, 4Gi)")]
+    InvalidQuantity { field: String, value: String },
     #[error("the run plan cannot be serialised: {0}")]
     Plan(#[source] serde_json::Error),
     #[error("a generation Job needs at least one pending batch")]
@@ -142,7 +146,7 @@ impl DesiredError {
             Self::NotStored => "NotStored",
             Self::MissingVolume => "MissingVolume",
             Self::InvalidVolume(_) => "InvalidVolume",
-            Self::InvalidPodTemplate(_) => "InvalidPodTemplate",
+            Self::InvalidPodTemplate(_) | Self::InvalidQuantity { .. } => "InvalidPodTemplate",
             Self::Plan(_) => "InvalidPlan",
             Self::NothingPending => "NothingPending",
             Self::BadIndexes { .. } => "BadIndexes",
@@ -223,10 +227,39 @@ pub struct PodOverrides {
 
 impl PodOverrides {
     pub fn from_spec(spec: &RunSpec) -> Result<Self, DesiredError> {
-        spec.pod_template.as_ref().map_or_else(
+        let overrides: Self = spec.pod_template.as_ref().map_or_else(
             || Ok(Self::default()),
             |value| serde_json::from_value(value.clone()).map_err(DesiredError::InvalidPodTemplate),
-        )
+        )?;
+        overrides.check_quantities()?;
+        Ok(overrides)
+    }
+
+    /// The API server answers a Job with a malformed quantity with 500 Internal Server Error (it
+    /// fails converting the applied object), which looks transient; checked here, it is a bad spec
+    /// that names its field.
+    fn check_quantities(&self) -> Result<(), DesiredError> {
+        static QUANTITY: LazyLock<Regex> = LazyLock::new(|| {
+            // The API server's own pattern (k8s.io/apimachinery resource.Quantity).
+            Regex::new(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$").expect("a valid pattern")
+        });
+        let Some(resources) = &self.resources else {
+            return Ok(());
+        };
+        for (kind, quantities) in [
+            ("requests", &resources.requests),
+            ("limits", &resources.limits),
+        ] {
+            for (name, quantity) in quantities.iter().flatten() {
+                if !QUANTITY.is_match(&quantity.0) {
+                    return Err(DesiredError::InvalidQuantity {
+                        field: format!("spec.podTemplate.resources.{kind}.{name}"),
+                        value: quantity.0.clone(),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1193,6 +1226,24 @@ mod tests {
                 .as_deref(),
             Some(settings().worker_image.as_str())
         );
+    }
+
+    #[test]
+    fn a_malformed_quantity_in_the_pod_template_is_refused_naming_it() {
+        let run = Fixture::new().with_pod_template(json!({
+            "resources": {"requests": {"cpu": "500m", "memory": "4Gi"}, "limits": {"cpu": "plenty"}},
+        }));
+        let error = plan_job(&run.0, &settings()).unwrap_err();
+        assert!(error.is_permanent());
+        assert_eq!(
+            error.to_string(),
+            "spec.podTemplate.resources.limits.cpu: \"plenty\" is not a quantity (e.g. 500m, 2, 4Gi)"
+        );
+        for good in ["1", "0.5", "250m", "1e3", "128Mi", "+2"] {
+            let run =
+                Fixture::new().with_pod_template(json!({"resources": {"requests": {"cpu": good}}}));
+            assert!(plan_job(&run.0, &settings()).is_ok(), "{good}");
+        }
     }
 
     #[test]

@@ -37,8 +37,9 @@ use trajectory_operator::desired::labels;
 use trajectory_operator::leader::LeaseConfig;
 use trajectory_operator::service::{self, Exit};
 use trajectory_tests::e2e::{
-    ControllerGuard, Kubelet, Played, Scratch, children, done_batches, jsonl, model, phase_events,
-    phase_of, pods_of_index, printed_row, run_spec, snapshot, start_controller_in, write_dataset,
+    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, children, done_batches, jsonl, model,
+    phase_events, phase_of, pods_of_index, printed_row, run_spec, snapshot, start_controller_in,
+    write_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::plan::{exit, paths};
@@ -935,4 +936,90 @@ async fn another_replica_finishes_a_run_after_the_leader_stops_mid_run() {
     assert_eq!(events, ["Planning", "Running", "Merging", "Succeeded"]);
 
     stop_replica(stop_b, b).await;
+}
+
+/// A run whose Job the API server refuses (a toleration it cannot accept) is stalled — `Failed`
+/// and `Stalled` with the API server's message naming the field, one Warning Event — and waits for
+/// a change instead of retrying; fixing the spec starts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_whose_job_is_refused_stalls_until_its_spec_is_fixed() {
+    let node_selector = json!({NO_NODE.0: NO_NODE.1});
+    let (setup, _controller, _kubelet) = Setup::with_run(
+        "e2e-refused",
+        "refused",
+        &json!({"podTemplate": {
+            "nodeSelector": node_selector,
+            "tolerations": [{"key": "spot", "operator": "Sometimes"}],
+        }}),
+    )
+    .await;
+    let uid = setup
+        .runs
+        .get("refused")
+        .await
+        .expect("the run")
+        .metadata
+        .uid
+        .expect("a uid");
+    let stalled = wait_until("the run to stall", Duration::from_secs(30), || async {
+        let run = setup.runs.get("refused").await.ok()?;
+        (condition_status(&run, "Stalled").as_deref() == Some("True")).then_some(run)
+    })
+    .await;
+    let status = stalled.status.clone().expect("a status");
+    assert_eq!(status.phase, Some(Phase::Failed));
+    let failed = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Failed")
+        .expect("a Failed condition");
+    assert_eq!(
+        (failed.status.as_str(), failed.reason.as_str()),
+        ("True", "InvalidSpec")
+    );
+    assert!(
+        failed.message.contains("refused-plan")
+            && failed
+                .message
+                .contains("spec.template.spec.tolerations[0].operator"),
+        "{}",
+        failed.message
+    );
+    assert_eq!(
+        condition_status(&stalled, "Reconciling").as_deref(),
+        Some("False")
+    );
+    // It waits: no Job, and the status is not rewritten while nothing changes.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let later = setup.runs.get("refused").await.expect("the run");
+    assert_eq!(
+        later.metadata.resource_version,
+        stalled.metadata.resource_version
+    );
+    let (jobs, _) = children(&setup.client, setup.ns(), "refused").await;
+    assert!(jobs.is_empty(), "{jobs:?}");
+    assert_eq!(
+        phase_events(&setup.client, setup.ns(), &uid).await,
+        ["Failed"]
+    );
+
+    setup
+        .patch_spec("refused", &json!({"podTemplate": {"tolerations": null}}))
+        .await;
+    let fixed = wait_until("the fixed run to plan", Duration::from_secs(30), || async {
+        let run = setup.runs.get("refused").await.ok()?;
+        (phase_of(&run) == Some(Phase::Planning)).then_some(run)
+    })
+    .await;
+    assert_eq!(condition_status(&fixed, "Failed").as_deref(), Some("False"));
+    assert_eq!(
+        condition_status(&fixed, "Stalled").as_deref(),
+        Some("False")
+    );
+    assert_eq!(
+        fixed.status.as_ref().and_then(|s| s.observed_generation),
+        Some(2)
+    );
+    let (jobs, _) = children(&setup.client, setup.ns(), "refused").await;
+    assert_eq!(jobs, ["refused-plan"]);
 }
