@@ -1,6 +1,7 @@
 //! Helm for tests: the binary `scripts/helm/build.sh` builds (`TRAJ_HELM`), and the chart
 //! `charts/trajectory-operator` rendered by it.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -52,15 +53,38 @@ pub fn helm() -> PathBuf {
 /// `helm template RELEASE CHART --namespace NAMESPACE --include-crds --set S...`: the rendered
 /// manifests, or helm's error output when it refuses.
 pub fn template(release: &str, namespace: &str, sets: &[&str]) -> Result<String, String> {
+    let args: Vec<OsString> = sets
+        .iter()
+        .flat_map(|set| [OsString::from("--set"), OsString::from(set)])
+        .collect();
+    run_template(release, namespace, &args)
+}
+
+/// [`template`] with `values` (a JSON object) as a values file, as Argo CD or Flux pass them.
+pub fn template_with_values(
+    release: &str,
+    namespace: &str,
+    values: &Value,
+) -> Result<String, String> {
+    let file = std::env::temp_dir().join(format!("{}.json", crate::unique_name("helm-values")));
+    // JSON is YAML: helm reads it as a values file.
+    std::fs::write(&file, values.to_string())
+        .unwrap_or_else(|e| panic!("writing {}: {e}", file.display()));
+    let rendered = run_template(
+        release,
+        namespace,
+        &[OsString::from("--values"), file.clone().into_os_string()],
+    );
+    let _ = std::fs::remove_file(&file);
+    rendered
+}
+
+fn run_template(release: &str, namespace: &str, args: &[OsString]) -> Result<String, String> {
     let helm = helm();
-    let mut command = Command::new(&helm);
-    command
+    let output = Command::new(&helm)
         .args(["template", release, CHART_DIR, "--namespace", namespace])
-        .arg("--include-crds");
-    for set in sets {
-        command.args(["--set", set]);
-    }
-    let output = command
+        .arg("--include-crds")
+        .args(args)
         .output()
         .unwrap_or_else(|e| panic!("running {}: {e}", helm.display()));
     if output.status.success() {
