@@ -401,6 +401,7 @@ fn record_templates(rng: &mut Rng) -> Vec<Map<String, Value>> {
             model: "bench-model",
             toolsets_used: &toolsets,
             tools_offered: &tools,
+            system_turn: None,
             catalog: &catalog,
             started_at: started,
             finished_at: started + chrono::Duration::milliseconds(1532),

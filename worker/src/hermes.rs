@@ -6,6 +6,9 @@
 //! sections 7.2 and 11), with JSON written as Python writes it ([`crate::pyjson`]). Our additions
 //! come after the reference's keys.
 
+use std::borrow::Cow;
+
+use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{Map, Value, json};
 
 use crate::agent::Conversation;
@@ -18,15 +21,21 @@ const SYSTEM_PROMPT_TAIL: &str = "\n</tools>\nFor each function call return a JS
 
 /// The Hermes function-calling system turn listing the offered tools.
 pub fn system_turn(tools: &[ToolSpec]) -> String {
-    let listed: Vec<Value> = tools
+    /// One listed tool, borrowed (the schemas are not copied); keys in the reference's order.
+    #[derive(serde::Serialize)]
+    struct Listed<'a> {
+        name: &'a str,
+        description: &'a str,
+        parameters: &'a Value,
+        required: (),
+    }
+    let listed: Vec<Listed<'_>> = tools
         .iter()
-        .map(|tool| {
-            json!({
-                "name": tool.name,
-                "description": tool.description,
-                "parameters": tool.parameters,
-                "required": null,
-            })
+        .map(|tool| Listed {
+            name: &tool.name,
+            description: &tool.description,
+            parameters: &tool.parameters,
+            required: (),
         })
         .collect();
     format!(
@@ -35,37 +44,48 @@ pub fn system_turn(tools: &[ToolSpec]) -> String {
     )
 }
 
-fn turn(from: &str, value: impl Into<Value>) -> Value {
-    let value = value.into();
-    json!({"from": from, "value": value})
+/// One `ShareGPT` turn, borrowing what it can from the conversation.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Turn<'a> {
+    pub from: &'static str,
+    pub value: Cow<'a, str>,
 }
 
 /// The `ShareGPT` turns of a conversation: system, human, then gpt / tool / human turns.
 pub fn sharegpt(conversation: &Conversation, tools: &[ToolSpec]) -> Vec<Value> {
-    let mut turns = vec![turn("system", system_turn(tools))];
+    sharegpt_turns(conversation, Cow::Owned(system_turn(tools)))
+        .into_iter()
+        .map(|turn| json!({"from": turn.from, "value": turn.value}))
+        .collect()
+}
+
+/// [`sharegpt`] as borrowed turns, with the system turn already rendered.
+pub fn sharegpt_turns<'a>(conversation: &'a Conversation, system: Cow<'a, str>) -> Vec<Turn<'a>> {
+    let turn = |from, value| Turn { from, value };
+    let mut turns = vec![turn("system", system)];
     let mut messages = conversation.messages.iter().peekable();
     while let Some(message) = messages.next() {
         match message {
             Message::System(_) => {}
-            Message::User(content) => turns.push(turn("human", content.clone())),
+            Message::User(content) => turns.push(turn("human", Cow::Borrowed(content))),
             Message::Assistant(assistant) if assistant.tool_calls.is_empty() => {
-                turns.push(turn("gpt", final_turn_value(assistant)));
+                turns.push(turn("gpt", Cow::Owned(final_turn_value(assistant))));
             }
             Message::Assistant(assistant) => {
-                turns.push(turn("gpt", tool_call_turn_value(assistant)));
+                turns.push(turn("gpt", Cow::Owned(tool_call_turn_value(assistant))));
                 let mut responses = Vec::new();
                 while let Some(Message::Tool(result)) = messages.peek() {
                     responses.push(tool_response(result, assistant, responses.len()));
                     messages.next();
                 }
                 if !responses.is_empty() {
-                    turns.push(turn("tool", responses.join("\n")));
+                    turns.push(turn("tool", Cow::Owned(responses.join("\n"))));
                 }
             }
             // A tool message without a preceding call cannot happen in our loop; show it anyway.
             Message::Tool(result) => turns.push(turn(
                 "tool",
-                tool_response(result, &AssistantMessage::default(), 0),
+                Cow::Owned(tool_response(result, &AssistantMessage::default(), 0)),
             )),
         }
     }
@@ -262,6 +282,9 @@ pub struct RecordContext<'a> {
     pub model: &'a str,
     pub toolsets_used: &'a [String],
     pub tools_offered: &'a [ToolSpec],
+    /// [`system_turn`] of `tools_offered` if the caller has it already (it is the same for every
+    /// conversation offered the same tools); `None` renders it.
+    pub system_turn: Option<&'a str>,
     pub catalog: &'a [String],
     pub started_at: chrono::DateTime<chrono::Utc>,
     pub finished_at: chrono::DateTime<chrono::Utc>,
@@ -279,89 +302,170 @@ pub fn trajectory_record(
     conversation: &Conversation,
     context: &RecordContext<'_>,
 ) -> Map<String, Value> {
-    let stats = tool_stats(&conversation.messages, context.catalog);
-    let reasoning = reasoning_stats(&conversation.messages);
-    let duration_ms = (context.finished_at - context.started_at)
-        .num_milliseconds()
-        .max(0);
-    let mut record = Map::new();
-    record.insert("prompt_index".into(), context.prompt_index.into());
-    record.insert(
-        "conversations".into(),
-        Value::Array(sharegpt(conversation, context.tools_offered)),
-    );
-    record.insert(
-        "metadata".into(),
-        json!({"batch_num": context.batch, "timestamp": timestamp(context.finished_at), "model": context.model}),
-    );
-    record.insert("completed".into(), conversation.completed.into());
-    record.insert("partial".into(), conversation.partial.into());
-    record.insert("api_calls".into(), conversation.api_calls.into());
-    record.insert("toolsets_used".into(), json!(context.toolsets_used));
-    record.insert(
-        "tool_stats".into(),
-        Value::Object(
-            stats
-                .iter()
-                .map(|(name, c)| {
-                    (
-                        name.clone(),
-                        json!({"count": c.count, "success": c.success, "failure": c.failure}),
-                    )
-                })
-                .collect(),
-        ),
-    );
-    record.insert(
-        "tool_error_counts".into(),
-        Value::Object(
-            stats
-                .iter()
-                .map(|(name, c)| (name.clone(), c.failure.into()))
-                .collect(),
-        ),
-    );
-    record.insert("id".into(), context.id.into());
-    record.insert("sample".into(), context.sample.into());
-    record.insert(
-        "tools_offered".into(),
-        json!(
-            context
-                .tools_offered
-                .iter()
-                .map(|tool| tool.name.as_str())
-                .collect::<Vec<_>>()
-        ),
-    );
-    let usage = conversation.usage;
-    record.insert(
-        "usage".into(),
-        json!({
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "reasoning_tokens": usage.reasoning_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        }),
-    );
-    record.insert(
-        "reasoning_stats".into(),
-        json!({
-            "total_assistant_turns": reasoning.total_assistant_turns,
-            "turns_with_reasoning": reasoning.turns_with_reasoning,
-            "turns_without_reasoning": reasoning.total_assistant_turns - reasoning.turns_with_reasoning,
-        }),
-    );
-    record.insert("duration_ms".into(), duration_ms.into());
-    record.insert(
-        "model_time_ms".into(),
-        u64::try_from(conversation.model_time.as_millis())
-            .unwrap_or(u64::MAX)
-            .into(),
-    );
-    record.insert("started_at".into(), timestamp(context.started_at).into());
-    record.insert("finished_at".into(), timestamp(context.finished_at).into());
-    record.insert("source".into(), Value::Object(context.source.clone()));
-    record
+    match serde_json::to_value(TrajectoryRecord::new(conversation, context)) {
+        Ok(Value::Object(record)) => record,
+        _ => unreachable!("a trajectory record serialises to a JSON object"),
+    }
+}
+
+/// [`trajectory_record`] written as one line of Python-style JSON into `out`, without building
+/// the record as a value first (the batch's path: it renders a record per conversation).
+pub fn write_trajectory_record(
+    out: &mut Vec<u8>,
+    conversation: &Conversation,
+    context: &RecordContext<'_>,
+) {
+    crate::pyjson::write(out, &TrajectoryRecord::new(conversation, context));
+}
+
+/// A trajectory record borrowing from its conversation and context.
+struct TrajectoryRecord<'a> {
+    conversation: &'a Conversation,
+    context: &'a RecordContext<'a>,
+    turns: Vec<Turn<'a>>,
+    stats: Vec<(String, ToolCounts)>,
+    reasoning: ReasoningStats,
+}
+
+impl<'a> TrajectoryRecord<'a> {
+    fn new(conversation: &'a Conversation, context: &'a RecordContext<'a>) -> Self {
+        let system = context.system_turn.map_or_else(
+            || Cow::Owned(system_turn(context.tools_offered)),
+            Cow::Borrowed,
+        );
+        Self {
+            conversation,
+            context,
+            turns: sharegpt_turns(conversation, system),
+            stats: tool_stats(&conversation.messages, context.catalog),
+            reasoning: reasoning_stats(&conversation.messages),
+        }
+    }
+}
+
+/// A map written entry by entry from an iterator of key/value pairs.
+struct MapOf<I>(std::cell::Cell<Option<I>>);
+
+impl<I> MapOf<I> {
+    fn new(entries: I) -> Self {
+        Self(std::cell::Cell::new(Some(entries)))
+    }
+}
+
+impl<K: Serialize, V: Serialize, I: Iterator<Item = (K, V)>> Serialize for MapOf<I> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let entries = self.0.take().expect("a MapOf is serialised once");
+        serializer.collect_map(entries)
+    }
+}
+
+impl Serialize for TrajectoryRecord<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        #[derive(serde::Serialize)]
+        struct Metadata<'a> {
+            batch_num: u32,
+            timestamp: String,
+            model: &'a str,
+        }
+        #[derive(serde::Serialize)]
+        struct Counts {
+            count: u64,
+            success: u64,
+            failure: u64,
+        }
+        // Field names are the record's keys.
+        #[allow(clippy::struct_field_names)]
+        #[derive(serde::Serialize)]
+        struct TokenUsage {
+            prompt_tokens: u64,
+            completion_tokens: u64,
+            reasoning_tokens: u64,
+            total_tokens: u64,
+        }
+        #[allow(clippy::struct_field_names)]
+        #[derive(serde::Serialize)]
+        struct Reasoning {
+            total_assistant_turns: u64,
+            turns_with_reasoning: u64,
+            turns_without_reasoning: u64,
+        }
+        let (conversation, context) = (self.conversation, self.context);
+        let duration_ms = (context.finished_at - context.started_at)
+            .num_milliseconds()
+            .max(0);
+        let usage = conversation.usage;
+        let mut record = serializer.serialize_map(None)?;
+        record.serialize_entry("prompt_index", &context.prompt_index)?;
+        record.serialize_entry("conversations", &self.turns)?;
+        record.serialize_entry(
+            "metadata",
+            &Metadata {
+                batch_num: context.batch,
+                timestamp: timestamp(context.finished_at),
+                model: context.model,
+            },
+        )?;
+        record.serialize_entry("completed", &conversation.completed)?;
+        record.serialize_entry("partial", &conversation.partial)?;
+        record.serialize_entry("api_calls", &conversation.api_calls)?;
+        record.serialize_entry("toolsets_used", context.toolsets_used)?;
+        record.serialize_entry(
+            "tool_stats",
+            &MapOf::new(self.stats.iter().map(|(name, counts)| {
+                (
+                    name,
+                    Counts {
+                        count: counts.count,
+                        success: counts.success,
+                        failure: counts.failure,
+                    },
+                )
+            })),
+        )?;
+        record.serialize_entry(
+            "tool_error_counts",
+            &MapOf::new(
+                self.stats
+                    .iter()
+                    .map(|(name, counts)| (name, counts.failure)),
+            ),
+        )?;
+        record.serialize_entry("id", context.id)?;
+        record.serialize_entry("sample", &context.sample)?;
+        let offered: Vec<&str> = context
+            .tools_offered
+            .iter()
+            .map(|tool| tool.name.as_str())
+            .collect();
+        record.serialize_entry("tools_offered", &offered)?;
+        record.serialize_entry(
+            "usage",
+            &TokenUsage {
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+                reasoning_tokens: usage.reasoning_tokens,
+                total_tokens: usage.prompt_tokens + usage.completion_tokens,
+            },
+        )?;
+        record.serialize_entry(
+            "reasoning_stats",
+            &Reasoning {
+                total_assistant_turns: self.reasoning.total_assistant_turns,
+                turns_with_reasoning: self.reasoning.turns_with_reasoning,
+                turns_without_reasoning: self.reasoning.total_assistant_turns
+                    - self.reasoning.turns_with_reasoning,
+            },
+        )?;
+        record.serialize_entry("duration_ms", &duration_ms)?;
+        record.serialize_entry(
+            "model_time_ms",
+            &u64::try_from(conversation.model_time.as_millis()).unwrap_or(u64::MAX),
+        )?;
+        record.serialize_entry("started_at", &timestamp(context.started_at))?;
+        record.serialize_entry("finished_at", &timestamp(context.finished_at))?;
+        record.serialize_entry("source", context.source)?;
+        record.end()
+    }
 }
 
 /// The same conversation in `OpenAI` `messages` + `tools` form, for trainers that want it.

@@ -16,7 +16,7 @@
 //! tail is cut off before the next append).
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::io::{self, IoSlice, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 /// An I/O failure, with the path it happened on.
@@ -202,16 +202,31 @@ impl AppendLog {
 
     /// Appends several lines with one write and one fsync (group commit under load).
     pub fn append_lines(&mut self, lines: &[&[u8]]) -> Result<(), StorageError> {
-        let mut buffer = Vec::with_capacity(lines.iter().map(|line| line.len() + 1).sum());
+        let mut slices = Vec::with_capacity(lines.len() * 2);
         for line in lines {
             debug_assert!(!line.contains(&b'\n'), "a record must be one line");
-            buffer.extend_from_slice(line);
-            buffer.push(b'\n');
+            slices.push(IoSlice::new(line));
+            slices.push(IoSlice::new(b"\n"));
         }
-        // One write call: an O_APPEND write of a whole buffer lands contiguously.
-        self.file
-            .write_all(&buffer)
-            .at("appending to", &self.path)?;
+        // One gathered write of the whole group (no copy into one buffer): an O_APPEND write
+        // lands contiguously at the end; a short write goes on with the rest.
+        let mut remaining = &mut slices[..];
+        while !remaining.is_empty() {
+            // The kernel takes at most IOV_MAX (1024) slices per call.
+            let batch = remaining.len().min(1024);
+            match self.file.write_vectored(&remaining[..batch]) {
+                Ok(0) => {
+                    return Err(StorageError::new(
+                        "appending to",
+                        &self.path,
+                        io::ErrorKind::WriteZero.into(),
+                    ));
+                }
+                Ok(written) => IoSlice::advance_slices(&mut remaining, written),
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(err) => return Err(StorageError::new("appending to", &self.path, err)),
+            }
+        }
         self.file.sync_data().at("syncing", &self.path)
     }
 }
@@ -272,6 +287,19 @@ mod tests {
             fs::read_to_string(&path).unwrap(),
             "{\"a\":1}\n{\"a\":2}\n{\"a\":3}\n"
         );
+    }
+
+    #[test]
+    fn a_group_of_more_lines_than_one_gathered_write_takes_is_appended_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.jsonl");
+        let lines: Vec<String> = (0..3000).map(|i| format!("{{\"i\":{i}}}")).collect();
+        let slices: Vec<&[u8]> = lines.iter().map(String::as_bytes).collect();
+        let mut log = AppendLog::open(&path).unwrap();
+        log.append_lines(&slices).unwrap();
+        log.append_line(b"{}").unwrap();
+        let expected = lines.join("\n") + "\n{}\n";
+        assert_eq!(fs::read_to_string(&path).unwrap(), expected);
     }
 
     #[test]

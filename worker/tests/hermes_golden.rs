@@ -6,7 +6,9 @@ use std::time::Duration;
 use chrono::TimeZone;
 use serde_json::{Map, Value, json};
 use trajectory_worker::agent::Conversation;
-use trajectory_worker::hermes::{RecordContext, system_turn, trajectory_record};
+use trajectory_worker::hermes::{
+    RecordContext, system_turn, trajectory_record, write_trajectory_record,
+};
 use trajectory_worker::model::types::{parse_arguments, tool_call};
 use trajectory_worker::model::{
     AssistantMessage, Message, Reasoning, ReasoningShape, ToolMessage, Usage,
@@ -115,6 +117,7 @@ fn a_conversation_becomes_the_reference_record_byte_for_byte() {
         model: "hermes-test",
         toolsets_used: &toolsets,
         tools_offered: &tools,
+        system_turn: None,
         catalog: &catalog,
         started_at: started,
         finished_at: started + chrono::Duration::milliseconds(1532),
@@ -161,6 +164,23 @@ fn a_conversation_becomes_the_reference_record_byte_for_byte() {
     );
     assert!(line.starts_with(r#"{"prompt_index": 42, "conversations": [{"from": "system", "value": "You are a function calling AI model."#));
     assert!(line.contains("— no notes."), "non-ASCII stays UTF-8");
+
+    // The batch writes the same line straight from the conversation, with the system turn it
+    // rendered once for these tools.
+    let mut streamed = Vec::new();
+    write_trajectory_record(&mut streamed, &conversation(), &context);
+    assert_eq!(String::from_utf8(streamed).unwrap(), line);
+    let system = system_turn(&tools);
+    let mut with_system = Vec::new();
+    write_trajectory_record(
+        &mut with_system,
+        &conversation(),
+        &RecordContext {
+            system_turn: Some(&system),
+            ..context.clone()
+        },
+    );
+    assert_eq!(String::from_utf8(with_system).unwrap(), line);
 }
 
 #[test]

@@ -104,6 +104,7 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
             model: &model_name(),
             toolsets_used: &toolsets,
             tools_offered: &offered,
+            system_turn: None,
             catalog: &catalog,
             started_at: now,
             finished_at: now,

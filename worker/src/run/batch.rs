@@ -7,17 +7,18 @@
 //! lines that arrive together). When every (prompt, sample) has a record, the `.done` marker is
 //! written atomically. A killed batch loses at most its in-flight conversations.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use tempfile::TempDir;
 use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
 use tracing::{Instrument, info, info_span, warn};
 
 use super::manifest::Manifest;
@@ -25,15 +26,17 @@ use super::{RunError, RunLocation};
 use crate::agent::{AgentConfig, run_conversation};
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row};
 use crate::distribution::Distribution;
-use crate::hermes::{RecordContext, openai_record, reasoning_stats, timestamp, trajectory_record};
+use crate::hermes::{
+    RecordContext, openai_record, reasoning_stats, system_turn, timestamp, write_trajectory_record,
+};
 use crate::model::{ApiKey, ModelClient, ModelSettings};
 use crate::plan::BatchSummary;
 use crate::spec::RunSpec;
 use crate::storage::{AppendLog, RunDir, StorageError, read_whole_lines, write_atomic};
-use crate::tools::{Registry, ToolContext, ToolLimits, ToolSpec, Workspace};
+use crate::tools::{Registry, Tool, ToolContext, ToolLimits, ToolSpec, Workspace};
 
 /// What a process needs to run conversations, built once and shared by all batches.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Engine {
     pub client: ModelClient,
     pub registry: Registry,
@@ -146,6 +149,16 @@ pub enum Outcome {
     Failed,
 }
 
+/// What a running batch tells its progress display.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// The batch found this many records of an earlier run on storage (told once, at its start,
+    /// when there are any), so a display need not read the batch files itself.
+    Resumed(u64),
+    /// One (prompt, sample) has its record on the way to storage.
+    Finished(Outcome),
+}
+
 /// The fields of a record line that bookkeeping needs.
 #[derive(Debug, Deserialize)]
 pub(crate) struct RecordKey {
@@ -175,7 +188,7 @@ pub async fn run_batch(
     manifest: &Manifest,
     batch: u32,
     shutdown: &Shutdown,
-    progress: &(dyn Fn(Outcome) + Send + Sync),
+    progress: &(dyn Fn(Progress) + Send + Sync),
 ) -> Result<BatchSummary, RunError> {
     let run_dir = location.run_dir();
     let Some(layout) = manifest.batches.get(batch as usize) else {
@@ -204,6 +217,9 @@ pub async fn run_batch(
     let main_log = AppendLog::open(&records_path)?;
     let (existing, mut summary) = existing_records(&run_dir, batch)?;
     summary.resumed = summary.succeeded + summary.discarded + summary.failed;
+    if summary.resumed > 0 {
+        progress(Progress::Resumed(summary.resumed));
+    }
     let openai_log = if engine.openai_format {
         Some(AppendLog::open(&run_dir.batch_openai_records(batch))?)
     } else {
@@ -224,33 +240,52 @@ pub async fn run_batch(
 
     let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
     let writer = tokio::task::spawn_blocking(move || write_lines(receiver, main_log, openai_log));
-    let stop = AtomicBool::new(false);
     let mut permanent: Option<RunError> = None;
-    let context = BatchContext {
-        id_prefix: manifest
-            .spec_hash
-            .trim_start_matches("blake3:")
-            .chars()
-            .take(12)
-            .collect(),
-        batch,
-        catalog: &manifest.tool_catalog,
-        model: &location.plan.spec.model.name,
-    };
-    let rows = &rows;
-    let context = &context;
-    let mut results = futures::stream::iter(items)
-        .take_while(|_| std::future::ready(!shutdown.is_triggered() && !stop.load(Ordering::SeqCst)))
-        .map(|(prompt_index, sample)| async move {
-            let row = &rows[usize::try_from(prompt_index - first_prompt).unwrap_or(usize::MAX)];
-            let work = run_item(engine, context, row, prompt_index, sample);
-            tokio::select! {
-                result = work => Some(result),
-                () = async { shutdown.wait().await; tokio::time::sleep(engine.grace).await } => None,
+    // Each conversation is a task of its own, so that conversations (and rendering their records)
+    // use every core; they share one copy of what they read.
+    let shared = Arc::new(Shared {
+        engine: engine.clone(),
+        rows,
+        first_prompt,
+        offered: Mutex::default(),
+        idle_workspaces: Mutex::default(),
+        context: BatchContext {
+            id_prefix: manifest
+                .spec_hash
+                .trim_start_matches("blake3:")
+                .chars()
+                .take(12)
+                .collect(),
+            batch,
+            catalog: manifest.tool_catalog.clone(),
+            model: location.plan.spec.model.name.clone(),
+        },
+    });
+    let mut items = items.into_iter();
+    let mut running = JoinSet::new();
+    let mut stopping = false;
+    loop {
+        while !stopping && running.len() < engine.concurrency.max(1) {
+            if shutdown.is_triggered() {
+                break;
             }
-        })
-        .buffer_unordered(engine.concurrency.max(1));
-    while let Some(result) = results.next().await {
+            let Some((prompt_index, sample)) = items.next() else {
+                break;
+            };
+            let (shared, shutdown) = (Arc::clone(&shared), shutdown.clone());
+            running.spawn(async move {
+                let work = run_item(&shared, prompt_index, sample);
+                tokio::select! {
+                    result = work => Some(result),
+                    () = async { shutdown.wait().await; tokio::time::sleep(shared.engine.grace).await } => None,
+                }
+            });
+        }
+        let Some(joined) = running.join_next().await else {
+            break;
+        };
+        let result =
+            joined.map_err(|err| RunError::Internal(format!("a conversation panicked: {err}")))?;
         match result {
             None => {}
             Some(Item::Record {
@@ -264,12 +299,14 @@ pub async fn run_batch(
                     Outcome::Failed => summary.failed += 1,
                 }
                 if sender.send(Lines { main: line, openai }).is_err() {
+                    // The writer stopped on an error, which it reports below; dropping the set
+                    // abandons the conversations in flight.
                     break;
                 }
-                progress(outcome);
+                progress(Progress::Finished(outcome));
             }
             Some(Item::Stop(error)) => {
-                stop.store(true, Ordering::SeqCst);
+                stopping = true;
                 // A configuration error outranks an unreachable server.
                 if permanent
                     .as_ref()
@@ -280,8 +317,16 @@ pub async fn run_batch(
             }
         }
     }
-    drop(results);
     drop(sender);
+    drop(running);
+    let idle = std::mem::take(
+        &mut *shared
+            .idle_workspaces
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner),
+    );
+    // Removed in the background: nothing waits for empty directories to go.
+    drop(tokio::task::spawn_blocking(move || drop(idle)));
     writer
         .await
         .map_err(|err| RunError::Internal(format!("record writer panicked: {err}")))??;
@@ -292,20 +337,21 @@ pub async fn run_batch(
     if shutdown.is_triggered() {
         return Err(RunError::Interrupted);
     }
-    // Count from storage, the source of truth, rather than from this process's tally.
-    let (_, counted) = existing_records(&run_dir, batch)?;
+    // The writer stopped without an error, so every line it was sent is on storage: the records
+    // found there at the start and those counted as they were sent are what storage holds (no
+    // need to read the file again).
     let marker = DoneMarker {
         batch,
-        succeeded: counted.succeeded,
-        discarded: counted.discarded,
-        failed: counted.failed,
+        succeeded: summary.succeeded,
+        discarded: summary.discarded,
+        failed: summary.failed,
         finished_at: timestamp(chrono::Utc::now()),
     };
-    let expected = rows.len() as u64 * u64::from(engine.samples_per_prompt);
-    if counted.succeeded + counted.discarded + counted.failed < expected {
+    let expected = shared.rows.len() as u64 * u64::from(engine.samples_per_prompt);
+    let recorded = marker.succeeded + marker.discarded + marker.failed;
+    if recorded < expected {
         return Err(RunError::Internal(format!(
-            "batch {batch} has {} records of {expected} after its run",
-            counted.succeeded + counted.discarded + counted.failed
+            "batch {batch} has {recorded} records of {expected} after its run"
         )));
     }
     let marker_json =
@@ -399,11 +445,115 @@ fn existing_records(
     Ok((keys, summary))
 }
 
-struct BatchContext<'a> {
+/// What every conversation task of a batch reads.
+struct Shared {
+    engine: Engine,
+    rows: Vec<Row>,
+    first_prompt: u64,
+    context: BatchContext,
+    /// What is offered for each combination of toolsets drawn so far.
+    offered: Mutex<HashMap<Vec<String>, Arc<Offered>>>,
+    /// Workspaces that conversations left empty, for the next ones.
+    idle_workspaces: Mutex<Vec<(TempDir, Workspace)>>,
+}
+
+/// The tools of one combination of toolsets, with what every record offered them repeats.
+struct Offered {
+    toolsets: Vec<String>,
+    tools: Vec<Arc<dyn Tool>>,
+    specs: Vec<ToolSpec>,
+    system_turn: String,
+}
+
+impl Shared {
+    fn offered(&self, toolsets: &[String]) -> Arc<Offered> {
+        let mut known = self.offered.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(offered) = known.get(toolsets) {
+            return Arc::clone(offered);
+        }
+        let tools = self.engine.registry.tools_for(toolsets);
+        let specs: Vec<ToolSpec> = tools.iter().map(|tool| tool.spec().clone()).collect();
+        let offered = Arc::new(Offered {
+            toolsets: toolsets.to_vec(),
+            system_turn: system_turn(&specs),
+            tools,
+            specs,
+        });
+        known.insert(toolsets.to_vec(), Arc::clone(&offered));
+        offered
+    }
+
+    /// An empty workspace: an idle one, or a new directory. Creating (and removing) directories
+    /// blocks on the filesystem, so it runs off the async threads.
+    async fn workspace(
+        &self,
+        prompt_index: u64,
+        sample: u32,
+    ) -> std::io::Result<(TempDir, Workspace)> {
+        let keep = self.engine.keep_workspaces;
+        if !keep
+            && let Some(idle) = self
+                .idle_workspaces
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop()
+        {
+            return Ok(idle);
+        }
+        // Kept workspaces are named after their conversation; reused ones cannot be.
+        let prefix = if keep {
+            format!("p{prompt_index}-s{sample}-")
+        } else {
+            "conversation-".to_owned()
+        };
+        let root = self.engine.workspace_root.clone();
+        tokio::task::spawn_blocking(move || {
+            let dir = tempfile::Builder::new().prefix(&prefix).tempdir_in(&root)?;
+            let workspace = Workspace::new(dir.path())?;
+            Ok((dir, workspace))
+        })
+        .await
+        .unwrap_or_else(|err| Err(std::io::Error::other(err)))
+    }
+
+    /// Keeps, reuses or removes a finished conversation's workspace.
+    fn release_workspace(&self, dir: TempDir, workspace: Workspace, untouched: bool) {
+        if self.engine.keep_workspaces {
+            let _kept = dir.keep();
+        } else if untouched {
+            self.idle_workspaces
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push((dir, workspace));
+        } else {
+            // Not awaited: the record need not wait for the removal.
+            drop(tokio::task::spawn_blocking(move || drop(dir)));
+        }
+    }
+}
+
+/// Whether every tool the conversation ran leaves the workspace as it found it (a call of an
+/// unknown tool runs nothing).
+fn only_read_only_tools_ran(
+    conversation: &crate::agent::Conversation,
+    tools: &[Arc<dyn Tool>],
+) -> bool {
+    conversation.messages.iter().all(|message| match message {
+        crate::model::Message::Assistant(assistant) => assistant.tool_calls.iter().all(|call| {
+            tools
+                .iter()
+                .find(|tool| tool.spec().name == call.name)
+                .is_none_or(|tool| tool.read_only())
+        }),
+        _ => true,
+    })
+}
+
+struct BatchContext {
     id_prefix: String,
     batch: u32,
-    catalog: &'a [String],
-    model: &'a str,
+    catalog: Vec<String>,
+    model: String,
 }
 
 enum Item {
@@ -449,25 +599,18 @@ fn write_lines(
 }
 
 /// Runs one (prompt, sample) and renders its record line.
-async fn run_item(
-    engine: &Engine,
-    context: &BatchContext<'_>,
-    row: &Row,
-    prompt_index: u64,
-    sample: u32,
-) -> Item {
+async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
+    let (engine, context) = (&shared.engine, &shared.context);
+    let row =
+        &shared.rows[usize::try_from(prompt_index - shared.first_prompt).unwrap_or(usize::MAX)];
     let id = format!("{}-{prompt_index}-{sample}", context.id_prefix);
-    let toolsets = engine
-        .distribution
-        .sample(engine.seed, prompt_index, sample);
-    let tools = engine.registry.tools_for(&toolsets);
-    let tools_offered: Vec<ToolSpec> = tools.iter().map(|tool| tool.spec().clone()).collect();
+    let offered = shared.offered(
+        &engine
+            .distribution
+            .sample(engine.seed, prompt_index, sample),
+    );
     let started_at = chrono::Utc::now();
-    let workspace_dir = match tempfile::Builder::new()
-        .prefix(&format!("p{prompt_index}-s{sample}-"))
-        .tempdir_in(&engine.workspace_root)
-        .and_then(|dir| Workspace::new(dir.path()).map(|workspace| (dir, workspace)))
-    {
+    let (dir, workspace) = match shared.workspace(prompt_index, sample).await {
         Ok(pair) => pair,
         Err(err) => {
             return failed_item(
@@ -481,7 +624,6 @@ async fn run_item(
             );
         }
     };
-    let (dir, workspace) = workspace_dir;
     let tool_context = ToolContext {
         workspace,
         limits: engine.limits.clone(),
@@ -489,16 +631,17 @@ async fn run_item(
     let span = info_span!("conversation", prompt_index, sample);
     let result = run_conversation(
         &engine.client,
-        &tools,
+        &offered.tools,
         &tool_context,
         &row.prompt,
         &engine.agent,
     )
     .instrument(span)
     .await;
-    if engine.keep_workspaces {
-        let _kept = dir.keep();
-    }
+    let untouched = result
+        .as_ref()
+        .is_ok_and(|conversation| only_read_only_tools_ran(conversation, &offered.tools));
+    shared.release_workspace(dir, tool_context.workspace, untouched);
     let finished_at = chrono::Utc::now();
     let conversation = match result {
         Ok(conversation) => conversation,
@@ -537,19 +680,18 @@ async fn run_item(
         prompt_index,
         sample,
         batch: context.batch,
-        model: context.model,
-        toolsets_used: &toolsets,
-        tools_offered: &tools_offered,
-        catalog: context.catalog,
+        model: &context.model,
+        toolsets_used: &offered.toolsets,
+        tools_offered: &offered.specs,
+        system_turn: Some(&offered.system_turn),
+        catalog: &context.catalog,
         started_at,
         finished_at,
         source: &row.source,
     };
-    let line = crate::pyjson::to_string(&Value::Object(trajectory_record(
-        &conversation,
-        &record_context,
-    )))
-    .into_bytes();
+    // Sized for a typical record at once: growing a buffer of kilobytes step by step is costly.
+    let mut line = Vec::with_capacity(16 * 1024);
+    write_trajectory_record(&mut line, &conversation, &record_context);
     let openai = engine.openai_format.then(|| {
         serde_json::to_vec(&Value::Object(openai_record(
             &conversation,
@@ -565,7 +707,7 @@ async fn run_item(
 }
 
 fn failed_item(
-    context: &BatchContext<'_>,
+    context: &BatchContext,
     id: &str,
     prompt_index: u64,
     sample: u32,

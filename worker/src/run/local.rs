@@ -14,11 +14,9 @@ use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use tracing::info;
 
-use super::batch::{Engine, Outcome, Shutdown, run_batch};
-use super::manifest::Manifest;
+use super::batch::{Engine, Outcome, Progress, Shutdown, run_batch};
 use super::{RunError, RunFile, RunLocation, merge, plan};
 use crate::plan::{MergeSummary, PlanSummary};
-use crate::storage::read_whole_lines;
 
 /// How progress is shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,7 +94,12 @@ pub async fn run_local(
         .filter(|batch| !done.contains(batch))
         .collect();
     let total = manifest.dataset.prompts * u64::from(manifest.samples_per_prompt);
-    let already = records_on_storage(&location, &manifest)?;
+    // Done batches hold all their records; the others report what they find as they start.
+    let already: u64 = done
+        .iter()
+        .filter(|batch| **batch < manifest.batch_count())
+        .map(|batch| manifest.prompts_in(*batch) * u64::from(manifest.samples_per_prompt))
+        .sum();
     let tracker = Arc::new(Tracker::new(total, already, options.progress));
     let workers = usize::try_from(location.plan.spec.workers)
         .unwrap_or(1)
@@ -104,7 +107,7 @@ pub async fn run_local(
 
     let ticker = tracker.clone().start_ticker();
     let progress_tracker = tracker.clone();
-    let progress = move |outcome: Outcome| progress_tracker.record(outcome);
+    let progress = move |progress: Progress| progress_tracker.record(progress);
     let mut results = futures::stream::iter(pending)
         .map(|batch| run_batch(&engine, &location, &manifest, batch, shutdown, &progress))
         .buffer_unordered(workers);
@@ -160,19 +163,6 @@ fn note_cluster_only_fields(run_file: &RunFile) {
     }
 }
 
-/// Records already on storage, so a resumed run's progress starts where it stopped.
-fn records_on_storage(location: &RunLocation, manifest: &Manifest) -> Result<u64, RunError> {
-    let run_dir = location.run_dir();
-    let mut count = 0;
-    for batch in 0..manifest.batch_count() {
-        let path = run_dir.batch_records(batch);
-        if path.exists() {
-            count += read_whole_lines(&path)?.1.len() as u64;
-        }
-    }
-    Ok(count)
-}
-
 /// Progress: a bar on a terminal, log lines every few seconds otherwise.
 struct Tracker {
     bar: Option<ProgressBar>,
@@ -181,7 +171,8 @@ struct Tracker {
     failed: AtomicU64,
     discarded: AtomicU64,
     started: Instant,
-    initial: u64,
+    /// Records there were before this run (not counted in its rate).
+    initial: AtomicU64,
 }
 
 impl Tracker {
@@ -206,11 +197,23 @@ impl Tracker {
             failed: AtomicU64::new(0),
             discarded: AtomicU64::new(0),
             started: Instant::now(),
-            initial,
+            initial: AtomicU64::new(initial),
         }
     }
 
-    fn record(&self, outcome: Outcome) {
+    fn record(&self, progress: Progress) {
+        let outcome = match progress {
+            Progress::Resumed(records) => {
+                self.done.fetch_add(records, Ordering::Relaxed);
+                self.initial.fetch_add(records, Ordering::Relaxed);
+                if let Some(bar) = &self.bar {
+                    bar.inc(records);
+                    bar.reset_eta();
+                }
+                return;
+            }
+            Progress::Finished(outcome) => outcome,
+        };
         self.done.fetch_add(1, Ordering::Relaxed);
         match outcome {
             Outcome::Failed => {
@@ -234,7 +237,7 @@ impl Tracker {
     fn line(&self) -> String {
         let done = self.done.load(Ordering::Relaxed);
         let elapsed = self.started.elapsed().as_secs_f64().max(1e-3);
-        let rate = (done - self.initial) as f64 / elapsed;
+        let rate = done.saturating_sub(self.initial.load(Ordering::Relaxed)) as f64 / elapsed;
         let eta = if rate > 0.0 {
             format!("{:.0}s", (self.total - done.min(self.total)) as f64 / rate)
         } else {

@@ -68,6 +68,7 @@ pub async fn run_prompt(
         model: &spec.model.name,
         toolsets_used: &toolsets,
         tools_offered: &offered,
+        system_turn: None,
         catalog: &catalog,
         started_at,
         finished_at: chrono::Utc::now(),

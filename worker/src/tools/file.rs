@@ -219,6 +219,10 @@ impl Tool for FileTool {
         &self.spec
     }
 
+    fn read_only(&self) -> bool {
+        matches!(self.kind, Kind::Read | Kind::Search)
+    }
+
     fn call<'a>(&'a self, args: Map<String, Value>, ctx: &'a ToolContext) -> ToolFuture<'a> {
         let workspace = ctx.workspace.clone();
         let limits = ctx.limits.clone();

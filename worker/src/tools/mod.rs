@@ -60,6 +60,11 @@ pub trait Tool: Send + Sync + fmt::Debug {
     fn spec(&self) -> &ToolSpec;
     /// Runs the tool with already-parsed arguments inside the conversation's context.
     fn call<'a>(&'a self, args: Map<String, Value>, ctx: &'a ToolContext) -> ToolFuture<'a>;
+    /// The tool never changes anything in the workspace, so a workspace in which only such tools
+    /// ran is still empty and can be handed to the next conversation. When in doubt: `false`.
+    fn read_only(&self) -> bool {
+        false
+    }
 }
 
 /// Per-conversation state shared by every tool call of that conversation.
