@@ -154,8 +154,8 @@ fn every_gitops_file_parses_and_names_its_kind() {
         "flux/operator/kustomization.yaml",
         "flux/operator/namespace.yaml",
         "flux/operator/helmrelease.yaml",
-        "runs/kustomization.yaml",
-        "runs/run.yaml",
+        "trajectory-runs/kustomization.yaml",
+        "trajectory-runs/run.yaml",
     ] {
         let objects = documents(&read(path));
         assert!(!objects.is_empty(), "{path}: no document");
@@ -167,7 +167,7 @@ fn every_gitops_file_parses_and_names_its_kind() {
         }
     }
     // The Kustomizations list files that exist.
-    for dir in ["runs", "flux/operator"] {
+    for dir in ["trajectory-runs", "flux/operator"] {
         let kustomization: Value =
             serde_yaml::from_str(&read(&format!("{dir}/kustomization.yaml"))).expect("YAML");
         for resource in kustomization["resources"].as_array().expect("resources") {
@@ -244,14 +244,15 @@ async fn health_lua_on_every_phase_of_real_runs_and_kubectl_wait_for_their_condi
     let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
 
     // The run kept in Git is one the API server accepts.
-    let kept: TrajectoryRun = serde_yaml::from_str(&read("runs/run.yaml")).expect("runs/run.yaml");
+    let kept: TrajectoryRun =
+        serde_yaml::from_str(&read("trajectory-runs/run.yaml")).expect("trajectory-runs/run.yaml");
     let dry_run = PostParams {
         dry_run: true,
         ..PostParams::default()
     };
-    runs.create(&dry_run, &kept)
-        .await
-        .unwrap_or_else(|e| panic!("the API server refuses examples/gitops/runs/run.yaml: {e}"));
+    runs.create(&dry_run, &kept).await.unwrap_or_else(|e| {
+        panic!("the API server refuses examples/gitops/trajectory-runs/run.yaml: {e}")
+    });
     let model = model().await;
 
     // Every version of every run, as a watch delivers them.
