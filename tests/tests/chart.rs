@@ -10,8 +10,10 @@
 //! enforces the `restricted` Pod Security Standard: the chart's Deployment gets its pod (kwok's nodes
 //! run it), and the operator — in process, authenticated as the chart's `ServiceAccount` with a
 //! `TokenRequest` token, configured from the Deployment's environment, leader election included —
-//! drives a run to `Succeeded` with the test-kubelet, every Job pod admitted by the namespace. What
-//! the chart does not grant is refused (Secrets, pods, deleting Jobs; in the namespaced scope,
+//! drives a run to `Succeeded` with the test-kubelet, every Job pod admitted by the namespace. The
+//! RBAC is exactly enough: every (verb, resource) the operator requested (its own request counter)
+//! is granted, every one granted was requested or is one of four grants with a stated reason, and
+//! what the chart does not grant is refused (Secrets, pods, deleting Jobs; in the namespaced scope,
 //! anything outside the namespace).
 //!
 //! Needs helm and, for the install, a running cluster:
@@ -38,6 +40,7 @@ use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::crd;
 use trajectory_operator::desired::{Settings, labels};
 use trajectory_operator::leader::LeaseConfig;
+use trajectory_operator::metrics::Metrics;
 use trajectory_operator::service::{self, Exit};
 use trajectory_tests::e2e::{
     Kubelet, Scratch, model, phase_events, phase_of, run_spec, write_dataset,
@@ -325,9 +328,15 @@ fn two_replicas_get_a_disruption_budget_and_the_namespaced_scope_grants_nothing_
 /// namespace, and must not meet the runs of another test.
 static CLUSTER: Mutex<()> = Mutex::const_new(());
 
-/// A client authenticated as the `ServiceAccount` `name` of `namespace` (a `TokenRequest` token),
-/// with nothing of the test's own credentials.
+/// A client authenticated as the `ServiceAccount` `name` of `namespace`.
 async fn client_as(admin: &Client, namespace: &str, name: &str) -> Client {
+    Client::try_from(config_as(admin, namespace, name).await)
+        .expect("a client for the ServiceAccount")
+}
+
+/// The test's client configuration with the credentials of the `ServiceAccount` `name` of
+/// `namespace` (a `TokenRequest` token) instead of its own.
+async fn config_as(admin: &Client, namespace: &str, name: &str) -> kube::Config {
     let accounts: Api<ServiceAccount> = Api::namespaced(admin.clone(), namespace);
     let request: TokenRequest =
         serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))
@@ -347,8 +356,75 @@ async fn client_as(admin: &Client, namespace: &str, name: &str) -> Client {
         token: Some(token.into()),
         ..AuthInfo::default()
     };
-    Client::try_from(config).expect("a client for the ServiceAccount")
+    config
 }
+
+/// The operator's requests to the API server so far in this process, by (verb, resource), from
+/// its `trajectory_operator_api_requests_total` counter (what its counting client sent).
+fn api_requests() -> BTreeMap<(String, String), f64> {
+    let text = Metrics::default().encode();
+    let label = |labels: &str, name: &str| -> String {
+        labels
+            .split(',')
+            .find_map(|pair| pair.strip_prefix(&format!("{name}=\"")))
+            .and_then(|value| value.strip_suffix('"'))
+            .unwrap_or_else(|| panic!("no label {name} in {labels}"))
+            .to_owned()
+    };
+    text.lines()
+        .filter_map(|line| line.strip_prefix("trajectory_operator_api_requests_total{"))
+        .map(|line| {
+            let (labels, value) = line.split_once("} ").expect("labels, then the value");
+            let count: f64 = value.trim().parse().expect("a count");
+            ((label(labels, "verb"), label(labels, "resource")), count)
+        })
+        .collect()
+}
+
+/// Every (verb, resource) the rendered Roles and `ClusterRoles` grant.
+fn granted(objects: &[Value]) -> BTreeSet<(String, String)> {
+    let mut granted = BTreeSet::new();
+    for role in objects
+        .iter()
+        .filter(|o| o["kind"] == "Role" || o["kind"] == "ClusterRole")
+    {
+        for rule in role["rules"].as_array().expect("rules") {
+            for resource in rule["resources"].as_array().expect("resources") {
+                for verb in rule["verbs"].as_array().expect("verbs") {
+                    granted.insert((
+                        verb.as_str().expect("a verb").to_owned(),
+                        resource.as_str().expect("a resource").to_owned(),
+                    ));
+                }
+            }
+        }
+    }
+    granted
+}
+
+/// Granted but never requested as such, each for a reason the request counter cannot show.
+const GRANTED_UNREQUESTED: [(&str, &str, &str); 4] = [
+    (
+        "create",
+        "jobs",
+        "server-side apply of a new Job is a PATCH the API server authorises as create",
+    ),
+    (
+        "create",
+        "configmaps",
+        "server-side apply of a new ConfigMap is a PATCH the API server authorises as create",
+    ),
+    (
+        "update",
+        "trajectoryruns/finalizers",
+        "checked by the OwnerReferencesPermissionEnforcement admission plugin, not requested",
+    ),
+    (
+        "patch",
+        "events",
+        "kube's Recorder patches an Event only when the same one repeats",
+    ),
+];
 
 /// Asserts that `result` is the API server's 403.
 fn assert_forbidden<T: std::fmt::Debug>(what: &str, result: kube::Result<T>) {
@@ -493,7 +569,10 @@ async fn install_and_run(sets: &[&str]) -> (TestNamespace, Client) {
     );
 
     // The operator as the chart configures it: its ServiceAccount, its Deployment's environment.
-    let operator = client_as(&admin, &ns, &fullname).await;
+    let operator =
+        trajectory_operator::metrics::counted_client(config_as(&admin, &ns, &fullname).await)
+            .expect("a counting client for the operator's ServiceAccount");
+    let requests_before = api_requests();
     let env = env_of(object(&objects, "Deployment", &fullname));
     assert_eq!(env_value(&env, "TRAJ_LEADER_ELECTION"), "true");
     let seconds = |name: &str| {
@@ -589,6 +668,35 @@ async fn install_and_run(sets: &[&str]) -> (TestNamespace, Client) {
         .expect("the operator task does not panic")
         .expect("the operator ends without error");
     assert_eq!(exit, Exit::Stopped);
+
+    // Exactly enough: what the operator requested is granted, and what is granted was requested
+    // (or is one of the few grants a request counter cannot see, each with its reason).
+    let requests_after = api_requests();
+    let requested: BTreeSet<(String, String)> = requests_after
+        .iter()
+        .filter(|(key, count)| **count > requests_before.get(*key).copied().unwrap_or(0.0))
+        .map(|(key, _)| key.clone())
+        // Discovery and other non-resource URLs: readable by every authenticated user.
+        .filter(|(_, resource)| !resource.starts_with('/'))
+        .collect();
+    let granted = granted(&objects);
+    let ungranted: Vec<_> = requested.difference(&granted).collect();
+    assert!(
+        ungranted.is_empty(),
+        "requested but not granted: {ungranted:?}"
+    );
+    let unexplained: Vec<_> = granted
+        .difference(&requested)
+        .filter(|(verb, resource)| {
+            !GRANTED_UNREQUESTED
+                .iter()
+                .any(|(v, r, _)| v == verb && r == resource)
+        })
+        .collect();
+    assert!(
+        unexplained.is_empty(),
+        "granted but never requested: {unexplained:?} (requested: {requested:?})"
+    );
 
     // Beyond what the operator needs, nothing: Secrets, pods, deleting or replacing objects.
     assert_forbidden(
