@@ -6,11 +6,10 @@
 //! lines alike and apply the same rules, so a line is valid in one exactly when it is valid in the
 //! other.
 
-use std::borrow::Cow;
 use std::fmt;
 use std::io::{self, BufRead};
 
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
 
 /// Lines longer than this are rejected (and never held in memory whole).
@@ -364,38 +363,7 @@ pub fn probe(line: &[u8], too_long: bool, prompt_field: &str) -> Result<(), Reje
         }
     })?;
     found.into_result(prompt_field)?;
-    if needs_full_parse(text.as_bytes()) {
-        parse_row(line, prompt_field)?;
-    }
     Ok(())
-}
-
-/// Skipping values without building them lets through three things a full parse refuses: lone
-/// surrogate escapes, numbers beyond `f64`, and nesting deeper than `serde_json`'s limit of 128.
-/// A line that might hold one is confirmed with the full parse, so that the plan never counts a
-/// line the batch would drop (which would fail that batch as bad input on every retry).
-fn needs_full_parse(text: &[u8]) -> bool {
-    memchr::memmem::find(text, b"\\ud").is_some()
-        || memchr::memmem::find(text, b"\\uD").is_some()
-        || text
-            .iter()
-            .filter(|&&byte| byte == b'[' || byte == b'{')
-            .nth(128)
-            .is_some()
-        || memchr::memchr2_iter(b'e', b'E', text).any(|at| {
-            let rest = &text[at + 1..];
-            let rest = rest
-                .strip_prefix(b"+")
-                .or_else(|| rest.strip_prefix(b"-"))
-                .unwrap_or(rest);
-            at > 0
-                && text[at - 1].is_ascii_digit()
-                && rest
-                    .iter()
-                    .take_while(|b| b.is_ascii_digit())
-                    .nth(2)
-                    .is_some()
-        })
 }
 
 /// A valid dataset row: its prompt and its other fields.
@@ -515,6 +483,66 @@ fn classify_prompt(value: &Value) -> PromptValue<String> {
     }
 }
 
+/// Checks a value as parsing it into a [`Value`] would, without building it: every value goes
+/// through `deserialize_any` like [`Value`]'s own, so strings are unescaped (lone surrogates
+/// refused), numbers converted (out-of-range ones refused) and nesting counted (deeper than
+/// `serde_json`'s limit refused) exactly as in the batch's full parse. (Skipping with
+/// `IgnoredAny` is faster but lets all three through, and a line the plan counts but the batch
+/// drops would fail that batch on every retry.)
+struct Validate;
+
+impl<'de> DeserializeSeed<'de> for Validate {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Validate {
+    type Value = ();
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(Validate)?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while map.next_key_seed(Validate)?.is_some() {
+            map.next_value_seed(Validate)?;
+        }
+        Ok(())
+    }
+}
+
 /// Classifies the prompt field's value as [`classify_prompt`] does, without building it: a string
 /// is looked at where it lies (or in serde's scratch buffer), containers are skipped.
 struct ProbePrompt;
@@ -560,13 +588,13 @@ impl<'de> Visitor<'de> for ProbePrompt {
         Ok(PromptValue::Other("a number"))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        Validate.visit_seq(seq)?;
         Ok(PromptValue::Other("an array"))
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        Validate.visit_map(map)?;
         Ok(PromptValue::Other("an object"))
     }
 }
@@ -584,6 +612,44 @@ fn chat_prompt(list: &Value) -> Option<String> {
             .as_str()?;
         (!text.trim().is_empty()).then(|| text.to_owned())
     })
+}
+
+/// What a key of a row names.
+enum Key {
+    Prompt,
+    Chat,
+    Other,
+}
+
+/// Classifies a key where it lies (no string is allocated for it).
+struct KeyKind<'f> {
+    field: &'f str,
+}
+
+impl<'de> DeserializeSeed<'de> for KeyKind<'_> {
+    type Value = Key;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Key, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl Visitor<'_> for KeyKind<'_> {
+    type Value = Key;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str("an object key")
+    }
+
+    fn visit_str<E>(self, key: &str) -> Result<Key, E> {
+        Ok(if key == self.field {
+            Key::Prompt
+        } else if CHAT_FIELDS.contains(&key) {
+            Key::Chat
+        } else {
+            Key::Other
+        })
+    }
 }
 
 /// Walks a JSON object, keeping only the prompt field's value and the chat lists.
@@ -609,13 +675,11 @@ impl<'de> Visitor<'de> for ProbeSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut prompt = None;
         let mut chat = None;
-        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
-            if key == self.field {
-                prompt = Some(map.next_value_seed(ProbePrompt)?);
-            } else if chat.is_none() && CHAT_FIELDS.contains(&key.as_ref()) {
-                chat = chat_prompt(&map.next_value::<Value>()?);
-            } else {
-                map.next_value::<IgnoredAny>()?;
+        while let Some(key) = map.next_key_seed(KeyKind { field: self.field })? {
+            match key {
+                Key::Prompt => prompt = Some(map.next_value_seed(ProbePrompt)?),
+                Key::Chat if chat.is_none() => chat = chat_prompt(&map.next_value::<Value>()?),
+                Key::Chat | Key::Other => map.next_value_seed(Validate)?,
             }
         }
         Ok(prompt.map_or(Found::Chat(chat), Found::Prompt))
@@ -778,6 +842,72 @@ mod tests {
             blocks.recycle(piece);
         }
         (lines, seen)
+    }
+
+    /// JSON-like text: values that parse, values only a full parse refuses (lone surrogates,
+    /// numbers beyond `f64`, nesting past 128) and values that do not parse at all.
+    fn json_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just("null".to_owned()),
+            Just("true".to_owned()),
+            Just("0".to_owned()),
+            Just("-0.5e-3".to_owned()),
+            Just("1e300".to_owned()),
+            Just("1e400".to_owned()),
+            Just("-2E+999".to_owned()),
+            Just("18446744073709551616".to_owned()),
+            Just(format!("1{}", "0".repeat(400))),
+            Just("01".to_owned()),
+            Just("1.".to_owned()),
+            Just(r#""\ud800""#.to_owned()),
+            Just(r#""\udc00x""#.to_owned()),
+            Just(r#""\ud83d\ude00""#.to_owned()),
+            Just(r#""a\"b\\n\u00e9""#.to_owned()),
+            Just("\"\u{1}\"".to_owned()),
+            Just(r#""\x""#.to_owned()),
+            Just("\"é\"".to_owned()),
+            "[a-z ]{0,5}".prop_map(|text| format!("\"{text}\"")),
+        ];
+        let value = leaf.prop_recursive(4, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4)
+                    .prop_map(|items| format!("[{}]", items.join(", "))),
+                proptest::collection::vec(("[a-z]{1,3}|prompt", inner), 0..4).prop_map(|entries| {
+                    let entries: Vec<String> = entries
+                        .iter()
+                        .map(|(key, value)| format!("\"{key}\": {value}"))
+                        .collect();
+                    format!("{{{}}}", entries.join(", "))
+                }),
+            ]
+        });
+        // Deep wrappers around the limit of 128 levels.
+        (value, 0usize..3, 120usize..134).prop_map(|(value, deep, levels)| {
+            if deep == 0 {
+                format!("{}{value}{}", "[".repeat(levels), "]".repeat(levels))
+            } else {
+                value
+            }
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn probe_accepts_exactly_what_the_full_parse_accepts(
+            prompt in json_text(),
+            other in json_text(),
+            prompt_first in proptest::bool::ANY,
+        ) {
+            let line = if prompt_first {
+                format!("{{\"prompt\": {prompt}, \"x\": {other}}}")
+            } else {
+                format!("{{\"x\": {other}, \"prompt\": {prompt}}}")
+            };
+            let probed = probe(line.as_bytes(), false, "prompt").map_err(|r| r.reason);
+            let parsed = parse_row(line.as_bytes(), "prompt").map(|_| ()).map_err(|r| r.reason);
+            proptest::prop_assert_eq!(probed, parsed, "{}", line);
+        }
     }
 
     proptest::proptest! {

@@ -108,7 +108,7 @@ pub struct PlanSummary {
     pub batches: u32,
     /// Batches already done on storage (from an earlier attempt or run).
     pub done: Vec<BatchRange>,
-    /// `sha256:` digest of the dataset file.
+    /// `blake3:` digest of the dataset file (as `b3sum` prints it).
     pub dataset_digest: String,
     /// Digest of the generating fields of the spec.
     pub spec_hash: String,

@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! <root>/<outputPath>/
-//!   manifest.json               run identity, dataset digest, batch byte ranges, spec hash
+//!   manifest.json               run identity, dataset and segment digests, batch byte ranges,
+//!                               spec hash
 //!   invalid.jsonl               rejected dataset lines with reasons
 //!   batches/batch-000042.jsonl  one record per (prompt, sample), appended whole and fsynced
 //!   batches/batch-000042.done   completion marker with counts (temp + fsync + rename)

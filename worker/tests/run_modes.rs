@@ -122,11 +122,20 @@ fn changing_the_dataset_or_a_generating_field_under_an_existing_output_is_refuse
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_whose_dataset_lines_changed_since_the_plan_is_bad_input() {
     let server = terminal_server(Duration::ZERO).await;
-    let fixture = RunFixture::new(&server.base_url(), 8);
+    // Eight rows of 20 KB, batch size 4: batch 0 spans bytes 0..80 K, batch 1 80..160 K, so the
+    // last 64 KiB segment of the dataset holds batch 1's lines only.
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            json!({"prompt": format!("task number {i}"), "pad": "x".repeat(20_000)}).to_string()
+        })
+        .collect();
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines);
     let (manifest, _) = plan::plan(&fixture.location()).unwrap();
-    let data = std::fs::read_to_string(fixture.dataset())
-        .unwrap()
-        .replace("task number 5", "task number X");
+    assert_eq!(manifest.dataset.segment_digests.len(), 3);
+    // Lines added at the end change no planned byte.
+    let mut data = std::fs::read_to_string(fixture.dataset()).unwrap();
+    data.push_str("{\"prompt\": \"added later\"}\n");
+    let data = data.replace("task number 7", "task number X");
     std::fs::write(fixture.dataset(), data).unwrap();
     let engine = fixture.engine();
     let error = run_batch(
@@ -140,7 +149,13 @@ async fn a_batch_whose_dataset_lines_changed_since_the_plan_is_bad_input() {
     .await
     .unwrap_err();
     assert_eq!(error.exit_code(), exit::BAD_BATCH_INPUT, "{error}");
-    // Batch 0's lines are untouched, so it still runs.
+    let message = error.to_string();
+    assert!(
+        message.contains("the dataset changed since the plan: segment 2 (bytes 131072..")
+            && message.contains(&manifest.dataset.segment_digests[2]),
+        "{message}"
+    );
+    // Batch 0's segments are untouched, so it still runs.
     run_batch(
         &engine,
         &fixture.location(),

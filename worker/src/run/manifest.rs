@@ -6,8 +6,9 @@ use super::RunError;
 use crate::spec::RunSpec;
 use crate::storage::RunDir;
 
-/// Bumped when the manifest's meaning changes.
-pub const MANIFEST_VERSION: u32 = 1;
+/// Bumped when the manifest's meaning changes. Version 2: the dataset's segment digests replace
+/// the per-batch digests of version 1.
+pub const MANIFEST_VERSION: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -22,7 +23,8 @@ pub struct Manifest {
     pub samples_per_prompt: u32,
     /// Every tool the run's distribution can offer; `tool_stats` are normalised over it.
     pub tool_catalog: Vec<String>,
-    /// Per batch: the byte range of its lines in the dataset and the digest of those bytes.
+    /// Per batch: the byte range of its lines in the dataset (a batch checks the bytes against
+    /// the dataset's segment digests).
     pub batches: Vec<BatchLayout>,
 }
 
@@ -38,17 +40,23 @@ pub struct RunIdentity {
 #[serde(rename_all = "camelCase")]
 pub struct DatasetInfo {
     pub path: String,
-    /// `blake3:` digest of the whole file.
+    /// `blake3:` digest of the whole file (as `b3sum` prints it).
     pub digest: String,
     pub bytes: u64,
     pub lines: u64,
     pub prompts: u64,
     pub invalid: u64,
+    /// The file is cut every `segmentBytes` of offset ([`super::segments`]).
+    pub segment_bytes: u64,
+    /// Per segment, the first 32 hex digits of its BLAKE3 chaining value (the subtree hash the
+    /// whole file's digest is merged from).
+    pub segment_digests: Vec<String>,
 }
 
-/// `[start, end, digest]` of one batch: compact, since a run may have a million batches.
+/// `[start, end)` of one batch's lines: compact, since a run may have a million batches. The
+/// range runs from its first valid line to the end of its last, invalid lines between included.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BatchLayout(pub u64, pub u64, pub String);
+pub struct BatchLayout(pub u64, pub u64);
 
 impl BatchLayout {
     pub fn start(&self) -> u64 {
@@ -57,21 +65,36 @@ impl BatchLayout {
     pub fn end(&self) -> u64 {
         self.1
     }
-    pub fn digest(&self) -> &str {
-        &self.2
-    }
 }
 
 impl Manifest {
     pub fn load(run_dir: &RunDir) -> Result<Option<Self>, RunError> {
+        /// Read first, so that another version is named as such rather than as a parse error.
+        #[derive(Deserialize)]
+        struct Version {
+            version: u32,
+        }
         let path = run_dir.manifest();
+        let not_understood = |err: &dyn std::fmt::Display| {
+            RunError::OutputMismatch(format!(
+                "{} is not a manifest this worker understands: {err}",
+                path.display()
+            ))
+        };
         match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|err| {
-                RunError::OutputMismatch(format!(
-                    "{} is not a manifest this worker understands: {err}",
-                    path.display()
-                ))
-            }),
+            Ok(bytes) => {
+                let Version { version } =
+                    serde_json::from_slice(&bytes).map_err(|err| not_understood(&err))?;
+                if version != MANIFEST_VERSION {
+                    return Err(not_understood(&format!(
+                        "it has version {version} and this worker reads version {MANIFEST_VERSION}; \
+                         plan into another spec.storage.outputPath"
+                    )));
+                }
+                serde_json::from_slice(&bytes)
+                    .map(Some)
+                    .map_err(|err| not_understood(&err))
+            }
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(err) => Err(crate::storage::StorageError::new("reading", &path, err).into()),
         }
@@ -148,6 +171,22 @@ mod tests {
             "model": {"baseUrl": "http://a/v1", "name": "m"},
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn a_manifest_of_another_version_is_refused_naming_both_versions() {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = RunDir::new(dir.path());
+        std::fs::write(
+            run_dir.manifest(),
+            r#"{"version": 1, "batches": [[0, 10, "abc"]]}"#,
+        )
+        .unwrap();
+        let error = Manifest::load(&run_dir).unwrap_err().to_string();
+        assert!(
+            error.contains("it has version 1 and this worker reads version 2"),
+            "{error}"
+        );
     }
 
     #[test]

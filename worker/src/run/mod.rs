@@ -9,6 +9,7 @@ pub mod manifest;
 pub mod merge;
 pub mod plan;
 pub mod prompt;
+pub mod segments;
 
 use std::path::{Path, PathBuf};
 

@@ -1,10 +1,10 @@
 //! `plan`: one streaming pass over the dataset that validates every line, records the batch
 //! layout and the run's identity, and finds batches already done.
 //!
-//! The pass runs on two threads: this one reads big blocks of whole lines, digests the file,
-//! lays out the batches (digesting each batch's valid lines) and writes `invalid.jsonl`; a second
-//! one validates the lines of the blocks, a few blocks behind the reader. Memory is a handful of
-//! blocks, whatever the size of the dataset.
+//! The pass runs on three threads: this one reads big blocks of whole lines, digests them in
+//! segments ([`super::segments`]: every byte is hashed once), lays out the batches and writes
+//! `invalid.jsonl`; two validators check the lines of alternate blocks, a few blocks behind the
+//! reader. Memory is a handful of blocks, whatever the size of the dataset.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -12,11 +12,13 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
+use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
 use tracing::info;
 
 use super::manifest::{
     BatchLayout, DatasetInfo, MANIFEST_VERSION, Manifest, RunIdentity, spec_hash,
 };
+use super::segments::{SEGMENT_BYTES, SegmentHasher};
 use super::{RunError, RunLocation};
 use crate::dataset::{Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe};
 use crate::distribution::Distribution;
@@ -30,7 +32,11 @@ use crate::tools::Registry;
 const BLOCK_BYTES: usize = 1 << 20;
 
 /// Blocks read ahead of the one whose lines are being laid out.
-const BLOCKS_IN_FLIGHT: usize = 3;
+const BLOCKS_IN_FLIGHT: usize = 4;
+
+/// Threads validating lines: validation is most of the plan's work, and one thread on each core
+/// (besides the reader, which mostly waits for the disk or hashes) keeps both busy.
+const VALIDATORS: usize = 2;
 
 /// One line of a block as the validator saw it.
 #[derive(Debug)]
@@ -62,20 +68,10 @@ fn check_block(block: &Block, prompt_field: &str, skip: bool) -> Vec<Checked> {
     checked
 }
 
-/// Adds whole lines to a batch digest: each valid line followed by a newline, so the file's last
-/// line, which may lack one, gets it.
-fn hash_lines(hasher: &mut blake3::Hasher, lines: &[u8]) {
-    hasher.update(lines);
-    if lines.last() != Some(&b'\n') {
-        hasher.update(b"\n");
-    }
-}
-
 /// The layout being built, block by block, in file order.
 struct Layout<'a> {
     max_samples: u64,
     batch_size: u64,
-    batch_hasher: blake3::Hasher,
     batches: Vec<BatchLayout>,
     lines: u64,
     prompts: u64,
@@ -110,12 +106,8 @@ impl Layout<'_> {
     }
 
     fn end_batch(&mut self) {
-        self.batches.push(BatchLayout(
-            self.batch_start,
-            self.valid_end,
-            self.batch_hasher.finalize().to_hex()[..32].to_owned(),
-        ));
-        self.batch_hasher = blake3::Hasher::new();
+        self.batches
+            .push(BatchLayout(self.batch_start, self.valid_end));
     }
 
     /// Lays out one block's lines, with the validator's verdicts.
@@ -140,38 +132,24 @@ impl Layout<'_> {
             Block::Lines(lines) => lines,
         };
         let (offset, data) = (lines.offset, lines.bytes());
-        // Valid lines are digested for their batch in runs of adjacent lines, straight from the
-        // block: `run` is where the current run starts.
-        let mut run: Option<usize> = None;
         let mut position = 0;
         for line in checked {
             let next = line.next;
             self.lines += 1;
             self.bytes = offset + next as u64;
             match &line.result {
-                _ if self.prompts >= self.max_samples => {
-                    if let Some(start) = run.take() {
-                        hash_lines(&mut self.batch_hasher, &data[start..position]);
-                    }
-                }
+                _ if self.prompts >= self.max_samples => {}
                 Some(Ok(())) => {
                     if self.prompts.is_multiple_of(self.batch_size) {
                         self.batch_start = offset + position as u64;
                     }
-                    run.get_or_insert(position);
                     self.prompts += 1;
                     self.valid_end = self.bytes;
                     if self.prompts.is_multiple_of(self.batch_size) {
-                        if let Some(start) = run.take() {
-                            hash_lines(&mut self.batch_hasher, &data[start..next]);
-                        }
                         self.end_batch();
                     }
                 }
                 Some(Err(rejection)) => {
-                    if let Some(start) = run.take() {
-                        hash_lines(&mut self.batch_hasher, &data[start..position]);
-                    }
                     let end = if data[next - 1] == b'\n' {
                         next - 1
                     } else {
@@ -189,9 +167,6 @@ impl Layout<'_> {
             }
             position = next;
         }
-        if let Some(start) = run {
-            hash_lines(&mut self.batch_hasher, &data[start..]);
-        }
         Ok(())
     }
 }
@@ -199,6 +174,7 @@ impl Layout<'_> {
 /// What the pass over the dataset found.
 struct Scanned {
     digest: String,
+    segment_digests: Vec<String>,
     layout_batches: Vec<BatchLayout>,
     lines: u64,
     prompts: u64,
@@ -207,9 +183,49 @@ struct Scanned {
     invalid_out: BufWriter<File>,
 }
 
+/// Keeps the disk busy ahead of the reader when the file is not in the page cache: the reader
+/// stops reading while it hashes a block, and the kernel's own read-ahead is a few hundred KiB,
+/// so the next megabytes are requested in the background (`POSIX_FADV_WILLNEED`) before they are
+/// needed. Only hints: reading works the same without them.
+struct ReadAhead<'a> {
+    file: &'a File,
+    requested_until: u64,
+}
+
+impl<'a> ReadAhead<'a> {
+    /// Bytes requested ahead of the reader.
+    const WINDOW: u64 = 16 << 20;
+
+    fn new(file: &'a File) -> Self {
+        let _ = posix_fadvise(file, 0, 0, PosixFadviseAdvice::POSIX_FADV_SEQUENTIAL);
+        Self {
+            file,
+            requested_until: 0,
+        }
+    }
+
+    /// Called with the offset the reader is about to read from.
+    fn before_reading(&mut self, offset: u64) {
+        if offset + Self::WINDOW / 2 < self.requested_until {
+            return;
+        }
+        let start = self.requested_until.max(offset);
+        let until = offset + Self::WINDOW;
+        if let (Ok(start), Ok(length)) = (i64::try_from(start), i64::try_from(until - start)) {
+            let _ = posix_fadvise(
+                self.file,
+                start,
+                length,
+                PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+            );
+        }
+        self.requested_until = until;
+    }
+}
+
 /// Reads, digests, validates and lays out the whole dataset.
 fn scan(
-    file: File,
+    file: &File,
     spec: &RunSpec,
     dataset_path: &Path,
     invalid_out: BufWriter<File>,
@@ -221,7 +237,6 @@ fn scan(
     let mut layout = Layout {
         max_samples: spec.dataset.max_samples.unwrap_or(u64::MAX),
         batch_size: u64::from(spec.batch_size),
-        batch_hasher: blake3::Hasher::new(),
         batches: Vec::new(),
         lines: 0,
         prompts: 0,
@@ -232,60 +247,79 @@ fn scan(
         invalid_out,
         invalid_temp,
     };
+    let mut read_ahead = ReadAhead::new(file);
     let mut blocks = LineBlocks::new(file, BLOCK_BYTES, MAX_LINE_BYTES);
-    let mut file_hasher = blake3::Hasher::new();
-    // Set once `maxSamples` prompts are laid out: the validator may skip the rest.
+    let mut segments = SegmentHasher::new();
+    let mut offset = 0u64;
+    // Set once `maxSamples` prompts are laid out: the validators may skip the rest.
     let enough = AtomicBool::new(layout.max_samples == 0);
     let field = spec.dataset.prompt_field.as_str();
     std::thread::scope(|scope| {
-        let (to_validator, inbox) = mpsc::sync_channel::<Block>(1);
-        let (to_layout, validated) = mpsc::channel::<(Block, Vec<Checked>)>();
-        let enough = &enough;
-        scope.spawn(move || {
-            for block in inbox {
-                let checked = check_block(&block, field, enough.load(Ordering::Relaxed));
-                if to_layout.send((block, checked)).is_err() {
-                    break;
+        // Block `n` goes to validator `n % VALIDATORS` and comes back from it, so blocks are laid
+        // out in file order.
+        let mut to_validators = Vec::with_capacity(VALIDATORS);
+        let mut from_validators = Vec::with_capacity(VALIDATORS);
+        for _ in 0..VALIDATORS {
+            let (to_validator, inbox) = mpsc::sync_channel::<Block>(BLOCKS_IN_FLIGHT);
+            let (to_layout, validated) = mpsc::channel::<(Block, Vec<Checked>)>();
+            let enough = &enough;
+            scope.spawn(move || {
+                for block in inbox {
+                    let checked = check_block(&block, field, enough.load(Ordering::Relaxed));
+                    if to_layout.send((block, checked)).is_err() {
+                        break;
+                    }
                 }
-            }
-        });
-        let lost = || RunError::Internal("the dataset validator thread stopped".into());
-        let mut in_flight = 0usize;
+            });
+            to_validators.push(to_validator);
+            from_validators.push(validated);
+        }
+        let lost = || RunError::Internal("a dataset validator thread stopped".into());
+        let (mut sent, mut received) = (0usize, 0usize);
         let mut reading = true;
         loop {
-            if reading && in_flight < BLOCKS_IN_FLIGHT {
+            if reading && sent - received < BLOCKS_IN_FLIGHT {
+                read_ahead.before_reading(offset);
                 match blocks
                     .next_block(&mut |chunk| {
-                        file_hasher.update(chunk);
+                        segments.update(chunk);
+                        offset += chunk.len() as u64;
                     })
                     .map_err(read_error)?
                 {
                     Some(block) => {
-                        to_validator.send(block).map_err(|_| lost())?;
-                        in_flight += 1;
+                        to_validators[sent % VALIDATORS]
+                            .send(block)
+                            .map_err(|_| lost())?;
+                        sent += 1;
                         continue;
                     }
                     None => reading = false,
                 }
             }
-            if in_flight == 0 {
+            if sent == received {
                 break;
             }
-            let (block, checked) = validated.recv().map_err(|_| lost())?;
-            in_flight -= 1;
+            let (block, checked) = from_validators[received % VALIDATORS]
+                .recv()
+                .map_err(|_| lost())?;
+            received += 1;
             layout.add(&block, &checked)?;
             if layout.prompts >= layout.max_samples {
                 enough.store(true, Ordering::Relaxed);
             }
             blocks.recycle(block);
         }
+        drop(to_validators);
         Ok::<(), RunError>(())
     })?;
     if !layout.prompts.is_multiple_of(layout.batch_size) {
         layout.end_batch();
     }
+    let (digest, segment_digests) = segments.finish();
     Ok(Scanned {
-        digest: format!("blake3:{}", file_hasher.finalize().to_hex()),
+        digest,
+        segment_digests,
         layout_batches: layout.batches,
         lines: layout.lines,
         prompts: layout.prompts,
@@ -318,13 +352,14 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
 
     let Scanned {
         digest,
+        segment_digests,
         layout_batches: batches,
         lines,
         prompts,
         invalid,
         bytes,
         invalid_out,
-    } = match scan(file, spec, &dataset_path, invalid_out, &invalid_temp) {
+    } = match scan(&file, spec, &dataset_path, invalid_out, &invalid_temp) {
         Ok(scanned) => scanned,
         Err(error) => {
             let _ = std::fs::remove_file(&invalid_temp);
@@ -342,6 +377,8 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         lines,
         prompts,
         invalid,
+        segment_bytes: SEGMENT_BYTES,
+        segment_digests,
     };
     let fail = |error: RunError| {
         let _ = std::fs::remove_file(&invalid_temp);
@@ -421,31 +458,22 @@ mod tests {
     use super::*;
     use crate::dataset::{LineReader, parse_row};
 
-    /// The layout computed line by line, as a batch re-reads it: each valid line's content and a
-    /// newline, `batch_size` valid lines per batch.
+    /// The layout computed line by line: `batch_size` valid lines per batch, each batch from its
+    /// first valid line's start to its last one's end.
     fn reference(data: &[u8], batch_size: usize, max_samples: usize) -> Vec<BatchLayout> {
         let mut reader = LineReader::new(BufReader::new(data), MAX_LINE_BYTES);
         let mut buffer = Vec::new();
         let mut valid = Vec::new();
         while let Some(info) = reader.next_line(&mut buffer, &mut |_| {}).unwrap() {
             if valid.len() < max_samples && !info.too_long && parse_row(&buffer, "prompt").is_ok() {
-                valid.push((info, buffer.clone()));
+                valid.push((info, ()));
             }
         }
         valid
             .chunks(batch_size)
             .map(|batch| {
-                let mut hasher = blake3::Hasher::new();
-                for (_, line) in batch {
-                    hasher.update(line);
-                    hasher.update(b"\n");
-                }
                 let (first, last) = (&batch[0].0, &batch[batch.len() - 1].0);
-                BatchLayout(
-                    first.offset,
-                    last.offset + last.length,
-                    hasher.finalize().to_hex()[..32].to_owned(),
-                )
+                BatchLayout(first.offset, last.offset + last.length)
             })
             .collect()
     }
