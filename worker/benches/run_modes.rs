@@ -699,8 +699,8 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         generating.elapsed().as_secs_f64()
     );
 
-    let mut wc = Command::new("wc");
-    wc.arg("-l").arg(&dataset_path);
+    let mut wc = Command::new("/usr/bin/time");
+    wc.args(["-v", "wc", "-l"]).arg(&dataset_path);
     let mut worker = Command::new("/usr/bin/time");
     worker
         .arg("-v")
@@ -710,6 +710,9 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         .arg("--storage-root")
         .arg(dir);
     let mut rss_kib = Vec::new();
+    // CPU seconds (user + system) of each plan and each wc -l: what the run costs whatever else
+    // the machine is doing.
+    let (mut plan_cpu, mut wc_cpu) = (Vec::new(), Vec::new());
     let mut measure = |cache_cold: bool| -> anyhow::Result<(Vec<Duration>, Vec<Duration>)> {
         let (mut plans, mut wcs) = (Vec::new(), Vec::new());
         for round in 0..knobs.repeats {
@@ -734,9 +737,12 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
                         })
                         .context("no maximum resident set size from /usr/bin/time -v")?;
                     rss_kib.push(rss.trim().parse::<u64>()?);
+                    plan_cpu.push(cpu_seconds(&stderr)?);
                     plans.push(elapsed);
                 } else {
-                    wcs.push(run_timed(&mut wc)?.0);
+                    let (elapsed, stderr) = run_timed(&mut wc)?;
+                    wc_cpu.push(cpu_seconds(&stderr)?);
+                    wcs.push(elapsed);
                 }
             }
         }
@@ -770,8 +776,29 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         rss_kib.iter().copied().max().unwrap_or(0) as f64 / 1024.0,
         bytes as f64 / MIB as f64 / warm_plan.as_secs_f64()
     );
+    let median_cpu = |values: &mut Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values.get(values.len() / 2).copied().unwrap_or(0.0)
+    };
+    println!(
+        "CPU seconds (user + system, median over all runs): plan {:.2}, wc -l {:.2}",
+        median_cpu(&mut plan_cpu),
+        median_cpu(&mut wc_cpu)
+    );
     println!("targets: plan ÷ wc -l ≤ 2, peak RSS < 50 MB");
     Ok(())
+}
+
+/// User plus system seconds from the report of `/usr/bin/time -v`.
+fn cpu_seconds(report: &str) -> anyhow::Result<f64> {
+    let field = |name: &str| -> anyhow::Result<f64> {
+        let value = report
+            .lines()
+            .find_map(|line| line.trim().strip_prefix(name))
+            .with_context(|| format!("no {name:?} from /usr/bin/time -v"))?;
+        Ok(value.trim().parse::<f64>()?)
+    };
+    Ok(field("User time (seconds): ")? + field("System time (seconds): ")?)
 }
 
 // ---------------------------------------------------------------------------------------------
