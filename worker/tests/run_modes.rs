@@ -15,7 +15,9 @@ use trajectory_worker::run::batch::run_batch;
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, merge, plan};
-use trajectory_worker::scripted_server::{ScriptedServer, Step};
+use trajectory_worker::scripted_server::{
+    FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
+};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 
@@ -169,6 +171,49 @@ async fn a_batch_whose_dataset_lines_changed_since_the_plan_is_bad_input() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workspaces_left_empty_by_read_only_tools_serve_later_conversations_and_all_go_at_the_end()
+{
+    // Every conversation reads a file that exists in no fresh workspace: it is not found every
+    // time, whichever workspace (reused or new) the conversation got.
+    let server = ScriptedServer::start_fixed_latency(FixedLatency {
+        latency: Duration::from_millis(5),
+        tool_call: tool_call_reply("read_file", &json!({"path": "notes.txt"})),
+        final_answer: text_reply("done"),
+    })
+    .await;
+    let fixture = RunFixture::new(&server.base_url(), 40)
+        .with("/batchSize", json!(40))
+        .with("/distribution", json!({"file": 100}));
+    let location = fixture.location();
+    let (manifest, _) = plan::plan(&location).unwrap();
+    let summary = run_batch(
+        &fixture.engine(),
+        &location,
+        &manifest,
+        0,
+        &no_shutdown(),
+        &|_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(summary.succeeded, 40);
+    let records = fixture.lines("batches/batch-000000.jsonl");
+    assert_eq!(records.len(), 40);
+    for record in &records {
+        let tool_turn = record["conversations"][3]["value"].as_str().unwrap();
+        assert!(
+            tool_turn.contains("not found") || tool_turn.contains("No such file"),
+            "{tool_turn}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_dir(fixture.workspaces()).unwrap().count(),
+        0,
+        "workspaces left behind"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merge_writes_dataset_order_across_batches_past_9_and_99() {
     let server = terminal_server(Duration::ZERO).await;
     let fixture = RunFixture::new(&server.base_url(), 103)
@@ -192,6 +237,12 @@ async fn merge_writes_dataset_order_across_batches_past_9_and_99() {
         .await
         .unwrap();
     }
+    // Every batch removed the workspaces its conversations used before it returned.
+    assert_eq!(
+        std::fs::read_dir(fixture.workspaces()).unwrap().count(),
+        0,
+        "workspaces left behind"
+    );
     let summary = merge::merge(&location).unwrap();
     assert_eq!(summary.trajectories, 103);
     let order: Vec<u64> = keys(&fixture.lines("trajectories.jsonl"))

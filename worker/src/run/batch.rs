@@ -11,6 +11,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -250,6 +251,8 @@ pub async fn run_batch(
         first_prompt,
         offered: Mutex::default(),
         idle_workspaces: Mutex::default(),
+        draining: AtomicBool::new(false),
+        removals: Mutex::default(),
         context: BatchContext {
             id_prefix: manifest
                 .spec_hash
@@ -271,6 +274,9 @@ pub async fn run_batch(
                 break;
             }
             let Some((prompt_index, sample)) = items.next() else {
+                // No conversation will start any more: idle workspaces can go now, during the
+                // batch's tail, rather than all at its end.
+                shared.stop_reusing_workspaces();
                 break;
             };
             let (shared, shutdown) = (Arc::clone(&shared), shutdown.clone());
@@ -320,14 +326,8 @@ pub async fn run_batch(
     }
     drop(sender);
     drop(running);
-    let idle = std::mem::take(
-        &mut *shared
-            .idle_workspaces
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner),
-    );
-    // Removed in the background: nothing waits for empty directories to go.
-    drop(tokio::task::spawn_blocking(move || drop(idle)));
+    shared.stop_reusing_workspaces();
+    let mut removals = std::mem::take(&mut *lock(&shared.removals));
     writer
         .await
         .map_err(|err| RunError::Internal(format!("record writer panicked: {err}")))??;
@@ -358,6 +358,8 @@ pub async fn run_batch(
     let marker_json =
         serde_json::to_vec(&marker).map_err(|err| RunError::Internal(err.to_string()))?;
     write_atomic(&run_dir.batch_done(batch), &marker_json)?;
+    // The batch leaves no workspace behind (most were removed while it ran).
+    while removals.join_next().await.is_some() {}
     info!(
         succeeded = marker.succeeded,
         discarded = marker.discarded,
@@ -493,6 +495,14 @@ struct Shared {
     offered: Mutex<HashMap<Vec<String>, Arc<Offered>>>,
     /// Workspaces that conversations left empty, for the next ones.
     idle_workspaces: Mutex<Vec<(TempDir, Workspace)>>,
+    /// Set once no conversation will start: workspaces are removed rather than kept idle.
+    draining: AtomicBool,
+    /// Workspace removals on the blocking pool (awaited before the batch returns).
+    removals: Mutex<JoinSet<()>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The tools of one combination of toolsets, with what every record offered them repeats.
@@ -505,7 +515,7 @@ struct Offered {
 
 impl Shared {
     fn offered(&self, toolsets: &[String]) -> Arc<Offered> {
-        let mut known = self.offered.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut known = lock(&self.offered);
         if let Some(offered) = known.get(toolsets) {
             return Arc::clone(offered);
         }
@@ -529,13 +539,7 @@ impl Shared {
         sample: u32,
     ) -> std::io::Result<(TempDir, Workspace)> {
         let keep = self.engine.keep_workspaces;
-        if !keep
-            && let Some(idle) = self
-                .idle_workspaces
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .pop()
-        {
+        if !keep && let Some(idle) = lock(&self.idle_workspaces).pop() {
             return Ok(idle);
         }
         // Kept workspaces are named after their conversation; reused ones cannot be.
@@ -558,14 +562,25 @@ impl Shared {
     fn release_workspace(&self, dir: TempDir, workspace: Workspace, untouched: bool) {
         if self.engine.keep_workspaces {
             let _kept = dir.keep();
-        } else if untouched {
-            self.idle_workspaces
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push((dir, workspace));
+        } else if untouched && !self.draining.load(Ordering::SeqCst) {
+            lock(&self.idle_workspaces).push((dir, workspace));
         } else {
-            // Not awaited: the record need not wait for the removal.
-            drop(tokio::task::spawn_blocking(move || drop(dir)));
+            self.remove(dir);
+        }
+    }
+
+    /// Removes a workspace on the blocking pool (the record need not wait for it).
+    fn remove(&self, dir: TempDir) {
+        let mut removals = lock(&self.removals);
+        while removals.try_join_next().is_some() {}
+        removals.spawn_blocking(move || drop(dir));
+    }
+
+    fn stop_reusing_workspaces(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+        let idle = std::mem::take(&mut *lock(&self.idle_workspaces));
+        for (dir, _) in idle {
+            self.remove(dir);
         }
     }
 }
