@@ -8,7 +8,8 @@
 //! ```
 //!
 //! - [`api`]: the custom resource types and the validation the API server enforces.
-//! - [`crd`]: the generated `CustomResourceDefinition` (the `crd` subcommand and `crds/`).
+//! - [`crd`]: the generated `CustomResourceDefinition` (the `crd` subcommand and `crds/`);
+//!   [`reference`] renders it as `docs/api-reference.md` (the `api-reference` subcommand).
 //! - [`desired`]: pure functions from a run (and what was observed) to the objects it should own
 //!   and the status it should show; unit-tested without a client.
 //! - [`state`]: the reconcile decision (plan → attempts → merge) over what was observed.
@@ -28,5 +29,6 @@ pub mod http;
 pub mod leader;
 pub mod metrics;
 pub mod observe;
+pub mod reference;
 pub mod service;
 pub mod state;

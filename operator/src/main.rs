@@ -21,6 +21,8 @@ struct Cli {
 enum Command {
     /// Print the custom resource definition and its admission policy as YAML.
     Crd,
+    /// Print the API reference (markdown) rendered from the custom resource definition.
+    ApiReference,
     /// Run the controller against the cluster of the current kubeconfig or service account.
     Run {
         /// Worker image for runs that do not set `spec.podTemplate.image`.
@@ -93,6 +95,7 @@ enum LogFormat {
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Crd => print!("{}", trajectory_operator::crd::yaml()),
+        Command::ApiReference => print!("{}", trajectory_operator::reference::markdown()),
         Command::Run {
             worker_image,
             log_format,
@@ -164,7 +167,7 @@ mod tests {
                 Command::Run {
                     http_addr, leader, ..
                 } => (http_addr, leader.lease()),
-                Command::Crd => unreachable!("parsed `run`"),
+                Command::Crd | Command::ApiReference => unreachable!("parsed `run`"),
             }
         };
         let (addr, lease) = run(&["--identity", "pod-0", "--lease-namespace", "ops"]);
@@ -192,7 +195,7 @@ mod tests {
                 Command::Run {
                     watch_namespace, ..
                 } => watch_namespace,
-                Command::Crd => unreachable!("parsed `run`"),
+                Command::Crd | Command::ApiReference => unreachable!("parsed `run`"),
             }
         };
         assert_eq!(watched(&[]), None);
