@@ -534,6 +534,10 @@ fn pod_spec(
     Ok(PodSpec {
         restart_policy: Some("Never".to_owned()),
         service_account_name: overrides.service_account_name,
+        // The worker never calls the Kubernetes API: a mounted token would only be something to
+        // steal from a pod that runs model-chosen shell commands. (Cloud identity webhooks such
+        // as EKS IRSA inject their own projected token regardless.)
+        automount_service_account_token: Some(false),
         priority_class_name: overrides.priority_class_name,
         node_selector: overrides.node_selector,
         tolerations: overrides.tolerations,
@@ -1060,6 +1064,7 @@ mod tests {
         ];
         for job in &jobs {
             let pod = pod(job);
+            assert_eq!(pod.automount_service_account_token, Some(false));
             let pod_context = pod.security_context.as_ref().unwrap();
             assert_eq!(pod_context.run_as_non_root, Some(true));
             assert_eq!(

@@ -647,6 +647,24 @@ async fn install_and_run(sets: &[&str]) -> (TestNamespace, Client) {
         "plan, 4 batches, merge: {}",
         run_pods.items.len()
     );
+    // The worker needs no API access: the admission chain mounted no ServiceAccount token.
+    for pod in &run_pods.items {
+        let volumes = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.volumes.clone())
+            .unwrap_or_default();
+        let projected: Vec<&str> = volumes
+            .iter()
+            .filter(|v| v.projected.is_some())
+            .map(|v| v.name.as_str())
+            .collect();
+        assert!(
+            projected.is_empty(),
+            "pod {} got a token volume: {projected:?}",
+            pod.name_any()
+        );
+    }
     // The Events of every phase change were published with the chart's permissions.
     let uid = created.uid().expect("a uid");
     assert_eq!(
