@@ -653,3 +653,15 @@ pub async fn pods_of_index(pods: &Api<Pod>, job: &str, index: u32) -> Vec<Pod> {
     list.sort_by_key(|pod| pod.metadata.creation_timestamp.as_ref().map(|t| t.0));
     list
 }
+
+/// `GET path` over plain HTTP/1.1 (the operator's `/metrics`, `/readyz`): the whole response, or
+/// `None` when nothing answers.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    Some(response)
+}

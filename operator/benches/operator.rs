@@ -1,0 +1,502 @@
+//! The operator's performance targets (issue 6), against the real control plane, with the release
+//! binary `trajectory-operator run` as a child process (leader election off, acting on the part's
+//! namespace only), as a cluster runs it:
+//!
+//! - **latency**: a run of 10,000 batches: plan pod finished → generation Job created (target
+//!   < 5 s), split into the Job controller's part (pod finished → plan Job `Complete`) and the
+//!   operator's (plan Job `Complete` → generation Job created); also apply → plan Job created.
+//! - **writes**: API requests per run from the operator's own counter
+//!   (`trajectory_operator_api_requests_total` on `/metrics`), for runs of 20 and 200 batches,
+//!   with status writes paced (the default 3 s) and unpaced (`--status-interval-ms 0`).
+//! - **memory**: the operator's RSS (`/proc/<pid>/status`) with 200 runs at once, all generating,
+//!   against the same process idle.
+//!
+//! Runs are driven as in the end-to-end tests (`trajectory_tests::e2e`): the test-kubelet plays
+//! the pods with the worker's real steps on a scratch directory and a scripted model; the real Job
+//! controller computes `completedIndexes`.
+//!
+//! ```sh
+//! scripts/cluster/with-cluster.sh cargo bench -p trajectory-operator --bench operator
+//! ```
+//! Knobs: `OPERATOR_BENCH_PARTS` (`latency,writes,memory`), `OPERATOR_BENCH_BATCHES` (10000),
+//! `OPERATOR_BENCH_ROUNDS` (3), `OPERATOR_BENCH_RUNS` (200).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{ListParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+use trajectory_operator::api::{Phase, TrajectoryRun};
+use trajectory_operator::desired::labels;
+use trajectory_operator::state::JobState;
+use trajectory_tests::e2e::{Kubelet, Scratch, http_get, model, phase_of, run_spec, write_dataset};
+use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
+use trajectory_worker::plan::parse_ranges;
+
+fn knob<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The operator binary running as a child process.
+struct Operator {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Operator {
+    /// Starts the operator acting on `namespace` only, so that what it counts is the part's.
+    async fn start(namespace: &str, status_interval_ms: u64, log: &Path) -> Self {
+        // A free port: bound, read, released for the child to bind.
+        let addr = TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port");
+        let log = std::fs::File::create(log).expect("the operator's log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_trajectory-operator"))
+            .args(["run", "--leader-election=false", "--log-format", "json"])
+            .arg(format!("--http-addr={addr}"))
+            .arg(format!("--status-interval-ms={status_interval_ms}"))
+            .arg(format!("--watch-namespace={namespace}"))
+            .stderr(log.try_clone().expect("the log file"))
+            .stdout(log)
+            .spawn()
+            .expect("start trajectory-operator");
+        let operator = Self { child, addr };
+        wait_until(
+            "the operator to be ready",
+            Duration::from_secs(30),
+            || async {
+                http_get(addr, "/readyz")
+                    .await
+                    .filter(|r| r.starts_with("HTTP/1.1 200") && r.ends_with("running\n"))
+            },
+        )
+        .await;
+        operator
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `VmRSS` and `VmHWM` (peak) of the process, in MiB.
+    fn memory(&self) -> (f64, f64) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("the operator's /proc status");
+        let kib = |key: &str| -> f64 {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(key))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|n| n.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("no {key} in /proc status"))
+        };
+        (kib("VmRSS:") / 1024.0, kib("VmHWM:") / 1024.0)
+    }
+
+    /// `trajectory_operator_api_requests_total` by (verb, resource).
+    async fn requests(&self) -> BTreeMap<(String, String), u64> {
+        let text = http_get(self.addr, "/metrics")
+            .await
+            .expect("the operator's /metrics");
+        let mut counts = BTreeMap::new();
+        for line in text.lines() {
+            let Some(rest) = line.strip_prefix("trajectory_operator_api_requests_total{") else {
+                continue;
+            };
+            let (labels, value) = rest.split_once("} ").expect("a sample line");
+            let label = |name: &str| {
+                labels
+                    .split(',')
+                    .find_map(|pair| pair.strip_prefix(&format!("{name}=\"")))
+                    .map(|v| v.trim_end_matches('"').to_owned())
+                    .expect("the label")
+            };
+            counts.insert(
+                (label("verb"), label("resource")),
+                value.parse().expect("a count"),
+            );
+        }
+        counts
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        // SIGTERM would be graceful, but std has no way to send it without `unsafe`; the operator
+        // keeps no state of its own, so a kill loses nothing.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn ms(duration: Duration) -> String {
+    format!("{:.0}", duration.as_secs_f64() * 1000.0)
+}
+
+fn median(values: &mut [Duration]) -> Duration {
+    values.sort_unstable();
+    values[values.len() / 2]
+}
+
+/// Part 1: a run of `batches` batches, `rounds` times.
+async fn latency(client: &Client, scratch: &Scratch, base_url: &str, report: &mut String) {
+    let batches: u32 = knob("OPERATOR_BENCH_BATCHES", 10_000);
+    let rounds: usize = knob("OPERATOR_BENCH_ROUNDS", 3);
+    let namespace = TestNamespace::create(client, "bench-latency").await;
+    let ns = namespace.name();
+    let operator = Operator::start(ns, 3000, &scratch.0.join("operator-latency.log")).await;
+    write_dataset(
+        &scratch.storage(),
+        usize::try_from(batches).expect("a count"),
+    );
+    let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
+    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let (mut applied_to_plan_job, mut pod_to_complete, mut complete_to_gen, mut total) =
+        (vec![], vec![], vec![], vec![]);
+    let _ = writeln!(
+        report,
+        "\n### Latency: a run of {batches} batches ({rounds} rounds)\n\n| round | apply → plan Job created ms | plan pod finished → plan Job Complete ms (Job controller) | plan Job Complete → generation Job created ms (operator) | plan pod finished → generation Job created ms |\n|---:|---:|---:|---:|---:|"
+    );
+    for round in 0..rounds {
+        let name = format!("big-{round}");
+        let applied = Instant::now();
+        runs.create(
+            &PostParams::default(),
+            &TrajectoryRun::new(
+                &name,
+                run_spec(base_url, &json!({"batchSize": 1, "workers": 8})),
+            ),
+        )
+        .await
+        .expect("create the run");
+        let plan_job = format!("{name}-plan");
+        wait_until("the plan Job", Duration::from_secs(30), || async {
+            jobs.get_opt(&plan_job).await.ok().flatten()
+        })
+        .await;
+        let plan_created = applied.elapsed();
+        let plan_pod = wait_until("the plan pod", Duration::from_secs(30), || async {
+            let selector = format!("{}={name}", labels::RUN);
+            pods.list(&ListParams::default().labels(&selector))
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .next()
+        })
+        .await;
+        let kubelet = Kubelet::new(client, ns, &name, scratch);
+        wait_until(
+            "the run to show Planning",
+            Duration::from_secs(30),
+            || async {
+                (phase_of(&runs.get(&name).await.ok()?) == Some(Phase::Planning)).then_some(())
+            },
+        )
+        .await;
+        assert!(kubelet.play(&plan_pod).await, "the plan pod was played");
+        let planned = Instant::now();
+        let gen_job = format!("{name}-gen-1");
+        let mut complete_at = None;
+        let created_at = loop {
+            if complete_at.is_none()
+                && jobs
+                    .get(&plan_job)
+                    .await
+                    .is_ok_and(|job| JobState::of(&job) == JobState::Complete)
+            {
+                complete_at = Some(planned.elapsed());
+            }
+            if let Some(job) = jobs.get_opt(&gen_job).await.expect("get the Job") {
+                let completions = job.spec.and_then(|s| s.completions);
+                assert_eq!(completions, Some(i32::try_from(batches).expect("i32")));
+                break planned.elapsed();
+            }
+            assert!(
+                planned.elapsed() < Duration::from_secs(120),
+                "no generation Job 120 s after the plan finished"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let complete_at = complete_at.unwrap_or(created_at);
+        let operator_part = created_at.saturating_sub(complete_at);
+        let _ = writeln!(
+            report,
+            "| {round} | {} | {} | {} | **{}** |",
+            ms(plan_created),
+            ms(complete_at),
+            ms(operator_part),
+            ms(created_at)
+        );
+        applied_to_plan_job.push(plan_created);
+        pod_to_complete.push(complete_at);
+        complete_to_gen.push(operator_part);
+        total.push(created_at);
+        let status = runs.get(&name).await.expect("the run").status;
+        eprintln!(
+            "round {round}: gen Job after {} ms; run {:?} {:?}",
+            ms(created_at),
+            status.as_ref().and_then(|s| s.phase),
+            status.as_ref().and_then(|s| s.progress.clone())
+        );
+    }
+    let _ = writeln!(
+        report,
+        "| median | {} | {} | {} | **{}** |",
+        ms(median(&mut applied_to_plan_job)),
+        ms(median(&mut pod_to_complete)),
+        ms(median(&mut complete_to_gen)),
+        ms(median(&mut total))
+    );
+    drop(operator);
+}
+
+/// Part 2: the API requests of whole runs, paced and unpaced.
+async fn writes(client: &Client, base_url: &str, report: &mut String) {
+    let _ = writeln!(
+        report,
+        "\n### API requests per run (from the operator's counter)\n\n| batches | status interval | run s | Jobs applied (SSA) or patched | ConfigMaps applied | status writes | Events | writes in all | reads (get, list) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for batches in [20_usize, 200] {
+        for interval_ms in [3000_u64, 0] {
+            let scratch = Scratch::new();
+            write_dataset(&scratch.storage(), batches);
+            let namespace = TestNamespace::create(client, "bench-writes").await;
+            let ns = namespace.name();
+            let operator =
+                Operator::start(ns, interval_ms, &scratch.0.join("operator-writes.log")).await;
+            let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
+            // Let the watches settle, so that the delta is the run's.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let before = operator.requests().await;
+            let started = Instant::now();
+            runs.create(
+                &PostParams::default(),
+                &TrajectoryRun::new(
+                    "writes",
+                    run_spec(base_url, &json!({"batchSize": 1, "workers": 8})),
+                ),
+            )
+            .await
+            .expect("create the run");
+            let kubelet = Kubelet::new(client, ns, "writes", &scratch);
+            let run = kubelet
+                .serve_until("the run to finish", Duration::from_secs(600), |run| {
+                    matches!(phase_of(run), Some(Phase::Succeeded | Phase::Failed))
+                })
+                .await;
+            let elapsed = started.elapsed();
+            assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+            // The Succeeded Event is published after the status write.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let after = operator.requests().await;
+            let delta = |verbs: &[&str], resource: &str| -> u64 {
+                after
+                    .iter()
+                    .filter(|((verb, res), _)| {
+                        verbs.contains(&verb.as_str()) && (resource.is_empty() || res == resource)
+                    })
+                    .map(|(key, count)| count - before.get(key).copied().unwrap_or(0))
+                    .sum()
+            };
+            let writes = ["create", "patch", "update", "delete"];
+            let _ = writeln!(
+                report,
+                "| {batches} | {} | {:.1} | {} | {} | **{}** | {} | {} | {} |",
+                if interval_ms == 0 {
+                    "0 (every change)".to_owned()
+                } else {
+                    format!("{} s", interval_ms / 1000)
+                },
+                elapsed.as_secs_f64(),
+                delta(&["create", "patch"], "jobs"),
+                delta(&["patch"], "configmaps"),
+                delta(&["patch", "update"], "trajectoryruns/status"),
+                delta(&writes, "events"),
+                delta(&writes, ""),
+                delta(&["get", "list"], ""),
+            );
+            eprintln!("{batches} batches, interval {interval_ms} ms: {elapsed:?}");
+        }
+    }
+}
+
+/// Part 3: the operator's memory with `count` runs generating at once.
+async fn memory(client: &Client, base_url: &str, report: &mut String) {
+    let count: usize = knob("OPERATOR_BENCH_RUNS", 200);
+    let scratch = Scratch::new();
+    write_dataset(&scratch.storage(), 100);
+    let namespace = TestNamespace::create(client, "bench-memory").await;
+    let ns = namespace.name();
+    let operator = Operator::start(ns, 3000, &scratch.0.join("operator-memory.log")).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (idle, _) = operator.memory();
+    let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
+    let names: Vec<String> = (0..count).map(|i| format!("r{i:03}")).collect();
+    let started = Instant::now();
+    for name in &names {
+        runs.create(
+            &PostParams::default(),
+            &TrajectoryRun::new(
+                name,
+                run_spec(base_url, &json!({"batchSize": 1, "workers": 2})),
+            ),
+        )
+        .await
+        .expect("create a run");
+    }
+    let kubelets: Vec<Kubelet> = names
+        .iter()
+        .map(|name| Kubelet::new(client, ns, name, &scratch))
+        .collect();
+    let mut peak_rss = 0.0_f64;
+    let mut sample = |operator: &Operator| {
+        let (rss, _) = operator.memory();
+        peak_rss = peak_rss.max(rss);
+    };
+    // Plan every run, then work two rounds of batch pods in each.
+    let mut running = 0;
+    while running < count {
+        for kubelet in &kubelets {
+            kubelet.play_pending().await;
+        }
+        sample(&operator);
+        running = runs
+            .list(&ListParams::default())
+            .await
+            .expect("list the runs")
+            .items
+            .iter()
+            .filter(|run| phase_of(run) == Some(Phase::Running))
+            .count();
+        assert!(
+            started.elapsed() < Duration::from_secs(900),
+            "only {running} of {count} runs reached Running in 15 minutes"
+        );
+    }
+    let all_running = started.elapsed();
+    for _ in 0..2 {
+        for kubelet in &kubelets {
+            kubelet.play_pending().await;
+            sample(&operator);
+        }
+    }
+    // Every finished batch reaches the runs' status (the Job controller, then the operator's
+    // paced writes), which the memory is measured through.
+    let finished: u32 = kubelets
+        .iter()
+        .flat_map(Kubelet::played)
+        .filter(|p| p.mode == "batch" && p.exit_code == 0)
+        .count()
+        .try_into()
+        .expect("a count");
+    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+    let settle = Instant::now();
+    let mut jobs_settled = None;
+    let done = loop {
+        sample(&operator);
+        // First the Job controller records the finished pods in `completedIndexes`, then the
+        // operator copies them into the runs' status.
+        if jobs_settled.is_none() {
+            let completed: usize = jobs
+                .list(&ListParams::default())
+                .await
+                .expect("list Jobs")
+                .items
+                .iter()
+                .filter(|job| {
+                    job.metadata
+                        .name
+                        .as_deref()
+                        .is_some_and(|n| n.ends_with("-gen-1"))
+                })
+                .filter_map(|job| job.status.as_ref()?.completed_indexes.clone())
+                .map(|ranges| parse_ranges(&ranges).map_or(0, |ids| ids.len()))
+                .sum();
+            if completed >= usize::try_from(finished).expect("a count") {
+                jobs_settled = Some(settle.elapsed());
+            }
+        }
+        let done: u32 = runs
+            .list(&ListParams::default())
+            .await
+            .expect("list the runs")
+            .items
+            .iter()
+            .map(trajectory_tests::e2e::done_batches)
+            .sum();
+        if done >= finished || settle.elapsed() > Duration::from_secs(180) {
+            break done;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let settled = settle.elapsed();
+    let jobs_settled = jobs_settled.unwrap_or(settled);
+    let played: usize = kubelets.iter().map(|k| k.played().len()).sum();
+    let job_count = jobs
+        .list(&ListParams::default())
+        .await
+        .expect("list Jobs")
+        .items
+        .len();
+    let (rss, hwm) = operator.memory();
+    let _ = writeln!(
+        report,
+        "\n### Memory with {count} runs at once\n\n| operator idle RSS MiB | runs | Jobs | pods played | batches finished / in status | all Running after s | Jobs' completedIndexes caught up after s | runs' status caught up after s | RSS at the end MiB | peak RSS sampled MiB | VmHWM MiB | peak ÷ idle |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n| {idle:.1} | {count} | {job_count} | {played} | {finished} / {done} | {:.0} | {:.1} | {:.1} | {rss:.1} | {peak_rss:.1} | **{hwm:.1}** | {:.2} |",
+        all_running.as_secs_f64(),
+        jobs_settled.as_secs_f64(),
+        settled.as_secs_f64(),
+        hwm / idle,
+    );
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 4)]
+async fn main() {
+    // `cargo bench` passes `--bench`; this harness has nothing to filter.
+    let parts: String = knob("OPERATOR_BENCH_PARTS", "latency,writes,memory".to_owned());
+    let client = client().await;
+    install_crds(&client).await;
+    let model = model().await;
+    let base_url = model.base_url();
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let mut report = format!(
+        "Operator benchmark: release `trajectory-operator run` as a child process; load average at start: {}",
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    for part in parts.split(',') {
+        match part.trim() {
+            "latency" => {
+                let scratch = Scratch::new();
+                latency(&client, &scratch, &base_url, &mut report).await;
+            }
+            "writes" => writes(&client, &base_url, &mut report).await,
+            "memory" => memory(&client, &base_url, &mut report).await,
+            other => panic!("unknown part {other:?}: use latency, writes, memory"),
+        }
+        eprintln!("part {part} done");
+    }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let _ = writeln!(
+        report,
+        "\nload average at the end: {}",
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    println!("{report}");
+}
