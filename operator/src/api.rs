@@ -188,7 +188,8 @@ pub enum ConditionType {
     Failed,
     /// `spec.suspend` is set; pods are stopped and finished batches stay finished.
     Suspended,
-    /// kstatus: the operator has not yet acted on the latest spec.
+    /// kstatus: work is under way (planning, generating, merging); `False` once the run succeeded,
+    /// failed or is suspended. Flux reads a run as in progress while it holds.
     Reconciling,
     /// kstatus: the run cannot make progress without a change.
     Stalled,
