@@ -340,30 +340,39 @@ pub fn plan_config_map(
     })
 }
 
-/// The plan Job: one pod running `trajectory-worker plan`.
-pub fn plan_job(run: &TrajectoryRun, settings: &Settings) -> Result<Job, DesiredError> {
-    single_pod_job(run, settings, Stage::Plan)
+/// The plan Job: one pod running `trajectory-worker plan`. `exists`: as for [`generation_job`].
+pub fn plan_job(
+    run: &TrajectoryRun,
+    settings: &Settings,
+    exists: bool,
+) -> Result<Job, DesiredError> {
+    single_pod_job(run, settings, Stage::Plan, exists)
 }
 
-/// The merge Job: one pod running `trajectory-worker merge`.
-pub fn merge_job(run: &TrajectoryRun, settings: &Settings) -> Result<Job, DesiredError> {
-    single_pod_job(run, settings, Stage::Merge)
+/// The merge Job: one pod running `trajectory-worker merge`. `exists`: as for [`generation_job`].
+pub fn merge_job(
+    run: &TrajectoryRun,
+    settings: &Settings,
+    exists: bool,
+) -> Result<Job, DesiredError> {
+    single_pod_job(run, settings, Stage::Merge, exists)
 }
 
 fn single_pod_job(
     run: &TrajectoryRun,
     settings: &Settings,
     stage: Stage,
+    exists: bool,
 ) -> Result<Job, DesiredError> {
     let owner = Owner::of(run)?;
     let spec = owner.spec;
-    let mut job = job_shell(&owner, settings, stage, true)?;
+    let mut job = job_shell(&owner, settings, stage)?;
     job.spec = Some(JobSpec {
         completions: Some(1),
         parallelism: Some(1),
         backoff_limit: Some(to_i32(spec.retry.per_batch)),
         pod_failure_policy: Some(failure_policy(false)),
-        suspend: Some(spec.suspend),
+        suspend: asserted_suspend(spec, exists),
         ..job.spec.take().unwrap_or_default()
     });
     Ok(job)
@@ -386,13 +395,8 @@ pub fn generation_job(
     let owner = Owner::of(run)?;
     let spec = owner.spec;
     let stage = Stage::Generate { attempt };
-    let mut job = job_shell(&owner, settings, stage, !exists)?;
-    let suspend = match (&spec.queue_name, exists) {
-        _ if spec.suspend => Some(true),
-        (Some(_), true) => None,
-        (Some(_), false) => Some(true),
-        (None, _) => Some(false),
-    };
+    let mut job = job_shell(&owner, settings, stage)?;
+    let suspend = asserted_suspend(spec, exists);
     job.spec = Some(JobSpec {
         completion_mode: Some("Indexed".to_owned()),
         completions: Some(to_i32(len_u32(pending))),
@@ -405,6 +409,18 @@ pub fn generation_job(
         ..job.spec.take().unwrap_or_default()
     });
     Ok(job)
+}
+
+/// The Job's `suspend` as the operator asserts it: the run's `suspend` wins; with a Kueue queue
+/// the Job is created suspended and Kueue alone unsuspends it once admitted (asserting `false`
+/// afterwards would start it past the queue's quota); otherwise the Job runs.
+fn asserted_suspend(spec: &RunSpec, exists: bool) -> Option<bool> {
+    match (&spec.queue_name, exists) {
+        _ if spec.suspend => Some(true),
+        (Some(_), true) => None,
+        (Some(_), false) => Some(true),
+        (None, _) => Some(false),
+    }
 }
 
 /// Ignore disruptions (preemption, spot loss, scale-down); fail the Job on a permanent
@@ -437,17 +453,14 @@ fn failure_policy(indexed: bool) -> PodFailurePolicy {
 }
 
 /// A Job with metadata and pod template filled; the caller sets the Job-level spec fields.
-fn job_shell(
-    owner: &Owner<'_>,
-    settings: &Settings,
-    stage: Stage,
-    with_queue: bool,
-) -> Result<Job, DesiredError> {
+fn job_shell(owner: &Owner<'_>, settings: &Settings, stage: Stage) -> Result<Job, DesiredError> {
     let name = stage.child_name(&owner.name)?;
     let overrides = PodOverrides::from_spec(owner.spec)?;
     let pod_labels = owner.labels(stage);
     let mut job_labels = pod_labels.clone();
-    if let (Some(queue), true) = (&owner.spec.queue_name, with_queue) {
+    // Always applied, also once Kueue admitted the Job: dropping it from the applied
+    // configuration would make server-side apply remove the label, which Kueue refuses.
+    if let Some(queue) = &owner.spec.queue_name {
         job_labels.insert(labels::KUEUE_QUEUE.to_owned(), queue.clone());
     }
     let template = PodTemplateSpec {
@@ -846,7 +859,7 @@ mod tests {
                 "{error}"
             );
         }
-        let error = plan_job(&Fixture::named(&too_long).0, &settings()).unwrap_err();
+        let error = plan_job(&Fixture::named(&too_long).0, &settings(), false).unwrap_err();
         assert_eq!(error.label(), "NameTooLong");
     }
 
@@ -908,12 +921,12 @@ mod tests {
     fn plan_and_merge_jobs_run_one_pod_of_their_worker_mode() {
         for (job, mode, name) in [
             (
-                plan_job(&Fixture::new().0, &settings()).unwrap(),
+                plan_job(&Fixture::new().0, &settings(), false).unwrap(),
                 "plan",
                 "coding-v1-plan",
             ),
             (
-                merge_job(&Fixture::new().0, &settings()).unwrap(),
+                merge_job(&Fixture::new().0, &settings(), false).unwrap(),
                 "merge",
                 "coding-v1-merge",
             ),
@@ -979,7 +992,7 @@ mod tests {
     fn a_run_not_read_from_the_api_server_has_no_children() {
         let mut run = Fixture::new().0;
         run.metadata.uid = None;
-        let error = plan_job(&run, &settings()).unwrap_err();
+        let error = plan_job(&run, &settings(), false).unwrap_err();
         assert_eq!(error.label(), "NotStored");
         assert!(!error.is_permanent());
     }
@@ -1058,9 +1071,9 @@ mod tests {
     fn every_pod_meets_the_restricted_pod_security_standard() {
         let run = Fixture::new().0;
         let jobs = [
-            plan_job(&run, &settings()).unwrap(),
+            plan_job(&run, &settings(), false).unwrap(),
             generation_job(&run, &settings(), 1, &[0], false).unwrap(),
-            merge_job(&run, &settings()).unwrap(),
+            merge_job(&run, &settings(), false).unwrap(),
         ];
         for job in &jobs {
             let pod = pod(job);
@@ -1107,7 +1120,7 @@ mod tests {
 
     #[test]
     fn storage_volume_is_mounted_and_required() {
-        let job = plan_job(&Fixture::new().0, &settings()).unwrap();
+        let job = plan_job(&Fixture::new().0, &settings(), false).unwrap();
         let data = pod(&job)
             .volumes
             .iter()
@@ -1119,12 +1132,12 @@ mod tests {
             "trajectories"
         );
         let without = Fixture::new().with(|spec| spec.storage.volume = None);
-        let error = plan_job(&without.0, &settings()).unwrap_err();
+        let error = plan_job(&without.0, &settings(), false).unwrap_err();
         assert_eq!(error.label(), "MissingVolume");
         assert!(error.is_permanent());
         let bad = Fixture::new().with(|spec| spec.storage.volume = Some(json!({"hostPath": 7})));
         assert_eq!(
-            plan_job(&bad.0, &settings()).unwrap_err().label(),
+            plan_job(&bad.0, &settings(), false).unwrap_err().label(),
             "InvalidVolume"
         );
     }
@@ -1140,18 +1153,26 @@ mod tests {
         ];
         for (exists, suspend, expected) in cases {
             let run = Fixture(run.0.clone()).with(|spec| spec.suspend = suspend);
-            let job = generation_job(&run.0, &settings(), 1, &[0], exists).unwrap();
-            assert_eq!(
-                job.spec.as_ref().unwrap().suspend,
-                expected,
-                "exists {exists}"
-            );
-            let labels = job.metadata.labels.as_ref().unwrap();
-            assert_eq!(
-                labels.get(labels::KUEUE_QUEUE).map(String::as_str),
-                (!exists).then_some("team-a"),
-                "exists {exists}"
-            );
+            // Every stage goes through the queue: plan, generation and merge alike.
+            let jobs = [
+                plan_job(&run.0, &settings(), exists).unwrap(),
+                generation_job(&run.0, &settings(), 1, &[0], exists).unwrap(),
+                merge_job(&run.0, &settings(), exists).unwrap(),
+            ];
+            for job in jobs {
+                let name = job.metadata.name.clone().unwrap();
+                assert_eq!(
+                    job.spec.as_ref().unwrap().suspend,
+                    expected,
+                    "{name}: exists {exists}"
+                );
+                let labels = job.metadata.labels.as_ref().unwrap();
+                assert_eq!(
+                    labels.get(labels::KUEUE_QUEUE).map(String::as_str),
+                    Some("team-a"),
+                    "{name}: exists {exists}"
+                );
+            }
         }
         let plain = generation_job(&Fixture::new().0, &settings(), 1, &[0], false).unwrap();
         assert!(
@@ -1238,7 +1259,7 @@ mod tests {
         let run = Fixture::new().with_pod_template(json!({
             "resources": {"requests": {"cpu": "500m", "memory": "4Gi"}, "limits": {"cpu": "plenty"}},
         }));
-        let error = plan_job(&run.0, &settings()).unwrap_err();
+        let error = plan_job(&run.0, &settings(), false).unwrap_err();
         assert!(error.is_permanent());
         assert_eq!(
             error.to_string(),
@@ -1247,14 +1268,14 @@ mod tests {
         for good in ["1", "0.5", "250m", "1e3", "128Mi", "+2"] {
             let run =
                 Fixture::new().with_pod_template(json!({"resources": {"requests": {"cpu": good}}}));
-            assert!(plan_job(&run.0, &settings()).is_ok(), "{good}");
+            assert!(plan_job(&run.0, &settings(), false).is_ok(), "{good}");
         }
     }
 
     #[test]
     fn a_typo_in_the_pod_template_is_refused() {
         let run = Fixture::new().with_pod_template(json!({"nodeSelectors": {"pool": "cpu"}}));
-        let error = plan_job(&run.0, &settings()).unwrap_err();
+        let error = plan_job(&run.0, &settings(), false).unwrap_err();
         assert_eq!(error.label(), "InvalidPodTemplate");
         assert!(error.to_string().contains("nodeSelectors"), "{error}");
     }

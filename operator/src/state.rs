@@ -234,7 +234,7 @@ fn decide(
     let Some(plan_job) = &observed.plan_job else {
         out.config_maps
             .push(desired::plan_config_map(run, Stage::Plan, None)?);
-        out.jobs.push(desired::plan_job(run, settings)?);
+        out.jobs.push(desired::plan_job(run, settings, false)?);
         return Ok(Outcome::Working(
             Phase::Planning,
             "planning the dataset".into(),
@@ -242,7 +242,7 @@ fn decide(
     };
     match JobState::of(plan_job) {
         JobState::Running => {
-            out.jobs.push(desired::plan_job(run, settings)?);
+            out.jobs.push(desired::plan_job(run, settings, true)?);
             return Ok(Outcome::Working(
                 Phase::Planning,
                 "planning the dataset".into(),
@@ -357,7 +357,7 @@ fn decide(
     let Some(merge_job) = &observed.merge_job else {
         out.config_maps
             .push(desired::plan_config_map(run, Stage::Merge, None)?);
-        out.jobs.push(desired::merge_job(run, settings)?);
+        out.jobs.push(desired::merge_job(run, settings, false)?);
         return Ok(Outcome::Working(
             Phase::Merging,
             "merging the batches".into(),
@@ -365,7 +365,7 @@ fn decide(
     };
     match JobState::of(merge_job) {
         JobState::Running => {
-            out.jobs.push(desired::merge_job(run, settings)?);
+            out.jobs.push(desired::merge_job(run, settings, true)?);
             Ok(Outcome::Working(
                 Phase::Merging,
                 "merging the batches".into(),

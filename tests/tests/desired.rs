@@ -57,9 +57,9 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
     let run = stored_run(namespace.name());
     let settings = Settings::default();
     let jobs = [
-        desired::plan_job(&run, &settings).expect("plan Job"),
+        desired::plan_job(&run, &settings, false).expect("plan Job"),
         desired::generation_job(&run, &settings, 2, &[3, 4, 9], false).expect("generation Job"),
-        desired::merge_job(&run, &settings).expect("merge Job"),
+        desired::merge_job(&run, &settings, false).expect("merge Job"),
     ];
     let dry_run = PostParams {
         dry_run: true,

@@ -138,12 +138,12 @@ async fn check_run(
         "plan ConfigMap",
     )?;
     let jobs: Vec<Job> = vec![
-        built(desired::plan_job(&run, &settings), "plan Job")?,
+        built(desired::plan_job(&run, &settings, false), "plan Job")?,
         built(
             desired::generation_job(&run, &settings, 1, &[0, 1, 2], false),
             "generation Job",
         )?,
-        built(desired::merge_job(&run, &settings), "merge Job")?,
+        built(desired::merge_job(&run, &settings, false), "merge Job")?,
     ];
     let create = PostParams {
         dry_run: true,
