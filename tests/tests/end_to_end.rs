@@ -46,16 +46,15 @@ use trajectory_worker::plan::{exit, paths};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
-    let client = client().await;
-    install_crds(&client).await;
-    let namespace = TestNamespace::create(&client, "e2e").await;
-    let ns = namespace.name();
-    let _controller = start_controller_in(&client, ns);
-    let model = model().await;
-    let scratch = Scratch::new();
-    write_dataset(&scratch.storage(), 10);
-
-    let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
+    let setup = Setup::without_controller("e2e").await;
+    let (client, ns, model, scratch, runs) = (
+        &setup.client,
+        setup.ns(),
+        &setup.model,
+        &setup.scratch,
+        &setup.runs,
+    );
+    let _controller = start_controller_in(client, ns);
     let created = runs
         .create(
             &PostParams::default(),
@@ -65,7 +64,7 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
         .expect("create the run");
     let uid = created.metadata.uid.clone().expect("a uid");
 
-    let kubelet = Kubelet::new(&client, ns, "e2e", &scratch);
+    let kubelet = Kubelet::new(client, ns, "e2e", scratch);
     let run = kubelet
         .serve_until("the run to succeed", Duration::from_secs(120), |run| {
             matches!(phase_of(run), Some(Phase::Succeeded | Phase::Failed))
@@ -144,7 +143,7 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
     kubectl_wait(ns, "trun/e2e", "condition=Succeeded").await;
 
     // `kubectl get trun`: the printer columns as the API server renders them.
-    let row = printed_row(&client, ns, "e2e").await;
+    let row = printed_row(client, ns, "e2e").await;
     assert_eq!(row.get("Phase"), Some(&json!("Succeeded")), "{row:?}");
     assert_eq!(row.get("Progress"), Some(&json!("4/4")), "{row:?}");
     assert_eq!(row.get("Trajectories"), Some(&json!(10)), "{row:?}");
@@ -179,7 +178,7 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
     assert_eq!(model.request_count(), 20);
 
     // O(1) children: one plan, one generation and one merge Job, each with its plan ConfigMap.
-    let (jobs, maps) = children(&client, ns, "e2e").await;
+    let (jobs, maps) = children(client, ns, "e2e").await;
     assert_eq!(jobs, ["e2e-gen-1", "e2e-merge", "e2e-plan"]);
     assert_eq!(maps, jobs);
     let gen_job: Api<Job> = Api::namespaced(client.clone(), ns);
@@ -193,7 +192,7 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
 
     // An Event at every phase change, in order.
     let events = wait_until("the Succeeded Event", Duration::from_secs(30), || async {
-        let events = phase_events(&client, ns, &uid).await;
+        let events = phase_events(client, ns, &uid).await;
         events.iter().any(|r| r == "Succeeded").then_some(events)
     })
     .await;
@@ -204,16 +203,15 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
 /// a status wiped mid-run is rebuilt from the Jobs, and no batch is generated twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_crashed_batch_is_retried_and_a_wiped_status_is_rebuilt_without_redoing_batches() {
-    let client = client().await;
-    install_crds(&client).await;
-    let namespace = TestNamespace::create(&client, "e2e-retry").await;
-    let ns = namespace.name();
-    let _controller = start_controller_in(&client, ns);
-    let model = model().await;
-    let scratch = Scratch::new();
-    write_dataset(&scratch.storage(), 10);
-
-    let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
+    let setup = Setup::without_controller("e2e-retry").await;
+    let (client, ns, model, scratch, runs) = (
+        &setup.client,
+        setup.ns(),
+        &setup.model,
+        &setup.scratch,
+        &setup.runs,
+    );
+    let _controller = start_controller_in(client, ns);
     runs.create(
         &PostParams::default(),
         &TrajectoryRun::new(
@@ -227,7 +225,7 @@ async fn a_crashed_batch_is_retried_and_a_wiped_status_is_rebuilt_without_redoin
     .await
     .expect("create the run");
 
-    let mut kubelet = Kubelet::new(&client, ns, "retry", &scratch);
+    let mut kubelet = Kubelet::new(client, ns, "retry", scratch);
     // Batch 2's first pod crashes with a transient exit code before doing anything.
     kubelet.crash = Box::new(|mode, batch, played| {
         let first = !played.iter().any(|p| p.batch == Some(2));
@@ -292,7 +290,7 @@ async fn a_crashed_batch_is_retried_and_a_wiped_status_is_rebuilt_without_redoin
         .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
         .collect();
     assert_eq!(indexes, (0..10).collect());
-    let (jobs, _) = children(&client, ns, "retry").await;
+    let (jobs, _) = children(client, ns, "retry").await;
     assert_eq!(jobs, ["retry-gen-1", "retry-merge", "retry-plan"]);
     let gen_job: Api<Job> = Api::namespaced(client.clone(), ns);
     let gen_status = gen_job
@@ -311,23 +309,22 @@ async fn a_crashed_batch_is_retried_and_a_wiped_status_is_rebuilt_without_redoin
 /// generated twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_re_created_run_generates_only_the_batches_not_done_on_storage() {
-    let client = client().await;
-    install_crds(&client).await;
-    let namespace = TestNamespace::create(&client, "e2e-again").await;
-    let ns = namespace.name();
-    let _controller = start_controller_in(&client, ns);
-    let model = model().await;
-    let scratch = Scratch::new();
-    write_dataset(&scratch.storage(), 10);
-
-    let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
+    let setup = Setup::without_controller("e2e-again").await;
+    let (client, ns, model, scratch, runs) = (
+        &setup.client,
+        setup.ns(),
+        &setup.model,
+        &setup.scratch,
+        &setup.runs,
+    );
+    let _controller = start_controller_in(client, ns);
     let run = TrajectoryRun::new("again", run_spec(&model.base_url(), &json!({})));
     runs.create(&PostParams::default(), &run)
         .await
         .expect("create the run");
 
     // Batches 0 and 1 get done; 2 and 3 stay Pending.
-    let mut kubelet = Kubelet::new(&client, ns, "again", &scratch);
+    let mut kubelet = Kubelet::new(client, ns, "again", scratch);
     kubelet.hold = BTreeSet::from([2, 3]);
     kubelet
         .serve_until("batches 0 and 1 done", Duration::from_secs(90), |run| {
@@ -346,7 +343,7 @@ async fn a_re_created_run_generates_only_the_batches_not_done_on_storage() {
         Duration::from_secs(60),
         || async {
             let run_gone = runs.get_opt("again").await.ok()?.is_none();
-            let (jobs, maps) = children(&client, ns, "again").await;
+            let (jobs, maps) = children(client, ns, "again").await;
             let selector = format!("{}=again", labels::RUN);
             let pods = pods
                 .list(&ListParams::default().labels(&selector))
