@@ -10,8 +10,9 @@ use std::fmt;
 use std::io::{self, BufRead};
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
-use serde_json::value::RawValue;
 use serde_json::{Map, Value};
+
+use crate::json_scan;
 
 /// A seed that is its own visitor: it asks the deserializer for what it visits.
 macro_rules! seed_by_visiting {
@@ -389,57 +390,21 @@ pub fn probe(line: &[u8], too_long: bool, prompt_field: &str) -> Result<(), Reje
 /// The plan's fast path: `true` only for a line that [`parse_row`] accepts, `false` when unsure
 /// (then the line goes through the full check, which also words the rejection).
 ///
-/// Values are skipped without being unescaped or converted (`serde_json`'s syntax check of a
-/// [`RawValue`]: no copy into a scratch buffer, which is most of the cost of a long prompt with
-/// escapes). Skipping lets through three things a full parse refuses, so a value that may hold one
-/// is checked further: a string with a `\u` escape (a lone surrogate), a number with an exponent
-/// or hundreds of digits (beyond `f64`), and arrays and objects (checked as the full parse would,
-/// when they are not nested near its limit).
+/// [`json_scan`] vouches for the line's JSON (it is unsure of whatever a full parse may refuse
+/// beyond syntax); what is left is the prompt: present, a string, and not blank. A `\u` escape in
+/// the prompt (it could unescape to whitespace), a key written with escapes (it could unescape to
+/// the prompt field) and a chat field (rare; the full check reads them) are left to the full check.
 fn surely_valid(text: &str, prompt_field: &str) -> bool {
-    let mut deserializer = serde_json::Deserializer::from_str(text);
-    FastSeed {
-        field: prompt_field,
-    }
-    .deserialize(&mut deserializer)
-    .and_then(|sure| deserializer.end().map(|()| sure))
-    .unwrap_or(false)
-}
-
-/// Walks a row for [`surely_valid`].
-struct FastSeed<'f> {
-    field: &'f str,
-}
-
-seed_by_visiting!(FastSeed<'_>, bool, deserialize_map);
-
-impl<'de> Visitor<'de> for FastSeed<'_> {
-    type Value = bool;
-
-    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.write_str("a JSON object")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
-        let mut sure = true;
-        let mut prompt = false;
-        while let Some(key) = map.next_key_seed(KeyKind { field: self.field })? {
-            let raw = map.next_value::<&'de RawValue>()?.get();
-            sure &= match key {
-                Key::Prompt => {
-                    prompt = true;
-                    raw.starts_with('"') && !has_unicode_escape(raw) && !blank_string(raw)
-                }
-                // Chat rows are rare; the full check reads them.
-                Key::Chat => false,
-                Key::Other => value_surely_valid(raw),
-            };
+    let mut prompt = false;
+    json_scan::object_line(text.as_bytes(), |field| {
+        if field.is(prompt_field) {
+            prompt = true;
+            let literal = &text[field.value.clone()];
+            literal.starts_with('"') && !field.unicode_escape && !blank_string(literal)
+        } else {
+            !field.key_escaped && !CHAT_FIELDS.iter().any(|chat| field.is(chat))
         }
-        Ok(sure && prompt)
-    }
-}
-
-fn has_unicode_escape(raw: &str) -> bool {
-    memchr::memmem::find(raw.as_bytes(), b"\\u").is_some()
+    }) && prompt
 }
 
 /// Whether a string literal without `\u` escapes is blank once unescaped (as `str::trim` sees
@@ -457,29 +422,6 @@ fn blank_string(literal: &str) -> bool {
             Some(other) if other.is_whitespace() => rest = chars.as_str(),
             Some(_) => return false,
         }
-    }
-}
-
-/// Whether a skipped value (already syntax-checked) is one the full parse accepts.
-fn value_surely_valid(raw: &str) -> bool {
-    match raw.as_bytes().first() {
-        Some(b'"') => !has_unicode_escape(raw),
-        Some(b't' | b'f' | b'n') => true,
-        // Without an exponent, fewer than 300 digits stay far below `f64::MAX` (about 1.8e308).
-        Some(b'-' | b'0'..=b'9') => {
-            raw.len() < 300 && memchr::memchr2(b'e', b'E', raw.as_bytes()).is_none()
-        }
-        Some(b'[' | b'{') => {
-            // Parsed alone the value starts one level higher than in its line: keep well under
-            // the limit of 128 levels, and check it as the full parse would.
-            memchr::memchr2_iter(b'[', b'{', raw.as_bytes())
-                .nth(100)
-                .is_none()
-                && Validate
-                    .deserialize(&mut serde_json::Deserializer::from_str(raw))
-                    .is_ok()
-        }
-        _ => false,
     }
 }
 

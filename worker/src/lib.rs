@@ -29,6 +29,8 @@ pub mod distribution;
 #[cfg(feature = "engine")]
 pub mod hermes;
 #[cfg(feature = "engine")]
+pub mod json_scan;
+#[cfg(feature = "engine")]
 pub mod model;
 #[cfg(feature = "engine")]
 pub mod pyjson;

@@ -210,26 +210,27 @@ impl AppendLog {
             slices.push(IoSlice::new(b"\n"));
         }
         // One gathered write of the whole group (no copy into one buffer): an O_APPEND write
-        // lands contiguously at the end; a short write goes on with the rest.
-        let mut remaining = &mut slices[..];
-        while !remaining.is_empty() {
-            // The kernel takes at most IOV_MAX (1024) slices per call.
-            let batch = remaining.len().min(1024);
-            match self.file.write_vectored(&remaining[..batch]) {
-                Ok(0) => {
-                    return Err(StorageError::new(
-                        "appending to",
-                        &self.path,
-                        io::ErrorKind::WriteZero.into(),
-                    ));
-                }
-                Ok(written) => IoSlice::advance_slices(&mut remaining, written),
-                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-                Err(err) => return Err(StorageError::new("appending to", &self.path, err)),
-            }
-        }
+        // lands contiguously at the end.
+        write_gathered(&mut self.file, &mut slices).at("appending to", &self.path)?;
         self.file.sync_data().at("syncing", &self.path)
     }
+}
+
+/// Writes all of `slices` with as few gathered writes as the kernel allows (no copy into one
+/// buffer); a short write goes on with the rest.
+pub fn write_gathered(file: &mut File, slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    let mut remaining = slices;
+    while !remaining.is_empty() {
+        // The kernel takes at most IOV_MAX (1024) slices per call.
+        let batch = remaining.len().min(1024);
+        match file.write_vectored(&remaining[..batch]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(written) => IoSlice::advance_slices(&mut remaining, written),
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(())
 }
 
 /// The length of the file up to and including its last newline.

@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::IoSlice;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
@@ -18,9 +18,11 @@ use tracing::{info, warn};
 
 use super::manifest::Manifest;
 use super::{RunError, RunLocation};
+use crate::json_scan;
 use crate::plan::{MergeSummary, compact_ranges, format_ranges};
 use crate::storage::{
     Context, RunDir, StorageError, read_whole_lines, sync_dir, temp_path, write_atomic,
+    write_gathered,
 };
 
 /// The fields of a record line that merge and statistics read; the conversation is skipped.
@@ -154,43 +156,140 @@ impl Totals {
     }
 }
 
-/// A file being written under a temp name.
+/// Bytes written to an output between two background syncs.
+const SYNC_EVERY_BYTES: u64 = 32 << 20;
+
+/// A file being written under a temp name, a batch's lines at a time.
+///
+/// A helper thread syncs the file every [`SYNC_EVERY_BYTES`] written, so the disk writes while
+/// merge reads and validates the next batches, and the sync before the rename only waits for the
+/// last stretch. The helper's sync error, if any, fails the output: a failed sync on Linux clears
+/// the error, so the final sync alone could not be trusted to report it.
 struct Output {
     path: PathBuf,
     temp: PathBuf,
-    writer: BufWriter<File>,
+    file: File,
     bytes: u64,
+    synced_at: u64,
+    syncer: Option<(
+        mpsc::Sender<()>,
+        std::thread::JoinHandle<std::io::Result<()>>,
+    )>,
 }
 
 impl Output {
     fn create(path: PathBuf) -> Result<Self, StorageError> {
         let temp = temp_path(&path);
         let file = File::create(&temp).at("creating", &temp)?;
+        let to_sync = file.try_clone().at("opening", &temp)?;
+        let (sync, requests) = mpsc::channel::<()>();
+        let syncer = std::thread::spawn(move || {
+            while requests.recv().is_ok() {
+                // Requests sent while the last sync ran are all served by the next one.
+                while requests.try_recv().is_ok() {}
+                to_sync.sync_data()?;
+            }
+            Ok(())
+        });
         Ok(Self {
-            writer: BufWriter::with_capacity(1 << 20, file),
             path,
             temp,
+            file,
             bytes: 0,
+            synced_at: 0,
+            syncer: Some((sync, syncer)),
         })
     }
 
-    fn line(&mut self, line: &[u8]) -> Result<(), StorageError> {
-        self.writer
-            .write_all(line)
-            .and_then(|()| self.writer.write_all(b"\n"))
-            .at("writing", &self.temp)?;
-        self.bytes += line.len() as u64 + 1;
+    /// Appends whole lines (a newline is added to each) with gathered writes.
+    fn lines(&mut self, lines: &[&[u8]]) -> Result<(), StorageError> {
+        let mut slices = Vec::with_capacity(lines.len() * 2);
+        for line in lines {
+            slices.push(IoSlice::new(line));
+            slices.push(IoSlice::new(b"\n"));
+            self.bytes += line.len() as u64 + 1;
+        }
+        write_gathered(&mut self.file, &mut slices).at("writing", &self.temp)?;
+        if self.bytes - self.synced_at >= SYNC_EVERY_BYTES
+            && let Some((sync, _)) = &self.syncer
+        {
+            // A stopped helper reports its error at `finish`.
+            let _ = sync.send(());
+            self.synced_at = self.bytes;
+        }
         Ok(())
     }
 
-    fn finish(self) -> Result<u64, StorageError> {
-        let file = self
-            .writer
-            .into_inner()
-            .map_err(|err| StorageError::new("writing", &self.temp, err.into_error()))?;
-        file.sync_all().at("syncing", &self.temp)?;
+    fn finish(mut self) -> Result<u64, StorageError> {
+        if let Some((sync, syncer)) = self.syncer.take() {
+            drop(sync);
+            syncer
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the sync thread panicked")))
+                .at("syncing", &self.temp)?;
+        }
+        self.file.sync_all().at("syncing", &self.temp)?;
         std::fs::rename(&self.temp, &self.path).at("renaming into place", &self.path)?;
         Ok(self.bytes)
+    }
+}
+
+/// The record lines of one batch as [`RecordView`]s are parsed from them: each line that
+/// [`json_scan`] vouches for without its `conversations` (most of a record's bytes), which is
+/// then left out, so `serde_json` reads only the rest; any other line whole, which `serde_json`
+/// then validates as before. A line is accepted exactly when it was before: the scanner vouches
+/// only for what `serde_json` accepts.
+struct ViewLines<'a> {
+    data: &'a [u8],
+    lines: &'a [(usize, usize)],
+    /// The lines with `conversations` left out, one after another.
+    short: Vec<u8>,
+    /// For each line, its range in `short`, when it has one.
+    spans: Vec<Option<(usize, usize)>>,
+}
+
+impl<'a> ViewLines<'a> {
+    fn new(data: &'a [u8], lines: &'a [(usize, usize)]) -> Self {
+        let mut short = Vec::with_capacity(lines.len() * 2048);
+        let spans = lines
+            .iter()
+            .map(|&(start, end)| {
+                let line = &data[start..end];
+                let mut conversations = None;
+                let sure = json_scan::object_line(line, |field| {
+                    if field.is("conversations") {
+                        conversations.replace(field.value.clone()).is_none()
+                    } else {
+                        !field.key_escaped
+                    }
+                });
+                let left_out = conversations.filter(|_| sure)?;
+                let span_start = short.len();
+                short.extend_from_slice(&line[..left_out.start]);
+                short.extend_from_slice(b"null");
+                short.extend_from_slice(&line[left_out.end..]);
+                Some((span_start, short.len()))
+            })
+            .collect();
+        Self {
+            data,
+            lines,
+            short,
+            spans,
+        }
+    }
+
+    fn parse(&self, index: usize) -> Result<RecordView<'_>, serde_json::Error> {
+        let (start, end) = self.lines[index];
+        let line = &self.data[start..end];
+        match self.spans[index] {
+            // An error is worded from the whole line, so that its position is the line's own.
+            Some((short_start, short_end)) => {
+                serde_json::from_slice(&self.short[short_start..short_end])
+                    .or_else(|_| serde_json::from_slice(line))
+            }
+            None => serde_json::from_slice(line),
+        }
     }
 }
 
@@ -213,10 +312,11 @@ fn sort_batch(
     skipped_lines: &mut u64,
 ) -> Result<SortedBatch, RunError> {
     let (data, lines) = read_whole_lines(&run_dir.batch_records(batch))?;
+    let viewed = ViewLines::new(&data, &lines);
     let mut order: Vec<(u64, u32, u8, usize)> = Vec::with_capacity(lines.len());
     let mut views = Vec::with_capacity(lines.len());
-    for (start, end) in &lines {
-        match serde_json::from_slice::<RecordView<'_>>(&data[*start..*end]) {
+    for (index, (start, end)) in lines.iter().enumerate() {
+        match viewed.parse(index) {
             Ok(view) => {
                 let rank = match view.status.as_deref() {
                     None => 0,
@@ -315,19 +415,21 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
             let sorted = inboxes[(batch % READERS) as usize]
                 .recv()
                 .map_err(|_| lost())??;
-            let mut openai = sorted.openai.iter();
+            let (mut trajectory_lines, mut failure_lines) = (Vec::new(), Vec::new());
             for &(start, end, trajectory) in &sorted.kept {
                 let line = &sorted.data[start..end];
                 if trajectory {
-                    trajectories.line(line)?;
-                    if let (Some(out), Some(Some(openai_line))) =
-                        (openai_out.as_mut(), openai.next())
-                    {
-                        out.line(openai_line)?;
-                    }
+                    trajectory_lines.push(line);
                 } else {
-                    failures.line(line)?;
+                    failure_lines.push(line);
                 }
+            }
+            trajectories.lines(&trajectory_lines)?;
+            failures.lines(&failure_lines)?;
+            if let Some(out) = openai_out.as_mut() {
+                let openai_lines: Vec<&[u8]> =
+                    sorted.openai.iter().flatten().map(Vec::as_slice).collect();
+                out.lines(&openai_lines)?;
             }
         }
         let mut totals = Totals::default();
@@ -510,5 +612,41 @@ mod tests {
         let p = percentiles(&mut values).unwrap();
         assert_eq!((p.p50, p.p90, p.p99, p.max), (50, 90, 99, 100));
         assert!(percentiles(&mut []).is_none());
+    }
+
+    #[test]
+    fn records_read_without_their_conversation_read_as_whole_lines_do() {
+        let record = r#"{"prompt_index": 7, "conversations": [{"from": "human", "value": "a \"b\" \u00e9"}], "sample": 1, "tool_stats": {"read_file": {"count": 2, "success": 1, "failure": 1}}, "usage": {"prompt_tokens": 10}, "api_calls": 3, "completed": true, "duration_ms": 12}"#;
+        let lines = [
+            record.to_owned(),
+            // Not sure: serde_json decides.
+            record.replace("\\u00e9", "\\ud800"),
+            record.replace("\"sample\"", "\"conversations\": null, \"sample\""),
+            record.replace("\"conversations\"", "\"conversation\\u0073\""),
+            // Invalid, inside and outside the conversation, and torn.
+            record.replace("\"human\"", "\"human"),
+            record.replace("\"prompt_index\": 7", "\"prompt_index\": \"7\""),
+            record[..record.len() - 20].to_owned(),
+            r#"{"prompt_index": 1, "status": "failed", "error_class": "timeout"}"#.to_owned(),
+        ];
+        let mut data = Vec::new();
+        let mut ranges = Vec::new();
+        for line in &lines {
+            ranges.push((data.len(), data.len() + line.len()));
+            data.extend_from_slice(line.as_bytes());
+            data.push(b'\n');
+        }
+        let viewed = ViewLines::new(&data, &ranges);
+        assert_eq!(
+            viewed.spans.iter().map(Option::is_some).collect::<Vec<_>>(),
+            [true, false, false, false, false, true, false, false]
+        );
+        for (index, line) in lines.iter().enumerate() {
+            let whole = serde_json::from_str::<RecordView<'_>>(line);
+            let short = viewed.parse(index);
+            assert_eq!(format!("{short:?}"), format!("{whole:?}"), "{line}");
+        }
+        assert_eq!(viewed.parse(0).unwrap().tool_stats["read_file"].failure, 1);
+        assert!(viewed.parse(4).is_err() && viewed.parse(5).is_err() && viewed.parse(6).is_err());
     }
 }
