@@ -39,6 +39,10 @@ use trajectory_worker::tools::{
     Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace,
 };
 
+// The allocator of the `trajectory-worker` binary, so that the client costs what it costs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const SERVER_ENV: &str = "ENGINE_BENCH_SERVER";
 const TOOL: &str = "noop";
 

@@ -69,6 +69,10 @@ use trajectory_worker::spec::ToolsSpec;
 use trajectory_worker::tools::{Registry, Tool, ToolContext, Workspace};
 
 const SERVER_ENV: &str = "RUN_MODES_BENCH_SERVER";
+// The allocator of the `trajectory-worker` binary, so that both paths cost what they cost there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 const MIB: u64 = 1 << 20;
 
@@ -756,7 +760,7 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         "plan counted the wrong prompts"
     );
 
-    let warm_plan = median(&warm.0);
+    let (warm_plan, warm_wc) = (median(&warm.0), median(&warm.1));
     println!("\n| page cache | plan s | wc -l s | plan ÷ wc -l | runs (plan; wc -l) |");
     println!("|---|---:|---:|---:|---|");
     for (label, times) in [("warm", Some(warm)), ("cold", cold_times)] {
@@ -785,8 +789,41 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         median_cpu(&mut plan_cpu),
         median_cpu(&mut wc_cpu)
     );
+    let floor = median(
+        &(0..knobs.repeats)
+            .map(|_| digest_floor(&dataset_path))
+            .collect::<std::io::Result<Vec<_>>>()?,
+    );
+    println!(
+        "floor, warm: reading the file, BLAKE3 and the UTF-8 check alone (no JSON), one thread: {} s = \
+         {:.2}× wc -l (even split over both cores: {:.2}×)",
+        seconds(floor),
+        floor.as_secs_f64() / warm_wc.as_secs_f64(),
+        floor.as_secs_f64() / 2.0 / warm_wc.as_secs_f64(),
+    );
     println!("targets: plan ÷ wc -l ≤ 2, peak RSS < 50 MB");
     Ok(())
+}
+
+/// The work any plan does besides checking JSON, timed alone: read the file in the plan's block
+/// size, hash it with BLAKE3 and check its UTF-8.
+fn digest_floor(path: &Path) -> std::io::Result<Duration> {
+    let start = Instant::now();
+    let mut file = File::open(path)?;
+    let mut hasher = blake3::Hasher::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut valid = true;
+    loop {
+        let read = file.read(&mut buffer)?;
+        if read == 0 {
+            break;
+        }
+        hasher.update(&buffer[..read]);
+        // Blocks may cut a character in two; only the time matters here.
+        valid &= simdutf8::basic::from_utf8(&buffer[..read]).is_ok();
+    }
+    std::hint::black_box((hasher.finalize(), valid));
+    Ok(start.elapsed())
 }
 
 /// User plus system seconds from the report of `/usr/bin/time -v`.
