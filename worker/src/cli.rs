@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
-use tracing::error;
+use tracing::{debug, error};
 
 use crate::plan::{env, exit, paths, termination_message};
 use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
@@ -150,6 +150,32 @@ impl RunArgs {
 }
 
 /// Starts logging to stderr.
+/// The whole `trajectory-worker` process; returns its exit code.
+pub fn main() -> i32 {
+    let huge_pages = disable_transparent_huge_pages();
+    let cli = Cli::parse();
+    init_tracing(cli.log_format);
+    if let Err(err) = huge_pages {
+        debug!(%err, "transparent huge pages stay enabled");
+    }
+    match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime.block_on(run(cli)),
+        Err(err) => {
+            error!(%err, "cannot start the async runtime");
+            exit::TRANSIENT
+        }
+    }
+}
+
+/// Turns transparent huge pages off for this process before it allocates much.
+///
+/// Where THP is `always` (as on many nodes), every 2 MiB-aligned region the allocator touches is
+/// backed by a whole 2 MiB page: the plan's peak RSS went from 20 to 46 MiB with mimalloc, and a
+/// pod's memory limit counts those pages. None of the worker's work gains from huge pages.
+fn disable_transparent_huge_pages() -> nix::Result<()> {
+    nix::sys::prctl::set_thp_disable(true)
+}
+
 pub fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));

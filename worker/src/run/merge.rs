@@ -21,8 +21,8 @@ use super::{RunError, RunLocation};
 use crate::json_scan;
 use crate::plan::{MergeSummary, compact_ranges, format_ranges};
 use crate::storage::{
-    Context, RunDir, StorageError, read_whole_lines, sync_dir, temp_path, write_atomic,
-    write_gathered,
+    Context, RunDir, StorageError, read_whole_lines, read_whole_lines_into, sync_dir, temp_path,
+    write_atomic, write_gathered,
 };
 
 /// The fields of a record line that merge and statistics read; the conversation is skipped.
@@ -307,11 +307,12 @@ struct SortedBatch {
 fn sort_batch(
     run_dir: &RunDir,
     batch: u32,
+    buffer: Vec<u8>,
     openai: bool,
     totals: &mut Totals,
     skipped_lines: &mut u64,
 ) -> Result<SortedBatch, RunError> {
-    let (data, lines) = read_whole_lines(&run_dir.batch_records(batch))?;
+    let (data, lines) = read_whole_lines_into(&run_dir.batch_records(batch), buffer)?;
     let viewed = ViewLines::new(&data, &lines);
     let mut order: Vec<(u64, u32, u8, usize)> = Vec::with_capacity(lines.len());
     let mut views = Vec::with_capacity(lines.len());
@@ -389,18 +390,29 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
     let batch_count = manifest.batch_count();
     let (mut totals, skipped_lines) = std::thread::scope(|scope| {
         let mut inboxes = Vec::new();
+        let mut recycle = Vec::new();
         let mut readers = Vec::new();
         for first in 0..READERS {
             let (to_writer, sorted) =
                 mpsc::sync_channel::<Result<SortedBatch, RunError>>(BATCHES_AHEAD);
             inboxes.push(sorted);
+            // The writer hands each batch's buffer back to its reader, for the next batch.
+            let (to_reader, written) = mpsc::channel::<Vec<u8>>();
+            recycle.push(to_reader);
             let reader_dir = &run_dir;
             readers.push(scope.spawn(move || {
                 let mut totals = Totals::default();
                 let mut skipped_lines = 0u64;
                 for batch in (first..batch_count).step_by(READERS as usize) {
-                    let result =
-                        sort_batch(reader_dir, batch, openai, &mut totals, &mut skipped_lines);
+                    let buffer = written.try_recv().unwrap_or_default();
+                    let result = sort_batch(
+                        reader_dir,
+                        batch,
+                        buffer,
+                        openai,
+                        &mut totals,
+                        &mut skipped_lines,
+                    );
                     let failed = result.is_err();
                     // A closed channel: the writer stopped at an error.
                     if to_writer.send(result).is_err() || failed {
@@ -431,6 +443,8 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
                     sorted.openai.iter().flatten().map(Vec::as_slice).collect();
                 out.lines(&openai_lines)?;
             }
+            // A reader that has stopped takes no buffers.
+            let _ = recycle[(batch % READERS) as usize].send(sorted.data);
         }
         let mut totals = Totals::default();
         let mut skipped_lines = 0;
