@@ -12,9 +12,9 @@
 //! vouch for through `serde_json`, which decides and words the error, so the scanner changes how
 //! fast a line is accepted, never whether.
 //!
-//! It is fast because strings, most of a line's bytes, are crossed with `memchr2` (SIMD) from one
-//! quote or backslash to the next instead of byte by byte, after one pass over the line for
-//! control characters.
+//! It is fast because strings, most of a line's bytes, are crossed from one quote or backslash to
+//! the next eight bytes at a time (and with `memchr2`'s SIMD search over long stretches) instead of
+//! byte by byte, after one pass over the line for control characters.
 
 use std::ops::Range;
 
@@ -79,6 +79,38 @@ fn has_control_byte(bytes: &[u8]) -> bool {
     chunks.remainder().iter().any(|&byte| byte < 0x20)
 }
 
+/// The position of the first quote or backslash at or after `at`.
+///
+/// The next one is usually close (dataset text and records are full of `\n` and `\"`), so the
+/// first 32 bytes are searched inline, 8 at a time with bit tricks on a `u64`, without the cost
+/// of a call; a longer stretch is left to `memchr2`'s SIMD search.
+fn next_quote_or_backslash(bytes: &[u8], mut at: usize) -> Option<usize> {
+    const ONES: u64 = u64::MAX / 255;
+    const HIGH: u64 = ONES << 7;
+    // High bit of each byte that is zero in `word ^ ONES * target`, exact for the lowest such
+    // byte (borrows only reach bytes above a zero byte), which is the one we take.
+    let matches = |word: u64| {
+        let quotes = word ^ (ONES * u64::from(b'"'));
+        let backslashes = word ^ (ONES * u64::from(b'\\'));
+        (quotes.wrapping_sub(ONES) & !quotes | backslashes.wrapping_sub(ONES) & !backslashes) & HIGH
+    };
+    let inline_until = at + 32;
+    while at < inline_until {
+        let Some(word) = bytes.get(at..).and_then(<[u8]>::first_chunk::<8>) else {
+            return bytes[at.min(bytes.len())..]
+                .iter()
+                .position(|&byte| byte == b'"' || byte == b'\\')
+                .map(|offset| at + offset);
+        };
+        let found = matches(u64::from_le_bytes(*word));
+        if found != 0 {
+            return Some(at + found.trailing_zeros() as usize / 8);
+        }
+        at += 8;
+    }
+    memchr::memchr2(b'"', b'\\', &bytes[at..]).map(|offset| at + offset)
+}
+
 /// What a scanned string held.
 #[derive(Debug, Clone, Copy, Default)]
 struct Escapes {
@@ -113,7 +145,7 @@ impl<'a> Scanner<'a> {
         self.expect(b'"')?;
         let mut escapes = Escapes::default();
         loop {
-            self.at += memchr::memchr2(b'"', b'\\', &self.bytes[self.at..])?;
+            self.at = next_quote_or_backslash(self.bytes, self.at)?;
             if self.bytes[self.at] == b'"' {
                 self.at += 1;
                 return Some(escapes);
@@ -377,6 +409,25 @@ mod tests {
                 assert!(has_control_byte(&bytes), "{length} {position}");
             }
             assert!(!has_control_byte(&vec![b' '; length]));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn quotes_and_backslashes_are_found_where_they_are(
+            bytes in proptest::collection::vec(proptest::sample::select(b"ab\"\\\xff\x00 ".to_vec()), 0..120),
+            gap in 0usize..100,
+            at in 0usize..130,
+        ) {
+            // A long stretch without one, then the random bytes.
+            let mut haystack = vec![b'x'; gap];
+            haystack.extend_from_slice(&bytes);
+            let at = at.min(haystack.len());
+            let expected = haystack[at..]
+                .iter()
+                .position(|&byte| byte == b'"' || byte == b'\\')
+                .map(|offset| at + offset);
+            proptest::prop_assert_eq!(next_quote_or_backslash(&haystack, at), expected);
         }
     }
 
