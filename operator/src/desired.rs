@@ -84,7 +84,13 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Self {
-            worker_image: "ghcr.io/trajectory-operator/trajectory-worker:latest".to_owned(),
+            // The image `scripts/images/build.sh` tags for this workspace version (it tags no
+            // `latest`), so an operator started without the chart runs workers of its own release.
+            worker_image: concat!(
+                "ghcr.io/trajectory-operator/trajectory-worker:",
+                env!("CARGO_PKG_VERSION")
+            )
+            .to_owned(),
             worker_log_format: "json".to_owned(),
             watch_namespace: None,
             pacing: Pacing::default(),

@@ -153,9 +153,16 @@ fn the_chart_version_and_default_images_are_the_workspace_version() {
         deployment["spec"]["template"]["spec"]["containers"][0]["image"],
         format!("ghcr.io/trajectory-operator/trajectory-operator:{version}")
     );
+    let worker_image = format!("ghcr.io/trajectory-operator/trajectory-worker:{version}");
     assert_eq!(
         env_value(&env_of(deployment), "TRAJ_WORKER_IMAGE"),
-        format!("ghcr.io/trajectory-operator/trajectory-worker:{version}")
+        worker_image
+    );
+    // An operator started without the chart runs the same workers (the image build tags no
+    // `latest`).
+    assert_eq!(
+        trajectory_operator::desired::Settings::default().worker_image,
+        worker_image
     );
 }
 
