@@ -67,6 +67,9 @@ mod volumes {
     pub const TMP: &str = "tmp";
 }
 
+/// The group of the worker image's user (`nonroot`, 65532, as in distroless images).
+const WORKER_GROUP: i64 = 65532;
+
 /// Operator-wide settings: what shapes the children, which runs to act on, and the pace of writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
@@ -564,6 +567,12 @@ fn pod_spec(
         image_pull_secrets: overrides.image_pull_secrets,
         security_context: Some(PodSecurityContext {
             run_as_non_root: Some(true),
+            // A fresh volume is usually root's: with its driver honouring fsGroup, the kubelet
+            // makes it writable for the worker image's group (uid and gid 65532), and checks only
+            // the root's ownership on later mounts instead of walking a volume of millions of
+            // records for every pod.
+            fs_group: Some(WORKER_GROUP),
+            fs_group_change_policy: Some("OnRootMismatch".to_owned()),
             seccomp_profile: Some(runtime_default()),
             ..PodSecurityContext::default()
         }),
@@ -1086,6 +1095,11 @@ mod tests {
             assert_eq!(pod.automount_service_account_token, Some(false));
             let pod_context = pod.security_context.as_ref().unwrap();
             assert_eq!(pod_context.run_as_non_root, Some(true));
+            assert_eq!(pod_context.fs_group, Some(65532));
+            assert_eq!(
+                pod_context.fs_group_change_policy.as_deref(),
+                Some("OnRootMismatch")
+            );
             assert_eq!(
                 pod_context.seccomp_profile.as_ref().unwrap().type_,
                 "RuntimeDefault"
