@@ -20,7 +20,7 @@ use std::time::Duration;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use trajectory_worker::plan::{MergeSummary, PlanSummary};
+use trajectory_worker::plan::{MergeSummary, PlanSummary, compact_ranges, parse_ranges};
 
 use crate::api::{
     ConditionType, OutputStatus, Phase, PromptCounts, TrajectoryRun, TrajectoryRunStatus,
@@ -256,7 +256,14 @@ fn decide(
         }
         JobState::Complete => {}
     }
-    let Some(plan) = &observed.plan_summary else {
+    // The summary is read from the plan pod's termination message; that pod goes when its node
+    // does (a scaled-down node, hours into a run), so what the status recorded from it stands in.
+    let recorded = observed
+        .plan_summary
+        .is_none()
+        .then(|| recorded_plan(run.status.as_ref()))
+        .flatten();
+    let Some(plan) = observed.plan_summary.as_ref().or(recorded.as_ref()) else {
         return Ok(Outcome::Failed(
             Reason::PlanFailed,
             "the plan Job completed without a summary in its termination message".into(),
@@ -376,7 +383,14 @@ fn decide(
             format!("the merge Job failed: {message}"),
         )),
         JobState::Complete => {
-            let merge = observed.merge_summary.clone().unwrap_or_default();
+            // Without the merge pod (gone with its node), the counts recorded from it stand.
+            let Some(merge) = observed.merge_summary.clone() else {
+                let message = match &status.output {
+                    Some(output) => format!("{} trajectories written", output.trajectories),
+                    None => "trajectories written (the merge pod, and its counts, are gone)".into(),
+                };
+                return Ok(Outcome::Succeeded(message));
+            };
             let prompts = status.prompts.get_or_insert_with(PromptCounts::default);
             prompts.succeeded = merge.trajectories;
             prompts.discarded = merge.discarded;
@@ -395,6 +409,23 @@ fn decide(
             )))
         }
     }
+}
+
+/// The plan's summary as far as the run's status recorded it (once the plan was observed, every
+/// status write carries its batch total and prompt counts): the batches completed so far stand
+/// for the plan's `done`, of which they are a superset. `None` before anything was recorded.
+fn recorded_plan(status: Option<&TrajectoryRunStatus>) -> Option<PlanSummary> {
+    let status = status?;
+    let (batches, prompts) = (status.batches.as_ref()?, status.prompts.as_ref()?);
+    let done = parse_ranges(&batches.completed).ok()?;
+    Some(PlanSummary {
+        prompts: prompts.total,
+        invalid: prompts.invalid,
+        batches: batches.total,
+        done: compact_ranges(done),
+        dataset_digest: String::new(),
+        spec_hash: String::new(),
+    })
 }
 
 /// Whether to write a run's status now.
@@ -530,6 +561,21 @@ mod tests {
             }),
             ..Observed::default()
         }
+    }
+
+    /// A run of `batches` batches, all done, whose merge wrote `trajectories` (and one discarded
+    /// record).
+    fn merged(batches: u32, trajectories: u64) -> Observed {
+        let mut observed = planned(batches, &[(0, batches - 1)]);
+        observed.merge_job = Some(job("r-merge", "complete", "", ""));
+        observed.merge_summary = Some(MergeSummary {
+            trajectories,
+            discarded: 1,
+            failed: 0,
+            bytes: 4096,
+            skipped_lines: 0,
+        });
+        observed
     }
 
     fn attempt(
@@ -701,16 +747,7 @@ mod tests {
 
     #[test]
     fn a_finished_merge_succeeds_the_run_with_its_output() {
-        let mut observed = planned(2, &[(0, 1)]);
-        observed.merge_job = Some(job("r-merge", "complete", "", ""));
-        observed.merge_summary = Some(MergeSummary {
-            trajectories: 19,
-            discarded: 1,
-            failed: 0,
-            bytes: 4096,
-            skipped_lines: 0,
-        });
-        let desired = decide(&observed);
+        let desired = decide(&merged(2, 19));
         assert!(desired.jobs.is_empty());
         assert_eq!(desired.status.phase, Some(Phase::Succeeded));
         let output = desired.status.output.as_ref().unwrap();
@@ -825,6 +862,47 @@ mod tests {
             status_write(Some(&wiped), &progressed, Some(Duration::ZERO), interval),
             StatusWrite::Now
         );
+    }
+
+    /// The plan and merge summaries come from pods' termination messages, and a pod goes with its
+    /// node (an autoscaler removing it mid-run): what the status recorded stands in for them, so
+    /// the run neither fails nor loses its counts.
+    #[test]
+    fn a_run_whose_plan_and_merge_pods_are_gone_goes_on_from_its_recorded_status() {
+        let decide_with = |status: Option<TrajectoryRunStatus>, observed: &Observed| {
+            let mut run = run();
+            run.status = status;
+            desired_state(&run, observed, &Settings::default(), &now()).unwrap()
+        };
+        // Batches 0-1 were done before the run (the plan found them); attempt 1 completed 2.
+        let mut observed = planned(5, &[(0, 1)]);
+        observed
+            .attempts
+            .push(attempt(1, &[2, 3, 4], "running", "2", ""));
+        let with_pod = decide_with(None, &observed);
+        assert_eq!(with_pod.status.progress.as_deref(), Some("3/5"));
+
+        observed.plan_summary = None;
+        let without_pod = decide_with(Some(with_pod.status.clone()), &observed);
+        assert_eq!(names(&without_pod), names(&with_pod));
+        assert_eq!(without_pod.status, with_pod.status);
+
+        // Nothing recorded yet: the run cannot know its batches.
+        let unrecorded = decide_with(None, &observed);
+        assert_eq!(
+            condition(&unrecorded, ConditionType::Failed),
+            ("True", "PlanFailed")
+        );
+
+        // A succeeded run keeps its counts when both pods are gone.
+        let mut merged = merged(5, 48);
+        let succeeded = decide_with(None, &merged).status;
+        merged.plan_summary = None;
+        merged.merge_summary = None;
+        let later = decide_with(Some(succeeded.clone()), &merged).status;
+        assert_eq!(later, succeeded);
+        assert_eq!(later.output.as_ref().unwrap().trajectories, 48);
+        assert_eq!(later.phase, Some(Phase::Succeeded));
     }
 
     /// kstatus (Flux, `kubectl wait`): `observedGeneration` always; `Reconciling` while work is under

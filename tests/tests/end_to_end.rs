@@ -770,6 +770,80 @@ async fn a_deleted_run_leaves_no_children_and_its_data_untouched() {
     );
 }
 
+/// The plan's and the merge's summaries are read from their pods' termination messages, and a
+/// finished pod goes with its node (an autoscaler scaling the node down hours into a run, the pod
+/// garbage collector removing it). Once the status recorded them, the run goes on without the plan
+/// pod, and a succeeded run keeps its counts without the merge pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_goes_on_and_keeps_its_counts_when_its_finished_pods_are_gone() {
+    let (setup, _controller, mut kubelet) =
+        Setup::with_run("e2e-gone-pods", "nodes", &json!({})).await;
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), setup.ns());
+    let remove_pods_of = |job: &'static str| {
+        let pods = pods.clone();
+        async move {
+            let selector = format!("batch.kubernetes.io/job-name={job}");
+            let removed = pods
+                .delete_collection(
+                    &DeleteParams {
+                        grace_period_seconds: Some(0),
+                        ..DeleteParams::default()
+                    },
+                    &ListParams::default().labels(&selector),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("delete the pods of {job}: {e}"));
+            let removed = removed
+                .left()
+                .map(|list| list.items.len())
+                .unwrap_or_default();
+            assert!(removed >= 1, "no pod of {job} to delete");
+            wait_until("the pods to be gone", Duration::from_secs(30), || async {
+                let left = pods
+                    .list(&ListParams::default().labels(&selector))
+                    .await
+                    .ok()?;
+                left.items.is_empty().then_some(())
+            })
+            .await;
+        }
+    };
+
+    kubelet.hold = BTreeSet::from([2, 3]);
+    kubelet
+        .serve_until("two batches done", Duration::from_secs(90), |run| {
+            done_batches(run) >= 2
+        })
+        .await;
+    remove_pods_of("nodes-plan").await;
+    kubelet.hold.clear();
+    let run = kubelet
+        .serve_until("the run to finish", Duration::from_secs(120), finished)
+        .await;
+    let status = run.status.expect("a status");
+    assert_eq!(status.phase, Some(Phase::Succeeded), "{status:#?}");
+    assert_eq!(status.progress.as_deref(), Some("4/4"));
+    assert_eq!(status.prompts.as_ref().map(|p| p.total), Some(10));
+    assert_eq!(status.output.as_ref().map(|o| o.trajectories), Some(10));
+
+    // Without the merge pod either, a reconcile (here: a label on the run) changes nothing.
+    remove_pods_of("nodes-merge").await;
+    setup
+        .runs
+        .patch(
+            "nodes",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"touched": "yes"}}})),
+        )
+        .await
+        .expect("label the run");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let later = setup.runs.get("nodes").await.expect("get the run");
+    let labels = later.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(labels.get("touched").map(String::as_str), Some("yes"));
+    assert_eq!(later.status.as_ref(), Some(&status));
+}
+
 /// A pod evicted (the control plane marks it `DisruptionTarget`, as for preemption, a drained or
 /// lost node) is not a failure: with no retry allowed per batch and no failed batch allowed, the
 /// Job still replaces the pod on the same index and the run succeeds.
