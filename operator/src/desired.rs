@@ -284,9 +284,15 @@ struct Owner<'a> {
 
 impl<'a> Owner<'a> {
     fn of(run: &'a TrajectoryRun) -> Result<Self, DesiredError> {
-        let reference = run
-            .controller_owner_ref(&())
-            .ok_or(DesiredError::NotStored)?;
+        // Blocking, as the built-in controllers' references are: a foreground deletion of the run
+        // (`kubectl delete --cascade=foreground`, a GitOps prune) ends only once its Jobs and
+        // ConfigMaps are gone, so a run re-created under the same name never meets them.
+        let reference = OwnerReference {
+            block_owner_deletion: Some(true),
+            ..run
+                .controller_owner_ref(&())
+                .ok_or(DesiredError::NotStored)?
+        };
         Ok(Self {
             name: run.name_any(),
             namespace: run.namespace().ok_or(DesiredError::NotStored)?,
@@ -988,6 +994,7 @@ mod tests {
                 ("TrajectoryRun", "coding-v1", "0b7c-uid")
             );
             assert_eq!(owner.controller, Some(true));
+            assert_eq!(owner.block_owner_deletion, Some(true));
         }
         let pod_labels = job
             .spec

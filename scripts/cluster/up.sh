@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Starts a local Kubernetes control plane on loopback, built from source by build.sh (run first if needed):
-# etcd, kube-apiserver (TLS, RBAC, ServiceAccount tokens, admission), kube-controller-manager (all default
+# etcd, kube-apiserver (TLS, RBAC, ServiceAccount tokens, admission with OwnerReferencesPermissionEnforcement
+# as OpenShift enables it, so the chart's RBAC is tested against it), kube-controller-manager (all default
 # controllers), kube-scheduler and kwok with KWOK_NODES fake nodes whose pods kwok moves to Running and,
 # for pods owned by a Job, to Succeeded.
 #
@@ -287,7 +288,7 @@ start_components() {
 		--proxy-client-cert-file="${PKI}/front-proxy-client.crt" \
 		--proxy-client-key-file="${PKI}/front-proxy-client.key" \
 		--authorization-mode=Node,RBAC \
-		--enable-admission-plugins=NodeRestriction \
+		--enable-admission-plugins=NodeRestriction,OwnerReferencesPermissionEnforcement \
 		--service-account-issuer=https://kubernetes.default.svc.cluster.local \
 		--service-account-key-file="${PKI}/sa.pub" \
 		--service-account-signing-key-file="${PKI}/sa.key" \
