@@ -248,6 +248,12 @@ pub async fn reconcile(run: Arc<TrajectoryRun>, ctx: Arc<Context>) -> Result<Act
 
 async fn reconcile_run(run: &TrajectoryRun, ctx: &Context) -> Result<Action, Error> {
     let name = run.name_any();
+    // Being deleted (a foreground cascade, or another party's finalizer holds it): the garbage
+    // collector is removing the children, and applying them again would undo its work.
+    if run.metadata.deletion_timestamp.is_some() {
+        debug!(run = %name, "being deleted; leaving its children to the garbage collector");
+        return Ok(Action::await_change());
+    }
     let observed = observe::observe(&ctx.client, run)
         .await
         .map_err(|source| Error::Observe {

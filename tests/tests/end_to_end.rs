@@ -770,6 +770,53 @@ async fn a_deleted_run_leaves_no_children_and_its_data_untouched() {
     );
 }
 
+/// The children's owner references block their owner's deletion (as the built-in controllers'
+/// do), and the operator leaves a run being deleted alone: a foreground deletion ends once the
+/// garbage collector has removed the run's Jobs and `ConfigMaps`, so a run re-created under the
+/// same name never meets them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_foreground_deletion_of_a_run_ends_after_its_children_are_gone() {
+    let (setup, _controller, mut kubelet) =
+        Setup::with_run("e2e-foreground", "fg", &json!({})).await;
+    kubelet.hold = BTreeSet::from([2, 3]);
+    kubelet
+        .serve_until("two batches done", Duration::from_secs(90), |run| {
+            done_batches(run) >= 2
+        })
+        .await;
+    setup
+        .runs
+        .delete("fg", &DeleteParams::foreground())
+        .await
+        .expect("delete the run");
+    // Until the run is gone: whether it was seen waiting for its Jobs.
+    let mut saw_run_waiting = false;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while setup
+        .runs
+        .get_opt("fg")
+        .await
+        .expect("get the run")
+        .is_some()
+    {
+        let (jobs, _) = children(&setup.client, setup.ns(), "fg").await;
+        saw_run_waiting |= !jobs.is_empty();
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the run still exists after 60 s; its Jobs: {jobs:?}"
+        );
+        // Deleted pods are stopped, as a kubelet would.
+        kubelet.play_pending().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(saw_run_waiting, "the run never waited for its Jobs");
+    assert_eq!(
+        children(&setup.client, setup.ns(), "fg").await,
+        (Vec::new(), Vec::new()),
+        "the run was gone before its children"
+    );
+}
+
 /// The plan's and the merge's summaries are read from their pods' termination messages, and a
 /// finished pod goes with its node (an autoscaler scaling the node down hours into a run, the pod
 /// garbage collector removing it). Once the status recorded them, the run goes on without the plan
