@@ -203,23 +203,22 @@ impl AppendLog {
 
     /// Appends several lines with one write and one fsync (group commit under load).
     pub fn append_lines(&mut self, lines: &[&[u8]]) -> Result<(), StorageError> {
-        let mut slices = Vec::with_capacity(lines.len() * 2);
-        for line in lines {
-            debug_assert!(!line.contains(&b'\n'), "a record must be one line");
-            slices.push(IoSlice::new(line));
-            slices.push(IoSlice::new(b"\n"));
-        }
-        // One gathered write of the whole group (no copy into one buffer): an O_APPEND write
-        // lands contiguously at the end.
-        write_gathered(&mut self.file, &mut slices).at("appending to", &self.path)?;
+        // One gathered write of the whole group: an O_APPEND write lands contiguously at the end.
+        write_lines(&mut self.file, lines).at("appending to", &self.path)?;
         self.file.sync_data().at("syncing", &self.path)
     }
 }
 
-/// Writes all of `slices` with as few gathered writes as the kernel allows (no copy into one
-/// buffer); a short write goes on with the rest.
-pub fn write_gathered(file: &mut File, slices: &mut [IoSlice<'_>]) -> io::Result<()> {
-    let mut remaining = slices;
+/// Writes `lines`, each followed by a newline, with as few gathered writes as the kernel allows
+/// (no copy into one buffer); a short write goes on with the rest.
+pub fn write_lines(file: &mut File, lines: &[&[u8]]) -> io::Result<()> {
+    let mut slices = Vec::with_capacity(lines.len() * 2);
+    for line in lines {
+        debug_assert!(!line.contains(&b'\n'), "a record must be one line");
+        slices.push(IoSlice::new(line));
+        slices.push(IoSlice::new(b"\n"));
+    }
+    let mut remaining = &mut slices[..];
     while !remaining.is_empty() {
         // The kernel takes at most IOV_MAX (1024) slices per call.
         let batch = remaining.len().min(1024);

@@ -8,7 +8,6 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::IoSlice;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
@@ -22,7 +21,7 @@ use crate::json_scan;
 use crate::plan::{MergeSummary, compact_ranges, format_ranges};
 use crate::storage::{
     Context, RunDir, StorageError, read_whole_lines, read_whole_lines_into, sync_dir, temp_path,
-    write_atomic, write_gathered,
+    write_atomic, write_lines,
 };
 
 /// The fields of a record line that merge and statistics read; the conversation is skipped.
@@ -203,13 +202,8 @@ impl Output {
 
     /// Appends whole lines (a newline is added to each) with gathered writes.
     fn lines(&mut self, lines: &[&[u8]]) -> Result<(), StorageError> {
-        let mut slices = Vec::with_capacity(lines.len() * 2);
-        for line in lines {
-            slices.push(IoSlice::new(line));
-            slices.push(IoSlice::new(b"\n"));
-            self.bytes += line.len() as u64 + 1;
-        }
-        write_gathered(&mut self.file, &mut slices).at("writing", &self.temp)?;
+        write_lines(&mut self.file, lines).at("writing", &self.temp)?;
+        self.bytes += lines.iter().map(|line| line.len() as u64 + 1).sum::<u64>();
         if self.bytes - self.synced_at >= SYNC_EVERY_BYTES
             && let Some((sync, _)) = &self.syncer
         {
