@@ -38,7 +38,7 @@ use trajectory_operator::desired::labels;
 use trajectory_operator::state::JobState;
 use trajectory_tests::e2e::{Kubelet, Scratch, http_get, model, phase_of, run_spec, write_dataset};
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
-use trajectory_worker::plan::parse_ranges;
+use trajectory_worker::contract::parse_ranges;
 
 fn knob<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)

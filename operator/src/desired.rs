@@ -7,7 +7,7 @@
 //! - Every child carries the common labels and a controller owner reference to the run, so deleting
 //!   the run deletes them (and never the data on storage).
 //! - Every pod meets the restricted Pod Security Standard, gets the worker contract's environment
-//!   ([`plan::env`]) and the API key only through a `secretKeyRef`.
+//!   ([`contract::env`]) and the API key only through a `secretKeyRef`.
 //! - Job status is mapped back to batch ids through the pending list of the attempt.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -27,7 +27,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Owne
 use kube::{Resource, ResourceExt};
 use regex::Regex;
 use serde::Deserialize;
-use trajectory_worker::plan::{self, RunPlan, compact_ranges, env, exit, format_ranges, paths};
+use trajectory_worker::contract::{self, RunPlan, compact_ranges, env, exit, format_ranges, paths};
 use trajectory_worker::spec::RunSpec;
 
 use crate::api::{BatchCounts, ConditionType, TrajectoryRun};
@@ -651,7 +651,7 @@ pub fn attempt_outcome(job: &Job, pending: &[u32]) -> Result<AttemptOutcome, Des
     let status = job.status.as_ref();
     let map = |text: Option<&String>| -> Result<BTreeSet<u32>, DesiredError> {
         let text = text.map_or("", String::as_str);
-        let indexes = plan::parse_ranges(text).map_err(|reason| DesiredError::BadIndexes {
+        let indexes = contract::parse_ranges(text).map_err(|reason| DesiredError::BadIndexes {
             job: name.clone(),
             text: text.to_owned(),
             reason,

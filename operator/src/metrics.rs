@@ -218,7 +218,7 @@ impl Metrics {
             if let Some(counts) = status.and_then(|s| s.batches.as_ref()) {
                 batches += i64::from(counts.total);
                 // The status is the operator's own writing; an unreadable one counts nothing.
-                let finished = trajectory_worker::plan::parse_ranges(&counts.completed)
+                let finished = trajectory_worker::contract::parse_ranges(&counts.completed)
                     .map_or(0, |ids| ids.len());
                 done += i64::try_from(finished).unwrap_or(i64::MAX);
             }

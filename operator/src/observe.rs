@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use serde::de::DeserializeOwned;
-use trajectory_worker::plan::{RunPlan, paths};
+use trajectory_worker::contract::{RunPlan, paths};
 
 use crate::api::TrajectoryRun;
 use crate::desired::{CONTAINER, Stage, labels};

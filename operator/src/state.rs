@@ -20,7 +20,7 @@ use std::time::Duration;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use trajectory_worker::plan::{MergeSummary, PlanSummary, compact_ranges, parse_ranges};
+use trajectory_worker::contract::{MergeSummary, PlanSummary, compact_ranges, parse_ranges};
 
 use crate::api::{
     ConditionType, OutputStatus, Phase, PromptCounts, TrajectoryRun, TrajectoryRunStatus,
@@ -492,7 +492,7 @@ mod tests {
     use k8s_openapi::api::batch::v1::{JobCondition, JobStatus};
     use k8s_openapi::jiff::Timestamp;
     use serde_json::json;
-    use trajectory_worker::plan::{BatchRange, RunPlan};
+    use trajectory_worker::contract::{BatchRange, RunPlan};
     use trajectory_worker::spec::RunSpec;
 
     use super::*;

@@ -42,7 +42,7 @@ use trajectory_tests::e2e::{
     write_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
-use trajectory_worker::plan::{exit, paths};
+use trajectory_worker::contract::{exit, paths};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {

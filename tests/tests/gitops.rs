@@ -32,7 +32,7 @@ use trajectory_tests::helm::{documents, template_with_values};
 use trajectory_tests::{
     TestNamespace, client, install_crds, pinned_kubernetes_version, wait_until,
 };
-use trajectory_worker::plan::exit;
+use trajectory_worker::contract::exit;
 
 const GITOPS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/gitops");
 

@@ -6,7 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 use tracing::{debug, error};
 
-use crate::plan::{env, exit, paths, termination_message};
+use crate::contract::{env, exit, paths, termination_message};
 use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
 use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
 use crate::run::manifest::Manifest;
@@ -319,7 +319,7 @@ async fn batch_command(
     batch: Option<u32>,
     workspaces: &WorkspaceArgs,
     shutdown: &Shutdown,
-) -> Result<crate::plan::BatchSummary, RunError> {
+) -> Result<crate::contract::BatchSummary, RunError> {
     let location = run.location()?;
     let batch = match (batch, index) {
         (Some(batch), _) => batch,

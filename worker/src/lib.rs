@@ -12,10 +12,10 @@
 //!                     merge ──► trajectories.jsonl, failures.jsonl, statistics.json
 //! ```
 //!
-//! [`spec`] and [`plan`] are the contract with the operator and build with serde alone
+//! [`spec`] and [`contract`] are the contract with the operator and build with serde alone
 //! (`default-features = false`); everything else sits behind the `engine` feature.
 
-pub mod plan;
+pub mod contract;
 pub mod spec;
 
 #[cfg(feature = "engine")]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::{RunFixture, keys, no_shutdown, terminal_server};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use trajectory_worker::plan::exit;
+use trajectory_worker::contract::exit;
 use trajectory_worker::run::batch::run_batch;
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::run::manifest::Manifest;

@@ -30,7 +30,7 @@ impl ApiKey {
     /// contract's key file. `Ok(None)` when none is configured (local servers need no key).
     /// A variable or file that is named but missing is an error naming it.
     pub fn discover(spec_env: Option<&str>) -> Result<Option<Self>, String> {
-        use crate::plan::env;
+        use crate::contract::env;
         if let Ok(key) = std::env::var(env::MODEL_API_KEY)
             && !key.trim().is_empty()
         {

@@ -32,7 +32,7 @@ use crate::hermes::{
     RecordContext, openai_record, reasoning_stats, system_turn, timestamp, write_trajectory_record,
 };
 use crate::model::{ApiKey, ModelClient, ModelSettings};
-use crate::plan::BatchSummary;
+use crate::contract::BatchSummary;
 use crate::spec::RunSpec;
 use crate::storage::{AppendLog, RunDir, StorageError, read_whole_lines, write_atomic};
 use crate::tools::{Registry, Tool, ToolContext, ToolLimits, ToolSpec, Workspace};

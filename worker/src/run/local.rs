@@ -16,7 +16,7 @@ use tracing::info;
 
 use super::batch::{Engine, Outcome, Progress, Shutdown, run_batch};
 use super::{RunError, RunFile, RunLocation, merge, plan};
-use crate::plan::{MergeSummary, PlanSummary};
+use crate::contract::{MergeSummary, PlanSummary};
 
 /// How progress is shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! The run modes: `plan`, `batch`, `merge`, and `local` (all three on one machine).
 //!
 //! Each mode reads the run plan (or a run file), works on the run's directory on storage, and
-//! reports a summary. Errors carry the exit code of the worker contract ([`crate::plan::exit`]).
+//! reports a summary. Errors carry the exit code of the worker contract ([`crate::contract::exit`]).
 
 pub mod batch;
 pub mod local;
@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::plan::{RunPlan, exit};
+use crate::contract::{RunPlan, exit};
 use crate::spec::RunSpec;
 use crate::storage::StorageError;
 

@@ -22,7 +22,7 @@ use super::segments::{SEGMENT_BYTES, SegmentHasher};
 use super::{RunError, RunLocation};
 use crate::dataset::{Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe};
 use crate::distribution::Distribution;
-use crate::plan::{PlanSummary, compact_ranges};
+use crate::contract::{PlanSummary, compact_ranges};
 use crate::spec::RunSpec;
 use crate::storage::{Context, StorageError, sync_dir, temp_path, write_atomic_with};
 use crate::tools::Registry;
@@ -488,7 +488,7 @@ mod tests {
         .unwrap();
         RunLocation {
             storage_root: root.to_path_buf(),
-            plan: crate::plan::RunPlan {
+            plan: crate::contract::RunPlan {
                 name: "t".into(),
                 namespace: "local".into(),
                 uid: String::new(),
