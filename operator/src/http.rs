@@ -17,7 +17,7 @@ use crate::metrics::{self, Metrics};
 /// Where the process is in its life, as `/readyz` reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub enum Phase {
+pub enum ProcessState {
     /// Connecting, or not yet holding nor watching the Lease.
     Starting = 0,
     /// Another replica leads; this one watches the Lease to take over.
@@ -28,7 +28,7 @@ pub enum Phase {
     Stopping = 3,
 }
 
-impl Phase {
+impl ProcessState {
     fn from_u8(value: u8) -> Self {
         match value {
             1 => Self::StandingBy,
@@ -54,17 +54,17 @@ impl Phase {
     }
 }
 
-/// The process's [`Phase`], shared between the runtime that sets it and the endpoint that reads it.
+/// The [`ProcessState`], shared between the runtime that sets it and the endpoint that reads it.
 #[derive(Debug, Clone, Default)]
 pub struct Health(Arc<AtomicU8>);
 
 impl Health {
-    pub fn set(&self, phase: Phase) {
-        self.0.store(phase as u8, Ordering::Release);
+    pub fn set(&self, state: ProcessState) {
+        self.0.store(state as u8, Ordering::Release);
     }
 
-    pub fn get(&self) -> Phase {
-        Phase::from_u8(self.0.load(Ordering::Acquire))
+    pub fn get(&self) -> ProcessState {
+        ProcessState::from_u8(self.0.load(Ordering::Acquire))
     }
 }
 
@@ -91,13 +91,13 @@ async fn serve_metrics(State(state): State<AppState>) -> impl IntoResponse {
 }
 
 async fn ready(State(state): State<AppState>) -> impl IntoResponse {
-    let phase = state.health.get();
-    let code = if phase.is_ready() {
+    let process = state.health.get();
+    let code = if process.is_ready() {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (code, format!("{}\n", phase.as_str()))
+    (code, format!("{}\n", process.as_str()))
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves, then finishes the requests in flight.
@@ -159,9 +159,9 @@ mod tests {
 
         assert_eq!(get(addr, "/healthz").await, (200, "ok\n".to_owned()));
         assert_eq!(get(addr, "/readyz").await, (503, "starting\n".to_owned()));
-        health.set(Phase::StandingBy);
+        health.set(ProcessState::StandingBy);
         assert_eq!(get(addr, "/readyz").await.0, 200);
-        health.set(Phase::Running);
+        health.set(ProcessState::Running);
         assert_eq!(get(addr, "/readyz").await, (200, "running\n".to_owned()));
         let (code, body) = get(addr, "/metrics").await;
         assert_eq!(code, 200);
@@ -170,7 +170,7 @@ mod tests {
             "{body}"
         );
         assert_eq!(get(addr, "/nothing").await.0, 404);
-        health.set(Phase::Stopping);
+        health.set(ProcessState::Stopping);
         assert_eq!(get(addr, "/readyz").await.0, 503);
 
         stop.send(()).expect("server still running");

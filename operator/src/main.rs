@@ -3,11 +3,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
-use trajectory_operator::controller::Pacing;
-use trajectory_operator::desired::Settings;
 use trajectory_operator::leader::LeaseConfig;
 use trajectory_operator::metrics;
 use trajectory_operator::service::{self, Exit};
+use trajectory_operator::settings::{Pacing, Settings};
 
 /// The trajectory-operator control plane.
 #[derive(Debug, Parser)]

@@ -1,7 +1,8 @@
 //! Prometheus metrics of the operator, served in the `OpenMetrics` text format on `/metrics` by [`crate::http`].
 //!
-//! Counters and the duration histogram are recorded around every reconcile by
-//! [`measured_reconcile`]. The gauges of runs by phase and of batches are computed from the
+//! Counters and the duration histogram are recorded around every reconcile by the guard that
+//! [`Metrics::measure_reconcile`] returns; the reconciler names the stage and class of a failure.
+//! This module knows nothing of the reconciler: the stages come in as labels. The gauges of runs by phase and of batches are computed from the
 //! controller's cache of runs at every scrape rather than kept up to date by the reconciler: a
 //! deleted run is never reconciled again, so only the cache knows that it is gone.
 //!
@@ -11,7 +12,6 @@
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::{Duration, Instant};
 
-use kube::runtime::controller::Action;
 use kube::runtime::reflector::Store;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -21,7 +21,6 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::api::{Phase, TrajectoryRun};
-use crate::controller::{self, Context, Error};
 
 /// Every phase, so each one has a series (zero included) from the first scrape on.
 const PHASES: [Phase; 6] = [
@@ -32,9 +31,6 @@ const PHASES: [Phase; 6] = [
     Phase::Succeeded,
     Phase::Failed,
 ];
-
-/// The stages of [`Error::label`].
-const STAGES: [&str; 4] = ["observe", "desired", "apply", "status"];
 
 /// The content type of [`Metrics::encode`]'s output.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -47,10 +43,28 @@ struct ResultLabels {
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ErrorLabels {
-    /// The stage that failed: `observe`, `desired`, `apply`, `status` ([`Error::label`]).
+    /// The stage that failed (the reconciler's names: `observe`, `validate`, `apply`, `status`).
     stage: &'static str,
     /// `permanent` (waits for a change of the run) or `transient` (retried).
     class: &'static str,
+}
+
+/// Whether a failed reconcile waits for a change of the run or is retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    Permanent,
+    Transient,
+}
+
+impl ErrorClass {
+    pub const ALL: [Self; 2] = [Self::Permanent, Self::Transient];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Permanent => "permanent",
+            Self::Transient => "transient",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -86,7 +100,16 @@ pub struct Metrics {
 }
 
 impl Default for Metrics {
+    /// Metrics whose error series appear as errors happen.
     fn default() -> Self {
+        Self::new(&[])
+    }
+}
+
+impl Metrics {
+    /// Metrics with a zero series of reconcile errors for each of `stages` and each class from the
+    /// first scrape on, so that `rate()` and alerts see zeros, not gaps.
+    pub fn new(stages: &[&'static str]) -> Self {
         let mut registry = Registry::with_prefix("trajectory_operator");
         let reconciles = Family::<ResultLabels, Counter>::default();
         registry.register(
@@ -137,9 +160,12 @@ impl Default for Metrics {
         for result in ["success", "error"] {
             drop(reconciles.get_or_create(&ResultLabels { result }));
         }
-        for stage in STAGES {
-            for class in ["permanent", "transient"] {
-                drop(errors.get_or_create(&ErrorLabels { stage, class }));
+        for &stage in stages {
+            for class in ErrorClass::ALL {
+                drop(errors.get_or_create(&ErrorLabels {
+                    stage,
+                    class: class.as_str(),
+                }));
             }
         }
         Self {
@@ -154,24 +180,27 @@ impl Default for Metrics {
             runs_cache: OnceLock::new(),
         }
     }
-}
 
-impl Metrics {
+    /// Starts measuring a reconcile: the guard records its duration and result when dropped, a
+    /// success unless [`ReconcileMeasure::failed`] said otherwise.
+    pub fn measure_reconcile(&self) -> ReconcileMeasure<'_> {
+        ReconcileMeasure {
+            metrics: self,
+            start: Instant::now(),
+            failure: None,
+        }
+    }
+
     /// Records one reconcile's result and duration.
-    pub fn record(&self, result: &Result<Action, Error>, elapsed: Duration) {
+    fn record(&self, failure: Option<(&'static str, ErrorClass)>, elapsed: Duration) {
         self.duration.observe(elapsed.as_secs_f64());
-        let result = match result {
-            Ok(_) => "success",
-            Err(error) => {
-                let class = if error.is_permanent() {
-                    "permanent"
-                } else {
-                    "transient"
-                };
+        let result = match failure {
+            None => "success",
+            Some((stage, class)) => {
                 self.errors
                     .get_or_create(&ErrorLabels {
-                        stage: error.label(),
-                        class,
+                        stage,
+                        class: class.as_str(),
                     })
                     .inc();
                 "error"
@@ -288,24 +317,32 @@ fn verb_and_resource(method: &http::Method, uri: &http::Uri) -> (&'static str, S
     (verb, resource)
 }
 
-/// [`controller::reconcile`], with its result and duration recorded in `ctx.metrics`.
-pub async fn measured_reconcile(
-    run: Arc<TrajectoryRun>,
-    ctx: Arc<Context>,
-) -> Result<Action, Error> {
-    let start = Instant::now();
-    let result = controller::reconcile(run, ctx.clone()).await;
-    ctx.metrics.record(&result, start.elapsed());
-    result
+/// Measures one reconcile (see [`Metrics::measure_reconcile`]).
+#[derive(Debug)]
+pub struct ReconcileMeasure<'a> {
+    metrics: &'a Metrics,
+    start: Instant,
+    failure: Option<(&'static str, ErrorClass)>,
+}
+
+impl ReconcileMeasure<'_> {
+    /// The reconcile failed in `stage`.
+    pub fn failed(&mut self, stage: &'static str, class: ErrorClass) {
+        self.failure = Some((stage, class));
+    }
+}
+
+impl Drop for ReconcileMeasure<'_> {
+    fn drop(&mut self) {
+        self.metrics.record(self.failure, self.start.elapsed());
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use kube::core::Status;
     use serde_json::json;
 
     use super::*;
-    use crate::desired::DesiredError;
 
     fn run_with_status(name: &str, status: &serde_json::Value) -> Arc<TrajectoryRun> {
         Arc::new(
@@ -326,8 +363,8 @@ mod tests {
 
     #[test]
     fn the_registry_encodes_every_metric_name() {
-        let metrics = Metrics::default();
-        metrics.record(&Ok(Action::await_change()), Duration::from_millis(20));
+        let metrics = Metrics::new(&["observe", "status"]);
+        drop(metrics.measure_reconcile());
         let text = metrics.encode();
         for name in [
             "# TYPE trajectory_operator_reconciles counter",
@@ -350,22 +387,17 @@ mod tests {
     #[test]
     fn errors_are_counted_by_stage_and_class() {
         let metrics = Metrics::default();
-        let apply = Error::Apply {
-            run: "r".into(),
-            source: kube::Error::Api(Status::failure("busy", "Busy").with_code(503).boxed()),
-        };
-        let desired = Error::Desired {
-            run: "r".into(),
-            source: DesiredError::MissingVolume,
-        };
-        for error in [apply, desired] {
-            metrics.record(&Err(error), Duration::from_millis(1));
+        for (stage, class) in [
+            ("apply", ErrorClass::Transient),
+            ("validate", ErrorClass::Permanent),
+        ] {
+            metrics.measure_reconcile().failed(stage, class);
         }
         let text = metrics.encode();
         for line in [
             "trajectory_operator_reconciles_total{result=\"error\"} 2",
             "trajectory_operator_reconcile_errors_total{stage=\"apply\",class=\"transient\"} 1",
-            "trajectory_operator_reconcile_errors_total{stage=\"desired\",class=\"permanent\"} 1",
+            "trajectory_operator_reconcile_errors_total{stage=\"validate\",class=\"permanent\"} 1",
         ] {
             assert!(text.contains(line), "no `{line}` in:\n{text}");
         }

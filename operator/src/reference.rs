@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use serde_json::Value;
 
 use crate::crd;
-use crate::desired::PodOverrides;
+use crate::reconcile::validate::PodOverrides;
 
 /// Path of the generated file, relative to the repository root.
 pub const REFERENCE_FILE: &str = "docs/api-reference.md";

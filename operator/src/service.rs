@@ -19,10 +19,11 @@ use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 use tracing::{info, warn};
 
-use crate::controller::{self, Context};
-use crate::desired::Settings;
-use crate::http::{self, Health, Phase};
+use crate::controller;
+use crate::http::{self, Health, ProcessState};
 use crate::leader::{Election, LeaderError, LeaseConfig};
+use crate::reconcile::Context;
+use crate::settings::Settings;
 
 /// How the process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,7 +76,7 @@ pub async fn run(
     let mut lost_lease = None;
     if let Some(lease) = lease {
         let mut started = Election::start(client, lease).await?;
-        health.set(Phase::StandingBy);
+        health.set(ProcessState::StandingBy);
         info!(
             lease = %started.config().name,
             namespace = %started.config().namespace,
@@ -85,7 +86,7 @@ pub async fn run(
         tokio::select! {
             acquired = started.acquired() => acquired?,
             () = stopped(stopping.clone()) => {
-                health.set(Phase::Stopping);
+                health.set(ProcessState::Stopping);
                 started.step_down().await?;
                 return finish(server, signal, &stop, Exit::Stopped).await;
             }
@@ -104,9 +105,9 @@ pub async fn run(
     }
 
     metrics.set_leader(true);
-    health.set(Phase::Running);
+    health.set(ProcessState::Running);
     controller::run(ctx, stopped_sync(stopping.clone())).await;
-    health.set(Phase::Stopping);
+    health.set(ProcessState::Stopping);
     metrics.set_leader(false);
 
     let mut exit = Exit::Stopped;

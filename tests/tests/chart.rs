@@ -38,10 +38,11 @@ use tokio::net::TcpListener;
 use tokio::sync::{Mutex, oneshot};
 use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::crd;
-use trajectory_operator::desired::{Settings, labels};
 use trajectory_operator::leader::LeaseConfig;
 use trajectory_operator::metrics::Metrics;
+use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::service::{self, Exit};
+use trajectory_operator::settings::Settings;
 use trajectory_tests::e2e::{
     Kubelet, Scratch, model, phase_events, phase_of, run_spec, write_dataset,
 };
@@ -161,7 +162,7 @@ fn the_chart_version_and_default_images_are_the_workspace_version() {
     // An operator started without the chart runs the same workers (the image build tags no
     // `latest`).
     assert_eq!(
-        trajectory_operator::desired::Settings::default().worker_image,
+        trajectory_operator::settings::Settings::default().worker_image,
         worker_image
     );
 }

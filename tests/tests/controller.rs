@@ -14,8 +14,9 @@ use kube::api::{ListParams, PostParams};
 use serde_json::json;
 use tokio::sync::oneshot;
 use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunSpec};
-use trajectory_operator::controller::{self, Context};
-use trajectory_operator::desired::Settings;
+use trajectory_operator::controller;
+use trajectory_operator::reconcile::Context;
+use trajectory_operator::settings::Settings;
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::spec::RunSpec;
 

@@ -9,7 +9,11 @@ use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
 use trajectory_operator::api::{TrajectoryRun, TrajectoryRunSpec};
-use trajectory_operator::desired::{self, Settings, Stage};
+use trajectory_operator::reconcile::build;
+use trajectory_operator::reconcile::children::Component;
+use trajectory_operator::reconcile::decide::Pending;
+use trajectory_operator::reconcile::validate::{Validation, validate};
+use trajectory_operator::settings::Settings;
 use trajectory_tests::{TestNamespace, client};
 use trajectory_worker::spec::RunSpec;
 
@@ -55,11 +59,15 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
         .expect("label the namespace restricted");
 
     let run = stored_run(namespace.name());
+    let Ok(Validation::Valid(valid)) = validate(&run) else {
+        panic!("the run is valid");
+    };
     let settings = Settings::default();
+    let pending = Pending::new(vec![3, 4, 9]).expect("three batches");
     let jobs = [
-        desired::plan_job(&run, &settings, false).expect("plan Job"),
-        desired::generation_job(&run, &settings, 2, &[3, 4, 9], false).expect("generation Job"),
-        desired::merge_job(&run, &settings, false).expect("merge Job"),
+        build::plan_job(&valid, &settings, false),
+        build::generation_job(&valid, &settings, 2, &pending, false),
+        build::merge_job(&valid, &settings, false),
     ];
     let dry_run = PostParams {
         dry_run: true,
@@ -89,8 +97,7 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
     }
 
     let maps: Api<ConfigMap> = Api::namespaced(client, namespace.name());
-    let map = desired::plan_config_map(&run, Stage::Generate { attempt: 2 }, Some(&[3, 4, 9]))
-        .expect("plan ConfigMap");
+    let map = build::plan_config_map(&valid, Component::Generate { attempt: 2 }, Some(&pending));
     maps.create(&dry_run, &map)
         .await
         .expect("the API server accepts the plan ConfigMap");

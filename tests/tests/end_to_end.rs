@@ -32,10 +32,10 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use trajectory_operator::api::{Phase, TrajectoryRun};
-use trajectory_operator::desired::Settings;
-use trajectory_operator::desired::labels;
 use trajectory_operator::leader::LeaseConfig;
+use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::service::{self, Exit};
+use trajectory_operator::settings::Settings;
 use trajectory_tests::e2e::{
     ControllerGuard, Kubelet, NO_NODE, Played, Scratch, children, done_batches, jsonl, model,
     phase_events, phase_of, pods_of_index, printed_row, run_spec, snapshot, start_controller_in,

@@ -22,7 +22,11 @@ use kube::{Api, Client};
 use serde::Deserialize;
 use serde_json::Value;
 use trajectory_operator::api::TrajectoryRun;
-use trajectory_operator::desired::{self, Settings, Stage};
+use trajectory_operator::reconcile::build;
+use trajectory_operator::reconcile::children::Component;
+use trajectory_operator::reconcile::decide::Pending;
+use trajectory_operator::reconcile::validate::{Validation, validate};
+use trajectory_operator::settings::Settings;
 use trajectory_tests::{TestNamespace, client, install_crds};
 use trajectory_worker::run::RunFile;
 
@@ -132,18 +136,20 @@ async fn check_run(
         return Ok(true);
     }
 
+    let valid = match validate(&run) {
+        Ok(Validation::Valid(valid)) => valid,
+        Ok(Validation::Refused(message)) => {
+            return Err(format!("the operator refuses the spec: {message}"));
+        }
+        Err(e) => return Err(format!("the operator cannot build its children: {e}")),
+    };
     let settings = Settings::default();
-    let config_map: ConfigMap = built(
-        desired::plan_config_map(&run, Stage::Plan, None),
-        "plan ConfigMap",
-    )?;
+    let config_map: ConfigMap = build::plan_config_map(&valid, Component::Plan, None);
+    let first_three = Pending::new(vec![0, 1, 2]).expect("three batches");
     let jobs: Vec<Job> = vec![
-        built(desired::plan_job(&run, &settings, false), "plan Job")?,
-        built(
-            desired::generation_job(&run, &settings, 1, &[0, 1, 2], false),
-            "generation Job",
-        )?,
-        built(desired::merge_job(&run, &settings, false), "merge Job")?,
+        build::plan_job(&valid, &settings, false),
+        build::generation_job(&valid, &settings, 1, &first_three, false),
+        build::merge_job(&valid, &settings, false),
     ];
     let create = PostParams {
         dry_run: true,
@@ -164,11 +170,6 @@ async fn check_run(
         })?;
     }
     Ok(false)
-}
-
-/// An object the operator builds, or why it cannot.
-fn built<T>(result: Result<T, desired::DesiredError>, what: &str) -> Result<T, String> {
-    result.map_err(|e| format!("the operator cannot build its {what}: {e}"))
 }
 
 /// Dry-run applies any other object. `Ok(false)`: the API server does not serve its kind.

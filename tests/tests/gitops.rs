@@ -24,7 +24,7 @@ use mlua::serde::SerializeOptions;
 use mlua::{Lua, LuaSerdeExt, Table};
 use serde_json::{Value, json};
 use trajectory_operator::api::{Phase, TrajectoryRun};
-use trajectory_operator::desired::Settings;
+use trajectory_operator::settings::Settings;
 use trajectory_tests::e2e::{
     Kubelet, Scratch, model, phase_of, run_spec, start_controller_with, write_dataset,
 };

@@ -16,9 +16,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
-use trajectory_operator::desired::Settings;
 use trajectory_operator::leader::{Election, LeaseConfig};
 use trajectory_operator::service::{self, Exit};
+use trajectory_operator::settings::Settings;
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 
 const DURATION: Duration = Duration::from_secs(6);

@@ -26,13 +26,13 @@ use super::manifest::Manifest;
 use super::segments::segment_digest;
 use super::{RunError, RunLocation};
 use crate::agent::{AgentConfig, run_conversation};
+use crate::contract::BatchSummary;
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row};
 use crate::distribution::Distribution;
 use crate::hermes::{
     RecordContext, openai_record, reasoning_stats, system_turn, timestamp, write_trajectory_record,
 };
 use crate::model::{ApiKey, ModelClient, ModelSettings};
-use crate::contract::BatchSummary;
 use crate::spec::RunSpec;
 use crate::storage::{AppendLog, RunDir, StorageError, read_whole_lines, write_atomic};
 use crate::tools::{Registry, Tool, ToolContext, ToolLimits, ToolSpec, Workspace};

@@ -1,4 +1,4 @@
-//! Apply: write the desired children and the status (thin I/O, no decisions).
+//! Apply: write the built children and the status (thin I/O, no decisions).
 //!
 //! New children are created by server-side apply under one field manager ([`MANAGER`]). A Job's pod
 //! template is immutable once created, so an existing Job gets only its live-tunable fields
@@ -11,25 +11,25 @@ use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 
+use super::build::Children;
+use super::children::MANAGER;
+use super::observe::Observed;
 use crate::api::{TrajectoryRun, TrajectoryRunStatus};
-use crate::desired::MANAGER;
-use crate::state::{Desired, Observed};
 
-/// Applies the desired `ConfigMap`s and Jobs of `run`.
+/// Applies the `ConfigMap`s and Jobs of `run`.
 pub async fn apply(
     client: &Client,
-    run: &TrajectoryRun,
+    namespace: &str,
     observed: &Observed,
-    desired: &Desired,
+    desired: &Children,
 ) -> Result<(), kube::Error> {
-    let namespace = run.namespace().unwrap_or_default();
     let params = PatchParams::apply(MANAGER).force();
-    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
     for map in &desired.config_maps {
         maps.patch(&map.name_any(), &params, &Patch::Apply(map))
             .await?;
     }
-    let jobs: Api<Job> = Api::namespaced(client.clone(), &namespace);
+    let jobs: Api<Job> = Api::namespaced(client.clone(), namespace);
     let existing: Vec<&Job> = observed
         .plan_job
         .iter()

@@ -1,0 +1,279 @@
+//! Builders of test objects with sensible defaults, so that a test states only what it is about:
+//! `TrajectoryRun::test().suspended().build()`, `JobFixture::generation(1).completed("0-3")`,
+//! `ObservedFixture::planned(5).done(0, 1).attempt(...)`.
+
+use k8s_openapi::api::batch::v1::{Job, JobCondition, JobStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
+use serde_json::json;
+use trajectory_worker::contract::{BatchRange, MergeSummary, PlanSummary};
+use trajectory_worker::spec::RunSpec;
+
+use crate::api::{TrajectoryRun, TrajectoryRunSpec, TrajectoryRunStatus};
+use crate::reconcile::children::{Component, labels};
+use crate::reconcile::observe::{Observed, ObservedAttempt};
+
+/// The time every fixture's "now" is.
+pub fn now() -> Time {
+    Time(Timestamp::from_second(10_000).expect("a valid timestamp"))
+}
+
+impl TrajectoryRun {
+    /// A stored run `coding-v1` in `research` (a uid, generation 1) of `datasets/coding.jsonl`,
+    /// with a volume and every other field at its default.
+    pub fn test() -> RunFixture {
+        let spec: RunSpec = serde_json::from_value(json!({
+            "dataset": {"path": "datasets/coding.jsonl"},
+            "model": {"baseUrl": "http://vllm:8000/v1", "name": "hermes"},
+            "storage": {"volume": {"persistentVolumeClaim": {"claimName": "trajectories"}}},
+        }))
+        .expect("a valid spec");
+        let mut run = TrajectoryRun::new("coding-v1", TrajectoryRunSpec::from(spec));
+        run.metadata.namespace = Some("research".into());
+        run.metadata.uid = Some("0b7c-uid".into());
+        run.metadata.generation = Some(1);
+        RunFixture(run)
+    }
+}
+
+/// A [`TrajectoryRun`] being built; see [`TrajectoryRun::test`].
+#[derive(Debug, Clone)]
+pub struct RunFixture(TrajectoryRun);
+
+impl RunFixture {
+    pub fn named(mut self, name: &str) -> Self {
+        self.0.metadata.name = Some(name.into());
+        self
+    }
+
+    pub fn namespace(mut self, namespace: &str) -> Self {
+        self.0.metadata.namespace = Some(namespace.into());
+        self
+    }
+
+    pub fn uid(mut self, uid: &str) -> Self {
+        self.0.metadata.uid = Some(uid.into());
+        self
+    }
+
+    /// As if never read from the API server.
+    pub fn without_uid(mut self) -> Self {
+        self.0.metadata.uid = None;
+        self
+    }
+
+    pub fn generation(mut self, generation: i64) -> Self {
+        self.0.metadata.generation = Some(generation);
+        self
+    }
+
+    pub fn suspended(self) -> Self {
+        self.with(|spec| spec.suspend = true)
+    }
+
+    /// `retry.perBatch` and `retry.maxFailedBatches`.
+    pub fn retry(self, per_batch: u32, max_failed_batches: u32) -> Self {
+        self.with(|spec| {
+            spec.retry.per_batch = per_batch;
+            spec.retry.max_failed_batches = max_failed_batches;
+        })
+    }
+
+    pub fn with(mut self, change: impl FnOnce(&mut RunSpec)) -> Self {
+        change(&mut self.0.spec.run);
+        self
+    }
+
+    pub fn with_pod_template(self, template: serde_json::Value) -> Self {
+        self.with(|spec| spec.pod_template = Some(template))
+    }
+
+    pub fn with_status(mut self, status: Option<TrajectoryRunStatus>) -> Self {
+        self.0.status = status;
+        self
+    }
+
+    pub fn build(self) -> TrajectoryRun {
+        self.0
+    }
+}
+
+/// A child Job of the run `coding-v1` as the Job controller reports it; running until told
+/// otherwise.
+#[derive(Debug, Clone)]
+pub struct JobFixture {
+    job: Job,
+    attempt: Option<u32>,
+}
+
+impl JobFixture {
+    fn of(component: Component) -> Self {
+        let mut job = Job {
+            metadata: ObjectMeta {
+                name: Some(component.child_name("coding-v1")),
+                ..ObjectMeta::default()
+            },
+            spec: None,
+            status: Some(JobStatus {
+                conditions: Some(Vec::new()),
+                ..JobStatus::default()
+            }),
+        };
+        let mut job_labels = std::collections::BTreeMap::from([(
+            labels::COMPONENT.to_owned(),
+            component.label().to_owned(),
+        )]);
+        let attempt = match component {
+            Component::Generate { attempt } => {
+                job_labels.insert(labels::ATTEMPT.to_owned(), attempt.to_string());
+                Some(attempt)
+            }
+            _ => None,
+        };
+        job.metadata.labels = Some(job_labels);
+        Self { job, attempt }
+    }
+
+    pub fn plan() -> Self {
+        Self::of(Component::Plan)
+    }
+
+    pub fn generation(attempt: u32) -> Self {
+        Self::of(Component::Generate { attempt })
+    }
+
+    pub fn merge() -> Self {
+        Self::of(Component::Merge)
+    }
+
+    fn status(&mut self) -> &mut JobStatus {
+        self.job.status.get_or_insert_with(JobStatus::default)
+    }
+
+    fn condition(mut self, type_: &str, reason: &str) -> Self {
+        self.status()
+            .conditions
+            .get_or_insert_with(Vec::new)
+            .push(JobCondition {
+                type_: type_.into(),
+                status: "True".into(),
+                reason: Some(reason.into()),
+                message: Some(format!("{reason} happened")),
+                ..JobCondition::default()
+            });
+        self
+    }
+
+    /// The Job completed (`Complete`, reason `CompletionsReached`).
+    pub fn complete(self) -> Self {
+        self.condition("Complete", "CompletionsReached")
+    }
+
+    /// The Job failed with the condition reason `reason` (and the message "`reason` happened").
+    pub fn failed(self, reason: &str) -> Self {
+        self.condition("Failed", reason)
+    }
+
+    /// `status.completedIndexes`.
+    pub fn completed(mut self, indexes: &str) -> Self {
+        self.status().completed_indexes = Some(indexes.into());
+        self
+    }
+
+    /// `status.failedIndexes`.
+    pub fn failed_indexes(mut self, indexes: &str) -> Self {
+        self.status().failed_indexes = Some(indexes.into());
+        self
+    }
+
+    pub fn build(self) -> Job {
+        self.job
+    }
+}
+
+/// What observe would have read of a run's children.
+#[derive(Debug, Clone, Default)]
+pub struct ObservedFixture(Observed);
+
+impl ObservedFixture {
+    /// Nothing yet: a new run.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A completed plan of `batches` batches of 10 prompts, 2 lines invalid, none done before.
+    pub fn planned(batches: u32) -> Self {
+        Self(Observed {
+            plan_job: Some(JobFixture::plan().complete().build()),
+            plan_summary: Some(PlanSummary {
+                prompts: u64::from(batches) * 10,
+                invalid: 2,
+                batches,
+                done: Vec::new(),
+                dataset_digest: "sha256:x".into(),
+                spec_hash: "blake3:y".into(),
+            }),
+            ..Observed::default()
+        })
+    }
+
+    /// A run of `batches` batches, all done, whose merge wrote `trajectories` (and one discarded
+    /// record, 4096 bytes).
+    pub fn merged(batches: u32, trajectories: u64) -> Self {
+        let mut merged = Self::planned(batches)
+            .done(0, batches - 1)
+            .merge(JobFixture::merge().complete());
+        merged.0.merge_summary = Some(MergeSummary {
+            trajectories,
+            discarded: 1,
+            failed: 0,
+            bytes: 4096,
+            skipped_lines: 0,
+        });
+        merged
+    }
+
+    /// The plan found batches `first..=last` done (by an earlier run on the same storage).
+    pub fn done(mut self, first: u32, last: u32) -> Self {
+        if let Some(summary) = &mut self.0.plan_summary {
+            summary.done.push(BatchRange { first, last });
+        }
+        self
+    }
+
+    /// The plan Job in another state.
+    pub fn plan(mut self, job: JobFixture) -> Self {
+        self.0.plan_job = Some(job.build());
+        self
+    }
+
+    /// A generation attempt whose index *i* works `pending[i]`.
+    pub fn attempt(mut self, job: JobFixture, pending: &[u32]) -> Self {
+        let attempt = job.attempt.expect("a generation Job");
+        let attempt =
+            ObservedAttempt::new(attempt, job.build(), pending.to_vec()).expect("readable indexes");
+        self.0.attempts.push(attempt);
+        self
+    }
+
+    pub fn merge(mut self, job: JobFixture) -> Self {
+        self.0.merge_job = Some(job.build());
+        self
+    }
+
+    /// The plan pod is gone (and with it its termination message).
+    pub fn without_plan_summary(mut self) -> Self {
+        self.0.plan_summary = None;
+        self
+    }
+
+    /// The merge pod is gone.
+    pub fn without_merge_summary(mut self) -> Self {
+        self.0.merge_summary = None;
+        self
+    }
+
+    pub fn build(self) -> Observed {
+        self.0
+    }
+}

@@ -1,0 +1,167 @@
+//! Build: assemble the objects a [`Decision`](super::decide::Decision)'s children are made of,
+//! from a [`ValidatedRun`]. No client and no errors: resource assembly only, one file per object.
+//!
+//! - [`plan_config_map`]: the run plan a Job's pods mount, named like the Job.
+//! - [`plan_job`], [`generation_job`], [`merge_job`]: the three kinds of Job; a batch's Job is the
+//!   generation Job of its attempt, one completion index per pending batch.
+//! - [`pod_spec`]: the worker pod every Job runs; [`failure_policy`]: how its exits count.
+//!
+//! Every child carries the common labels and a controller owner reference to the run, so deleting
+//! the run deletes them (and never the data on storage).
+
+pub mod failure_policy;
+pub mod generation_job;
+pub mod merge_job;
+pub mod plan_config_map;
+pub mod plan_job;
+pub mod pod_spec;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::{ConfigMap, PodTemplateSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use trajectory_worker::spec::RunSpec;
+
+pub use self::generation_job::generation_job;
+pub use self::merge_job::merge_job;
+pub use self::plan_config_map::plan_config_map;
+pub use self::plan_job::plan_job;
+use super::children::{Component, MANAGER, labels};
+use super::decide::Child;
+use super::validate::ValidatedRun;
+use crate::settings::Settings;
+
+/// The objects to apply: `ConfigMap`s first, since the Jobs' pods mount them.
+#[derive(Debug, Clone, Default)]
+pub struct Children {
+    pub config_maps: Vec<ConfigMap>,
+    pub jobs: Vec<Job>,
+}
+
+/// The objects of `wanted`. A Job that does not exist yet comes with its plan `ConfigMap`; an
+/// existing one is asserted alone (its `ConfigMap` is already there, and immutable in effect).
+pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -> Children {
+    let mut children = Children::default();
+    for child in wanted {
+        let (map, job) = match child {
+            Child::Plan { exists } => (
+                (!exists).then(|| plan_config_map(run, Component::Plan, None)),
+                plan_job(run, settings, *exists),
+            ),
+            Child::Generation {
+                attempt,
+                pending,
+                exists,
+            } => (
+                (!exists).then(|| {
+                    plan_config_map(
+                        run,
+                        Component::Generate { attempt: *attempt },
+                        Some(pending),
+                    )
+                }),
+                generation_job(run, settings, *attempt, pending, *exists),
+            ),
+            Child::Merge { exists } => (
+                (!exists).then(|| plan_config_map(run, Component::Merge, None)),
+                merge_job(run, settings, *exists),
+            ),
+        };
+        children.config_maps.extend(map);
+        children.jobs.push(job);
+    }
+    children
+}
+
+/// The labels of every child serving `component`, and of its pods.
+fn labels(run: &ValidatedRun<'_>, component: Component) -> BTreeMap<String, String> {
+    let mut labels = BTreeMap::from([
+        (labels::NAME.to_owned(), "trajectory-worker".to_owned()),
+        (labels::INSTANCE.to_owned(), run.name.clone()),
+        (labels::COMPONENT.to_owned(), component.label().to_owned()),
+        (labels::MANAGED_BY.to_owned(), MANAGER.to_owned()),
+        (labels::RUN.to_owned(), run.name.clone()),
+    ]);
+    if let Component::Generate { attempt } = component {
+        labels.insert(labels::ATTEMPT.to_owned(), attempt.to_string());
+    }
+    labels
+}
+
+/// A child's metadata: its name, the run's namespace, `labels`, the owner reference.
+fn metadata(run: &ValidatedRun<'_>, name: &str, labels: BTreeMap<String, String>) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.to_owned()),
+        namespace: Some(run.namespace.clone()),
+        labels: Some(labels),
+        owner_references: Some(vec![run.owner.clone()]),
+        ..ObjectMeta::default()
+    }
+}
+
+/// A Job with metadata and pod template filled; the caller sets the Job-level spec fields.
+fn job_shell(run: &ValidatedRun<'_>, settings: &Settings, component: Component) -> Job {
+    let name = run.child_name(component);
+    let pod_labels = labels(run, component);
+    let mut job_labels = pod_labels.clone();
+    // Always applied, also once Kueue admitted the Job: dropping it from the applied
+    // configuration would make server-side apply remove the label, which Kueue refuses.
+    if let Some(queue) = &run.spec.queue_name {
+        job_labels.insert(labels::KUEUE_QUEUE.to_owned(), queue.clone());
+    }
+    let template = PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(pod_labels),
+            ..ObjectMeta::default()
+        }),
+        spec: Some(pod_spec::pod_spec(run, settings, component, &name)),
+    };
+    Job {
+        metadata: metadata(run, &name, job_labels),
+        spec: Some(JobSpec {
+            template,
+            ..JobSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The Job's `suspend` as the operator asserts it: the run's `suspend` wins; with a Kueue queue
+/// the Job is created suspended and Kueue alone unsuspends it once admitted (asserting `false`
+/// afterwards would start it past the queue's quota); otherwise the Job runs.
+fn asserted_suspend(spec: &RunSpec, exists: bool) -> Option<bool> {
+    match (&spec.queue_name, exists) {
+        _ if spec.suspend => Some(true),
+        (Some(_), true) => None,
+        (Some(_), false) => Some(true),
+        (None, _) => Some(false),
+    }
+}
+
+/// A plan or merge Job: one pod running `component`'s worker mode.
+fn single_pod_job(
+    run: &ValidatedRun<'_>,
+    settings: &Settings,
+    component: Component,
+    exists: bool,
+) -> Job {
+    let mut job = job_shell(run, settings, component);
+    job.spec = Some(JobSpec {
+        completions: Some(1),
+        parallelism: Some(1),
+        backoff_limit: Some(to_i32(run.spec.retry.per_batch)),
+        pod_failure_policy: Some(failure_policy::failure_policy(false)),
+        suspend: asserted_suspend(run.spec, exists),
+        ..job.spec.take().unwrap_or_default()
+    });
+    job
+}
+
+/// Kubernetes counts in `int32`; spec values beyond it are clamped (the schema bounds them anyway).
+fn to_i32(value: u32) -> i32 {
+    i32::try_from(value).unwrap_or(i32::MAX)
+}
+
+#[cfg(test)]
+mod tests;

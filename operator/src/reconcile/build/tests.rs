@@ -1,0 +1,491 @@
+//! Tests of the builders: every child object a run can have, from a validated run.
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{EnvVar, PodSpec};
+use serde_json::json;
+use trajectory_worker::contract::{RunPlan, env, exit, paths};
+
+use super::*;
+use crate::api::TrajectoryRun;
+use crate::reconcile::decide::Pending;
+use crate::reconcile::validate::{Validation, validate};
+
+/// (pending list given, batches expected in the plan).
+type PendingCase = (Option<&'static [u32]>, Option<Vec<u32>>);
+
+fn valid(run: &TrajectoryRun) -> ValidatedRun<'_> {
+    match validate(run) {
+        Ok(Validation::Valid(valid)) => *valid,
+        other => panic!("the run is valid: {other:?}"),
+    }
+}
+
+fn pending(batches: &[u32]) -> Pending {
+    Pending::new(batches.to_vec()).expect("batches")
+}
+
+fn settings() -> Settings {
+    Settings::default()
+}
+
+fn pod(job: &Job) -> &PodSpec {
+    job.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
+}
+
+fn env_value<'a>(job: &'a Job, name: &str) -> Option<&'a EnvVar> {
+    pod(job).containers[0]
+        .env
+        .iter()
+        .flatten()
+        .rev()
+        .find(|var| var.name == name)
+}
+
+#[test]
+fn empty_pending_list_makes_no_generation_job() {
+    assert_eq!(Pending::new(Vec::new()), None);
+}
+
+#[test]
+fn children_are_built_for_what_the_decision_wants() {
+    let run = TrajectoryRun::test().build();
+    let wanted = [
+        Child::Plan { exists: true },
+        Child::Generation {
+            attempt: 2,
+            pending: pending(&[1, 4]),
+            exists: false,
+        },
+        Child::Merge { exists: false },
+    ];
+    let built = children(&valid(&run), &settings(), &wanted);
+    let names = |metas: Vec<&ObjectMeta>| -> Vec<String> {
+        metas.into_iter().map(|m| m.name.clone().unwrap()).collect()
+    };
+    assert_eq!(
+        names(built.jobs.iter().map(|j| &j.metadata).collect()),
+        ["coding-v1-plan", "coding-v1-gen-2", "coding-v1-merge"]
+    );
+    // An existing Job's ConfigMap is already there.
+    assert_eq!(
+        names(built.config_maps.iter().map(|m| &m.metadata).collect()),
+        ["coding-v1-gen-2", "coding-v1-merge"]
+    );
+}
+
+#[test]
+fn generation_job_is_indexed_with_retry_limits_and_failure_policy() {
+    let run = TrajectoryRun::test()
+        .with(|spec| {
+            spec.workers = 8;
+            spec.retry.per_batch = 2;
+            spec.retry.max_failed_batches = 5;
+        })
+        .build();
+    let batches = [3, 4, 9];
+    let many: Vec<u32> = (0..40).collect();
+    let big = generation_job(&valid(&run), &settings(), 1, &pending(&many), false);
+    assert_eq!(big.spec.as_ref().unwrap().max_failed_indexes, Some(5));
+    let job = generation_job(&valid(&run), &settings(), 2, &pending(&batches), false);
+    assert_eq!(job.metadata.name.as_deref(), Some("coding-v1-gen-2"));
+    let spec = job.spec.as_ref().unwrap();
+    assert_eq!(spec.completion_mode.as_deref(), Some("Indexed"));
+    assert_eq!(spec.completions, Some(3));
+    assert_eq!(spec.parallelism, Some(8));
+    assert_eq!(spec.backoff_limit_per_index, Some(2));
+    // At most `completions`, or the API server refuses the Job.
+    assert_eq!(spec.max_failed_indexes, Some(3));
+    assert_eq!(spec.suspend, Some(false));
+    assert_eq!(pod(&job).restart_policy.as_deref(), Some("Never"));
+    assert_eq!(
+        pod(&job).containers[0].args.as_deref(),
+        Some(&["batch".to_owned()][..])
+    );
+
+    let rules = &spec.pod_failure_policy.as_ref().unwrap().rules;
+    let summary: Vec<(String, Option<i32>, Option<String>)> = rules
+        .iter()
+        .map(|rule| {
+            (
+                rule.action.clone(),
+                rule.on_exit_codes.as_ref().map(|codes| codes.values[0]),
+                rule.on_pod_conditions
+                    .as_ref()
+                    .map(|conditions| conditions[0].type_.clone()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (
+                "Ignore".to_owned(),
+                None,
+                Some("DisruptionTarget".to_owned())
+            ),
+            ("FailJob".to_owned(), Some(exit::PERMANENT_CONFIG), None),
+            ("FailIndex".to_owned(), Some(exit::BAD_BATCH_INPUT), None),
+        ]
+    );
+}
+
+#[test]
+fn plan_and_merge_jobs_run_one_pod_of_their_worker_mode() {
+    for (job, mode, name) in [
+        (
+            plan_job(&valid(&TrajectoryRun::test().build()), &settings(), false),
+            "plan",
+            "coding-v1-plan",
+        ),
+        (
+            merge_job(&valid(&TrajectoryRun::test().build()), &settings(), false),
+            "merge",
+            "coding-v1-merge",
+        ),
+    ] {
+        assert_eq!(job.metadata.name.as_deref(), Some(name));
+        let spec = job.spec.as_ref().unwrap();
+        assert_eq!((spec.completions, spec.parallelism), (Some(1), Some(1)));
+        assert_eq!(spec.completion_mode, None);
+        assert_eq!(spec.backoff_limit, Some(3));
+        let actions: Vec<_> = spec
+            .pod_failure_policy
+            .as_ref()
+            .unwrap()
+            .rules
+            .iter()
+            .map(|rule| rule.action.as_str())
+            .collect();
+        assert_eq!(actions, ["Ignore", "FailJob"]);
+        assert_eq!(
+            pod(&job).containers[0].args.as_deref(),
+            Some(&[mode.to_owned()][..])
+        );
+        // The plan ConfigMap is the Job's namesake.
+        let volume = &pod(&job).volumes.as_ref().unwrap()[0];
+        assert_eq!(volume.config_map.as_ref().unwrap().name, name);
+    }
+}
+
+#[test]
+fn children_carry_common_labels_and_a_controller_owner_reference() {
+    let run = TrajectoryRun::test().build();
+    let job = generation_job(&valid(&run), &settings(), 1, &pending(&[0, 1]), false);
+    let map = plan_config_map(
+        &valid(&run),
+        Component::Generate { attempt: 1 },
+        Some(&pending(&[0, 1])),
+    );
+    for metadata in [&job.metadata, &map.metadata] {
+        let labels = metadata.labels.as_ref().unwrap();
+        assert_eq!(labels[labels::RUN], "coding-v1");
+        assert_eq!(labels[labels::MANAGED_BY], MANAGER);
+        assert_eq!(labels[labels::COMPONENT], "generate");
+        assert_eq!(labels[labels::ATTEMPT], "1");
+        assert_eq!(metadata.namespace.as_deref(), Some("research"));
+        let owner = &metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.uid.as_str()),
+            ("TrajectoryRun", "coding-v1", "0b7c-uid")
+        );
+        assert_eq!(owner.controller, Some(true));
+        assert_eq!(owner.block_owner_deletion, Some(true));
+    }
+    let pod_labels = job
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .metadata
+        .as_ref()
+        .unwrap();
+    assert_eq!(
+        pod_labels.labels.as_ref().unwrap()[labels::RUN],
+        "coding-v1"
+    );
+}
+
+#[test]
+fn plan_config_map_lists_pending_batches_only_when_not_the_identity() {
+    let run = TrajectoryRun::test()
+        .with(|spec| spec.storage.output_path = Some("runs/coding".into()))
+        .build();
+    let cases: [PendingCase; 4] = [
+        (None, None),
+        (Some(&[0, 1, 2]), None),
+        (Some(&[1, 2]), Some(vec![1, 2])),
+        (Some(&[0, 4, 7]), Some(vec![0, 4, 7])),
+    ];
+    for (pending, expected) in cases {
+        let pending = pending.map(|batches| Pending::new(batches.to_vec()).unwrap());
+        let map = plan_config_map(
+            &valid(&run),
+            Component::Generate { attempt: 2 },
+            pending.as_ref(),
+        );
+        assert_eq!(map.metadata.name.as_deref(), Some("coding-v1-gen-2"));
+        let text = &map.data.as_ref().unwrap()[paths::PLAN_FILE];
+        let plan: RunPlan = serde_json::from_str(text).unwrap();
+        assert_eq!(plan.batches, expected, "pending {pending:?}");
+        assert_eq!(plan.output_path, "runs/coding");
+        assert_eq!(
+            (plan.name.as_str(), plan.namespace.as_str()),
+            ("coding-v1", "research")
+        );
+        assert_eq!(plan.uid, "0b7c-uid");
+        assert_eq!(plan.spec, run.spec.run);
+    }
+}
+
+#[test]
+fn pods_get_the_worker_contract_environment_and_the_key_only_by_secret_ref() {
+    let run = TrajectoryRun::test()
+        .with(|spec| {
+            spec.model.api_key_secret_ref = Some(trajectory_worker::spec::SecretKeyRef {
+                name: "llm-key".into(),
+                key: "api-key".into(),
+            });
+        })
+        .build();
+    let job = generation_job(&valid(&run), &settings(), 1, &pending(&[0]), false);
+    let value = |name| env_value(&job, name).and_then(|var| var.value.clone());
+    assert_eq!(
+        value(env::PLAN_PATH).as_deref(),
+        Some("/etc/trajectory/plan.json")
+    );
+    assert_eq!(
+        value(env::STORAGE_ROOT).as_deref(),
+        Some(paths::STORAGE_ROOT)
+    );
+    assert_eq!(
+        value(env::WORKSPACE_ROOT).as_deref(),
+        Some(paths::WORKSPACE_ROOT)
+    );
+    assert_eq!(
+        value(env::TERMINATION_LOG).as_deref(),
+        Some(paths::TERMINATION_LOG)
+    );
+    assert_eq!(value(env::LOG_FORMAT).as_deref(), Some("json"));
+    let key = env_value(&job, env::MODEL_API_KEY).unwrap();
+    assert_eq!(key.value, None);
+    let selector = key
+        .value_from
+        .as_ref()
+        .unwrap()
+        .secret_key_ref
+        .as_ref()
+        .unwrap();
+    assert_eq!(
+        (selector.name.as_str(), selector.key.as_str()),
+        ("llm-key", "api-key")
+    );
+
+    let without = generation_job(
+        &valid(&TrajectoryRun::test().build()),
+        &settings(),
+        1,
+        &pending(&[0]),
+        false,
+    );
+    assert!(env_value(&without, env::MODEL_API_KEY).is_none());
+}
+
+#[test]
+fn every_pod_meets_the_restricted_pod_security_standard() {
+    let run = TrajectoryRun::test().build();
+    let jobs = [
+        plan_job(&valid(&run), &settings(), false),
+        generation_job(&valid(&run), &settings(), 1, &pending(&[0]), false),
+        merge_job(&valid(&run), &settings(), false),
+    ];
+    for job in &jobs {
+        let pod = pod(job);
+        assert_eq!(pod.automount_service_account_token, Some(false));
+        let pod_context = pod.security_context.as_ref().unwrap();
+        assert_eq!(pod_context.run_as_non_root, Some(true));
+        assert_eq!(pod_context.fs_group, Some(65532));
+        assert_eq!(
+            pod_context.fs_group_change_policy.as_deref(),
+            Some("OnRootMismatch")
+        );
+        assert_eq!(
+            pod_context.seccomp_profile.as_ref().unwrap().type_,
+            "RuntimeDefault"
+        );
+        for container in &pod.containers {
+            let context = container.security_context.as_ref().unwrap();
+            assert_eq!(context.allow_privilege_escalation, Some(false));
+            assert_eq!(context.read_only_root_filesystem, Some(true));
+            assert_eq!(context.run_as_non_root, Some(true));
+            assert_eq!(
+                context.capabilities.as_ref().unwrap().drop.as_deref(),
+                Some(&["ALL".to_owned()][..])
+            );
+            assert_eq!(
+                context.seccomp_profile.as_ref().unwrap().type_,
+                "RuntimeDefault"
+            );
+            // The read-only root needs writable scratch: the workspace and /tmp are emptyDirs.
+            let mounts: Vec<_> = container
+                .volume_mounts
+                .iter()
+                .flatten()
+                .map(|m| (m.name.as_str(), m.mount_path.as_str()))
+                .collect();
+            assert!(mounts.contains(&("workspace", paths::WORKSPACE_ROOT)));
+            assert!(mounts.contains(&("tmp", "/tmp")));
+        }
+        let empty_dirs: Vec<_> = pod
+            .volumes
+            .iter()
+            .flatten()
+            .filter(|v| v.empty_dir.is_some())
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(empty_dirs, ["workspace", "tmp"]);
+    }
+}
+
+#[test]
+fn storage_volume_is_mounted_as_the_data_volume() {
+    let job = plan_job(&valid(&TrajectoryRun::test().build()), &settings(), false);
+    let data = pod(&job)
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "data")
+        .unwrap();
+    assert_eq!(
+        data.persistent_volume_claim.as_ref().unwrap().claim_name,
+        "trajectories"
+    );
+}
+
+#[test]
+fn queue_name_labels_the_job_for_kueue_and_creates_it_suspended() {
+    let cases = [
+        // (exists, spec.suspend) -> suspend asserted by the operator
+        (false, false, Some(true)),
+        (true, false, None),
+        (true, true, Some(true)),
+    ];
+    for (exists, suspend, expected) in cases {
+        let run = TrajectoryRun::test()
+            .with(|spec| spec.queue_name = Some("team-a".into()))
+            .with(|spec| spec.suspend = suspend)
+            .build();
+        // Every stage goes through the queue: plan, generation and merge alike.
+        let jobs = [
+            plan_job(&valid(&run), &settings(), exists),
+            generation_job(&valid(&run), &settings(), 1, &pending(&[0]), exists),
+            merge_job(&valid(&run), &settings(), exists),
+        ];
+        for job in jobs {
+            let name = job.metadata.name.clone().unwrap();
+            assert_eq!(
+                job.spec.as_ref().unwrap().suspend,
+                expected,
+                "{name}: exists {exists}"
+            );
+            let labels = job.metadata.labels.as_ref().unwrap();
+            assert_eq!(
+                labels.get(labels::KUEUE_QUEUE).map(String::as_str),
+                Some("team-a"),
+                "{name}: exists {exists}"
+            );
+        }
+    }
+    let plain = generation_job(
+        &valid(&TrajectoryRun::test().build()),
+        &settings(),
+        1,
+        &pending(&[0]),
+        false,
+    );
+    assert!(
+        !plain
+            .metadata
+            .labels
+            .as_ref()
+            .unwrap()
+            .contains_key(labels::KUEUE_QUEUE)
+    );
+    let suspended = TrajectoryRun::test()
+        .with(|spec| spec.suspend = true)
+        .build();
+    let job = generation_job(&valid(&suspended), &settings(), 1, &pending(&[0]), true);
+    assert_eq!(job.spec.as_ref().unwrap().suspend, Some(true));
+}
+
+#[test]
+fn pod_template_fields_reach_the_pods() {
+    let run = TrajectoryRun::test().with_pod_template(json!({
+        "image": "registry.local/worker:1.2",
+        "resources": {"requests": {"cpu": "2", "memory": "4Gi"}},
+        "nodeSelector": {"pool": "cpu"},
+        "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]
+        }}},
+        "serviceAccountName": "trajectories",
+        "priorityClassName": "batch-low",
+        "env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}, {"name": "TRAJ_STORAGE_ROOT", "value": "/elsewhere"}],
+        "imagePullSecrets": [{"name": "registry"}],
+    }))
+    .build();
+    let job = generation_job(&valid(&run), &settings(), 1, &pending(&[0]), false);
+    let pod = pod(&job);
+    let container = &pod.containers[0];
+    assert_eq!(
+        container.image.as_deref(),
+        Some("registry.local/worker:1.2")
+    );
+    let requests = container
+        .resources
+        .as_ref()
+        .unwrap()
+        .requests
+        .as_ref()
+        .unwrap();
+    assert_eq!(requests["cpu"].0, "2");
+    assert_eq!(pod.node_selector.as_ref().unwrap()["pool"], "cpu");
+    assert_eq!(
+        pod.tolerations.as_ref().unwrap()[0].key.as_deref(),
+        Some("spot")
+    );
+    assert!(pod.affinity.as_ref().unwrap().node_affinity.is_some());
+    assert_eq!(pod.service_account_name.as_deref(), Some("trajectories"));
+    assert_eq!(pod.priority_class_name.as_deref(), Some("batch-low"));
+    assert_eq!(pod.image_pull_secrets.as_ref().unwrap()[0].name, "registry");
+    assert_eq!(
+        env_value(&job, "HTTPS_PROXY").unwrap().value.as_deref(),
+        Some("http://proxy:3128")
+    );
+    // The contract's variables come last, so they win over a user's.
+    assert_eq!(
+        env_value(&job, env::STORAGE_ROOT).unwrap().value.as_deref(),
+        Some(paths::STORAGE_ROOT)
+    );
+
+    let default = generation_job(
+        &valid(&TrajectoryRun::test().build()),
+        &settings(),
+        1,
+        &pending(&[0]),
+        false,
+    );
+    assert_eq!(
+        default
+            .spec
+            .as_ref()
+            .unwrap()
+            .template
+            .spec
+            .as_ref()
+            .unwrap()
+            .containers[0]
+            .image
+            .as_deref(),
+        Some(settings().worker_image.as_str())
+    );
+}

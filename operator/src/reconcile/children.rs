@@ -1,0 +1,104 @@
+//! What identifies the children of a run: their names, labels, field manager, and the worker
+//! container the pod failure policy names. Observe finds children by these, validate checks the
+//! names fit, build stamps them on every object.
+
+/// Kubernetes limits label values (and so Job names, which become the `job-name` label) to 63.
+pub const MAX_NAME_LENGTH: usize = 63;
+
+/// Attempts are numbered from 1; this many digits are reserved for the attempt in name checks.
+pub const ATTEMPT_DIGITS: usize = 3;
+
+/// The longest run name whose children's names all fit in [`MAX_NAME_LENGTH`].
+pub const MAX_RUN_NAME_LENGTH: usize = MAX_NAME_LENGTH - "-gen-".len() - ATTEMPT_DIGITS;
+
+/// Label keys.
+pub mod labels {
+    pub const NAME: &str = "app.kubernetes.io/name";
+    pub const INSTANCE: &str = "app.kubernetes.io/instance";
+    pub const COMPONENT: &str = "app.kubernetes.io/component";
+    pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+    /// The run a child belongs to (the selector the controller uses).
+    pub const RUN: &str = "trajectories.dev/run";
+    /// The generation attempt of a `gen` Job.
+    pub const ATTEMPT: &str = "trajectories.dev/attempt";
+    /// Kueue admits Jobs carrying this label through the named `LocalQueue`.
+    pub const KUEUE_QUEUE: &str = "kueue.x-k8s.io/queue-name";
+}
+
+/// Value of `app.kubernetes.io/managed-by`, and the server-side apply field manager.
+pub const MANAGER: &str = "trajectory-operator";
+
+/// The worker container's name (named in the pod failure policy's exit-code rules).
+pub const CONTAINER: &str = "worker";
+
+/// The part of a run a child Job (and its plan `ConfigMap`) serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Component {
+    /// `trajectory-worker plan`: validate the dataset, write the manifest.
+    Plan,
+    /// `trajectory-worker batch`: the Indexed Job of one attempt.
+    Generate { attempt: u32 },
+    /// `trajectory-worker merge`.
+    Merge,
+}
+
+impl Component {
+    /// The `app.kubernetes.io/component` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Plan => "plan",
+            Self::Generate { .. } => "generate",
+            Self::Merge => "merge",
+        }
+    }
+
+    /// The worker subcommand its pods run.
+    pub fn command(self) -> &'static str {
+        match self {
+            Self::Plan => "plan",
+            Self::Generate { .. } => "batch",
+            Self::Merge => "merge",
+        }
+    }
+
+    /// The child's name: `{run}-plan`, `{run}-gen-{attempt}`, `{run}-merge`. It fits in
+    /// [`MAX_NAME_LENGTH`] for every run name validation accepts ([`MAX_RUN_NAME_LENGTH`]).
+    pub fn child_name(self, run: &str) -> String {
+        match self {
+            Self::Plan => format!("{run}-plan"),
+            Self::Generate { attempt } => format!("{run}-gen-{attempt}"),
+            Self::Merge => format!("{run}-merge"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn children_have_deterministic_names() {
+        let cases = [
+            (Component::Plan, "coding-v1-plan"),
+            (Component::Generate { attempt: 1 }, "coding-v1-gen-1"),
+            (Component::Generate { attempt: 12 }, "coding-v1-gen-12"),
+            (Component::Merge, "coding-v1-merge"),
+        ];
+        for (component, expected) in cases {
+            assert_eq!(component.child_name("coding-v1"), expected);
+        }
+    }
+
+    #[test]
+    fn the_longest_run_name_leaves_room_for_every_child() {
+        let longest = "r".repeat(MAX_RUN_NAME_LENGTH);
+        let children = [
+            Component::Plan,
+            Component::Generate { attempt: 999 },
+            Component::Merge,
+        ];
+        for component in children {
+            assert!(component.child_name(&longest).len() <= MAX_NAME_LENGTH);
+        }
+    }
+}

@@ -1,0 +1,338 @@
+//! Observe: read what exists of a run's children (reads only). Jobs are found by the run label and
+//! kept only when the run is their controller (a run re-created under the same name does not adopt
+//! its predecessor's Jobs); summaries come from the termination message of a succeeded pod.
+//!
+//! Each generation Job's `completedIndexes` / `failedIndexes` are mapped back to batch ids through
+//! the attempt's pending list here ([`attempt_batches`], pure), so that what decide reads is
+//! already in batch ids; a Job whose indexes cannot be read is a permanent error.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::api::ListParams;
+use kube::{Api, Client, ResourceExt};
+use serde::de::DeserializeOwned;
+use trajectory_worker::contract::{self, MergeSummary, PlanSummary, RunPlan, paths};
+
+use super::children::{CONTAINER, Component, labels};
+use crate::api::TrajectoryRun;
+
+/// What the controller read about a run's children.
+#[derive(Debug, Clone, Default)]
+pub struct Observed {
+    pub plan_job: Option<Job>,
+    /// The plan pod's termination message, once the plan Job completed.
+    pub plan_summary: Option<PlanSummary>,
+    /// Attempts in ascending order.
+    pub attempts: Vec<ObservedAttempt>,
+    pub merge_job: Option<Job>,
+    pub merge_summary: Option<MergeSummary>,
+}
+
+/// One generation attempt as observed: its Job, the batch each index works, and the batches it
+/// finished and gave up on so far.
+#[derive(Debug, Clone)]
+pub struct ObservedAttempt {
+    pub attempt: u32,
+    pub job: Job,
+    pub pending: Vec<u32>,
+    pub batches: AttemptBatches,
+}
+
+/// Batches an attempt finished and gave up on, as batch ids.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AttemptBatches {
+    pub completed: BTreeSet<u32>,
+    pub failed: BTreeSet<u32>,
+}
+
+/// How a child Job ended, from its conditions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobState {
+    Running,
+    Complete,
+    /// Failed, with the Job condition's reason (`PodFailurePolicy`, `MaxFailedIndexesExceeded`,
+    /// `BackoffLimitExceeded`, ...) and message.
+    Failed {
+        reason: String,
+        message: String,
+    },
+}
+
+impl JobState {
+    pub fn of(job: &Job) -> Self {
+        let conditions = job.status.as_ref().and_then(|s| s.conditions.as_ref());
+        let holds = |type_: &str| {
+            conditions
+                .into_iter()
+                .flatten()
+                .find(|c| c.type_ == type_ && c.status == "True")
+        };
+        if let Some(failed) = holds("Failed") {
+            Self::Failed {
+                reason: failed.reason.clone().unwrap_or_default(),
+                message: failed.message.clone().unwrap_or_default(),
+            }
+        } else if holds("Complete").is_some() {
+            Self::Complete
+        } else {
+            Self::Running
+        }
+    }
+}
+
+/// Why the children of a run could not be observed.
+#[derive(Debug, thiserror::Error)]
+pub enum ObserveError {
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+    #[error("Job {job} reports unreadable indexes {text:?}: {reason}")]
+    BadIndexes {
+        job: String,
+        text: String,
+        reason: String,
+    },
+    #[error("Job {job} reports index {index}, but its attempt has {pending} pending batches")]
+    IndexOutOfRange {
+        job: String,
+        index: u32,
+        pending: usize,
+    },
+}
+
+impl ObserveError {
+    /// The API errors are the API server's to judge; a Job whose indexes make no sense against its
+    /// pending list stays so until the Job changes, which is watched.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            Self::Api(error) => super::api_error::is_refused(error),
+            Self::BadIndexes { .. } | Self::IndexOutOfRange { .. } => true,
+        }
+    }
+
+    /// A short label for logs and tests.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Api(_) => "Api",
+            Self::BadIndexes { .. } => "BadIndexes",
+            Self::IndexOutOfRange { .. } => "IndexOutOfRange",
+        }
+    }
+}
+
+/// Reads the children of `run`.
+pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, ObserveError> {
+    let namespace = run.namespace().unwrap_or_default();
+    let name = run.name_any();
+    let uid = run.uid();
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &namespace);
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+
+    let selector = format!("{}={name}", labels::RUN);
+    let owned = jobs
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+        .into_iter()
+        .filter(|job| {
+            job.owner_references()
+                .iter()
+                .any(|owner| owner.controller == Some(true) && Some(&owner.uid) == uid.as_ref())
+        });
+
+    let mut observed = Observed::default();
+    for job in owned {
+        let labels = job.labels();
+        match labels.get(labels::COMPONENT).map(String::as_str) {
+            Some(component) if component == Component::Plan.label() => {
+                observed.plan_job = Some(job);
+            }
+            Some(component) if component == Component::Merge.label() => {
+                observed.merge_job = Some(job);
+            }
+            _ => {
+                let Some(attempt) = labels.get(labels::ATTEMPT).and_then(|a| a.parse().ok()) else {
+                    continue;
+                };
+                let pending = pending_list(&maps, &job).await?;
+                observed
+                    .attempts
+                    .push(ObservedAttempt::new(attempt, job, pending)?);
+            }
+        }
+    }
+    observed.attempts.sort_by_key(|attempt| attempt.attempt);
+    if let Some(job) = observed
+        .plan_job
+        .as_ref()
+        .filter(|j| JobState::of(j) == JobState::Complete)
+    {
+        observed.plan_summary = summary(&pods, &job.name_any()).await?;
+    }
+    if let Some(job) = observed
+        .merge_job
+        .as_ref()
+        .filter(|j| JobState::of(j) == JobState::Complete)
+    {
+        observed.merge_summary = summary(&pods, &job.name_any()).await?;
+    }
+    Ok(observed)
+}
+
+impl ObservedAttempt {
+    /// The attempt of `job`, whose index *i* works batch `pending[i]`.
+    pub fn new(attempt: u32, job: Job, pending: Vec<u32>) -> Result<Self, ObserveError> {
+        let batches = attempt_batches(&job, &pending)?;
+        Ok(Self {
+            attempt,
+            job,
+            pending,
+            batches,
+        })
+    }
+}
+
+/// The batch each index of a generation Job works: the list in its plan `ConfigMap`, or the
+/// identity when the `ConfigMap` has none (the first attempt runs batch *i* at index *i*).
+async fn pending_list(maps: &Api<ConfigMap>, job: &Job) -> Result<Vec<u32>, kube::Error> {
+    let completions = job
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.completions)
+        .and_then(|n| u32::try_from(n).ok())
+        .unwrap_or_default();
+    let plan = maps
+        .get_opt(&job.name_any())
+        .await?
+        .and_then(|map| map.data?.remove(paths::PLAN_FILE))
+        .and_then(|text| serde_json::from_str::<RunPlan>(&text).ok());
+    Ok(plan
+        .and_then(|plan| plan.batches)
+        .unwrap_or_else(|| (0..completions).collect()))
+}
+
+/// Maps a generation Job's `completedIndexes` / `failedIndexes` back to batch ids through the
+/// attempt's pending list.
+pub fn attempt_batches(job: &Job, pending: &[u32]) -> Result<AttemptBatches, ObserveError> {
+    let name = job.name_any();
+    let status = job.status.as_ref();
+    let map = |text: Option<&String>| -> Result<BTreeSet<u32>, ObserveError> {
+        let text = text.map_or("", String::as_str);
+        let indexes = contract::parse_ranges(text).map_err(|reason| ObserveError::BadIndexes {
+            job: name.clone(),
+            text: text.to_owned(),
+            reason,
+        })?;
+        indexes
+            .into_iter()
+            .map(|index| {
+                usize::try_from(index)
+                    .ok()
+                    .and_then(|i| pending.get(i).copied())
+                    .ok_or(ObserveError::IndexOutOfRange {
+                        job: name.clone(),
+                        index,
+                        pending: pending.len(),
+                    })
+            })
+            .collect()
+    };
+    Ok(AttemptBatches {
+        completed: map(status.and_then(|s| s.completed_indexes.as_ref()))?,
+        failed: map(status.and_then(|s| s.failed_indexes.as_ref()))?,
+    })
+}
+
+/// The worker's summary from the termination message of the Job's succeeded pod.
+async fn summary<T: DeserializeOwned>(
+    pods: &Api<Pod>,
+    job: &str,
+) -> Result<Option<T>, kube::Error> {
+    let selector = format!("batch.kubernetes.io/job-name={job}");
+    let list = pods.list(&ListParams::default().labels(&selector)).await?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter(|pod| pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"))
+        .flat_map(|pod| {
+            pod.status
+                .and_then(|s| s.container_statuses)
+                .unwrap_or_default()
+        })
+        .filter(|status| status.name == CONTAINER)
+        .filter_map(|status| status.state?.terminated?.message)
+        .find_map(|message| serde_json::from_str(&message).ok()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::JobFixture;
+
+    /// (pending, completedIndexes, failedIndexes, completed batches, failed batches).
+    type IndexCase<'a> = (
+        &'a [u32],
+        Option<&'a str>,
+        Option<&'a str>,
+        &'a [u32],
+        &'a [u32],
+    );
+
+    fn job_with(completed: Option<&str>, failed: Option<&str>) -> Job {
+        let mut job = JobFixture::generation(2);
+        if let Some(completed) = completed {
+            job = job.completed(completed);
+        }
+        if let Some(failed) = failed {
+            job = job.failed_indexes(failed);
+        }
+        job.build()
+    }
+
+    #[test]
+    fn job_indexes_map_back_to_batch_ids_through_the_pending_list() {
+        let set = |ids: &[u32]| ids.iter().copied().collect::<BTreeSet<u32>>();
+        let identity: Vec<u32> = (0..6).collect();
+        let later = [2, 5, 7, 8, 11];
+        let cases: [IndexCase; 5] = [
+            (&identity, None, None, &[], &[]),
+            (&identity, Some("0-2,4"), Some("5"), &[0, 1, 2, 4], &[5]),
+            (&later, Some("0-1,3"), None, &[2, 5, 8], &[]),
+            (&later, Some("4"), Some("0,2"), &[11], &[2, 7]),
+            (&later, Some(""), Some(""), &[], &[]),
+        ];
+        for (pending, completed, failed, want_completed, want_failed) in cases {
+            let batches = attempt_batches(&job_with(completed, failed), pending).unwrap();
+            assert_eq!(batches.completed, set(want_completed), "{completed:?}");
+            assert_eq!(batches.failed, set(want_failed), "{failed:?}");
+        }
+    }
+
+    #[test]
+    fn indexes_beyond_the_pending_list_or_unreadable_are_errors() {
+        let error = attempt_batches(&job_with(Some("0-5"), None), &[1, 2]).unwrap_err();
+        assert_eq!(error.label(), "IndexOutOfRange");
+        assert!(error.is_permanent());
+        assert!(error.to_string().contains("index 2"), "{error}");
+        let error = attempt_batches(&job_with(Some("x"), None), &[1, 2]).unwrap_err();
+        assert_eq!(error.label(), "BadIndexes");
+    }
+
+    #[test]
+    fn a_job_state_is_read_from_its_conditions() {
+        assert_eq!(JobState::of(&JobFixture::plan().build()), JobState::Running);
+        assert_eq!(
+            JobState::of(&JobFixture::plan().complete().build()),
+            JobState::Complete
+        );
+        assert_eq!(
+            JobState::of(&JobFixture::plan().failed("BackoffLimitExceeded").build()),
+            JobState::Failed {
+                reason: "BackoffLimitExceeded".into(),
+                message: "BackoffLimitExceeded happened".into(),
+            }
+        );
+    }
+}

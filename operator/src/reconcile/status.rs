@@ -1,0 +1,477 @@
+//! Status: the vocabulary of a run's status and how it is computed, all pure.
+//!
+//! - [`Reason`]: every condition reason, `PascalCase`.
+//! - [`Outcome`] and [`Tally`]: what a run's status can say (decide produces them).
+//! - [`desired`]: the status an outcome shows, through one named condition set per outcome
+//!   ([`working`], [`succeeded`], [`failed`]) and [`stalled`] for a run that cannot proceed.
+//! - [`transition_event`]: the Event that announces a phase change.
+//! - [`status_write`]: when to write (a change of progress alone at most once per interval).
+//!
+//! Conditions keep their `lastTransitionTime` while their status holds ([`set_condition`]).
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::runtime::events::{Event, EventType};
+
+use crate::api::{
+    BatchCounts, ConditionType, OutputStatus, Phase, PromptCounts, TrajectoryRun,
+    TrajectoryRunStatus,
+};
+
+/// Condition reasons (`PascalCase`, as Kubernetes conventions ask).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Pending,
+    Planning,
+    Generating,
+    Merging,
+    Suspended,
+    Resumed,
+    Succeeded,
+    InvalidSpec,
+    InvalidDataset,
+    TooManyFailedBatches,
+    /// A worker exited with the "permanent configuration error" code (e.g. 401 from the model).
+    WorkerConfigError,
+    MergeFailed,
+    PlanFailed,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "Pending",
+            Self::Planning => "Planning",
+            Self::Generating => "Generating",
+            Self::Merging => "Merging",
+            Self::Suspended => "Suspended",
+            Self::Resumed => "Resumed",
+            Self::Succeeded => "Succeeded",
+            Self::InvalidSpec => "InvalidSpec",
+            Self::InvalidDataset => "InvalidDataset",
+            Self::TooManyFailedBatches => "TooManyFailedBatches",
+            Self::WorkerConfigError => "WorkerConfigError",
+            Self::MergeFailed => "MergeFailed",
+            Self::PlanFailed => "PlanFailed",
+        }
+    }
+
+    /// The `Progressing` reason of a run working in `phase`.
+    fn working_in(phase: Phase) -> Self {
+        match phase {
+            Phase::Planning => Self::Planning,
+            Phase::Merging => Self::Merging,
+            _ => Self::Generating,
+        }
+    }
+}
+
+/// Where the run stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Work is under way in this phase (planning, running or merging); the message says what.
+    Working(Phase, String),
+    Succeeded(String),
+    Failed(Reason, String),
+}
+
+/// What this reconcile learned of the run's counts; `None` keeps what the status shows.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub batches: Option<BatchCounts>,
+    /// `done/total`, the Progress printer column.
+    pub progress: Option<String>,
+    /// Valid and invalid prompts, from the plan.
+    pub planned: Option<Planned>,
+    /// The generation attempt in progress.
+    pub attempt: Option<u32>,
+    /// The merge's counts and output.
+    pub merged: Option<Merged>,
+}
+
+/// Prompt counts of the plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Planned {
+    pub total: u64,
+    pub invalid: u64,
+}
+
+/// What the merge wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Merged {
+    pub succeeded: u64,
+    pub discarded: u64,
+    pub failed: u64,
+    pub output: OutputStatus,
+}
+
+/// One condition to set: type, status, reason, message.
+pub type ConditionSet<'a> = Vec<(ConditionType, bool, Reason, &'a str)>;
+
+/// A run working in `phase`. kstatus: `Reconciling` (in progress) while work is under way, like a
+/// running Job; while suspended it is what the spec asks for (Current). A run that failed before
+/// (a bad spec, since fixed) no longer has.
+pub fn working(phase: Phase, message: &str, suspended: bool, had_failed: bool) -> ConditionSet<'_> {
+    let reason = Reason::working_in(phase);
+    let working = !suspended;
+    let (reconciling_reason, reconciling_message) = if working {
+        (reason, message)
+    } else {
+        (Reason::Suspended, "spec.suspend is set")
+    };
+    let mut set = vec![
+        (ConditionType::Progressing, working, reason, message),
+        (
+            ConditionType::Reconciling,
+            working,
+            reconciling_reason,
+            reconciling_message,
+        ),
+        (ConditionType::Ready, false, reason, message),
+        (ConditionType::Stalled, false, reason, message),
+    ];
+    if had_failed {
+        set.push((ConditionType::Failed, false, reason, message));
+    }
+    set
+}
+
+/// A run whose output is complete: Ready and Succeeded.
+pub fn succeeded(message: &str) -> ConditionSet<'_> {
+    let reason = Reason::Succeeded;
+    vec![
+        (ConditionType::Progressing, false, reason, message),
+        (ConditionType::Reconciling, false, reason, message),
+        (ConditionType::Succeeded, true, reason, message),
+        (ConditionType::Ready, true, reason, message),
+        (ConditionType::Stalled, false, reason, message),
+    ]
+}
+
+/// A run that failed for `reason`: Failed and Stalled.
+pub fn failed(reason: Reason, message: &str) -> ConditionSet<'_> {
+    vec![
+        (ConditionType::Progressing, false, reason, message),
+        (ConditionType::Reconciling, false, reason, message),
+        (ConditionType::Failed, true, reason, message),
+        (ConditionType::Ready, false, reason, message),
+        (ConditionType::Stalled, true, reason, message),
+    ]
+}
+
+/// The status a run shows at `outcome` with the counts of `tally`, over its current one.
+pub fn desired(
+    run: &TrajectoryRun,
+    outcome: &Outcome,
+    tally: &Tally,
+    now: &Time,
+) -> TrajectoryRunStatus {
+    let generation = run.metadata.generation;
+    let suspended = run.spec.run.suspend;
+    let mut status = run.status.clone().unwrap_or_default();
+    status.observed_generation = generation;
+    if status.start_time.is_none() {
+        status.start_time = Some(now.clone());
+    }
+    let mut conditions = std::mem::take(&mut status.conditions);
+    let had_failed = conditions
+        .iter()
+        .any(|c| c.type_ == ConditionType::Failed.as_str());
+    let (suspend_reason, suspend_message) = if suspended {
+        (Reason::Suspended, "spec.suspend is set")
+    } else {
+        (Reason::Resumed, "running")
+    };
+    let mut set = vec![(
+        ConditionType::Suspended,
+        suspended,
+        suspend_reason,
+        suspend_message,
+    )];
+    record_tally(&mut status, tally);
+    match outcome {
+        Outcome::Working(phase, message) => {
+            status.phase = Some(*phase);
+            // A run stalled on a bad spec works again once the spec is fixed.
+            status.completion_time = None;
+            set.extend(working(*phase, message, suspended, had_failed));
+        }
+        Outcome::Succeeded(message) => {
+            status.phase = Some(Phase::Succeeded);
+            status.completion_time.get_or_insert_with(|| now.clone());
+            set.extend(succeeded(message));
+        }
+        Outcome::Failed(reason, message) => {
+            status.phase = Some(Phase::Failed);
+            status.completion_time.get_or_insert_with(|| now.clone());
+            set.extend(failed(*reason, message));
+        }
+    }
+    set_conditions(&mut conditions, &set, generation, now);
+    status.conditions = conditions;
+    status
+}
+
+/// The counts of `tally` over the status; what it did not learn stays as recorded.
+fn record_tally(status: &mut TrajectoryRunStatus, tally: &Tally) {
+    if let Some(batches) = &tally.batches {
+        status.batches = Some(batches.clone());
+    }
+    if let Some(progress) = &tally.progress {
+        status.progress = Some(progress.clone());
+    }
+    if let Some(planned) = tally.planned {
+        let prompts = status.prompts.get_or_insert_with(PromptCounts::default);
+        prompts.total = planned.total;
+        prompts.invalid = planned.invalid;
+    }
+    if let Some(attempt) = tally.attempt {
+        status.attempt = Some(attempt);
+    }
+    if let Some(merged) = &tally.merged {
+        let prompts = status.prompts.get_or_insert_with(PromptCounts::default);
+        prompts.succeeded = merged.succeeded;
+        prompts.discarded = merged.discarded;
+        prompts.failed = merged.failed;
+        status.output = Some(merged.output.clone());
+    }
+}
+
+/// The status of a run that cannot proceed until it changes (a spec the operator cannot build
+/// children from, or children the API server refuses): `Stalled` and `Failed` with reason
+/// `InvalidSpec` and `message`, over what the status showed.
+pub fn stalled(run: &TrajectoryRun, message: &str, now: &Time) -> TrajectoryRunStatus {
+    let mut status = run.status.clone().unwrap_or_default();
+    let generation = run.metadata.generation;
+    status.observed_generation = generation;
+    status.phase = Some(Phase::Failed);
+    let reason = Reason::InvalidSpec;
+    let set = [
+        (ConditionType::Stalled, true, reason, message),
+        (ConditionType::Failed, true, reason, message),
+        (ConditionType::Progressing, false, reason, message),
+        (ConditionType::Reconciling, false, reason, message),
+        (ConditionType::Ready, false, reason, message),
+    ];
+    set_conditions(&mut status.conditions, &set, generation, now);
+    status
+}
+
+fn set_conditions(
+    conditions: &mut Vec<Condition>,
+    set: &[(ConditionType, bool, Reason, &str)],
+    generation: Option<i64>,
+    now: &Time,
+) {
+    for &(type_, value, reason, message) in set {
+        set_condition(conditions, type_, value, reason, message, generation, now);
+    }
+}
+
+/// Sets a condition. `lastTransitionTime` changes only when the status flips; reason, message and
+/// `observedGeneration` are updated in place. Returns true when anything changed.
+pub fn set_condition(
+    conditions: &mut Vec<Condition>,
+    type_: ConditionType,
+    status: bool,
+    reason: Reason,
+    message: &str,
+    generation: Option<i64>,
+    now: &Time,
+) -> bool {
+    let status = if status { "True" } else { "False" };
+    let wanted = Condition {
+        type_: type_.as_str().to_owned(),
+        status: status.to_owned(),
+        reason: reason.as_str().to_owned(),
+        message: message.to_owned(),
+        observed_generation: generation,
+        last_transition_time: now.clone(),
+    };
+    match conditions.iter_mut().find(|c| c.type_ == wanted.type_) {
+        None => {
+            conditions.push(wanted);
+            true
+        }
+        Some(existing) => {
+            let transition_time = if existing.status == wanted.status {
+                existing.last_transition_time.clone()
+            } else {
+                wanted.last_transition_time.clone()
+            };
+            let updated = Condition {
+                last_transition_time: transition_time,
+                ..wanted
+            };
+            let changed = *existing != updated;
+            *existing = updated;
+            changed
+        }
+    }
+}
+
+/// Events cap notes at 1 kB.
+const EVENT_NOTE_CHARS: usize = 1000;
+
+/// The Event announcing that the run's phase changed from `before` to the phase of `status`, or
+/// `None` when it did not. A failure is a Warning whose note is the `Failed` condition's message;
+/// any other phase is Normal with the `Progressing` message.
+pub fn transition_event(before: Option<Phase>, status: &TrajectoryRunStatus) -> Option<Event> {
+    let phase = status.phase.filter(|phase| Some(*phase) != before)?;
+    let note = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == ConditionType::Failed.as_str() && c.status == "True")
+        .or_else(|| {
+            status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == ConditionType::Progressing.as_str())
+        })
+        .map(|c| c.message.chars().take(EVENT_NOTE_CHARS).collect());
+    Some(Event {
+        type_: if phase == Phase::Failed {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: phase.as_str().to_owned(),
+        note,
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    })
+}
+
+/// Whether to write a run's status now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusWrite {
+    /// The run already shows it.
+    Unchanged,
+    /// Write it now.
+    Now,
+    /// Only progress changed and the last write is recent: write it after this long (the caller
+    /// requeues the run for then, so the last progress is never lost).
+    After(Duration),
+}
+
+/// Decides when to write `desired` over the run's `current` status, `since_written` after this
+/// process last wrote it (`None`: not in the last `interval`, or never).
+///
+/// Anything but progress — phase, attempt, a condition's status or reason, `observedGeneration`,
+/// counts, output — is written at once, so that users, `kubectl wait`, kstatus and the phase-change
+/// Events see it promptly. A change of progress alone (completed and failed batch ranges, the
+/// progress column, and the condition messages that repeat it) is written at most once per
+/// `interval`.
+pub fn status_write(
+    current: Option<&TrajectoryRunStatus>,
+    desired: &TrajectoryRunStatus,
+    since_written: Option<Duration>,
+    interval: Duration,
+) -> StatusWrite {
+    let Some(current) = current else {
+        return StatusWrite::Now;
+    };
+    if current == desired {
+        return StatusWrite::Unchanged;
+    }
+    if without_progress(current) != without_progress(desired) {
+        return StatusWrite::Now;
+    }
+    match since_written
+        .and_then(|since| interval.checked_sub(since))
+        .filter(|rest| !rest.is_zero())
+    {
+        Some(rest) => StatusWrite::After(rest),
+        None => StatusWrite::Now,
+    }
+}
+
+/// The status with everything that moves as batches finish blanked out.
+fn without_progress(status: &TrajectoryRunStatus) -> TrajectoryRunStatus {
+    let mut status = status.clone();
+    status.batches = None;
+    status.progress = None;
+    for condition in &mut status.conditions {
+        condition.message.clear();
+    }
+    status
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::jiff::Timestamp;
+
+    use super::*;
+
+    #[test]
+    fn conditions_keep_their_transition_time_while_the_status_holds() {
+        let t0 = Time(Timestamp::from_second(1_000).unwrap());
+        let t1 = Time(Timestamp::from_second(2_000).unwrap());
+        let t2 = Time(Timestamp::from_second(3_000).unwrap());
+        let mut conditions = Vec::new();
+        let progressing = ConditionType::Progressing;
+
+        assert!(set_condition(
+            &mut conditions,
+            progressing,
+            true,
+            Reason::Planning,
+            "planning",
+            Some(1),
+            &t0
+        ));
+        assert_eq!(conditions[0].last_transition_time, t0);
+
+        // Same status, new reason: updated in place, transition time kept.
+        assert!(set_condition(
+            &mut conditions,
+            progressing,
+            true,
+            Reason::Generating,
+            "2/10 batches",
+            Some(1),
+            &t1
+        ));
+        assert_eq!(conditions[0].last_transition_time, t0);
+        assert_eq!(conditions[0].reason, "Generating");
+
+        // Nothing new: no change reported, so no status write.
+        assert!(!set_condition(
+            &mut conditions,
+            progressing,
+            true,
+            Reason::Generating,
+            "2/10 batches",
+            Some(1),
+            &t2
+        ));
+
+        // The status flips: the transition time moves.
+        assert!(set_condition(
+            &mut conditions,
+            progressing,
+            false,
+            Reason::Succeeded,
+            "done",
+            Some(2),
+            &t2
+        ));
+        assert_eq!(conditions[0].last_transition_time, t2);
+        assert_eq!(conditions[0].status, "False");
+        assert_eq!(conditions[0].observed_generation, Some(2));
+
+        // Another type is a separate entry.
+        assert!(set_condition(
+            &mut conditions,
+            ConditionType::Succeeded,
+            true,
+            Reason::Succeeded,
+            "done",
+            Some(2),
+            &t2
+        ));
+        let types: Vec<_> = conditions.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, ["Progressing", "Succeeded"]);
+    }
+}

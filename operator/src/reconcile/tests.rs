@@ -1,0 +1,477 @@
+//! Table tests of the pure middle of the pipeline ([`desired_state`]: validate → decide → build →
+//! status), with the fixtures' runs, Jobs and observations.
+
+use std::time::Duration;
+
+use k8s_openapi::jiff::Timestamp;
+use trajectory_worker::contract::RunPlan;
+
+use super::status::{Reason, StatusWrite, set_condition, status_write};
+use super::*;
+use crate::api::ConditionType;
+use crate::fixtures::{JobFixture, ObservedFixture, now};
+
+/// The run every table starts from: `r` in `ns`, two retries per batch, at most one batch missing.
+fn run() -> TrajectoryRun {
+    TrajectoryRun::test()
+        .named("r")
+        .namespace("ns")
+        .uid("uid-1")
+        .retry(2, 1)
+        .build()
+}
+
+fn decide(observed: &Observed) -> Desired {
+    desired_state(&run(), observed, &Settings::default(), &now()).unwrap()
+}
+
+fn names(desired: &Desired) -> Vec<String> {
+    desired
+        .children
+        .jobs
+        .iter()
+        .map(|j| j.metadata.name.clone().unwrap())
+        .collect()
+}
+
+fn condition(desired: &Desired, type_: ConditionType) -> (&str, &str) {
+    let c = desired
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_.as_str())
+        .unwrap_or_else(|| panic!("no {} condition", type_.as_str()));
+    (c.status.as_str(), c.reason.as_str())
+}
+
+fn plan_batches(desired: &Desired, name: &str) -> Option<Vec<u32>> {
+    let map = desired
+        .children
+        .config_maps
+        .iter()
+        .find(|m| m.metadata.name.as_deref() == Some(name))
+        .unwrap_or_else(|| panic!("no ConfigMap {name}"));
+    let plan: RunPlan = serde_json::from_str(&map.data.as_ref().unwrap()["plan.json"]).unwrap();
+    plan.batches
+}
+
+#[test]
+fn a_new_run_starts_planning() {
+    let desired = decide(&Observed::default());
+    assert_eq!(names(&desired), ["r-plan"]);
+    assert_eq!(desired.status.phase, Some(Phase::Planning));
+    assert_eq!(desired.status.observed_generation, Some(1));
+    assert_eq!(desired.status.start_time, Some(now()));
+    assert_eq!(
+        condition(&desired, ConditionType::Progressing),
+        ("True", "Planning")
+    );
+    assert_eq!(condition(&desired, ConditionType::Ready).0, "False");
+}
+
+#[test]
+fn a_finished_plan_starts_the_first_attempt_on_the_batches_not_done() {
+    let desired = decide(&ObservedFixture::planned(5).done(0, 1).build());
+    assert_eq!(names(&desired), ["r-gen-1"]);
+    assert_eq!(plan_batches(&desired, "r-gen-1"), Some(vec![2, 3, 4]));
+    assert_eq!(
+        desired.children.jobs[0].spec.as_ref().unwrap().completions,
+        Some(3)
+    );
+    assert_eq!(desired.status.progress.as_deref(), Some("2/5"));
+    assert_eq!(desired.status.attempt, Some(1));
+    let prompts = desired.status.prompts.as_ref().unwrap();
+    assert_eq!((prompts.total, prompts.invalid), (50, 2));
+}
+
+#[test]
+fn a_running_attempt_reports_batches_through_its_pending_list() {
+    let observed = ObservedFixture::planned(5)
+        .done(0, 1)
+        .attempt(JobFixture::generation(1).completed("0,2"), &[2, 3, 4])
+        .build();
+    let desired = decide(&observed);
+    assert_eq!(names(&desired), ["r-gen-1"]);
+    assert!(desired.children.config_maps.is_empty());
+    let batches = desired.status.batches.as_ref().unwrap();
+    assert_eq!(batches.completed, "0-2,4");
+    assert_eq!(desired.status.progress.as_deref(), Some("4/5"));
+    assert_eq!(desired.status.phase, Some(Phase::Running));
+}
+
+#[test]
+fn an_attempt_that_left_batches_undone_is_followed_by_one_for_them_only() {
+    let observed = ObservedFixture::planned(5)
+        .attempt(
+            JobFixture::generation(1)
+                .complete()
+                .completed("0-2,4")
+                .failed_indexes("3"),
+            &[0, 1, 2, 3, 4],
+        )
+        .build();
+    let desired = decide(&observed);
+    assert_eq!(names(&desired), ["r-gen-2"]);
+    assert_eq!(plan_batches(&desired, "r-gen-2"), Some(vec![3]));
+    assert_eq!(desired.status.batches.as_ref().unwrap().failed, "3");
+    assert_eq!(desired.status.attempt, Some(2));
+}
+
+#[test]
+fn after_the_last_attempt_the_run_merges_what_is_done_within_the_failure_budget() {
+    let observed = ObservedFixture::planned(3)
+        .attempt(
+            JobFixture::generation(1)
+                .complete()
+                .completed("0-1")
+                .failed_indexes("2"),
+            &[0, 1, 2],
+        )
+        .attempt(
+            JobFixture::generation(2).complete().failed_indexes("0"),
+            &[2],
+        )
+        .attempt(
+            JobFixture::generation(3).complete().failed_indexes("0"),
+            &[2],
+        )
+        .build();
+    assert_eq!(names(&decide(&observed)), ["r-merge"]);
+}
+
+#[test]
+fn too_many_missing_batches_after_the_last_attempt_fail_the_run() {
+    let observed = ObservedFixture::planned(3)
+        .attempt(
+            JobFixture::generation(1)
+                .complete()
+                .completed("0")
+                .failed_indexes("1-2"),
+            &[0, 1, 2],
+        )
+        .attempt(
+            JobFixture::generation(2).complete().failed_indexes("0-1"),
+            &[1, 2],
+        )
+        .attempt(
+            JobFixture::generation(3).complete().failed_indexes("0-1"),
+            &[1, 2],
+        )
+        .build();
+    let desired = decide(&observed);
+    assert!(desired.children.jobs.is_empty());
+    assert_eq!(desired.status.phase, Some(Phase::Failed));
+    assert_eq!(
+        condition(&desired, ConditionType::Failed),
+        ("True", "TooManyFailedBatches")
+    );
+    assert_eq!(condition(&desired, ConditionType::Stalled).0, "True");
+}
+
+#[test]
+fn job_failures_map_to_run_failure_reasons() {
+    let cases = [
+        ("PodFailurePolicy", "WorkerConfigError"),
+        ("MaxFailedIndexesExceeded", "TooManyFailedBatches"),
+    ];
+    for (job_reason, run_reason) in cases {
+        let observed = ObservedFixture::planned(3)
+            .attempt(JobFixture::generation(1).failed(job_reason), &[0, 1, 2])
+            .build();
+        let desired = decide(&observed);
+        assert_eq!(desired.status.phase, Some(Phase::Failed), "{job_reason}");
+        assert_eq!(
+            condition(&desired, ConditionType::Failed),
+            ("True", run_reason)
+        );
+        assert_eq!(desired.status.completion_time, Some(now()));
+    }
+    let observed = ObservedFixture::new()
+        .plan(JobFixture::plan().failed("BackoffLimitExceeded"))
+        .build();
+    let desired = decide(&observed);
+    assert_eq!(
+        condition(&desired, ConditionType::Failed),
+        ("True", "PlanFailed")
+    );
+}
+
+#[test]
+fn a_finished_merge_succeeds_the_run_with_its_output() {
+    let desired = decide(&ObservedFixture::merged(2, 19).build());
+    assert!(desired.children.jobs.is_empty());
+    assert_eq!(desired.status.phase, Some(Phase::Succeeded));
+    let output = desired.status.output.as_ref().unwrap();
+    assert_eq!(
+        (output.path.as_str(), output.trajectories, output.bytes),
+        ("runs/ns/r", 19, 4096)
+    );
+    assert_eq!(
+        condition(&desired, ConditionType::Ready),
+        ("True", "Succeeded")
+    );
+    assert_eq!(condition(&desired, ConditionType::Succeeded).0, "True");
+    assert_eq!(desired.status.progress.as_deref(), Some("2/2"));
+}
+
+#[test]
+fn an_invalid_spec_stalls_the_run_naming_the_field() {
+    let run = TrajectoryRun::test()
+        .named("r")
+        .with(|spec| spec.batch_size = 0)
+        .build();
+    let desired = desired_state(&run, &Observed::default(), &Settings::default(), &now()).unwrap();
+    assert!(desired.children.jobs.is_empty());
+    assert_eq!(
+        condition(&desired, ConditionType::Failed),
+        ("True", "InvalidSpec")
+    );
+    let failed = desired
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Failed")
+        .unwrap();
+    assert!(
+        failed.message.contains("spec.batchSize"),
+        "{}",
+        failed.message
+    );
+}
+
+#[test]
+fn deciding_twice_changes_nothing() {
+    let mut run = run();
+    let observed = ObservedFixture::planned(5).done(0, 1).build();
+    let first = desired_state(&run, &observed, &Settings::default(), &now()).unwrap();
+    run.status = Some(first.status.clone());
+    let later = Time(Timestamp::from_second(20_000).unwrap());
+    let second = desired_state(&run, &observed, &Settings::default(), &later).unwrap();
+    assert_eq!(first.status, second.status);
+}
+
+#[test]
+fn progress_alone_is_written_at_most_once_per_interval_and_anything_else_at_once() {
+    let interval = Duration::from_secs(3);
+    let running = ObservedFixture::planned(5)
+        .attempt(JobFixture::generation(1), &[0, 1, 2, 3, 4])
+        .build();
+    let written = decide(&running).status;
+    let moved = ObservedFixture::planned(5)
+        .attempt(JobFixture::generation(1).completed("0-1"), &[0, 1, 2, 3, 4])
+        .build();
+    let progressed = decide(&moved).status;
+    assert_eq!(progressed.progress.as_deref(), Some("2/5"));
+    let merging = ObservedFixture::planned(5)
+        .done(0, 4)
+        .attempt(JobFixture::generation(1).completed("0-1"), &[0, 1, 2, 3, 4])
+        .build();
+    let merged = decide(&merging).status;
+    assert_eq!(merged.phase, Some(Phase::Merging));
+    let mut regenerated = written.clone();
+    regenerated.observed_generation = Some(2);
+
+    let second = Duration::from_secs(1);
+    let cases = [
+        // (current, desired, since the last write, decision)
+        (None, &written, Some(second), StatusWrite::Now),
+        (Some(&written), &written, None, StatusWrite::Unchanged),
+        (
+            Some(&written),
+            &progressed,
+            Some(second),
+            StatusWrite::After(2 * second),
+        ),
+        (
+            Some(&written),
+            &progressed,
+            Some(interval),
+            StatusWrite::Now,
+        ),
+        (Some(&written), &progressed, None, StatusWrite::Now),
+        // A phase change is never held back, nor is a new generation of the spec.
+        (
+            Some(&written),
+            &merged,
+            Some(Duration::ZERO),
+            StatusWrite::Now,
+        ),
+        (
+            Some(&written),
+            &regenerated,
+            Some(Duration::ZERO),
+            StatusWrite::Now,
+        ),
+    ];
+    for (i, (current, desired, since, expected)) in cases.into_iter().enumerate() {
+        assert_eq!(
+            status_write(current, desired, since, interval),
+            expected,
+            "case {i}"
+        );
+    }
+    // A wiped status is rebuilt at once.
+    let wiped = TrajectoryRunStatus::default();
+    assert_eq!(
+        status_write(Some(&wiped), &progressed, Some(Duration::ZERO), interval),
+        StatusWrite::Now
+    );
+}
+
+/// The plan and merge summaries come from pods' termination messages, and a pod goes with its
+/// node (an autoscaler removing it mid-run): what the status recorded stands in for them, so
+/// the run neither fails nor loses its counts.
+#[test]
+fn a_run_whose_plan_and_merge_pods_are_gone_goes_on_from_its_recorded_status() {
+    let decide_with = |status: Option<TrajectoryRunStatus>, observed: &Observed| {
+        let mut run = run();
+        run.status = status;
+        desired_state(&run, observed, &Settings::default(), &now()).unwrap()
+    };
+    // Batches 0-1 were done before the run (the plan found them); attempt 1 completed 2.
+    let running = ObservedFixture::planned(5)
+        .done(0, 1)
+        .attempt(JobFixture::generation(1).completed("2"), &[2, 3, 4]);
+    let with_pod = decide_with(None, &running.clone().build());
+    assert_eq!(with_pod.status.progress.as_deref(), Some("3/5"));
+
+    let observed = running.without_plan_summary().build();
+    let without_pod = decide_with(Some(with_pod.status.clone()), &observed);
+    assert_eq!(names(&without_pod), names(&with_pod));
+    assert_eq!(without_pod.status, with_pod.status);
+
+    // Nothing recorded yet: the run cannot know its batches.
+    let unrecorded = decide_with(None, &observed);
+    assert_eq!(
+        condition(&unrecorded, ConditionType::Failed),
+        ("True", "PlanFailed")
+    );
+
+    // A succeeded run keeps its counts when both pods are gone.
+    let merged = ObservedFixture::merged(5, 48);
+    let succeeded = decide_with(None, &merged.clone().build()).status;
+    let merged = merged
+        .without_plan_summary()
+        .without_merge_summary()
+        .build();
+    let later = decide_with(Some(succeeded.clone()), &merged).status;
+    assert_eq!(later, succeeded);
+    assert_eq!(later.output.as_ref().unwrap().trajectories, 48);
+    assert_eq!(later.phase, Some(Phase::Succeeded));
+}
+
+/// kstatus (Flux, `kubectl wait`): `observedGeneration` always; `Reconciling` while work is under
+/// way, `Stalled` when the run failed, `Ready` and `Succeeded` when it succeeded.
+#[test]
+fn conditions_say_what_kstatus_and_kubectl_wait_read() {
+    fn holds(status: &TrajectoryRunStatus) -> Vec<&str> {
+        let mut types: Vec<&str> = status
+            .conditions
+            .iter()
+            .filter(|c| c.status == "True")
+            .map(|c| c.type_.as_str())
+            .collect();
+        types.sort_unstable();
+        types
+    }
+    let planning = decide(&Observed::default()).status;
+    assert_eq!(planning.observed_generation, Some(1));
+    assert_eq!(holds(&planning), ["Progressing", "Reconciling"]);
+
+    let done = ObservedFixture::planned(2)
+        .done(0, 1)
+        .merge(JobFixture::merge().complete())
+        .build();
+    let succeeded = decide(&done).status;
+    assert_eq!(holds(&succeeded), ["Ready", "Succeeded"]);
+
+    let failed = ObservedFixture::planned(3)
+        .attempt(
+            JobFixture::generation(1).failed("PodFailurePolicy"),
+            &[0, 1, 2],
+        )
+        .build();
+    let failed = decide(&failed).status;
+    assert_eq!(holds(&failed), ["Failed", "Stalled"]);
+
+    let suspended = TrajectoryRun::test()
+        .named("r")
+        .namespace("ns")
+        .retry(2, 1)
+        .suspended()
+        .build();
+    let observed = ObservedFixture::planned(3)
+        .attempt(JobFixture::generation(1), &[0, 1, 2])
+        .build();
+    let status = desired_state(&suspended, &observed, &Settings::default(), &now())
+        .unwrap()
+        .status;
+    assert_eq!(status.phase, Some(Phase::Running), "the phase names stay");
+    assert_eq!(holds(&status), ["Suspended"]);
+}
+
+#[test]
+fn a_run_stalled_on_a_bad_spec_works_again_once_it_is_fixed() {
+    let mut stalled = run();
+    let mut failed = Vec::new();
+    for type_ in [ConditionType::Failed, ConditionType::Stalled] {
+        set_condition(
+            &mut failed,
+            type_,
+            true,
+            Reason::InvalidSpec,
+            "bad",
+            Some(1),
+            &now(),
+        );
+    }
+    stalled.metadata.generation = Some(2);
+    stalled.status = Some(TrajectoryRunStatus {
+        phase: Some(Phase::Failed),
+        completion_time: Some(now()),
+        conditions: failed,
+        ..TrajectoryRunStatus::default()
+    });
+    let status = desired_state(&stalled, &Observed::default(), &Settings::default(), &now())
+        .unwrap()
+        .status;
+    assert_eq!(status.phase, Some(Phase::Planning));
+    assert_eq!(status.completion_time, None);
+    let failed = status.conditions.iter().find(|c| c.type_ == "Failed");
+    assert_eq!(failed.map(|c| c.status.as_str()), Some("False"));
+    let stalled = status.conditions.iter().find(|c| c.type_ == "Stalled");
+    assert_eq!(stalled.map(|c| c.status.as_str()), Some("False"));
+}
+
+/// However a spec is wrong, no builder sees it: a spec that breaks its own rules ends the run with
+/// no children, and one the operator cannot build from is an error.
+#[test]
+fn a_spec_that_fails_validation_never_reaches_a_builder() {
+    let refused = [
+        TrajectoryRun::test().with(|spec| spec.batch_size = 0),
+        TrajectoryRun::test().with(|spec| spec.workers = 0),
+    ];
+    for run in refused {
+        let desired = desired_state(
+            &run.build(),
+            &ObservedFixture::planned(3).build(),
+            &Settings::default(),
+            &now(),
+        )
+        .expect("a refused spec is a decision");
+        assert!(desired.children.jobs.is_empty());
+        assert!(desired.children.config_maps.is_empty());
+        assert_eq!(desired.status.phase, Some(Phase::Failed));
+    }
+    let invalid = [
+        TrajectoryRun::test().with(|spec| spec.storage.volume = None),
+        TrajectoryRun::test().with_pod_template(serde_json::json!({"image": 7})),
+        TrajectoryRun::test().named(&"r".repeat(60)),
+        TrajectoryRun::test().without_uid(),
+    ];
+    for run in invalid {
+        let run = run.build();
+        let result = desired_state(&run, &Observed::default(), &Settings::default(), &now());
+        assert!(result.is_err(), "{:?} has no children", run.metadata.name);
+    }
+}
