@@ -25,9 +25,12 @@ use regex::{Regex, RegexBuilder};
 use serde_json::{Map, Value, json};
 use walkdir::WalkDir;
 
+use super::args::{
+    non_empty_string_arg, optional_bool_arg, optional_string_arg, optional_u64_arg, string_arg,
+};
+use super::text::complete_prefix_len;
 use super::{
     Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace, WorkspaceError,
-    optional_u64_arg, string_arg,
 };
 use crate::spec::ToolsSpec;
 
@@ -278,12 +281,12 @@ impl Job {
     fn parse(kind: Kind, args: &Map<String, Value>) -> Result<Self, String> {
         Ok(match kind {
             Kind::Read => Self::Read {
-                path: path_arg(args)?,
+                path: non_empty_string_arg(args, "path")?.to_owned(),
                 offset: optional_u64_arg(args, "offset")?,
                 limit: optional_u64_arg(args, "limit")?,
             },
             Kind::Write => Self::Write {
-                path: path_arg(args)?,
+                path: non_empty_string_arg(args, "path")?.to_owned(),
                 content: string_arg(args, "content")?.to_owned(),
             },
             Kind::Patch => {
@@ -296,17 +299,14 @@ impl Job {
                     );
                 }
                 Self::Patch {
-                    path: path_arg(args)?,
+                    path: non_empty_string_arg(args, "path")?.to_owned(),
                     old,
                     new: string_arg(args, "new_string")?.to_owned(),
                     replace_all: optional_bool_arg(args, "replace_all")?.unwrap_or(false),
                 }
             }
             Kind::Search => {
-                let pattern = string_arg(args, "pattern")?;
-                if pattern.is_empty() {
-                    return Err("argument `pattern` is empty".to_owned());
-                }
+                let pattern = non_empty_string_arg(args, "pattern")?;
                 let target = match optional_string_arg(args, "target")? {
                     None | Some("content") => Target::Content,
                     Some("files") => Target::Files,
@@ -809,47 +809,6 @@ fn io_message(err: &io::Error, requested: &str) -> String {
              refusing to follow it"
         ),
         _ => format!("cannot access {requested}: {err}"),
-    }
-}
-
-/// Length of `bytes` without a UTF-8 sequence cut off at its end.
-fn complete_prefix_len(bytes: &[u8]) -> usize {
-    match std::str::from_utf8(bytes) {
-        // `error_len() == None` means the input ended in the middle of a character.
-        Err(err) if err.error_len().is_none() => err.valid_up_to(),
-        _ => bytes.len(),
-    }
-}
-
-fn path_arg(args: &Map<String, Value>) -> Result<String, String> {
-    let path = string_arg(args, "path")?;
-    if path.is_empty() {
-        return Err("argument `path` is empty".to_owned());
-    }
-    Ok(path.to_owned())
-}
-
-fn optional_string_arg<'a>(
-    args: &'a Map<String, Value>,
-    name: &str,
-) -> Result<Option<&'a str>, String> {
-    match args.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(value)) => Ok(Some(value)),
-        Some(other) => Err(format!("argument `{name}` must be a string, got {other}")),
-    }
-}
-
-/// Reads an optional boolean (`"true"`/`"false"` strings are accepted, as small models quote them).
-fn optional_bool_arg(args: &Map<String, Value>, name: &str) -> Result<Option<bool>, String> {
-    match args.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Bool(value)) => Ok(Some(*value)),
-        Some(Value::String(text)) if text.eq_ignore_ascii_case("true") => Ok(Some(true)),
-        Some(Value::String(text)) if text.eq_ignore_ascii_case("false") => Ok(Some(false)),
-        Some(other) => Err(format!(
-            "argument `{name}` must be true or false, got {other}"
-        )),
     }
 }
 
