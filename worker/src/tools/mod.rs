@@ -9,8 +9,10 @@
 //! Every conversation gets its own [`Workspace`] directory; file tools are confined to it and the
 //! terminal runs inside it.
 
+mod args;
 pub mod file;
 pub mod terminal;
+mod text;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -296,38 +298,6 @@ impl Registry {
                     .map(move |tool| (tool.spec().name.clone(), toolset.name))
             })
             .collect()
-    }
-}
-
-/// Reads a required string argument, with an error message the model can act on.
-pub(crate) fn string_arg<'a>(args: &'a Map<String, Value>, name: &str) -> Result<&'a str, String> {
-    match args.get(name) {
-        Some(Value::String(value)) => Ok(value),
-        Some(other) => Err(format!("argument `{name}` must be a string, got {other}")),
-        None => Err(format!("missing required argument `{name}`")),
-    }
-}
-
-/// Reads an optional non-negative integer argument (numbers given as strings are accepted, as
-/// small models often quote them).
-pub(crate) fn optional_u64_arg(
-    args: &Map<String, Value>,
-    name: &str,
-) -> Result<Option<u64>, String> {
-    match args.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(number)) => number
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| format!("argument `{name}` must be a non-negative integer")),
-        Some(Value::String(text)) => {
-            text.trim().parse().map(Some).map_err(|_| {
-                format!("argument `{name}` must be a non-negative integer, got {text:?}")
-            })
-        }
-        Some(other) => Err(format!(
-            "argument `{name}` must be a non-negative integer, got {other}"
-        )),
     }
 }
 

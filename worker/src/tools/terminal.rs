@@ -26,7 +26,9 @@ use tokio::net::unix::pipe;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
-use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec, optional_u64_arg, string_arg};
+use super::args::{optional_u64_arg, string_arg};
+use super::text::{complete_prefix_len, complete_suffix_start};
+use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::ToolsSpec;
 
 pub const TOOLSET: &str = "terminal";
@@ -292,29 +294,12 @@ impl OutputBuffer {
         }
         // Cut points fall anywhere; drop the partial characters at them instead of showing U+FFFD.
         let head = &self.head[..complete_prefix_len(&self.head)];
-        let tail = &tail[tail
-            .iter()
-            .take(3)
-            .take_while(|byte| is_continuation(**byte))
-            .count()..];
+        let tail = &tail[complete_suffix_start(&tail)..];
         format!(
             "{}\n... [{elided} bytes elided] ...\n{}",
             String::from_utf8_lossy(head),
             String::from_utf8_lossy(tail)
         )
-    }
-}
-
-fn is_continuation(byte: u8) -> bool {
-    byte & 0b1100_0000 == 0b1000_0000
-}
-
-/// Length of `bytes` without a UTF-8 sequence cut off at its end.
-fn complete_prefix_len(bytes: &[u8]) -> usize {
-    match std::str::from_utf8(bytes) {
-        // `error_len() == None` means the input ended in the middle of a character.
-        Err(err) if err.error_len().is_none() => err.valid_up_to(),
-        _ => bytes.len(),
     }
 }
 
