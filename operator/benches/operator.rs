@@ -148,6 +148,40 @@ fn median(values: &mut [Duration]) -> Duration {
     values[values.len() / 2]
 }
 
+/// Polls from the moment the plan pod finished: how long until the plan Job was `Complete` (the
+/// Job controller's part) and until the generation Job of all `batches` was created.
+async fn generation_job_after_plan(
+    jobs: &Api<Job>,
+    name: &str,
+    batches: u32,
+) -> (Duration, Duration) {
+    let plan_job = format!("{name}-plan");
+    let planned = Instant::now();
+    let gen_job = format!("{name}-gen-1");
+    let mut complete_at = None;
+    let created_at = loop {
+        if complete_at.is_none()
+            && jobs
+                .get(&plan_job)
+                .await
+                .is_ok_and(|job| JobState::of(&job) == JobState::Complete)
+        {
+            complete_at = Some(planned.elapsed());
+        }
+        if let Some(job) = jobs.get_opt(&gen_job).await.expect("get the Job") {
+            let completions = job.spec.and_then(|s| s.completions);
+            assert_eq!(completions, Some(i32::try_from(batches).expect("i32")));
+            break planned.elapsed();
+        }
+        assert!(
+            planned.elapsed() < Duration::from_secs(120),
+            "no generation Job 120 s after the plan finished"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    (complete_at.unwrap_or(created_at), created_at)
+}
+
 /// Part 1: a run of `batches` batches, `rounds` times.
 async fn latency(client: &Client, scratch: &Scratch, base_url: &str, report: &mut String) {
     let batches: u32 = knob("OPERATOR_BENCH_BATCHES", 10_000);
@@ -206,30 +240,7 @@ async fn latency(client: &Client, scratch: &Scratch, base_url: &str, report: &mu
         )
         .await;
         assert!(kubelet.play(&plan_pod).await, "the plan pod was played");
-        let planned = Instant::now();
-        let gen_job = format!("{name}-gen-1");
-        let mut complete_at = None;
-        let created_at = loop {
-            if complete_at.is_none()
-                && jobs
-                    .get(&plan_job)
-                    .await
-                    .is_ok_and(|job| JobState::of(&job) == JobState::Complete)
-            {
-                complete_at = Some(planned.elapsed());
-            }
-            if let Some(job) = jobs.get_opt(&gen_job).await.expect("get the Job") {
-                let completions = job.spec.and_then(|s| s.completions);
-                assert_eq!(completions, Some(i32::try_from(batches).expect("i32")));
-                break planned.elapsed();
-            }
-            assert!(
-                planned.elapsed() < Duration::from_secs(120),
-                "no generation Job 120 s after the plan finished"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
-        let complete_at = complete_at.unwrap_or(created_at);
+        let (complete_at, created_at) = generation_job_after_plan(&jobs, &name, batches).await;
         let operator_part = created_at.saturating_sub(complete_at);
         let _ = writeln!(
             report,
@@ -332,6 +343,37 @@ async fn writes(client: &Client, base_url: &str, report: &mut String) {
     }
 }
 
+/// The completion indexes all first generation Jobs report done.
+async fn completed_generation_indexes(jobs: &Api<Job>) -> usize {
+    jobs.list(&ListParams::default())
+        .await
+        .expect("list Jobs")
+        .items
+        .iter()
+        .filter(|job| {
+            job.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.ends_with("-gen-1"))
+        })
+        .filter_map(|job| job.status.as_ref()?.completed_indexes.clone())
+        .map(|ranges| parse_ranges(&ranges).map_or(0, |ids| ids.len()))
+        .sum()
+}
+
+/// A run of one prompt per batch, two pods at a time.
+async fn create_small_run(runs: &Api<TrajectoryRun>, name: &str, base_url: &str) {
+    runs.create(
+        &PostParams::default(),
+        &TrajectoryRun::new(
+            name,
+            run_spec(base_url, &json!({"batchSize": 1, "workers": 2})),
+        ),
+    )
+    .await
+    .expect("create a run");
+}
+
 /// Part 3: the operator's memory with `count` runs generating at once.
 async fn memory(client: &Client, base_url: &str, report: &mut String) {
     let count: usize = knob("OPERATOR_BENCH_RUNS", 200);
@@ -346,15 +388,7 @@ async fn memory(client: &Client, base_url: &str, report: &mut String) {
     let names: Vec<String> = (0..count).map(|i| format!("r{i:03}")).collect();
     let started = Instant::now();
     for name in &names {
-        runs.create(
-            &PostParams::default(),
-            &TrajectoryRun::new(
-                name,
-                run_spec(base_url, &json!({"batchSize": 1, "workers": 2})),
-            ),
-        )
-        .await
-        .expect("create a run");
+        create_small_run(&runs, name, base_url).await;
     }
     let kubelets: Vec<Kubelet> = names
         .iter()
@@ -409,21 +443,7 @@ async fn memory(client: &Client, base_url: &str, report: &mut String) {
         // First the Job controller records the finished pods in `completedIndexes`, then the
         // operator copies them into the runs' status.
         if jobs_settled.is_none() {
-            let completed: usize = jobs
-                .list(&ListParams::default())
-                .await
-                .expect("list Jobs")
-                .items
-                .iter()
-                .filter(|job| {
-                    job.metadata
-                        .name
-                        .as_deref()
-                        .is_some_and(|n| n.ends_with("-gen-1"))
-                })
-                .filter_map(|job| job.status.as_ref()?.completed_indexes.clone())
-                .map(|ranges| parse_ranges(&ranges).map_or(0, |ids| ids.len()))
-                .sum();
+            let completed = completed_generation_indexes(&jobs).await;
             if completed >= usize::try_from(finished).expect("a count") {
                 jobs_settled = Some(settle.elapsed());
             }

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{ListParams, Patch, PatchParams};
@@ -296,54 +296,12 @@ impl Kubelet {
             .iter()
             .find(|c| c.name == CONTAINER)
             .expect("the worker container");
-        let mode = container
-            .args
-            .as_ref()
-            .and_then(|args| args.first())
-            .cloned()
-            .expect("the worker subcommand in the container's args");
-        let env = |key: &str| {
-            container
-                .env
-                .iter()
-                .flatten()
-                .find(|e| e.name == key)
-                .and_then(|e| e.value.clone())
-        };
-        // The pod's contract paths; the test maps them onto its directories.
-        assert_eq!(
-            env("TRAJ_PLAN_PATH").as_deref(),
-            Some(format!("{}/{}", paths::PLAN_DIR, paths::PLAN_FILE).as_str())
-        );
-        assert_eq!(
-            env("TRAJ_STORAGE_ROOT").as_deref(),
-            Some(paths::STORAGE_ROOT)
-        );
-
-        // The mounted plan ConfigMap.
-        let map_name = spec
-            .volumes
-            .iter()
-            .flatten()
-            .find_map(|v| v.config_map.as_ref().map(|c| c.name.clone()))
-            .expect("the plan ConfigMap volume");
+        let mode = worker_mode(container);
+        let pod_dir = self.scratch.join(&name);
         // Without its ConfigMap (the run is being deleted) a kubelet cannot start the pod either.
-        let Some(map) = self
-            .maps
-            .get_opt(&map_name)
-            .await
-            .expect("get the plan ConfigMap")
-        else {
+        let Some(plan_path) = self.mount_plan(spec, &pod_dir).await else {
             return false;
         };
-        let plan_json = map
-            .data
-            .and_then(|mut d| d.remove(paths::PLAN_FILE))
-            .expect("plan.json in the ConfigMap");
-        let pod_dir = self.scratch.join(&name);
-        std::fs::create_dir_all(&pod_dir).expect("create the pod's directory");
-        let plan_path = pod_dir.join(paths::PLAN_FILE);
-        std::fs::write(&plan_path, plan_json).expect("write the mounted plan");
         let index: Option<u32> = pod
             .annotations()
             .get(COMPLETION_INDEX)
@@ -396,6 +354,30 @@ impl Kubelet {
         )
         .await;
         true
+    }
+
+    /// Writes the pod's plan `ConfigMap` where the pod would see it mounted; `None` when the
+    /// `ConfigMap` is gone.
+    async fn mount_plan(&self, spec: &PodSpec, pod_dir: &Path) -> Option<PathBuf> {
+        let map_name = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find_map(|v| v.config_map.as_ref().map(|c| c.name.clone()))
+            .expect("the plan ConfigMap volume");
+        let map = self
+            .maps
+            .get_opt(&map_name)
+            .await
+            .expect("get the plan ConfigMap")?;
+        let plan_json = map
+            .data
+            .and_then(|mut d| d.remove(paths::PLAN_FILE))
+            .expect("plan.json in the ConfigMap");
+        std::fs::create_dir_all(pod_dir).expect("create the pod's directory");
+        let plan_path = pod_dir.join(paths::PLAN_FILE);
+        std::fs::write(&plan_path, plan_json).expect("write the mounted plan");
+        Some(plan_path)
     }
 
     /// The worker's step, as `trajectory-worker <mode>` runs it: exit code and termination message.
@@ -666,4 +648,31 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<String> 
     let mut response = String::new();
     stream.read_to_string(&mut response).await.ok()?;
     Some(response)
+}
+
+/// The worker subcommand of the pod's container, after checking that the container points the
+/// worker at the contract's paths (which the test maps onto its own directories).
+fn worker_mode(container: &Container) -> String {
+    let env = |key: &str| {
+        container
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == key)
+            .and_then(|e| e.value.clone())
+    };
+    assert_eq!(
+        env("TRAJ_PLAN_PATH").as_deref(),
+        Some(format!("{}/{}", paths::PLAN_DIR, paths::PLAN_FILE).as_str())
+    );
+    assert_eq!(
+        env("TRAJ_STORAGE_ROOT").as_deref(),
+        Some(paths::STORAGE_ROOT)
+    );
+    container
+        .args
+        .as_ref()
+        .and_then(|args| args.first())
+        .cloned()
+        .expect("the worker subcommand in the container's args")
 }

@@ -477,6 +477,223 @@ async fn apply(admin: &Client, objects: &[Value], owner: &Namespace) {
     }
 }
 
+/// Waits for the operator's pod (the `Deployment` → `ReplicaSet` → pod chain is admitted by the
+/// restricted namespace; kwok runs it) and the `Deployment` to be available; names the
+/// `ReplicaSet`'s conditions when the namespace refused the pod.
+async fn wait_for_the_operator_pod(admin: &Client, ns: &str, release: &str, fullname: &str) {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), ns);
+    let selector = format!("app.kubernetes.io/instance={release}");
+    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), ns);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let list = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .expect("list the operator's pods");
+        if list
+            .items
+            .iter()
+            .any(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            // A pod the namespace refuses shows as the ReplicaSet's ReplicaFailure condition.
+            let sets: Api<ReplicaSet> = Api::namespaced(admin.clone(), ns);
+            let conditions: Vec<_> = sets
+                .list(&ListParams::default().labels(&selector))
+                .await
+                .expect("list the operator's ReplicaSets")
+                .items
+                .into_iter()
+                .flat_map(|set| set.status.and_then(|s| s.conditions).unwrap_or_default())
+                .map(|c| format!("{}: {}", c.type_, c.message.unwrap_or_default()))
+                .collect();
+            panic!(
+                "the operator's pod did not run in the restricted namespace within 60 s; \
+                 pods {:?}; ReplicaSet conditions {conditions:#?}",
+                list.items
+                    .iter()
+                    .map(ResourceExt::name_any)
+                    .collect::<Vec<_>>()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    wait_until(
+        "the Deployment to be available",
+        Duration::from_secs(60),
+        || async {
+            let deployment = deployments.get(fullname).await.ok()?;
+            (deployment.status?.available_replicas? >= 1).then_some(())
+        },
+    )
+    .await;
+}
+
+/// The worker `ServiceAccount` mounts no token and may do nothing.
+async fn assert_the_worker_account_may_do_nothing(admin: &Client, ns: &str, fullname: &str) {
+    let accounts: Api<ServiceAccount> = Api::namespaced(admin.clone(), ns);
+    let worker_account = format!("{fullname}-worker");
+    let worker = accounts
+        .get(&worker_account)
+        .await
+        .expect("the worker ServiceAccount");
+    assert_eq!(worker.automount_service_account_token, Some(false));
+    let as_worker = client_as(admin, ns, &worker_account).await;
+    assert_forbidden(
+        "the worker listing pods",
+        Api::<Pod>::namespaced(as_worker.clone(), ns)
+            .list(&ListParams::default())
+            .await,
+    );
+    assert_forbidden(
+        "the worker reading runs",
+        Api::<TrajectoryRun>::namespaced(as_worker, ns)
+            .list(&ListParams::default())
+            .await,
+    );
+}
+
+/// Every pod of the run `charted` (plan, 4 batches, merge) was admitted without a `ServiceAccount`
+/// token: the worker needs no API access.
+async fn assert_every_run_pod_ran_without_a_token(pods: &Api<Pod>) {
+    let run_pods = pods
+        .list(&ListParams::default().labels(&format!("{}=charted", labels::RUN)))
+        .await
+        .expect("list the run's pods");
+    assert!(
+        run_pods.items.len() >= 6,
+        "plan, 4 batches, merge: {}",
+        run_pods.items.len()
+    );
+    // The admission chain mounted no token volume.
+    for pod in &run_pods.items {
+        let volumes = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.volumes.clone())
+            .unwrap_or_default();
+        let projected: Vec<&str> = volumes
+            .iter()
+            .filter(|v| v.projected.is_some())
+            .map(|v| v.name.as_str())
+            .collect();
+        assert!(
+            projected.is_empty(),
+            "pod {} got a token volume: {projected:?}",
+            pod.name_any()
+        );
+    }
+}
+
+/// What the operator requested since `requests_before` is granted by the chart's `objects`, and
+/// what is granted was requested (or is one of the few grants a request counter cannot see, each
+/// with its reason).
+fn assert_granted_is_what_was_requested(
+    requests_before: &BTreeMap<(String, String), f64>,
+    objects: &[Value],
+) {
+    let requests_after = api_requests();
+    let requested: BTreeSet<(String, String)> = requests_after
+        .iter()
+        .filter(|(key, count)| **count > requests_before.get(*key).copied().unwrap_or(0.0))
+        .map(|(key, _)| key.clone())
+        // Discovery and other non-resource URLs: readable by every authenticated user.
+        .filter(|(_, resource)| !resource.starts_with('/'))
+        .collect();
+    let granted = granted(objects);
+    let ungranted: Vec<_> = requested.difference(&granted).collect();
+    assert!(
+        ungranted.is_empty(),
+        "requested but not granted: {ungranted:?}"
+    );
+    let unexplained: Vec<_> = granted
+        .difference(&requested)
+        .filter(|(verb, resource)| {
+            !GRANTED_UNREQUESTED
+                .iter()
+                .any(|(v, r, _)| v == verb && r == resource)
+        })
+        .collect();
+    assert!(
+        unexplained.is_empty(),
+        "granted but never requested: {unexplained:?} (requested: {requested:?})"
+    );
+}
+
+/// Beyond what the operator needs, nothing: Secrets, pods, deleting or replacing objects.
+async fn assert_nothing_beyond_what_the_operator_needs(operator: &Client, ns: &str) {
+    assert_forbidden(
+        "the operator listing Secrets cluster-wide",
+        Api::<Secret>::all(operator.clone())
+            .list(&ListParams::default())
+            .await,
+    );
+    assert_forbidden(
+        "the operator reading a Secret",
+        Api::<Secret>::namespaced(operator.clone(), ns)
+            .get("anything")
+            .await,
+    );
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "intruder"},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+    }))
+    .expect("a pod");
+    assert_forbidden(
+        "the operator creating a pod",
+        Api::<Pod>::namespaced(operator.clone(), ns)
+            .create(&PostParams::default(), &pod)
+            .await,
+    );
+    assert_forbidden(
+        "the operator deleting a Job",
+        Api::<Job>::namespaced(operator.clone(), ns)
+            .delete("charted-plan", &DeleteParams::default())
+            .await,
+    );
+    assert_forbidden(
+        "the operator changing a run's spec",
+        Api::<TrajectoryRun>::namespaced(operator.clone(), ns)
+            .patch(
+                "charted",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"workers": 1}})),
+            )
+            .await,
+    );
+}
+
+/// The operator's settings and Lease as the chart's Deployment sets them (its environment; the
+/// downward API's namespace), for the operator run in process.
+fn operator_settings(objects: &[Value], ns: &str, fullname: &str) -> (Settings, LeaseConfig) {
+    let env = env_of(object(objects, "Deployment", fullname));
+    assert_eq!(env_value(&env, "TRAJ_LEADER_ELECTION"), "true");
+    let seconds = |name: &str| {
+        Duration::from_secs(env_value(&env, name).parse().expect("a number of seconds"))
+    };
+    let lease = LeaseConfig {
+        name: env_value(&env, "TRAJ_LEASE_NAME"),
+        // POD_NAMESPACE: the downward API's metadata.namespace.
+        namespace: ns.to_owned(),
+        identity: format!("{fullname}-in-process"),
+        duration: seconds("TRAJ_LEASE_DURATION_SECONDS"),
+        grace: seconds("TRAJ_LEASE_GRACE_SECONDS"),
+    };
+    // The other settings (more may come) keep the operator's defaults, as in the Deployment.
+    #[allow(clippy::needless_update)]
+    let settings = Settings {
+        worker_image: env_value(&env, "TRAJ_WORKER_IMAGE"),
+        worker_log_format: env_value(&env, "TRAJ_LOG_FORMAT"),
+        watch_namespace: env
+            .contains_key("TRAJ_WATCH_NAMESPACE")
+            .then(|| ns.to_owned()),
+        ..Settings::default()
+    };
+    (settings, lease)
+}
+
 /// Renders the chart with `sets`, installs it in a new namespace that enforces the `restricted`
 /// Pod Security Standard, checks its operator pod and its `ServiceAccounts`, then runs the operator
 /// in process as the chart's `ServiceAccount` with the Deployment's settings and drives a run to
@@ -504,104 +721,16 @@ async fn install_and_run(sets: &[&str]) -> (TestNamespace, Client) {
     let objects = rendered(&release, &ns, sets);
     apply(&admin, &objects, &owner).await;
 
-    // The Deployment → ReplicaSet → pod chain is admitted by the restricted namespace; kwok runs it.
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
-    let selector = format!("app.kubernetes.io/instance={release}");
-    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), &ns);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let list = pods
-            .list(&ListParams::default().labels(&selector))
-            .await
-            .expect("list the operator's pods");
-        if list
-            .items
-            .iter()
-            .any(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
-        {
-            break;
-        }
-        if tokio::time::Instant::now() > deadline {
-            // A pod the namespace refuses shows as the ReplicaSet's ReplicaFailure condition.
-            let sets: Api<ReplicaSet> = Api::namespaced(admin.clone(), &ns);
-            let conditions: Vec<_> = sets
-                .list(&ListParams::default().labels(&selector))
-                .await
-                .expect("list the operator's ReplicaSets")
-                .items
-                .into_iter()
-                .flat_map(|set| set.status.and_then(|s| s.conditions).unwrap_or_default())
-                .map(|c| format!("{}: {}", c.type_, c.message.unwrap_or_default()))
-                .collect();
-            panic!(
-                "the operator's pod did not run in the restricted namespace within 60 s; \
-                 pods {:?}; ReplicaSet conditions {conditions:#?}",
-                list.items
-                    .iter()
-                    .map(ResourceExt::name_any)
-                    .collect::<Vec<_>>()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    wait_until(
-        "the Deployment to be available",
-        Duration::from_secs(60),
-        || async {
-            let deployment = deployments.get(&fullname).await.ok()?;
-            (deployment.status?.available_replicas? >= 1).then_some(())
-        },
-    )
-    .await;
+    wait_for_the_operator_pod(&admin, &ns, &release, &fullname).await;
 
-    // The worker ServiceAccount mounts no token and may do nothing.
-    let accounts: Api<ServiceAccount> = Api::namespaced(admin.clone(), &ns);
-    let worker_account = format!("{fullname}-worker");
-    let worker = accounts
-        .get(&worker_account)
-        .await
-        .expect("the worker ServiceAccount");
-    assert_eq!(worker.automount_service_account_token, Some(false));
-    let as_worker = client_as(&admin, &ns, &worker_account).await;
-    assert_forbidden(
-        "the worker listing pods",
-        Api::<Pod>::namespaced(as_worker.clone(), &ns)
-            .list(&ListParams::default())
-            .await,
-    );
-    assert_forbidden(
-        "the worker reading runs",
-        Api::<TrajectoryRun>::namespaced(as_worker, &ns)
-            .list(&ListParams::default())
-            .await,
-    );
+    assert_the_worker_account_may_do_nothing(&admin, &ns, &fullname).await;
 
     // The operator as the chart configures it: its ServiceAccount, its Deployment's environment.
     let operator =
         trajectory_operator::metrics::counted_client(config_as(&admin, &ns, &fullname).await)
             .expect("a counting client for the operator's ServiceAccount");
     let requests_before = api_requests();
-    let env = env_of(object(&objects, "Deployment", &fullname));
-    assert_eq!(env_value(&env, "TRAJ_LEADER_ELECTION"), "true");
-    let seconds = |name: &str| {
-        Duration::from_secs(env_value(&env, name).parse().expect("a number of seconds"))
-    };
-    let lease = LeaseConfig {
-        name: env_value(&env, "TRAJ_LEASE_NAME"),
-        // POD_NAMESPACE: the downward API's metadata.namespace.
-        namespace: ns.clone(),
-        identity: format!("{fullname}-in-process"),
-        duration: seconds("TRAJ_LEASE_DURATION_SECONDS"),
-        grace: seconds("TRAJ_LEASE_GRACE_SECONDS"),
-    };
-    // The other settings (more may come) keep the operator's defaults, as in the Deployment.
-    #[allow(clippy::needless_update)]
-    let settings = Settings {
-        worker_image: env_value(&env, "TRAJ_WORKER_IMAGE"),
-        worker_log_format: env_value(&env, "TRAJ_LOG_FORMAT"),
-        watch_namespace: env.contains_key("TRAJ_WATCH_NAMESPACE").then(|| ns.clone()),
-        ..Settings::default()
-    };
+    let (settings, lease) = operator_settings(&objects, &ns, &fullname);
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
     let (stop, stopped) = oneshot::channel::<()>();
     let service = tokio::spawn(service::run(
@@ -646,33 +775,7 @@ async fn install_and_run(sets: &[&str]) -> (TestNamespace, Client) {
         ["batch", "merge", "plan"].map(String::from).into(),
         "a pod of every stage ran"
     );
-    let run_pods = pods
-        .list(&ListParams::default().labels(&format!("{}=charted", labels::RUN)))
-        .await
-        .expect("list the run's pods");
-    assert!(
-        run_pods.items.len() >= 6,
-        "plan, 4 batches, merge: {}",
-        run_pods.items.len()
-    );
-    // The worker needs no API access: the admission chain mounted no ServiceAccount token.
-    for pod in &run_pods.items {
-        let volumes = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.volumes.clone())
-            .unwrap_or_default();
-        let projected: Vec<&str> = volumes
-            .iter()
-            .filter(|v| v.projected.is_some())
-            .map(|v| v.name.as_str())
-            .collect();
-        assert!(
-            projected.is_empty(),
-            "pod {} got a token volume: {projected:?}",
-            pod.name_any()
-        );
-    }
+    assert_every_run_pod_ran_without_a_token(&Api::namespaced(admin.clone(), &ns)).await;
     // The Events of every phase change were published with the chart's permissions.
     let uid = created.uid().expect("a uid");
     assert_eq!(
@@ -695,75 +798,10 @@ async fn install_and_run(sets: &[&str]) -> (TestNamespace, Client) {
         .expect("the operator ends without error");
     assert_eq!(exit, Exit::Stopped);
 
-    // Exactly enough: what the operator requested is granted, and what is granted was requested
-    // (or is one of the few grants a request counter cannot see, each with its reason).
-    let requests_after = api_requests();
-    let requested: BTreeSet<(String, String)> = requests_after
-        .iter()
-        .filter(|(key, count)| **count > requests_before.get(*key).copied().unwrap_or(0.0))
-        .map(|(key, _)| key.clone())
-        // Discovery and other non-resource URLs: readable by every authenticated user.
-        .filter(|(_, resource)| !resource.starts_with('/'))
-        .collect();
-    let granted = granted(&objects);
-    let ungranted: Vec<_> = requested.difference(&granted).collect();
-    assert!(
-        ungranted.is_empty(),
-        "requested but not granted: {ungranted:?}"
-    );
-    let unexplained: Vec<_> = granted
-        .difference(&requested)
-        .filter(|(verb, resource)| {
-            !GRANTED_UNREQUESTED
-                .iter()
-                .any(|(v, r, _)| v == verb && r == resource)
-        })
-        .collect();
-    assert!(
-        unexplained.is_empty(),
-        "granted but never requested: {unexplained:?} (requested: {requested:?})"
-    );
+    // Exactly enough.
+    assert_granted_is_what_was_requested(&requests_before, &objects);
 
-    // Beyond what the operator needs, nothing: Secrets, pods, deleting or replacing objects.
-    assert_forbidden(
-        "the operator listing Secrets cluster-wide",
-        Api::<Secret>::all(operator.clone())
-            .list(&ListParams::default())
-            .await,
-    );
-    assert_forbidden(
-        "the operator reading a Secret",
-        Api::<Secret>::namespaced(operator.clone(), &ns)
-            .get("anything")
-            .await,
-    );
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "intruder"},
-        "spec": {"containers": [{"name": "c", "image": "busybox"}]},
-    }))
-    .expect("a pod");
-    assert_forbidden(
-        "the operator creating a pod",
-        Api::<Pod>::namespaced(operator.clone(), &ns)
-            .create(&PostParams::default(), &pod)
-            .await,
-    );
-    assert_forbidden(
-        "the operator deleting a Job",
-        Api::<Job>::namespaced(operator.clone(), &ns)
-            .delete("charted-plan", &DeleteParams::default())
-            .await,
-    );
-    assert_forbidden(
-        "the operator changing a run's spec",
-        Api::<TrajectoryRun>::namespaced(operator.clone(), &ns)
-            .patch(
-                "charted",
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"workers": 1}})),
-            )
-            .await,
-    );
+    assert_nothing_beyond_what_the_operator_needs(&operator, &ns).await;
     (namespace, operator)
 }
 

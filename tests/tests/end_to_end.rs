@@ -21,6 +21,7 @@
 //! Needs a running cluster: `scripts/cluster/with-cluster.sh cargo test -p trajectory-tests --test end_to_end`.
 
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::time::Duration;
 
 use k8s_openapi::api::batch::v1::Job;
@@ -78,30 +79,7 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
         kubelet.played()
     );
 
-    // Each stage's pods ran in its phase: Planning → Running → Merging.
-    let played = kubelet.played();
-    let by_mode =
-        |mode: &str| -> Vec<&Played> { played.iter().filter(|p| p.mode == mode).collect() };
-    let (plans, batches, merges) = (by_mode("plan"), by_mode("batch"), by_mode("merge"));
-    assert_eq!((plans.len(), merges.len()), (1, 1), "{played:#?}");
-    assert_eq!(plans[0].phase, Some(Phase::Planning));
-    assert_eq!(merges[0].phase, Some(Phase::Merging));
-    assert!(
-        batches.iter().all(|p| p.phase == Some(Phase::Running)),
-        "{played:#?}"
-    );
-    assert!(
-        played.iter().all(|p| p.ran && p.exit_code == 0),
-        "{played:#?}"
-    );
-    // Every batch ran exactly once, each on the index the Job controller gave it.
-    let worked: Vec<u32> = {
-        let mut ids: Vec<u32> = batches.iter().filter_map(|p| p.batch).collect();
-        ids.sort_unstable();
-        ids
-    };
-    assert_eq!(worked, [0, 1, 2, 3]);
-
+    assert_each_stage_ran_in_its_phase_and_each_batch_once(&kubelet.played());
     // Status: counts from the plan and merge summaries, batches from completedIndexes.
     assert_eq!(status.progress.as_deref(), Some("4/4"));
     let batch_counts = status.batches.as_ref().expect("batch counts");
@@ -148,32 +126,10 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
     assert_eq!(row.get("Progress"), Some(&json!("4/4")), "{row:?}");
     assert_eq!(row.get("Trajectories"), Some(&json!(10)), "{row:?}");
 
-    // The data: every prompt exactly once, in dataset order, with its tool call.
-    let out = scratch.storage().join(format!("runs/{ns}/e2e"));
-    let lines = jsonl(&out.join("trajectories.jsonl"));
-    let indexes: Vec<u64> = lines
-        .iter()
-        .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
-        .collect();
-    assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
-    for (i, line) in lines.iter().enumerate() {
-        let text = line.to_string();
-        assert!(
-            text.contains(&format!("task number {i}")),
-            "line {i}: {text}"
-        );
-        assert!(
-            text.contains("echo hi"),
-            "line {i} has no tool call: {text}"
-        );
-    }
-    assert_eq!(
-        std::fs::metadata(out.join("trajectories.jsonl"))
-            .expect("trajectories.jsonl")
-            .len(),
-        output.bytes
+    assert_every_prompt_is_written_once_in_order(
+        &scratch.storage().join(format!("runs/{ns}/e2e")),
+        output.bytes,
     );
-    assert!(out.join("manifest.json").is_file() && out.join("statistics.json").is_file());
     // 10 conversations of two model calls each.
     assert_eq!(model.request_count(), 20);
 
@@ -197,6 +153,60 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
     })
     .await;
     assert_eq!(events, ["Planning", "Running", "Merging", "Succeeded"]);
+}
+
+/// Each stage's pods ran in its phase (Planning → Running → Merging), every pod ran to exit 0, and
+/// every batch ran exactly once, each on the index the Job controller gave it.
+fn assert_each_stage_ran_in_its_phase_and_each_batch_once(played: &[Played]) {
+    let by_mode =
+        |mode: &str| -> Vec<&Played> { played.iter().filter(|p| p.mode == mode).collect() };
+    let (plans, batches, merges) = (by_mode("plan"), by_mode("batch"), by_mode("merge"));
+    assert_eq!((plans.len(), merges.len()), (1, 1), "{played:#?}");
+    assert_eq!(plans[0].phase, Some(Phase::Planning));
+    assert_eq!(merges[0].phase, Some(Phase::Merging));
+    assert!(
+        batches.iter().all(|p| p.phase == Some(Phase::Running)),
+        "{played:#?}"
+    );
+    assert!(
+        played.iter().all(|p| p.ran && p.exit_code == 0),
+        "{played:#?}"
+    );
+    let worked: Vec<u32> = {
+        let mut ids: Vec<u32> = batches.iter().filter_map(|p| p.batch).collect();
+        ids.sort_unstable();
+        ids
+    };
+    assert_eq!(worked, [0, 1, 2, 3]);
+}
+
+/// `trajectories.jsonl` in `out` holds every prompt exactly once, in dataset order, each with its
+/// tool call, in `bytes` bytes; the manifest and statistics are there.
+fn assert_every_prompt_is_written_once_in_order(out: &Path, bytes: u64) {
+    let lines = jsonl(&out.join("trajectories.jsonl"));
+    let indexes: Vec<u64> = lines
+        .iter()
+        .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
+        .collect();
+    assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
+    for (i, line) in lines.iter().enumerate() {
+        let text = line.to_string();
+        assert!(
+            text.contains(&format!("task number {i}")),
+            "line {i}: {text}"
+        );
+        assert!(
+            text.contains("echo hi"),
+            "line {i} has no tool call: {text}"
+        );
+    }
+    assert_eq!(
+        std::fs::metadata(out.join("trajectories.jsonl"))
+            .expect("trajectories.jsonl")
+            .len(),
+        bytes
+    );
+    assert!(out.join("manifest.json").is_file() && out.join("statistics.json").is_file());
 }
 
 /// A batch pod that crashes once is retried on the same index (`backoffLimitPerIndex`) and resumes;

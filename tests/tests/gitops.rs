@@ -23,6 +23,7 @@ use kube::{Api, ResourceExt};
 use mlua::serde::SerializeOptions;
 use mlua::{Lua, LuaSerdeExt, Table};
 use serde_json::{Value, json};
+use tokio::task::JoinHandle;
 use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::e2e::{
@@ -229,6 +230,37 @@ async fn finished(child: tokio::process::Child, what: &str) -> String {
     stdout
 }
 
+/// The run kept in Git is one the API server accepts.
+async fn assert_the_run_kept_in_git_is_accepted(runs: &Api<TrajectoryRun>) {
+    let kept: TrajectoryRun =
+        serde_yaml::from_str(&read("trajectory-runs/run.yaml")).expect("trajectory-runs/run.yaml");
+    let dry_run = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    runs.create(&dry_run, &kept).await.unwrap_or_else(|e| {
+        panic!("the API server refuses examples/gitops/trajectory-runs/run.yaml: {e}")
+    });
+}
+
+/// Every version of every run, as a watch delivers them, until the task is aborted.
+fn record_every_version(
+    runs: &Api<TrajectoryRun>,
+) -> (Arc<Mutex<Vec<TrajectoryRun>>>, JoinHandle<()>) {
+    let seen: Arc<Mutex<Vec<TrajectoryRun>>> = Arc::default();
+    let recorder = tokio::spawn({
+        let seen = seen.clone();
+        let stream = watcher(runs.clone(), watcher::Config::default()).applied_objects();
+        async move {
+            let mut stream = std::pin::pin!(stream);
+            while let Some(Ok(run)) = stream.next().await {
+                seen.lock().expect("not poisoned").push(run);
+            }
+        }
+    });
+    (seen, recorder)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn health_lua_on_every_phase_of_real_runs_and_kubectl_wait_for_their_conditions() {
     let client = client().await;
@@ -243,30 +275,10 @@ async fn health_lua_on_every_phase_of_real_runs_and_kubectl_wait_for_their_condi
     let _controller = start_controller_with(&client, settings);
     let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
 
-    // The run kept in Git is one the API server accepts.
-    let kept: TrajectoryRun =
-        serde_yaml::from_str(&read("trajectory-runs/run.yaml")).expect("trajectory-runs/run.yaml");
-    let dry_run = PostParams {
-        dry_run: true,
-        ..PostParams::default()
-    };
-    runs.create(&dry_run, &kept).await.unwrap_or_else(|e| {
-        panic!("the API server refuses examples/gitops/trajectory-runs/run.yaml: {e}")
-    });
+    assert_the_run_kept_in_git_is_accepted(&runs).await;
     let model = model().await;
 
-    // Every version of every run, as a watch delivers them.
-    let seen: Arc<Mutex<Vec<TrajectoryRun>>> = Arc::default();
-    let recorder = tokio::spawn({
-        let seen = seen.clone();
-        let stream = watcher(runs.clone(), watcher::Config::default()).applied_objects();
-        async move {
-            let mut stream = std::pin::pin!(stream);
-            while let Some(Ok(run)) = stream.next().await {
-                seen.lock().expect("not poisoned").push(run);
-            }
-        }
-    });
+    let (seen, recorder) = record_every_version(&runs);
     let versions_of = |name: &str| -> Vec<TrajectoryRun> {
         seen.lock()
             .expect("not poisoned")
@@ -361,8 +373,20 @@ async fn health_lua_on_every_phase_of_real_runs_and_kubectl_wait_for_their_condi
     .await;
     recorder.abort();
 
+    let versions = seen.lock().expect("not poisoned").clone();
+    assert_health_of_every_version(&versions, &changed, &failed);
+}
+
+/// health.lua judges every version the watch saw (and `changed`, a spec change not yet acted on)
+/// as its phase says, with a message; every phase and outcome was judged on a real object; the
+/// Degraded message of `failed` names its reason.
+fn assert_health_of_every_version(
+    versions: &[TrajectoryRun],
+    changed: &TrajectoryRun,
+    failed: &TrajectoryRun,
+) {
     let mut judged = Vec::new();
-    for run in seen.lock().expect("not poisoned").iter().chain([&changed]) {
+    for run in versions.iter().chain([changed]) {
         let (status, message) = health_of(run);
         assert_eq!(
             status,
@@ -403,10 +427,10 @@ async fn health_lua_on_every_phase_of_real_runs_and_kubectl_wait_for_their_condi
             "no version of {name} in {phase:?} judged {health}: {judged:#?}"
         );
     }
-    let (status, message) = health_of(&changed);
+    let (status, message) = health_of(changed);
     assert_eq!(status, "Progressing");
     assert!(message.contains("latest spec"), "{message}");
-    let (_, message) = health_of(&failed);
+    let (_, message) = health_of(failed);
     assert!(
         message.contains("WorkerConfigError") || message.contains("PlanFailed"),
         "the Degraded message names the reason: {message}"
