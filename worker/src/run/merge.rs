@@ -17,8 +17,8 @@ use tracing::{info, warn};
 
 use super::manifest::Manifest;
 use super::{RunError, RunLocation};
-use crate::json_scan;
 use crate::contract::{MergeSummary, compact_ranges, format_ranges};
+use crate::json_scan;
 use crate::storage::{
     Context, RunDir, StorageError, read_whole_lines, read_whole_lines_into, sync_dir, temp_path,
     write_atomic, write_lines,

@@ -20,9 +20,9 @@ use super::manifest::{
 };
 use super::segments::{SEGMENT_BYTES, SegmentHasher};
 use super::{RunError, RunLocation};
+use crate::contract::{PlanSummary, compact_ranges};
 use crate::dataset::{Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe};
 use crate::distribution::Distribution;
-use crate::contract::{PlanSummary, compact_ranges};
 use crate::spec::RunSpec;
 use crate::storage::{Context, StorageError, sync_dir, temp_path, write_atomic_with};
 use crate::tools::Registry;
