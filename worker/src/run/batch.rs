@@ -26,13 +26,13 @@ use super::manifest::Manifest;
 use super::segments::segment_digest;
 use super::{RunError, RunLocation};
 use crate::agent::{AgentConfig, run_conversation};
+use crate::contract::BatchSummary;
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row};
 use crate::distribution::Distribution;
 use crate::hermes::{
     RecordContext, openai_record, reasoning_stats, system_turn, timestamp, write_trajectory_record,
 };
 use crate::model::{ApiKey, ModelClient, ModelSettings};
-use crate::contract::BatchSummary;
 use crate::spec::RunSpec;
 use crate::storage::{AppendLog, RunDir, StorageError, read_whole_lines, write_atomic};
 use crate::tools::{Registry, Tool, ToolContext, ToolLimits, ToolSpec, Workspace};
@@ -145,7 +145,7 @@ impl Shutdown {
 
 /// The outcome of one (prompt, sample), for progress displays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum ConversationOutcome {
     Succeeded,
     Discarded,
     Failed,
@@ -158,7 +158,7 @@ pub enum Progress {
     /// when there are any), so a display need not read the batch files itself.
     Resumed(u64),
     /// One (prompt, sample) has its record on the way to storage.
-    Finished(Outcome),
+    Finished(ConversationOutcome),
 }
 
 /// The fields of a record line that bookkeeping needs.
@@ -301,9 +301,9 @@ pub async fn run_batch(
                 openai,
             }) => {
                 match outcome {
-                    Outcome::Succeeded => summary.succeeded += 1,
-                    Outcome::Discarded => summary.discarded += 1,
-                    Outcome::Failed => summary.failed += 1,
+                    ConversationOutcome::Succeeded => summary.succeeded += 1,
+                    ConversationOutcome::Discarded => summary.discarded += 1,
+                    ConversationOutcome::Failed => summary.failed += 1,
                 }
                 if sender.send(Lines { main: line, openai }).is_err() {
                     // The writer stopped on an error, which it reports below; dropping the set
@@ -611,7 +611,7 @@ struct BatchContext {
 
 enum Item {
     Record {
-        outcome: Outcome,
+        outcome: ConversationOutcome,
         line: Vec<u8>,
         openai: Option<Vec<u8>>,
     },
@@ -736,7 +736,7 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
             "timestamp": timestamp(finished_at),
         });
         return Item::Record {
-            outcome: Outcome::Discarded,
+            outcome: ConversationOutcome::Discarded,
             line: crate::pyjson::to_string(&record).into_bytes(),
             openai: None,
         };
@@ -766,7 +766,7 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
         .unwrap_or_default()
     });
     Item::Record {
-        outcome: Outcome::Succeeded,
+        outcome: ConversationOutcome::Succeeded,
         line,
         openai,
     }
@@ -797,7 +797,7 @@ fn failed_item(
     record.insert("timestamp".into(), timestamp(finished_at).into());
     warn!(prompt_index, sample, class, "prompt failed");
     Item::Record {
-        outcome: Outcome::Failed,
+        outcome: ConversationOutcome::Failed,
         line: crate::pyjson::to_string(&Value::Object(record)).into_bytes(),
         openai: None,
     }
