@@ -16,7 +16,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 use tempfile::TempDir;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
@@ -25,12 +24,13 @@ use tracing::{Instrument, info, info_span, warn};
 use super::manifest::Manifest;
 use super::segments::segment_digest;
 use super::{RunError, RunLocation};
-use crate::agent::{AgentConfig, run_conversation};
+use crate::agent::{AgentConfig, Conversation, ConversationError, run_conversation};
 use crate::contract::BatchSummary;
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row};
 use crate::distribution::Distribution;
 use crate::hermes::{
-    RecordContext, openai_record, reasoning_stats, system_turn, timestamp, write_trajectory_record,
+    Failure, RecordContext, RecordIdentity, reasoning_stats, system_turn, timestamp,
+    write_discarded_record, write_failed_record, write_openai_record, write_trajectory_record,
 };
 use crate::model::{ApiKey, ModelClient, ModelSettings};
 use crate::spec::RunSpec;
@@ -587,10 +587,7 @@ impl Shared {
 
 /// Whether every tool the conversation ran leaves the workspace as it found it (a call of an
 /// unknown tool runs nothing).
-fn only_read_only_tools_ran(
-    conversation: &crate::agent::Conversation,
-    tools: &[Arc<dyn Tool>],
-) -> bool {
+fn only_read_only_tools_ran(conversation: &Conversation, tools: &[Arc<dyn Tool>]) -> bool {
     conversation.messages.iter().all(|message| match message {
         crate::model::Message::Assistant(assistant) => assistant.tool_calls.iter().all(|call| {
             tools
@@ -670,6 +667,12 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     let row =
         &shared.rows[usize::try_from(prompt_index - shared.first_prompt).unwrap_or(usize::MAX)];
     let id = format!("{}-{prompt_index}-{sample}", context.id_prefix);
+    let identity = RecordIdentity {
+        id: &id,
+        prompt_index,
+        sample,
+        batch: context.batch,
+    };
     let offered = shared.offered(
         &engine
             .distribution
@@ -679,35 +682,17 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     let (dir, workspace) = match shared.workspace(prompt_index, sample).await {
         Ok(pair) => pair,
         Err(err) => {
-            return failed_item(
-                context,
-                &id,
-                prompt_index,
-                sample,
-                "workspace",
-                &format!("cannot create a workspace: {err}"),
-                started_at,
-            );
+            let message = format!("cannot create a workspace: {err}");
+            let failure = Failure {
+                class: "workspace",
+                message: &message,
+            };
+            return failed_item(&identity, failure, started_at);
         }
     };
-    let tool_context = ToolContext {
-        workspace,
-        limits: engine.limits.clone(),
-    };
-    let span = info_span!("conversation", prompt_index, sample);
-    let result = run_conversation(
-        &engine.client,
-        &offered.tools,
-        &tool_context,
-        &row.prompt,
-        &engine.agent,
-    )
-    .instrument(span)
-    .await;
-    let untouched = result
-        .as_ref()
-        .is_ok_and(|conversation| only_read_only_tools_ran(conversation, &offered.tools));
-    shared.release_workspace(dir, tool_context.workspace, untouched);
+    let result = converse(shared, &offered, &row.prompt, dir, workspace)
+        .instrument(info_span!("conversation", prompt_index, sample))
+        .await;
     let finished_at = chrono::Utc::now();
     let conversation = match result {
         Ok(conversation) => conversation,
@@ -718,52 +703,100 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
             return Item::Stop(RunError::ModelUnavailable(error.to_string()));
         }
         Err(error) => {
-            return failed_item(
-                context,
-                &id,
-                prompt_index,
-                sample,
-                error.class(),
-                &error.to_string(),
-                started_at,
-            );
+            let message = error.to_string();
+            let failure = Failure {
+                class: error.class(),
+                message: &message,
+            };
+            return failed_item(&identity, failure, started_at);
         }
     };
     if engine.require_reasoning && !reasoning_stats(&conversation.messages).has_any_reasoning() {
-        let record = serde_json::json!({
-            "prompt_index": prompt_index, "sample": sample, "id": id, "status": "discarded",
-            "filter": "require_reasoning", "batch_num": context.batch, "api_calls": conversation.api_calls,
-            "timestamp": timestamp(finished_at),
-        });
+        let mut line = Vec::new();
+        write_discarded_record(
+            &mut line,
+            &identity,
+            "require_reasoning",
+            conversation.api_calls,
+            finished_at,
+        );
         return Item::Record {
             outcome: ConversationOutcome::Discarded,
-            line: crate::pyjson::to_string(&record).into_bytes(),
+            line,
             openai: None,
         };
     }
+    trajectory_item(
+        shared,
+        &identity,
+        &offered,
+        row,
+        &conversation,
+        started_at,
+        finished_at,
+    )
+}
+
+/// Runs the conversation in its workspace, then keeps, reuses or removes the workspace.
+async fn converse(
+    shared: &Shared,
+    offered: &Offered,
+    prompt: &str,
+    dir: TempDir,
+    workspace: Workspace,
+) -> Result<Conversation, ConversationError> {
+    let engine = &shared.engine;
+    let tool_context = ToolContext {
+        workspace,
+        limits: engine.limits.clone(),
+    };
+    let result = run_conversation(
+        &engine.client,
+        &offered.tools,
+        &tool_context,
+        prompt,
+        &engine.agent,
+    )
+    .await;
+    let untouched = result
+        .as_ref()
+        .is_ok_and(|conversation| only_read_only_tools_ran(conversation, &offered.tools));
+    shared.release_workspace(dir, tool_context.workspace, untouched);
+    result
+}
+
+/// The trajectory record of a finished conversation (and its `OpenAI`-format twin, if the run
+/// asks for one).
+fn trajectory_item(
+    shared: &Shared,
+    identity: &RecordIdentity<'_>,
+    offered: &Offered,
+    row: &Row,
+    conversation: &Conversation,
+    started_at: chrono::DateTime<chrono::Utc>,
+    finished_at: chrono::DateTime<chrono::Utc>,
+) -> Item {
     let record_context = RecordContext {
-        id: &id,
-        prompt_index,
-        sample,
-        batch: context.batch,
-        model: &context.model,
+        id: identity.id,
+        prompt_index: identity.prompt_index,
+        sample: identity.sample,
+        batch: identity.batch,
+        model: &shared.context.model,
         toolsets_used: &offered.toolsets,
         tools_offered: &offered.specs,
         system_turn: Some(&offered.system_turn),
-        catalog: &context.catalog,
+        catalog: &shared.context.catalog,
         started_at,
         finished_at,
         source: &row.source,
     };
     // Sized for a typical record at once: growing a buffer of kilobytes step by step is costly.
     let mut line = Vec::with_capacity(16 * 1024);
-    write_trajectory_record(&mut line, &conversation, &record_context);
-    let openai = engine.openai_format.then(|| {
-        serde_json::to_vec(&Value::Object(openai_record(
-            &conversation,
-            &record_context,
-        )))
-        .unwrap_or_default()
+    write_trajectory_record(&mut line, conversation, &record_context);
+    let openai = shared.engine.openai_format.then(|| {
+        let mut openai = Vec::new();
+        write_openai_record(&mut openai, conversation, &record_context);
+        openai
     });
     Item::Record {
         outcome: ConversationOutcome::Succeeded,
@@ -772,33 +805,19 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     }
 }
 
+/// The failed record of a (prompt, sample) that started at `started_at`.
 fn failed_item(
-    context: &BatchContext,
-    id: &str,
-    prompt_index: u64,
-    sample: u32,
-    class: &str,
-    message: &str,
+    identity: &RecordIdentity<'_>,
+    failure: Failure<'_>,
     started_at: chrono::DateTime<chrono::Utc>,
 ) -> Item {
-    let finished_at = chrono::Utc::now();
-    let mut record = Map::new();
-    record.insert("prompt_index".into(), prompt_index.into());
-    record.insert("sample".into(), sample.into());
-    record.insert("id".into(), id.into());
-    record.insert("status".into(), "failed".into());
-    record.insert("error_class".into(), class.into());
-    record.insert("error".into(), message.into());
-    record.insert("batch_num".into(), context.batch.into());
-    record.insert(
-        "duration_ms".into(),
-        (finished_at - started_at).num_milliseconds().max(0).into(),
-    );
-    record.insert("timestamp".into(), timestamp(finished_at).into());
+    let mut line = Vec::new();
+    write_failed_record(&mut line, identity, failure, started_at, chrono::Utc::now());
+    let (prompt_index, sample, class) = (identity.prompt_index, identity.sample, failure.class);
     warn!(prompt_index, sample, class, "prompt failed");
     Item::Record {
         outcome: ConversationOutcome::Failed,
-        line: crate::pyjson::to_string(&Value::Object(record)).into_bytes(),
+        line,
         openai: None,
     }
 }
