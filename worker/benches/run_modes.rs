@@ -54,6 +54,9 @@ use nix::sys::resource::{Resource, UsageWho, getrlimit, getrusage, setrlimit};
 use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
+use trajectory_testkit::scripted_server::{
+    FixedLatency, MODEL, ScriptedServer, text_reply, tool_call_reply,
+};
 use trajectory_worker::agent::{Conversation, run_conversation};
 use trajectory_worker::hermes::{RecordContext, timestamp, trajectory_record};
 use trajectory_worker::model::types::{parse_arguments, tool_call};
@@ -62,9 +65,6 @@ use trajectory_worker::model::{
 };
 use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::{RunFile, RunLocation, merge, plan};
-use trajectory_worker::scripted_server::{
-    FixedLatency, MODEL, ScriptedServer, text_reply, tool_call_reply,
-};
 use trajectory_worker::spec::ToolsSpec;
 use trajectory_worker::tools::{Registry, Tool, ToolContext, Workspace};
 

@@ -36,8 +36,6 @@ pub mod model;
 pub mod pyjson;
 #[cfg(feature = "engine")]
 pub mod run;
-#[cfg(feature = "scripted-server")]
-pub mod scripted_server;
 #[cfg(feature = "engine")]
 pub mod storage;
 #[cfg(feature = "engine")]
