@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tempfile::TempDir;
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 use tracing::{Instrument, info, info_span, warn};
 
 use super::manifest::Manifest;
@@ -182,7 +182,9 @@ struct DoneMarker {
     finished_at: String,
 }
 
-/// Runs one batch to completion (or until shutdown or a permanent error).
+/// Runs one batch to completion (or until shutdown or a permanent error): reads its rows, finds
+/// the records an earlier run left, runs every (prompt, sample) without one while a single writer
+/// appends their records, then marks the batch done.
 #[tracing::instrument(name = "batch", skip_all, fields(run = %location.plan.name, batch))]
 pub async fn run_batch(
     engine: &Engine,
@@ -199,24 +201,14 @@ pub async fn run_batch(
             manifest.batch_count()
         )));
     };
-    if let Ok(bytes) = std::fs::read(run_dir.batch_done(batch))
-        && let Ok(marker) = serde_json::from_slice::<DoneMarker>(&bytes)
-    {
+    if let Some(summary) = done_summary(&run_dir, batch) {
         info!("batch already done");
-        return Ok(BatchSummary {
-            batch,
-            succeeded: marker.succeeded,
-            discarded: marker.discarded,
-            failed: marker.failed,
-            resumed: marker.succeeded + marker.discarded + marker.failed,
-            stopped: None,
-        });
+        return Ok(summary);
     }
     let first_prompt = manifest.first_prompt(batch);
     let rows = read_batch_rows(location, manifest, batch, layout)?;
 
-    let records_path = run_dir.batch_records(batch);
-    let main_log = AppendLog::open(&records_path)?;
+    let main_log = AppendLog::open(&run_dir.batch_records(batch))?;
     let (existing, mut summary) = existing_records(&run_dir, batch)?;
     summary.resumed = summary.succeeded + summary.discarded + summary.failed;
     if summary.resumed > 0 {
@@ -227,137 +219,36 @@ pub async fn run_batch(
     } else {
         None
     };
-
-    let items: Vec<(u64, u32)> = (0..rows.len() as u64)
-        .flat_map(|offset| {
-            (0..engine.samples_per_prompt).map(move |sample| (first_prompt + offset, sample))
-        })
-        .filter(|key| !existing.contains(key))
-        .collect();
+    let pending = pending_items(
+        rows.len(),
+        first_prompt,
+        engine.samples_per_prompt,
+        &existing,
+    );
     info!(
-        pending = items.len(),
+        pending = pending.len(),
         resumed = summary.resumed,
         "starting batch"
     );
 
-    let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
-    let writer = tokio::task::spawn_blocking(move || write_lines(receiver, main_log, openai_log));
-    let mut permanent: Option<RunError> = None;
-    // Each conversation is a task of its own, so that conversations (and rendering their records)
-    // use every core; they share one copy of what they read.
-    let shared = Arc::new(Shared {
-        engine: engine.clone(),
-        rows,
-        first_prompt,
-        offered: Mutex::default(),
-        idle_workspaces: Mutex::default(),
-        draining: AtomicBool::new(false),
-        removals: Mutex::default(),
-        context: BatchContext {
-            id_prefix: manifest
-                .spec_hash
-                .trim_start_matches("blake3:")
-                .chars()
-                .take(12)
-                .collect(),
-            batch,
-            catalog: manifest.tool_catalog.clone(),
-            model: location.plan.spec.model.name.clone(),
-        },
-    });
-    let mut items = items.into_iter();
-    let mut running = JoinSet::new();
-    let mut stopping = false;
-    loop {
-        while !stopping && running.len() < engine.concurrency.max(1) {
-            if shutdown.is_triggered() {
-                break;
-            }
-            let Some((prompt_index, sample)) = items.next() else {
-                // No conversation will start any more: idle workspaces can go now, during the
-                // batch's tail, rather than all at its end.
-                shared.stop_reusing_workspaces();
-                break;
-            };
-            let (shared, shutdown) = (Arc::clone(&shared), shutdown.clone());
-            running.spawn(async move {
-                let work = run_item(&shared, prompt_index, sample);
-                tokio::select! {
-                    result = work => Some(result),
-                    () = async { shutdown.wait().await; tokio::time::sleep(shared.engine.grace).await } => None,
-                }
-            });
-        }
-        let Some(joined) = running.join_next().await else {
-            break;
-        };
-        let result =
-            joined.map_err(|err| RunError::Internal(format!("a conversation panicked: {err}")))?;
-        match result {
-            None => {}
-            Some(Item::Record {
-                outcome,
-                line,
-                openai,
-            }) => {
-                match outcome {
-                    ConversationOutcome::Succeeded => summary.succeeded += 1,
-                    ConversationOutcome::Discarded => summary.discarded += 1,
-                    ConversationOutcome::Failed => summary.failed += 1,
-                }
-                if sender.send(Lines { main: line, openai }).is_err() {
-                    // The writer stopped on an error, which it reports below; dropping the set
-                    // abandons the conversations in flight.
-                    break;
-                }
-                progress(Progress::Finished(outcome));
-            }
-            Some(Item::Stop(error)) => {
-                stopping = true;
-                // A configuration error outranks an unreachable server.
-                if permanent
-                    .as_ref()
-                    .is_none_or(|first| matches!(first, RunError::ModelUnavailable(_)))
-                {
-                    permanent = Some(error);
-                }
-            }
-        }
-    }
-    drop(sender);
-    drop(running);
+    let (lines, writer) = spawn_writer(main_log, openai_log);
+    let context = BatchContext::new(location, manifest, batch);
+    let shared = Arc::new(Shared::new(engine, rows, first_prompt, context));
+    let stop = run_pending(&shared, pending, shutdown, lines, &mut summary, progress).await?;
     shared.stop_reusing_workspaces();
     let mut removals = std::mem::take(&mut *lock(&shared.removals));
     writer
         .await
         .map_err(|err| RunError::Internal(format!("record writer panicked: {err}")))??;
 
-    if let Some(error) = permanent {
+    if let Some(error) = stop {
         return Err(error);
     }
     if shutdown.is_triggered() {
         return Err(RunError::Interrupted);
     }
-    // The writer stopped without an error, so every line it was sent is on storage: the records
-    // found there at the start and those counted as they were sent are what storage holds (no
-    // need to read the file again).
-    let marker = DoneMarker {
-        batch,
-        succeeded: summary.succeeded,
-        discarded: summary.discarded,
-        failed: summary.failed,
-        finished_at: timestamp(chrono::Utc::now()),
-    };
     let expected = shared.rows.len() as u64 * u64::from(engine.samples_per_prompt);
-    let recorded = marker.succeeded + marker.discarded + marker.failed;
-    if recorded < expected {
-        return Err(RunError::Internal(format!(
-            "batch {batch} has {recorded} records of {expected} after its run"
-        )));
-    }
-    let marker_json =
-        serde_json::to_vec(&marker).map_err(|err| RunError::Internal(err.to_string()))?;
-    write_atomic(&run_dir.batch_done(batch), &marker_json)?;
+    let marker = write_done_marker(&run_dir, batch, &summary, expected)?;
     // The batch leaves no workspace behind (most were removed while it ran).
     while removals.join_next().await.is_some() {}
     info!(
@@ -374,6 +265,163 @@ pub async fn run_batch(
         resumed: summary.resumed,
         stopped: None,
     })
+}
+
+/// What the batch's `.done` marker records, if it has one (an unreadable marker counts as none:
+/// the batch runs again, resuming from its records).
+fn done_summary(run_dir: &RunDir, batch: u32) -> Option<BatchSummary> {
+    let bytes = std::fs::read(run_dir.batch_done(batch)).ok()?;
+    let marker = serde_json::from_slice::<DoneMarker>(&bytes).ok()?;
+    Some(BatchSummary {
+        batch,
+        succeeded: marker.succeeded,
+        discarded: marker.discarded,
+        failed: marker.failed,
+        resumed: marker.succeeded + marker.discarded + marker.failed,
+        stopped: None,
+    })
+}
+
+/// The batch's (prompt, sample)s without a record on storage, in dataset order.
+fn pending_items(
+    prompts: usize,
+    first_prompt: u64,
+    samples_per_prompt: u32,
+    existing: &HashSet<(u64, u32)>,
+) -> Vec<(u64, u32)> {
+    (0..prompts as u64)
+        .flat_map(|offset| {
+            (0..samples_per_prompt).map(move |sample| (first_prompt + offset, sample))
+        })
+        .filter(|key| !existing.contains(key))
+        .collect()
+}
+
+/// Starts the single writer of the batch's files on the blocking pool; it stops when the sender
+/// is dropped, or at its first error.
+fn spawn_writer(
+    main: AppendLog,
+    openai: Option<AppendLog>,
+) -> (
+    mpsc::UnboundedSender<Lines>,
+    JoinHandle<Result<(), RunError>>,
+) {
+    let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
+    let writer = tokio::task::spawn_blocking(move || write_lines(receiver, main, openai));
+    (sender, writer)
+}
+
+/// Runs the pending (prompt, sample)s, `concurrency` at a time, and sends each record to the
+/// writer. After a shutdown request, or an error that no other prompt can get past, it starts no
+/// more; it returns that error (a configuration error outranks an unreachable server).
+async fn run_pending(
+    shared: &Arc<Shared>,
+    pending: Vec<(u64, u32)>,
+    shutdown: &Shutdown,
+    lines: mpsc::UnboundedSender<Lines>,
+    summary: &mut BatchSummary,
+    progress: &(dyn Fn(Progress) + Send + Sync),
+) -> Result<Option<RunError>, RunError> {
+    let mut pending = pending.into_iter();
+    let mut running = JoinSet::new();
+    let mut stop: Option<RunError> = None;
+    loop {
+        while stop.is_none() && running.len() < shared.engine.concurrency.max(1) {
+            if shutdown.is_triggered() {
+                break;
+            }
+            let Some((prompt_index, sample)) = pending.next() else {
+                // No conversation will start any more: idle workspaces can go now, during the
+                // batch's tail, rather than all at its end.
+                shared.stop_reusing_workspaces();
+                break;
+            };
+            spawn_item(&mut running, shared, shutdown, prompt_index, sample);
+        }
+        let Some(joined) = running.join_next().await else {
+            break;
+        };
+        let result =
+            joined.map_err(|err| RunError::Internal(format!("a conversation panicked: {err}")))?;
+        match result {
+            Some(Item::Record {
+                outcome,
+                line,
+                openai,
+            }) => {
+                match outcome {
+                    ConversationOutcome::Succeeded => summary.succeeded += 1,
+                    ConversationOutcome::Discarded => summary.discarded += 1,
+                    ConversationOutcome::Failed => summary.failed += 1,
+                }
+                if lines.send(Lines { main: line, openai }).is_err() {
+                    // The writer stopped on an error, which it reports to the batch; dropping the
+                    // set abandons the conversations in flight.
+                    break;
+                }
+                progress(Progress::Finished(outcome));
+            }
+            // A configuration error outranks an unreachable server.
+            Some(Item::Stop(error))
+                if stop
+                    .as_ref()
+                    .is_none_or(|first| matches!(first, RunError::ModelUnavailable(_))) =>
+            {
+                stop = Some(error);
+            }
+            // A shutdown dropped the conversation, or a weightier stop came first.
+            None | Some(Item::Stop(_)) => {}
+        }
+    }
+    Ok(stop)
+}
+
+/// Starts one (prompt, sample) as a task of its own, so that conversations (and rendering their
+/// records) use every core. After a shutdown request it gets the engine's grace period to
+/// finish, then ends without a record (`None`).
+fn spawn_item(
+    running: &mut JoinSet<Option<Item>>,
+    shared: &Arc<Shared>,
+    shutdown: &Shutdown,
+    prompt_index: u64,
+    sample: u32,
+) {
+    let (shared, shutdown) = (Arc::clone(shared), shutdown.clone());
+    running.spawn(async move {
+        let work = run_item(&shared, prompt_index, sample);
+        tokio::select! {
+            result = work => Some(result),
+            () = async { shutdown.wait().await; tokio::time::sleep(shared.engine.grace).await } => None,
+        }
+    });
+}
+
+/// Writes the `.done` marker of a batch whose writer stopped without an error. Every line it was
+/// sent is then on storage: the records found there at the start and those counted as they were
+/// sent are what storage holds (no need to read the file again); fewer than `expected` is a bug.
+fn write_done_marker(
+    run_dir: &RunDir,
+    batch: u32,
+    summary: &BatchSummary,
+    expected: u64,
+) -> Result<DoneMarker, RunError> {
+    let marker = DoneMarker {
+        batch,
+        succeeded: summary.succeeded,
+        discarded: summary.discarded,
+        failed: summary.failed,
+        finished_at: timestamp(chrono::Utc::now()),
+    };
+    let recorded = marker.succeeded + marker.discarded + marker.failed;
+    if recorded < expected {
+        return Err(RunError::Internal(format!(
+            "batch {batch} has {recorded} records of {expected} after its run"
+        )));
+    }
+    let marker_json =
+        serde_json::to_vec(&marker).map_err(|err| RunError::Internal(err.to_string()))?;
+    write_atomic(&run_dir.batch_done(batch), &marker_json)?;
+    Ok(marker)
 }
 
 /// Reads the batch's rows from its byte range, after checking the dataset segments the range
@@ -514,6 +562,20 @@ struct Offered {
 }
 
 impl Shared {
+    /// One copy, for all the batch's conversation tasks, of what they read.
+    fn new(engine: &Engine, rows: Vec<Row>, first_prompt: u64, context: BatchContext) -> Self {
+        Self {
+            engine: engine.clone(),
+            rows,
+            first_prompt,
+            offered: Mutex::default(),
+            idle_workspaces: Mutex::default(),
+            draining: AtomicBool::new(false),
+            removals: Mutex::default(),
+            context,
+        }
+    }
+
     fn offered(&self, toolsets: &[String]) -> Arc<Offered> {
         let mut known = lock(&self.offered);
         if let Some(offered) = known.get(toolsets) {
@@ -599,11 +661,28 @@ fn only_read_only_tools_ran(conversation: &Conversation, tools: &[Arc<dyn Tool>]
     })
 }
 
+/// What every record of the batch repeats.
 struct BatchContext {
     id_prefix: String,
     batch: u32,
     catalog: Vec<String>,
     model: String,
+}
+
+impl BatchContext {
+    fn new(location: &RunLocation, manifest: &Manifest, batch: u32) -> Self {
+        Self {
+            id_prefix: manifest
+                .spec_hash
+                .trim_start_matches("blake3:")
+                .chars()
+                .take(12)
+                .collect(),
+            batch,
+            catalog: manifest.tool_catalog.clone(),
+            model: location.plan.spec.model.name.clone(),
+        }
+    }
 }
 
 enum Item {
