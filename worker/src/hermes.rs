@@ -190,8 +190,9 @@ pub fn is_tool_failure(content: &str) -> bool {
     }
 }
 
-/// Per-tool call counts of one conversation.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Per-tool call counts of one conversation (serialised as the record's `tool_stats` entries:
+/// field names and order are their keys).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ToolCounts {
     pub count: u64,
     pub success: u64,
@@ -371,36 +372,34 @@ impl<K: Serialize, V: Serialize, I: Iterator<Item = (K, V)>> Serialize for MapOf
     }
 }
 
+// The trajectory record's nested objects; field names and their order are the record's keys.
+
+#[derive(serde::Serialize)]
+struct Metadata<'a> {
+    batch_num: u32,
+    timestamp: String,
+    model: &'a str,
+}
+
+#[allow(clippy::struct_field_names)]
+#[derive(serde::Serialize)]
+struct TokenUsage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    reasoning_tokens: u64,
+    total_tokens: u64,
+}
+
+#[allow(clippy::struct_field_names)]
+#[derive(serde::Serialize)]
+struct Reasoning {
+    total_assistant_turns: u64,
+    turns_with_reasoning: u64,
+    turns_without_reasoning: u64,
+}
+
 impl Serialize for TrajectoryRecord<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        #[derive(serde::Serialize)]
-        struct Metadata<'a> {
-            batch_num: u32,
-            timestamp: String,
-            model: &'a str,
-        }
-        #[derive(serde::Serialize)]
-        struct Counts {
-            count: u64,
-            success: u64,
-            failure: u64,
-        }
-        // Field names are the record's keys.
-        #[allow(clippy::struct_field_names)]
-        #[derive(serde::Serialize)]
-        struct TokenUsage {
-            prompt_tokens: u64,
-            completion_tokens: u64,
-            reasoning_tokens: u64,
-            total_tokens: u64,
-        }
-        #[allow(clippy::struct_field_names)]
-        #[derive(serde::Serialize)]
-        struct Reasoning {
-            total_assistant_turns: u64,
-            turns_with_reasoning: u64,
-            turns_without_reasoning: u64,
-        }
         let (conversation, context) = (self.conversation, self.context);
         let duration_ms = duration_ms(context.started_at, context.finished_at);
         let usage = conversation.usage;
@@ -421,16 +420,7 @@ impl Serialize for TrajectoryRecord<'_> {
         record.serialize_entry("toolsets_used", context.toolsets_used)?;
         record.serialize_entry(
             "tool_stats",
-            &MapOf::new(self.stats.iter().map(|(name, counts)| {
-                (
-                    name,
-                    Counts {
-                        count: counts.count,
-                        success: counts.success,
-                        failure: counts.failure,
-                    },
-                )
-            })),
+            &MapOf::new(self.stats.iter().map(|(name, counts)| (name, counts))),
         )?;
         record.serialize_entry(
             "tool_error_counts",
