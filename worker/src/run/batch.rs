@@ -2,10 +2,11 @@
 //!
 //! The batch's lines are read from their byte range in the dataset (checked against the plan's
 //! digest), every (prompt, sample) without a record is run with `concurrency` conversations in
-//! flight, and each finished conversation becomes one record line: a trajectory, a discarded
-//! record or a failed record. A single writer appends lines whole and fsyncs them (grouping the
-//! lines that arrive within a short commit interval). When every (prompt, sample) has a record, the `.done` marker is
-//! written atomically. A killed batch loses at most its in-flight conversations.
+//! flight, and each finished conversation becomes one record line, rendered by [`crate::hermes`]:
+//! a trajectory, a discarded record or a failed record. A single writer appends lines whole and
+//! fsyncs them (grouping the lines that arrive within a short commit interval). When every
+//! (prompt, sample) has a record, the `.done` marker is written atomically. A killed batch loses
+//! at most its in-flight conversations.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
