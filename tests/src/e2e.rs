@@ -27,13 +27,13 @@ use trajectory_operator::controller;
 use trajectory_operator::reconcile::Context;
 use trajectory_operator::reconcile::children::{CONTAINER, labels};
 use trajectory_operator::settings::Settings;
+use trajectory_testkit::scripted_server::{
+    FixedLatency, ScriptedServer, text_reply, tool_call_reply,
+};
 use trajectory_worker::contract::{exit, paths, termination_message};
 use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunLocation, load_plan, merge, plan};
-use trajectory_worker::scripted_server::{
-    FixedLatency, ScriptedServer, text_reply, tool_call_reply,
-};
 use trajectory_worker::spec::RunSpec;
 
 use crate::unique_name;

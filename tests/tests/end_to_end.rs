@@ -462,7 +462,7 @@ async fn kubectl_wait(namespace: &str, object: &str, wait_for: &str) {
 struct Setup {
     client: kube::Client,
     namespace: TestNamespace,
-    model: trajectory_worker::scripted_server::ScriptedServer,
+    model: trajectory_testkit::scripted_server::ScriptedServer,
     scratch: Scratch,
     runs: Api<TrajectoryRun>,
 }

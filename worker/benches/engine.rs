@@ -32,9 +32,9 @@ use nix::sys::resource::{Resource, UsageWho, getrlimit, getrusage, setrlimit};
 use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
+use trajectory_testkit::scripted_server::{FixedLatency, MODEL, ScriptedServer};
 use trajectory_worker::agent::{AgentConfig, run_conversation};
 use trajectory_worker::model::{ModelClient, ModelSettings, RetryPolicy};
-use trajectory_worker::scripted_server::{FixedLatency, MODEL, ScriptedServer};
 use trajectory_worker::tools::{
     Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace,
 };

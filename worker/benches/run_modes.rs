@@ -54,6 +54,9 @@ use nix::sys::resource::{Resource, UsageWho, getrlimit, getrusage, setrlimit};
 use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
+use trajectory_testkit::scripted_server::{
+    FixedLatency, MODEL, ScriptedServer, text_reply, tool_call_reply,
+};
 use trajectory_worker::agent::{Conversation, run_conversation};
 use trajectory_worker::hermes::{RecordContext, timestamp, trajectory_record};
 use trajectory_worker::model::types::{parse_arguments, tool_call};
@@ -62,9 +65,6 @@ use trajectory_worker::model::{
 };
 use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::{RunFile, RunLocation, merge, plan};
-use trajectory_worker::scripted_server::{
-    FixedLatency, MODEL, ScriptedServer, text_reply, tool_call_reply,
-};
 use trajectory_worker::spec::ToolsSpec;
 use trajectory_worker::tools::{Registry, Tool, ToolContext, Workspace};
 
@@ -662,14 +662,12 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
 // ---------------------------------------------------------------------------------------------
 // plan
 
-fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
-    fs::create_dir_all(dir.join("datasets"))?;
-    let dataset_path = dir.join("datasets/prompts.jsonl");
+/// A synthetic dataset of at least `target_bytes`, rows of about 1 kB; returns its bytes and rows.
+fn write_plan_dataset(path: &Path, target_bytes: u64) -> anyhow::Result<(u64, u64)> {
     let mut rng = Rng(0x0123_4567_89ab_cdef);
-    let mut dataset = BufWriter::new(File::create(&dataset_path)?);
+    let mut dataset = BufWriter::new(File::create(path)?);
     let (mut bytes, mut rows) = (0u64, 0u64);
-    let generating = Instant::now();
-    while bytes < knobs.plan_bytes {
+    while bytes < target_bytes {
         let length = 700 + rng.below(300);
         let row = json!({
             "id": format!("q-{rows:09}"),
@@ -686,6 +684,14 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         rows += 1;
     }
     dataset.into_inner()?.sync_all()?;
+    Ok((bytes, rows))
+}
+
+fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
+    fs::create_dir_all(dir.join("datasets"))?;
+    let dataset_path = dir.join("datasets/prompts.jsonl");
+    let generating = Instant::now();
+    let (bytes, rows) = write_plan_dataset(&dataset_path, knobs.plan_bytes)?;
     // The default batch size (10): the most batches, so the biggest manifest.
     write_run_file(
         dir,
@@ -761,20 +767,7 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
     );
 
     let (warm_plan, warm_wc) = (median(&warm.0), median(&warm.1));
-    println!("\n| page cache | plan s | wc -l s | plan ÷ wc -l | runs (plan; wc -l) |");
-    println!("|---|---:|---:|---:|---|");
-    for (label, times) in [("warm", Some(warm)), ("cold", cold_times)] {
-        let Some((plans, wcs)) = times else { continue };
-        let (p, w) = (median(&plans), median(&wcs));
-        println!(
-            "| {label} | {} | {} | **{:.2}** | {}; {} |",
-            seconds(p),
-            seconds(w),
-            p.as_secs_f64() / w.as_secs_f64(),
-            list(&plans),
-            list(&wcs),
-        );
-    }
+    print_plan_table(warm, cold_times);
     println!(
         "plan peak RSS (/usr/bin/time -v, max over runs): **{:.1} MiB**; plan throughput warm {:.0} MiB/s",
         rss_kib.iter().copied().max().unwrap_or(0) as f64 / 1024.0,
@@ -789,9 +782,39 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         median_cpu(&mut plan_cpu),
         median_cpu(&mut wc_cpu)
     );
+    print_digest_floor(&dataset_path, knobs.repeats, warm_wc)?;
+    println!("targets: plan ÷ wc -l ≤ 2, peak RSS < 50 MB");
+    Ok(())
+}
+
+/// The plan table: median times of plan and `wc -l` with a warm page cache, and a cold one if
+/// measured.
+fn print_plan_table(
+    warm: (Vec<Duration>, Vec<Duration>),
+    cold: Option<(Vec<Duration>, Vec<Duration>)>,
+) {
+    println!("\n| page cache | plan s | wc -l s | plan ÷ wc -l | runs (plan; wc -l) |");
+    println!("|---|---:|---:|---:|---|");
+    for (label, times) in [("warm", Some(warm)), ("cold", cold)] {
+        let Some((plans, wcs)) = times else { continue };
+        let (p, w) = (median(&plans), median(&wcs));
+        println!(
+            "| {label} | {} | {} | **{:.2}** | {}; {} |",
+            seconds(p),
+            seconds(w),
+            p.as_secs_f64() / w.as_secs_f64(),
+            list(&plans),
+            list(&wcs),
+        );
+    }
+}
+
+/// What any plan costs besides checking JSON ([`digest_floor`], median of `repeats` runs),
+/// against `wc -l` with a warm page cache.
+fn print_digest_floor(path: &Path, repeats: usize, warm_wc: Duration) -> anyhow::Result<()> {
     let floor = median(
-        &(0..knobs.repeats)
-            .map(|_| digest_floor(&dataset_path))
+        &(0..repeats)
+            .map(|_| digest_floor(path))
             .collect::<std::io::Result<Vec<_>>>()?,
     );
     println!(
@@ -801,7 +824,6 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         floor.as_secs_f64() / warm_wc.as_secs_f64(),
         floor.as_secs_f64() / 2.0 / warm_wc.as_secs_f64(),
     );
-    println!("targets: plan ÷ wc -l ≤ 2, peak RSS < 50 MB");
     Ok(())
 }
 
@@ -871,23 +893,9 @@ impl PathRun {
     }
 }
 
-fn local_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
-    let (concurrency, prompts) = (knobs.concurrency, knobs.prompts);
-    ensure!(
-        concurrency >= 1 && prompts >= concurrency,
-        "needs PROMPTS >= CONCURRENCY >= 1"
-    );
-    raise_open_files_limit(concurrency)?;
-    fs::create_dir_all(dir.join("datasets"))?;
-    let texts: Vec<String> = (0..prompts)
-        .map(|index| format!("Benchmark prompt {index}: read the file, then answer."))
-        .collect();
-    let mut dataset = BufWriter::new(File::create(dir.join("datasets/prompts.jsonl"))?);
-    for (index, text) in texts.iter().enumerate() {
-        writeln!(dataset, "{}", json!({"prompt": text, "id": index}))?;
-    }
-    dataset.flush()?;
-
+/// The scripted server in fixed-latency mode in a child process (this bench re-executed), so
+/// that the client's CPU time is measured alone; returns the child and the base URL it printed.
+fn start_server_process() -> anyhow::Result<(std::process::Child, String)> {
     let mut server = Command::new(std::env::current_exe()?)
         .env(SERVER_ENV, "1")
         .stdin(Stdio::piped())
@@ -902,60 +910,12 @@ fn local_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
         base_url.starts_with("http://"),
         "the server printed {base_url:?}"
     );
+    Ok((server, base_url))
+}
 
-    let location = write_run_file(
-        dir,
-        &json!({
-            "dataset": {"path": "datasets/prompts.jsonl"},
-            "batchSize": prompts,
-            "workers": 1,
-            "concurrency": concurrency,
-            "distribution": {"file": 100},
-            "model": {"baseUrl": base_url, "name": MODEL, "maxAttempts": 3, "requestTimeoutSeconds": 60},
-            "agent": {"maxTurns": 10, "promptTimeoutSeconds": 120},
-            "storage": {"outputPath": "out"},
-        }),
-    )?;
-    let (manifest, _) = plan::plan(&location)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let engine = Arc::new(
-        runtime.block_on(async { Engine::new(&location.plan.spec, dir.join("workspaces")) })?,
-    );
-    let texts = Arc::new(texts);
-    let mut rounds = Vec::new();
-    for _ in 0..knobs.repeats {
-        let mut round = Vec::new();
-        for drive in [Drive::Spawned, Drive::OneTask] {
-            round.push(runtime.block_on(engine_path(
-                Arc::clone(&engine),
-                Arc::clone(&texts),
-                concurrency,
-                &dir.join("engine-workspace"),
-                drive,
-            ))?);
-        }
-        let _ = fs::remove_dir_all(location.run_dir().batches_dir());
-        let (finished, on_disk) = batch_path(&runtime, &engine, &location, &manifest, prompts)?;
-        round.extend([finished, on_disk]);
-        rounds.push(round);
-    }
-    drop(runtime);
-    drop(server.stdin.take());
-    server.wait()?;
-
-    let ideal = concurrency as f64 / (2.0 * knobs.latency.as_secs_f64());
-    println!(
-        "\n## local: one batch of {prompts} prompts, concurrency {concurrency}, latency {} ms × 2 calls \
-         (ideal {ideal:.0}/s); tool call: read_file of a missing file",
-        knobs.latency.as_millis()
-    );
-    println!(
-        "\nPer second over the whole run (in brackets: over the steady window from the {}-th to the {}-th):\n",
-        2 * concurrency,
-        prompts.saturating_sub(concurrency)
-    );
+/// The local table: each round's rates of the four paths (A, B: the engine; C, D: the batch),
+/// D against the others, and the client's CPU per conversation; then the median ratios.
+fn print_local_rounds(rounds: &[Vec<PathRun>], concurrency: usize) {
     println!(
         "| round | A: engine, spawned tasks (conv/s) | B: engine, one task (conv/s) | C: batch, conversations finished/s | D: batch, records on disk/s | D ÷ A | D ÷ B | D ÷ C | client CPU ms per conversation: A; B; D |"
     );
@@ -1012,6 +972,81 @@ fn local_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
         show(middle(&mut ratios[2])),
         show(middle(&mut ratios[5])),
     );
+}
+
+fn local_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
+    let (concurrency, prompts) = (knobs.concurrency, knobs.prompts);
+    ensure!(
+        concurrency >= 1 && prompts >= concurrency,
+        "needs PROMPTS >= CONCURRENCY >= 1"
+    );
+    raise_open_files_limit(concurrency)?;
+    fs::create_dir_all(dir.join("datasets"))?;
+    let texts: Vec<String> = (0..prompts)
+        .map(|index| format!("Benchmark prompt {index}: read the file, then answer."))
+        .collect();
+    let mut dataset = BufWriter::new(File::create(dir.join("datasets/prompts.jsonl"))?);
+    for (index, text) in texts.iter().enumerate() {
+        writeln!(dataset, "{}", json!({"prompt": text, "id": index}))?;
+    }
+    dataset.flush()?;
+
+    let (mut server, base_url) = start_server_process()?;
+
+    let location = write_run_file(
+        dir,
+        &json!({
+            "dataset": {"path": "datasets/prompts.jsonl"},
+            "batchSize": prompts,
+            "workers": 1,
+            "concurrency": concurrency,
+            "distribution": {"file": 100},
+            "model": {"baseUrl": base_url, "name": MODEL, "maxAttempts": 3, "requestTimeoutSeconds": 60},
+            "agent": {"maxTurns": 10, "promptTimeoutSeconds": 120},
+            "storage": {"outputPath": "out"},
+        }),
+    )?;
+    let (manifest, _) = plan::plan(&location)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let engine = Arc::new(
+        runtime.block_on(async { Engine::new(&location.plan.spec, dir.join("workspaces")) })?,
+    );
+    let texts = Arc::new(texts);
+    let mut rounds = Vec::new();
+    for _ in 0..knobs.repeats {
+        let mut round = Vec::new();
+        for drive in [Drive::Spawned, Drive::OneTask] {
+            round.push(runtime.block_on(engine_path(
+                Arc::clone(&engine),
+                Arc::clone(&texts),
+                concurrency,
+                &dir.join("engine-workspace"),
+                drive,
+            ))?);
+        }
+        let _ = fs::remove_dir_all(location.run_dir().batches_dir());
+        let (finished, on_disk) = batch_path(&runtime, &engine, &location, &manifest, prompts)?;
+        round.extend([finished, on_disk]);
+        rounds.push(round);
+    }
+    drop(runtime);
+    drop(server.stdin.take());
+    server.wait()?;
+
+    let ideal = concurrency as f64 / (2.0 * knobs.latency.as_secs_f64());
+    println!(
+        "\n## local: one batch of {prompts} prompts, concurrency {concurrency}, latency {} ms × 2 calls \
+         (ideal {ideal:.0}/s); tool call: read_file of a missing file",
+        knobs.latency.as_millis()
+    );
+    println!(
+        "\nPer second over the whole run (in brackets: over the steady window from the {}-th to the {}-th):\n",
+        2 * concurrency,
+        prompts.saturating_sub(concurrency)
+    );
+    print_local_rounds(&rounds, concurrency);
     Ok(())
 }
 

@@ -290,13 +290,13 @@ fn read_some(reader: &mut impl io::Read, buffer: &mut [u8]) -> io::Result<usize>
 /// Why a dataset line was rejected.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
-    pub reason: Reason,
+    pub reason: RejectionReason,
     pub message: String,
 }
 
 /// Stable labels of rejections, written to `invalid.jsonl`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
+pub enum RejectionReason {
     EmptyLine,
     TooLong,
     InvalidUtf8,
@@ -307,7 +307,7 @@ pub enum Reason {
     EmptyPrompt,
 }
 
-impl Reason {
+impl RejectionReason {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::EmptyLine => "empty_line",
@@ -322,13 +322,13 @@ impl Reason {
     }
 }
 
-impl fmt::Display for Reason {
+impl fmt::Display for RejectionReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
 }
 
-fn reject(reason: Reason, message: impl Into<String>) -> Rejection {
+fn reject(reason: RejectionReason, message: impl Into<String>) -> Rejection {
     Rejection {
         reason,
         message: message.into(),
@@ -339,7 +339,7 @@ fn reject(reason: Reason, message: impl Into<String>) -> Rejection {
 fn frame_checks(line: &[u8], too_long: bool) -> Result<&str, Rejection> {
     if too_long {
         return Err(reject(
-            Reason::TooLong,
+            RejectionReason::TooLong,
             format!("line is longer than {MAX_LINE_BYTES} bytes"),
         ));
     }
@@ -348,13 +348,13 @@ fn frame_checks(line: &[u8], too_long: bool) -> Result<&str, Rejection> {
     let text = simdutf8::basic::from_utf8(line).or_else(|_| {
         std::str::from_utf8(line).map_err(|err| {
             reject(
-                Reason::InvalidUtf8,
+                RejectionReason::InvalidUtf8,
                 format!("invalid UTF-8 at byte {}", err.valid_up_to()),
             )
         })
     })?;
     if text.trim().is_empty() {
-        return Err(reject(Reason::EmptyLine, "empty line"));
+        return Err(reject(RejectionReason::EmptyLine, "empty line"));
     }
     Ok(text)
 }
@@ -378,9 +378,12 @@ pub fn probe(line: &[u8], too_long: bool, prompt_field: &str) -> Result<(), Reje
     .and_then(|found| deserializer.end().map(|()| found))
     .map_err(|err| {
         if err.is_data() {
-            reject(Reason::NotAnObject, "line is JSON but not an object")
+            reject(
+                RejectionReason::NotAnObject,
+                "line is JSON but not an object",
+            )
         } else {
-            reject(Reason::InvalidJson, format!("invalid JSON: {err}"))
+            reject(RejectionReason::InvalidJson, format!("invalid JSON: {err}"))
         }
     })?;
     found.into_result(prompt_field)?;
@@ -437,15 +440,15 @@ pub fn parse_row(line: &[u8], prompt_field: &str) -> Result<Row, Rejection> {
     let text = frame_checks(line, false)?;
     if text.len() > MAX_LINE_BYTES {
         return Err(reject(
-            Reason::TooLong,
+            RejectionReason::TooLong,
             format!("line is longer than {MAX_LINE_BYTES} bytes"),
         ));
     }
     let value: Value = serde_json::from_str(text)
-        .map_err(|err| reject(Reason::InvalidJson, format!("invalid JSON: {err}")))?;
+        .map_err(|err| reject(RejectionReason::InvalidJson, format!("invalid JSON: {err}")))?;
     let Value::Object(mut source) = value else {
         return Err(reject(
-            Reason::NotAnObject,
+            RejectionReason::NotAnObject,
             "line is JSON but not an object",
         ));
     };
@@ -514,17 +517,17 @@ impl<T: PromptText> Found<T> {
     fn into_result(self, field: &str) -> Result<Prompt<T>, Rejection> {
         match self {
             Self::Prompt(PromptValue::Text(text)) if text.is_blank() => Err(reject(
-                Reason::EmptyPrompt,
+                RejectionReason::EmptyPrompt,
                 format!("field {field:?} is an empty string"),
             )),
             Self::Prompt(PromptValue::Text(text)) => Ok(Prompt::Field(text)),
             Self::Chat(Some(text)) => Ok(Prompt::Chat(text)),
             Self::Prompt(PromptValue::Other(kind)) => Err(reject(
-                Reason::PromptNotString,
+                RejectionReason::PromptNotString,
                 format!("field {field:?} is {kind}, not a string"),
             )),
             Self::Chat(None) => Err(reject(
-                Reason::MissingPrompt,
+                RejectionReason::MissingPrompt,
                 format!("no {field:?} field and no user turn in \"conversations\" or \"messages\""),
             )),
         }
@@ -734,7 +737,7 @@ mod tests {
         }
     }
 
-    fn both(line: &[u8]) -> (Result<(), Reason>, Result<String, Reason>) {
+    fn both(line: &[u8]) -> (Result<(), RejectionReason>, Result<String, RejectionReason>) {
         (
             probe_line(line, &info(), "prompt").map_err(|r| r.reason),
             parse_row(line, "prompt")
@@ -781,27 +784,27 @@ mod tests {
 
     #[test]
     fn probe_and_parse_agree_on_every_kind_of_line() {
-        let cases: [(&[u8], Result<&str, Reason>); 20] = [
+        let cases: [(&[u8], Result<&str, RejectionReason>); 20] = [
             (br#"{"prompt": "hi", "id": 3}"#, Ok("hi")),
             (br#"{"prompt": "a\"b\u00e9\n", "x": [1, {"y": null}]}"#, Ok("a\"b\u{e9}\n")),
-            (br#"{"prompt": "\n\t "}"#, Err(Reason::EmptyPrompt)),
-            (br#"{"prompt": null}"#, Err(Reason::PromptNotString)),
-            (br#"{"prompt": true}"#, Err(Reason::PromptNotString)),
-            (br#"{"prompt": -1.5e3}"#, Err(Reason::PromptNotString)),
-            (br#"{"prompt": [1, {"a": "b"}]}"#, Err(Reason::PromptNotString)),
-            (br#"{"prompt": {"text": "x"}}"#, Err(Reason::PromptNotString)),
-            (br#"{"prompt": [1, }"#, Err(Reason::InvalidJson)),
+            (br#"{"prompt": "\n\t "}"#, Err(RejectionReason::EmptyPrompt)),
+            (br#"{"prompt": null}"#, Err(RejectionReason::PromptNotString)),
+            (br#"{"prompt": true}"#, Err(RejectionReason::PromptNotString)),
+            (br#"{"prompt": -1.5e3}"#, Err(RejectionReason::PromptNotString)),
+            (br#"{"prompt": [1, {"a": "b"}]}"#, Err(RejectionReason::PromptNotString)),
+            (br#"{"prompt": {"text": "x"}}"#, Err(RejectionReason::PromptNotString)),
+            (br#"{"prompt": [1, }"#, Err(RejectionReason::InvalidJson)),
             (br#"{"id": 3, "prompt": "h\u00e9"}"#, Ok("hé")),
             (br#"{"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}]}"#, Ok("q")),
             (br#"{"messages": [{"role": "user", "content": "m"}]}"#, Ok("m")),
-            (b"   ", Err(Reason::EmptyLine)),
-            (b"{\"prompt\": \"\xff\"}", Err(Reason::InvalidUtf8)),
-            (br#"{"prompt": "x""#, Err(Reason::InvalidJson)),
-            (br#"{"prompt": "x"} trailing"#, Err(Reason::InvalidJson)),
-            (br#"["prompt"]"#, Err(Reason::NotAnObject)),
-            (br#"{"text": "x"}"#, Err(Reason::MissingPrompt)),
-            (br#"{"prompt": 42}"#, Err(Reason::PromptNotString)),
-            (br#"{"prompt": "  "}"#, Err(Reason::EmptyPrompt)),
+            (b"   ", Err(RejectionReason::EmptyLine)),
+            (b"{\"prompt\": \"\xff\"}", Err(RejectionReason::InvalidUtf8)),
+            (br#"{"prompt": "x""#, Err(RejectionReason::InvalidJson)),
+            (br#"{"prompt": "x"} trailing"#, Err(RejectionReason::InvalidJson)),
+            (br#"["prompt"]"#, Err(RejectionReason::NotAnObject)),
+            (br#"{"text": "x"}"#, Err(RejectionReason::MissingPrompt)),
+            (br#"{"prompt": 42}"#, Err(RejectionReason::PromptNotString)),
+            (br#"{"prompt": "  "}"#, Err(RejectionReason::EmptyPrompt)),
         ];
         for (line, expected) in cases {
             let (probe, parse) = both(line);

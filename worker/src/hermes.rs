@@ -5,6 +5,10 @@
 //! `<tool_call>` and `<tool_response>` encodings follow the reference byte for byte (reference
 //! sections 7.2 and 11), with JSON written as Python writes it ([`crate::pyjson`]). Our additions
 //! come after the reference's keys.
+//!
+//! Every line a batch writes is rendered here: a trajectory ([`write_trajectory_record`], and its
+//! `OpenAI`-format twin [`write_openai_record`]), a discarded record
+//! ([`write_discarded_record`]) or a failed record ([`write_failed_record`]).
 
 use std::borrow::Cow;
 
@@ -186,8 +190,9 @@ pub fn is_tool_failure(content: &str) -> bool {
     }
 }
 
-/// Per-tool call counts of one conversation.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Per-tool call counts of one conversation (serialised as the record's `tool_stats` entries:
+/// field names and order are their keys).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ToolCounts {
     pub count: u64,
     pub success: u64,
@@ -297,6 +302,14 @@ pub fn timestamp(time: chrono::DateTime<chrono::Utc>) -> String {
     time.format("%Y-%m-%dT%H:%M:%S%.6fZ").to_string()
 }
 
+/// Milliseconds from `started_at` to `finished_at`; never negative, though the clock may step back.
+fn duration_ms(
+    started_at: chrono::DateTime<chrono::Utc>,
+    finished_at: chrono::DateTime<chrono::Utc>,
+) -> i64 {
+    (finished_at - started_at).num_milliseconds().max(0)
+}
+
 /// The full trajectory record, keys in the reference's order followed by ours.
 pub fn trajectory_record(
     conversation: &Conversation,
@@ -359,40 +372,36 @@ impl<K: Serialize, V: Serialize, I: Iterator<Item = (K, V)>> Serialize for MapOf
     }
 }
 
+// The trajectory record's nested objects; field names and their order are the record's keys.
+
+#[derive(serde::Serialize)]
+struct Metadata<'a> {
+    batch_num: u32,
+    timestamp: String,
+    model: &'a str,
+}
+
+#[allow(clippy::struct_field_names)]
+#[derive(serde::Serialize)]
+struct TokenUsage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    reasoning_tokens: u64,
+    total_tokens: u64,
+}
+
+#[allow(clippy::struct_field_names)]
+#[derive(serde::Serialize)]
+struct Reasoning {
+    total_assistant_turns: u64,
+    turns_with_reasoning: u64,
+    turns_without_reasoning: u64,
+}
+
 impl Serialize for TrajectoryRecord<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        #[derive(serde::Serialize)]
-        struct Metadata<'a> {
-            batch_num: u32,
-            timestamp: String,
-            model: &'a str,
-        }
-        #[derive(serde::Serialize)]
-        struct Counts {
-            count: u64,
-            success: u64,
-            failure: u64,
-        }
-        // Field names are the record's keys.
-        #[allow(clippy::struct_field_names)]
-        #[derive(serde::Serialize)]
-        struct TokenUsage {
-            prompt_tokens: u64,
-            completion_tokens: u64,
-            reasoning_tokens: u64,
-            total_tokens: u64,
-        }
-        #[allow(clippy::struct_field_names)]
-        #[derive(serde::Serialize)]
-        struct Reasoning {
-            total_assistant_turns: u64,
-            turns_with_reasoning: u64,
-            turns_without_reasoning: u64,
-        }
         let (conversation, context) = (self.conversation, self.context);
-        let duration_ms = (context.finished_at - context.started_at)
-            .num_milliseconds()
-            .max(0);
+        let duration_ms = duration_ms(context.started_at, context.finished_at);
         let usage = conversation.usage;
         let mut record = serializer.serialize_map(None)?;
         record.serialize_entry("prompt_index", &context.prompt_index)?;
@@ -411,16 +420,7 @@ impl Serialize for TrajectoryRecord<'_> {
         record.serialize_entry("toolsets_used", context.toolsets_used)?;
         record.serialize_entry(
             "tool_stats",
-            &MapOf::new(self.stats.iter().map(|(name, counts)| {
-                (
-                    name,
-                    Counts {
-                        count: counts.count,
-                        success: counts.success,
-                        failure: counts.failure,
-                    },
-                )
-            })),
+            &MapOf::new(self.stats.iter().map(|(name, counts)| (name, counts))),
         )?;
         record.serialize_entry(
             "tool_error_counts",
@@ -491,4 +491,108 @@ pub fn openai_record(
     );
     record.insert("tools".into(), Value::Array(tools));
     record
+}
+
+/// [`openai_record`] written as one line of compact JSON into `out`.
+pub fn write_openai_record(
+    out: &mut Vec<u8>,
+    conversation: &Conversation,
+    context: &RecordContext<'_>,
+) {
+    // A map of JSON values written into memory: no non-string key, no I/O error.
+    serde_json::to_writer(out, &openai_record(conversation, context))
+        .expect("writing a JSON object into memory cannot fail");
+}
+
+/// What names a record besides its status: its id, the (prompt, sample) it stands for, and the
+/// batch that wrote it.
+#[derive(Debug, Clone, Copy)]
+pub struct RecordIdentity<'a> {
+    pub id: &'a str,
+    pub prompt_index: u64,
+    pub sample: u32,
+    pub batch: u32,
+}
+
+/// The record of a conversation that finished but that `filter` keeps out of the trajectories,
+/// written as one line of Python-style JSON into `out` (merge counts it; resume does not run it
+/// again).
+pub fn write_discarded_record(
+    out: &mut Vec<u8>,
+    identity: &RecordIdentity<'_>,
+    filter: &str,
+    api_calls: u32,
+    finished_at: chrono::DateTime<chrono::Utc>,
+) {
+    /// Field names and order are the record's keys.
+    #[derive(serde::Serialize)]
+    struct Discarded<'a> {
+        prompt_index: u64,
+        sample: u32,
+        id: &'a str,
+        status: &'static str,
+        filter: &'a str,
+        batch_num: u32,
+        api_calls: u32,
+        timestamp: String,
+    }
+    crate::pyjson::write(
+        out,
+        &Discarded {
+            prompt_index: identity.prompt_index,
+            sample: identity.sample,
+            id: identity.id,
+            status: "discarded",
+            filter,
+            batch_num: identity.batch,
+            api_calls,
+            timestamp: timestamp(finished_at),
+        },
+    );
+}
+
+/// Why a (prompt, sample) has no trajectory: the error's class (its stable label, as statistics
+/// count them) and its message.
+#[derive(Debug, Clone, Copy)]
+pub struct Failure<'a> {
+    pub class: &'a str,
+    pub message: &'a str,
+}
+
+/// The record of a (prompt, sample) that failed, written as one line of Python-style JSON into
+/// `out`.
+pub fn write_failed_record(
+    out: &mut Vec<u8>,
+    identity: &RecordIdentity<'_>,
+    failure: Failure<'_>,
+    started_at: chrono::DateTime<chrono::Utc>,
+    finished_at: chrono::DateTime<chrono::Utc>,
+) {
+    /// Field names and order are the record's keys.
+    #[derive(serde::Serialize)]
+    struct Failed<'a> {
+        prompt_index: u64,
+        sample: u32,
+        id: &'a str,
+        status: &'static str,
+        error_class: &'a str,
+        error: &'a str,
+        batch_num: u32,
+        duration_ms: i64,
+        timestamp: String,
+    }
+    crate::pyjson::write(
+        out,
+        &Failed {
+            prompt_index: identity.prompt_index,
+            sample: identity.sample,
+            id: identity.id,
+            status: "failed",
+            error_class: failure.class,
+            error: failure.message,
+            batch_num: identity.batch,
+            duration_ms: duration_ms(started_at, finished_at),
+            timestamp: timestamp(finished_at),
+        },
+    );
 }

@@ -1,10 +1,11 @@
 //! The data plane of trajectory-operator: everything a pod (or a local run) does.
 //!
 //! ```text
-//!  run file / plan ConfigMap ──► plan ──► manifest.json ─┐
-//!                                                        ▼
+//!  run file / plan ConfigMap ──► plan ──► manifest.json, invalid.jsonl ─┐
+//!                                                                       ▼
 //!  dataset.jsonl ──seek(offset)──► batch ──► agent ◄──► model server (OpenAI-compatible)
 //!                                    │         └──► tools (terminal, file) in a workspace
+//!                                    │ hermes: one record line per (prompt, sample)
 //!                                    ▼
 //!                     batches/batch-NNNNNN.jsonl (+ .done)
 //!                                    │
@@ -12,8 +13,28 @@
 //!                     merge ──► trajectories.jsonl, failures.jsonl, statistics.json
 //! ```
 //!
+//! - [`contract`]: what the operator and the worker agree on: the run plan a pod receives, mount
+//!   paths and environment, exit codes, and the summaries of the termination message.
+//! - [`spec`]: the `TrajectoryRun` spec a user writes, and its validation.
+//! - [`cli`]: the command line; each subcommand runs one mode of [`run`].
+//! - [`run`]: the run modes: [`run::plan`] checks the dataset and lays out the batches,
+//!   [`run::batch`] runs one batch's conversations and appends their records, [`run::merge`]
+//!   joins the batches into the outputs, [`run::local`] does all three on one machine, and
+//!   [`run::prompt`] runs a single prompt.
+//! - [`dataset`]: reading the JSONL dataset: line framing and the rules a prompt line follows;
+//!   [`json_scan`] vouches for JSON syntax on the plan's and merge's fast paths.
+//! - [`distribution`]: which toolsets each (prompt, sample) is offered.
+//! - [`agent`]: one conversation, from the prompt to a final answer.
+//! - [`model`]: the OpenAI-compatible chat-completions client (retries, streaming, the shapes
+//!   servers return reasoning in).
+//! - [`tools`]: the registry and toolsets (terminal, file), each tool its own type.
+//! - [`hermes`]: how a record is rendered: every line a batch writes (a trajectory in the Hermes /
+//!   `ShareGPT` format, a discarded or a failed record); [`pyjson`] writes JSON as Python does.
+//! - [`storage`]: the run's directory on shared storage, and its crash-safe writes.
+//!
 //! [`spec`] and [`contract`] are the contract with the operator and build with serde alone
-//! (`default-features = false`); everything else sits behind the `engine` feature.
+//! (`default-features = false`); everything else sits behind the `engine` feature. The scripted
+//! model server the tests and benchmarks talk to is the `trajectory-testkit` crate.
 
 pub mod contract;
 pub mod spec;
@@ -36,8 +57,6 @@ pub mod model;
 pub mod pyjson;
 #[cfg(feature = "engine")]
 pub mod run;
-#[cfg(feature = "scripted-server")]
-pub mod scripted_server;
 #[cfg(feature = "engine")]
 pub mod storage;
 #[cfg(feature = "engine")]

@@ -328,19 +328,35 @@ impl std::fmt::Display for SpecViolation {
     }
 }
 
+/// The violations [`RunSpec::validate`] has found so far, in the order it checks the fields.
+#[derive(Debug, Default)]
+struct Violations(Vec<SpecViolation>);
+
+impl Violations {
+    /// Records `message` against `spec.<field>` unless `ok`.
+    fn check(&mut self, ok: bool, field: &str, message: String) {
+        if !ok {
+            self.0.push(SpecViolation {
+                field: format!("spec.{field}"),
+                message,
+            });
+        }
+    }
+}
+
 impl RunSpec {
     /// Checks bounds that the types alone do not; returns every violation, each naming its field.
     pub fn validate(&self) -> Vec<SpecViolation> {
-        let mut violations = Vec::new();
-        let mut check = |ok: bool, field: &str, message: String| {
-            if !ok {
-                violations.push(SpecViolation {
-                    field: format!("spec.{field}"),
-                    message,
-                });
-            }
-        };
-        check(
+        let mut violations = Violations::default();
+        self.check_dataset_and_sizes(&mut violations);
+        self.check_model(&mut violations);
+        self.check_agent_and_tools(&mut violations);
+        self.check_storage_and_distribution(&mut violations);
+        violations.0
+    }
+
+    fn check_dataset_and_sizes(&self, violations: &mut Violations) {
+        violations.check(
             is_relative_clean_path(&self.dataset.path),
             "dataset.path",
             format!(
@@ -348,32 +364,35 @@ impl RunSpec {
                 self.dataset.path
             ),
         );
-        check(
+        violations.check(
             !self.dataset.prompt_field.is_empty(),
             "dataset.promptField",
             "must not be empty".to_owned(),
         );
-        check(
+        violations.check(
             self.batch_size >= 1,
             "batchSize",
             format!("must be at least 1, got {}", self.batch_size),
         );
-        check(
+        violations.check(
             self.workers >= 1,
             "workers",
             format!("must be at least 1, got {}", self.workers),
         );
-        check(
+        violations.check(
             (1..=10_000).contains(&self.concurrency),
             "concurrency",
             format!("must be between 1 and 10000, got {}", self.concurrency),
         );
-        check(
+        violations.check(
             self.samples_per_prompt >= 1,
             "samplesPerPrompt",
             format!("must be at least 1, got {}", self.samples_per_prompt),
         );
-        check(
+    }
+
+    fn check_model(&self, violations: &mut Violations) {
+        violations.check(
             self.model.base_url.starts_with("http://")
                 || self.model.base_url.starts_with("https://"),
             "model.baseUrl",
@@ -382,52 +401,58 @@ impl RunSpec {
                 self.model.base_url
             ),
         );
-        check(
+        violations.check(
             !self.model.name.is_empty(),
             "model.name",
             "must not be empty".to_owned(),
         );
-        check(
+        violations.check(
             self.model.max_attempts >= 1,
             "model.maxAttempts",
             format!("must be at least 1, got {}", self.model.max_attempts),
         );
-        check(
+        violations.check(
             self.model.request_timeout_seconds >= 1,
             "model.requestTimeoutSeconds",
             "must be at least 1".to_owned(),
         );
         if let Some(temperature) = self.model.temperature {
-            check(
+            violations.check(
                 (0.0..=2.0).contains(&temperature),
                 "model.temperature",
                 format!("must be between 0 and 2, got {temperature}"),
             );
         }
         if let Some(extra) = &self.model.extra_body {
-            check(
+            violations.check(
                 extra.is_object(),
                 "model.extraBody",
                 "must be a JSON object".to_owned(),
             );
         }
-        check(
+    }
+
+    fn check_agent_and_tools(&self, violations: &mut Violations) {
+        violations.check(
             self.agent.max_turns >= 1,
             "agent.maxTurns",
             "must be at least 1".to_owned(),
         );
-        check(
+        violations.check(
             self.agent.prompt_timeout_seconds >= 1,
             "agent.promptTimeoutSeconds",
             "must be at least 1".to_owned(),
         );
-        check(
+        violations.check(
             self.tools.terminal.timeout_seconds >= 1,
             "tools.terminal.timeoutSeconds",
             "must be at least 1".to_owned(),
         );
+    }
+
+    fn check_storage_and_distribution(&self, violations: &mut Violations) {
         if let Some(output) = &self.storage.output_path {
-            check(
+            violations.check(
                 is_relative_clean_path(output),
                 "storage.outputPath",
                 format!(
@@ -436,20 +461,19 @@ impl RunSpec {
             );
         }
         if let DistributionSpec::Inline(map) = &self.distribution {
-            check(
+            violations.check(
                 !map.is_empty(),
                 "distribution",
                 "an inline distribution needs a toolset".to_owned(),
             );
             for (toolset, percent) in map {
-                check(
+                violations.check(
                     (0.0..=100.0).contains(percent),
                     &format!("distribution.{toolset}"),
                     format!("percent must be between 0 and 100, got {percent}"),
                 );
             }
         }
-        violations
     }
 
     /// The output directory relative to the storage root.

@@ -6,14 +6,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
+use trajectory_testkit::scripted_server::{
+    ReasoningField, ScriptedServer, Step, text_reply, tool_call_reply, tool_calls_reply,
+    with_reasoning,
+};
 use trajectory_worker::agent::{
     AgentConfig, Conversation, ConversationError, FINAL_ANSWER_REQUEST, run_conversation,
 };
 use trajectory_worker::model::{Message, ModelClient};
-use trajectory_worker::scripted_server::{
-    ReasoningField, ScriptedServer, Step, text_reply, tool_call_reply, tool_calls_reply,
-    with_reasoning,
-};
 use trajectory_worker::tools::{
     Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace,
 };

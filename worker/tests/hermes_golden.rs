@@ -7,7 +7,8 @@ use chrono::TimeZone;
 use serde_json::{Map, Value, json};
 use trajectory_worker::agent::Conversation;
 use trajectory_worker::hermes::{
-    RecordContext, system_turn, trajectory_record, write_trajectory_record,
+    Failure, RecordContext, RecordIdentity, system_turn, trajectory_record, write_discarded_record,
+    write_failed_record, write_trajectory_record,
 };
 use trajectory_worker::model::types::{parse_arguments, tool_call};
 use trajectory_worker::model::{
@@ -244,5 +245,52 @@ fn tool_failures_are_classified_by_the_reference_rules() {
     assert!(
         !is_tool_failure("an error occurred somewhere"),
         "no substring matching"
+    );
+}
+
+#[test]
+fn discarded_and_failed_records_are_python_json_lines_in_their_key_order() {
+    let identity = RecordIdentity {
+        id: "abc-7-1",
+        prompt_index: 7,
+        sample: 1,
+        batch: 2,
+    };
+    let started = chrono::Utc.with_ymd_and_hms(2026, 3, 5, 14, 2, 10).unwrap();
+    let finished = started + chrono::Duration::milliseconds(250);
+
+    let mut discarded = Vec::new();
+    write_discarded_record(&mut discarded, &identity, "require_reasoning", 3, finished);
+    assert_eq!(
+        String::from_utf8(discarded).unwrap(),
+        concat!(
+            r#"{"prompt_index": 7, "sample": 1, "id": "abc-7-1", "status": "discarded", "#,
+            r#""filter": "require_reasoning", "batch_num": 2, "api_calls": 3, "#,
+            r#""timestamp": "2026-03-05T14:02:10.250000Z"}"#
+        )
+    );
+
+    let failure = Failure {
+        class: "context_length",
+        message: "prompt too long — \"x\"",
+    };
+    let mut failed = Vec::new();
+    write_failed_record(&mut failed, &identity, failure, started, finished);
+    assert_eq!(
+        String::from_utf8(failed).unwrap(),
+        concat!(
+            r#"{"prompt_index": 7, "sample": 1, "id": "abc-7-1", "status": "failed", "#,
+            r#""error_class": "context_length", "error": "prompt too long — \"x\"", "#,
+            r#""batch_num": 2, "duration_ms": 250, "timestamp": "2026-03-05T14:02:10.250000Z"}"#
+        )
+    );
+
+    // A clock that stepped back gives a zero duration, never a negative one.
+    let mut stepped_back = Vec::new();
+    write_failed_record(&mut stepped_back, &identity, failure, finished, started);
+    assert!(
+        String::from_utf8(stepped_back)
+            .unwrap()
+            .contains(r#""duration_ms": 0, "#)
     );
 }

@@ -4,11 +4,11 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use trajectory_testkit::scripted_server::{
+    ReasoningField, ScriptedServer, Step, sse_events, text_reply, tool_calls_reply, with_reasoning,
+};
 use trajectory_worker::model::{
     ApiKey, Completion, ErrorClass, Message, ModelClient, ModelError, ModelSettings,
-};
-use trajectory_worker::scripted_server::{
-    ReasoningField, ScriptedServer, Step, sse_events, text_reply, tool_calls_reply, with_reasoning,
 };
 
 fn client(settings: ModelSettings) -> ModelClient {

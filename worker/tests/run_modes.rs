@@ -10,14 +10,14 @@ use std::time::{Duration, Instant};
 use common::{RunFixture, keys, no_shutdown, terminal_server};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
+use trajectory_testkit::scripted_server::{
+    FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
+};
 use trajectory_worker::contract::exit;
 use trajectory_worker::run::batch::run_batch;
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, merge, plan};
-use trajectory_worker::scripted_server::{
-    FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
-};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 

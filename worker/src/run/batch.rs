@@ -2,10 +2,11 @@
 //!
 //! The batch's lines are read from their byte range in the dataset (checked against the plan's
 //! digest), every (prompt, sample) without a record is run with `concurrency` conversations in
-//! flight, and each finished conversation becomes one record line: a trajectory, a discarded
-//! record or a failed record. A single writer appends lines whole and fsyncs them (grouping the
-//! lines that arrive within a short commit interval). When every (prompt, sample) has a record, the `.done` marker is
-//! written atomically. A killed batch loses at most its in-flight conversations.
+//! flight, and each finished conversation becomes one record line, rendered by [`crate::hermes`]:
+//! a trajectory, a discarded record or a failed record. A single writer appends lines whole and
+//! fsyncs them (grouping the lines that arrive within a short commit interval). When every
+//! (prompt, sample) has a record, the `.done` marker is written atomically. A killed batch loses
+//! at most its in-flight conversations.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -16,21 +17,21 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 use tempfile::TempDir;
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 use tracing::{Instrument, info, info_span, warn};
 
 use super::manifest::Manifest;
 use super::segments::segment_digest;
 use super::{RunError, RunLocation};
-use crate::agent::{AgentConfig, run_conversation};
+use crate::agent::{AgentConfig, Conversation, ConversationError, run_conversation};
 use crate::contract::BatchSummary;
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row};
 use crate::distribution::Distribution;
 use crate::hermes::{
-    RecordContext, openai_record, reasoning_stats, system_turn, timestamp, write_trajectory_record,
+    Failure, RecordContext, RecordIdentity, reasoning_stats, system_turn, timestamp,
+    write_discarded_record, write_failed_record, write_openai_record, write_trajectory_record,
 };
 use crate::model::{ApiKey, ModelClient, ModelSettings};
 use crate::spec::RunSpec;
@@ -145,7 +146,7 @@ impl Shutdown {
 
 /// The outcome of one (prompt, sample), for progress displays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum ConversationOutcome {
     Succeeded,
     Discarded,
     Failed,
@@ -158,7 +159,7 @@ pub enum Progress {
     /// when there are any), so a display need not read the batch files itself.
     Resumed(u64),
     /// One (prompt, sample) has its record on the way to storage.
-    Finished(Outcome),
+    Finished(ConversationOutcome),
 }
 
 /// The fields of a record line that bookkeeping needs.
@@ -182,7 +183,9 @@ struct DoneMarker {
     finished_at: String,
 }
 
-/// Runs one batch to completion (or until shutdown or a permanent error).
+/// Runs one batch to completion (or until shutdown or a permanent error): reads its rows, finds
+/// the records an earlier run left, runs every (prompt, sample) without one while a single writer
+/// appends their records, then marks the batch done.
 #[tracing::instrument(name = "batch", skip_all, fields(run = %location.plan.name, batch))]
 pub async fn run_batch(
     engine: &Engine,
@@ -199,24 +202,14 @@ pub async fn run_batch(
             manifest.batch_count()
         )));
     };
-    if let Ok(bytes) = std::fs::read(run_dir.batch_done(batch))
-        && let Ok(marker) = serde_json::from_slice::<DoneMarker>(&bytes)
-    {
+    if let Some(summary) = done_summary(&run_dir, batch) {
         info!("batch already done");
-        return Ok(BatchSummary {
-            batch,
-            succeeded: marker.succeeded,
-            discarded: marker.discarded,
-            failed: marker.failed,
-            resumed: marker.succeeded + marker.discarded + marker.failed,
-            stopped: None,
-        });
+        return Ok(summary);
     }
     let first_prompt = manifest.first_prompt(batch);
     let rows = read_batch_rows(location, manifest, batch, layout)?;
 
-    let records_path = run_dir.batch_records(batch);
-    let main_log = AppendLog::open(&records_path)?;
+    let main_log = AppendLog::open(&run_dir.batch_records(batch))?;
     let (existing, mut summary) = existing_records(&run_dir, batch)?;
     summary.resumed = summary.succeeded + summary.discarded + summary.failed;
     if summary.resumed > 0 {
@@ -227,137 +220,36 @@ pub async fn run_batch(
     } else {
         None
     };
-
-    let items: Vec<(u64, u32)> = (0..rows.len() as u64)
-        .flat_map(|offset| {
-            (0..engine.samples_per_prompt).map(move |sample| (first_prompt + offset, sample))
-        })
-        .filter(|key| !existing.contains(key))
-        .collect();
+    let pending = pending_items(
+        rows.len(),
+        first_prompt,
+        engine.samples_per_prompt,
+        &existing,
+    );
     info!(
-        pending = items.len(),
+        pending = pending.len(),
         resumed = summary.resumed,
         "starting batch"
     );
 
-    let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
-    let writer = tokio::task::spawn_blocking(move || write_lines(receiver, main_log, openai_log));
-    let mut permanent: Option<RunError> = None;
-    // Each conversation is a task of its own, so that conversations (and rendering their records)
-    // use every core; they share one copy of what they read.
-    let shared = Arc::new(Shared {
-        engine: engine.clone(),
-        rows,
-        first_prompt,
-        offered: Mutex::default(),
-        idle_workspaces: Mutex::default(),
-        draining: AtomicBool::new(false),
-        removals: Mutex::default(),
-        context: BatchContext {
-            id_prefix: manifest
-                .spec_hash
-                .trim_start_matches("blake3:")
-                .chars()
-                .take(12)
-                .collect(),
-            batch,
-            catalog: manifest.tool_catalog.clone(),
-            model: location.plan.spec.model.name.clone(),
-        },
-    });
-    let mut items = items.into_iter();
-    let mut running = JoinSet::new();
-    let mut stopping = false;
-    loop {
-        while !stopping && running.len() < engine.concurrency.max(1) {
-            if shutdown.is_triggered() {
-                break;
-            }
-            let Some((prompt_index, sample)) = items.next() else {
-                // No conversation will start any more: idle workspaces can go now, during the
-                // batch's tail, rather than all at its end.
-                shared.stop_reusing_workspaces();
-                break;
-            };
-            let (shared, shutdown) = (Arc::clone(&shared), shutdown.clone());
-            running.spawn(async move {
-                let work = run_item(&shared, prompt_index, sample);
-                tokio::select! {
-                    result = work => Some(result),
-                    () = async { shutdown.wait().await; tokio::time::sleep(shared.engine.grace).await } => None,
-                }
-            });
-        }
-        let Some(joined) = running.join_next().await else {
-            break;
-        };
-        let result =
-            joined.map_err(|err| RunError::Internal(format!("a conversation panicked: {err}")))?;
-        match result {
-            None => {}
-            Some(Item::Record {
-                outcome,
-                line,
-                openai,
-            }) => {
-                match outcome {
-                    Outcome::Succeeded => summary.succeeded += 1,
-                    Outcome::Discarded => summary.discarded += 1,
-                    Outcome::Failed => summary.failed += 1,
-                }
-                if sender.send(Lines { main: line, openai }).is_err() {
-                    // The writer stopped on an error, which it reports below; dropping the set
-                    // abandons the conversations in flight.
-                    break;
-                }
-                progress(Progress::Finished(outcome));
-            }
-            Some(Item::Stop(error)) => {
-                stopping = true;
-                // A configuration error outranks an unreachable server.
-                if permanent
-                    .as_ref()
-                    .is_none_or(|first| matches!(first, RunError::ModelUnavailable(_)))
-                {
-                    permanent = Some(error);
-                }
-            }
-        }
-    }
-    drop(sender);
-    drop(running);
+    let (lines, writer) = spawn_writer(main_log, openai_log);
+    let context = BatchContext::new(location, manifest, batch);
+    let shared = Arc::new(Shared::new(engine, rows, first_prompt, context));
+    let stop = run_pending(&shared, pending, shutdown, lines, &mut summary, progress).await?;
     shared.stop_reusing_workspaces();
     let mut removals = std::mem::take(&mut *lock(&shared.removals));
     writer
         .await
         .map_err(|err| RunError::Internal(format!("record writer panicked: {err}")))??;
 
-    if let Some(error) = permanent {
+    if let Some(error) = stop {
         return Err(error);
     }
     if shutdown.is_triggered() {
         return Err(RunError::Interrupted);
     }
-    // The writer stopped without an error, so every line it was sent is on storage: the records
-    // found there at the start and those counted as they were sent are what storage holds (no
-    // need to read the file again).
-    let marker = DoneMarker {
-        batch,
-        succeeded: summary.succeeded,
-        discarded: summary.discarded,
-        failed: summary.failed,
-        finished_at: timestamp(chrono::Utc::now()),
-    };
     let expected = shared.rows.len() as u64 * u64::from(engine.samples_per_prompt);
-    let recorded = marker.succeeded + marker.discarded + marker.failed;
-    if recorded < expected {
-        return Err(RunError::Internal(format!(
-            "batch {batch} has {recorded} records of {expected} after its run"
-        )));
-    }
-    let marker_json =
-        serde_json::to_vec(&marker).map_err(|err| RunError::Internal(err.to_string()))?;
-    write_atomic(&run_dir.batch_done(batch), &marker_json)?;
+    let marker = write_done_marker(&run_dir, batch, &summary, expected)?;
     // The batch leaves no workspace behind (most were removed while it ran).
     while removals.join_next().await.is_some() {}
     info!(
@@ -374,6 +266,163 @@ pub async fn run_batch(
         resumed: summary.resumed,
         stopped: None,
     })
+}
+
+/// What the batch's `.done` marker records, if it has one (an unreadable marker counts as none:
+/// the batch runs again, resuming from its records).
+fn done_summary(run_dir: &RunDir, batch: u32) -> Option<BatchSummary> {
+    let bytes = std::fs::read(run_dir.batch_done(batch)).ok()?;
+    let marker = serde_json::from_slice::<DoneMarker>(&bytes).ok()?;
+    Some(BatchSummary {
+        batch,
+        succeeded: marker.succeeded,
+        discarded: marker.discarded,
+        failed: marker.failed,
+        resumed: marker.succeeded + marker.discarded + marker.failed,
+        stopped: None,
+    })
+}
+
+/// The batch's (prompt, sample)s without a record on storage, in dataset order.
+fn pending_items(
+    prompts: usize,
+    first_prompt: u64,
+    samples_per_prompt: u32,
+    existing: &HashSet<(u64, u32)>,
+) -> Vec<(u64, u32)> {
+    (0..prompts as u64)
+        .flat_map(|offset| {
+            (0..samples_per_prompt).map(move |sample| (first_prompt + offset, sample))
+        })
+        .filter(|key| !existing.contains(key))
+        .collect()
+}
+
+/// Starts the single writer of the batch's files on the blocking pool; it stops when the sender
+/// is dropped, or at its first error.
+fn spawn_writer(
+    main: AppendLog,
+    openai: Option<AppendLog>,
+) -> (
+    mpsc::UnboundedSender<Lines>,
+    JoinHandle<Result<(), RunError>>,
+) {
+    let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
+    let writer = tokio::task::spawn_blocking(move || write_lines(receiver, main, openai));
+    (sender, writer)
+}
+
+/// Runs the pending (prompt, sample)s, `concurrency` at a time, and sends each record to the
+/// writer. After a shutdown request, or an error that no other prompt can get past, it starts no
+/// more; it returns that error (a configuration error outranks an unreachable server).
+async fn run_pending(
+    shared: &Arc<Shared>,
+    pending: Vec<(u64, u32)>,
+    shutdown: &Shutdown,
+    lines: mpsc::UnboundedSender<Lines>,
+    summary: &mut BatchSummary,
+    progress: &(dyn Fn(Progress) + Send + Sync),
+) -> Result<Option<RunError>, RunError> {
+    let mut pending = pending.into_iter();
+    let mut running = JoinSet::new();
+    let mut stop: Option<RunError> = None;
+    loop {
+        while stop.is_none() && running.len() < shared.engine.concurrency.max(1) {
+            if shutdown.is_triggered() {
+                break;
+            }
+            let Some((prompt_index, sample)) = pending.next() else {
+                // No conversation will start any more: idle workspaces can go now, during the
+                // batch's tail, rather than all at its end.
+                shared.stop_reusing_workspaces();
+                break;
+            };
+            spawn_item(&mut running, shared, shutdown, prompt_index, sample);
+        }
+        let Some(joined) = running.join_next().await else {
+            break;
+        };
+        let result =
+            joined.map_err(|err| RunError::Internal(format!("a conversation panicked: {err}")))?;
+        match result {
+            Some(Item::Record {
+                outcome,
+                line,
+                openai,
+            }) => {
+                match outcome {
+                    ConversationOutcome::Succeeded => summary.succeeded += 1,
+                    ConversationOutcome::Discarded => summary.discarded += 1,
+                    ConversationOutcome::Failed => summary.failed += 1,
+                }
+                if lines.send(Lines { main: line, openai }).is_err() {
+                    // The writer stopped on an error, which it reports to the batch; dropping the
+                    // set abandons the conversations in flight.
+                    break;
+                }
+                progress(Progress::Finished(outcome));
+            }
+            // A configuration error outranks an unreachable server.
+            Some(Item::Stop(error))
+                if stop
+                    .as_ref()
+                    .is_none_or(|first| matches!(first, RunError::ModelUnavailable(_))) =>
+            {
+                stop = Some(error);
+            }
+            // A shutdown dropped the conversation, or a weightier stop came first.
+            None | Some(Item::Stop(_)) => {}
+        }
+    }
+    Ok(stop)
+}
+
+/// Starts one (prompt, sample) as a task of its own, so that conversations (and rendering their
+/// records) use every core. After a shutdown request it gets the engine's grace period to
+/// finish, then ends without a record (`None`).
+fn spawn_item(
+    running: &mut JoinSet<Option<Item>>,
+    shared: &Arc<Shared>,
+    shutdown: &Shutdown,
+    prompt_index: u64,
+    sample: u32,
+) {
+    let (shared, shutdown) = (Arc::clone(shared), shutdown.clone());
+    running.spawn(async move {
+        let work = run_item(&shared, prompt_index, sample);
+        tokio::select! {
+            result = work => Some(result),
+            () = async { shutdown.wait().await; tokio::time::sleep(shared.engine.grace).await } => None,
+        }
+    });
+}
+
+/// Writes the `.done` marker of a batch whose writer stopped without an error. Every line it was
+/// sent is then on storage: the records found there at the start and those counted as they were
+/// sent are what storage holds (no need to read the file again); fewer than `expected` is a bug.
+fn write_done_marker(
+    run_dir: &RunDir,
+    batch: u32,
+    summary: &BatchSummary,
+    expected: u64,
+) -> Result<DoneMarker, RunError> {
+    let marker = DoneMarker {
+        batch,
+        succeeded: summary.succeeded,
+        discarded: summary.discarded,
+        failed: summary.failed,
+        finished_at: timestamp(chrono::Utc::now()),
+    };
+    let recorded = marker.succeeded + marker.discarded + marker.failed;
+    if recorded < expected {
+        return Err(RunError::Internal(format!(
+            "batch {batch} has {recorded} records of {expected} after its run"
+        )));
+    }
+    let marker_json =
+        serde_json::to_vec(&marker).map_err(|err| RunError::Internal(err.to_string()))?;
+    write_atomic(&run_dir.batch_done(batch), &marker_json)?;
+    Ok(marker)
 }
 
 /// Reads the batch's rows from its byte range, after checking the dataset segments the range
@@ -514,6 +563,20 @@ struct Offered {
 }
 
 impl Shared {
+    /// One copy, for all the batch's conversation tasks, of what they read.
+    fn new(engine: &Engine, rows: Vec<Row>, first_prompt: u64, context: BatchContext) -> Self {
+        Self {
+            engine: engine.clone(),
+            rows,
+            first_prompt,
+            offered: Mutex::default(),
+            idle_workspaces: Mutex::default(),
+            draining: AtomicBool::new(false),
+            removals: Mutex::default(),
+            context,
+        }
+    }
+
     fn offered(&self, toolsets: &[String]) -> Arc<Offered> {
         let mut known = lock(&self.offered);
         if let Some(offered) = known.get(toolsets) {
@@ -587,10 +650,7 @@ impl Shared {
 
 /// Whether every tool the conversation ran leaves the workspace as it found it (a call of an
 /// unknown tool runs nothing).
-fn only_read_only_tools_ran(
-    conversation: &crate::agent::Conversation,
-    tools: &[Arc<dyn Tool>],
-) -> bool {
+fn only_read_only_tools_ran(conversation: &Conversation, tools: &[Arc<dyn Tool>]) -> bool {
     conversation.messages.iter().all(|message| match message {
         crate::model::Message::Assistant(assistant) => assistant.tool_calls.iter().all(|call| {
             tools
@@ -602,6 +662,7 @@ fn only_read_only_tools_ran(
     })
 }
 
+/// What every record of the batch repeats.
 struct BatchContext {
     id_prefix: String,
     batch: u32,
@@ -609,9 +670,25 @@ struct BatchContext {
     model: String,
 }
 
+impl BatchContext {
+    fn new(location: &RunLocation, manifest: &Manifest, batch: u32) -> Self {
+        Self {
+            id_prefix: manifest
+                .spec_hash
+                .trim_start_matches("blake3:")
+                .chars()
+                .take(12)
+                .collect(),
+            batch,
+            catalog: manifest.tool_catalog.clone(),
+            model: location.plan.spec.model.name.clone(),
+        }
+    }
+}
+
 enum Item {
     Record {
-        outcome: Outcome,
+        outcome: ConversationOutcome,
         line: Vec<u8>,
         openai: Option<Vec<u8>>,
     },
@@ -670,6 +747,12 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     let row =
         &shared.rows[usize::try_from(prompt_index - shared.first_prompt).unwrap_or(usize::MAX)];
     let id = format!("{}-{prompt_index}-{sample}", context.id_prefix);
+    let identity = RecordIdentity {
+        id: &id,
+        prompt_index,
+        sample,
+        batch: context.batch,
+    };
     let offered = shared.offered(
         &engine
             .distribution
@@ -679,35 +762,17 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     let (dir, workspace) = match shared.workspace(prompt_index, sample).await {
         Ok(pair) => pair,
         Err(err) => {
-            return failed_item(
-                context,
-                &id,
-                prompt_index,
-                sample,
-                "workspace",
-                &format!("cannot create a workspace: {err}"),
-                started_at,
-            );
+            let message = format!("cannot create a workspace: {err}");
+            let failure = Failure {
+                class: "workspace",
+                message: &message,
+            };
+            return failed_item(&identity, failure, started_at);
         }
     };
-    let tool_context = ToolContext {
-        workspace,
-        limits: engine.limits.clone(),
-    };
-    let span = info_span!("conversation", prompt_index, sample);
-    let result = run_conversation(
-        &engine.client,
-        &offered.tools,
-        &tool_context,
-        &row.prompt,
-        &engine.agent,
-    )
-    .instrument(span)
-    .await;
-    let untouched = result
-        .as_ref()
-        .is_ok_and(|conversation| only_read_only_tools_ran(conversation, &offered.tools));
-    shared.release_workspace(dir, tool_context.workspace, untouched);
+    let result = converse(shared, &offered, &row.prompt, dir, workspace)
+        .instrument(info_span!("conversation", prompt_index, sample))
+        .await;
     let finished_at = chrono::Utc::now();
     let conversation = match result {
         Ok(conversation) => conversation,
@@ -718,87 +783,121 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
             return Item::Stop(RunError::ModelUnavailable(error.to_string()));
         }
         Err(error) => {
-            return failed_item(
-                context,
-                &id,
-                prompt_index,
-                sample,
-                error.class(),
-                &error.to_string(),
-                started_at,
-            );
+            let message = error.to_string();
+            let failure = Failure {
+                class: error.class(),
+                message: &message,
+            };
+            return failed_item(&identity, failure, started_at);
         }
     };
     if engine.require_reasoning && !reasoning_stats(&conversation.messages).has_any_reasoning() {
-        let record = serde_json::json!({
-            "prompt_index": prompt_index, "sample": sample, "id": id, "status": "discarded",
-            "filter": "require_reasoning", "batch_num": context.batch, "api_calls": conversation.api_calls,
-            "timestamp": timestamp(finished_at),
-        });
+        let mut line = Vec::new();
+        write_discarded_record(
+            &mut line,
+            &identity,
+            "require_reasoning",
+            conversation.api_calls,
+            finished_at,
+        );
         return Item::Record {
-            outcome: Outcome::Discarded,
-            line: crate::pyjson::to_string(&record).into_bytes(),
+            outcome: ConversationOutcome::Discarded,
+            line,
             openai: None,
         };
     }
+    trajectory_item(
+        shared,
+        &identity,
+        &offered,
+        row,
+        &conversation,
+        started_at,
+        finished_at,
+    )
+}
+
+/// Runs the conversation in its workspace, then keeps, reuses or removes the workspace.
+async fn converse(
+    shared: &Shared,
+    offered: &Offered,
+    prompt: &str,
+    dir: TempDir,
+    workspace: Workspace,
+) -> Result<Conversation, ConversationError> {
+    let engine = &shared.engine;
+    let tool_context = ToolContext {
+        workspace,
+        limits: engine.limits.clone(),
+    };
+    let result = run_conversation(
+        &engine.client,
+        &offered.tools,
+        &tool_context,
+        prompt,
+        &engine.agent,
+    )
+    .await;
+    let untouched = result
+        .as_ref()
+        .is_ok_and(|conversation| only_read_only_tools_ran(conversation, &offered.tools));
+    shared.release_workspace(dir, tool_context.workspace, untouched);
+    result
+}
+
+/// The trajectory record of a finished conversation (and its `OpenAI`-format twin, if the run
+/// asks for one).
+fn trajectory_item(
+    shared: &Shared,
+    identity: &RecordIdentity<'_>,
+    offered: &Offered,
+    row: &Row,
+    conversation: &Conversation,
+    started_at: chrono::DateTime<chrono::Utc>,
+    finished_at: chrono::DateTime<chrono::Utc>,
+) -> Item {
     let record_context = RecordContext {
-        id: &id,
-        prompt_index,
-        sample,
-        batch: context.batch,
-        model: &context.model,
+        id: identity.id,
+        prompt_index: identity.prompt_index,
+        sample: identity.sample,
+        batch: identity.batch,
+        model: &shared.context.model,
         toolsets_used: &offered.toolsets,
         tools_offered: &offered.specs,
         system_turn: Some(&offered.system_turn),
-        catalog: &context.catalog,
+        catalog: &shared.context.catalog,
         started_at,
         finished_at,
         source: &row.source,
     };
     // Sized for a typical record at once: growing a buffer of kilobytes step by step is costly.
     let mut line = Vec::with_capacity(16 * 1024);
-    write_trajectory_record(&mut line, &conversation, &record_context);
-    let openai = engine.openai_format.then(|| {
-        serde_json::to_vec(&Value::Object(openai_record(
-            &conversation,
-            &record_context,
-        )))
-        .unwrap_or_default()
+    write_trajectory_record(&mut line, conversation, &record_context);
+    let openai = shared.engine.openai_format.then(|| {
+        let mut openai = Vec::new();
+        write_openai_record(&mut openai, conversation, &record_context);
+        openai
     });
     Item::Record {
-        outcome: Outcome::Succeeded,
+        outcome: ConversationOutcome::Succeeded,
         line,
         openai,
     }
 }
 
+/// The failed record of a (prompt, sample) that started at `started_at`.
 fn failed_item(
-    context: &BatchContext,
-    id: &str,
-    prompt_index: u64,
-    sample: u32,
-    class: &str,
-    message: &str,
+    identity: &RecordIdentity<'_>,
+    failure: Failure<'_>,
     started_at: chrono::DateTime<chrono::Utc>,
 ) -> Item {
-    let finished_at = chrono::Utc::now();
-    let mut record = Map::new();
-    record.insert("prompt_index".into(), prompt_index.into());
-    record.insert("sample".into(), sample.into());
-    record.insert("id".into(), id.into());
-    record.insert("status".into(), "failed".into());
-    record.insert("error_class".into(), class.into());
-    record.insert("error".into(), message.into());
-    record.insert("batch_num".into(), context.batch.into());
-    record.insert(
-        "duration_ms".into(),
-        (finished_at - started_at).num_milliseconds().max(0).into(),
-    );
-    record.insert("timestamp".into(), timestamp(finished_at).into());
+    let mut line = Vec::new();
+    write_failed_record(&mut line, identity, failure, started_at, chrono::Utc::now());
+    let (prompt_index, sample, class) = (identity.prompt_index, identity.sample, failure.class);
     warn!(prompt_index, sample, class, "prompt failed");
     Item::Record {
-        outcome: Outcome::Failed,
-        line: crate::pyjson::to_string(&Value::Object(record)).into_bytes(),
+        outcome: ConversationOutcome::Failed,
+        line,
         openai: None,
     }
 }

@@ -14,7 +14,7 @@ use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use tracing::info;
 
-use super::batch::{Engine, Outcome, Progress, Shutdown, run_batch};
+use super::batch::{ConversationOutcome, Engine, Progress, Shutdown, run_batch};
 use super::{RunError, RunFile, RunLocation, merge, plan};
 use crate::contract::{MergeSummary, PlanSummary};
 
@@ -216,13 +216,13 @@ impl Tracker {
         };
         self.done.fetch_add(1, Ordering::Relaxed);
         match outcome {
-            Outcome::Failed => {
+            ConversationOutcome::Failed => {
                 self.failed.fetch_add(1, Ordering::Relaxed);
             }
-            Outcome::Discarded => {
+            ConversationOutcome::Discarded => {
                 self.discarded.fetch_add(1, Ordering::Relaxed);
             }
-            Outcome::Succeeded => {}
+            ConversationOutcome::Succeeded => {}
         }
         if let Some(bar) = &self.bar {
             bar.inc(1);

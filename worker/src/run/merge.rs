@@ -356,6 +356,80 @@ fn sort_batch(
     })
 }
 
+/// A reader thread's work: reads, validates and sorts `batches`, sending each to the writer
+/// (whose buffers come back through `written`, for the next batches), until the writer or a batch
+/// fails. Returns what the batches held.
+fn sort_batches(
+    run_dir: &RunDir,
+    batches: impl Iterator<Item = u32>,
+    openai: bool,
+    to_writer: &mpsc::SyncSender<Result<SortedBatch, RunError>>,
+    written: &mpsc::Receiver<Vec<u8>>,
+) -> (Totals, u64) {
+    let mut totals = Totals::default();
+    let mut skipped_lines = 0u64;
+    for batch in batches {
+        let buffer = written.try_recv().unwrap_or_default();
+        let result = sort_batch(
+            run_dir,
+            batch,
+            buffer,
+            openai,
+            &mut totals,
+            &mut skipped_lines,
+        );
+        let failed = result.is_err();
+        // A closed channel: the writer stopped at an error.
+        if to_writer.send(result).is_err() || failed {
+            break;
+        }
+    }
+    (totals, skipped_lines)
+}
+
+/// The merge's output files, written in dataset order.
+struct Outputs {
+    trajectories: Output,
+    /// Failed and discarded records.
+    failures: Output,
+    openai: Option<Output>,
+}
+
+impl Outputs {
+    fn create(run_dir: &RunDir, openai: bool) -> Result<Self, RunError> {
+        Ok(Self {
+            trajectories: Output::create(run_dir.trajectories())?,
+            failures: Output::create(run_dir.failures())?,
+            openai: if openai {
+                Some(Output::create(run_dir.trajectories_openai())?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Appends a sorted batch's kept lines, each to its file.
+    fn append(&mut self, sorted: &SortedBatch) -> Result<(), RunError> {
+        let (mut trajectory_lines, mut failure_lines) = (Vec::new(), Vec::new());
+        for &(start, end, trajectory) in &sorted.kept {
+            let line = &sorted.data[start..end];
+            if trajectory {
+                trajectory_lines.push(line);
+            } else {
+                failure_lines.push(line);
+            }
+        }
+        self.trajectories.lines(&trajectory_lines)?;
+        self.failures.lines(&failure_lines)?;
+        if let Some(out) = self.openai.as_mut() {
+            let openai_lines: Vec<&[u8]> =
+                sorted.openai.iter().flatten().map(Vec::as_slice).collect();
+            out.lines(&openai_lines)?;
+        }
+        Ok(())
+    }
+}
+
 /// Reader threads: each reads, validates and sorts every `READERS`-th batch. Validating the
 /// records is most of a merge's work, so it is spread over two threads while this one writes.
 const READERS: u32 = 2;
@@ -369,13 +443,7 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
     let run_dir = location.run_dir();
     let manifest = Manifest::require(&run_dir)?;
     let openai = location.plan.spec.openai_format;
-    let mut trajectories = Output::create(run_dir.trajectories())?;
-    let mut failures = Output::create(run_dir.failures())?;
-    let mut openai_out = if openai {
-        Some(Output::create(run_dir.trajectories_openai())?)
-    } else {
-        None
-    };
+    let mut outputs = Outputs::create(&run_dir, openai)?;
     let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
     let missing: Vec<u32> = (0..manifest.batch_count())
         .filter(|batch| !done.contains(batch))
@@ -394,49 +462,18 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
             let (to_reader, written) = mpsc::channel::<Vec<u8>>();
             recycle.push(to_reader);
             let reader_dir = &run_dir;
-            readers.push(scope.spawn(move || {
-                let mut totals = Totals::default();
-                let mut skipped_lines = 0u64;
-                for batch in (first..batch_count).step_by(READERS as usize) {
-                    let buffer = written.try_recv().unwrap_or_default();
-                    let result = sort_batch(
-                        reader_dir,
-                        batch,
-                        buffer,
-                        openai,
-                        &mut totals,
-                        &mut skipped_lines,
-                    );
-                    let failed = result.is_err();
-                    // A closed channel: the writer stopped at an error.
-                    if to_writer.send(result).is_err() || failed {
-                        break;
-                    }
-                }
-                (totals, skipped_lines)
-            }));
+            let batches = (first..batch_count).step_by(READERS as usize);
+            readers
+                .push(scope.spawn(move || {
+                    sort_batches(reader_dir, batches, openai, &to_writer, &written)
+                }));
         }
         let lost = || RunError::Internal("a merge reader thread stopped".into());
         for batch in 0..batch_count {
             let sorted = inboxes[(batch % READERS) as usize]
                 .recv()
                 .map_err(|_| lost())??;
-            let (mut trajectory_lines, mut failure_lines) = (Vec::new(), Vec::new());
-            for &(start, end, trajectory) in &sorted.kept {
-                let line = &sorted.data[start..end];
-                if trajectory {
-                    trajectory_lines.push(line);
-                } else {
-                    failure_lines.push(line);
-                }
-            }
-            trajectories.lines(&trajectory_lines)?;
-            failures.lines(&failure_lines)?;
-            if let Some(out) = openai_out.as_mut() {
-                let openai_lines: Vec<&[u8]> =
-                    sorted.openai.iter().flatten().map(Vec::as_slice).collect();
-                out.lines(&openai_lines)?;
-            }
+            outputs.append(&sorted)?;
             // A reader that has stopped takes no buffers.
             let _ = recycle[(batch % READERS) as usize].send(sorted.data);
         }
@@ -450,6 +487,11 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
         Ok::<_, RunError>((totals, skipped_lines))
     })?;
 
+    let Outputs {
+        trajectories,
+        failures,
+        openai: openai_out,
+    } = outputs;
     failures.finish()?;
     if let Some(out) = openai_out {
         out.finish()?;

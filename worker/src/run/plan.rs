@@ -329,6 +329,51 @@ fn scan(
     })
 }
 
+/// The manifest already on storage, if this run wrote it (a manifest of another dataset or spec is
+/// an error), or a new one.
+fn run_manifest(
+    location: &RunLocation,
+    dataset: DatasetInfo,
+    catalog: Vec<String>,
+    batches: Vec<BatchLayout>,
+) -> Result<Manifest, RunError> {
+    let spec = &location.plan.spec;
+    let run_dir = location.run_dir();
+    let spec_hash = spec_hash(spec);
+    match Manifest::load(&run_dir)? {
+        Some(existing) => {
+            if existing.dataset.digest != dataset.digest || existing.spec_hash != spec_hash {
+                return Err(RunError::OutputMismatch(format!(
+                    "output directory {} belongs to a run with dataset {} and spec {}, but this run has \
+                     dataset {} and spec {}; restore the dataset and generating fields, or use another \
+                     spec.storage.outputPath",
+                    run_dir.root().display(),
+                    existing.dataset.digest,
+                    existing.spec_hash,
+                    dataset.digest,
+                    spec_hash
+                )));
+            }
+            Ok(existing)
+        }
+        None => Ok(Manifest {
+            version: MANIFEST_VERSION,
+            run: RunIdentity {
+                name: location.plan.name.clone(),
+                namespace: location.plan.namespace.clone(),
+                uid: location.plan.uid.clone(),
+            },
+            created_at: crate::hermes::timestamp(chrono::Utc::now()),
+            dataset,
+            spec_hash,
+            batch_size: spec.batch_size,
+            samples_per_prompt: spec.samples_per_prompt,
+            tool_catalog: catalog,
+            batches,
+        }),
+    }
+}
+
 /// Validates the dataset and writes `manifest.json` and `invalid.jsonl`.
 pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError> {
     let spec = &location.plan.spec;
@@ -390,39 +435,9 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
             dataset_path.display()
         )));
     }
-    let spec_hash = spec_hash(spec);
-    let manifest = match Manifest::load(&run_dir) {
+    let manifest = match run_manifest(location, dataset, catalog, batches) {
+        Ok(manifest) => manifest,
         Err(error) => return fail(error),
-        Ok(Some(existing)) => {
-            if existing.dataset.digest != dataset.digest || existing.spec_hash != spec_hash {
-                return fail(RunError::OutputMismatch(format!(
-                    "output directory {} belongs to a run with dataset {} and spec {}, but this run has \
-                     dataset {} and spec {}; restore the dataset and generating fields, or use another \
-                     spec.storage.outputPath",
-                    run_dir.root().display(),
-                    existing.dataset.digest,
-                    existing.spec_hash,
-                    dataset.digest,
-                    spec_hash
-                )));
-            }
-            existing
-        }
-        Ok(None) => Manifest {
-            version: MANIFEST_VERSION,
-            run: RunIdentity {
-                name: location.plan.name.clone(),
-                namespace: location.plan.namespace.clone(),
-                uid: location.plan.uid.clone(),
-            },
-            created_at: crate::hermes::timestamp(chrono::Utc::now()),
-            dataset,
-            spec_hash,
-            batch_size: spec.batch_size,
-            samples_per_prompt: spec.samples_per_prompt,
-            tool_catalog: catalog,
-            batches,
-        },
     };
     file.sync_all().at("syncing", &invalid_temp)?;
     std::fs::rename(&invalid_temp, &invalid_path).at("renaming into place", &invalid_path)?;

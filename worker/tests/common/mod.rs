@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use trajectory_worker::run::batch::{Engine, Shutdown, shutdown_channel};
-use trajectory_worker::run::{RunFile, RunLocation};
-use trajectory_worker::scripted_server::{
+use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, text_reply, tool_call_reply,
 };
+use trajectory_worker::run::batch::{Engine, Shutdown, shutdown_channel};
+use trajectory_worker::run::{RunFile, RunLocation};
 
 /// A run on disk: `<dir>/run.yaml`, `<dir>/datasets/prompts.jsonl`, outputs under `<dir>/out`.
 pub struct RunFixture {

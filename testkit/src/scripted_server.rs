@@ -1,6 +1,6 @@
 //! A scripted OpenAI-compatible server: a test double for the exact edge cases a real model server
 //! produces only by accident (429 with `Retry-After`, 5xx, truncated JSON, empty `choices`, SSE,
-//! hangs). Built only with the `scripted-server` feature; the crate's own tests and benches enable it.
+//! hangs). The worker's integration tests and benches and the end-to-end tests use it.
 //!
 //! It binds `127.0.0.1:0` on the caller's tokio runtime and serves `POST /v1/chat/completions` and
 //! `GET /v1/models`. It runs in one of two modes:
@@ -30,7 +30,7 @@ use axum::serve::ListenerExt;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
-use crate::model::{ModelSettings, RetryPolicy};
+use trajectory_worker::model::{ModelSettings, RetryPolicy};
 
 /// The model name the server reports and the settings helper requests.
 pub const MODEL: &str = "scripted";

@@ -1,0 +1,7 @@
+//! Test doubles shared by the worker's integration tests and benchmarks and by the end-to-end
+//! tests: kept out of the worker so that its production build carries no test server (nor axum).
+//!
+//! - [`scripted_server`]: an OpenAI-compatible model server that answers from a script, or with a
+//!   fixed latency for benchmarks.
+
+pub mod scripted_server;
