@@ -8,6 +8,11 @@
 //!
 //! Every conversation gets its own [`Workspace`] directory; file tools are confined to it and the
 //! terminal runs inside it.
+//!
+//! To add a tool to a toolset, see that toolset's module ([`file`] says how for a file tool). To
+//! add a toolset: a module with its `TOOLSET` name and a `tools(&ToolsSpec)` list, registered in
+//! [`Registry::builtin`] (and taken off `NOT_YET_SHIPPED` if a distribution already names it).
+//! Arguments are read with the `args` helpers, output is cut on character boundaries by `text`.
 
 mod args;
 pub mod file;
