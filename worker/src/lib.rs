@@ -15,7 +15,8 @@
 //!
 //! - [`contract`]: what the operator and the worker agree on: the run plan a pod receives, mount
 //!   paths and environment, exit codes, and the summaries of the termination message.
-//! - [`spec`]: the `TrajectoryRun` spec a user writes, and its validation.
+//! - [`spec`]: the `TrajectoryRun` spec a user writes, and its validation; [`toolsets`]: the
+//!   toolsets and built-in distributions it may name.
 //! - [`cli`]: the command line; each subcommand runs one mode of [`run`].
 //! - [`run`]: the run modes: [`run::plan`] checks the dataset and lays out the batches,
 //!   [`run::batch`] runs one batch's conversations and appends their records, [`run::merge`]
@@ -38,6 +39,7 @@
 
 pub mod contract;
 pub mod spec;
+pub mod toolsets;
 
 #[cfg(feature = "engine")]
 pub mod agent;

@@ -460,6 +460,9 @@ impl RunSpec {
                 ),
             );
         }
+        violations
+            .0
+            .extend(crate::toolsets::distribution_violations(&self.distribution));
         if let DistributionSpec::Inline(map) = &self.distribution {
             violations.check(
                 !map.is_empty(),

@@ -44,6 +44,17 @@ fn condition(desired: &Desired, type_: ConditionType) -> (&str, &str) {
     (c.status.as_str(), c.reason.as_str())
 }
 
+/// The message of the run's `Failed` condition.
+fn failed_message(desired: &Desired) -> &str {
+    let failed = desired
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == ConditionType::Failed.as_str())
+        .expect("a Failed condition");
+    &failed.message
+}
+
 fn plan_batches(desired: &Desired, name: &str) -> Option<Vec<u32>> {
     let map = desired
         .children
@@ -226,17 +237,8 @@ fn an_invalid_spec_stalls_the_run_naming_the_field() {
         condition(&desired, ConditionType::Failed),
         ("True", "InvalidSpec")
     );
-    let failed = desired
-        .status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Failed")
-        .unwrap();
-    assert!(
-        failed.message.contains("spec.batchSize"),
-        "{}",
-        failed.message
-    );
+    let message = failed_message(&desired);
+    assert!(message.contains("spec.batchSize"), "{message}");
 }
 
 #[test]
@@ -473,5 +475,40 @@ fn a_spec_that_fails_validation_never_reaches_a_builder() {
         let run = run.build();
         let result = desired_state(&run, &Observed::default(), &Settings::default(), &now());
         assert!(result.is_err(), "{:?} has no children", run.metadata.name);
+    }
+}
+
+/// A distribution this build cannot serve is refused by the operator itself, naming the field,
+/// before a plan pod starts.
+#[test]
+fn an_unknown_or_unavailable_distribution_fails_the_run_before_any_pod() {
+    use trajectory_worker::spec::DistributionSpec;
+    let cases = [
+        (
+            DistributionSpec::Named("researh".into()),
+            "spec.distribution: unknown distribution \"researh\"",
+        ),
+        (
+            DistributionSpec::Named("research".into()),
+            "spec.distribution: \"research\" can draw toolset \"web\" (90%), which is not available",
+        ),
+        (
+            DistributionSpec::Inline([("terminl".to_owned(), 100.0)].into()),
+            "spec.distribution.terminl: unknown toolset \"terminl\"",
+        ),
+    ];
+    for (distribution, message) in cases {
+        let run = TrajectoryRun::test()
+            .with(|spec| spec.distribution = distribution.clone())
+            .build();
+        let desired = desired_state(&run, &Observed::default(), &Settings::default(), &now())
+            .expect("a refused spec is a decision");
+        assert!(desired.children.jobs.is_empty(), "{distribution:?}");
+        assert_eq!(
+            condition(&desired, ConditionType::Failed),
+            ("True", "InvalidSpec")
+        );
+        let failed = failed_message(&desired);
+        assert!(failed.contains(message), "{failed}");
     }
 }

@@ -11,7 +11,8 @@
 //!
 //! To add a tool to a toolset, see that toolset's module ([`file`] says how for a file tool). To
 //! add a toolset: a module with its `TOOLSET` name and a `tools(&ToolsSpec)` list, registered in
-//! [`Registry::builtin`] (and taken off `NOT_YET_SHIPPED` if a distribution already names it).
+//! [`Registry::builtin`] and in [`crate::toolsets::SHIPPED`] (taken off `NOT_YET_SHIPPED` if a
+//! distribution already names it), so that a spec naming it validates.
 //! Arguments are read with the `args` helpers, output is cut on character boundaries by `text`.
 
 mod args;
@@ -28,6 +29,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 
 use crate::spec::ToolsSpec;
+use crate::toolsets;
 
 /// The future a tool handler returns.
 pub type ToolFuture<'a> = Pin<Box<dyn Future<Output = ToolOutcome> + Send + 'a>>;
@@ -219,27 +221,6 @@ pub struct Registry {
     toolsets: Vec<Toolset>,
 }
 
-/// Toolsets named by the reference's distributions that this build does not ship yet, with what
-/// would enable them.
-const NOT_YET_SHIPPED: [(&str, &str); 4] = [
-    (
-        "web",
-        "web search and extraction are not in this build yet; use a distribution without `web`",
-    ),
-    (
-        "vision",
-        "vision tools are not in this build yet; use a distribution without `vision`",
-    ),
-    (
-        "image_gen",
-        "image generation is not in this build yet; use a distribution without `image_gen`",
-    ),
-    (
-        "browser",
-        "browser tools are not in this build yet; use a distribution without `browser`",
-    ),
-];
-
 impl Registry {
     /// The built-in toolsets, configured from the run's `tools` spec.
     pub fn builtin(config: &ToolsSpec) -> Self {
@@ -255,11 +236,15 @@ impl Registry {
                 tools: file::tools(config),
             },
         ];
-        toolsets.extend(NOT_YET_SHIPPED.iter().map(|(name, hint)| Toolset {
-            name,
-            availability: Availability::Unavailable((*hint).to_owned()),
-            tools: Vec::new(),
-        }));
+        toolsets.extend(
+            toolsets::NOT_YET_SHIPPED
+                .iter()
+                .map(|(name, hint)| Toolset {
+                    name,
+                    availability: Availability::Unavailable((*hint).to_owned()),
+                    tools: Vec::new(),
+                }),
+        );
         Self { toolsets }
     }
 
