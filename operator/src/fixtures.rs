@@ -124,7 +124,7 @@ impl JobFixture {
             component.label().to_owned(),
         )]);
         let attempt = match component {
-            Component::Generate { attempt } => {
+            Component::Generate { attempt, .. } => {
                 job_labels.insert(labels::ATTEMPT.to_owned(), attempt.to_string());
                 Some(attempt)
             }
@@ -139,11 +139,26 @@ impl JobFixture {
     }
 
     pub fn generation(attempt: u32) -> Self {
-        Self::of(Component::Generate { attempt })
+        Self::of(Component::generation(attempt))
     }
 
     pub fn merge() -> Self {
         Self::of(Component::Merge)
+    }
+
+    /// Shard `shard` of a generation Job's attempt (named and labelled as the operator does).
+    pub fn shard(mut self, shard: u32) -> Self {
+        let attempt = self.attempt.expect("a generation Job");
+        self.job.metadata.name =
+            Some(Component::Generate { attempt, shard }.child_name("coding-v1"));
+        if shard > 0 {
+            self.job
+                .metadata
+                .labels
+                .get_or_insert_with(Default::default)
+                .insert(labels::SHARD.to_owned(), shard.to_string());
+        }
+        self
     }
 
     fn status(&mut self) -> &mut JobStatus {

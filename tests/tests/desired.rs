@@ -11,7 +11,7 @@ use serde_json::json;
 use trajectory_operator::api::{TrajectoryRun, TrajectoryRunSpec};
 use trajectory_operator::reconcile::build;
 use trajectory_operator::reconcile::children::Component;
-use trajectory_operator::reconcile::decide::Pending;
+use trajectory_operator::reconcile::decide::{Pending, Shard};
 use trajectory_operator::reconcile::validate::{Validation, validate};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::{TestNamespace, client};
@@ -66,7 +66,17 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
     let pending = Pending::new(vec![3, 4, 9]).expect("three batches");
     let jobs = [
         build::plan_job(&valid, &settings, false),
-        build::generation_job(&valid, &settings, 2, &pending, false),
+        build::generation_job(
+            &valid,
+            &settings,
+            &Shard {
+                attempt: 2,
+                shard: 0,
+                pending: pending.clone(),
+                exists: false,
+                parallelism: run.spec.run.workers,
+            },
+        ),
         build::merge_job(&valid, &settings, false),
     ];
     let dry_run = PostParams {
@@ -97,7 +107,7 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
     }
 
     let maps: Api<ConfigMap> = Api::namespaced(client, namespace.name());
-    let map = build::plan_config_map(&valid, Component::Generate { attempt: 2 }, Some(&pending));
+    let map = build::plan_config_map(&valid, Component::generation(2), Some(&pending));
     maps.create(&dry_run, &map)
         .await
         .expect("the API server accepts the plan ConfigMap");

@@ -24,7 +24,7 @@ use serde_json::Value;
 use trajectory_operator::api::TrajectoryRun;
 use trajectory_operator::reconcile::build;
 use trajectory_operator::reconcile::children::Component;
-use trajectory_operator::reconcile::decide::Pending;
+use trajectory_operator::reconcile::decide::{Pending, Shard};
 use trajectory_operator::reconcile::validate::{Validation, validate};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::{TestNamespace, client, install_crds};
@@ -148,7 +148,17 @@ async fn check_run(
     let first_three = Pending::new(vec![0, 1, 2]).expect("three batches");
     let jobs: Vec<Job> = vec![
         build::plan_job(&valid, &settings, false),
-        build::generation_job(&valid, &settings, 1, &first_three, false),
+        build::generation_job(
+            &valid,
+            &settings,
+            &Shard {
+                attempt: 1,
+                shard: 0,
+                pending: first_three.clone(),
+                exists: false,
+                parallelism: run.spec.run.workers,
+            },
+        ),
         build::merge_job(&valid, &settings, false),
     ];
     let create = PostParams {

@@ -78,15 +78,33 @@ pub struct RunPlan {
     pub spec: RunSpec,
     /// Output directory relative to the storage root.
     pub output_path: String,
-    /// On a later attempt: the batch id each completion index works (`batches[index]`).
-    /// Absent on the first attempt, where index *i* is batch *i*.
+    /// The batch id each completion index works (`batches[index]`), when index *i* is not batch
+    /// *i*. Written as well as [`RunPlan::batch_ranges`] while the list is short, for worker images
+    /// that read only this field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batches: Option<Vec<u32>>,
+    /// The same list in the compact ranges form (`3-99999,100004`): the *i*-th id of the ranges
+    /// is the batch of index *i*. Preferred over [`RunPlan::batches`] when both are present. It
+    /// keeps the plan `ConfigMap` small for any number of batches (a generation Job works up to
+    /// [`MAX_JOB_COMPLETIONS`] of them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_ranges: Option<String>,
 }
 
+/// Kubernetes refuses an Indexed Job with `backoffLimitPerIndex` and more completions than this;
+/// a generation attempt of more batches runs as several Jobs.
+pub const MAX_JOB_COMPLETIONS: u32 = 100_000;
+
+/// The longest pending list also written as [`RunPlan::batches`] (about 8 bytes an id).
+pub const MAX_LISTED_BATCHES: usize = 10_000;
+
 impl RunPlan {
-    /// The batch a Job completion index works.
+    /// The batch a Job completion index works; `None` past the end of the list, or when the
+    /// ranges cannot be read.
     pub fn batch_for_index(&self, index: u32) -> Option<u32> {
+        if let Some(ranges) = &self.batch_ranges {
+            return nth_in_ranges(ranges, index);
+        }
         match &self.batches {
             None => Some(index),
             Some(batches) => usize::try_from(index)
@@ -94,6 +112,29 @@ impl RunPlan {
                 .and_then(|i| batches.get(i).copied()),
         }
     }
+
+    /// Every batch of the list, in index order; `None` for the identity (index *i* is batch *i*).
+    pub fn pending_list(&self) -> Result<Option<Vec<u32>>, String> {
+        match (&self.batch_ranges, &self.batches) {
+            (Some(ranges), _) => parse_ranges(ranges).map(Some),
+            (None, list) => Ok(list.clone()),
+        }
+    }
+}
+
+/// The `index`-th id of `ranges` (`3-5,9`: index 3 is 9) without expanding them.
+fn nth_in_ranges(ranges: &str, index: u32) -> Option<u32> {
+    let mut skipped = 0_u32;
+    for part in ranges.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (first, last) = part.split_once('-').unwrap_or((part, part));
+        let (first, last): (u32, u32) = (first.parse().ok()?, last.parse().ok()?);
+        let len = last.checked_sub(first)?.checked_add(1)?;
+        if index - skipped < len {
+            return first.checked_add(index - skipped);
+        }
+        skipped = skipped.checked_add(len)?;
+    }
+    None
 }
 
 /// What `plan` reports (termination message, stdout, and the operator's status).
@@ -247,10 +288,42 @@ mod tests {
             spec,
             output_path: "runs/ns/r".into(),
             batches: None,
+            batch_ranges: None,
         };
         assert_eq!(plan.batch_for_index(7), Some(7));
+        assert_eq!(plan.pending_list(), Ok(None));
         plan.batches = Some(vec![4, 9]);
         assert_eq!(plan.batch_for_index(1), Some(9));
         assert_eq!(plan.batch_for_index(2), None);
+        assert_eq!(plan.pending_list(), Ok(Some(vec![4, 9])));
+
+        // The ranges win over the list, and are read without expanding them.
+        plan.batch_ranges = Some("100000-199999,250000,300000-300001".into());
+        let cases = [
+            (0, Some(100_000)),
+            (99_999, Some(199_999)),
+            (100_000, Some(250_000)),
+            (100_002, Some(300_001)),
+            (100_003, None),
+        ];
+        for (index, batch) in cases {
+            assert_eq!(plan.batch_for_index(index), batch, "index {index}");
+        }
+        assert_eq!(plan.pending_list().unwrap().unwrap().len(), 100_003);
+        plan.batch_ranges = Some("7-x".into());
+        assert_eq!(plan.batch_for_index(0), None);
+        assert!(plan.pending_list().is_err());
+    }
+
+    #[test]
+    fn a_plan_without_ranges_reads_as_it_always_did() {
+        // A ConfigMap written by an operator of an earlier release.
+        let plan: RunPlan = serde_json::from_value(serde_json::json!({
+            "name": "r", "namespace": "ns", "outputPath": "runs/ns/r", "batches": [3, 5],
+            "spec": {"dataset": {"path": "d.jsonl"}, "model": {"baseUrl": "http://m/v1", "name": "m"}},
+        }))
+        .unwrap();
+        assert_eq!(plan.batch_ranges, None);
+        assert_eq!(plan.batch_for_index(1), Some(5));
     }
 }

@@ -21,6 +21,8 @@ pub mod labels {
     pub const RUN: &str = "trajectories.dev/run";
     /// The generation attempt of a `gen` Job.
     pub const ATTEMPT: &str = "trajectories.dev/attempt";
+    /// The shard of a `gen` Job past the first, when an attempt runs as several Jobs.
+    pub const SHARD: &str = "trajectories.dev/shard";
     /// Kueue admits Jobs carrying this label through the named `LocalQueue`.
     pub const KUEUE_QUEUE: &str = "kueue.x-k8s.io/queue-name";
 }
@@ -36,8 +38,9 @@ pub const CONTAINER: &str = "worker";
 pub enum Component {
     /// `trajectory-worker plan`: validate the dataset, write the manifest.
     Plan,
-    /// `trajectory-worker batch`: the Indexed Job of one attempt.
-    Generate { attempt: u32 },
+    /// `trajectory-worker batch`: an Indexed Job of one attempt. An attempt of more batches than
+    /// one Job may hold runs as several Jobs, its shards, numbered from 0.
+    Generate { attempt: u32, shard: u32 },
     /// `trajectory-worker merge`.
     Merge,
 }
@@ -61,12 +64,19 @@ impl Component {
         }
     }
 
-    /// The child's name: `{run}-plan`, `{run}-gen-{attempt}`, `{run}-merge`. It fits in
-    /// [`MAX_NAME_LENGTH`] for every run name validation accepts ([`MAX_RUN_NAME_LENGTH`]).
+    /// The first generation Job of `attempt`.
+    pub fn generation(attempt: u32) -> Self {
+        Self::Generate { attempt, shard: 0 }
+    }
+
+    /// The child's name: `{run}-plan`, `{run}-gen-{attempt}` (shard 0; `-{shard}` appended for
+    /// the others), `{run}-merge`. It fits in [`MAX_NAME_LENGTH`] for every run name validation
+    /// accepts ([`MAX_RUN_NAME_LENGTH`]) up to shard 9; decide checks the rest.
     pub fn child_name(self, run: &str) -> String {
         match self {
             Self::Plan => format!("{run}-plan"),
-            Self::Generate { attempt } => format!("{run}-gen-{attempt}"),
+            Self::Generate { attempt, shard: 0 } => format!("{run}-gen-{attempt}"),
+            Self::Generate { attempt, shard } => format!("{run}-gen-{attempt}-{shard}"),
             Self::Merge => format!("{run}-merge"),
         }
     }
@@ -80,8 +90,15 @@ mod tests {
     fn children_have_deterministic_names() {
         let cases = [
             (Component::Plan, "coding-v1-plan"),
-            (Component::Generate { attempt: 1 }, "coding-v1-gen-1"),
-            (Component::Generate { attempt: 12 }, "coding-v1-gen-12"),
+            (Component::generation(1), "coding-v1-gen-1"),
+            (Component::generation(12), "coding-v1-gen-12"),
+            (
+                Component::Generate {
+                    attempt: 2,
+                    shard: 3,
+                },
+                "coding-v1-gen-2-3",
+            ),
             (Component::Merge, "coding-v1-merge"),
         ];
         for (component, expected) in cases {
@@ -94,7 +111,12 @@ mod tests {
         let longest = "r".repeat(MAX_RUN_NAME_LENGTH);
         let children = [
             Component::Plan,
-            Component::Generate { attempt: 999 },
+            Component::generation(999),
+            // Attempts stop at 3 (decide's MAX_ATTEMPTS), leaving room for shards 0 to 9.
+            Component::Generate {
+                attempt: 3,
+                shard: 9,
+            },
             Component::Merge,
         ];
         for component in children {

@@ -17,9 +17,10 @@
 use std::collections::BTreeSet;
 
 use trajectory_worker::contract::{
-    MergeSummary, PlanSummary, compact_ranges, format_ranges, parse_ranges,
+    MAX_JOB_COMPLETIONS, MergeSummary, PlanSummary, compact_ranges, format_ranges, parse_ranges,
 };
 
+use super::children::{Component, MAX_NAME_LENGTH};
 use super::observe::{JobState, Observed, ObservedAttempt};
 use super::status::{Merged, Outcome, Planned, Reason, Tally};
 use super::validate::ValidatedRun;
@@ -52,17 +53,32 @@ impl Decision {
 /// A child Job the run should have; a Job that does not exist yet comes with its plan `ConfigMap`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Child {
-    Plan {
-        exists: bool,
-    },
-    Generation {
-        attempt: u32,
-        pending: Pending,
-        exists: bool,
-    },
-    Merge {
-        exists: bool,
-    },
+    Plan { exists: bool },
+    Generation(Shard),
+    Merge { exists: bool },
+}
+
+/// One generation Job of an attempt: an attempt of more than [`MAX_JOB_COMPLETIONS`] batches runs
+/// as several, each working its slice of the pending batches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shard {
+    pub attempt: u32,
+    /// 0 for the first Job of the attempt.
+    pub shard: u32,
+    pub pending: Pending,
+    pub exists: bool,
+    /// Its share of the run's `workers`: split over the attempt's unfinished Jobs, so that the run
+    /// has `workers` pods at once however many Jobs it takes.
+    pub parallelism: u32,
+}
+
+impl Shard {
+    pub fn component(&self) -> Component {
+        Component::Generate {
+            attempt: self.attempt,
+            shard: self.shard,
+        }
+    }
 }
 
 /// The batches a generation attempt works, in index order (index *i* works batch `pending[i]`);
@@ -83,6 +99,15 @@ impl Pending {
     /// The number of batches (the Job's completions).
     pub fn count(&self) -> u32 {
         u32::try_from(self.0.len()).unwrap_or(u32::MAX)
+    }
+
+    /// The list cut into slices of at most [`MAX_JOB_COMPLETIONS`], one a Job.
+    pub fn shards(&self) -> Vec<Pending> {
+        let size = usize::try_from(MAX_JOB_COMPLETIONS).unwrap_or(usize::MAX);
+        self.0
+            .chunks(size)
+            .map(|chunk| Self(chunk.to_vec()))
+            .collect()
     }
 
     /// True when index *i* works batch *i*: the plan `ConfigMap` then needs no list.
@@ -187,33 +212,121 @@ fn generate(
     });
 
     let pending = Pending::new(pending_batches(total, &done))?;
-    let next = match observed.attempts.last() {
+    let next = match latest_attempt(&observed.attempts) {
         None => 1,
-        Some(current) => match JobState::of(&current.job) {
-            JobState::Running => {
-                tally.attempt = Some(current.attempt);
-                if let Some(pending) = Pending::new(current.pending.clone()) {
-                    children.push(Child::Generation {
-                        attempt: current.attempt,
-                        pending,
-                        exists: true,
-                    });
+        Some(shards) => {
+            let attempt = shards[0].attempt;
+            match attempt_state(&shards) {
+                JobState::Running => {
+                    tally.attempt = Some(attempt);
+                    if let Some(outcome) = too_many_failed(run, &shards, &done) {
+                        return Some(outcome);
+                    }
+                    children.extend(running_shards(run, &shards));
+                    let message =
+                        format!("attempt {attempt}: {} of {total} batches done", done.len());
+                    return Some(Outcome::Working(Phase::Running, message));
                 }
-                let message = format!(
-                    "attempt {}: {} of {total} batches done",
-                    current.attempt,
-                    done.len()
-                );
-                return Some(Outcome::Working(Phase::Running, message));
+                state => match after_attempt(run, attempt, &state, &pending) {
+                    AfterAttempt::Fail(outcome) => return Some(outcome),
+                    AfterAttempt::Next(attempt) => attempt,
+                    AfterAttempt::Merge => return None,
+                },
             }
-            state => match after_attempt(run, current, &state, &pending) {
-                AfterAttempt::Fail(outcome) => return Some(outcome),
-                AfterAttempt::Next(attempt) => attempt,
-                AfterAttempt::Merge => return None,
-            },
-        },
+        }
     };
-    Some(start_attempt(next, pending, tally, children))
+    Some(start_attempt(run, next, &pending, tally, children))
+}
+
+/// The Jobs of the latest attempt, in shard order.
+fn latest_attempt(attempts: &[ObservedAttempt]) -> Option<Vec<&ObservedAttempt>> {
+    let latest = attempts.iter().map(|a| a.attempt).max()?;
+    let mut shards: Vec<&ObservedAttempt> =
+        attempts.iter().filter(|a| a.attempt == latest).collect();
+    shards.sort_by_key(|a| a.shard);
+    Some(shards)
+}
+
+/// How an attempt of one or more Jobs stands: a Job failed by its pod failure policy or its
+/// failed-index limit decides it; otherwise it runs while any Job runs, and has ended when none
+/// does (completed, or failed otherwise as its first failed Job says).
+fn attempt_state(shards: &[&ObservedAttempt]) -> JobState {
+    let states: Vec<JobState> = shards.iter().map(|s| JobState::of(&s.job)).collect();
+    let decisive = states.iter().find(|state| {
+        matches!(state, JobState::Failed { reason, .. }
+            if reason == "PodFailurePolicy" || reason == "MaxFailedIndexesExceeded")
+    });
+    if let Some(state) = decisive {
+        return state.clone();
+    }
+    if states.contains(&JobState::Running) {
+        return JobState::Running;
+    }
+    states
+        .into_iter()
+        .find(|state| *state != JobState::Complete)
+        .unwrap_or(JobState::Complete)
+}
+
+/// Over several Jobs, each limits its own failed indexes; the run's `retry.maxFailedBatches` is
+/// checked across them here. (A single Job's own limit is the run's.)
+fn too_many_failed(
+    run: &ValidatedRun<'_>,
+    shards: &[&ObservedAttempt],
+    done: &BTreeSet<u32>,
+) -> Option<Outcome> {
+    let retry = &run.spec.retry;
+    let failed = shards
+        .iter()
+        .flat_map(|s| s.batches.failed.iter())
+        .filter(|batch| !done.contains(batch))
+        .count();
+    (shards.len() > 1 && failed > to_usize(retry.max_failed_batches)).then(|| {
+        Outcome::Failed(
+            Reason::TooManyFailedBatches,
+            format!(
+                "more than {} batches failed after {} retries each",
+                retry.max_failed_batches, retry.per_batch
+            ),
+        )
+    })
+}
+
+/// The running Jobs of an attempt, re-asserted with their share of the workers (the finished ones
+/// need nothing more, and free their share for the others).
+fn running_shards(run: &ValidatedRun<'_>, shards: &[&ObservedAttempt]) -> Vec<Child> {
+    let running: Vec<&&ObservedAttempt> = shards
+        .iter()
+        .filter(|s| JobState::of(&s.job) == JobState::Running)
+        .collect();
+    let parallelisms = worker_shares(run.spec.workers, running.len());
+    running
+        .into_iter()
+        .zip(parallelisms)
+        .filter_map(|(observed, parallelism)| {
+            Some(Child::Generation(Shard {
+                attempt: observed.attempt,
+                shard: observed.shard,
+                pending: Pending::new(observed.pending.clone())?,
+                exists: true,
+                parallelism,
+            }))
+        })
+        .collect()
+}
+
+/// `workers` split over `jobs`: the first ones get one more when it does not divide evenly.
+fn worker_shares(workers: u32, jobs: usize) -> Vec<u32> {
+    let jobs_u32 = u32::try_from(jobs).unwrap_or(u32::MAX).max(1);
+    let (each, extra) = (workers / jobs_u32, workers % jobs_u32);
+    (0..jobs_u32)
+        .map(|i| each + u32::from(i < extra))
+        .take(jobs)
+        .collect()
+}
+
+fn to_usize(value: u32) -> usize {
+    usize::try_from(value).unwrap_or(usize::MAX)
 }
 
 /// What follows an attempt that ended with batches still pending.
@@ -226,7 +339,7 @@ enum AfterAttempt {
 
 fn after_attempt(
     run: &ValidatedRun<'_>,
-    current: &ObservedAttempt,
+    attempt: u32,
     state: &JobState,
     pending: &Pending,
 ) -> AfterAttempt {
@@ -247,7 +360,7 @@ fn after_attempt(
                 ),
             ))
         }
-        _ if pending.count() > retry.max_failed_batches && current.attempt >= MAX_ATTEMPTS => {
+        _ if pending.count() > retry.max_failed_batches && attempt >= MAX_ATTEMPTS => {
             AfterAttempt::Fail(Outcome::Failed(
                 Reason::TooManyFailedBatches,
                 format!(
@@ -257,25 +370,50 @@ fn after_attempt(
                 ),
             ))
         }
-        _ if current.attempt < MAX_ATTEMPTS => AfterAttempt::Next(current.attempt + 1),
+        _ if attempt < MAX_ATTEMPTS => AfterAttempt::Next(attempt + 1),
         _ => AfterAttempt::Merge,
     }
 }
 
-/// A new generation attempt over the pending batches.
+/// A new generation attempt over the pending batches: one Job, or one per
+/// [`MAX_JOB_COMPLETIONS`] batches with the workers split over them.
 fn start_attempt(
+    run: &ValidatedRun<'_>,
     attempt: u32,
-    pending: Pending,
+    pending: &Pending,
     tally: &mut Tally,
     children: &mut Vec<Child>,
 ) -> Outcome {
     tally.attempt = Some(attempt);
-    let message = format!("attempt {attempt}: {} batches to generate", pending.count());
-    children.push(Child::Generation {
+    let slices = pending.shards();
+    let last = Component::Generate {
         attempt,
-        pending,
-        exists: false,
-    });
+        shard: u32::try_from(slices.len() - 1).unwrap_or(u32::MAX),
+    };
+    if last.child_name(&run.name).len() > MAX_NAME_LENGTH {
+        return Outcome::Failed(
+            Reason::InvalidSpec,
+            format!(
+                "the run name {:?} is too long for the {} Jobs its {} batches take (at most {} batches a Job): Job {:?} would exceed {MAX_NAME_LENGTH} characters; use a shorter name or a larger spec.batchSize",
+                run.name,
+                slices.len(),
+                pending.count(),
+                MAX_JOB_COMPLETIONS,
+                last.child_name(&run.name)
+            ),
+        );
+    }
+    let message = format!("attempt {attempt}: {} batches to generate", pending.count());
+    let shares = worker_shares(run.spec.workers, slices.len());
+    for ((shard, slice), parallelism) in (0_u32..).zip(slices).zip(shares) {
+        children.push(Child::Generation(Shard {
+            attempt,
+            shard,
+            pending: slice,
+            exists: false,
+            parallelism,
+        }));
+    }
     Outcome::Working(Phase::Running, message)
 }
 
@@ -384,6 +522,24 @@ mod tests {
             batch_counts(3, &BTreeSet::new(), &BTreeSet::new()).completed,
             ""
         );
+    }
+
+    #[test]
+    fn workers_are_split_over_the_jobs_the_first_ones_taking_the_remainder() {
+        assert_eq!(worker_shares(8, 3), [3, 3, 2]);
+        assert_eq!(worker_shares(8, 1), [8]);
+        // Fewer workers than Jobs: the last ones wait with none until others finish.
+        assert_eq!(worker_shares(2, 4), [1, 1, 0, 0]);
+        assert_eq!(worker_shares(5, 0), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn pending_batches_are_cut_into_slices_a_job_can_hold() {
+        let pending = Pending::new((0..250_001).collect()).unwrap();
+        let sizes: Vec<u32> = pending.shards().iter().map(Pending::count).collect();
+        assert_eq!(sizes, [100_000, 100_000, 50_001]);
+        assert_eq!(pending.shards()[1].batches()[0], 100_000);
+        assert!(pending.shards()[0].is_identity() && !pending.shards()[1].is_identity());
     }
 
     #[test]

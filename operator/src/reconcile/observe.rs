@@ -35,6 +35,8 @@ pub struct Observed {
 #[derive(Debug, Clone)]
 pub struct ObservedAttempt {
     pub attempt: u32,
+    /// Which of the attempt's Jobs (0 unless the attempt has more batches than one Job holds).
+    pub shard: u32,
     pub job: Job,
     pub pending: Vec<u32>,
     pub batches: AttemptBatches,
@@ -93,6 +95,8 @@ pub enum ObserveError {
         text: String,
         reason: String,
     },
+    #[error("the plan ConfigMap {map} lists unreadable batch ranges: {reason}")]
+    UnreadablePlan { map: String, reason: String },
     #[error("Job {job} reports index {index}, but its attempt has {pending} pending batches")]
     IndexOutOfRange {
         job: String,
@@ -107,7 +111,9 @@ impl ObserveError {
     pub fn is_permanent(&self) -> bool {
         match self {
             Self::Api(error) => super::api_error::is_refused(error),
-            Self::BadIndexes { .. } | Self::IndexOutOfRange { .. } => true,
+            Self::BadIndexes { .. }
+            | Self::UnreadablePlan { .. }
+            | Self::IndexOutOfRange { .. } => true,
         }
     }
 
@@ -116,6 +122,7 @@ impl ObserveError {
         match self {
             Self::Api(_) => "Api",
             Self::BadIndexes { .. } => "BadIndexes",
+            Self::UnreadablePlan { .. } => "UnreadablePlan",
             Self::IndexOutOfRange { .. } => "IndexOutOfRange",
         }
     }
@@ -163,7 +170,9 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
             }
         }
     }
-    observed.attempts.sort_by_key(|attempt| attempt.attempt);
+    observed
+        .attempts
+        .sort_by_key(|attempt| (attempt.attempt, attempt.shard));
     if let Some(job) = observed
         .plan_job
         .as_ref()
@@ -182,11 +191,18 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
 }
 
 impl ObservedAttempt {
-    /// The attempt of `job`, whose index *i* works batch `pending[i]`.
+    /// The attempt of `job`, whose index *i* works batch `pending[i]`; its shard is the Job's
+    /// label.
     pub fn new(attempt: u32, job: Job, pending: Vec<u32>) -> Result<Self, ObserveError> {
         let batches = attempt_batches(&job, &pending)?;
+        let shard = job
+            .labels()
+            .get(labels::SHARD)
+            .and_then(|shard| shard.parse().ok())
+            .unwrap_or(0);
         Ok(Self {
             attempt,
+            shard,
             job,
             pending,
             batches,
@@ -194,9 +210,9 @@ impl ObservedAttempt {
     }
 }
 
-/// The batch each index of a generation Job works: the list in its plan `ConfigMap`, or the
-/// identity when the `ConfigMap` has none (the first attempt runs batch *i* at index *i*).
-async fn pending_list(maps: &Api<ConfigMap>, job: &Job) -> Result<Vec<u32>, kube::Error> {
+/// The batch each index of a generation Job works: the list (or ranges) in its plan `ConfigMap`,
+/// or the identity when the `ConfigMap` has none (the first attempt runs batch *i* at index *i*).
+async fn pending_list(maps: &Api<ConfigMap>, job: &Job) -> Result<Vec<u32>, ObserveError> {
     let completions = job
         .spec
         .as_ref()
@@ -208,9 +224,17 @@ async fn pending_list(maps: &Api<ConfigMap>, job: &Job) -> Result<Vec<u32>, kube
         .await?
         .and_then(|map| map.data?.remove(paths::PLAN_FILE))
         .and_then(|text| serde_json::from_str::<RunPlan>(&text).ok());
-    Ok(plan
-        .and_then(|plan| plan.batches)
-        .unwrap_or_else(|| (0..completions).collect()))
+    let listed = match plan.map(|plan| plan.pending_list()) {
+        None => None,
+        Some(Ok(listed)) => listed,
+        Some(Err(reason)) => {
+            return Err(ObserveError::UnreadablePlan {
+                map: job.name_any(),
+                reason,
+            });
+        }
+    };
+    Ok(listed.unwrap_or_else(|| (0..completions).collect()))
 }
 
 /// Maps a generation Job's `completedIndexes` / `failedIndexes` back to batch ids through the

@@ -6,6 +6,7 @@ use std::time::Duration;
 use k8s_openapi::jiff::Timestamp;
 use trajectory_worker::contract::RunPlan;
 
+use super::children::labels;
 use super::status::{Reason, StatusWrite, set_condition, status_write};
 use super::*;
 use crate::api::ConditionType;
@@ -511,4 +512,173 @@ fn an_unknown_or_unavailable_distribution_fails_the_run_before_any_pod() {
         let failed = failed_message(&desired);
         assert!(failed.contains(message), "{failed}");
     }
+}
+
+/// An attempt of more batches than one Job may hold (Kubernetes' 100,000 completions with
+/// `backoffLimitPerIndex`) runs as several Jobs: each works a slice, named `-gen-N-S` past the
+/// first, with the run's workers split over them and its pending slice in compact ranges.
+#[test]
+fn an_attempt_of_more_batches_than_a_job_holds_runs_as_several_jobs() {
+    let run = TrajectoryRun::test()
+        .named("r")
+        .namespace("ns")
+        .with(|spec| spec.workers = 8)
+        .build();
+    let decide =
+        |observed: &Observed| desired_state(&run, observed, &Settings::default(), &now()).unwrap();
+    let desired = decide(&ObservedFixture::planned(250_001).build());
+    assert_eq!(names(&desired), ["r-gen-1", "r-gen-1-1", "r-gen-1-2"]);
+    let specs: Vec<(Option<i32>, Option<i32>)> = desired
+        .children
+        .jobs
+        .iter()
+        .map(|job| {
+            let spec = job.spec.as_ref().unwrap();
+            (spec.completions, spec.parallelism)
+        })
+        .collect();
+    assert_eq!(
+        specs,
+        [
+            (Some(100_000), Some(3)),
+            (Some(100_000), Some(3)),
+            (Some(50_001), Some(2))
+        ]
+    );
+    let shard_labels: Vec<Option<&str>> = desired
+        .children
+        .jobs
+        .iter()
+        .map(|job| {
+            job.metadata
+                .labels
+                .as_ref()
+                .unwrap()
+                .get(labels::SHARD)
+                .map(String::as_str)
+        })
+        .collect();
+    assert_eq!(shard_labels, [None, Some("1"), Some("2")]);
+    // Each shard's plan: identity for the first; ranges (and no long list) for the others; all small.
+    let plans: Vec<(Option<String>, bool)> = desired
+        .children
+        .config_maps
+        .iter()
+        .map(|map| {
+            let text = &map.data.as_ref().unwrap()["plan.json"];
+            assert!(text.len() < 4096, "{} bytes", text.len());
+            let plan: RunPlan = serde_json::from_str(text).unwrap();
+            (plan.batch_ranges, plan.batches.is_some())
+        })
+        .collect();
+    assert_eq!(
+        plans,
+        [
+            (None, false),
+            (Some("100000-199999".into()), false),
+            (Some("200000-250000".into()), false)
+        ]
+    );
+    assert_eq!(desired.status.attempt, Some(1));
+
+    // The first shard finished: the other two share all the workers; progress counts every shard.
+    let observed = ObservedFixture::planned(250_001)
+        .attempt(
+            JobFixture::generation(1).complete().completed("0-99999"),
+            &(0..100_000).collect::<Vec<u32>>(),
+        )
+        .attempt(
+            JobFixture::generation(1).shard(1).completed("0-9"),
+            &(100_000..200_000).collect::<Vec<u32>>(),
+        )
+        .attempt(
+            JobFixture::generation(1).shard(2),
+            &(200_000..250_001).collect::<Vec<u32>>(),
+        )
+        .build();
+    let running = decide(&observed);
+    assert_eq!(names(&running), ["r-gen-1-1", "r-gen-1-2"]);
+    let parallelism: Vec<Option<i32>> = running
+        .children
+        .jobs
+        .iter()
+        .map(|job| job.spec.as_ref().unwrap().parallelism)
+        .collect();
+    assert_eq!(parallelism, [Some(4), Some(4)]);
+    assert!(running.children.config_maps.is_empty());
+    assert_eq!(running.status.progress.as_deref(), Some("100010/250001"));
+    assert_eq!(
+        running.status.batches.as_ref().unwrap().completed,
+        "0-100009"
+    );
+}
+
+#[test]
+fn a_failure_in_any_shard_is_the_attempt_s() {
+    let run = TrajectoryRun::test()
+        .named("r")
+        .namespace("ns")
+        .retry(2, 1)
+        .build();
+    let decide =
+        |observed: &Observed| desired_state(&run, observed, &Settings::default(), &now()).unwrap();
+    let shard_of = |shard: u32| -> Vec<u32> { (shard * 100_000..(shard + 1) * 100_000).collect() };
+    let config_error = ObservedFixture::planned(200_000)
+        .attempt(JobFixture::generation(1), &shard_of(0))
+        .attempt(
+            JobFixture::generation(1)
+                .shard(1)
+                .failed("PodFailurePolicy"),
+            &shard_of(1),
+        )
+        .build();
+    assert_eq!(
+        condition(&decide(&config_error), ConditionType::Failed),
+        ("True", "WorkerConfigError")
+    );
+    // Each Job allows one failed index; two across them exceed the run's limit of one.
+    let failed = ObservedFixture::planned(200_000)
+        .attempt(JobFixture::generation(1).failed_indexes("5"), &shard_of(0))
+        .attempt(
+            JobFixture::generation(1).shard(1).failed_indexes("7"),
+            &shard_of(1),
+        )
+        .build();
+    let desired = decide(&failed);
+    assert_eq!(
+        condition(&desired, ConditionType::Failed),
+        ("True", "TooManyFailedBatches")
+    );
+    assert_eq!(desired.status.batches.as_ref().unwrap().failed, "5,100007");
+}
+
+#[test]
+fn a_run_name_too_long_for_its_tenth_job_fails_the_run_naming_it() {
+    let name = "r".repeat(55);
+    let run = TrajectoryRun::test().named(&name).build();
+    let fits = desired_state(
+        &run,
+        &ObservedFixture::planned(1_000_000).build(),
+        &Settings::default(),
+        &now(),
+    )
+    .unwrap();
+    assert_eq!(fits.children.jobs.len(), 10);
+    let desired = desired_state(
+        &run,
+        &ObservedFixture::planned(1_000_001).build(),
+        &Settings::default(),
+        &now(),
+    )
+    .unwrap();
+    assert!(desired.children.jobs.is_empty());
+    assert_eq!(
+        condition(&desired, ConditionType::Failed),
+        ("True", "InvalidSpec")
+    );
+    assert!(
+        failed_message(&desired).contains("too long for the 11 Jobs"),
+        "{}",
+        failed_message(&desired)
+    );
 }

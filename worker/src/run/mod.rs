@@ -141,6 +141,7 @@ impl RunFile {
             uid: String::new(),
             spec: self.spec.clone(),
             batches: None,
+            batch_ranges: None,
         }
     }
 }

@@ -510,6 +510,7 @@ mod tests {
                 output_path: "out".into(),
                 spec,
                 batches: None,
+                batch_ranges: None,
             },
         }
     }

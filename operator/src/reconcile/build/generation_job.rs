@@ -1,36 +1,31 @@
-//! The generation Job of one attempt: an Indexed Job whose completion index *i* works batch
-//! `pending[i]`, `workers` pods at a time, each batch retried on its own.
+//! A generation Job of one attempt (one shard of it, when the attempt has more batches than one
+//! Job may hold): an Indexed Job whose completion index *i* works batch `pending[i]`, its share
+//! of the run's `workers` pods at a time, each batch retried on its own.
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 
 use super::{asserted_suspend, failure_policy, job_shell, to_i32};
-use crate::reconcile::children::Component;
-use crate::reconcile::decide::Pending;
+use crate::reconcile::decide::Shard;
 use crate::reconcile::validate::ValidatedRun;
 use crate::settings::Settings;
 
-/// The Indexed Job of generation attempt `attempt`.
+/// The Indexed Job of one shard of a generation attempt.
 ///
-/// `exists` says whether the Job is already there: with a Kueue queue the Job is created suspended
-/// and Kueue owns `suspend` afterwards, so the operator stops asserting it.
-pub fn generation_job(
-    run: &ValidatedRun<'_>,
-    settings: &Settings,
-    attempt: u32,
-    pending: &Pending,
-    exists: bool,
-) -> Job {
+/// `shard.exists` says whether the Job is already there: with a Kueue queue the Job is created
+/// suspended and Kueue owns `suspend` afterwards, so the operator stops asserting it.
+pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard) -> Job {
     let spec = run.spec;
-    let mut job = job_shell(run, settings, Component::Generate { attempt });
+    let pending = &shard.pending;
+    let mut job = job_shell(run, settings, shard.component());
     job.spec = Some(JobSpec {
         completion_mode: Some("Indexed".to_owned()),
         completions: Some(to_i32(pending.count())),
-        parallelism: Some(to_i32(spec.workers)),
+        parallelism: Some(to_i32(shard.parallelism)),
         backoff_limit_per_index: Some(to_i32(spec.retry.per_batch)),
         // The API server refuses a limit above `completions`; a limit of all of them is the same.
         max_failed_indexes: Some(to_i32(spec.retry.max_failed_batches.min(pending.count()))),
         pod_failure_policy: Some(failure_policy::failure_policy(true)),
-        suspend: asserted_suspend(spec, exists),
+        suspend: asserted_suspend(spec, shard.exists),
         ..job.spec.take().unwrap_or_default()
     });
     job

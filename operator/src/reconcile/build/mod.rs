@@ -49,19 +49,10 @@ pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -
                 (!exists).then(|| plan_config_map(run, Component::Plan, None)),
                 plan_job(run, settings, *exists),
             ),
-            Child::Generation {
-                attempt,
-                pending,
-                exists,
-            } => (
-                (!exists).then(|| {
-                    plan_config_map(
-                        run,
-                        Component::Generate { attempt: *attempt },
-                        Some(pending),
-                    )
-                }),
-                generation_job(run, settings, *attempt, pending, *exists),
+            Child::Generation(shard) => (
+                (!shard.exists)
+                    .then(|| plan_config_map(run, shard.component(), Some(&shard.pending))),
+                generation_job(run, settings, shard),
             ),
             Child::Merge { exists } => (
                 (!exists).then(|| plan_config_map(run, Component::Merge, None)),
@@ -83,8 +74,12 @@ fn labels(run: &ValidatedRun<'_>, component: Component) -> BTreeMap<String, Stri
         (labels::MANAGED_BY.to_owned(), MANAGER.to_owned()),
         (labels::RUN.to_owned(), run.name.clone()),
     ]);
-    if let Component::Generate { attempt } = component {
+    if let Component::Generate { attempt, shard } = component {
         labels.insert(labels::ATTEMPT.to_owned(), attempt.to_string());
+        // Only past the first shard: the first Job of an attempt is labelled as it always was.
+        if shard > 0 {
+            labels.insert(labels::SHARD.to_owned(), shard.to_string());
+        }
     }
     labels
 }

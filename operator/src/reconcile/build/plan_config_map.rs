@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::ConfigMap;
-use trajectory_worker::contract::{RunPlan, paths};
+use trajectory_worker::contract::{
+    MAX_LISTED_BATCHES, RunPlan, compact_ranges, format_ranges, paths,
+};
 
 use super::{labels, metadata};
 use crate::reconcile::children::Component;
@@ -12,16 +14,22 @@ use crate::reconcile::decide::Pending;
 use crate::reconcile::validate::ValidatedRun;
 
 /// The plan of the Job serving `component`. `pending` is the batch each completion index works; it
-/// is written only when it is not the identity (index *i* = batch *i*).
+/// is written only when it is not the identity (index *i* = batch *i*), as ranges, and also as a
+/// list while that is short (for worker images that read only the list).
 pub fn plan_config_map(
     run: &ValidatedRun<'_>,
     component: Component,
     pending: Option<&Pending>,
 ) -> ConfigMap {
     let name = run.child_name(component);
-    let batches = pending
-        .filter(|pending| !pending.is_identity())
+    let listed = pending.filter(|pending| !pending.is_identity());
+    let batches = listed
+        .filter(|pending| pending.batches().len() <= MAX_LISTED_BATCHES)
         .map(|pending| pending.batches().to_vec());
+    let batch_ranges = listed.map(|pending| {
+        // Pending lists are ascending: each attempt works the batches not done, in order.
+        format_ranges(&compact_ranges(pending.batches().iter().copied()))
+    });
     let plan = RunPlan {
         name: run.name.clone(),
         namespace: run.namespace.clone(),
@@ -29,6 +37,7 @@ pub fn plan_config_map(
         spec: run.spec.clone(),
         output_path: run.output_path.clone(),
         batches,
+        batch_ranges,
     };
     // A run plan holds strings, numbers and string-keyed maps, which serde_json always writes
     // (non-finite floats as null).

@@ -7,7 +7,7 @@ use trajectory_worker::contract::{RunPlan, env, exit, paths};
 
 use super::*;
 use crate::api::TrajectoryRun;
-use crate::reconcile::decide::Pending;
+use crate::reconcile::decide::{Pending, Shard};
 use crate::reconcile::validate::{Validation, validate};
 
 /// (pending list given, batches expected in the plan).
@@ -22,6 +22,18 @@ fn valid(run: &TrajectoryRun) -> ValidatedRun<'_> {
 
 fn pending(batches: &[u32]) -> Pending {
     Pending::new(batches.to_vec()).expect("batches")
+}
+
+/// The generation Job of `attempt` over `batches`, with all of the run's workers (one Job).
+fn gen_job(run: &TrajectoryRun, attempt: u32, batches: &[u32], exists: bool) -> Job {
+    let shard = Shard {
+        attempt,
+        shard: 0,
+        pending: pending(batches),
+        exists,
+        parallelism: run.spec.run.workers,
+    };
+    generation_job(&valid(run), &settings(), &shard)
 }
 
 fn settings() -> Settings {
@@ -51,11 +63,13 @@ fn children_are_built_for_what_the_decision_wants() {
     let run = TrajectoryRun::test().build();
     let wanted = [
         Child::Plan { exists: true },
-        Child::Generation {
+        Child::Generation(Shard {
             attempt: 2,
+            shard: 0,
             pending: pending(&[1, 4]),
             exists: false,
-        },
+            parallelism: 1,
+        }),
         Child::Merge { exists: false },
     ];
     let built = children(&valid(&run), &settings(), &wanted);
@@ -84,9 +98,9 @@ fn generation_job_is_indexed_with_retry_limits_and_failure_policy() {
         .build();
     let batches = [3, 4, 9];
     let many: Vec<u32> = (0..40).collect();
-    let big = generation_job(&valid(&run), &settings(), 1, &pending(&many), false);
+    let big = gen_job(&run, 1, &many, false);
     assert_eq!(big.spec.as_ref().unwrap().max_failed_indexes, Some(5));
-    let job = generation_job(&valid(&run), &settings(), 2, &pending(&batches), false);
+    let job = gen_job(&run, 2, &batches, false);
     assert_eq!(job.metadata.name.as_deref(), Some("coding-v1-gen-2"));
     let spec = job.spec.as_ref().unwrap();
     assert_eq!(spec.completion_mode.as_deref(), Some("Indexed"));
@@ -170,10 +184,10 @@ fn plan_and_merge_jobs_run_one_pod_of_their_worker_mode() {
 #[test]
 fn children_carry_common_labels_and_a_controller_owner_reference() {
     let run = TrajectoryRun::test().build();
-    let job = generation_job(&valid(&run), &settings(), 1, &pending(&[0, 1]), false);
+    let job = gen_job(&run, 1, &[0, 1], false);
     let map = plan_config_map(
         &valid(&run),
-        Component::Generate { attempt: 1 },
+        Component::generation(1),
         Some(&pending(&[0, 1])),
     );
     for metadata in [&job.metadata, &map.metadata] {
@@ -218,11 +232,7 @@ fn plan_config_map_lists_pending_batches_only_when_not_the_identity() {
     ];
     for (pending, expected) in cases {
         let pending = pending.map(|batches| Pending::new(batches.to_vec()).unwrap());
-        let map = plan_config_map(
-            &valid(&run),
-            Component::Generate { attempt: 2 },
-            pending.as_ref(),
-        );
+        let map = plan_config_map(&valid(&run), Component::generation(2), pending.as_ref());
         assert_eq!(map.metadata.name.as_deref(), Some("coding-v1-gen-2"));
         let text = &map.data.as_ref().unwrap()[paths::PLAN_FILE];
         let plan: RunPlan = serde_json::from_str(text).unwrap();
@@ -247,7 +257,7 @@ fn pods_get_the_worker_contract_environment_and_the_key_only_by_secret_ref() {
             });
         })
         .build();
-    let job = generation_job(&valid(&run), &settings(), 1, &pending(&[0]), false);
+    let job = gen_job(&run, 1, &[0], false);
     let value = |name| env_value(&job, name).and_then(|var| var.value.clone());
     assert_eq!(
         value(env::PLAN_PATH).as_deref(),
@@ -280,13 +290,7 @@ fn pods_get_the_worker_contract_environment_and_the_key_only_by_secret_ref() {
         ("llm-key", "api-key")
     );
 
-    let without = generation_job(
-        &valid(&TrajectoryRun::test().build()),
-        &settings(),
-        1,
-        &pending(&[0]),
-        false,
-    );
+    let without = gen_job(&TrajectoryRun::test().build(), 1, &[0], false);
     assert!(env_value(&without, env::MODEL_API_KEY).is_none());
 }
 
@@ -295,7 +299,7 @@ fn every_pod_meets_the_restricted_pod_security_standard() {
     let run = TrajectoryRun::test().build();
     let jobs = [
         plan_job(&valid(&run), &settings(), false),
-        generation_job(&valid(&run), &settings(), 1, &pending(&[0]), false),
+        gen_job(&run, 1, &[0], false),
         merge_job(&valid(&run), &settings(), false),
     ];
     for job in &jobs {
@@ -377,7 +381,7 @@ fn queue_name_labels_the_job_for_kueue_and_creates_it_suspended() {
         // Every stage goes through the queue: plan, generation and merge alike.
         let jobs = [
             plan_job(&valid(&run), &settings(), exists),
-            generation_job(&valid(&run), &settings(), 1, &pending(&[0]), exists),
+            gen_job(&run, 1, &[0], exists),
             merge_job(&valid(&run), &settings(), exists),
         ];
         for job in jobs {
@@ -395,13 +399,7 @@ fn queue_name_labels_the_job_for_kueue_and_creates_it_suspended() {
             );
         }
     }
-    let plain = generation_job(
-        &valid(&TrajectoryRun::test().build()),
-        &settings(),
-        1,
-        &pending(&[0]),
-        false,
-    );
+    let plain = gen_job(&TrajectoryRun::test().build(), 1, &[0], false);
     assert!(
         !plain
             .metadata
@@ -413,7 +411,7 @@ fn queue_name_labels_the_job_for_kueue_and_creates_it_suspended() {
     let suspended = TrajectoryRun::test()
         .with(|spec| spec.suspend = true)
         .build();
-    let job = generation_job(&valid(&suspended), &settings(), 1, &pending(&[0]), true);
+    let job = gen_job(&suspended, 1, &[0], true);
     assert_eq!(job.spec.as_ref().unwrap().suspend, Some(true));
 }
 
@@ -433,7 +431,7 @@ fn pod_template_fields_reach_the_pods() {
         "imagePullSecrets": [{"name": "registry"}],
     }))
     .build();
-    let job = generation_job(&valid(&run), &settings(), 1, &pending(&[0]), false);
+    let job = gen_job(&run, 1, &[0], false);
     let pod = pod(&job);
     let container = &pod.containers[0];
     assert_eq!(
@@ -467,13 +465,7 @@ fn pod_template_fields_reach_the_pods() {
         Some(paths::STORAGE_ROOT)
     );
 
-    let default = generation_job(
-        &valid(&TrajectoryRun::test().build()),
-        &settings(),
-        1,
-        &pending(&[0]),
-        false,
-    );
+    let default = gen_job(&TrajectoryRun::test().build(), 1, &[0], false);
     assert_eq!(
         default
             .spec
@@ -488,4 +480,21 @@ fn pod_template_fields_reach_the_pods() {
             .as_deref(),
         Some(settings().worker_image.as_str())
     );
+}
+
+#[test]
+fn a_pending_list_is_written_as_ranges_and_as_a_list_only_while_short() {
+    let run = TrajectoryRun::test().build();
+    let plan_of = |batches: Vec<u32>| -> RunPlan {
+        let pending = Pending::new(batches).unwrap();
+        let map = plan_config_map(&valid(&run), Component::generation(2), Some(&pending));
+        serde_json::from_str(&map.data.as_ref().unwrap()[paths::PLAN_FILE]).unwrap()
+    };
+    let short = plan_of(vec![0, 4, 5, 6, 9]);
+    assert_eq!(short.batch_ranges.as_deref(), Some("0,4-6,9"));
+    assert_eq!(short.batches, Some(vec![0, 4, 5, 6, 9]));
+    let long = plan_of((1..=20_000).chain(30_000..30_005).collect());
+    assert_eq!(long.batch_ranges.as_deref(), Some("1-20000,30000-30004"));
+    assert_eq!(long.batches, None);
+    assert_eq!(long.batch_for_index(20_000), Some(30_000));
 }
