@@ -1151,3 +1151,129 @@ async fn a_run_whose_job_is_refused_stalls_until_its_spec_is_fixed() {
     let (jobs, _) = children(&setup.client, setup.ns(), "refused").await;
     assert_eq!(jobs, ["refused-plan"]);
 }
+
+/// A run of a million batches (one prompt each) is planned, sharded over ten Indexed Jobs of
+/// 100,000 completions (the most Kubernetes accepts with `backoffLimitPerIndex`) and dispatched:
+/// `workers` pods in all over the shards, each shard's plan `ConfigMap` a few hundred bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_of_a_million_batches_is_planned_sharded_and_dispatched() {
+    const BATCHES: u32 = 1_000_000;
+    let setup = Setup::without_controller("e2e-million").await;
+    write_dataset(
+        &setup.scratch.storage(),
+        usize::try_from(BATCHES).expect("a count"),
+    );
+    let (client, ns) = (&setup.client, setup.ns());
+    let _controller = start_controller_in(client, ns);
+    setup
+        .create("million", &json!({"batchSize": 1, "workers": 12}))
+        .await;
+    // Only the plan pod is played: the batch pods are to be counted, not run.
+    let kubelet = Kubelet::new(client, ns, "million", &setup.scratch);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let plan_selector = format!("{}=million,{}=plan", labels::RUN, labels::COMPONENT);
+    let plan_pod = wait_until("the plan pod", Duration::from_secs(30), || async {
+        pods.list(&ListParams::default().labels(&plan_selector))
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .next()
+    })
+    .await;
+    wait_until(
+        "the run to show Planning",
+        Duration::from_secs(30),
+        || async {
+            let run = setup.runs.get("million").await.ok()?;
+            (phase_of(&run) == Some(Phase::Planning)).then_some(())
+        },
+    )
+    .await;
+    assert!(kubelet.play(&plan_pod).await, "the plan pod was played");
+    let planned = std::time::Instant::now();
+    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+    let selector = format!("{}=million,{}=generate", labels::RUN, labels::COMPONENT);
+    let shards = wait_until("ten generation Jobs", Duration::from_secs(60), || async {
+        let list = jobs
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .ok()?;
+        (list.items.len() == 10).then_some(list.items)
+    })
+    .await;
+    eprintln!(
+        "ten generation Jobs {} ms after the plan finished",
+        planned.elapsed().as_millis()
+    );
+    let mut shape: Vec<(String, Option<i32>, Option<i32>)> = shards
+        .iter()
+        .map(|job| {
+            let spec = job.spec.as_ref().expect("a Job spec");
+            (
+                job.metadata.name.clone().unwrap_or_default(),
+                spec.completions,
+                spec.parallelism,
+            )
+        })
+        .collect();
+    shape.sort();
+    let expected: Vec<(String, Option<i32>, Option<i32>)> = (0..10)
+        .map(|shard| {
+            let name = if shard == 0 {
+                "million-gen-1".to_owned()
+            } else {
+                format!("million-gen-1-{shard}")
+            };
+            // 12 workers over ten Jobs: the first two get two.
+            (name, Some(100_000), Some(if shard < 2 { 2 } else { 1 }))
+        })
+        .collect();
+    assert_eq!(shape, expected);
+
+    // Every shard's plan ConfigMap is small; the shards past the first name their batches as ranges.
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    for job in &shards {
+        let name = job.metadata.name.clone().unwrap_or_default();
+        let map = maps.get(&name).await.expect("the shard's plan ConfigMap");
+        let text = &map.data.as_ref().expect("data")[paths::PLAN_FILE];
+        assert!(text.len() < 4096, "{name}: {} bytes", text.len());
+        let plan: trajectory_worker::contract::RunPlan =
+            serde_json::from_str(text).expect("a run plan");
+        eprintln!("{name}: plan ConfigMap {} bytes", text.len());
+        let first = plan.batch_for_index(0).expect("a first batch");
+        assert_eq!(first % 100_000, 0, "{name}");
+        assert_eq!(plan.batch_for_index(99_999), Some(first + 99_999), "{name}");
+        if first == 0 {
+            // The first shard is the identity, bounded by its Job's completions.
+            assert_eq!(plan.batch_ranges, None, "{name}");
+        } else {
+            assert_eq!(plan.batch_for_index(100_000), None, "{name}");
+        }
+    }
+
+    // Dispatched: the Job controller starts the run's 12 pods over the shards.
+    wait_until("12 active batch pods", Duration::from_secs(60), || async {
+        let list = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .ok()?;
+        let active = list
+            .items
+            .iter()
+            .filter(|pod| {
+                matches!(
+                    pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+                    Some("Pending" | "Running")
+                )
+            })
+            .count();
+        (active == 12).then_some(())
+    })
+    .await;
+    let run = setup.runs.get("million").await.expect("the run");
+    let status = run.status.expect("a status");
+    assert_eq!(status.phase, Some(Phase::Running));
+    assert_eq!(status.progress.as_deref(), Some("0/1000000"));
+    assert_eq!(status.attempt, Some(1));
+}
