@@ -1231,26 +1231,7 @@ async fn a_run_of_a_million_batches_is_planned_sharded_and_dispatched() {
         .collect();
     assert_eq!(shape, expected);
 
-    // Every shard's plan ConfigMap is small; the shards past the first name their batches as ranges.
-    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
-    for job in &shards {
-        let name = job.metadata.name.clone().unwrap_or_default();
-        let map = maps.get(&name).await.expect("the shard's plan ConfigMap");
-        let text = &map.data.as_ref().expect("data")[paths::PLAN_FILE];
-        assert!(text.len() < 4096, "{name}: {} bytes", text.len());
-        let plan: trajectory_worker::contract::RunPlan =
-            serde_json::from_str(text).expect("a run plan");
-        eprintln!("{name}: plan ConfigMap {} bytes", text.len());
-        let first = plan.batch_for_index(0).expect("a first batch");
-        assert_eq!(first % 100_000, 0, "{name}");
-        assert_eq!(plan.batch_for_index(99_999), Some(first + 99_999), "{name}");
-        if first == 0 {
-            // The first shard is the identity, bounded by its Job's completions.
-            assert_eq!(plan.batch_ranges, None, "{name}");
-        } else {
-            assert_eq!(plan.batch_for_index(100_000), None, "{name}");
-        }
-    }
+    assert_shard_plans_are_small(&Api::namespaced(client.clone(), ns), &shards).await;
 
     // Dispatched: the Job controller starts the run's 12 pods over the shards.
     wait_until("12 active batch pods", Duration::from_secs(60), || async {
@@ -1276,4 +1257,27 @@ async fn a_run_of_a_million_batches_is_planned_sharded_and_dispatched() {
     assert_eq!(status.phase, Some(Phase::Running));
     assert_eq!(status.progress.as_deref(), Some("0/1000000"));
     assert_eq!(status.attempt, Some(1));
+}
+
+/// Every shard's plan `ConfigMap` is small: the first shard is the identity (its Job's completions
+/// bound it), the others name their 100,000 batches as ranges.
+async fn assert_shard_plans_are_small(maps: &Api<ConfigMap>, shards: &[Job]) {
+    for job in shards {
+        let name = job.metadata.name.clone().unwrap_or_default();
+        let map = maps.get(&name).await.expect("the shard's plan ConfigMap");
+        let text = &map.data.as_ref().expect("data")[paths::PLAN_FILE];
+        assert!(text.len() < 4096, "{name}: {} bytes", text.len());
+        let plan: trajectory_worker::contract::RunPlan =
+            serde_json::from_str(text).expect("a run plan");
+        eprintln!("{name}: plan ConfigMap {} bytes", text.len());
+        let first = plan.batch_for_index(0).expect("a first batch");
+        assert_eq!(first % 100_000, 0, "{name}");
+        assert_eq!(plan.batch_for_index(99_999), Some(first + 99_999), "{name}");
+        if first == 0 {
+            // The first shard is the identity, bounded by its Job's completions.
+            assert_eq!(plan.batch_ranges, None, "{name}");
+        } else {
+            assert_eq!(plan.batch_for_index(100_000), None, "{name}");
+        }
+    }
 }
