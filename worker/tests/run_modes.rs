@@ -76,6 +76,38 @@ fn plan_records_every_kind_of_bad_line_and_goes_on() {
     assert!(summary.dataset_digest.starts_with("blake3:"));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_order_mark_at_the_start_of_the_dataset_is_accepted_by_plan_and_batch() {
+    let server = terminal_server(Duration::ZERO).await;
+    let lines = [
+        "\u{feff}{\"prompt\": \"first\", \"row\": 0}".to_owned(),
+        r#"{"prompt": "second", "row": 1}"#.to_owned(),
+        // Only the file's first line may start with one: elsewhere it is not JSON.
+        "\u{feff}{\"prompt\": \"third\", \"row\": 2}".to_owned(),
+    ];
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines);
+    let data = std::fs::read(fixture.dataset()).unwrap();
+    assert!(data.starts_with(b"\xEF\xBB\xBF"));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    assert_eq!((report.plan.prompts, report.plan.invalid), (2, 1));
+    let invalid = fixture.lines("invalid.jsonl");
+    assert_eq!(invalid[0]["line"], 3);
+    assert_eq!(invalid[0]["reason"], "invalid_json");
+    // The mark stays part of the digested bytes and of batch 0's range.
+    let manifest = Manifest::require(&fixture.location().run_dir()).unwrap();
+    assert_eq!(
+        manifest.dataset.digest,
+        format!("blake3:{}", blake3::hash(&data).to_hex())
+    );
+    assert_eq!(manifest.batches[0].start(), 0);
+    let records = fixture.lines("trajectories.jsonl");
+    assert_eq!(keys(&records), [(0, 0), (1, 0)]);
+    assert_eq!(records[0]["conversations"][1]["value"], "first");
+    assert_eq!(records[0]["source"], json!({"row": 0}));
+}
+
 #[test]
 fn a_dataset_without_any_valid_line_fails_the_plan_and_names_the_file() {
     let fixture = RunFixture::with_lines(

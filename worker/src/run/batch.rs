@@ -27,7 +27,7 @@ use super::segments::segment_digest;
 use super::{RunError, RunLocation};
 use crate::agent::{AgentConfig, Conversation, ConversationError, run_conversation};
 use crate::contract::BatchSummary;
-use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row};
+use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row, without_bom};
 use crate::distribution::Distribution;
 use crate::hermes::{
     Failure, RecordContext, RecordIdentity, reasoning_stats, system_turn, timestamp,
@@ -492,7 +492,8 @@ fn read_batch_rows(
         if info.too_long {
             continue;
         }
-        if let Ok(row) = parse_row(&buffer, field) {
+        let line = without_bom(layout.start() + info.offset, &buffer);
+        if let Ok(row) = parse_row(line, field) {
             rows.push(row);
         }
     }
