@@ -644,6 +644,62 @@ async fn the_openai_form_is_written_beside_the_hermes_form_in_the_same_order() {
     assert_eq!(first["id"], hermes[0]["id"]);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merge_keeps_the_openai_line_of_the_very_trajectory_it_keeps() {
+    let server = terminal_server(Duration::ZERO).await;
+    let fixture = RunFixture::new(&server.base_url(), 2).with("/openaiFormat", json!(true));
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    let requests = server.request_count();
+    let (main_path, openai_path) = (
+        fixture.out().join("batches/batch-000000.jsonl"),
+        fixture.out().join("batches/batch-000000.openai.jsonl"),
+    );
+    let main = fixture.lines("batches/batch-000000.jsonl");
+    let openai = fixture.lines("batches/batch-000000.openai.jsonl");
+    let stamp = |line: &Value| line["finished_at"].as_str().unwrap().to_owned();
+    assert_eq!(stamp(&main[0]), stamp(&openai[0]));
+    let altered = |line: &Value, finished_at: &str| {
+        let mut line = line.clone();
+        line["finished_at"] = json!(finished_at);
+        line["messages"] = json!([{"role": "user", "content": "from another attempt"}]);
+        line.to_string()
+    };
+    // Prompt 0: an attempt killed between its OpenAI line and its trajectory left an orphan
+    // before the line of the attempt that finished. Prompt 1: a second writer appended another
+    // trajectory after the first, with its OpenAI line before the first one's.
+    let mut second = main[1].clone();
+    second["finished_at"] = json!("2001-01-01T00:00:01.000000Z");
+    let openai_lines = [
+        altered(&openai[0], "2001-01-01T00:00:00.000000Z"),
+        openai[0].to_string(),
+        altered(&openai[1], "2001-01-01T00:00:01.000000Z"),
+        openai[1].to_string(),
+    ];
+    std::fs::write(&openai_path, openai_lines.join("\n") + "\n").unwrap();
+    let mut main_text = std::fs::read_to_string(&main_path).unwrap();
+    main_text.push_str(&second.to_string());
+    main_text.push('\n');
+    std::fs::write(&main_path, main_text).unwrap();
+
+    let summary = merge::merge(&fixture.location()).unwrap();
+    assert_eq!((summary.trajectories, summary.skipped_lines), (2, 1));
+    let hermes = fixture.lines("trajectories.jsonl");
+    let paired = fixture.lines("trajectories.openai.jsonl");
+    assert_eq!(keys(&hermes), keys(&paired));
+    for (hermes, paired) in hermes.iter().zip(&paired) {
+        assert_eq!(stamp(hermes), stamp(paired));
+        let prompt = format!("task number {}", hermes["prompt_index"]);
+        assert_eq!(paired["messages"][0]["content"], json!(prompt));
+    }
+    assert_eq!(
+        server.request_count(),
+        requests,
+        "merge asks the model nothing"
+    );
+}
+
 #[test]
 fn a_missing_api_key_file_or_variable_is_refused_before_any_request() {
     let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1)

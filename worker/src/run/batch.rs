@@ -3,7 +3,9 @@
 //! The batch's lines are read from their byte range in the dataset (checked against the plan's
 //! digest), every (prompt, sample) without a record is run with `concurrency` conversations in
 //! flight, and each finished conversation becomes one record line, rendered by [`crate::hermes`]:
-//! a trajectory, a discarded record or a failed record. A single writer appends lines whole and
+//! a trajectory, a discarded record or a failed record (and, when the run asks for the `OpenAI`
+//! form, a trajectory's twin in the `.openai.jsonl` file, written just before it and carrying its
+//! `finished_at`, by which merge pairs them). A single writer appends lines whole and
 //! fsyncs them (grouping the lines that arrive within a short commit interval). When every
 //! (prompt, sample) has a record, the `.done` marker is written atomically. A killed batch loses
 //! at most its in-flight conversations.
