@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
 };
-use trajectory_worker::contract::exit;
+use trajectory_worker::contract::{BatchSummary, exit};
 use trajectory_worker::run::batch::run_batch;
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::run::manifest::Manifest;
@@ -421,6 +421,127 @@ async fn a_401_stops_the_batch_with_the_permanent_exit_code_and_writes_no_record
         serde_json::from_slice(&std::fs::read(fixture.root().join("termination-log")).unwrap())
             .unwrap();
     assert_eq!(message["reason"], "ModelUnauthorized");
+}
+
+/// A conversation of the terminal server's shape: one tool call, then a final answer.
+fn conversation_steps() -> [Step; 2] {
+    [
+        Step::ok(tool_call_reply("terminal", &json!({"command": "echo hi"}))),
+        Step::ok(text_reply("done")),
+    ]
+}
+
+fn overloaded() -> Step {
+    Step::error(503, "overloaded", "the server is overloaded")
+}
+
+/// Runs batch 0 of the fixture in this process, with fast retries.
+async fn batch_zero(fixture: &RunFixture) -> Result<BatchSummary, RunError> {
+    let location = fixture.location();
+    let manifest = Manifest::require(&location.run_dir()).unwrap();
+    let engine = fixture.engine_with_fast_retries();
+    run_batch(&engine, &location, &manifest, 0, &no_shutdown(), &|_| {}).await
+}
+
+/// The batch file's records: all distinct, none failed; returns their keys.
+fn distinct_unfailed_records(fixture: &RunFixture) -> Vec<(u64, u64)> {
+    let records = fixture.lines("batches/batch-000000.jsonl");
+    assert!(
+        records.iter().all(|record| record.get("status").is_none()),
+        "an outage caused a failed record: {records:?}"
+    );
+    let mut found = keys(&records);
+    found.sort_unstable();
+    let before = found.len();
+    found.dedup();
+    assert_eq!(found.len(), before, "a finished conversation was redone");
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_503_stretch_stops_the_batch_as_transient_and_a_rerun_finishes_it_without_redoing_work() {
+    // One conversation at a time: two finish, the third meets three 503s (all its attempts),
+    // then the server is back (the default: a final answer at once).
+    let mut script = Vec::new();
+    script.extend(conversation_steps());
+    script.extend(conversation_steps());
+    script.extend([overloaded(), overloaded(), overloaded()]);
+    let server = ScriptedServer::start_with_default(script, Step::ok(text_reply("done"))).await;
+    let fixture = RunFixture::new(&server.base_url(), 6)
+        .with("/batchSize", json!(6))
+        .with("/concurrency", json!(1));
+    plan::plan(&fixture.location()).unwrap();
+
+    let error = batch_zero(&fixture).await.unwrap_err();
+    assert!(matches!(error, RunError::ModelUnavailable(_)), "{error}");
+    assert_eq!(error.exit_code(), exit::TRANSIENT);
+    assert_eq!(distinct_unfailed_records(&fixture), [(0, 0), (1, 0)]);
+    assert!(!fixture.out().join("batches/batch-000000.done").exists());
+    assert_eq!(server.request_count(), 2 * 2 + 3);
+
+    let summary = batch_zero(&fixture).await.unwrap();
+    assert_eq!(
+        (summary.resumed, summary.succeeded, summary.failed),
+        (2, 6, 0)
+    );
+    assert_eq!(
+        distinct_unfailed_records(&fixture),
+        (0..6).map(|i| (i, 0)).collect::<Vec<_>>()
+    );
+    // The four prompts left, one call each: nothing finished was asked again.
+    assert_eq!(server.request_count(), 2 * 2 + 3 + 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consecutive_failures_across_conversations_open_the_circuit_and_no_conversation_starts() {
+    // Two conversations in flight share eight 503s (the circuit's threshold), then both succeed;
+    // no third conversation starts, though each still had retries left.
+    let server = ScriptedServer::start_with_default(
+        std::iter::repeat_with(overloaded).take(8),
+        Step::ok(text_reply("done")),
+    )
+    .await;
+    let fixture = RunFixture::new(&server.base_url(), 8)
+        .with("/batchSize", json!(8))
+        .with("/concurrency", json!(2))
+        .with("/model/maxAttempts", json!(10));
+    plan::plan(&fixture.location()).unwrap();
+
+    let error = batch_zero(&fixture).await.unwrap_err();
+    assert!(
+        matches!(&error, RunError::ModelUnavailable(message) if message.contains("6 not started")),
+        "{error}"
+    );
+    assert_eq!(error.exit_code(), exit::TRANSIENT);
+    assert_eq!(distinct_unfailed_records(&fixture).len(), 2);
+    assert_eq!(server.request_count(), 8 + 2);
+
+    batch_zero(&fixture).await.unwrap();
+    assert_eq!(
+        distinct_unfailed_records(&fixture),
+        (0..8).map(|i| (i, 0)).collect::<Vec<_>>()
+    );
+    assert_eq!(server.request_count(), 8 + 2 + 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_404_on_the_model_path_stops_the_batch_with_the_permanent_exit_code() {
+    let server =
+        ScriptedServer::start_with_default([], Step::error(404, "not_found", "Not Found")).await;
+    let fixture = RunFixture::new(&server.base_url(), 8);
+    assert!(worker(&fixture, &["plan"]).await.success());
+    let status = worker(&fixture, &["batch", "0"]).await;
+    assert_eq!(status.code(), Some(exit::PERMANENT_CONFIG));
+    let records = std::fs::read_to_string(fixture.out().join("batches/batch-000000.jsonl"))
+        .unwrap_or_default();
+    assert_eq!(records, "", "a wrong path is not the prompts' failure");
+    // One request per conversation in flight (4) at most: a 404 is not retried.
+    assert!(server.request_count() <= 4, "{}", server.request_count());
+    let message: Value =
+        serde_json::from_slice(&std::fs::read(fixture.root().join("termination-log")).unwrap())
+            .unwrap();
+    assert_eq!(message["reason"], "ModelNotFound");
+    assert_eq!(message["exitCode"], exit::PERMANENT_CONFIG);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,7 +35,7 @@ use crate::hermes::{
     Failure, RecordContext, RecordIdentity, reasoning_stats, system_turn, timestamp,
     write_discarded_record, write_failed_record, write_openai_record, write_trajectory_record,
 };
-use crate::model::{ApiKey, ModelClient, ModelSettings};
+use crate::model::{ApiKey, Circuit, ModelClient, ModelSettings};
 use crate::spec::RunSpec;
 use crate::storage::{AppendLog, RunDir, StorageError, read_whole_lines, write_atomic};
 use crate::tools::{Registry, Tool, ToolContext, ToolLimits, ToolSpec, Workspace};
@@ -329,7 +329,10 @@ async fn run_pending(
     let mut running = JoinSet::new();
     let mut stop: Option<RunError> = None;
     loop {
-        while stop.is_none() && running.len() < shared.engine.concurrency.max(1) {
+        while stop.is_none()
+            && !shared.circuit.is_open()
+            && running.len() < shared.engine.concurrency.max(1)
+        {
             if shutdown.is_triggered() {
                 break;
             }
@@ -375,6 +378,14 @@ async fn run_pending(
             // A shutdown dropped the conversation, or a weightier stop came first.
             None | Some(Item::Stop(_)) => {}
         }
+    }
+    if stop.is_none() && shared.circuit.is_open() && pending.len() > 0 {
+        stop = Some(RunError::ModelUnavailable(format!(
+            "{} model calls in a row failed, so the batch started no more conversations \
+             ({} not started)",
+            shared.circuit.threshold(),
+            pending.len()
+        )));
     }
     Ok(stop)
 }
@@ -551,6 +562,8 @@ struct Shared {
     draining: AtomicBool,
     /// Workspace removals on the blocking pool (awaited before the batch returns).
     removals: Mutex<JoinSet<()>>,
+    /// Sees every model call of the batch; once open, no conversation starts.
+    circuit: Arc<Circuit>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -568,8 +581,12 @@ struct Offered {
 impl Shared {
     /// One copy, for all the batch's conversation tasks, of what they read.
     fn new(engine: &Engine, rows: Vec<Row>, first_prompt: u64, context: BatchContext) -> Self {
+        let circuit = Arc::new(Circuit::for_concurrency(engine.concurrency.max(1)));
+        let mut engine = engine.clone();
+        engine.client = engine.client.with_circuit(Arc::clone(&circuit));
         Self {
-            engine: engine.clone(),
+            circuit,
+            engine,
             rows,
             first_prompt,
             offered: Mutex::default(),
@@ -779,10 +796,17 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     let finished_at = chrono::Utc::now();
     let conversation = match result {
         Ok(conversation) => conversation,
+        Err(error) if error.is_model_missing() => {
+            return Item::Stop(RunError::ModelNotFound(error.to_string()));
+        }
         Err(error) if error.is_permanent() => {
             return Item::Stop(RunError::ModelConfiguration(error.to_string()));
         }
-        Err(error) if error.is_server_unreachable() => {
+        // A budget that ran out while the server was failing was spent waiting on the outage.
+        Err(error)
+            if error.is_transient()
+                || error.is_budget_exhausted() && shared.circuit.is_failing() =>
+        {
             return Item::Stop(RunError::ModelUnavailable(error.to_string()));
         }
         Err(error) => {

@@ -39,9 +39,14 @@ pub enum RunError {
     /// The model server refused the configuration; every prompt would fail.
     #[error("stopped: {0}")]
     ModelConfiguration(String),
-    /// The model server could not be reached; nothing was recorded for the prompts it stopped.
+    /// The model or its path does not exist on the server (404, an unknown model name); every
+    /// prompt would fail.
+    #[error("stopped: check spec.model.baseUrl and spec.model.name: {0}")]
+    ModelNotFound(String),
+    /// The model server failed past its retries (unreachable, 5xx, 429, timeouts), or the batch's
+    /// circuit opened; nothing was recorded for the prompts it stopped.
     #[error(
-        "model server unreachable; the affected prompts were not recorded and are retried on resume: {0}"
+        "model server unavailable; the affected prompts were not recorded and are retried on resume: {0}"
     )]
     ModelUnavailable(String),
     /// Stopped by a signal after leaving storage consistent.
@@ -59,7 +64,8 @@ impl RunError {
             Self::Spec(_)
             | Self::InvalidDataset(_)
             | Self::OutputMismatch(_)
-            | Self::ModelConfiguration(_) => exit::PERMANENT_CONFIG,
+            | Self::ModelConfiguration(_)
+            | Self::ModelNotFound(_) => exit::PERMANENT_CONFIG,
             Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
             Self::Interrupted => exit::INTERRUPTED,
             Self::Storage(_) | Self::Internal(_) | Self::ModelUnavailable(_) => exit::TRANSIENT,
@@ -75,6 +81,7 @@ impl RunError {
             Self::OutputMismatch(_) => "OutputMismatch",
             Self::BadBatchInput(_) => "BadBatchInput",
             Self::ModelConfiguration(_) => "ModelUnauthorized",
+            Self::ModelNotFound(_) => "ModelNotFound",
             Self::ModelUnavailable(_) => "ModelUnavailable",
             Self::Interrupted => "Interrupted",
             Self::Internal(_) => "InternalError",

@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, text_reply, tool_call_reply,
 };
+use trajectory_worker::model::{ModelClient, ModelSettings};
 use trajectory_worker::run::batch::{Engine, Shutdown, shutdown_channel};
 use trajectory_worker::run::{RunFile, RunLocation};
 
@@ -93,6 +94,16 @@ impl RunFixture {
 
     pub fn engine(&self) -> Engine {
         Engine::new(&self.location().plan.spec, self.workspaces()).expect("engine")
+    }
+
+    /// [`Self::engine`] with retries 10 ms apart (the spec's backoff starts at a second).
+    pub fn engine_with_fast_retries(&self) -> Engine {
+        let spec = self.location().plan.spec;
+        let mut settings = ModelSettings::from_spec(&spec.model, None).expect("model settings");
+        settings.retry.base_delay = Duration::from_millis(10);
+        settings.retry.max_delay = Duration::from_millis(200);
+        let client = ModelClient::new(settings).expect("client");
+        Engine::with_client(&spec, self.workspaces(), client).expect("engine")
     }
 
     /// The JSON lines of an output file.
