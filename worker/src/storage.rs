@@ -40,6 +40,51 @@ impl StorageError {
     }
 }
 
+/// What a storage failure means for the step that met it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StorageFault {
+    /// A read or write failed in a way a later attempt may not (EIO, ESTALE on NFS, a timeout).
+    Transient,
+    /// The volume or the quota is full (ENOSPC, EDQUOT); freeing space fixes it, a retry alone
+    /// does not.
+    Full,
+    /// The volume is mounted read-only (EROFS): no retry of the same pod spec can write.
+    ReadOnly,
+    /// The pod's user may not write there (EACCES, EPERM): no retry can either.
+    Denied,
+}
+
+impl StorageError {
+    pub fn fault(&self) -> StorageFault {
+        match self.source.kind() {
+            io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => StorageFault::Full,
+            io::ErrorKind::ReadOnlyFilesystem => StorageFault::ReadOnly,
+            io::ErrorKind::PermissionDenied => StorageFault::Denied,
+            _ => StorageFault::Transient,
+        }
+    }
+}
+
+/// Fails with ENOSPC's kind, before anything is spent, when the filesystem holding `dir` has less
+/// than `needed` bytes free for this process's user.
+pub fn require_free_space(dir: &Path, needed: u64) -> Result<(), StorageError> {
+    let stats = nix::sys::statvfs::statvfs(dir)
+        .map_err(|errno| StorageError::new("checking free space in", dir, errno.into()))?;
+    #[allow(clippy::useless_conversion)] // the field types differ between platforms
+    let free = u64::from(stats.blocks_available()).saturating_mul(u64::from(stats.fragment_size()));
+    if free >= needed {
+        return Ok(());
+    }
+    Err(StorageError::new(
+        "checking free space in",
+        dir,
+        io::Error::new(
+            io::ErrorKind::StorageFull,
+            format!("{free} bytes free, but the batch may write {needed}"),
+        ),
+    ))
+}
+
 /// Shorthand for attaching the path to an I/O result.
 pub trait Context<T> {
     fn at(self, action: &'static str, path: &Path) -> Result<T, StorageError>;

@@ -436,11 +436,8 @@ fn overloaded() -> Step {
 }
 
 /// Runs batch 0 of the fixture in this process, with fast retries.
-async fn batch_zero(fixture: &RunFixture) -> Result<BatchSummary, RunError> {
-    let location = fixture.location();
-    let manifest = Manifest::require(&location.run_dir()).unwrap();
-    let engine = fixture.engine_with_fast_retries();
-    run_batch(&engine, &location, &manifest, 0, &no_shutdown(), &|_| {}).await
+async fn batch_zero_fast(fixture: &RunFixture) -> Result<BatchSummary, RunError> {
+    common::batch_zero(fixture, &fixture.engine_with_fast_retries()).await
 }
 
 /// The batch file's records: all distinct, none failed; returns their keys.
@@ -472,14 +469,14 @@ async fn a_503_stretch_stops_the_batch_as_transient_and_a_rerun_finishes_it_with
         .with("/concurrency", json!(1));
     plan::plan(&fixture.location()).unwrap();
 
-    let error = batch_zero(&fixture).await.unwrap_err();
+    let error = batch_zero_fast(&fixture).await.unwrap_err();
     assert!(matches!(error, RunError::ModelUnavailable(_)), "{error}");
     assert_eq!(error.exit_code(), exit::TRANSIENT);
     assert_eq!(distinct_unfailed_records(&fixture), [(0, 0), (1, 0)]);
     assert!(!fixture.out().join("batches/batch-000000.done").exists());
     assert_eq!(server.request_count(), 2 * 2 + 3);
 
-    let summary = batch_zero(&fixture).await.unwrap();
+    let summary = batch_zero_fast(&fixture).await.unwrap();
     assert_eq!(
         (summary.resumed, summary.succeeded, summary.failed),
         (2, 6, 0)
@@ -507,7 +504,7 @@ async fn consecutive_failures_across_conversations_open_the_circuit_and_no_conve
         .with("/model/maxAttempts", json!(10));
     plan::plan(&fixture.location()).unwrap();
 
-    let error = batch_zero(&fixture).await.unwrap_err();
+    let error = batch_zero_fast(&fixture).await.unwrap_err();
     assert!(
         matches!(&error, RunError::ModelUnavailable(message) if message.contains("6 not started")),
         "{error}"
@@ -516,7 +513,7 @@ async fn consecutive_failures_across_conversations_open_the_circuit_and_no_conve
     assert_eq!(distinct_unfailed_records(&fixture).len(), 2);
     assert_eq!(server.request_count(), 8 + 2);
 
-    batch_zero(&fixture).await.unwrap();
+    batch_zero_fast(&fixture).await.unwrap();
     assert_eq!(
         distinct_unfailed_records(&fixture),
         (0..8).map(|i| (i, 0)).collect::<Vec<_>>()

@@ -211,8 +211,14 @@ pub async fn run_batch(
     let first_prompt = manifest.first_prompt(batch);
     let rows = read_batch_rows(location, manifest, batch, layout)?;
 
+    // Opening for appending is the check that the volume takes writes (a read-only volume
+    // refuses it), before any conversation starts.
     let main_log = AppendLog::open(&run_dir.batch_records(batch))?;
-    let (existing, mut summary) = existing_records(&run_dir, batch)?;
+    let Existing {
+        keys: existing,
+        mut summary,
+        mean_record_bytes,
+    } = existing_records(&run_dir, batch)?;
     summary.resumed = summary.succeeded + summary.discarded + summary.failed;
     if summary.resumed > 0 {
         progress(Progress::Resumed(summary.resumed));
@@ -228,6 +234,12 @@ pub async fn run_batch(
         engine.samples_per_prompt,
         &existing,
     );
+    require_room(
+        &run_dir,
+        pending.len(),
+        mean_record_bytes,
+        engine.openai_format,
+    )?;
     info!(
         pending = pending.len(),
         resumed = summary.resumed,
@@ -302,16 +314,43 @@ fn pending_items(
 
 /// Starts the single writer of the batch's files on the blocking pool; it stops when the sender
 /// is dropped, or at its first error.
-fn spawn_writer(
-    main: AppendLog,
-    openai: Option<AppendLog>,
-) -> (
-    mpsc::UnboundedSender<Lines>,
-    JoinHandle<Result<(), RunError>>,
-) {
+fn spawn_writer(main: AppendLog, openai: Option<AppendLog>) -> (RecordSender, WriterHandle) {
     let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
-    let writer = tokio::task::spawn_blocking(move || write_lines(receiver, main, openai));
-    (sender, writer)
+    let (failed, failure) = watch::channel(false);
+    let writer = tokio::task::spawn_blocking(move || {
+        let result = write_lines(receiver, main, openai);
+        if result.is_err() {
+            failed.send_replace(true);
+        }
+        result
+    });
+    (
+        RecordSender {
+            lines: sender,
+            failure,
+        },
+        writer,
+    )
+}
+
+type WriterHandle = JoinHandle<Result<(), RunError>>;
+
+/// The way to the writer, and the signal that it stopped at an error (a full or failing volume):
+/// the batch then stops at once, rather than spend tokens on records it cannot save.
+struct RecordSender {
+    lines: mpsc::UnboundedSender<Lines>,
+    failure: watch::Receiver<bool>,
+}
+
+impl RecordSender {
+    /// Resolves once the writer failed.
+    async fn failed(&self) {
+        let mut failure = self.failure.clone();
+        // An error means the writer ended without failing: nothing to report, ever.
+        if failure.wait_for(|failed| *failed).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 /// Runs the pending (prompt, sample)s, `concurrency` at a time, and sends each record to the
@@ -321,7 +360,7 @@ async fn run_pending(
     shared: &Arc<Shared>,
     pending: Vec<(u64, u32)>,
     shutdown: &Shutdown,
-    lines: mpsc::UnboundedSender<Lines>,
+    lines: RecordSender,
     summary: &mut BatchSummary,
     progress: &(dyn Fn(Progress) + Send + Sync),
 ) -> Result<Option<RunError>, RunError> {
@@ -344,7 +383,13 @@ async fn run_pending(
             };
             spawn_item(&mut running, shared, shutdown, prompt_index, sample);
         }
-        let Some(joined) = running.join_next().await else {
+        let joined = tokio::select! {
+            joined = running.join_next() => joined,
+            // Dropping the set abandons the conversations in flight; the writer's error is the
+            // batch's.
+            () = lines.failed() => break,
+        };
+        let Some(joined) = joined else {
             break;
         };
         let result =
@@ -360,7 +405,7 @@ async fn run_pending(
                     ConversationOutcome::Discarded => summary.discarded += 1,
                     ConversationOutcome::Failed => summary.failed += 1,
                 }
-                if lines.send(Lines { main: line, openai }).is_err() {
+                if lines.lines.send(Lines { main: line, openai }).is_err() {
                     // The writer stopped on an error, which it reports to the batch; dropping the
                     // set abandons the conversations in flight.
                     break;
@@ -466,13 +511,16 @@ fn read_batch_rows(
         .saturating_mul(segment)
         .min(dataset.bytes);
     let mut window = vec![0; usize::try_from(window_end - window_start).unwrap_or(usize::MAX)];
-    let mut file = File::open(&path).map_err(|err| bad(format!("cannot open: {err}")))?;
+    let mut file = File::open(&path)
+        .map_err(|err| dataset_read_error(&path, err, |err| bad(format!("cannot open: {err}"))))?;
     file.seek(SeekFrom::Start(window_start))
         .and_then(|_| file.read_exact(&mut window))
         .map_err(|err| {
-            changed(format!(
-                "cannot read bytes {window_start}..{window_end}: {err}"
-            ))
+            dataset_read_error(&path, err, |err| {
+                changed(format!(
+                    "cannot read bytes {window_start}..{window_end}: {err}"
+                ))
+            })
         })?;
     for (index, bytes) in window
         .chunks(usize::try_from(segment).unwrap_or(usize::MAX))
@@ -520,12 +568,35 @@ fn read_batch_rows(
     Ok(rows)
 }
 
+/// What storage holds of a batch when it starts.
+struct Existing {
+    keys: HashSet<(u64, u32)>,
+    summary: BatchSummary,
+    /// Mean size of its record lines, when it has any.
+    mean_record_bytes: Option<u64>,
+}
+
+/// A dataset read error as the batch reports it: a dataset gone or shorter than the plan recorded
+/// has changed (`changed`: bad input, exit 65); any other error (EIO, ESTALE on NFS, a timeout) is
+/// the storage's, and transient: the batch's input may be fine on the next attempt.
+fn dataset_read_error(
+    path: &std::path::Path,
+    error: std::io::Error,
+    changed: impl FnOnce(std::io::Error) -> RunError,
+) -> RunError {
+    match error.kind() {
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::UnexpectedEof => changed(error),
+        _ => StorageError::new("reading the dataset", path, error).into(),
+    }
+}
+
 /// Keys of the records already on storage, and their counts by outcome.
-fn existing_records(
-    run_dir: &RunDir,
-    batch: u32,
-) -> Result<(HashSet<(u64, u32)>, BatchSummary), RunError> {
+fn existing_records(run_dir: &RunDir, batch: u32) -> Result<Existing, RunError> {
     let (data, lines) = read_whole_lines(&run_dir.batch_records(batch))?;
+    let mean_record_bytes = (!lines.is_empty()).then(|| {
+        let bytes: usize = lines.iter().map(|(start, end)| end - start + 1).sum();
+        (bytes / lines.len()) as u64
+    });
     let mut keys = HashSet::with_capacity(lines.len());
     let mut summary = BatchSummary {
         batch,
@@ -545,7 +616,38 @@ fn existing_records(
             Some(_) => summary.failed += 1,
         }
     }
-    Ok((keys, summary))
+    Ok(Existing {
+        keys,
+        summary,
+        mean_record_bytes,
+    })
+}
+
+/// Bytes a record is expected to take when the batch has none yet to measure: a typical
+/// trajectory of a few turns with tool output (the size the renderer reserves for one).
+const TYPICAL_RECORD_BYTES: u64 = 16 * 1024;
+
+/// Checks, before a token is spent, that the batch's output fits: twice the expected size of its
+/// pending records (the mean of its records so far, or [`TYPICAL_RECORD_BYTES`], whichever is
+/// larger; doubled again for the `OpenAI` form), plus 64 KiB for the marker and the filesystem's
+/// own rounding. Twice, because record sizes vary with the conversation: the margin turns most
+/// "full halfway through" into "full before starting"; what it misses, the writer's first ENOSPC
+/// stops at once.
+fn require_room(
+    run_dir: &RunDir,
+    pending: usize,
+    mean_record_bytes: Option<u64>,
+    openai: bool,
+) -> Result<(), StorageError> {
+    let record = mean_record_bytes
+        .unwrap_or(0)
+        .max(TYPICAL_RECORD_BYTES)
+        .saturating_mul(if openai { 2 } else { 1 });
+    let needed = (pending as u64)
+        .saturating_mul(record)
+        .saturating_mul(2)
+        .saturating_add(64 * 1024);
+    crate::storage::require_free_space(&run_dir.batches_dir(), needed)
 }
 
 /// What every conversation task of a batch reads.
@@ -781,13 +883,10 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     let started_at = chrono::Utc::now();
     let (dir, workspace) = match shared.workspace(prompt_index, sample).await {
         Ok(pair) => pair,
+        // Not the prompt's fault: every conversation needs a workspace.
         Err(err) => {
-            let message = format!("cannot create a workspace: {err}");
-            let failure = Failure {
-                class: "workspace",
-                message: &message,
-            };
-            return failed_item(&identity, failure, started_at);
+            let root = &engine.workspace_root;
+            return Item::Stop(StorageError::new("creating a workspace in", root, err).into());
         }
     };
     let result = converse(shared, &offered, &row.prompt, dir, workspace)
@@ -932,6 +1031,35 @@ fn failed_item(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The test double of a failing disk: errors as the kernel reports them, injected where the
+    /// batch reads its dataset (no filesystem here can be made to answer EIO or ESTALE).
+    #[test]
+    fn a_failing_read_of_the_dataset_is_transient_and_a_shorter_dataset_is_bad_input() {
+        let path = std::path::Path::new("/data/d.jsonl");
+        let changed = |err: std::io::Error| RunError::BadBatchInput(err.to_string());
+        for errno in [nix::errno::Errno::EIO, nix::errno::Errno::ESTALE] {
+            let error = dataset_read_error(
+                path,
+                std::io::Error::from_raw_os_error(errno as i32),
+                changed,
+            );
+            assert_eq!(
+                error.exit_code(),
+                crate::contract::exit::TRANSIENT,
+                "{error}"
+            );
+            assert_eq!(error.reason(), "StorageError");
+            assert!(error.to_string().contains("/data/d.jsonl"), "{error}");
+        }
+        for kind in [
+            std::io::ErrorKind::UnexpectedEof,
+            std::io::ErrorKind::NotFound,
+        ] {
+            let error = dataset_read_error(path, kind.into(), changed);
+            assert_eq!(error.exit_code(), crate::contract::exit::BAD_BATCH_INPUT);
+        }
+    }
 
     #[test]
     fn shutdown_is_observed_by_every_clone() {
