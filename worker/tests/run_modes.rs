@@ -818,6 +818,31 @@ async fn merge_keeps_the_openai_line_of_the_very_trajectory_it_keeps() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_local_run_on_the_same_directory_is_refused_with_a_clear_message() {
+    let server = terminal_server(Duration::ZERO).await;
+    let fixture = RunFixture::new(&server.base_url(), 3);
+    // What a first `local` holds while it runs.
+    let held = fixture.location().run_dir().lock().unwrap();
+    let error = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, RunError::OutputInUse(_)), "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains("another `trajectory-worker local`"),
+        "{error}"
+    );
+    assert_eq!(error.exit_code(), exit::PERMANENT_CONFIG);
+    assert_eq!(server.request_count(), 0);
+    drop(held);
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    assert_eq!(fixture.lines("trajectories.jsonl").len(), 3);
+}
+
 #[test]
 fn a_missing_api_key_file_or_variable_is_refused_before_any_request() {
     let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1)

@@ -9,6 +9,16 @@
 //! fsyncs them (grouping the lines that arrive within a short commit interval). When every
 //! (prompt, sample) has a record, the `.done` marker is written atomically. A killed batch loses
 //! at most its in-flight conversations.
+//!
+//! Two writers of one batch (a pod of a partitioned node still running while its index runs
+//! again; two `local` runs) are to be made safe by giving each writer a file of its own, which
+//! merge and resume union by key, rather than by a fencing token. A token must be checked on every
+//! commit against a shared record of the current holder, and on NFS that check and the append
+//! cannot be made one atomic step, nor can `O_APPEND` keep two clients' writes apart; a file per
+//! writer needs no coordination, keeps each file single-writer (so a writer's torn-tail cut never
+//! touches another's write), and merge already keeps one record per key. Today: a `local` run
+//! holds a `flock` on its output directory (a second one is refused), and temp names are unique
+//! per writer (not per pid: every pod is PID 1); per-writer batch files are still to come.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;

@@ -26,6 +26,9 @@ pub enum RunError {
     /// can help.
     #[error(transparent)]
     Storage(#[from] StorageError),
+    /// Another `local` run works in the same output directory.
+    #[error("{0}")]
+    OutputInUse(String),
     /// The storage root does not exist (the volume is not mounted where the plan says).
     #[error("{0}")]
     StorageMissing(String),
@@ -71,7 +74,8 @@ impl RunError {
             | Self::OutputMismatch(_)
             | Self::ModelConfiguration(_)
             | Self::ModelNotFound(_)
-            | Self::StorageMissing(_) => exit::PERMANENT_CONFIG,
+            | Self::StorageMissing(_)
+            | Self::OutputInUse(_) => exit::PERMANENT_CONFIG,
             Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
             Self::Interrupted => exit::INTERRUPTED,
             Self::Storage(error) => match error.fault() {
@@ -94,6 +98,7 @@ impl RunError {
                 StorageFault::Denied => "StoragePermissionDenied",
             },
             Self::StorageMissing(_) => "StorageMissing",
+            Self::OutputInUse(_) => "OutputInUse",
             Self::Spec(_) => "InvalidSpec",
             Self::InvalidDataset(_) => "InvalidDataset",
             Self::OutputMismatch(_) => "OutputMismatch",
