@@ -13,7 +13,7 @@ use serde_json::Value;
 use tracing::{Instrument, debug, info_span};
 
 use crate::model::{
-    AssistantMessage, ErrorClass, Message, ModelClient, ModelError, ToolCall, ToolMessage, Usage,
+    AssistantMessage, Message, ModelClient, ModelError, ToolCall, ToolMessage, Usage,
 };
 use crate::tools::{Tool, ToolContext, ToolOutcome};
 
@@ -68,17 +68,22 @@ impl ConversationError {
         matches!(self, Self::Model(error) if error.is_permanent())
     }
 
-    /// The server could not be reached at all, after retries. Recording that as the prompt's
-    /// failure would let a dead server burn through the whole dataset, so the batch stops instead
-    /// and the prompt is retried when the batch is.
-    pub fn is_server_unreachable(&self) -> bool {
-        matches!(
-            self,
-            Self::Model(ModelError::Exhausted {
-                class: ErrorClass::Connection,
-                ..
-            })
-        )
+    /// Retries ran out on failures a later retry may get past (the server down, overloaded or
+    /// answering garbage). Recording that as the prompt's failure would let an outage burn
+    /// through the whole dataset, so the batch stops instead and the prompt is retried when the
+    /// batch is.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Model(error) if error.is_transient())
+    }
+
+    /// The model or its path does not exist on the server: no prompt can succeed.
+    pub fn is_model_missing(&self) -> bool {
+        matches!(self, Self::Model(error) if error.is_model_missing())
+    }
+
+    /// The conversation's wall-clock budget ran out.
+    pub fn is_budget_exhausted(&self) -> bool {
+        matches!(self, Self::Timeout(_))
     }
 }
 

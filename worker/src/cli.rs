@@ -126,10 +126,12 @@ impl RunArgs {
                 )));
             }
         };
-        Ok(RunLocation {
+        let location = RunLocation {
             storage_root: self.storage_root.clone(),
             plan,
-        })
+        };
+        location.require_storage()?;
+        Ok(location)
     }
 
     /// Writes the summary (or the error) where the operator reads it.
@@ -254,11 +256,13 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             Ok(())
         }
         Command::Plan(args) => {
-            let location = args.location()?;
-            let result = tokio::task::spawn_blocking(move || plan::plan(&location))
-                .await
-                .map_err(|err| RunError::Internal(err.to_string()))
-                .and_then(|result| result.map(|(_, summary)| summary));
+            let result = match args.location() {
+                Ok(location) => tokio::task::spawn_blocking(move || plan::plan(&location))
+                    .await
+                    .map_err(|err| RunError::Internal(err.to_string()))
+                    .and_then(|result| result.map(|(_, summary)| summary)),
+                Err(error) => Err(error),
+            };
             args.report(&result);
             println!("{}", termination_message(&result?));
             Ok(())
@@ -275,11 +279,13 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             Ok(())
         }
         Command::Merge(args) => {
-            let location = args.location()?;
-            let result = tokio::task::spawn_blocking(move || merge::merge(&location))
-                .await
-                .map_err(|err| RunError::Internal(err.to_string()))
-                .and_then(|result| result);
+            let result = match args.location() {
+                Ok(location) => tokio::task::spawn_blocking(move || merge::merge(&location))
+                    .await
+                    .map_err(|err| RunError::Internal(err.to_string()))
+                    .and_then(|result| result),
+                Err(error) => Err(error),
+            };
             args.report(&result);
             println!("{}", termination_message(&result?));
             Ok(())

@@ -33,6 +33,21 @@ macro_rules! seed_by_visiting {
 /// Lines longer than this are rejected (and never held in memory whole).
 pub const MAX_LINE_BYTES: usize = 1024 * 1024;
 
+/// The UTF-8 byte-order mark some editors and exporters put at the start of a file.
+pub const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// The line as the validation rules see it: without a byte-order mark when it is the file's first
+/// line (`offset` is the line's offset in the file), as most JSON Lines readers accept it. The mark
+/// stays in the file, its digests and the batch byte ranges; the plan and the batch strip it alike,
+/// so a line is valid in one exactly when it is valid in the other.
+pub fn without_bom(offset: u64, line: &[u8]) -> &[u8] {
+    if offset == 0 {
+        line.strip_prefix(UTF8_BOM).unwrap_or(line)
+    } else {
+        line
+    }
+}
+
 /// One framed line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LineInfo {

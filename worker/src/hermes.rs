@@ -490,6 +490,9 @@ pub fn openai_record(
         Value::Array(conversation.messages.iter().map(Message::to_wire).collect()),
     );
     record.insert("tools".into(), Value::Array(tools));
+    // The Hermes record's own `finished_at`: it tells this conversation's line from a line an
+    // earlier attempt at the same (prompt, sample) left, so merge pairs the two forms exactly.
+    record.insert("finished_at".into(), timestamp(context.finished_at).into());
     record
 }
 

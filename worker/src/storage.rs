@@ -40,6 +40,51 @@ impl StorageError {
     }
 }
 
+/// What a storage failure means for the step that met it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StorageFault {
+    /// A read or write failed in a way a later attempt may not (EIO, ESTALE on NFS, a timeout).
+    Transient,
+    /// The volume or the quota is full (ENOSPC, EDQUOT); freeing space fixes it, a retry alone
+    /// does not.
+    Full,
+    /// The volume is mounted read-only (EROFS): no retry of the same pod spec can write.
+    ReadOnly,
+    /// The pod's user may not write there (EACCES, EPERM): no retry can either.
+    Denied,
+}
+
+impl StorageError {
+    pub fn fault(&self) -> StorageFault {
+        match self.source.kind() {
+            io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => StorageFault::Full,
+            io::ErrorKind::ReadOnlyFilesystem => StorageFault::ReadOnly,
+            io::ErrorKind::PermissionDenied => StorageFault::Denied,
+            _ => StorageFault::Transient,
+        }
+    }
+}
+
+/// Fails with ENOSPC's kind, before anything is spent, when the filesystem holding `dir` has less
+/// than `needed` bytes free for this process's user.
+pub fn require_free_space(dir: &Path, needed: u64) -> Result<(), StorageError> {
+    let stats = nix::sys::statvfs::statvfs(dir)
+        .map_err(|errno| StorageError::new("checking free space in", dir, errno.into()))?;
+    #[allow(clippy::useless_conversion)] // the field types differ between platforms
+    let free = u64::from(stats.blocks_available()).saturating_mul(u64::from(stats.fragment_size()));
+    if free >= needed {
+        return Ok(());
+    }
+    Err(StorageError::new(
+        "checking free space in",
+        dir,
+        io::Error::new(
+            io::ErrorKind::StorageFull,
+            format!("{free} bytes free, but the batch may write {needed}"),
+        ),
+    ))
+}
+
 /// Shorthand for attaching the path to an I/O result.
 pub trait Context<T> {
     fn at(self, action: &'static str, path: &Path) -> Result<T, StorageError>;
@@ -148,13 +193,59 @@ pub fn write_atomic_with(
     sync_dir(dir)
 }
 
-/// A temp name beside `path`, unique per process so two writers never share one.
+/// A temp name beside `path`, unique per writer so two writers never share one: the pid alone
+/// is not (every pod's worker is PID 1, and two pods of one index may write one `.done`), so a
+/// random part follows it.
 pub fn temp_path(path: &Path) -> PathBuf {
     let name = path
         .file_name()
         .map(|name| name.to_string_lossy().into_owned())
         .unwrap_or_default();
-    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+    let unique: u64 = rand::random();
+    path.with_file_name(format!(".{name}.tmp-{}-{unique:016x}", std::process::id()))
+}
+
+/// An exclusive lock on a run directory, held while a `local` run works in it (released when
+/// dropped, or when the process dies).
+#[derive(Debug)]
+pub struct RunDirLock {
+    _lock: nix::fcntl::Flock<File>,
+}
+
+/// Why a run directory could not be locked.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// Another process holds it.
+    #[error("{0} is locked by another process")]
+    Held(PathBuf),
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+}
+
+impl RunDir {
+    /// The lock file of the directory.
+    pub fn lock_file(&self) -> PathBuf {
+        self.root.join(".lock")
+    }
+
+    /// Takes the directory's lock, without waiting. `flock` serialises processes on one machine
+    /// (what two `local` runs are); it does not reach across NFS clients, which is why batches on
+    /// a cluster do not rely on it (see `run::batch`).
+    pub fn lock(&self) -> Result<RunDirLock, LockError> {
+        fs::create_dir_all(&self.root).at("creating", &self.root)?;
+        let path = self.lock_file();
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .at("opening", &path)?;
+        match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => Ok(RunDirLock { _lock: lock }),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Err(LockError::Held(path)),
+            Err((_, errno)) => Err(StorageError::new("locking", &path, errno.into()).into()),
+        }
+    }
 }
 
 /// Makes a rename or a new file in `dir` durable.
@@ -335,6 +426,23 @@ mod tests {
         write_atomic(&path, b"two").unwrap();
         assert_eq!(fs::read(&path).unwrap(), b"two");
         assert_eq!(fs::read_dir(dir.path().join("sub")).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn temp_names_differ_between_writers_of_one_process_id() {
+        let path = Path::new("/run/batches/batch-000001.done");
+        assert_ne!(temp_path(path), temp_path(path));
+        assert_eq!(temp_path(path).parent(), path.parent());
+    }
+
+    #[test]
+    fn a_locked_run_directory_refuses_a_second_lock_until_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path().join("out"));
+        let held = run.lock().unwrap();
+        assert!(matches!(run.lock(), Err(LockError::Held(_))));
+        drop(held);
+        run.lock().unwrap();
     }
 
     #[test]

@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
 };
-use trajectory_worker::contract::exit;
+use trajectory_worker::contract::{BatchSummary, exit};
 use trajectory_worker::run::batch::run_batch;
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::run::manifest::Manifest;
@@ -74,6 +74,38 @@ fn plan_records_every_kind_of_bad_line_and_goes_on() {
     );
     assert_eq!(manifest.dataset.lines, 11);
     assert!(summary.dataset_digest.starts_with("blake3:"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_order_mark_at_the_start_of_the_dataset_is_accepted_by_plan_and_batch() {
+    let server = terminal_server(Duration::ZERO).await;
+    let lines = [
+        "\u{feff}{\"prompt\": \"first\", \"row\": 0}".to_owned(),
+        r#"{"prompt": "second", "row": 1}"#.to_owned(),
+        // Only the file's first line may start with one: elsewhere it is not JSON.
+        "\u{feff}{\"prompt\": \"third\", \"row\": 2}".to_owned(),
+    ];
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines);
+    let data = std::fs::read(fixture.dataset()).unwrap();
+    assert!(data.starts_with(b"\xEF\xBB\xBF"));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    assert_eq!((report.plan.prompts, report.plan.invalid), (2, 1));
+    let invalid = fixture.lines("invalid.jsonl");
+    assert_eq!(invalid[0]["line"], 3);
+    assert_eq!(invalid[0]["reason"], "invalid_json");
+    // The mark stays part of the digested bytes and of batch 0's range.
+    let manifest = Manifest::require(&fixture.location().run_dir()).unwrap();
+    assert_eq!(
+        manifest.dataset.digest,
+        format!("blake3:{}", blake3::hash(&data).to_hex())
+    );
+    assert_eq!(manifest.batches[0].start(), 0);
+    let records = fixture.lines("trajectories.jsonl");
+    assert_eq!(keys(&records), [(0, 0), (1, 0)]);
+    assert_eq!(records[0]["conversations"][1]["value"], "first");
+    assert_eq!(records[0]["source"], json!({"row": 0}));
 }
 
 #[test]
@@ -391,6 +423,124 @@ async fn a_401_stops_the_batch_with_the_permanent_exit_code_and_writes_no_record
     assert_eq!(message["reason"], "ModelUnauthorized");
 }
 
+/// A conversation of the terminal server's shape: one tool call, then a final answer.
+fn conversation_steps() -> [Step; 2] {
+    [
+        Step::ok(tool_call_reply("terminal", &json!({"command": "echo hi"}))),
+        Step::ok(text_reply("done")),
+    ]
+}
+
+fn overloaded() -> Step {
+    Step::error(503, "overloaded", "the server is overloaded")
+}
+
+/// Runs batch 0 of the fixture in this process, with fast retries.
+async fn batch_zero_fast(fixture: &RunFixture) -> Result<BatchSummary, RunError> {
+    common::batch_zero(fixture, &fixture.engine_with_fast_retries()).await
+}
+
+/// The batch file's records: all distinct, none failed; returns their keys.
+fn distinct_unfailed_records(fixture: &RunFixture) -> Vec<(u64, u64)> {
+    let records = fixture.lines("batches/batch-000000.jsonl");
+    assert!(
+        records.iter().all(|record| record.get("status").is_none()),
+        "an outage caused a failed record: {records:?}"
+    );
+    let mut found = keys(&records);
+    found.sort_unstable();
+    let before = found.len();
+    found.dedup();
+    assert_eq!(found.len(), before, "a finished conversation was redone");
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_503_stretch_stops_the_batch_as_transient_and_a_rerun_finishes_it_without_redoing_work() {
+    // One conversation at a time: two finish, the third meets three 503s (all its attempts),
+    // then the server is back (the default: a final answer at once).
+    let mut script = Vec::new();
+    script.extend(conversation_steps());
+    script.extend(conversation_steps());
+    script.extend([overloaded(), overloaded(), overloaded()]);
+    let server = ScriptedServer::start_with_default(script, Step::ok(text_reply("done"))).await;
+    let fixture = RunFixture::new(&server.base_url(), 6)
+        .with("/batchSize", json!(6))
+        .with("/concurrency", json!(1));
+    plan::plan(&fixture.location()).unwrap();
+
+    let error = batch_zero_fast(&fixture).await.unwrap_err();
+    assert!(matches!(error, RunError::ModelUnavailable(_)), "{error}");
+    assert_eq!(error.exit_code(), exit::TRANSIENT);
+    assert_eq!(distinct_unfailed_records(&fixture), [(0, 0), (1, 0)]);
+    assert!(!fixture.out().join("batches/batch-000000.done").exists());
+    assert_eq!(server.request_count(), 2 * 2 + 3);
+
+    let summary = batch_zero_fast(&fixture).await.unwrap();
+    assert_eq!(
+        (summary.resumed, summary.succeeded, summary.failed),
+        (2, 6, 0)
+    );
+    assert_eq!(
+        distinct_unfailed_records(&fixture),
+        (0..6).map(|i| (i, 0)).collect::<Vec<_>>()
+    );
+    // The four prompts left, one call each: nothing finished was asked again.
+    assert_eq!(server.request_count(), 2 * 2 + 3 + 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consecutive_failures_across_conversations_open_the_circuit_and_no_conversation_starts() {
+    // Two conversations in flight share eight 503s (the circuit's threshold), then both succeed;
+    // no third conversation starts, though each still had retries left.
+    let server = ScriptedServer::start_with_default(
+        std::iter::repeat_with(overloaded).take(8),
+        Step::ok(text_reply("done")),
+    )
+    .await;
+    let fixture = RunFixture::new(&server.base_url(), 8)
+        .with("/batchSize", json!(8))
+        .with("/concurrency", json!(2))
+        .with("/model/maxAttempts", json!(10));
+    plan::plan(&fixture.location()).unwrap();
+
+    let error = batch_zero_fast(&fixture).await.unwrap_err();
+    assert!(
+        matches!(&error, RunError::ModelUnavailable(message) if message.contains("6 not started")),
+        "{error}"
+    );
+    assert_eq!(error.exit_code(), exit::TRANSIENT);
+    assert_eq!(distinct_unfailed_records(&fixture).len(), 2);
+    assert_eq!(server.request_count(), 8 + 2);
+
+    batch_zero_fast(&fixture).await.unwrap();
+    assert_eq!(
+        distinct_unfailed_records(&fixture),
+        (0..8).map(|i| (i, 0)).collect::<Vec<_>>()
+    );
+    assert_eq!(server.request_count(), 8 + 2 + 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_404_on_the_model_path_stops_the_batch_with_the_permanent_exit_code() {
+    let server =
+        ScriptedServer::start_with_default([], Step::error(404, "not_found", "Not Found")).await;
+    let fixture = RunFixture::new(&server.base_url(), 8);
+    assert!(worker(&fixture, &["plan"]).await.success());
+    let status = worker(&fixture, &["batch", "0"]).await;
+    assert_eq!(status.code(), Some(exit::PERMANENT_CONFIG));
+    let records = std::fs::read_to_string(fixture.out().join("batches/batch-000000.jsonl"))
+        .unwrap_or_default();
+    assert_eq!(records, "", "a wrong path is not the prompts' failure");
+    // One request per conversation in flight (4) at most: a 404 is not retried.
+    assert!(server.request_count() <= 4, "{}", server.request_count());
+    let message: Value =
+        serde_json::from_slice(&std::fs::read(fixture.root().join("termination-log")).unwrap())
+            .unwrap();
+    assert_eq!(message["reason"], "ModelNotFound");
+    assert_eq!(message["exitCode"], exit::PERMANENT_CONFIG);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_killed_at_random_points_ends_with_every_prompt_exactly_once() {
     let server = terminal_server(Duration::from_millis(40)).await;
@@ -610,6 +760,87 @@ async fn the_openai_form_is_written_beside_the_hermes_form_in_the_same_order() {
     );
     assert_eq!(first["tools"][0]["type"], "function");
     assert_eq!(first["id"], hermes[0]["id"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merge_keeps_the_openai_line_of_the_very_trajectory_it_keeps() {
+    let server = terminal_server(Duration::ZERO).await;
+    let fixture = RunFixture::new(&server.base_url(), 2).with("/openaiFormat", json!(true));
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    let requests = server.request_count();
+    let (main_path, openai_path) = (
+        fixture.out().join("batches/batch-000000.jsonl"),
+        fixture.out().join("batches/batch-000000.openai.jsonl"),
+    );
+    let main = fixture.lines("batches/batch-000000.jsonl");
+    let openai = fixture.lines("batches/batch-000000.openai.jsonl");
+    let stamp = |line: &Value| line["finished_at"].as_str().unwrap().to_owned();
+    assert_eq!(stamp(&main[0]), stamp(&openai[0]));
+    let altered = |line: &Value, finished_at: &str| {
+        let mut line = line.clone();
+        line["finished_at"] = json!(finished_at);
+        line["messages"] = json!([{"role": "user", "content": "from another attempt"}]);
+        line.to_string()
+    };
+    // Prompt 0: an attempt killed between its OpenAI line and its trajectory left an orphan
+    // before the line of the attempt that finished. Prompt 1: a second writer appended another
+    // trajectory after the first, with its OpenAI line before the first one's.
+    let mut second = main[1].clone();
+    second["finished_at"] = json!("2001-01-01T00:00:01.000000Z");
+    let openai_lines = [
+        altered(&openai[0], "2001-01-01T00:00:00.000000Z"),
+        openai[0].to_string(),
+        altered(&openai[1], "2001-01-01T00:00:01.000000Z"),
+        openai[1].to_string(),
+    ];
+    std::fs::write(&openai_path, openai_lines.join("\n") + "\n").unwrap();
+    let mut main_text = std::fs::read_to_string(&main_path).unwrap();
+    main_text.push_str(&second.to_string());
+    main_text.push('\n');
+    std::fs::write(&main_path, main_text).unwrap();
+
+    let summary = merge::merge(&fixture.location()).unwrap();
+    assert_eq!((summary.trajectories, summary.skipped_lines), (2, 1));
+    let hermes = fixture.lines("trajectories.jsonl");
+    let paired = fixture.lines("trajectories.openai.jsonl");
+    assert_eq!(keys(&hermes), keys(&paired));
+    for (hermes, paired) in hermes.iter().zip(&paired) {
+        assert_eq!(stamp(hermes), stamp(paired));
+        let prompt = format!("task number {}", hermes["prompt_index"]);
+        assert_eq!(paired["messages"][0]["content"], json!(prompt));
+    }
+    assert_eq!(
+        server.request_count(),
+        requests,
+        "merge asks the model nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_local_run_on_the_same_directory_is_refused_with_a_clear_message() {
+    let server = terminal_server(Duration::ZERO).await;
+    let fixture = RunFixture::new(&server.base_url(), 3);
+    // What a first `local` holds while it runs.
+    let held = fixture.location().run_dir().lock().unwrap();
+    let error = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, RunError::OutputInUse(_)), "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains("another `trajectory-worker local`"),
+        "{error}"
+    );
+    assert_eq!(error.exit_code(), exit::PERMANENT_CONFIG);
+    assert_eq!(server.request_count(), 0);
+    drop(held);
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    assert_eq!(fixture.lines("trajectories.jsonl").len(), 3);
 }
 
 #[test]

@@ -1,5 +1,6 @@
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use rand::Rng;
@@ -8,7 +9,7 @@ use serde_json::{Map, Value};
 use tracing::{debug, warn};
 
 use super::types::{Completion, Message, ParseFailure, parse_completion};
-use super::{ErrorClass, ModelError, Verdict, classify_status, sse};
+use super::{Circuit, ErrorClass, ModelError, Verdict, classify_status, sse};
 use crate::spec::ModelSpec;
 
 /// The model API key. Its `Debug` and `Display` never show the value.
@@ -189,6 +190,8 @@ pub struct ModelClient {
     url: String,
     authorization: Option<HeaderValue>,
     settings: ModelSettings,
+    /// Told of every attempt's outcome, when a batch watches this client's calls.
+    circuit: Option<Arc<Circuit>>,
 }
 
 /// One failed attempt.
@@ -228,7 +231,17 @@ impl ModelClient {
             url: format!("{}/chat/completions", settings.base_url),
             authorization,
             settings,
+            circuit: None,
         })
+    }
+
+    /// The same client (one connection pool), telling `circuit` of every attempt.
+    #[must_use]
+    pub fn with_circuit(&self, circuit: Arc<Circuit>) -> Self {
+        Self {
+            circuit: Some(circuit),
+            ..self.clone()
+        }
     }
 
     pub fn settings(&self) -> &ModelSettings {
@@ -282,7 +295,10 @@ impl ModelClient {
         loop {
             attempt += 1;
             let error = match self.attempt(body, turn).await {
-                Ok(completion) => return Ok(completion),
+                Ok(completion) => {
+                    self.tell_circuit(true);
+                    return Ok(completion);
+                }
                 Err(error) => error,
             };
             let AttemptError {
@@ -290,6 +306,8 @@ impl ModelClient {
                 status,
                 message,
             } = error;
+            // A refusal is an answer: the server is up.
+            self.tell_circuit(!matches!(verdict, Verdict::Retry { .. }));
             let message = self.redact(message);
             let (class, retry_after) = match verdict {
                 Verdict::Permanent(class) => {
@@ -322,6 +340,14 @@ impl ModelClient {
             warn!(attempt, %class, status, delay_ms = delay.as_millis(), "model call failed; retrying");
             tokio::time::sleep(delay).await;
             waited += delay;
+        }
+    }
+
+    fn tell_circuit(&self, answered: bool) {
+        match (&self.circuit, answered) {
+            (Some(circuit), true) => circuit.success(),
+            (Some(circuit), false) => circuit.failure(),
+            (None, _) => {}
         }
     }
 

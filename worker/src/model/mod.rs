@@ -3,14 +3,20 @@
 //! One pooled [`ModelClient`] per process. Each [`ModelClient::complete`] call retries what a retry
 //! can fix (408, 429, 5xx, 529, timeouts, connection errors, empty or malformed replies) with
 //! jittered exponential backoff that honours `Retry-After`, within a bounded number of attempts and
-//! a bounded total wait. What a retry cannot fix is classified: prompt-level failures (400, 404,
-//! 422, context length) fail the prompt; configuration failures (401, 403, 402, exhausted quota)
-//! stop the batch, because every other prompt would fail the same way.
+//! a bounded total wait. What a retry cannot fix is classified: prompt-level failures (400, 422,
+//! context length) fail the prompt; configuration failures (401, 403, 402, exhausted quota, 404
+//! on the model path, an unknown model name) stop the batch, because every other prompt would
+//! fail the same way. Retries that run out ([`ModelError::Exhausted`]) stop the batch too, as
+//! transient: an outage says nothing about the prompt. A [`Circuit`] shared by a batch's
+//! conversations sees every attempt, so that a batch stops starting conversations while the
+//! server keeps failing. The table of what becomes what is in `docs/troubleshooting.md`.
 
+mod circuit;
 mod client;
 mod sse;
 pub mod types;
 
+pub use circuit::Circuit;
 pub use client::{ApiKey, ModelClient, ModelSettings, RetryPolicy};
 pub use types::{
     AssistantMessage, Completion, Message, Reasoning, ReasoningShape, ToolCall, ToolMessage, Usage,
@@ -28,7 +34,7 @@ pub enum ModelError {
         status: u16,
         message: String,
     },
-    /// This prompt cannot be completed (bad request, context too long, unknown model route).
+    /// This prompt cannot be completed (bad request, context too long, unprocessable content).
     #[error("model server rejected the request ({class}): HTTP {status}: {message}")]
     Rejected {
         class: ErrorClass,
@@ -61,6 +67,24 @@ impl ModelError {
     pub fn is_permanent(&self) -> bool {
         matches!(self, Self::Permanent { .. } | Self::Settings(_))
     }
+
+    /// True when retries ran out on failures a later retry may get past (5xx, 429, 408, timeouts,
+    /// connection errors, empty or malformed replies): the batch stops as transient and the prompt
+    /// keeps no record, so that an outage never turns prompts into failures.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Exhausted { .. })
+    }
+
+    /// True when the model or its path does not exist on the server (a run-wide misconfiguration).
+    pub fn is_model_missing(&self) -> bool {
+        matches!(
+            self,
+            Self::Permanent {
+                class: ErrorClass::NotFound | ErrorClass::UnknownModel,
+                ..
+            }
+        )
+    }
 }
 
 /// A short, stable label for an error, recorded per failed prompt and in statistics.
@@ -72,6 +96,7 @@ pub enum ErrorClass {
     QuotaExhausted,
     BadRequest,
     NotFound,
+    UnknownModel,
     Unprocessable,
     ContextLength,
     RateLimited,
@@ -93,6 +118,7 @@ impl ErrorClass {
             Self::QuotaExhausted => "quota_exhausted",
             Self::BadRequest => "bad_request",
             Self::NotFound => "not_found",
+            Self::UnknownModel => "unknown_model",
             Self::Unprocessable => "unprocessable",
             Self::ContextLength => "context_length",
             Self::RateLimited => "rate_limited",
@@ -126,6 +152,15 @@ pub(crate) enum Verdict {
     /// Stop the batch.
     Permanent(ErrorClass),
 }
+
+/// What error bodies say when the requested model does not exist.
+const MODEL_MISSING: [&str; 5] = [
+    "model_not_found",
+    "model not found",
+    "does not exist",
+    "unknown model",
+    "no such model",
+];
 
 /// Classifies an HTTP error status and its body.
 pub(crate) fn classify_status(status: u16, body: &str, retry_after: Option<Duration>) -> Verdict {
@@ -167,8 +202,16 @@ pub(crate) fn classify_status(status: u16, body: &str, retry_after: Option<Durat
         {
             Verdict::Reject(ErrorClass::ContextLength)
         }
+        // vLLM and OpenAI answer an unknown model name with 404, others with 400 or 422; the
+        // body names the model either way. Checked after context length, whose messages also say
+        // "model".
+        400 | 404 | 422 if lower.contains("model") && mentions(&MODEL_MISSING) => {
+            Verdict::Permanent(ErrorClass::UnknownModel)
+        }
+        // A 404 or 405 from the chat-completions path is about the path (a wrong `baseUrl`),
+        // never about one prompt.
+        404 | 405 => Verdict::Permanent(ErrorClass::NotFound),
         400 => Verdict::Reject(ErrorClass::BadRequest),
-        404 => Verdict::Reject(ErrorClass::NotFound),
         422 => Verdict::Reject(ErrorClass::Unprocessable),
         _ => Verdict::Reject(ErrorClass::HttpError),
     }
@@ -224,7 +267,19 @@ mod tests {
         );
         assert_eq!(
             classify_status(404, "", None),
-            Verdict::Reject(ErrorClass::NotFound)
+            Verdict::Permanent(ErrorClass::NotFound)
+        );
+        assert_eq!(
+            classify_status(404, "The model `llama-70b` does not exist.", None),
+            Verdict::Permanent(ErrorClass::UnknownModel)
+        );
+        assert_eq!(
+            classify_status(400, r#"{"error":{"code":"model_not_found"}}"#, None),
+            Verdict::Permanent(ErrorClass::UnknownModel)
+        );
+        assert_eq!(
+            classify_status(400, "file data.csv does not exist", None),
+            Verdict::Reject(ErrorClass::BadRequest)
         );
         assert_eq!(
             classify_status(422, "", None),

@@ -3,10 +3,22 @@
 //! The batch's lines are read from their byte range in the dataset (checked against the plan's
 //! digest), every (prompt, sample) without a record is run with `concurrency` conversations in
 //! flight, and each finished conversation becomes one record line, rendered by [`crate::hermes`]:
-//! a trajectory, a discarded record or a failed record. A single writer appends lines whole and
+//! a trajectory, a discarded record or a failed record (and, when the run asks for the `OpenAI`
+//! form, a trajectory's twin in the `.openai.jsonl` file, written just before it and carrying its
+//! `finished_at`, by which merge pairs them). A single writer appends lines whole and
 //! fsyncs them (grouping the lines that arrive within a short commit interval). When every
 //! (prompt, sample) has a record, the `.done` marker is written atomically. A killed batch loses
 //! at most its in-flight conversations.
+//!
+//! Two writers of one batch (a pod of a partitioned node still running while its index runs
+//! again; two `local` runs) are to be made safe by giving each writer a file of its own, which
+//! merge and resume union by key, rather than by a fencing token. A token must be checked on every
+//! commit against a shared record of the current holder, and on NFS that check and the append
+//! cannot be made one atomic step, nor can `O_APPEND` keep two clients' writes apart; a file per
+//! writer needs no coordination, keeps each file single-writer (so a writer's torn-tail cut never
+//! touches another's write), and merge already keeps one record per key. Today: a `local` run
+//! holds a `flock` on its output directory (a second one is refused), and temp names are unique
+//! per writer (not per pid: every pod is PID 1); per-writer batch files are still to come.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -27,13 +39,13 @@ use super::segments::segment_digest;
 use super::{RunError, RunLocation};
 use crate::agent::{AgentConfig, Conversation, ConversationError, run_conversation};
 use crate::contract::BatchSummary;
-use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row};
+use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row, without_bom};
 use crate::distribution::Distribution;
 use crate::hermes::{
     Failure, RecordContext, RecordIdentity, reasoning_stats, system_turn, timestamp,
     write_discarded_record, write_failed_record, write_openai_record, write_trajectory_record,
 };
-use crate::model::{ApiKey, ModelClient, ModelSettings};
+use crate::model::{ApiKey, Circuit, ModelClient, ModelSettings};
 use crate::spec::RunSpec;
 use crate::storage::{AppendLog, RunDir, StorageError, read_whole_lines, write_atomic};
 use crate::tools::{Registry, Tool, ToolContext, ToolLimits, ToolSpec, Workspace};
@@ -209,8 +221,14 @@ pub async fn run_batch(
     let first_prompt = manifest.first_prompt(batch);
     let rows = read_batch_rows(location, manifest, batch, layout)?;
 
+    // Opening for appending is the check that the volume takes writes (a read-only volume
+    // refuses it), before any conversation starts.
     let main_log = AppendLog::open(&run_dir.batch_records(batch))?;
-    let (existing, mut summary) = existing_records(&run_dir, batch)?;
+    let Existing {
+        keys: existing,
+        mut summary,
+        mean_record_bytes,
+    } = existing_records(&run_dir, batch)?;
     summary.resumed = summary.succeeded + summary.discarded + summary.failed;
     if summary.resumed > 0 {
         progress(Progress::Resumed(summary.resumed));
@@ -226,6 +244,12 @@ pub async fn run_batch(
         engine.samples_per_prompt,
         &existing,
     );
+    require_room(
+        &run_dir,
+        pending.len(),
+        mean_record_bytes,
+        engine.openai_format,
+    )?;
     info!(
         pending = pending.len(),
         resumed = summary.resumed,
@@ -300,16 +324,43 @@ fn pending_items(
 
 /// Starts the single writer of the batch's files on the blocking pool; it stops when the sender
 /// is dropped, or at its first error.
-fn spawn_writer(
-    main: AppendLog,
-    openai: Option<AppendLog>,
-) -> (
-    mpsc::UnboundedSender<Lines>,
-    JoinHandle<Result<(), RunError>>,
-) {
+fn spawn_writer(main: AppendLog, openai: Option<AppendLog>) -> (RecordSender, WriterHandle) {
     let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
-    let writer = tokio::task::spawn_blocking(move || write_lines(receiver, main, openai));
-    (sender, writer)
+    let (failed, failure) = watch::channel(false);
+    let writer = tokio::task::spawn_blocking(move || {
+        let result = write_lines(receiver, main, openai);
+        if result.is_err() {
+            failed.send_replace(true);
+        }
+        result
+    });
+    (
+        RecordSender {
+            lines: sender,
+            failure,
+        },
+        writer,
+    )
+}
+
+type WriterHandle = JoinHandle<Result<(), RunError>>;
+
+/// The way to the writer, and the signal that it stopped at an error (a full or failing volume):
+/// the batch then stops at once, rather than spend tokens on records it cannot save.
+struct RecordSender {
+    lines: mpsc::UnboundedSender<Lines>,
+    failure: watch::Receiver<bool>,
+}
+
+impl RecordSender {
+    /// Resolves once the writer failed.
+    async fn failed(&self) {
+        let mut failure = self.failure.clone();
+        // An error means the writer ended without failing: nothing to report, ever.
+        if failure.wait_for(|failed| *failed).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 /// Runs the pending (prompt, sample)s, `concurrency` at a time, and sends each record to the
@@ -319,7 +370,7 @@ async fn run_pending(
     shared: &Arc<Shared>,
     pending: Vec<(u64, u32)>,
     shutdown: &Shutdown,
-    lines: mpsc::UnboundedSender<Lines>,
+    lines: RecordSender,
     summary: &mut BatchSummary,
     progress: &(dyn Fn(Progress) + Send + Sync),
 ) -> Result<Option<RunError>, RunError> {
@@ -327,7 +378,10 @@ async fn run_pending(
     let mut running = JoinSet::new();
     let mut stop: Option<RunError> = None;
     loop {
-        while stop.is_none() && running.len() < shared.engine.concurrency.max(1) {
+        while stop.is_none()
+            && !shared.circuit.is_open()
+            && running.len() < shared.engine.concurrency.max(1)
+        {
             if shutdown.is_triggered() {
                 break;
             }
@@ -339,7 +393,13 @@ async fn run_pending(
             };
             spawn_item(&mut running, shared, shutdown, prompt_index, sample);
         }
-        let Some(joined) = running.join_next().await else {
+        let joined = tokio::select! {
+            joined = running.join_next() => joined,
+            // Dropping the set abandons the conversations in flight; the writer's error is the
+            // batch's.
+            () = lines.failed() => break,
+        };
+        let Some(joined) = joined else {
             break;
         };
         let result =
@@ -355,7 +415,7 @@ async fn run_pending(
                     ConversationOutcome::Discarded => summary.discarded += 1,
                     ConversationOutcome::Failed => summary.failed += 1,
                 }
-                if lines.send(Lines { main: line, openai }).is_err() {
+                if lines.lines.send(Lines { main: line, openai }).is_err() {
                     // The writer stopped on an error, which it reports to the batch; dropping the
                     // set abandons the conversations in flight.
                     break;
@@ -373,6 +433,14 @@ async fn run_pending(
             // A shutdown dropped the conversation, or a weightier stop came first.
             None | Some(Item::Stop(_)) => {}
         }
+    }
+    if stop.is_none() && shared.circuit.is_open() && pending.len() > 0 {
+        stop = Some(RunError::ModelUnavailable(format!(
+            "{} model calls in a row failed, so the batch started no more conversations \
+             ({} not started)",
+            shared.circuit.threshold(),
+            pending.len()
+        )));
     }
     Ok(stop)
 }
@@ -453,13 +521,16 @@ fn read_batch_rows(
         .saturating_mul(segment)
         .min(dataset.bytes);
     let mut window = vec![0; usize::try_from(window_end - window_start).unwrap_or(usize::MAX)];
-    let mut file = File::open(&path).map_err(|err| bad(format!("cannot open: {err}")))?;
+    let mut file = File::open(&path)
+        .map_err(|err| dataset_read_error(&path, err, |err| bad(format!("cannot open: {err}"))))?;
     file.seek(SeekFrom::Start(window_start))
         .and_then(|_| file.read_exact(&mut window))
         .map_err(|err| {
-            changed(format!(
-                "cannot read bytes {window_start}..{window_end}: {err}"
-            ))
+            dataset_read_error(&path, err, |err| {
+                changed(format!(
+                    "cannot read bytes {window_start}..{window_end}: {err}"
+                ))
+            })
         })?;
     for (index, bytes) in window
         .chunks(usize::try_from(segment).unwrap_or(usize::MAX))
@@ -492,7 +563,8 @@ fn read_batch_rows(
         if info.too_long {
             continue;
         }
-        if let Ok(row) = parse_row(&buffer, field) {
+        let line = without_bom(layout.start() + info.offset, &buffer);
+        if let Ok(row) = parse_row(line, field) {
             rows.push(row);
         }
     }
@@ -506,12 +578,35 @@ fn read_batch_rows(
     Ok(rows)
 }
 
+/// What storage holds of a batch when it starts.
+struct Existing {
+    keys: HashSet<(u64, u32)>,
+    summary: BatchSummary,
+    /// Mean size of its record lines, when it has any.
+    mean_record_bytes: Option<u64>,
+}
+
+/// A dataset read error as the batch reports it: a dataset gone or shorter than the plan recorded
+/// has changed (`changed`: bad input, exit 65); any other error (EIO, ESTALE on NFS, a timeout) is
+/// the storage's, and transient: the batch's input may be fine on the next attempt.
+fn dataset_read_error(
+    path: &std::path::Path,
+    error: std::io::Error,
+    changed: impl FnOnce(std::io::Error) -> RunError,
+) -> RunError {
+    match error.kind() {
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::UnexpectedEof => changed(error),
+        _ => StorageError::new("reading the dataset", path, error).into(),
+    }
+}
+
 /// Keys of the records already on storage, and their counts by outcome.
-fn existing_records(
-    run_dir: &RunDir,
-    batch: u32,
-) -> Result<(HashSet<(u64, u32)>, BatchSummary), RunError> {
+fn existing_records(run_dir: &RunDir, batch: u32) -> Result<Existing, RunError> {
     let (data, lines) = read_whole_lines(&run_dir.batch_records(batch))?;
+    let mean_record_bytes = (!lines.is_empty()).then(|| {
+        let bytes: usize = lines.iter().map(|(start, end)| end - start + 1).sum();
+        (bytes / lines.len()) as u64
+    });
     let mut keys = HashSet::with_capacity(lines.len());
     let mut summary = BatchSummary {
         batch,
@@ -531,7 +626,38 @@ fn existing_records(
             Some(_) => summary.failed += 1,
         }
     }
-    Ok((keys, summary))
+    Ok(Existing {
+        keys,
+        summary,
+        mean_record_bytes,
+    })
+}
+
+/// Bytes a record is expected to take when the batch has none yet to measure: a typical
+/// trajectory of a few turns with tool output (the size the renderer reserves for one).
+const TYPICAL_RECORD_BYTES: u64 = 16 * 1024;
+
+/// Checks, before a token is spent, that the batch's output fits: twice the expected size of its
+/// pending records (the mean of its records so far, or [`TYPICAL_RECORD_BYTES`], whichever is
+/// larger; doubled again for the `OpenAI` form), plus 64 KiB for the marker and the filesystem's
+/// own rounding. Twice, because record sizes vary with the conversation: the margin turns most
+/// "full halfway through" into "full before starting"; what it misses, the writer's first ENOSPC
+/// stops at once.
+fn require_room(
+    run_dir: &RunDir,
+    pending: usize,
+    mean_record_bytes: Option<u64>,
+    openai: bool,
+) -> Result<(), StorageError> {
+    let record = mean_record_bytes
+        .unwrap_or(0)
+        .max(TYPICAL_RECORD_BYTES)
+        .saturating_mul(if openai { 2 } else { 1 });
+    let needed = (pending as u64)
+        .saturating_mul(record)
+        .saturating_mul(2)
+        .saturating_add(64 * 1024);
+    crate::storage::require_free_space(&run_dir.batches_dir(), needed)
 }
 
 /// What every conversation task of a batch reads.
@@ -548,6 +674,8 @@ struct Shared {
     draining: AtomicBool,
     /// Workspace removals on the blocking pool (awaited before the batch returns).
     removals: Mutex<JoinSet<()>>,
+    /// Sees every model call of the batch; once open, no conversation starts.
+    circuit: Arc<Circuit>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -565,8 +693,12 @@ struct Offered {
 impl Shared {
     /// One copy, for all the batch's conversation tasks, of what they read.
     fn new(engine: &Engine, rows: Vec<Row>, first_prompt: u64, context: BatchContext) -> Self {
+        let circuit = Arc::new(Circuit::for_concurrency(engine.concurrency.max(1)));
+        let mut engine = engine.clone();
+        engine.client = engine.client.with_circuit(Arc::clone(&circuit));
         Self {
-            engine: engine.clone(),
+            circuit,
+            engine,
             rows,
             first_prompt,
             offered: Mutex::default(),
@@ -761,13 +893,10 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     let started_at = chrono::Utc::now();
     let (dir, workspace) = match shared.workspace(prompt_index, sample).await {
         Ok(pair) => pair,
+        // Not the prompt's fault: every conversation needs a workspace.
         Err(err) => {
-            let message = format!("cannot create a workspace: {err}");
-            let failure = Failure {
-                class: "workspace",
-                message: &message,
-            };
-            return failed_item(&identity, failure, started_at);
+            let root = &engine.workspace_root;
+            return Item::Stop(StorageError::new("creating a workspace in", root, err).into());
         }
     };
     let result = converse(shared, &offered, &row.prompt, dir, workspace)
@@ -776,10 +905,17 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     let finished_at = chrono::Utc::now();
     let conversation = match result {
         Ok(conversation) => conversation,
+        Err(error) if error.is_model_missing() => {
+            return Item::Stop(RunError::ModelNotFound(error.to_string()));
+        }
         Err(error) if error.is_permanent() => {
             return Item::Stop(RunError::ModelConfiguration(error.to_string()));
         }
-        Err(error) if error.is_server_unreachable() => {
+        // A budget that ran out while the server was failing was spent waiting on the outage.
+        Err(error)
+            if error.is_transient()
+                || error.is_budget_exhausted() && shared.circuit.is_failing() =>
+        {
             return Item::Stop(RunError::ModelUnavailable(error.to_string()));
         }
         Err(error) => {
@@ -905,6 +1041,35 @@ fn failed_item(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The test double of a failing disk: errors as the kernel reports them, injected where the
+    /// batch reads its dataset (no filesystem here can be made to answer EIO or ESTALE).
+    #[test]
+    fn a_failing_read_of_the_dataset_is_transient_and_a_shorter_dataset_is_bad_input() {
+        let path = std::path::Path::new("/data/d.jsonl");
+        let changed = |err: std::io::Error| RunError::BadBatchInput(err.to_string());
+        for errno in [nix::errno::Errno::EIO, nix::errno::Errno::ESTALE] {
+            let error = dataset_read_error(
+                path,
+                std::io::Error::from_raw_os_error(errno as i32),
+                changed,
+            );
+            assert_eq!(
+                error.exit_code(),
+                crate::contract::exit::TRANSIENT,
+                "{error}"
+            );
+            assert_eq!(error.reason(), "StorageError");
+            assert!(error.to_string().contains("/data/d.jsonl"), "{error}");
+        }
+        for kind in [
+            std::io::ErrorKind::UnexpectedEof,
+            std::io::ErrorKind::NotFound,
+        ] {
+            let error = dataset_read_error(path, kind.into(), changed);
+            assert_eq!(error.exit_code(), crate::contract::exit::BAD_BATCH_INPUT);
+        }
+    }
 
     #[test]
     fn shutdown_is_observed_by_every_clone() {

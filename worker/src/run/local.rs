@@ -17,6 +17,7 @@ use tracing::info;
 use super::batch::{ConversationOutcome, Engine, Progress, Shutdown, run_batch};
 use super::{RunError, RunFile, RunLocation, merge, plan};
 use crate::contract::{MergeSummary, PlanSummary};
+use crate::storage::LockError;
 
 /// How progress is shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +71,17 @@ pub async fn run_local(
         storage_root,
         plan: run_file.to_plan(),
     };
+    // Two local runs on one directory would run the same conversations twice and race on every
+    // file; the second is refused while the first holds the lock.
+    let _lock = location.run_dir().lock().map_err(|error| match error {
+        LockError::Held(path) => RunError::OutputInUse(format!(
+            "another `trajectory-worker local` is running in {} (it holds {}); wait for it or stop \
+             it, then run this again",
+            location.run_dir().root().display(),
+            path.display()
+        )),
+        LockError::Storage(error) => error.into(),
+    })?;
     let plan_location = location.clone();
     let (manifest, plan_summary) = tokio::task::spawn_blocking(move || plan::plan(&plan_location))
         .await

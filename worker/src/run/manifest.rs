@@ -104,7 +104,8 @@ impl Manifest {
     pub fn require(run_dir: &RunDir) -> Result<Self, RunError> {
         Self::load(run_dir)?.ok_or_else(|| {
             RunError::Spec(format!(
-                "{} does not exist: run `trajectory-worker plan` first",
+                "{} does not exist: run `trajectory-worker plan` first (or the volume mounted \
+                 at the storage root is not the run's)",
                 run_dir.manifest().display()
             ))
         })

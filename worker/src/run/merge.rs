@@ -48,6 +48,9 @@ struct RecordView<'a> {
     duration_ms: u64,
     #[serde(default, borrow)]
     error_class: Option<Cow<'a, str>>,
+    /// Pairs a trajectory with its `OpenAI`-form line.
+    #[serde(default, borrow)]
+    finished_at: Option<Cow<'a, str>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -345,7 +348,16 @@ fn sort_batch(
         totals.add(view);
         kept.push((*start, *end, rank == 0));
         if openai && rank == 0 {
-            openai_kept.push(openai_lines.remove(&(prompt_index, sample)));
+            let twin = openai_lines
+                .remove(&(prompt_index, sample))
+                .and_then(|lines| twin_of(lines, view.finished_at.as_deref()));
+            if twin.is_none() {
+                warn!(
+                    batch,
+                    prompt_index, sample, "a trajectory has no OpenAI-form line"
+                );
+            }
+            openai_kept.push(twin);
         }
     }
     drop(views);
@@ -522,24 +534,47 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
     Ok(summary)
 }
 
-/// OpenAI-form lines of a batch by key; the main file decides which of them are kept.
-fn openai_index(path: &Path) -> Result<HashMap<(u64, u32), Vec<u8>>, RunError> {
+/// An `OpenAI`-form line and the `finished_at` it carries (absent in lines of older workers).
+type OpenaiLine = (Option<String>, Vec<u8>);
+
+/// OpenAI-form lines of a batch by key, in file order; the main file decides which are kept.
+fn openai_index(path: &Path) -> Result<HashMap<(u64, u32), Vec<OpenaiLine>>, RunError> {
     #[derive(Deserialize)]
     struct Key {
         prompt_index: u64,
         #[serde(default)]
         sample: u32,
+        #[serde(default)]
+        finished_at: Option<String>,
     }
     let (data, lines) = read_whole_lines(path)?;
-    let mut index = HashMap::new();
+    let mut index: HashMap<(u64, u32), Vec<OpenaiLine>> = HashMap::new();
     for (start, end) in lines {
         if let Ok(key) = serde_json::from_slice::<Key>(&data[start..end]) {
             index
                 .entry((key.prompt_index, key.sample))
-                .or_insert_with(|| data[start..end].to_vec());
+                .or_default()
+                .push((key.finished_at, data[start..end].to_vec()));
         }
     }
     Ok(index)
+}
+
+/// The `OpenAI`-form line of the very trajectory merge kept: the one with its `finished_at`. Other
+/// lines of the key were left by an attempt killed between writing its two lines, or by a second
+/// writer. Lines without `finished_at` were written by older workers; of those the last is taken
+/// (a single writer writes a trajectory's `OpenAI` line just before it, so an earlier one can only
+/// be an orphan of a kill).
+fn twin_of(lines: Vec<OpenaiLine>, finished_at: Option<&str>) -> Option<Vec<u8>> {
+    let mut legacy = None;
+    for (stamp, line) in lines {
+        match (stamp.as_deref(), finished_at) {
+            (Some(stamp), Some(kept)) if stamp == kept => return Some(line),
+            (None, _) => legacy = Some(line),
+            _ => {}
+        }
+    }
+    legacy
 }
 
 #[derive(Debug, Serialize)]

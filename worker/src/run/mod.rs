@@ -17,13 +17,21 @@ use serde::Deserialize;
 
 use crate::contract::{RunPlan, exit};
 use crate::spec::RunSpec;
-use crate::storage::StorageError;
+use crate::storage::{StorageError, StorageFault};
 
 /// Why a run mode stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
+    /// Reading or writing the run's storage failed; [`StorageError::fault`] says whether a retry
+    /// can help.
     #[error(transparent)]
     Storage(#[from] StorageError),
+    /// Another `local` run works in the same output directory.
+    #[error("{0}")]
+    OutputInUse(String),
+    /// The storage root does not exist (the volume is not mounted where the plan says).
+    #[error("{0}")]
+    StorageMissing(String),
     /// The spec or run file is wrong; the message names the file and field.
     #[error("{0}")]
     Spec(String),
@@ -39,9 +47,14 @@ pub enum RunError {
     /// The model server refused the configuration; every prompt would fail.
     #[error("stopped: {0}")]
     ModelConfiguration(String),
-    /// The model server could not be reached; nothing was recorded for the prompts it stopped.
+    /// The model or its path does not exist on the server (404, an unknown model name); every
+    /// prompt would fail.
+    #[error("stopped: check spec.model.baseUrl and spec.model.name: {0}")]
+    ModelNotFound(String),
+    /// The model server failed past its retries (unreachable, 5xx, 429, timeouts), or the batch's
+    /// circuit opened; nothing was recorded for the prompts it stopped.
     #[error(
-        "model server unreachable; the affected prompts were not recorded and are retried on resume: {0}"
+        "model server unavailable; the affected prompts were not recorded and are retried on resume: {0}"
     )]
     ModelUnavailable(String),
     /// Stopped by a signal after leaving storage consistent.
@@ -59,22 +72,39 @@ impl RunError {
             Self::Spec(_)
             | Self::InvalidDataset(_)
             | Self::OutputMismatch(_)
-            | Self::ModelConfiguration(_) => exit::PERMANENT_CONFIG,
+            | Self::ModelConfiguration(_)
+            | Self::ModelNotFound(_)
+            | Self::StorageMissing(_)
+            | Self::OutputInUse(_) => exit::PERMANENT_CONFIG,
             Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
             Self::Interrupted => exit::INTERRUPTED,
-            Self::Storage(_) | Self::Internal(_) | Self::ModelUnavailable(_) => exit::TRANSIENT,
+            Self::Storage(error) => match error.fault() {
+                StorageFault::ReadOnly | StorageFault::Denied => exit::PERMANENT_CONFIG,
+                // Full: space can be freed while the Job backs off; the batch checks free space
+                // before it spends a token, so a retry on a full volume costs nothing.
+                StorageFault::Full | StorageFault::Transient => exit::TRANSIENT,
+            },
+            Self::Internal(_) | Self::ModelUnavailable(_) => exit::TRANSIENT,
         }
     }
 
     /// A `PascalCase` reason for the operator's status.
     pub fn reason(&self) -> &'static str {
         match self {
-            Self::Storage(_) => "StorageError",
+            Self::Storage(error) => match error.fault() {
+                StorageFault::Transient => "StorageError",
+                StorageFault::Full => "StorageFull",
+                StorageFault::ReadOnly => "StorageReadOnly",
+                StorageFault::Denied => "StoragePermissionDenied",
+            },
+            Self::StorageMissing(_) => "StorageMissing",
+            Self::OutputInUse(_) => "OutputInUse",
             Self::Spec(_) => "InvalidSpec",
             Self::InvalidDataset(_) => "InvalidDataset",
             Self::OutputMismatch(_) => "OutputMismatch",
             Self::BadBatchInput(_) => "BadBatchInput",
             Self::ModelConfiguration(_) => "ModelUnauthorized",
+            Self::ModelNotFound(_) => "ModelNotFound",
             Self::ModelUnavailable(_) => "ModelUnavailable",
             Self::Interrupted => "Interrupted",
             Self::Internal(_) => "InternalError",
@@ -178,6 +208,26 @@ pub struct RunLocation {
 }
 
 impl RunLocation {
+    /// Fails when the storage root is not a directory: the volume is not mounted (or mounted
+    /// elsewhere), which no retry of the same pod spec fixes.
+    pub fn require_storage(&self) -> Result<(), RunError> {
+        match std::fs::metadata(&self.storage_root) {
+            Ok(metadata) if metadata.is_dir() => Ok(()),
+            Ok(_) => Err(RunError::StorageMissing(format!(
+                "the storage root {} is not a directory",
+                self.storage_root.display()
+            ))),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                Err(RunError::StorageMissing(format!(
+                    "the storage root {} does not exist: is the volume (spec.storage.volume) \
+                     mounted there?",
+                    self.storage_root.display()
+                )))
+            }
+            Err(err) => Err(StorageError::new("reading", &self.storage_root, err).into()),
+        }
+    }
+
     pub fn run_dir(&self) -> crate::storage::RunDir {
         crate::storage::RunDir::new(self.storage_root.join(&self.plan.output_path))
     }

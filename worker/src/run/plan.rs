@@ -21,7 +21,7 @@ use super::manifest::{
 use super::segments::{SEGMENT_BYTES, SegmentHasher};
 use super::{RunError, RunLocation};
 use crate::contract::{PlanSummary, compact_ranges};
-use crate::dataset::{Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe};
+use crate::dataset::{Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe, without_bom};
 use crate::distribution::Distribution;
 use crate::spec::RunSpec;
 use crate::storage::{Context, StorageError, sync_dir, temp_path, write_atomic_with};
@@ -60,7 +60,7 @@ fn check_block(block: &Block, prompt_field: &str, skip: bool) -> Vec<Checked> {
             Some(newline) => (position + newline, position + newline + 1),
             None => (data.len(), data.len()),
         };
-        let content = &data[position..end];
+        let content = without_bom(lines.offset + position as u64, &data[position..end]);
         let result = (!skip).then(|| probe(content, content.len() > MAX_LINE_BYTES, prompt_field));
         checked.push(Checked { next, result });
         position = next;

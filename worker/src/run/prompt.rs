@@ -53,8 +53,12 @@ pub async fn run_prompt(
     let conversation = run_conversation(&engine.client, &tools, &context, prompt, &engine.agent)
         .await
         .map_err(|err| {
-            if err.is_permanent() {
+            if err.is_model_missing() {
+                RunError::ModelNotFound(err.to_string())
+            } else if err.is_permanent() {
                 RunError::ModelConfiguration(err.to_string())
+            } else if err.is_transient() {
+                RunError::ModelUnavailable(err.to_string())
             } else {
                 RunError::Internal(err.to_string())
             }

@@ -10,8 +10,11 @@ use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, text_reply, tool_call_reply,
 };
-use trajectory_worker::run::batch::{Engine, Shutdown, shutdown_channel};
-use trajectory_worker::run::{RunFile, RunLocation};
+use trajectory_worker::contract::BatchSummary;
+use trajectory_worker::model::{ModelClient, ModelSettings};
+use trajectory_worker::run::batch::{Engine, Shutdown, run_batch, shutdown_channel};
+use trajectory_worker::run::manifest::Manifest;
+use trajectory_worker::run::{RunError, RunFile, RunLocation};
 
 /// A run on disk: `<dir>/run.yaml`, `<dir>/datasets/prompts.jsonl`, outputs under `<dir>/out`.
 pub struct RunFixture {
@@ -95,6 +98,16 @@ impl RunFixture {
         Engine::new(&self.location().plan.spec, self.workspaces()).expect("engine")
     }
 
+    /// [`Self::engine`] with retries 10 ms apart (the spec's backoff starts at a second).
+    pub fn engine_with_fast_retries(&self) -> Engine {
+        let spec = self.location().plan.spec;
+        let mut settings = ModelSettings::from_spec(&spec.model, None).expect("model settings");
+        settings.retry.base_delay = Duration::from_millis(10);
+        settings.retry.max_delay = Duration::from_millis(200);
+        let client = ModelClient::new(settings).expect("client");
+        Engine::with_client(&spec, self.workspaces(), client).expect("engine")
+    }
+
     /// The JSON lines of an output file.
     pub fn lines(&self, name: &str) -> Vec<Value> {
         let text = std::fs::read_to_string(self.out().join(name)).unwrap_or_default();
@@ -116,6 +129,13 @@ pub async fn terminal_server(latency: Duration) -> ScriptedServer {
     .await
 }
 
+/// Runs batch 0 of the fixture in this process with `engine`.
+pub async fn batch_zero(fixture: &RunFixture, engine: &Engine) -> Result<BatchSummary, RunError> {
+    let location = fixture.location();
+    let manifest = Manifest::require(&location.run_dir()).expect("the fixture was planned");
+    run_batch(engine, &location, &manifest, 0, &no_shutdown(), &|_| {}).await
+}
+
 /// A shutdown signal that never fires.
 pub fn no_shutdown() -> Shutdown {
     let (trigger, shutdown) = shutdown_channel();
@@ -134,4 +154,58 @@ pub fn keys(lines: &[Value]) -> Vec<(u64, u64)> {
             )
         })
         .collect()
+}
+
+/// A filesystem mounted for a test, unmounted when dropped (declare it after the fixture whose
+/// directory it is mounted in, so it goes first).
+pub struct Mount(PathBuf);
+
+impl Mount {
+    /// A tmpfs of `bytes` at `at`; `None`, with a note, where this process may not mount.
+    pub fn tmpfs(at: &Path, bytes: u64) -> Option<Self> {
+        std::fs::create_dir_all(at).unwrap();
+        let size = format!("size={bytes}");
+        Self::run(&["-t", "tmpfs", "-o", &size, "tmpfs"], at)
+    }
+
+    /// `at` itself, bound over itself read-only.
+    pub fn read_only(at: &Path) -> Option<Self> {
+        let mount = Self::run(&["--bind"], at)?;
+        mount.remount("remount,bind,ro").then_some(mount)
+    }
+
+    /// Changes the options of the mount (`remount,size=...`).
+    pub fn remount(&self, options: &str) -> bool {
+        std::process::Command::new("mount")
+            .args(["-o", options])
+            .arg(&self.0)
+            .status()
+            .is_ok_and(|status| status.success())
+    }
+
+    fn run(args: &[&str], at: &Path) -> Option<Self> {
+        let mut command = std::process::Command::new("mount");
+        command.args(args);
+        // A bind mount names its source, then the mount point.
+        if args == ["--bind"] {
+            command.arg(at);
+        }
+        let ok = command
+            .arg(at)
+            .status()
+            .is_ok_and(|status| status.success());
+        if !ok {
+            eprintln!("skipped: cannot mount at {} (needs root)", at.display());
+        }
+        ok.then(|| Self(at.to_path_buf()))
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
 }
