@@ -1,7 +1,7 @@
 //! Storage faults on real filesystems: a full tmpfs before and during a batch, a read-only bind
-//! mount, a storage root that is not there. Mounting needs root; where it is refused, the test says
-//! so and passes without checking (a read error of the disk, EIO or ESTALE, cannot be made on
-//! demand here: the batch's unit tests inject it).
+//! mount, a storage root that is not there. Mounting needs root, as the test suite runs; a test
+//! that cannot mount fails. (A read error of the disk, EIO or ESTALE, cannot be made on demand
+//! here: the batch's unit tests inject it, named as a test double.)
 
 mod common;
 
@@ -51,9 +51,7 @@ async fn a_volume_without_room_for_the_batch_stops_it_before_any_model_request()
     let server = terminal_server(Duration::ZERO).await;
     let fixture = RunFixture::new(&server.base_url(), 8).with("/batchSize", json!(8));
     // 128 KiB: room for the plan's files, not for eight records of 16 KiB with the margin.
-    let Some(_mount) = Mount::tmpfs(&fixture.out(), 128 << 10) else {
-        return;
-    };
+    let _mount = Mount::tmpfs(&fixture.out(), 128 << 10);
     plan::plan(&fixture.location()).unwrap();
     let error = batch_zero(&fixture).await.unwrap_err();
     assert_eq!(error.reason(), "StorageFull", "{error}");
@@ -75,9 +73,7 @@ async fn a_volume_that_fills_midway_stops_the_batch_at_once_and_loses_nothing() 
     let fixture = RunFixture::new(&server.base_url(), prompts)
         .with("/batchSize", json!(prompts))
         .with("/concurrency", json!(concurrency));
-    let Some(mount) = Mount::tmpfs(&fixture.out(), 1 << 20) else {
-        return;
-    };
+    let mount = Mount::tmpfs(&fixture.out(), 1 << 20);
     plan::plan(&fixture.location()).unwrap();
     let error = batch_zero(&fixture).await.unwrap_err();
     assert_eq!(error.reason(), "StorageFull", "{error}");
@@ -128,9 +124,7 @@ async fn a_read_only_volume_fails_with_the_permanent_exit_code_before_any_reques
     let server = terminal_server(Duration::ZERO).await;
     let fixture = RunFixture::new(&server.base_url(), 4);
     plan::plan(&fixture.location()).unwrap();
-    let Some(_mount) = Mount::read_only(&fixture.out()) else {
-        return;
-    };
+    let _mount = Mount::read_only(&fixture.out());
     let (code, message) = worker(&fixture, fixture.root(), &["batch", "0"]);
     assert_eq!(code, exit::PERMANENT_CONFIG);
     assert_eq!(message["reason"], "StorageReadOnly");
