@@ -29,7 +29,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{ListParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
@@ -38,7 +38,7 @@ use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::reconcile::observe::JobState;
 use trajectory_tests::e2e::{Kubelet, Scratch, http_get, model, phase_of, run_spec, write_dataset};
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
-use trajectory_worker::contract::parse_ranges;
+use trajectory_worker::contract::{MAX_JOB_COMPLETIONS, parse_ranges};
 
 fn knob<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -149,7 +149,8 @@ fn median(values: &mut [Duration]) -> Duration {
 }
 
 /// Polls from the moment the plan pod finished: how long until the plan Job was `Complete` (the
-/// Job controller's part) and until the generation Job of all `batches` was created.
+/// Job controller's part) and until the generation Jobs of all `batches` were created (one, or one
+/// per 100,000 batches).
 async fn generation_job_after_plan(
     jobs: &Api<Job>,
     name: &str,
@@ -157,7 +158,8 @@ async fn generation_job_after_plan(
 ) -> (Duration, Duration) {
     let plan_job = format!("{name}-plan");
     let planned = Instant::now();
-    let gen_job = format!("{name}-gen-1");
+    let selector = format!("{}={name},{}=generate", labels::RUN, labels::COMPONENT);
+    let shards = batches.div_ceil(MAX_JOB_COMPLETIONS);
     let mut complete_at = None;
     let created_at = loop {
         if complete_at.is_none()
@@ -168,18 +170,86 @@ async fn generation_job_after_plan(
         {
             complete_at = Some(planned.elapsed());
         }
-        if let Some(job) = jobs.get_opt(&gen_job).await.expect("get the Job") {
-            let completions = job.spec.and_then(|s| s.completions);
-            assert_eq!(completions, Some(i32::try_from(batches).expect("i32")));
+        let generation = jobs
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .expect("list the generation Jobs")
+            .items;
+        if generation.len() == usize::try_from(shards).expect("a count") {
+            let completions: i32 = generation
+                .iter()
+                .filter_map(|job| job.spec.as_ref()?.completions)
+                .sum();
+            assert_eq!(completions, i32::try_from(batches).expect("i32"));
             break planned.elapsed();
         }
         assert!(
             planned.elapsed() < Duration::from_secs(120),
-            "no generation Job 120 s after the plan finished"
+            "not all {shards} generation Jobs 120 s after the plan finished"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     (complete_at.unwrap_or(created_at), created_at)
+}
+
+/// What a run of many batches hands over: the largest plan `ConfigMap` of its generation Jobs and
+/// the plan pod's termination message, in bytes.
+async fn hand_off_sizes(client: &Client, ns: &str, name: &str) -> (usize, usize) {
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    let selector = format!("{}={name},{}=generate", labels::RUN, labels::COMPONENT);
+    let largest_map = maps
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .expect("list the plan ConfigMaps")
+        .items
+        .iter()
+        .filter_map(|map| Some(map.data.as_ref()?.values().map(String::len).sum::<usize>()))
+        .max()
+        .unwrap_or(0);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let plan_selector = format!("{}={name},{}=plan", labels::RUN, labels::COMPONENT);
+    let message = pods
+        .list(&ListParams::default().labels(&plan_selector))
+        .await
+        .expect("list the plan pod")
+        .items
+        .into_iter()
+        .filter_map(|pod| pod.status?.container_statuses)
+        .flatten()
+        .find_map(|status| status.state?.terminated?.message)
+        .map_or(0, |message| message.len());
+    (largest_map, message)
+}
+
+/// The API writes of the latency part's runs, what they handed over, and the operator's memory.
+async fn report_hand_offs(
+    report: &mut String,
+    operator: &Operator,
+    client: &Client,
+    ns: &str,
+    rounds: usize,
+    batches: u32,
+) {
+    let requests = operator.requests().await;
+    let writes = |resource: &str| -> u64 {
+        requests
+            .iter()
+            .filter(|((verb, r), _)| {
+                r == resource && verb != "get" && verb != "list" && verb != "watch"
+            })
+            .map(|(_, count)| count)
+            .sum()
+    };
+    let (rss, hwm) = operator.memory();
+    let (largest_map, message) = hand_off_sizes(client, ns, &format!("big-{}", rounds - 1)).await;
+    let _ = writeln!(
+        report,
+        "\n{} generation Job(s) a run; in all {rounds} runs: {} Job writes, {} ConfigMap writes, {} status writes; largest plan ConfigMap {largest_map} bytes; plan termination message {message} bytes; operator RSS {rss:.1} MiB, peak (VmHWM) {hwm:.1} MiB",
+        batches.div_ceil(MAX_JOB_COMPLETIONS),
+        writes("jobs"),
+        writes("configmaps"),
+        writes("trajectoryruns/status"),
+    );
 }
 
 /// Part 1: a run of `batches` batches, `rounds` times.
@@ -255,11 +325,13 @@ async fn latency(client: &Client, scratch: &Scratch, base_url: &str, report: &mu
         complete_to_gen.push(operator_part);
         total.push(created_at);
         let status = runs.get(&name).await.expect("the run").status;
+        let (largest_map, message) = hand_off_sizes(client, ns, &name).await;
         eprintln!(
-            "round {round}: gen Job after {} ms; run {:?} {:?}",
+            "round {round}: gen Jobs after {} ms; run {:?} {:?}; largest plan ConfigMap {largest_map} B, plan termination message {message} B; operator RSS, peak {:?} MiB",
             ms(created_at),
             status.as_ref().and_then(|s| s.phase),
-            status.as_ref().and_then(|s| s.progress.clone())
+            status.as_ref().and_then(|s| s.progress.clone()),
+            operator.memory()
         );
     }
     let _ = writeln!(
@@ -270,6 +342,7 @@ async fn latency(client: &Client, scratch: &Scratch, base_url: &str, report: &mu
         ms(median(&mut complete_to_gen)),
         ms(median(&mut total))
     );
+    report_hand_offs(report, &operator, client, ns, rounds, batches).await;
     drop(operator);
 }
 
