@@ -76,6 +76,17 @@ pid_of() {
 }
 
 stopped=0
+# The real node first (its kubelet needs the API server to finish, its pods need containerd to be stopped).
+if [[ -d "${DIR}/node" ]]; then
+	if [[ "${KEEP_LOGS}" == 1 && -d "${DIR}/logs" ]]; then
+		# Pod logs live in the node's directory, which node-down.sh removes.
+		cp -r "${DIR}/node/pod-logs" "${DIR}/logs/pod-logs" 2>/dev/null || true
+	fi
+	quiet=()
+	[[ "${QUIET}" != 1 ]] || quiet=(--quiet)
+	"${CLUSTER_SCRIPTS_DIR}/node-down.sh" "${quiet[@]}" || die "stopping the real node failed; not removing ${DIR}"
+	stopped=$((stopped + 1))
+fi
 # In reverse start order, in phases: kube-apiserver shuts down cleanly only while etcd still runs.
 for phase in "kwok kube-scheduler kube-controller-manager" "kube-apiserver" "etcd"; do
 	pids=()
