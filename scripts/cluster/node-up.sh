@@ -214,9 +214,10 @@ import_images() {
 				die "importing ${dir}/${f}.tar into containerd failed"
 			}
 	done
-	local ref
+	local ref listed
+	listed="$(ctr --address "${SOCK}" -n k8s.io images ls -q)"
 	for ref in "${NODE_PAUSE_IMAGE}" "${NODE_BUSYBOX_IMAGE}"; do
-		ctr --address "${SOCK}" -n k8s.io images ls -q | grep -qxF "${ref}" ||
+		grep -qxF "${ref}" <<<"${listed}" ||
 			die "image ${ref} is not in containerd's k8s.io namespace after the import (log: ${LOGS}/ctr-import.log)"
 	done
 	log "images imported: ${NODE_PAUSE_IMAGE}, ${NODE_BUSYBOX_IMAGE}"
