@@ -57,16 +57,22 @@ node_binaries_built() {
 }
 
 # Debian packages of the real node (install-node.sh), and where Debian puts the CNI plugins.
+# shellcheck disable=SC2034 # used by the scripts that source this file
 NODE_PACKAGES=(containerd runc containernetworking-plugins iptables nftables busybox-static umoci skopeo)
+# shellcheck disable=SC2034 # used by the scripts that source this file
 CNI_BIN_DIR=/usr/lib/cni
 # The real node's images (node-images.sh), imported into containerd without a registry.
+# shellcheck disable=SC2034 # used by the scripts that source this file
 NODE_BUSYBOX_IMAGE=trajectory.local/busybox:1
+# shellcheck disable=SC2034 # used by the scripts that source this file
 NODE_PAUSE_IMAGE=trajectory.local/pause:1
 # The real node (node-up.sh / node-down.sh): its name, the bridge that joins its pods to the host, and
 # their /24 (the host is .1 there: the node's InternalIP, and the address pods reach the host at).
 TRAJ_NODE_NAME="${TRAJ_NODE_NAME:-trajectory-node}"
 TRAJ_NODE_BRIDGE="${TRAJ_NODE_BRIDGE:-traj0}"
 TRAJ_NODE_SUBNET="${TRAJ_NODE_SUBNET:-10.88.0.0/24}"
+# shellcheck disable=SC2034 # used by the scripts that source this file
 CNI_NETWORK=trajectory-node
 # The kernel tunables the kubelet sets at start (pkg/kubelet/cm setupKernelTunables), restored at stop.
+# shellcheck disable=SC2034 # used by the scripts that source this file
 KUBELET_SYSCTLS="vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes"

@@ -168,7 +168,7 @@ remove_network() {
 		ip link del "${bridge}"
 		say "removed the bridge ${bridge} and its veth devices"
 	fi
-	local save restore
+	local save
 	for save in iptables ip6tables; do
 		restore_rules "${save}"
 	done
@@ -272,7 +272,10 @@ remove_host_files() {
 			rm -f /var/lib/kubelet/device-plugins/kubelet.sock
 			find /var/lib/kubelet -depth -type d -empty -delete 2>/dev/null || true
 			;;
-		/run/mount) rm -f /run/mount/utab && rmdir /run/mount 2>/dev/null || true ;;
+		/run/mount)
+			rm -f /run/mount/utab
+			rmdir /run/mount 2>/dev/null || true
+			;;
 		/run/containerd)
 			# Shims' sockets (/run/containerd/s) and the runtime's empty directories; nothing else runs containerd here.
 			find /run/containerd -depth \( -type s -o -type d -empty \) -delete 2>/dev/null || true
