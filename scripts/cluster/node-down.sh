@@ -261,8 +261,16 @@ remove_cgroups() {
 }
 
 remove_host_files() {
-	local d
+	local d id
+	# libcni's cache (/var/lib/cni/results/<network>-<sandbox id>-<interface>): entries of our network,
+	# and of containerd's loopback network for our sandboxes (left when containerd died before the
+	# sandbox's CNI DEL).
 	rm -f /var/lib/cni/results/"${CNI_NETWORK}"-* 2>/dev/null || true
+	for d in "${NODE}"/containerd/{root,state}/io.containerd.grpc.v1.cri/sandboxes/*/; do
+		[[ -d "${d}" ]] || continue
+		id="$(basename "${d}")"
+		rm -f /var/lib/cni/results/*-"${id}"-* 2>/dev/null || true
+	done
 	[[ -f "${REC}/dirs-created.txt" ]] || return 0
 	while IFS= read -r d; do
 		case "${d}" in
