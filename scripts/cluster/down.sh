@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Stops the control plane that up.sh started in TRAJ_CLUSTER_DIR (default /tmp/trajectory-cluster) and
 # removes that directory. Only processes started from that directory are stopped: those named by its pid
-# files, and any left-over process of a killed run whose command line refers to the directory.
+# files, and any left-over process of a killed run whose command line refers to the directory. A real
+# node (up.sh --real-node) is removed first by node-down.sh, with everything it made on the host.
 #
 # Usage: scripts/cluster/down.sh [--keep-logs] [--quiet]
 #   --keep-logs  first copy every component's log to ${TRAJ_CLUSTER_LOGS_DIR:-${TRAJ_CLUSTER_DIR}-logs}/<time>/

@@ -21,7 +21,9 @@
 #
 # Usage: scripts/cluster/node-up.sh   (after up.sh started the control plane)
 # Environment: TRAJ_CLUSTER_DIR, TRAJ_NODE_NAME (default trajectory-node), TRAJ_NODE_BRIDGE (default traj0),
-#   TRAJ_NODE_SUBNET (a /24, default 10.88.0.0/24; the host is .1), TRAJ_CLUSTER_VERBOSITY.
+#   TRAJ_NODE_SUBNET (a /24, default 10.88.0.0/24; the host is .1), TRAJ_CLUSTER_VERBOSITY,
+#   TRAJ_NODE_IMAGES  more docker/OCI archives to import (space-separated paths), e.g. the ones
+#                     scripts/images/build.sh writes: out/images/trajectory-worker-<version>.tar
 set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -221,6 +223,16 @@ import_images() {
 			die "image ${ref} is not in containerd's k8s.io namespace after the import (log: ${LOGS}/ctr-import.log)"
 	done
 	log "images imported: ${NODE_PAUSE_IMAGE}, ${NODE_BUSYBOX_IMAGE}"
+	local archive imported
+	for archive in ${TRAJ_NODE_IMAGES:-}; do
+		[[ -f "${archive}" ]] || die "TRAJ_NODE_IMAGES names ${archive}, which does not exist (build it: scripts/images/build.sh)"
+		imported="$(ctr --address "${SOCK}" -n k8s.io images import "${archive}" 2>>"${LOGS}/ctr-import.log")" || {
+			tail -n 20 "${LOGS}/ctr-import.log" >&2
+			die "importing ${archive} into containerd failed"
+		}
+		printf '%s\n' "${imported}" >>"${LOGS}/ctr-import.log"
+		log "imported ${archive}: $(awk '/^unpacking /{print $2}' <<<"${imported}" | tr '\n' ' ')"
+	done
 }
 
 # --- the kubelet's identity: client cert for the API server, serving cert for the API server's calls --
