@@ -76,3 +76,17 @@ CNI_NETWORK=trajectory-node
 # The kernel tunables the kubelet sets at start (pkg/kubelet/cm setupKernelTunables), restored at stop.
 # shellcheck disable=SC2034 # used by the scripts that source this file
 KUBELET_SYSCTLS="vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes"
+
+# restore_kernel_tunables FILE: write back each KEY=VALUE of FILE (the kubelet's tunables as node-up.sh
+# recorded them) that differs now; prints each key it restored. Fails when a write fails.
+restore_kernel_tunables() {
+	local line key value
+	while IFS= read -r line; do
+		key="${line%%=*}"
+		value="${line#*=}"
+		if [[ "$(sysctl -n "${key}" 2>/dev/null)" != "${value}" ]]; then
+			sysctl -q -w "${key}=${value}" >/dev/null || return 1
+			echo "${key}=${value}"
+		fi
+	done <"$1"
+}

@@ -7,7 +7,8 @@
 #   2. every mount under the state directory (pod volumes, container root filesystems, containerd's shm)
 #      and the pods' network namespaces under /run/netns, lazily when busy;
 #   3. the bridge and the veth devices on it; iptables rules and chains that were not there before;
-#   4. the kernel tunables the kubelet set, written back to their recorded values; then the whole
+#   4. the kernel tunables the kubelet set, written back to their recorded values (if node-up.sh did
+#      not get to it); then the whole
 #      `sysctl -a` is compared with the one recorded before the start, and differences are reported;
 #   5. the cgroups (the node's cgroup root, and each parent directory node-up.sh had to make);
 #   6. libcni's cache entries of the node's network, and the directories node-up.sh found missing;
@@ -222,16 +223,12 @@ restore_rules() {
 }
 
 restore_sysctls() {
-	local line key value
+	local restored
 	[[ -f "${REC}/sysctl-kubelet-before.txt" ]] || return 0
-	while IFS= read -r line; do
-		key="${line%%=*}"
-		value="${line#*=}"
-		if [[ "$(sysctl -n "${key}" 2>/dev/null)" != "${value}" ]]; then
-			sysctl -q -w "${key}=${value}" >/dev/null || warn "could not restore sysctl ${key}=${value}"
-			say "sysctl ${key} restored to ${value}"
-		fi
-	done <"${REC}/sysctl-kubelet-before.txt"
+	# node-up.sh wrote them back once the node was Ready; again here for a start that failed before that.
+	restored="$(restore_kernel_tunables "${REC}/sysctl-kubelet-before.txt")" ||
+		warn "could not restore the kernel tunables of ${REC}/sysctl-kubelet-before.txt"
+	[[ -z "${restored}" ]] || say "sysctls restored: $(tr '\n' ' ' <<<"${restored}")"
 	[[ -f "${REC}/sysctl-before.txt" ]] || return 0
 	# Counters and per-device keys (of devices that come and go) change by themselves: compare the rest.
 	local volatile='^(fs\.(dentry-state|file-nr|inode-nr|inode-state|quota\.)|kernel\.(random\.|ns_last_pid|pty\.nr|sched_domain)|net\.(ipv4|ipv6)\.conf\.|net\.ipv6\.neigh\.|net\.ipv4\.neigh\.|net\.netfilter\.nf_conntrack_count|vm\.stat_refresh|net\.core\.netdev_rss_key|dev\.cdrom)'

@@ -17,7 +17,8 @@
 #   - has no kube-proxy and no DNS: pods reach the host by IP, nothing needs a Service;
 #   - puts its cgroups (kubepods, and so every container's) under the cgroup this script runs in;
 #   - leaves the host's sysctls as found: the kubelet sets six kernel tunables (vm.overcommit_memory,
-#     kernel.panic, ...) at start, node-down.sh writes the recorded values back.
+#     kernel.panic, ...) once, when its container manager starts; once the node is Ready they are written
+#     back to the values recorded before (and node-down.sh does it again after a failed start).
 #
 # Usage: scripts/cluster/node-up.sh   (after up.sh started the control plane)
 # Environment: TRAJ_CLUSTER_DIR, TRAJ_NODE_NAME (default trajectory-node), TRAJ_NODE_BRIDGE (default traj0),
@@ -296,7 +297,8 @@ start_kubelet() {
 		cgroupRoot: ${CGROUP_ROOT}
 		cgroupsPerQOS: true
 		failSwapOn: false
-		# The kubelet may set its kernel tunables; node-down.sh writes the recorded values back.
+		# "true" refuses to start on this host's values; the kubelet sets them once at start, and node-up.sh
+		# writes the recorded values back when the node is Ready.
 		protectKernelDefaults: false
 		serializeImagePulls: true
 		oomScoreAdj: 0
@@ -349,6 +351,12 @@ start_kubelet() {
 	wait_ready "kubelet /healthz" 60 kubelet \
 		curl -fsS --max-time 2 "http://127.0.0.1:${HEALTHZ_PORT}/healthz"
 	wait_ready "node ${NAME} Ready" 120 kubelet node_ready
+	# The kubelet set its kernel tunables once, in its container manager's start (before Ready), and does
+	# not look at them again: give the host its own values back now.
+	local restored
+	restored="$(restore_kernel_tunables "${REC}/sysctl-kubelet-before.txt")" ||
+		die "could not write back the kernel tunables of ${REC}/sysctl-kubelet-before.txt"
+	[[ -z "${restored}" ]] || log "kernel tunables the kubelet changed written back: $(tr '\n' ' ' <<<"${restored}")"
 }
 
 node_ready() {
