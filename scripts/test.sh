@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine or a warm one: formatting and lints, then every test
 # of the workspace with the real components they need running — a llama.cpp model server
-# (scripts/model-server) and a Kubernetes control plane built from source (scripts/cluster).
+# (scripts/model-server) and a Kubernetes control plane built from source with a real node
+# (kubelet, Debian's containerd and runc; scripts/cluster, --real-node).
 # Both are installed or built into caches outside the repository on first use, started here,
 # and stopped at the end whatever happens.
 #
@@ -25,8 +26,11 @@ cargo test --workspace --all-features --no-run --quiet
 step "model server: install (cached)"
 scripts/model-server/install.sh
 
-step "control plane: build (cached)"
-scripts/cluster/build.sh
+step "real node: Debian packages (apt-get, once)"
+scripts/cluster/install-node.sh
+
+step "control plane and kubelet: build (cached)"
+scripts/cluster/build.sh --real-node
 
 step "helm: build (cached)"
 TRAJ_HELM="$(scripts/helm/build.sh --print-path)"
@@ -42,7 +46,7 @@ step "helm template (default, and namespaced with two replicas)"
 "${TRAJ_HELM}" template trajectory-operator charts/trajectory-operator \
   --namespace trajectory-system --set scope=Namespace,replicaCount=2 >/dev/null
 
-step "run the tests with a model server and a control plane"
+step "run the tests with a model server and a control plane with a real node"
 scripts/model-server/with-model-server.sh \
-  scripts/cluster/with-cluster.sh \
+  scripts/cluster/with-cluster.sh --real-node \
   cargo test --workspace --all-features -- "$@"

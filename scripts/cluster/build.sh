@@ -6,16 +6,36 @@
 # Each component is built in a temporary directory next to its final place and renamed when complete,
 # so an interrupted or failed build never leaves a cache entry that looks complete.
 #
-# Usage: scripts/cluster/build.sh [--check]
-#   --check   exit 0 when every binary is already built, 1 otherwise (builds nothing)
-# Environment: TRAJ_CACHE_DIR (default ~/.cache/trajectory-operator), TRAJ_BUILD_JOBS (default 2).
+# With --real-node (or TRAJ_REAL_NODE=1) also the node agent, from the same wrapper module and version:
+#   ${TRAJ_CACHE_DIR}/k8s/v<K8S_VERSION>/bin/kubelet   (marked by .complete-node; a cache without it
+#                                                       gets just the kubelet built)
+#
+# Usage: scripts/cluster/build.sh [--real-node] [--check]
+#   --real-node  also build the kubelet (for up.sh --real-node)
+#   --check      exit 0 when every binary is already built, 1 otherwise (builds nothing)
+# Environment: TRAJ_CACHE_DIR (default ~/.cache/trajectory-operator), TRAJ_BUILD_JOBS (default 2),
+#   TRAJ_REAL_NODE (1: as --real-node).
 set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib.sh"
 
-if [[ "${1:-}" == "--check" ]]; then
-	all_binaries_built
+CHECK=0
+REAL_NODE="${TRAJ_REAL_NODE:-0}"
+for arg in "$@"; do
+	case "${arg}" in
+	--check) CHECK=1 ;;
+	--real-node) REAL_NODE=1 ;;
+	-h | --help)
+		sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+		exit 0
+		;;
+	*) die "unknown argument: ${arg} (see --help)" ;;
+	esac
+done
+if [[ "${CHECK}" == 1 ]]; then
+	all_binaries_built || exit 1
+	[[ "${REAL_NODE}" != 1 ]] || node_binaries_built
 	exit
 fi
 
@@ -96,6 +116,20 @@ go_header() {
 	grep -E '^(go|godebug) ' "$1" || true
 }
 
+# k8s_ldflags SUM: linker flags that make the binaries' --version and /version report K8S_VERSION.
+k8s_ldflags() {
+	local sum="$1" minor build_date ldflags pkg
+	IFS=. read -r _ minor _ <<<"${K8S_VERSION}"
+	build_date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+	ldflags="-s -w"
+	for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+		ldflags+=" -X ${pkg}.gitVersion=v${K8S_VERSION} -X ${pkg}.gitMajor=1 -X ${pkg}.gitMinor=${minor}"
+		# The Go proxy does not say which git commit a tag points at; the module's content hash identifies the source.
+		ldflags+=" -X ${pkg}.gitCommit=${sum:-unknown} -X ${pkg}.gitTreeState=clean -X ${pkg}.buildDate=${build_date}"
+	done
+	echo "${ldflags}"
+}
+
 build_kubernetes() {
 	local final="${TRAJ_CACHE_DIR}/k8s/v${K8S_VERSION}"
 	if component_complete "${final}/bin" "${K8S_BINARIES[@]}"; then
@@ -150,14 +184,8 @@ build_kubernetes() {
 	EOF
 	log "wrapper module replaces $(wc -w <<<"${staging}") staging modules with v0.${minor}.${patch}"
 
-	local build_date ldflags pkg
-	build_date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-	ldflags="-s -w"
-	for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-		ldflags+=" -X ${pkg}.gitVersion=v${K8S_VERSION} -X ${pkg}.gitMajor=1 -X ${pkg}.gitMinor=${minor}"
-		# The Go proxy does not say which git commit a tag points at; the module's content hash identifies the source.
-		ldflags+=" -X ${pkg}.gitCommit=${sum:-unknown} -X ${pkg}.gitTreeState=clean -X ${pkg}.buildDate=${build_date}"
-	done
+	local ldflags
+	ldflags="$(k8s_ldflags "${sum}")"
 
 	# shellcheck disable=SC2016 # expanded by the inner bash
 	run_step "go mod tidy (kubernetes wrapper module)" "${tmp}/logs/tidy.log" \
@@ -173,6 +201,49 @@ build_kubernetes() {
 	v="$("${tmp}/bin/kube-apiserver" --version 2>&1)"
 	[[ "${v}" == "Kubernetes v${K8S_VERSION}" ]] || die "kube-apiserver --version printed '${v}', want 'Kubernetes v${K8S_VERSION}'"
 	finish_build "${tmp}" "${final}"
+}
+
+# build_kubelet: the node agent, from the same wrapper module and version as the control plane (which
+# build_kubernetes made first). It is added to that component's bin/ directory on its own, marked by
+# .complete-node, so a cache made before the real node existed stays valid and only the kubelet is built.
+build_kubelet() {
+	local final="${TRAJ_CACHE_DIR}/k8s/v${K8S_VERSION}"
+	if node_binaries_built; then
+		log "kubelet v${K8S_VERSION}: cached in ${final}"
+		return
+	fi
+	[[ -f "${final}/src/go.mod" ]] || die "no wrapper module in ${final}/src (build the control plane first)"
+	log "kubelet v${K8S_VERSION}: building (the control plane's packages are in Go's build cache)"
+	local tmp info sum
+	new_build_dir k8s "${K8S_VERSION}-kubelet"
+	tmp="${BUILD_DIR}"
+	cp "${final}/src/go.mod" "${final}/src/go.sum" "${tmp}/src/"
+	cat >"${tmp}/src/tools.go" <<-'EOF'
+		//go:build tools
+
+		package tools
+
+		import _ "k8s.io/kubernetes/cmd/kubelet"
+	EOF
+	info="$(module_info "k8s.io/kubernetes@v${K8S_VERSION}" "${tmp}/logs/download.json")"
+	sum="${info#*$'\t'}"
+	# shellcheck disable=SC2016 # expanded by the inner bash
+	run_step "go mod tidy (kubernetes wrapper module, kubelet)" "${tmp}/logs/kubelet-tidy.log" \
+		bash -c 'cd "$1" && go mod tidy' _ "${tmp}/src"
+	# shellcheck disable=SC2016 # expanded by the inner bash
+	run_step "go build kubelet" "${tmp}/logs/kubelet-build.log" \
+		bash -c 'cd "$1" && nice -n 19 go build -ldflags "$2" -o "$3/kubelet" k8s.io/kubernetes/cmd/kubelet' \
+		_ "${tmp}/src" "$(k8s_ldflags "${sum}")" "${tmp}/bin"
+	local v
+	v="$("${tmp}/bin/kubelet" --version 2>&1)"
+	[[ "${v}" == "Kubernetes v${K8S_VERSION}" ]] || die "kubelet --version printed '${v}', want 'Kubernetes v${K8S_VERSION}'"
+	cp "${tmp}/logs/kubelet-tidy.log" "${tmp}/logs/kubelet-build.log" "${final}/logs/" 2>/dev/null || true
+	mv "${tmp}/bin/kubelet" "${final}/bin/kubelet"
+	{
+		echo "built=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+		echo "go=$(go env GOVERSION)"
+	} >"${final}/.complete-node"
+	log "installed kubelet v${K8S_VERSION} into ${final}/bin"
 }
 
 build_etcd() {
@@ -285,4 +356,7 @@ start=${SECONDS}
 build_etcd
 build_kwok
 build_kubernetes
+if [[ "${REAL_NODE}" == 1 ]]; then
+	build_kubelet
+fi
 log "all binaries ready ($((SECONDS - start)) s)"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Stops the control plane that up.sh started in TRAJ_CLUSTER_DIR (default /tmp/trajectory-cluster) and
 # removes that directory. Only processes started from that directory are stopped: those named by its pid
-# files, and any left-over process of a killed run whose command line refers to the directory.
+# files, and any left-over process of a killed run whose command line refers to the directory. A real
+# node (up.sh --real-node) is removed first by node-down.sh, with everything it made on the host.
 #
 # Usage: scripts/cluster/down.sh [--keep-logs] [--quiet]
 #   --keep-logs  first copy every component's log to ${TRAJ_CLUSTER_LOGS_DIR:-${TRAJ_CLUSTER_DIR}-logs}/<time>/
@@ -76,6 +77,17 @@ pid_of() {
 }
 
 stopped=0
+# The real node first (its kubelet needs the API server to finish, its pods need containerd to be stopped).
+if [[ -d "${DIR}/node" ]]; then
+	if [[ "${KEEP_LOGS}" == 1 && -d "${DIR}/logs" ]]; then
+		# Pod logs live in the node's directory, which node-down.sh removes.
+		cp -r "${DIR}/node/pod-logs" "${DIR}/logs/pod-logs" 2>/dev/null || true
+	fi
+	quiet=()
+	[[ "${QUIET}" != 1 ]] || quiet=(--quiet)
+	"${CLUSTER_SCRIPTS_DIR}/node-down.sh" "${quiet[@]}" || die "stopping the real node failed; not removing ${DIR}"
+	stopped=$((stopped + 1))
+fi
 # In reverse start order, in phases: kube-apiserver shuts down cleanly only while etcd still runs.
 for phase in "kwok kube-scheduler kube-controller-manager" "kube-apiserver" "etcd"; do
 	pids=()

@@ -17,7 +17,7 @@ fi
 ok=0
 total_kib=0
 printf '%-24s %8s %8s %10s\n' COMPONENT PID STATE RSS_MiB
-for name in etcd kube-apiserver kube-controller-manager kube-scheduler kwok; do
+for name in etcd kube-apiserver kube-controller-manager kube-scheduler kwok containerd kubelet; do
 	f="${DIR}/pids/${name}.pid"
 	[[ -f "${f}" ]] || continue
 	pid="$(cat "${f}")"
@@ -32,6 +32,6 @@ for name in etcd kube-apiserver kube-controller-manager kube-scheduler kwok; do
 done
 printf '%-24s %8s %8s %10d\n' total "" "" $((total_kib / 1024))
 if [[ -f "${DIR}/env" ]]; then
-	grep -E '^export (KUBECONFIG|TRAJ_CLUSTER_API|TRAJ_CLUSTER_NODES)=' "${DIR}/env" | sed 's/^export /  /'
+	grep -E '^export (KUBECONFIG|TRAJ_CLUSTER_API|TRAJ_CLUSTER_NODES|TRAJ_CLUSTER_REAL_NODE|TRAJ_CLUSTER_NODE_HOST_IP)=' "${DIR}/env" | sed 's/^export /  /'
 fi
 exit "${ok}"

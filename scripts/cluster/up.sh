@@ -3,14 +3,16 @@
 # etcd, kube-apiserver (TLS, RBAC, ServiceAccount tokens, admission with OwnerReferencesPermissionEnforcement
 # as OpenShift enables it, so the chart's RBAC is tested against it), kube-controller-manager (all default
 # controllers), kube-scheduler and kwok with KWOK_NODES fake nodes whose pods kwok moves to Running and,
-# for pods owned by a Job, to Succeeded.
+# for pods owned by a Job, to Succeeded. With --real-node also a real node (node-up.sh): containerd, runc and
+# a kubelet, tainted so that only pods tolerating trajectory.dev/real-node land on it.
 #
-# Usage: scripts/cluster/up.sh [--nodes N] [--no-scheduler]
+# Usage: scripts/cluster/up.sh [--nodes N] [--no-scheduler] [--real-node]
 #   eval "$(scripts/cluster/up.sh)"   # or copy the printed export line
 # Environment:
 #   TRAJ_CLUSTER_DIR       state directory (default /tmp/trajectory-cluster); removed by down.sh
 #   KWOK_NODES             fake nodes to create (default 2; 0 starts neither kwok nor the scheduler)
 #   TRAJ_CLUSTER_SCHEDULER 1 (default) or 0 to skip kube-scheduler
+#   TRAJ_REAL_NODE         1: as --real-node (installs the Debian packages and builds the kubelet if needed)
 #   TRAJ_CLUSTER_VERBOSITY klog verbosity of the Kubernetes components (default 0)
 #   TRAJ_CLUSTER_PORTS     6 preferred ports "etcd etcd-peer apiserver controller-manager scheduler kwok"
 #                          for the first attempt (default: free ones picked at random; taken ones are
@@ -26,6 +28,7 @@ source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib.sh"
 NODES="${KWOK_NODES:-2}"
 SCHEDULER="${TRAJ_CLUSTER_SCHEDULER:-1}"
 VERBOSITY="${TRAJ_CLUSTER_VERBOSITY:-0}"
+REAL_NODE="${TRAJ_REAL_NODE:-0}"
 while [[ $# -gt 0 ]]; do
 	case "$1" in
 	--nodes)
@@ -40,6 +43,10 @@ while [[ $# -gt 0 ]]; do
 		SCHEDULER=0
 		shift
 		;;
+	--real-node)
+		REAL_NODE=1
+		shift
+		;;
 	-h | --help)
 		sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
 		exit 0
@@ -48,7 +55,7 @@ while [[ $# -gt 0 ]]; do
 	esac
 done
 [[ "${NODES}" =~ ^[0-9]+$ ]] || die "KWOK_NODES/--nodes must be a number, got '${NODES}'"
-if [[ "${NODES}" -eq 0 ]]; then
+if [[ "${NODES}" -eq 0 && "${REAL_NODE}" != 1 ]]; then
 	SCHEDULER=0
 fi
 for tool in openssl curl ss base64 setsid; do
@@ -59,6 +66,10 @@ START=${SECONDS}
 if ! all_binaries_built; then
 	log "control-plane binaries not built yet: running build.sh"
 	"${CLUSTER_SCRIPTS_DIR}/build.sh"
+fi
+if [[ "${REAL_NODE}" == 1 ]]; then
+	"${CLUSTER_SCRIPTS_DIR}/install-node.sh" --check || "${CLUSTER_SCRIPTS_DIR}/install-node.sh"
+	node_binaries_built || "${CLUSTER_SCRIPTS_DIR}/build.sh" --real-node
 fi
 
 DIR="${TRAJ_CLUSTER_DIR%/}"
@@ -116,6 +127,8 @@ subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubern
 	new_cert controller-manager "/CN=system:kube-controller-manager" "${client}"
 	new_cert scheduler "/CN=system:kube-scheduler" "${client}"
 	new_cert front-proxy-client "/CN=front-proxy-client" "${client}" front-proxy-ca
+	# The API server's identity towards kubelets (logs, exec); the kubelet authorizes system:masters.
+	new_cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "${client}"
 	# ServiceAccount token signing key.
 	openssl genrsa -out "${PKI}/sa.key" 2048 2>>"${LOGS}/openssl.log"
 	openssl rsa -in "${PKI}/sa.key" -pubout -out "${PKI}/sa.pub" 2>>"${LOGS}/openssl.log"
@@ -274,7 +287,16 @@ start_components() {
 		bash -c '[[ "$(curl -fsS --max-time 2 "$1")" == *"\"health\":\"true\""* ]]' _ \
 		"http://127.0.0.1:${ETCD_PORT}/health" || return 1
 
+	local kubelet_flags=()
+	if [[ "${REAL_NODE}" == 1 ]]; then
+		# The real node's InternalIP is its bridge address on this host (node-up.sh); its serving
+		# certificate is signed by the cluster CA.
+		kubelet_flags=(--kubelet-preferred-address-types=InternalIP --kubelet-certificate-authority="${PKI}/ca.crt")
+	fi
 	start kube-apiserver "${K8S_BIN_DIR}/kube-apiserver" \
+		--kubelet-client-certificate="${PKI}/apiserver-kubelet-client.crt" \
+		--kubelet-client-key="${PKI}/apiserver-kubelet-client.key" \
+		"${kubelet_flags[@]}" \
 		--etcd-servers="http://127.0.0.1:${ETCD_PORT}" \
 		--bind-address=127.0.0.1 --secure-port="${API_PORT}" --advertise-address=127.0.0.1 \
 		--endpoint-reconciler-type=none \
@@ -386,6 +408,13 @@ until start_components; do
 	exit 1
 done
 
+if [[ "${REAL_NODE}" == 1 ]]; then
+	"${CLUSTER_SCRIPTS_DIR}/node-up.sh" || {
+		log "the real node did not start (logs: ${LOGS}/kubelet.log, ${LOGS}/containerd.log)"
+		exit 1
+	}
+fi
+
 cat >"${DIR}/env" <<EOF
 export KUBECONFIG=${DIR}/kubeconfig
 export TRAJ_CLUSTER_API=https://127.0.0.1:${API_PORT}
@@ -393,7 +422,10 @@ export TRAJ_CLUSTER_ETCD=http://127.0.0.1:${ETCD_PORT}
 export TRAJ_CLUSTER_KUBECTL=${K8S_BIN_DIR}/kubectl
 export TRAJ_CLUSTER_NODES=${NODES}
 EOF
+if [[ "${REAL_NODE}" == 1 ]]; then
+	cat "${DIR}/node/env" >>"${DIR}/env"
+fi
 UP_OK=1
 log "control plane v${K8S_VERSION} ready in $((SECONDS - START)) s: API https://127.0.0.1:${API_PORT}," \
-	"${NODES} kwok node(s), logs in ${LOGS}; kubectl: ${K8S_BIN_DIR}/kubectl; stop with scripts/cluster/down.sh"
+	"${NODES} kwok node(s)$([[ "${REAL_NODE}" != 1 ]] || echo ", real node ${TRAJ_NODE_NAME}"), logs in ${LOGS}; kubectl: ${K8S_BIN_DIR}/kubectl; stop with scripts/cluster/down.sh"
 echo "export KUBECONFIG=${DIR}/kubeconfig"

@@ -4,8 +4,10 @@
 # (or up.sh's when the cluster did not start). When anything failed, every component's log is kept in
 # ${TRAJ_CLUSTER_LOGS_DIR:-${TRAJ_CLUSTER_DIR}-logs}/<time>/ (the path is printed).
 #
-# Usage: scripts/cluster/with-cluster.sh CMD [ARGS...]
+# Usage: scripts/cluster/with-cluster.sh [--real-node] CMD [ARGS...]
 #   e.g. scripts/cluster/with-cluster.sh cargo test -p trajectory-tests
+#        scripts/cluster/with-cluster.sh --real-node cargo test -p trajectory-tests --test real_node
+#   --real-node  start the real node too (up.sh --real-node; as TRAJ_REAL_NODE=1)
 # Environment: as up.sh (TRAJ_CLUSTER_DIR, KWOK_NODES, ...). Runs sharing one TRAJ_CLUSTER_DIR wait for
 # each other (lock file ${TRAJ_CLUSTER_DIR}.lock).
 set -euo pipefail
@@ -14,7 +16,11 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "${HERE}/lib.sh"
 
-[[ $# -gt 0 ]] || die "usage: $0 CMD [ARGS...]"
+if [[ "${1:-}" == --real-node ]]; then
+	export TRAJ_REAL_NODE=1
+	shift
+fi
+[[ $# -gt 0 ]] || die "usage: $0 [--real-node] CMD [ARGS...]"
 
 DIR="${TRAJ_CLUSTER_DIR%/}"
 mkdir -p "$(dirname "${DIR}")"
