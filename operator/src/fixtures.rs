@@ -6,7 +6,7 @@ use k8s_openapi::api::batch::v1::{Job, JobCondition, JobStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
 use serde_json::json;
-use trajectory_worker::contract::{BatchRange, MergeSummary, PlanSummary};
+use trajectory_worker::contract::{BatchRange, MergeSummary, PlanSummary, WorkerFailure, exit};
 use trajectory_worker::spec::RunSpec;
 
 use crate::api::{TrajectoryRun, TrajectoryRunSpec, TrajectoryRunStatus};
@@ -273,6 +273,19 @@ impl ObservedFixture {
 
     pub fn merge(mut self, job: JobFixture) -> Self {
         self.0.merge_job = Some(job.build());
+        self
+    }
+
+    /// The last attempt's failed pod reported `reason` and `error` (exit code 78).
+    pub fn worker_failure(mut self, reason: &str, error: &str) -> Self {
+        let attempt = self.0.attempts.last_mut().expect("an attempt");
+        attempt.failure = Some(WorkerFailure::new(error, reason, exit::PERMANENT_CONFIG));
+        self
+    }
+
+    /// The failed plan pod reported `reason` and `error` (exit code 78).
+    pub fn plan_failure(mut self, reason: &str, error: &str) -> Self {
+        self.0.plan_failure = Some(WorkerFailure::new(error, reason, exit::PERMANENT_CONFIG));
         self
     }
 

@@ -30,7 +30,7 @@ use trajectory_operator::settings::Settings;
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, text_reply, tool_call_reply,
 };
-use trajectory_worker::contract::{exit, paths, termination_message};
+use trajectory_worker::contract::{WorkerFailure, exit, paths, termination_message};
 use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunLocation, load_plan, merge, plan};
@@ -393,9 +393,11 @@ impl Kubelet {
                 Ok(summary) => (exit::OK, termination_message(&summary)),
                 Err(error) => (
                     error.exit_code(),
-                    termination_message(&json!({
-                        "error": error.to_string(), "reason": error.reason(), "exitCode": error.exit_code(),
-                    })),
+                    termination_message(&WorkerFailure::new(
+                        &error.to_string(),
+                        error.reason(),
+                        error.exit_code(),
+                    )),
                 ),
             }
         }

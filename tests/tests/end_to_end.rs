@@ -1281,3 +1281,60 @@ async fn assert_shard_plans_are_small(maps: &Api<ConfigMap>, shards: &[Job]) {
         }
     }
 }
+
+/// A model server that refuses the key stops the first batch pod with exit code 78; the Job's pod
+/// failure policy fails the Job at once, and the run fails with the worker's own reason,
+/// `ModelUnauthorized`, without spending the rest of the dataset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_model_that_refuses_the_key_fails_the_run_as_model_unauthorized() {
+    let setup = Setup::without_controller("e2e-401").await;
+    let (client, ns) = (&setup.client, setup.ns());
+    let refusing = trajectory_testkit::scripted_server::ScriptedServer::start_with_default(
+        [],
+        trajectory_testkit::scripted_server::Step::error(401, "invalid_api_key", "bad key"),
+    )
+    .await;
+    let _controller = start_controller_in(client, ns);
+    setup
+        .runs
+        .create(
+            &PostParams::default(),
+            &TrajectoryRun::new("refused", run_spec(&refusing.base_url(), &json!({}))),
+        )
+        .await
+        .expect("create the run");
+    let kubelet = Kubelet::new(client, ns, "refused", &setup.scratch);
+    let run = kubelet
+        .serve_until("the run to fail", Duration::from_secs(120), |run| {
+            matches!(phase_of(run), Some(Phase::Succeeded | Phase::Failed))
+        })
+        .await;
+    let status = run.status.expect("a status");
+    let failed = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Failed")
+        .expect("a Failed condition");
+    assert_eq!(
+        (failed.status.as_str(), failed.reason.as_str()),
+        ("True", "ModelUnauthorized"),
+        "{failed:?}"
+    );
+    assert!(
+        failed.message.contains("HTTP 401"),
+        "the worker's words: {}",
+        failed.message
+    );
+    // Two pods at once, two conversations each, one request per conversation before the stop:
+    // the other batches' prompts were never sent.
+    let batch_pods = kubelet
+        .played()
+        .iter()
+        .filter(|p| p.mode == "batch")
+        .count();
+    assert!(
+        refusing.request_count() <= 4 && batch_pods <= 2,
+        "{} requests from {batch_pods} batch pods",
+        refusing.request_count()
+    );
+}

@@ -6,7 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 use tracing::{debug, error};
 
-use crate::contract::{env, exit, paths, termination_message};
+use crate::contract::{WorkerFailure, env, exit, paths, termination_message};
 use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
 use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
 use crate::run::manifest::Manifest;
@@ -141,9 +141,11 @@ impl RunArgs {
         };
         let message = match result {
             Ok(summary) => termination_message(summary),
-            Err(error) => termination_message(&serde_json::json!({
-                "error": error.to_string(), "reason": error.reason(), "exitCode": error.exit_code(),
-            })),
+            Err(error) => termination_message(&WorkerFailure::new(
+                &error.to_string(),
+                error.reason(),
+                error.exit_code(),
+            )),
         };
         if let Err(err) = std::fs::write(path, message) {
             error!(path = %path.display(), %err, "cannot write the termination message");

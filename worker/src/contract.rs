@@ -247,6 +247,31 @@ pub fn parse_ranges(text: &str) -> Result<Vec<u32>, String> {
     Ok(ids)
 }
 
+/// What a worker that stopped on an error reports in its termination message, for the operator's
+/// status: the error, its `PascalCase` reason (`ModelUnauthorized`, `InvalidDataset`, ...) and the
+/// exit code.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerFailure {
+    pub error: String,
+    pub reason: String,
+    pub exit_code: i32,
+}
+
+impl WorkerFailure {
+    /// The longest error text reported: with the reason it stays well inside the termination
+    /// message's 4 KiB, so the reason always arrives.
+    pub const MAX_ERROR_CHARS: usize = 2000;
+
+    pub fn new(error: &str, reason: &str, exit_code: i32) -> Self {
+        Self {
+            error: error.chars().take(Self::MAX_ERROR_CHARS).collect(),
+            reason: reason.to_owned(),
+            exit_code,
+        }
+    }
+}
+
 /// Serialises a summary for the termination message, which Kubernetes caps at 4 KiB.
 pub fn termination_message<T: Serialize>(summary: &T) -> String {
     let text =
@@ -313,6 +338,23 @@ mod tests {
         plan.batch_ranges = Some("7-x".into());
         assert_eq!(plan.batch_for_index(0), None);
         assert!(plan.pending_list().is_err());
+    }
+
+    #[test]
+    fn a_worker_failure_keeps_its_reason_however_long_the_error() {
+        let failure = WorkerFailure::new(
+            &"x".repeat(10_000),
+            "ModelUnauthorized",
+            exit::PERMANENT_CONFIG,
+        );
+        let message = termination_message(&failure);
+        assert!(message.len() <= TERMINATION_MESSAGE_LIMIT);
+        let read: WorkerFailure = serde_json::from_str(&message).unwrap();
+        assert_eq!(
+            (read.reason.as_str(), read.exit_code),
+            ("ModelUnauthorized", 78)
+        );
+        assert!(message.contains("\"exitCode\":78"), "{message}");
     }
 
     #[test]

@@ -17,7 +17,8 @@
 use std::collections::BTreeSet;
 
 use trajectory_worker::contract::{
-    MAX_JOB_COMPLETIONS, MergeSummary, PlanSummary, compact_ranges, format_ranges, parse_ranges,
+    MAX_JOB_COMPLETIONS, MergeSummary, PlanSummary, WorkerFailure, compact_ranges, format_ranges,
+    parse_ranges,
 };
 
 use super::children::{Component, MAX_NAME_LENGTH};
@@ -169,7 +170,10 @@ fn plan(observed: &Observed, children: &mut Vec<Child>) -> Option<Outcome> {
         }
         JobState::Failed { message, .. } => Some(Outcome::Failed(
             Reason::PlanFailed,
-            format!("the plan Job failed: {message}"),
+            format!(
+                "the plan Job failed: {}",
+                said(observed.plan_failure.as_ref(), &message)
+            ),
         )),
         JobState::Complete => None,
     }
@@ -227,7 +231,8 @@ fn generate(
                         format!("attempt {attempt}: {} of {total} batches done", done.len());
                     return Some(Outcome::Working(Phase::Running, message));
                 }
-                state => match after_attempt(run, attempt, &state, &pending) {
+                state => match after_attempt(run, attempt, (&state, failure_of(&shards)), &pending)
+                {
                     AfterAttempt::Fail(outcome) => return Some(outcome),
                     AfterAttempt::Next(attempt) => attempt,
                     AfterAttempt::Merge => return None,
@@ -266,6 +271,19 @@ fn attempt_state(shards: &[&ObservedAttempt]) -> JobState {
         .into_iter()
         .find(|state| *state != JobState::Complete)
         .unwrap_or(JobState::Complete)
+}
+
+/// What the attempt's failed pods reported, from the Job that failed first in shard order.
+fn failure_of<'a>(shards: &[&'a ObservedAttempt]) -> Option<&'a WorkerFailure> {
+    shards.iter().find_map(|shard| shard.failure.as_ref())
+}
+
+/// What a failed worker said (`reason: error`), or the Job's own message when no pod said.
+fn said(failure: Option<&WorkerFailure>, job_message: &str) -> String {
+    failure.map_or_else(
+        || job_message.to_owned(),
+        |failure| format!("{}: {}", failure.reason, failure.error),
+    )
 }
 
 /// Over several Jobs, each limits its own failed indexes; the run's `retry.maxFailedBatches` is
@@ -340,15 +358,21 @@ enum AfterAttempt {
 fn after_attempt(
     run: &ValidatedRun<'_>,
     attempt: u32,
-    state: &JobState,
+    (state, failure): (&JobState, Option<&WorkerFailure>),
     pending: &Pending,
 ) -> AfterAttempt {
     let retry = &run.spec.retry;
     match state {
         JobState::Failed { reason, message } if reason == "PodFailurePolicy" => {
+            let reason = failure
+                .and_then(|failure| Reason::of_worker(&failure.reason))
+                .unwrap_or(Reason::WorkerConfigError);
             AfterAttempt::Fail(Outcome::Failed(
-                Reason::WorkerConfigError,
-                format!("a worker stopped on a configuration error no retry can fix: {message}"),
+                reason,
+                format!(
+                    "a worker stopped on a configuration error no retry can fix: {}",
+                    said(failure, message)
+                ),
             ))
         }
         JobState::Failed { reason, .. } if reason == "MaxFailedIndexesExceeded" => {
@@ -436,7 +460,10 @@ fn merge(
         }
         JobState::Failed { message, .. } => Outcome::Failed(
             Reason::MergeFailed,
-            format!("the merge Job failed: {message}"),
+            format!(
+                "the merge Job failed: {}",
+                said(observed.merge_failure.as_ref(), &message)
+            ),
         ),
         JobState::Complete => {
             // Without the merge pod (gone with its node), the counts recorded from it stand.

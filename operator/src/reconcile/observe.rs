@@ -13,7 +13,9 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use serde::de::DeserializeOwned;
-use trajectory_worker::contract::{self, MergeSummary, PlanSummary, RunPlan, paths};
+use trajectory_worker::contract::{
+    self, MergeSummary, PlanSummary, RunPlan, WorkerFailure, exit, paths,
+};
 
 use super::children::{CONTAINER, Component, labels};
 use crate::api::TrajectoryRun;
@@ -28,6 +30,10 @@ pub struct Observed {
     pub attempts: Vec<ObservedAttempt>,
     pub merge_job: Option<Job>,
     pub merge_summary: Option<MergeSummary>,
+    /// What the failed plan pod reported, once the plan Job failed.
+    pub plan_failure: Option<WorkerFailure>,
+    /// What the failed merge pod reported, once the merge Job failed.
+    pub merge_failure: Option<WorkerFailure>,
 }
 
 /// One generation attempt as observed: its Job, the batch each index works, and the batches it
@@ -40,6 +46,9 @@ pub struct ObservedAttempt {
     pub job: Job,
     pub pending: Vec<u32>,
     pub batches: AttemptBatches,
+    /// What a failed pod of the Job reported, once the Job failed (the one that stopped on a
+    /// configuration error first).
+    pub failure: Option<WorkerFailure>,
 }
 
 /// Batches an attempt finished and gave up on, as batch ids.
@@ -164,9 +173,9 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
                     continue;
                 };
                 let pending = pending_list(&maps, &job).await?;
-                observed
-                    .attempts
-                    .push(ObservedAttempt::new(attempt, job, pending)?);
+                let mut observed_attempt = ObservedAttempt::new(attempt, job, pending)?;
+                observed_attempt.failure = failure_if_failed(&pods, &observed_attempt.job).await?;
+                observed.attempts.push(observed_attempt);
             }
         }
     }
@@ -187,6 +196,12 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
     {
         observed.merge_summary = summary(&pods, &job.name_any()).await?;
     }
+    if let Some(job) = &observed.plan_job {
+        observed.plan_failure = failure_if_failed(&pods, job).await?;
+    }
+    if let Some(job) = &observed.merge_job {
+        observed.merge_failure = failure_if_failed(&pods, job).await?;
+    }
     Ok(observed)
 }
 
@@ -206,6 +221,7 @@ impl ObservedAttempt {
             job,
             pending,
             batches,
+            failure: None,
         })
     }
 }
@@ -269,17 +285,52 @@ pub fn attempt_batches(job: &Job, pending: &[u32]) -> Result<AttemptBatches, Obs
     })
 }
 
+/// For a failed Job, what its failed pods reported: the report of a pod that stopped on a
+/// configuration error first, else any. Nothing is read for a Job that did not fail.
+async fn failure_if_failed(
+    pods: &Api<Pod>,
+    job: &Job,
+) -> Result<Option<WorkerFailure>, kube::Error> {
+    if !matches!(JobState::of(job), JobState::Failed { .. }) {
+        return Ok(None);
+    }
+    let mut failures: Vec<WorkerFailure> = termination_messages(pods, &job.name_any(), None)
+        .await?
+        .iter()
+        .filter_map(|message| serde_json::from_str(message).ok())
+        .collect();
+    failures.sort_by_key(|failure: &WorkerFailure| failure.exit_code != exit::PERMANENT_CONFIG);
+    Ok(failures.into_iter().next())
+}
+
 /// The worker's summary from the termination message of the Job's succeeded pod.
 async fn summary<T: DeserializeOwned>(
     pods: &Api<Pod>,
     job: &str,
 ) -> Result<Option<T>, kube::Error> {
+    Ok(termination_messages(pods, job, Some("Succeeded"))
+        .await?
+        .iter()
+        .find_map(|message| serde_json::from_str(message).ok()))
+}
+
+/// The termination messages of the worker containers of `job`'s pods (those in `phase` only, when
+/// given).
+async fn termination_messages(
+    pods: &Api<Pod>,
+    job: &str,
+    phase: Option<&str>,
+) -> Result<Vec<String>, kube::Error> {
     let selector = format!("batch.kubernetes.io/job-name={job}");
     let list = pods.list(&ListParams::default().labels(&selector)).await?;
     Ok(list
         .items
         .into_iter()
-        .filter(|pod| pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"))
+        .filter(|pod| {
+            phase.is_none_or(|phase| {
+                pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some(phase)
+            })
+        })
         .flat_map(|pod| {
             pod.status
                 .and_then(|s| s.container_statuses)
@@ -287,7 +338,7 @@ async fn summary<T: DeserializeOwned>(
         })
         .filter(|status| status.name == CONTAINER)
         .filter_map(|status| status.state?.terminated?.message)
-        .find_map(|message| serde_json::from_str(&message).ok()))
+        .collect())
 }
 
 #[cfg(test)]

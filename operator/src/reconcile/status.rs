@@ -32,10 +32,23 @@ pub enum Reason {
     InvalidSpec,
     InvalidDataset,
     TooManyFailedBatches,
-    /// A worker exited with the "permanent configuration error" code (e.g. 401 from the model).
+    /// A worker exited with the "permanent configuration error" code and did not say why (the
+    /// reasons below are what it says when it does).
     WorkerConfigError,
     MergeFailed,
     PlanFailed,
+    /// The model server refused the key (401, 403) or the account (402, no quota left).
+    ModelUnauthorized,
+    /// The model or its path does not exist on the server (404, an unknown model name).
+    ModelNotFound,
+    /// The storage volume is mounted read-only.
+    StorageReadOnly,
+    /// The pods' user may not write the output directory.
+    StoragePermissionDenied,
+    /// The storage volume is not mounted where the plan says.
+    StorageMissing,
+    /// The output directory holds a run of another dataset or spec.
+    OutputMismatch,
 }
 
 impl Reason {
@@ -54,7 +67,30 @@ impl Reason {
             Self::WorkerConfigError => "WorkerConfigError",
             Self::MergeFailed => "MergeFailed",
             Self::PlanFailed => "PlanFailed",
+            Self::ModelUnauthorized => "ModelUnauthorized",
+            Self::ModelNotFound => "ModelNotFound",
+            Self::StorageReadOnly => "StorageReadOnly",
+            Self::StoragePermissionDenied => "StoragePermissionDenied",
+            Self::StorageMissing => "StorageMissing",
+            Self::OutputMismatch => "OutputMismatch",
         }
+    }
+
+    /// The run's reason for a worker that stopped on a configuration error and said why, when the
+    /// reason is one a run can fail with; `None` for any other (the caller's generic reason stands).
+    pub fn of_worker(reason: &str) -> Option<Self> {
+        [
+            Self::ModelUnauthorized,
+            Self::ModelNotFound,
+            Self::StorageReadOnly,
+            Self::StoragePermissionDenied,
+            Self::StorageMissing,
+            Self::OutputMismatch,
+            Self::InvalidDataset,
+            Self::InvalidSpec,
+        ]
+        .into_iter()
+        .find(|known| known.as_str() == reason)
     }
 
     /// The `Progressing` reason of a run working in `phase`.

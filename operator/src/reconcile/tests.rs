@@ -682,3 +682,50 @@ fn a_run_name_too_long_for_its_tenth_job_fails_the_run_naming_it() {
         failed_message(&desired)
     );
 }
+
+/// A worker that stopped on a configuration error says why in its termination message: a reason
+/// a run can fail with becomes the run's, and the message carries the worker's words.
+#[test]
+fn the_worker_s_reason_for_a_configuration_error_is_the_run_s() {
+    let failed_with = |reason: &str| {
+        ObservedFixture::planned(3)
+            .attempt(
+                JobFixture::generation(1).failed("PodFailurePolicy"),
+                &[0, 1, 2],
+            )
+            .worker_failure(reason, "the model server refused the API key (HTTP 401)")
+            .build()
+    };
+    let desired = decide(&failed_with("ModelUnauthorized"));
+    assert_eq!(
+        condition(&desired, ConditionType::Failed),
+        ("True", "ModelUnauthorized")
+    );
+    assert_eq!(
+        failed_message(&desired),
+        "a worker stopped on a configuration error no retry can fix: ModelUnauthorized: the model server refused the API key (HTTP 401)"
+    );
+    for (worker, run) in [
+        ("ModelNotFound", "ModelNotFound"),
+        ("StorageReadOnly", "StorageReadOnly"),
+        // A reason a run does not fail with keeps the generic one; the message still says it.
+        ("OutputInUse", "WorkerConfigError"),
+    ] {
+        let desired = decide(&failed_with(worker));
+        assert_eq!(condition(&desired, ConditionType::Failed), ("True", run));
+        assert!(failed_message(&desired).contains(worker), "{worker}");
+    }
+    let plan = ObservedFixture::new()
+        .plan(JobFixture::plan().failed("PodFailurePolicy"))
+        .plan_failure("InvalidDataset", "datasets/prompts.jsonl: no valid line")
+        .build();
+    let desired = decide(&plan);
+    assert_eq!(
+        condition(&desired, ConditionType::Failed),
+        ("True", "PlanFailed")
+    );
+    assert_eq!(
+        failed_message(&desired),
+        "the plan Job failed: InvalidDataset: datasets/prompts.jsonl: no valid line"
+    );
+}
