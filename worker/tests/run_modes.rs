@@ -905,3 +905,71 @@ async fn ctrl_c_stops_a_local_run_and_the_same_command_finishes_it() {
         (0..30).map(|i| (i, 0)).collect::<Vec<_>>()
     );
 }
+
+/// A batch marked done holds every (prompt, sample) of its prompts: one that lost a record after
+/// it finished fails the merge, naming the key, instead of leaving a silent hole; with its marker
+/// removed the batch generates that key alone, and the merge is complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merge_refuses_a_done_batch_that_lost_a_record_and_a_rerun_fills_only_it() {
+    let server = terminal_server(Duration::ZERO).await;
+    let fixture = RunFixture::new(&server.base_url(), 8).with("/samplesPerPrompt", json!(2));
+    let location = fixture.location();
+    let (manifest, _) = plan::plan(&location).unwrap();
+    let engine = fixture.engine();
+    for batch in 0..manifest.batch_count() {
+        run_batch(
+            &engine,
+            &location,
+            &manifest,
+            batch,
+            &no_shutdown(),
+            &|_| {},
+        )
+        .await
+        .unwrap();
+    }
+    let requests = server.request_count();
+    assert_eq!(requests, 8 * 2 * 2, "8 prompts, 2 samples, 2 calls each");
+
+    // Batch 1 (prompts 4-7) loses the record of prompt 6, sample 1.
+    let file = fixture.out().join("batches/batch-000001.jsonl");
+    let text = std::fs::read_to_string(&file).unwrap();
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|line| {
+            let record: Value = serde_json::from_str(line).unwrap();
+            (record["prompt_index"].as_u64(), record["sample"].as_u64()) != (Some(6), Some(1))
+        })
+        .collect();
+    assert_eq!(kept.len(), 7, "one record removed");
+    std::fs::write(&file, kept.join("\n") + "\n").unwrap();
+
+    let error = merge::merge(&location).unwrap_err();
+    assert_eq!(error.reason(), "IncompleteBatch");
+    assert_eq!(error.exit_code(), exit::PERMANENT_CONFIG);
+    let message = error.to_string();
+    assert!(
+        message.contains("batch 1 is marked done but holds no record for 1 of its 8")
+            && message.contains("prompt 6 sample 1"),
+        "{message}"
+    );
+    assert!(
+        !fixture.out().join("trajectories.jsonl").exists(),
+        "no output from an incomplete merge"
+    );
+
+    std::fs::remove_file(fixture.out().join("batches/batch-000001.done")).unwrap();
+    run_batch(&engine, &location, &manifest, 1, &no_shutdown(), &|_| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        server.request_count() - requests,
+        2,
+        "only the lost conversation is generated again"
+    );
+    let summary = merge::merge(&location).unwrap();
+    assert_eq!(summary.trajectories, 16);
+    let mut merged = keys(&fixture.lines("trajectories.jsonl"));
+    merged.dedup();
+    assert_eq!(merged.len(), 16);
+}

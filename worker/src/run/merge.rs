@@ -300,10 +300,68 @@ struct SortedBatch {
     openai: Vec<Option<Vec<u8>>>,
 }
 
-/// Reads, validates and orders one batch, and counts its kept records into `totals`.
+/// The keys a batch marked done must hold: every sample of each of its prompts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ExpectedKeys {
+    first_prompt: u64,
+    prompts: u64,
+    samples: u32,
+}
+
+impl ExpectedKeys {
+    fn of(manifest: &Manifest, batch: u32) -> Self {
+        Self {
+            first_prompt: manifest.first_prompt(batch),
+            prompts: manifest.prompts_in(batch),
+            samples: manifest.samples_per_prompt,
+        }
+    }
+
+    fn iter(self) -> impl Iterator<Item = (u64, u32)> {
+        (self.first_prompt..self.first_prompt + self.prompts)
+            .flat_map(move |prompt| (0..self.samples).map(move |sample| (prompt, sample)))
+    }
+}
+
+/// Shown of the keys a done batch lacks, in its error.
+const MISSING_KEYS_SHOWN: usize = 5;
+
+/// A batch marked done holds a record for every one of its keys: it writes its marker only after
+/// the last. A key without one was lost after that (a second writer cutting the file, a restore
+/// of an older copy), and merging on would leave a hole no status shows.
+fn check_complete(
+    batch: u32,
+    kept: impl Iterator<Item = (u64, u32)>,
+    expected: ExpectedKeys,
+) -> Result<(), RunError> {
+    let kept: std::collections::HashSet<(u64, u32)> = kept.collect();
+    let missing: Vec<(u64, u32)> = expected.iter().filter(|key| !kept.contains(key)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let shown: Vec<String> = missing
+        .iter()
+        .take(MISSING_KEYS_SHOWN)
+        .map(|(prompt, sample)| format!("prompt {prompt} sample {sample}"))
+        .collect();
+    let total = expected.prompts * u64::from(expected.samples);
+    Err(RunError::IncompleteBatch(format!(
+        "batch {batch} is marked done but holds no record for {} of its {total} (prompt, sample) keys ({}{}); remove batches/batch-{batch:06}.done and run the batch again: it generates only the missing ones",
+        missing.len(),
+        shown.join(", "),
+        if missing.len() > MISSING_KEYS_SHOWN {
+            ", ..."
+        } else {
+            ""
+        }
+    )))
+}
+
+/// Reads, validates and orders one batch, and counts its kept records into `totals`. A batch
+/// marked done (`expected` given) must hold all its keys.
 fn sort_batch(
     run_dir: &RunDir,
-    batch: u32,
+    (batch, expected): (u32, Option<ExpectedKeys>),
     buffer: Vec<u8>,
     openai: bool,
     totals: &mut Totals,
@@ -335,6 +393,12 @@ fn sort_batch(
     let before = order.len();
     order.dedup_by_key(|(prompt_index, sample, ..)| (*prompt_index, *sample));
     *skipped_lines += (before - order.len()) as u64;
+    if let Some(expected) = expected {
+        let kept = order
+            .iter()
+            .map(|(prompt_index, sample, ..)| (*prompt_index, *sample));
+        check_complete(batch, kept, expected)?;
+    }
 
     let mut openai_lines = if openai {
         openai_index(&run_dir.batch_openai_records(batch))?
@@ -373,7 +437,7 @@ fn sort_batch(
 /// fails. Returns what the batches held.
 fn sort_batches(
     run_dir: &RunDir,
-    batches: impl Iterator<Item = u32>,
+    batches: impl Iterator<Item = (u32, Option<ExpectedKeys>)>,
     openai: bool,
     to_writer: &mpsc::SyncSender<Result<SortedBatch, RunError>>,
     written: &mpsc::Receiver<Vec<u8>>,
@@ -474,7 +538,15 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
             let (to_reader, written) = mpsc::channel::<Vec<u8>>();
             recycle.push(to_reader);
             let reader_dir = &run_dir;
-            let batches = (first..batch_count).step_by(READERS as usize);
+            let (manifest, done) = (&manifest, &done);
+            let batches = (first..batch_count)
+                .step_by(READERS as usize)
+                .map(move |batch| {
+                    let expected = done
+                        .contains(&batch)
+                        .then(|| ExpectedKeys::of(manifest, batch));
+                    (batch, expected)
+                });
             readers
                 .push(scope.spawn(move || {
                     sort_batches(reader_dir, batches, openai, &to_writer, &written)

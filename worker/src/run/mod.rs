@@ -44,6 +44,9 @@ pub enum RunError {
     /// The batch's input is not what the plan recorded.
     #[error("bad batch input: {0}")]
     BadBatchInput(String),
+    /// A batch marked done lacks records (merge): they were lost after it finished.
+    #[error("incomplete batch: {0}")]
+    IncompleteBatch(String),
     /// The model server refused the configuration; every prompt would fail.
     #[error("stopped: {0}")]
     ModelConfiguration(String),
@@ -75,6 +78,7 @@ impl RunError {
             | Self::ModelConfiguration(_)
             | Self::ModelNotFound(_)
             | Self::StorageMissing(_)
+            | Self::IncompleteBatch(_)
             | Self::OutputInUse(_) => exit::PERMANENT_CONFIG,
             Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
             Self::Interrupted => exit::INTERRUPTED,
@@ -103,6 +107,7 @@ impl RunError {
             Self::InvalidDataset(_) => "InvalidDataset",
             Self::OutputMismatch(_) => "OutputMismatch",
             Self::BadBatchInput(_) => "BadBatchInput",
+            Self::IncompleteBatch(_) => "IncompleteBatch",
             Self::ModelConfiguration(_) => "ModelUnauthorized",
             Self::ModelNotFound(_) => "ModelNotFound",
             Self::ModelUnavailable(_) => "ModelUnavailable",
