@@ -257,18 +257,7 @@ async fn merge_writes_dataset_order_across_batches_past_9_and_99() {
     let engine = fixture.engine();
     // Batches finish in reverse order, so completion order and name order both differ from
     // dataset order.
-    for batch in (0..103).rev() {
-        run_batch(
-            &engine,
-            &location,
-            &manifest,
-            batch,
-            &no_shutdown(),
-            &|_| {},
-        )
-        .await
-        .unwrap();
-    }
+    run_batches(&engine, &location, &manifest, (0..103).rev()).await;
     // Every batch removed the workspaces its conversations used before it returned.
     assert_eq!(
         std::fs::read_dir(fixture.workspaces()).unwrap().count(),
@@ -916,18 +905,7 @@ async fn merge_refuses_a_done_batch_that_lost_a_record_and_a_rerun_fills_only_it
     let location = fixture.location();
     let (manifest, _) = plan::plan(&location).unwrap();
     let engine = fixture.engine();
-    for batch in 0..manifest.batch_count() {
-        run_batch(
-            &engine,
-            &location,
-            &manifest,
-            batch,
-            &no_shutdown(),
-            &|_| {},
-        )
-        .await
-        .unwrap();
-    }
+    run_batches(&engine, &location, &manifest, 0..manifest.batch_count()).await;
     let requests = server.request_count();
     assert_eq!(requests, 8 * 2 * 2, "8 prompts, 2 samples, 2 calls each");
 
@@ -972,4 +950,18 @@ async fn merge_refuses_a_done_batch_that_lost_a_record_and_a_rerun_fills_only_it
     let mut merged = keys(&fixture.lines("trajectories.jsonl"));
     merged.dedup();
     assert_eq!(merged.len(), 16);
+}
+
+/// Runs `batches` to completion, one after the other.
+async fn run_batches(
+    engine: &trajectory_worker::run::batch::Engine,
+    location: &trajectory_worker::run::RunLocation,
+    manifest: &Manifest,
+    batches: impl Iterator<Item = u32>,
+) {
+    for batch in batches {
+        run_batch(engine, location, manifest, batch, &no_shutdown(), &|_| {})
+            .await
+            .unwrap();
+    }
 }
