@@ -227,6 +227,7 @@ impl ObservedFixture {
                 done: Vec::new(),
                 dataset_digest: "sha256:x".into(),
                 spec_hash: "blake3:y".into(),
+                done_truncated: false,
             }),
             ..Observed::default()
         })

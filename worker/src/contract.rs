@@ -153,6 +153,44 @@ pub struct PlanSummary {
     pub dataset_digest: String,
     /// Digest of the generating fields of the spec.
     pub spec_hash: String,
+    /// True when `done` lists only its first ranges, so that the summary fits the termination
+    /// message: the batches it leaves out are done too, and their pods find them done and end at
+    /// once. Absent (false) in a full summary.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub done_truncated: bool,
+}
+
+impl PlanSummary {
+    /// The summary as the termination message can hold it: `done` cut to the ranges that fit in
+    /// `limit` bytes (marked [`PlanSummary::done_truncated`]). The ranges kept are the first, so a
+    /// run resumed after long progress in order (a few ranges) always keeps them all.
+    #[must_use]
+    pub fn fitting(mut self, limit: usize) -> Self {
+        let size = |summary: &Self| serde_json::to_string(summary).map_or(usize::MAX, |t| t.len());
+        if size(&self) <= limit {
+            return self;
+        }
+        self.done_truncated = true;
+        // Halve the list until it fits, then grow it back range by range: few serialisations.
+        let all = std::mem::take(&mut self.done);
+        let mut keep = all.len();
+        while keep > 0 {
+            self.done = all[..keep].to_vec();
+            if size(&self) <= limit {
+                break;
+            }
+            keep /= 2;
+        }
+        while keep < all.len() {
+            self.done.push(all[keep]);
+            if size(&self) > limit {
+                self.done.pop();
+                break;
+            }
+            keep += 1;
+        }
+        self
+    }
 }
 
 /// What `batch` reports.
@@ -355,6 +393,42 @@ mod tests {
             ("ModelUnauthorized", 78)
         );
         assert!(message.contains("\"exitCode\":78"), "{message}");
+    }
+
+    #[test]
+    fn a_plan_summary_with_many_gaps_keeps_its_first_done_ranges_within_the_limit() {
+        let summary = |done: Vec<BatchRange>| PlanSummary {
+            prompts: 2_000_000,
+            invalid: 0,
+            batches: 1_000_000,
+            done,
+            dataset_digest: format!("blake3:{}", "0".repeat(64)),
+            spec_hash: format!("blake3:{}", "1".repeat(64)),
+            done_truncated: false,
+        };
+        // Every other batch done: 500,000 ranges, far beyond 4 KiB.
+        let gaps: Vec<BatchRange> = (0..500_000)
+            .map(|i| BatchRange {
+                first: i * 2,
+                last: i * 2,
+            })
+            .collect();
+        let fitted = summary(gaps.clone()).fitting(TERMINATION_MESSAGE_LIMIT);
+        let message = termination_message(&fitted);
+        assert!(
+            message.len() <= TERMINATION_MESSAGE_LIMIT,
+            "{}",
+            message.len()
+        );
+        assert!(!message.contains("truncated\":true,\"bytes"), "{message}");
+        let read: PlanSummary = serde_json::from_str(&message).unwrap();
+        assert!(read.done_truncated);
+        assert!(read.done.len() > 100, "{} ranges kept", read.done.len());
+        assert_eq!(read.done[..], gaps[..read.done.len()]);
+        // A summary that fits is left whole, and says nothing of truncation.
+        let few = summary(gaps[..3].to_vec()).fitting(TERMINATION_MESSAGE_LIMIT);
+        assert!(!few.done_truncated && few.done.len() == 3);
+        assert!(!termination_message(&few).contains("doneTruncated"));
     }
 
     #[test]

@@ -507,6 +507,7 @@ fn recorded_plan(status: Option<&TrajectoryRunStatus>) -> Option<PlanSummary> {
         done: compact_ranges(done),
         dataset_digest: String::new(),
         spec_hash: String::new(),
+        done_truncated: false,
     })
 }
 

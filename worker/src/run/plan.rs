@@ -455,6 +455,7 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         done: compact_ranges(done.into_iter().filter(|id| *id < manifest.batch_count())),
         dataset_digest: manifest.dataset.digest.clone(),
         spec_hash: manifest.spec_hash.clone(),
+        done_truncated: false,
     };
     info!(
         prompts = summary.prompts,
