@@ -1338,3 +1338,90 @@ async fn a_model_that_refuses_the_key_fails_the_run_as_model_unauthorized() {
         refusing.request_count()
     );
 }
+
+/// A run re-created over storage where every other batch is already done: the plan's summary of
+/// 200 scattered ranges does not fit the 4 KiB termination message, so it lists the first ones
+/// (`doneTruncated`); the pods of the other done batches find them done and end at once, and the
+/// run succeeds with every prompt exactly once and no conversation generated twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resume_over_scattered_done_batches_redoes_none_of_them() {
+    const BATCHES: u32 = 400;
+    let setup = Setup::without_controller("e2e-scattered").await;
+    let (client, ns, model, scratch) = (&setup.client, setup.ns(), &setup.model, &setup.scratch);
+    write_dataset(&scratch.storage(), 400);
+    let extra = json!({"batchSize": 1, "workers": 8, "concurrency": 1});
+    let spec = run_spec(&model.base_url(), &extra);
+
+    // An earlier run on the same storage finished the even batches.
+    let kubelet = Kubelet::new(client, ns, "scattered", scratch);
+    let plan = trajectory_worker::contract::RunPlan {
+        name: "scattered".into(),
+        namespace: ns.to_owned(),
+        uid: "an-earlier-run".into(),
+        output_path: spec.run.output_path(ns, "scattered"),
+        spec: spec.run.clone(),
+        batches: None,
+        batch_ranges: None,
+    };
+    let plan_path = scratch.0.join("earlier-plan.json");
+    std::fs::write(&plan_path, serde_json::to_string(&plan).expect("JSON")).expect("the plan");
+    let workspace = scratch.0.join("earlier-workspace");
+    assert_eq!(
+        kubelet
+            .run_worker("plan", &plan_path, None, &workspace)
+            .await
+            .0,
+        0
+    );
+    for batch in (0..BATCHES).step_by(2) {
+        let (code, message) = kubelet
+            .run_worker("batch", &plan_path, Some(batch), &workspace)
+            .await;
+        assert_eq!(code, 0, "batch {batch}: {message}");
+    }
+    let earlier = model.request_count();
+    assert_eq!(earlier, 200 * 2, "200 conversations of two calls");
+
+    let _controller = start_controller_in(client, ns);
+    setup.create("scattered", &extra).await;
+    let run = kubelet
+        .serve_until("the run to finish", Duration::from_secs(240), |run| {
+            matches!(phase_of(run), Some(Phase::Succeeded | Phase::Failed))
+        })
+        .await;
+    let status = run.status.expect("a status");
+    assert_eq!(status.phase, Some(Phase::Succeeded), "{status:#?}");
+    assert_eq!(status.progress.as_deref(), Some("400/400"));
+    assert_eq!(
+        model.request_count() - earlier,
+        200 * 2,
+        "only the odd batches' conversations were generated"
+    );
+
+    // The plan's summary fitted by cutting its done ranges short.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let selector = format!("{}=scattered,{}=plan", labels::RUN, labels::COMPONENT);
+    let message = pods
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .expect("list the plan pod")
+        .items
+        .into_iter()
+        .filter_map(|pod| pod.status?.container_statuses)
+        .flatten()
+        .find_map(|status| status.state?.terminated?.message)
+        .expect("the plan's termination message");
+    assert!(message.len() <= 4096, "{} bytes", message.len());
+    let summary: trajectory_worker::contract::PlanSummary =
+        serde_json::from_str(&message).expect("a plan summary");
+    assert!(summary.done_truncated, "{message}");
+    assert!(summary.done.len() < 200, "{} ranges", summary.done.len());
+
+    let out = scratch.storage().join(format!("runs/{ns}/scattered"));
+    let mut indexes: Vec<u64> = jsonl(&out.join("trajectories.jsonl"))
+        .iter()
+        .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
+        .collect();
+    indexes.dedup();
+    assert_eq!(indexes, (0..400).collect::<Vec<u64>>());
+}
