@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine or a warm one: formatting and lints, then every test
 # of the workspace with the real components they need running — a llama.cpp model server
-# (scripts/model-server) and a Kubernetes control plane built from source with a real node
-# (kubelet, Debian's containerd and runc; scripts/cluster, --real-node).
+# (scripts/model-server, listening on 0.0.0.0 so that pods reach it at the bridge address) and a
+# Kubernetes control plane built from source with a real node (kubelet, Debian's containerd and
+# runc; scripts/cluster, --real-node) that imports the test images (scripts/images/build.sh --test:
+# the test build's binaries on the cached Debian root filesystem), for tests/tests/real_pods.rs.
 # Both are installed or built into caches outside the repository on first use, started here,
 # and stopped at the end whatever happens.
 #
@@ -29,6 +31,13 @@ scripts/model-server/install.sh
 step "real node: Debian packages (apt-get, once)"
 scripts/cluster/install-node.sh
 
+step "test images: the test build's binaries (scripts/images/build.sh --test)"
+scripts/images/build.sh --test
+images_dir="${TRAJ_IMAGES_OUT:-${REPO_ROOT}/out/images}/test"
+# up.sh --real-node imports them into containerd's k8s.io namespace; the pods use them with
+# imagePullPolicy IfNotPresent.
+export TRAJ_NODE_IMAGES="${images_dir}/trajectory-worker-test.tar ${images_dir}/trajectory-operator-test.tar"
+
 step "control plane and kubelet: build (cached)"
 scripts/cluster/build.sh --real-node
 
@@ -47,6 +56,6 @@ step "helm template (default, and namespaced with two replicas)"
   --namespace trajectory-system --set scope=Namespace,replicaCount=2 >/dev/null
 
 step "run the tests with a model server and a control plane with a real node"
-scripts/model-server/with-model-server.sh \
+MODEL_SERVER_HOST=0.0.0.0 scripts/model-server/with-model-server.sh \
   scripts/cluster/with-cluster.sh --real-node \
   cargo test --workspace --all-features -- "$@"

@@ -4,12 +4,15 @@
 # Debian's packages (the worker's userland, and the few shared libraries the operator links), and
 # umoci to assemble OCI image layouts. Both images run as uid/gid 65532.
 #
-# Usage: scripts/images/build.sh [operator] [worker] [--refresh-rootfs] [--no-verify] [--debug]
+# Usage: scripts/images/build.sh [operator] [worker] [--refresh-rootfs] [--no-verify] [--debug|--test]
 #   (no image named: both)
 #   --refresh-rootfs  rebuild the cached Debian root filesystem (e.g. for security updates)
 #   --no-verify       skip scripts/images/verify.sh at the end
 #   --debug           use debug binaries from the workspace's usual target directory (a quick check
 #                     of the image pipeline, as in scripts/test.sh; not for publishing)
+#   --test            the test variant the real-pod tests import into the local cluster's node:
+#                     the debug binaries the test build (`cargo test --workspace --all-features`)
+#                     compiles, tagged trajectory.local/IMAGE:test, in out/images/test/; no verify
 #
 # Output in out/images/ (gitignored), for IMAGE in trajectory-operator, trajectory-worker:
 #   IMAGE/              OCI image layout, tag VERSION (push: skopeo copy oci:out/images/IMAGE:VERSION docker://...)
@@ -39,6 +42,10 @@ for option in "${options[@]}"; do
     --refresh-rootfs) refresh_rootfs=true ;;
     --no-verify) verify=false ;;
     --debug) profile=debug ;;
+    --test)
+      profile="test"
+      verify=false
+      ;;
     *) die "unknown argument ${option} (see --help)" ;;
   esac
 done
@@ -50,6 +57,12 @@ if [[ ${profile} == release ]]; then
 else
   BUILD_TARGET_DIR="${CARGO_TARGET_DIR}"
   cargo_profile=()
+fi
+if [[ ${profile} == test ]]; then
+  # Never a release's name: a registry nothing resolves, and the tag `test`.
+  REGISTRY=trajectory.local
+  TAG="test"
+  OUT="${OUT}/test"
 fi
 # Reproducible timestamps: the commit's time, for the layers and for mmdebstrap. Not exported:
 # cc-based build scripts (aws-lc-sys) track SOURCE_DATE_EPOCH, so cargo would rebuild them, and
@@ -73,14 +86,21 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/trajectory-images.XXXXXX")"
 trap 'rm -rf "${work}"' EXIT
 
 step "${profile} binaries (${BUILD_TARGET_DIR})"
-# One cargo call per binary: built together, cargo would unify the worker crate's features and
-# link the worker's engine into the operator.
-for image in "${images[@]}"; do
-  env -u SOURCE_DATE_EPOCH CARGO_TARGET_DIR="${BUILD_TARGET_DIR}" \
-    cargo build "${cargo_profile[@]}" --locked --quiet \
-    -p "trajectory-${image}" --bin "trajectory-${image}"
-done
-binary_path() { echo "${BUILD_TARGET_DIR}/${profile}/trajectory-$1"; }
+if [[ ${profile} == test ]]; then
+  # The feature set and profile of the test build, so its compiled crates are reused: after
+  # `cargo test --workspace --all-features --no-run` only the binaries are linked (the worker's
+  # engine is in the operator binary then, which a test image does not mind).
+  env -u SOURCE_DATE_EPOCH cargo build --workspace --all-features --bins --tests --locked --quiet
+else
+  # One cargo call per binary: built together, cargo would unify the worker crate's features and
+  # link the worker's engine into the operator.
+  for image in "${images[@]}"; do
+    env -u SOURCE_DATE_EPOCH CARGO_TARGET_DIR="${BUILD_TARGET_DIR}" \
+      cargo build "${cargo_profile[@]}" --locked --quiet \
+      -p "trajectory-${image}" --bin "trajectory-${image}"
+  done
+fi
+binary_path() { echo "${BUILD_TARGET_DIR}/${profile/test/debug}/trajectory-$1"; }
 
 step "Debian root filesystem (mmdebstrap, cached)"
 # shellcheck source=images/worker/debian.env
@@ -196,13 +216,13 @@ assemble() {
   shift
   # shellcheck source=images/operator/config.env
   source "images/${name#trajectory-}/config.env"
-  local layout="${OUT}/${name}" ref="${REGISTRY}/${name}:${VERSION}" layer
-  rm -rf "${layout}" "${OUT}/${name}-${VERSION}.tar"
+  local layout="${OUT}/${name}" ref="${REGISTRY}/${name}:${TAG}" layer
+  rm -rf "${layout}" "${OUT}/${name}-${TAG}.tar"
   mkdir -p "${OUT}"
   umoci init --layout "${layout}"
-  umoci new --image "${layout}:${VERSION}"
+  umoci new --image "${layout}:${TAG}"
   for layer in "$@"; do
-    umoci raw add-layer --image "${layout}:${VERSION}" --history.created "${CREATED}" \
+    umoci raw add-layer --image "${layout}:${TAG}" --history.created "${CREATED}" \
       --history.created_by "${layer#*=}" "${layer%%=*}"
   done
   local config=(
@@ -215,7 +235,7 @@ assemble() {
     --config.label "org.opencontainers.image.source=https://github.com/trajectory-operator/trajectory-operator"
     --config.label "org.opencontainers.image.licenses=Apache-2.0"
     --config.label "org.opencontainers.image.created=${CREATED}"
-    --manifest.annotation "org.opencontainers.image.ref.name=${VERSION}"
+    --manifest.annotation "org.opencontainers.image.ref.name=${TAG}"
     --history.created "${CREATED}" --history.created_by "scripts/images/build.sh: image config"
   )
   local value
@@ -223,11 +243,11 @@ assemble() {
   for value in "${CMD[@]}"; do config+=(--config.cmd "${value}"); done
   for value in "${ENV[@]}"; do config+=(--config.env "${value}"); done
   for value in "${EXPOSED_PORTS[@]}"; do config+=(--config.exposedports "${value}"); done
-  umoci config --image "${layout}:${VERSION}" "${config[@]}"
+  umoci config --image "${layout}:${TAG}" "${config[@]}"
   umoci gc --layout "${layout}"
-  skopeo --insecure-policy copy --quiet "oci:${layout}:${VERSION}" \
-    "docker-archive:${OUT}/${name}-${VERSION}.tar:${ref}"
-  echo "${ref}  $(skopeo inspect --format '{{.Digest}}' "oci:${layout}:${VERSION}")" >&2
+  skopeo --insecure-policy copy --quiet "oci:${layout}:${TAG}" \
+    "docker-archive:${OUT}/${name}-${TAG}.tar:${ref}"
+  echo "${ref}  $(skopeo inspect --format '{{.Digest}}' "oci:${layout}:${TAG}")" >&2
 }
 
 for image in "${images[@]}"; do
@@ -275,7 +295,7 @@ step "built"
 for image in "${images[@]}"; do
   name="trajectory-${image}"
   echo "${OUT}/${name}  (OCI layout, $(du -sh "${OUT}/${name}" | cut -f1))" >&2
-  echo "${OUT}/${name}-${VERSION}.tar  (docker-archive, $(du -h "${OUT}/${name}-${VERSION}.tar" | cut -f1))" >&2
+  echo "${OUT}/${name}-${TAG}.tar  (docker-archive, $(du -h "${OUT}/${name}-${TAG}.tar" | cut -f1))" >&2
 done
 
 if [[ ${verify} == true ]]; then

@@ -12,6 +12,8 @@ die() {
 VERSION="$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' "${REPO_ROOT}/Cargo.toml")"
 [[ -n ${VERSION} ]] || die "no version in [workspace.package] of Cargo.toml"
 REGISTRY="${TRAJ_IMAGE_REGISTRY:-ghcr.io/trajectory-operator}"
+# The tag of the images (build.sh --test: `test`).
+TAG="${VERSION}"
 OUT="${TRAJ_IMAGES_OUT:-${REPO_ROOT}/out/images}"
 # The user both images run as (distroless' "nonroot"): numeric, so the kubelet can check
 # runAsNonRoot.

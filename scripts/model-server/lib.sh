@@ -116,9 +116,9 @@ except Exception:
 PY
 }
 
-# ms_server_healthy PORT: true when GET /v1/models answers on PORT.
+# ms_server_healthy PORT [HOST]: true when GET /v1/models answers on HOST (127.0.0.1):PORT.
 ms_server_healthy() {
-	ms_http_get "http://127.0.0.1:$1/v1/models" >/dev/null
+	ms_http_get "http://${2:-127.0.0.1}:$1/v1/models" >/dev/null
 }
 
 # ms_tail FILE [N]: prints the last N lines of FILE to stderr, framed.

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Starts the local OpenAI-compatible model server (llama-cpp-python, SmolLM2-135M-Instruct Q4_1,
-# chat format chatml-function-calling) on 127.0.0.1 in the background, installing it first if needed.
+# chat format chatml-function-calling) on 127.0.0.1 (or MODEL_SERVER_HOST) in the background,
+# installing it first if needed.
 # Waits until GET /v1/models answers, then writes and prints ${TRAJ_MODEL_SERVER_DIR}/env:
 #   export MODEL_BASE_URL=http://127.0.0.1:<port>/v1
 #   export MODEL_NAME=<the model id the server reports>
+#   export MODEL_SERVER_HOST=<the address it listens on>
 # If a healthy server of this state directory is already running, it is reused (same env printed).
 # A stale pid file or a left-over server of a killed run is cleaned up first.
 #
@@ -11,6 +13,8 @@
 # Environment:
 #   TRAJ_MODEL_SERVER_DIR       state dir: server.pid, port, env, server.log (default /tmp/trajectory-model-server)
 #   MODEL_SERVER_PORT           fixed port (default: a free one)
+#   MODEL_SERVER_HOST           address to listen on (default 127.0.0.1); 0.0.0.0 also makes it
+#                               reachable from the real node's pods, at the bridge address 10.88.0.1
 #   MODEL_SERVER_START_TIMEOUT  seconds to wait for /v1/models (default 120)
 #   MODEL_SERVER_N_CTX          context size (default 4096)
 #   MODEL_SERVER_THREADS        threads (default 2)
@@ -32,6 +36,12 @@ case "${1:-}" in
 esac
 
 PORT_REQ="${MODEL_SERVER_PORT:-}"
+HOST="${MODEL_SERVER_HOST:-127.0.0.1}"
+# Where this script checks the server and where local clients reach it.
+case "${HOST}" in
+0.0.0.0) CHECK_HOST=127.0.0.1 ;;
+*) CHECK_HOST="${HOST}" ;;
+esac
 TIMEOUT="${MODEL_SERVER_START_TIMEOUT:-120}"
 N_CTX="${MODEL_SERVER_N_CTX:-4096}"
 THREADS="${MODEL_SERVER_THREADS:-2}"
@@ -60,7 +70,9 @@ if [[ -f "${MS_PID_FILE}" && -f "${MS_PORT_FILE}" && -f "${MS_ENV_FILE}" ]]; the
 	old_port="$(cat "${MS_PORT_FILE}")"
 	old_cmdline="$(tr '\0' ' ' 2>/dev/null <"/proc/${old_pid}/cmdline" || true)"
 	if ms_is_our_server "${old_pid}" && [[ "${old_cmdline}" == *" --model ${MODEL} "* ]] &&
-		[[ -z "${PORT_REQ}" || "${PORT_REQ}" == "${old_port}" ]] && ms_server_healthy "${old_port}"; then
+		[[ -z "${PORT_REQ}" || "${PORT_REQ}" == "${old_port}" ]] &&
+		grep -qx "export MODEL_SERVER_HOST=${HOST}" "${MS_ENV_FILE}" &&
+		ms_server_healthy "${old_port}" "${CHECK_HOST}"; then
 		ms_log "already running (pid ${old_pid}, port ${old_port}); reusing it"
 		print_env
 		exit 0
@@ -74,16 +86,16 @@ for pid in $(ms_find_servers); do
 done
 rm -f "${MS_PID_FILE}" "${MS_PORT_FILE}" "${MS_ENV_FILE}"
 
-# free_port: a port that was free on 127.0.0.1 a moment ago.
+# free_port: a port that was free on HOST a moment ago.
 free_port() {
-	"${MS_PY}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+	"${MS_PY}" -c 'import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1]); s.close()' "${HOST}"
 }
 port_in_use() {
-	"${MS_PY}" - "$1" <<'PY'
+	"${MS_PY}" - "$1" "${HOST}" <<'PY'
 import socket, sys
 s = socket.socket()
 try:
-    s.bind(("127.0.0.1", int(sys.argv[1])))
+    s.bind((sys.argv[2], int(sys.argv[1])))
 except OSError:
     sys.exit(0)
 sys.exit(1)
@@ -91,7 +103,7 @@ PY
 }
 
 if [[ -n "${PORT_REQ}" ]] && port_in_use "${PORT_REQ}"; then
-	ms_die "MODEL_SERVER_PORT=${PORT_REQ} is already in use on 127.0.0.1 ($(ss -ltnpH "sport = :${PORT_REQ}" 2>/dev/null | head -1 || true))"
+	ms_die "MODEL_SERVER_PORT=${PORT_REQ} is already in use on ${HOST} ($(ss -ltnpH "sport = :${PORT_REQ}" 2>/dev/null | head -1 || true))"
 fi
 
 # start_server PORT: starts the server in its own session; sets SERVER_PID.
@@ -106,7 +118,7 @@ start_server() {
 		--model "${MODEL}" \
 		--model_alias "${MODEL_SERVER_MODEL_ALIAS}" \
 		--chat_format chatml-function-calling \
-		--host 127.0.0.1 --port "$1" \
+		--host "${HOST}" --port "$1" \
 		--n_ctx "${N_CTX}" --n_threads "${THREADS}" --n_threads_batch "${THREADS}" \
 		</dev/null >>"${MS_LOG_FILE}" 2>&1 8>&- &
 	SERVER_PID=$!
@@ -122,10 +134,10 @@ wait_healthy() {
 			if grep -qi 'address already in use' "${MS_LOG_FILE}"; then return 2; fi
 			return 1
 		fi
-		if ms_server_healthy "$1"; then return 0; fi
+		if ms_server_healthy "$1" "${CHECK_HOST}"; then return 0; fi
 		sleep 0.25
 	done
-	ms_log "ERROR: the model server did not answer GET http://127.0.0.1:$1/v1/models within ${TIMEOUT}s"
+	ms_log "ERROR: the model server did not answer GET http://${CHECK_HOST}:$1/v1/models within ${TIMEOUT}s"
 	ms_tail "${MS_LOG_FILE}" 40
 	ms_kill_pid "${SERVER_PID}" 3 || true
 	rm -f "${MS_PID_FILE}" "${MS_PORT_FILE}"
@@ -150,12 +162,13 @@ for attempt in 1 2 3; do
 	exit 1
 done
 
-MODEL_NAME="$(ms_http_get "http://127.0.0.1:${PORT}/v1/models" | "${MS_PY}" -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')" ||
+MODEL_NAME="$(ms_http_get "http://${CHECK_HOST}:${PORT}/v1/models" | "${MS_PY}" -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')" ||
 	ms_die "cannot read the model id from /v1/models"
 {
-	printf 'export MODEL_BASE_URL=http://127.0.0.1:%s/v1\n' "${PORT}"
+	printf 'export MODEL_BASE_URL=http://%s:%s/v1\n' "${CHECK_HOST}" "${PORT}"
 	printf 'export MODEL_NAME=%q\n' "${MODEL_NAME}"
+	printf 'export MODEL_SERVER_HOST=%s\n' "${HOST}"
 } >"${MS_ENV_FILE}.tmp"
 mv "${MS_ENV_FILE}.tmp" "${MS_ENV_FILE}"
-ms_log "started pid ${SERVER_PID} on 127.0.0.1:${PORT} in $((SECONDS - T0))s (log: ${MS_LOG_FILE})"
+ms_log "started pid ${SERVER_PID} on ${HOST}:${PORT} in $((SECONDS - T0))s (log: ${MS_LOG_FILE})"
 print_env

@@ -2,7 +2,9 @@
 //! produces only by accident (429 with `Retry-After`, 5xx, truncated JSON, empty `choices`, SSE,
 //! hangs). The worker's integration tests and benches and the end-to-end tests use it.
 //!
-//! It binds `127.0.0.1:0` on the caller's tokio runtime and serves `POST /v1/chat/completions` and
+//! It binds `127.0.0.1:0` (or another address: the `*_on` constructors, e.g. `0.0.0.0` for pods of
+//! the local cluster's real node, which reach the host at its bridge address) on the caller's tokio
+//! runtime and serves `POST /v1/chat/completions` and
 //! `GET /v1/models`. It runs in one of two modes:
 //!
 //! - **Script**: each request consumes the next [`Step`] of a queue; when the queue is empty the
@@ -15,7 +17,7 @@
 //! Every request's body and `Authorization` header are recorded; see [`ScriptedServer::requests`].
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime};
@@ -31,6 +33,9 @@ use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
 use trajectory_worker::model::{ModelSettings, RetryPolicy};
+
+/// Where the server listens unless told otherwise.
+const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
 /// The model name the server reports and the settings helper requests.
 pub const MODEL: &str = "scripted";
@@ -154,8 +159,21 @@ impl ScriptedServer {
         reason = "async so that it is called on the tokio runtime it spawns onto"
     )]
     pub async fn start_with_default(steps: impl IntoIterator<Item = Step>, default: Step) -> Self {
+        Self::start_with_default_on(LOOPBACK, steps, default).await
+    }
+
+    /// [`ScriptedServer::start_with_default`] listening on `ip` (port picked free).
+    #[allow(
+        clippy::unused_async,
+        reason = "async so that it is called on the tokio runtime it spawns onto"
+    )]
+    pub async fn start_with_default_on(
+        ip: IpAddr,
+        steps: impl IntoIterator<Item = Step>,
+        default: Step,
+    ) -> Self {
         let steps = Mutex::new(steps.into_iter().collect());
-        Self::serve(Mode::Script { steps, default })
+        Self::serve(ip, Mode::Script { steps, default })
     }
 
     /// Serves the benchmark mode.
@@ -164,15 +182,27 @@ impl ScriptedServer {
         reason = "async so that it is called on the tokio runtime it spawns onto"
     )]
     pub async fn start_fixed_latency(config: FixedLatency) -> Self {
-        Self::serve(Mode::FixedLatency {
-            latency: config.latency,
-            tool_call: Bytes::from(config.tool_call.to_string()),
-            final_answer: Bytes::from(config.final_answer.to_string()),
-        })
+        Self::start_fixed_latency_on(LOOPBACK, config).await
     }
 
-    /// Binds, and spawns the server onto the current tokio runtime.
-    fn serve(mode: Mode) -> Self {
+    /// [`ScriptedServer::start_fixed_latency`] listening on `ip` (port picked free).
+    #[allow(
+        clippy::unused_async,
+        reason = "async so that it is called on the tokio runtime it spawns onto"
+    )]
+    pub async fn start_fixed_latency_on(ip: IpAddr, config: FixedLatency) -> Self {
+        Self::serve(
+            ip,
+            Mode::FixedLatency {
+                latency: config.latency,
+                tool_call: Bytes::from(config.tool_call.to_string()),
+                final_answer: Bytes::from(config.final_answer.to_string()),
+            },
+        )
+    }
+
+    /// Binds `ip:0`, and spawns the server onto the current tokio runtime.
+    fn serve(ip: IpAddr, mode: Mode) -> Self {
         let shared = Arc::new(Shared {
             mode,
             received: Mutex::new(Vec::new()),
@@ -183,10 +213,15 @@ impl ScriptedServer {
             .with_state(Arc::clone(&shared));
         // A backlog larger than tokio's default 1024, so a benchmark opening a thousand
         // connections at once is not slowed by SYN retransmits.
-        let socket = tokio::net::TcpSocket::new_v4().expect("a test server can open a socket");
+        let socket = if ip.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        }
+        .expect("a test server can open a socket");
         socket
-            .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .expect("a test server can bind 127.0.0.1:0");
+            .bind(SocketAddr::new(ip, 0))
+            .unwrap_or_else(|e| panic!("a test server can bind {ip}:0: {e}"));
         let listener = socket.listen(4096).expect("a test server can listen");
         let address = listener
             .local_addr()

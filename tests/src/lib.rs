@@ -9,6 +9,8 @@
 //! - [`install_crds`] applies the generated CRD file; [`e2e`] drives a run end to end (an in-process
 //!   controller and a test-kubelet running the worker's real steps).
 //! - [`helm`] renders the Helm chart with the helm binary `scripts/helm/build.sh` builds.
+//! - [`real_pods`] runs in real pods on the real node (`scripts/cluster/up.sh --real-node`): the
+//!   node and its imported images, a shared `hostPath` volume, the model as pods reach it.
 //!
 //! Run the tests with a cluster that lives only as long as the run:
 //! `scripts/cluster/with-cluster.sh cargo test -p trajectory-tests`.
@@ -16,6 +18,7 @@
 pub mod crds;
 pub mod e2e;
 pub mod helm;
+pub mod real_pods;
 
 pub use crds::install_crds;
 
@@ -134,36 +137,44 @@ impl TestNamespace {
 
 impl Drop for TestNamespace {
     fn drop(&mut self) {
-        // Drop cannot await, and the test's runtime may be the current thread: delete from a thread
-        // with its own runtime and its own client (a client's connection task lives on the runtime
-        // that created it).
         let name = self.name.clone();
-        let config = self.config.clone();
-        let deleted = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            runtime.block_on(async move {
-                let client = Client::try_from(config).map_err(|e| e.to_string())?;
-                let namespaces: Api<Namespace> = Api::all(client);
-                let params = DeleteParams::background();
-                let delete = namespaces.delete(&name, &params);
-                match tokio::time::timeout(Duration::from_secs(10), delete).await {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err(kube::Error::Api(status))) if status.code == 404 => Ok(()),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(elapsed) => Err(elapsed.to_string()),
-                }
-            })
-        })
-        .join();
-        match deleted {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("warning: deleting test namespace {}: {e}", self.name),
-            Err(_) => eprintln!("warning: deleting test namespace {} panicked", self.name),
+        let deleted = on_own_runtime(self.config.clone(), |client| async move {
+            let namespaces: Api<Namespace> = Api::all(client);
+            let params = DeleteParams::background();
+            let delete = namespaces.delete(&name, &params);
+            match tokio::time::timeout(Duration::from_secs(10), delete).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(kube::Error::Api(status))) if status.code == 404 => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(elapsed) => Err(elapsed.to_string()),
+            }
+        });
+        if let Err(e) = deleted {
+            eprintln!("warning: deleting test namespace {}: {e}", self.name);
         }
     }
+}
+
+/// Runs `work` with a client of `config` to the end, from a thread with its own runtime: for `Drop`,
+/// which cannot await, while the test's runtime may be the current thread (and a client's
+/// connection task lives on the runtime that created it).
+pub fn on_own_runtime<F, Fut>(config: Config, work: F) -> Result<(), String>
+where
+    F: FnOnce(Client) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<(), String>>,
+{
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        runtime.block_on(async move {
+            let client = Client::try_from(config).map_err(|e| e.to_string())?;
+            work(client).await
+        })
+    })
+    .join()
+    .unwrap_or_else(|_| Err("the thread panicked".to_owned()))
 }
 
 /// Polls `check` every 200 ms until it returns `Some`, and returns that value. Panics after

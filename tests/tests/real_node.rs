@@ -9,16 +9,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{ListParams, LogParams, PostParams};
-use kube::{Api, Client, ResourceExt};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{LogParams, PostParams};
 use serde_json::json;
+use trajectory_tests::real_pods::{RealNode, TAINT_KEY, real_node};
 use trajectory_tests::{TestNamespace, client, unique_name, wait_until};
 
 const HOW_TO_RUN: &str = "run the tests with a real node: `scripts/cluster/with-cluster.sh \
      --real-node cargo test -p trajectory-tests --test real_node`";
-/// The node's taint: only pods that tolerate it land on the real node.
-const TAINT_KEY: &str = "trajectory.dev/real-node";
 
 /// A value set in `scripts/cluster/lib.sh` (`NAME=value`), so the test uses what the scripts import.
 fn cluster_setting(name: &str) -> String {
@@ -28,36 +27,6 @@ fn cluster_setting(name: &str) -> String {
         .unwrap_or_else(|| panic!("scripts/cluster/lib.sh sets {name}"))
         .trim()
         .to_owned()
-}
-
-/// The Ready node labelled `type=real`, and its `InternalIP`: the host's address on the pod network.
-/// Panics, saying how to start one, when there is none.
-async fn real_node(client: &Client) -> (String, String) {
-    let nodes: Api<Node> = Api::all(client.clone());
-    let list = nodes
-        .list(&ListParams::default().labels("type=real"))
-        .await
-        .expect("list nodes");
-    let names: Vec<String> = list.items.iter().map(ResourceExt::name_any).collect();
-    let ready = list.items.into_iter().find(|node| {
-        node.status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-    });
-    let Some(node) = ready else {
-        panic!("no real node (label type=real) is Ready (found: {names:?}); {HOW_TO_RUN}");
-    };
-    let ip = node
-        .status
-        .as_ref()
-        .and_then(|s| s.addresses.as_ref())
-        .and_then(|a| a.iter().find(|a| a.type_ == "InternalIP"))
-        .map_or_else(
-            || panic!("real node {} has no InternalIP", node.name_any()),
-            |a| a.address.clone(),
-        );
-    (node.name_any(), ip)
 }
 
 /// A directory under the system temp dir, removed on drop.
@@ -169,7 +138,11 @@ fn phase(pod: &Pod) -> &str {
 #[tokio::test]
 async fn a_pod_runs_on_the_real_node_reaches_the_host_and_writes_to_a_host_path() {
     let client = client().await;
-    let (node, host_ip) = real_node(&client).await;
+    let RealNode {
+        name: node,
+        ip: host_ip,
+        ..
+    } = real_node(&client, HOW_TO_RUN).await;
     let ns = TestNamespace::create(&client, "real-node").await;
 
     let token = unique_name("token");
@@ -234,7 +207,7 @@ async fn a_pod_runs_on_the_real_node_reaches_the_host_and_writes_to_a_host_path(
 #[tokio::test]
 async fn a_pod_that_does_not_tolerate_the_taint_stays_on_the_kwok_nodes() {
     let client = client().await;
-    let (node, _) = real_node(&client).await;
+    let node = real_node(&client, HOW_TO_RUN).await.name;
     let ns = TestNamespace::create(&client, "real-node-taint").await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns.name());
     let pod: Pod = serde_json::from_value(json!({

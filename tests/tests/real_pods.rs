@@ -1,0 +1,452 @@
+//! Runs in real pods: the operator (in-process here) creates its Jobs, and the real node's kubelet,
+//! containerd and runc run them from the worker image `scripts/images/build.sh --test` built and
+//! the node imported. Every pod of a run mounts one `hostPath` `PersistentVolume`; the model is the
+//! llama.cpp server on the host or a scripted server, both reached at the host's bridge address.
+//!
+//! Needs the real node, the image and (for the quickstart) a model server listening where pods
+//! reach it; fails, naming what is missing, without them (see [`HOW_TO_RUN`]).
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{EvictParams, LogParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::{Value, json};
+use trajectory_operator::api::{Phase, TrajectoryRun};
+use trajectory_operator::settings::Settings;
+use trajectory_testkit::scripted_server::{
+    FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
+};
+use trajectory_tests::e2e::{ControllerGuard, phase_of, run_spec, start_controller_with};
+use trajectory_tests::real_pods::{
+    NONROOT, RealNode, SharedStorage, WORKER_IMAGE, check_record, jsonl_lines, kill_container,
+    model_server_for_pods, pod_summary, pod_template, pods_of_index, quickstart_run,
+    real_node_with, terminated,
+};
+use trajectory_tests::{TestNamespace, client, wait_until};
+
+/// Everything one test needs: the real node (checked to hold the worker image), a namespace, the
+/// shared volume, and the operator acting on that namespace with the test image as its workers'.
+struct Setup {
+    client: Client,
+    node: RealNode,
+    storage: SharedStorage,
+    runs: Api<TrajectoryRun>,
+    pods: Api<Pod>,
+    _controller: ControllerGuard,
+    ns: TestNamespace,
+}
+
+impl Setup {
+    async fn new(prefix: &str) -> Self {
+        let client = client().await;
+        let node = real_node_with(&client, WORKER_IMAGE).await;
+        trajectory_tests::install_crds(&client).await;
+        let ns = TestNamespace::create(&client, prefix).await;
+        let storage = SharedStorage::create(&client, ns.name(), prefix).await;
+        let controller = start_controller_with(
+            &client,
+            Settings {
+                watch_namespace: Some(ns.name().to_owned()),
+                worker_image: WORKER_IMAGE.to_owned(),
+                ..Settings::default()
+            },
+        );
+        Self {
+            runs: Api::namespaced(client.clone(), ns.name()),
+            pods: Api::namespaced(client.clone(), ns.name()),
+            client,
+            node,
+            storage,
+            _controller: controller,
+            ns,
+        }
+    }
+
+    fn ns(&self) -> &str {
+        self.ns.name()
+    }
+
+    /// A scripted model listening on every address, and its URL as the pods reach it.
+    fn model_url(&self, model: &ScriptedServer) -> String {
+        format!("http://{}:{}/v1", self.node.ip, model.address().port())
+    }
+
+    /// Creates run `name` of `prompts` scripted prompts (`datasets/prompts.jsonl`) with `extra`
+    /// spec keys.
+    async fn create_scripted(&self, name: &str, model_url: &str, prompts: usize, extra: &Value) {
+        self.storage.write_prompts(prompts);
+        let mut keys = json!({"storage": self.storage.spec(), "podTemplate": pod_template()});
+        for (key, value) in extra.as_object().into_iter().flatten() {
+            keys[key] = value.clone();
+        }
+        let spec = run_spec(model_url, &keys);
+        self.runs
+            .create(&PostParams::default(), &TrajectoryRun::new(name, spec))
+            .await
+            .expect("create the run");
+    }
+
+    /// Waits until run `name` is finished; panics with its status and pods after `timeout`.
+    async fn finished(&self, name: &str, timeout: Duration) -> TrajectoryRun {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let run = self.runs.get(name).await.expect("get the run");
+            if phase_of(&run).is_some_and(Phase::is_finished) {
+                if phase_of(&run) == Some(Phase::Failed) {
+                    eprintln!(
+                        "run {name} failed; its pods: {:#?}",
+                        pod_summary(&self.pods).await
+                    );
+                }
+                return run;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "run {name} not finished after {timeout:?}: status {:#?}; pods {:#?}",
+                run.status,
+                pod_summary(&self.pods).await
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// The records of run `name`: `trajectories.jsonl` and `failures.jsonl`, each trajectory checked.
+    fn prompt_indexes(&self, name: &str) -> (Vec<u64>, usize) {
+        let dir = self.storage.run_dir(self.ns(), name);
+        let records = jsonl_lines(&dir.join("trajectories.jsonl"));
+        let failures = jsonl_lines(&dir.join("failures.jsonl"));
+        let mut indexes: Vec<u64> = records.iter().map(check_record).collect();
+        indexes.extend(failures.iter().filter_map(|f| f["prompt_index"].as_u64()));
+        indexes.sort_unstable();
+        (indexes, failures.len())
+    }
+
+    /// The first pod of index 0 of the generation Job, once it is running and has written `records`
+    /// records to its batch file.
+    async fn running_batch_pod(&self, job: &str, run: &str, records: usize) -> Pod {
+        let batch_file = self
+            .storage
+            .run_dir(self.ns(), run)
+            .join("batches/batch-000000.jsonl");
+        wait_until(
+            &format!("a running pod of {job} with {records} records written"),
+            Duration::from_secs(180),
+            || async {
+                let pod = pods_of_index(&self.pods, job, 0).await.into_iter().next()?;
+                let running = pod.status.as_ref()?.phase.as_deref() == Some("Running");
+                (running && jsonl_lines(&batch_file).len() >= records).then_some(pod)
+            },
+        )
+        .await
+    }
+}
+
+/// A scripted model on every address (the pods reach it at the bridge address): a terminal call
+/// running `command`, then a final answer, each after `latency`.
+async fn scripted_model(latency: Duration, command: &str) -> ScriptedServer {
+    ScriptedServer::start_fixed_latency_on(
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        FixedLatency {
+            latency,
+            tool_call: tool_call_reply("terminal", &json!({ "command": command })),
+            final_answer: text_reply("done"),
+        },
+    )
+    .await
+}
+
+fn condition(run: &TrajectoryRun, type_: &str) -> Option<(String, String)> {
+    run.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+/// The shipped quickstart (eight prompts, the small llama.cpp model, `terminal_only`) goes plan →
+/// generation → merge → `Succeeded` in real pods, and its output holds one valid record per prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_quickstart_run_succeeds_in_real_pods() {
+    let setup = Setup::new("pods-quickstart").await;
+    let (model_url, model_name) = model_server_for_pods(&setup.node);
+    setup.storage.add_dataset(
+        &Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/quickstart/datasets/quickstart.jsonl"),
+    );
+    let run = quickstart_run(&model_url, &model_name, &setup.storage);
+    let started = Instant::now();
+    setup
+        .runs
+        .create(&PostParams::default(), &run)
+        .await
+        .expect("create the quickstart run");
+    let run = setup.finished("quickstart", Duration::from_secs(600)).await;
+    eprintln!(
+        "the quickstart run took {:?} in real pods",
+        started.elapsed()
+    );
+    let status = run.status.clone().expect("a status");
+    assert_eq!(
+        status.phase,
+        Some(Phase::Succeeded),
+        "status {status:#?}; pods {:#?}",
+        pod_summary(&setup.pods).await
+    );
+    let prompts = status.prompts.expect("prompt counts");
+    assert_eq!(prompts.total, 8);
+    assert_eq!(prompts.succeeded + prompts.discarded + prompts.failed, 8);
+    let (indexes, failed) = setup.prompt_indexes("quickstart");
+    assert_eq!(indexes, (0..8).collect::<Vec<u64>>(), "every prompt once");
+    assert_eq!(
+        status.output.map(|o| o.trajectories),
+        Some(8 - failed as u64)
+    );
+    // Every stage ran in a pod of the real node.
+    let jobs: Api<Job> = Api::namespaced(setup.client.clone(), setup.ns());
+    for job in ["quickstart-plan", "quickstart-gen-1", "quickstart-merge"] {
+        let succeeded = jobs
+            .get(job)
+            .await
+            .unwrap_or_else(|e| panic!("Job {job}: {e}"))
+            .status
+            .and_then(|s| s.succeeded);
+        assert!(succeeded.is_some_and(|n| n > 0), "Job {job}: {succeeded:?}");
+    }
+    let on_node = setup
+        .pods
+        .list(&kube::api::ListParams::default())
+        .await
+        .expect("list pods")
+        .items
+        .iter()
+        .all(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&setup.node.name));
+    assert!(on_node, "every pod ran on the real node");
+}
+
+/// The pod's settings hold at run time, seen from inside the container by the agent's terminal
+/// tool (its output is in the record): uid and gid 65532, a read-only root filesystem, no
+/// `ServiceAccount` token. The batch summary reaches the pod status as the termination message and
+/// the run status from there; `kubectl logs` of the batch pod shows the worker's progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_pod_runs_as_its_spec_says_and_logs_its_progress() {
+    let setup = Setup::new("pods-settings").await;
+    let probe = "id -u; id -g; touch /probe 2>&1; \
+                 ls /var/run/secrets/kubernetes.io/serviceaccount 2>&1; echo probed";
+    let model = scripted_model(Duration::from_millis(5), probe).await;
+    setup
+        .create_scripted(
+            "settings",
+            &setup.model_url(&model),
+            1,
+            &json!({"batchSize": 1, "workers": 1, "concurrency": 1}),
+        )
+        .await;
+    let run = setup.finished("settings", Duration::from_secs(300)).await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+
+    let dir = setup.storage.run_dir(setup.ns(), "settings");
+    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
+    assert_eq!(records.len(), 1);
+    let tool_turn = records[0]["conversations"]
+        .as_array()
+        .expect("conversations")
+        .iter()
+        .find(|t| t["from"] == "tool")
+        .map(|t| t["value"].as_str().unwrap_or_default().to_owned())
+        .expect("a tool turn");
+    assert!(tool_turn.contains("probed"), "{tool_turn}");
+    assert!(
+        tool_turn.contains(&format!("{NONROOT}\\n{NONROOT}")),
+        "uid and gid: {tool_turn}"
+    );
+    assert!(tool_turn.contains("Read-only file system"), "{tool_turn}");
+    assert!(
+        tool_turn.contains("No such file or directory"),
+        "no token: {tool_turn}"
+    );
+
+    let pod = pods_of_index(&setup.pods, "settings-gen-1", 0)
+        .await
+        .into_iter()
+        .next()
+        .expect("the batch pod");
+    let (code, _, message) = terminated(&pod).expect("the batch pod terminated");
+    assert_eq!(code, 0);
+    let summary: Value = serde_json::from_str(&message)
+        .unwrap_or_else(|e| panic!("termination message {message:?}: {e}"));
+    assert_eq!(summary["succeeded"], 1, "{summary}");
+    let status = run.status.expect("a status");
+    assert_eq!(status.prompts.map(|p| p.succeeded), Some(1));
+    let spec = pod.spec.as_ref().expect("a pod spec");
+    assert_eq!(spec.automount_service_account_token, Some(false));
+
+    let logs = setup
+        .pods
+        .logs(&pod.name_any(), &LogParams::default())
+        .await
+        .expect("kubectl logs of the batch pod (API server -> kubelet)");
+    assert!(logs.contains("starting batch"), "logs:\n{logs}");
+    assert!(logs.contains("batch done"), "logs:\n{logs}");
+}
+
+/// A batch pod whose container is killed (SIGKILL) mid-batch is replaced by the Job controller on the same
+/// index; the new pod resumes from the records on the volume: every prompt exactly once, and fewer
+/// model requests than redoing the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_pod_killed_mid_batch_is_replaced_and_resumes() {
+    let setup = Setup::new("pods-kill").await;
+    let model = scripted_model(Duration::from_millis(700), "echo hi").await;
+    let prompts = 6;
+    setup
+        .create_scripted(
+            "kill",
+            &setup.model_url(&model),
+            prompts,
+            &json!({"batchSize": prompts, "workers": 1, "concurrency": 1}),
+        )
+        .await;
+    let victim = setup.running_batch_pod("kill-gen-1", "kill", 2).await;
+    let written = jsonl_lines(
+        &setup
+            .storage
+            .run_dir(setup.ns(), "kill")
+            .join("batches/batch-000000.jsonl"),
+    )
+    .len();
+    let before = model.request_count();
+    kill_container(&victim);
+
+    let run = setup.finished("kill", Duration::from_secs(300)).await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    let pods = pods_of_index(&setup.pods, "kill-gen-1", 0).await;
+    assert_eq!(pods.len(), 2, "{:#?}", pod_summary(&setup.pods).await);
+    let killed = pods
+        .iter()
+        .find(|p| p.name_any() == victim.name_any())
+        .expect("the killed pod");
+    assert_eq!(terminated(killed).map(|t| t.0), Some(137), "SIGKILL");
+    let (indexes, failed) = setup.prompt_indexes("kill");
+    assert_eq!(failed, 0);
+    assert_eq!(
+        indexes,
+        (0..prompts as u64).collect::<Vec<u64>>(),
+        "every prompt once"
+    );
+    let requests = model.request_count();
+    eprintln!(
+        "{written} records before the kill, {before} requests then, {requests} in all \
+         (redoing the batch: {})",
+        before + 2 * prompts
+    );
+    assert!(
+        requests < before + 2 * prompts,
+        "{requests} model requests: the replacement redid finished conversations"
+    );
+    let replacement = &pods
+        .iter()
+        .find(|p| p.name_any() != victim.name_any())
+        .expect("a replacement");
+    let logs = setup
+        .pods
+        .logs(&replacement.name_any(), &LogParams::default())
+        .await
+        .expect("logs of the replacement");
+    assert!(logs.contains("resumed"), "logs:\n{logs}");
+}
+
+/// A 401 from the model ends the run `Failed` (`WorkerConfigError`) through the worker's real exit
+/// code 78 and the Job's pod failure policy, without spending the rest of the dataset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_401_from_the_model_fails_the_run_through_the_exit_code() {
+    let setup = Setup::new("pods-401").await;
+    let model = ScriptedServer::start_with_default_on(
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        [],
+        Step::error(401, "invalid_api_key", "Incorrect API key provided"),
+    )
+    .await;
+    setup
+        .create_scripted(
+            "unauthorized",
+            &setup.model_url(&model),
+            10,
+            &json!({"batchSize": 2, "workers": 1, "concurrency": 1, "retry": {"perBatch": 3}}),
+        )
+        .await;
+    let run = setup
+        .finished("unauthorized", Duration::from_secs(300))
+        .await;
+    assert_eq!(phase_of(&run), Some(Phase::Failed), "{:#?}", run.status);
+    assert_eq!(
+        condition(&run, "Failed"),
+        Some(("True".to_owned(), "WorkerConfigError".to_owned()))
+    );
+    let codes: BTreeSet<i32> = setup
+        .pods
+        .list(&kube::api::ListParams::default().labels("job-name=unauthorized-gen-1"))
+        .await
+        .expect("list the batch pods")
+        .items
+        .iter()
+        .filter_map(|p| terminated(p).map(|t| t.0))
+        .collect();
+    assert_eq!(
+        codes,
+        BTreeSet::from([78]),
+        "{:#?}",
+        pod_summary(&setup.pods).await
+    );
+    // One pod, one attempt at one conversation: no retry of a 401, no other batch started.
+    assert_eq!(
+        model.request_count(),
+        1,
+        "the rest of the dataset was not spent"
+    );
+}
+
+/// An evicted running pod (the Eviction API: SIGTERM, the worker stops cleanly) is not counted as a
+/// failure: with no retry allowed, the Job still replaces it and the run succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_evicted_running_pod_is_not_counted_as_a_failure() {
+    let setup = Setup::new("pods-evict").await;
+    let model = scripted_model(Duration::from_millis(700), "echo hi").await;
+    setup
+        .create_scripted(
+            "evict",
+            &setup.model_url(&model),
+            4,
+            &json!({"batchSize": 4, "workers": 1, "concurrency": 1,
+                    "retry": {"perBatch": 0, "maxFailedBatches": 0}}),
+        )
+        .await;
+    let victim = setup.running_batch_pod("evict-gen-1", "evict", 1).await;
+    setup
+        .pods
+        .evict(&victim.name_any(), &EvictParams::default())
+        .await
+        .expect("evict the running batch pod");
+    let run = setup.finished("evict", Duration::from_secs(300)).await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    let jobs: Api<Job> = Api::namespaced(setup.client.clone(), setup.ns());
+    let status = jobs
+        .get("evict-gen-1")
+        .await
+        .expect("gen-1")
+        .status
+        .expect("a status");
+    assert_eq!(
+        status.failed_indexes.as_deref().unwrap_or(""),
+        "",
+        "{status:#?}"
+    );
+    assert_eq!(status.completed_indexes.as_deref(), Some("0"));
+    assert_eq!(run.status.as_ref().and_then(|s| s.attempt), Some(1));
+    let (indexes, failed) = setup.prompt_indexes("evict");
+    assert_eq!((indexes, failed), ((0..4).collect::<Vec<u64>>(), 0));
+}
