@@ -360,8 +360,9 @@ async fn a_batch_pod_killed_mid_batch_is_replaced_and_resumes() {
     assert!(logs.contains("resumed"), "logs:\n{logs}");
 }
 
-/// A 401 from the model ends the run `Failed` (`WorkerConfigError`) through the worker's real exit
-/// code 78 and the Job's pod failure policy, without spending the rest of the dataset.
+/// A 401 from the model ends the run `Failed` with reason `ModelUnauthorized` (the worker's own, from
+/// its termination message) through the worker's real exit code 78 and the Job's pod failure
+/// policy, without spending the rest of the dataset.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_401_from_the_model_fails_the_run_through_the_exit_code() {
     let setup = Setup::new("pods-401").await;
@@ -385,7 +386,7 @@ async fn a_401_from_the_model_fails_the_run_through_the_exit_code() {
     assert_eq!(phase_of(&run), Some(Phase::Failed), "{:#?}", run.status);
     assert_eq!(
         condition(&run, "Failed"),
-        Some(("True".to_owned(), "WorkerConfigError".to_owned()))
+        Some(("True".to_owned(), "ModelUnauthorized".to_owned()))
     );
     let codes: BTreeSet<i32> = setup
         .pods
