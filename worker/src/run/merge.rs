@@ -334,22 +334,27 @@ fn check_complete(
     kept: impl Iterator<Item = (u64, u32)>,
     expected: ExpectedKeys,
 ) -> Result<(), RunError> {
-    let kept: std::collections::HashSet<(u64, u32)> = kept.collect();
-    let missing: Vec<(u64, u32)> = expected.iter().filter(|key| !kept.contains(key)).collect();
-    if missing.is_empty() {
+    // Both in (prompt, sample) order, `kept` without repeats: one walk, nothing allocated for a
+    // complete batch.
+    let mut kept = kept.peekable();
+    let (mut missing, mut shown) = (0_u64, Vec::new());
+    for key in expected.iter() {
+        while kept.next_if(|kept| *kept < key).is_some() {}
+        if kept.next_if_eq(&key).is_none() {
+            missing += 1;
+            if shown.len() < MISSING_KEYS_SHOWN {
+                shown.push(format!("prompt {} sample {}", key.0, key.1));
+            }
+        }
+    }
+    if missing == 0 {
         return Ok(());
     }
-    let shown: Vec<String> = missing
-        .iter()
-        .take(MISSING_KEYS_SHOWN)
-        .map(|(prompt, sample)| format!("prompt {prompt} sample {sample}"))
-        .collect();
     let total = expected.prompts * u64::from(expected.samples);
     Err(RunError::IncompleteBatch(format!(
-        "batch {batch} is marked done but holds no record for {} of its {total} (prompt, sample) keys ({}{}); remove batches/batch-{batch:06}.done and run the batch again: it generates only the missing ones",
-        missing.len(),
+        "batch {batch} is marked done but holds no record for {missing} of its {total} (prompt, sample) keys ({}{}); remove batches/batch-{batch:06}.done and run the batch again: it generates only the missing ones",
         shown.join(", "),
-        if missing.len() > MISSING_KEYS_SHOWN {
+        if missing > MISSING_KEYS_SHOWN as u64 {
             ", ..."
         } else {
             ""
