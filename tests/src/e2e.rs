@@ -8,6 +8,19 @@
 //! from the container's args) on the scratch storage with a scripted OpenAI-compatible server as
 //! the model, and reports the result through the pod's `status` subresource: phase, exit code and
 //! the summary as the termination message.
+//!
+//! Runs in real pods on a real kubelet are `tests/tests/real_pods.rs` (the quickstart, a SIGKILLed
+//! batch container, a 401, an eviction, the pod's settings at run time). The test-kubelet stays for
+//! what a real kubelet cannot give a test deterministically or at this scale:
+//! - a crash at an exact point of an exact batch ([`Kubelet::crash`]) and a batch held Pending while
+//!   others finish ([`Kubelet::hold`]), which the retry, resume, suspend and re-create tests need
+//!   to count exactly which batches ran and how many model requests they made;
+//! - runs of thousands to a million batches (the operator bench, the sharding test): kwok's nodes
+//!   take their pods without running them, where one real node runs a few at a time;
+//! - many runs at once on two cores (the memory bench, the leader hand-over), whose pods would
+//!   compete with the control plane;
+//! - a run's pods on kwok nodes that never run, so that the operator's own behaviour (status
+//!   pacing, a wiped status, deletion, a refused Job) is tested apart from a container runtime.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
