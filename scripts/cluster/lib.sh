@@ -73,6 +73,14 @@ TRAJ_NODE_BRIDGE="${TRAJ_NODE_BRIDGE:-traj0}"
 TRAJ_NODE_SUBNET="${TRAJ_NODE_SUBNET:-10.88.0.0/24}"
 # shellcheck disable=SC2034 # used by the scripts that source this file
 CNI_NETWORK=trajectory-node
+
+# node_gateway: the host's address on the real node's bridge (.1 of TRAJ_NODE_SUBNET); fails unless
+# TRAJ_NODE_SUBNET is a /24.
+node_gateway() {
+	[[ "${TRAJ_NODE_SUBNET}" =~ ^([0-9]+\.[0-9]+\.[0-9]+)\.0/24$ ]] ||
+		die "TRAJ_NODE_SUBNET must be a /24 like 10.88.0.0/24, got '${TRAJ_NODE_SUBNET}'"
+	echo "${BASH_REMATCH[1]}.1"
+}
 # The kernel tunables the kubelet sets at start (pkg/kubelet/cm setupKernelTunables), restored at stop.
 # shellcheck disable=SC2034 # used by the scripts that source this file
 KUBELET_SYSCTLS="vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes"

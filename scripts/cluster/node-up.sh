@@ -20,7 +20,10 @@
 #     kernel.panic, ...) once, when its container manager starts; once the node is Ready they are written
 #     back to the values recorded before (and node-down.sh does it again after a failed start).
 #
-# Usage: scripts/cluster/node-up.sh   (after up.sh started the control plane)
+# Usage: scripts/cluster/node-up.sh [--network]
+#   --network  only record the host and make the bridge (up.sh runs it before the control plane, so
+#              that the API server can listen on the bridge address, where the operator's pod reaches
+#              it); a later run without it starts the rest (after up.sh started the control plane)
 # Environment: TRAJ_CLUSTER_DIR, TRAJ_NODE_NAME (default trajectory-node), TRAJ_NODE_BRIDGE (default traj0),
 #   TRAJ_NODE_SUBNET (a /24, default 10.88.0.0/24; the host is .1), TRAJ_CLUSTER_VERBOSITY,
 #   TRAJ_NODE_IMAGES  more docker/OCI archives to import (space-separated paths), e.g. the ones
@@ -30,8 +33,15 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib.sh"
 
+NETWORK_ONLY=0
+case "${1:-}" in
+"") ;;
+--network) NETWORK_ONLY=1 ;;
+*) die "unknown argument: $1 (usage: node-up.sh [--network])" ;;
+esac
 DIR="${TRAJ_CLUSTER_DIR%/}"
-[[ -f "${DIR}/.trajectory-cluster" && -f "${DIR}/kubeconfig" ]] || die "no control plane in ${DIR}: start it with up.sh"
+[[ -f "${DIR}/.trajectory-cluster" ]] || die "no cluster state in ${DIR}: start it with up.sh"
+[[ "${NETWORK_ONLY}" == 1 || -f "${DIR}/kubeconfig" ]] || die "no control plane in ${DIR}: start it with up.sh"
 PKI="${DIR}/pki"
 LOGS="${DIR}/logs"
 PIDS="${DIR}/pids"
@@ -41,16 +51,20 @@ VERBOSITY="${TRAJ_CLUSTER_VERBOSITY:-0}"
 NAME="${TRAJ_NODE_NAME}"
 BRIDGE="${TRAJ_NODE_BRIDGE}"
 SUBNET="${TRAJ_NODE_SUBNET}"
-[[ "${SUBNET}" =~ ^([0-9]+\.[0-9]+\.[0-9]+)\.0/24$ ]] || die "TRAJ_NODE_SUBNET must be a /24 like 10.88.0.0/24, got '${SUBNET}'"
-GATEWAY="${BASH_REMATCH[1]}.1"
+GATEWAY="$(node_gateway)"
 SOCK="${NODE}/containerd/containerd.sock"
 START=${SECONDS}
 
 node_binaries_built || die "the kubelet is not built: run scripts/cluster/build.sh --real-node"
 "${CLUSTER_SCRIPTS_DIR}/install-node.sh" --check || die "node packages missing: run scripts/cluster/install-node.sh"
-[[ ! -e "${NODE}" ]] || die "${NODE} exists: stop the old node first (scripts/cluster/node-down.sh)"
-if ip link show "${BRIDGE}" >/dev/null 2>&1; then
-	die "network device ${BRIDGE} exists already (another real node?): set TRAJ_NODE_BRIDGE and TRAJ_NODE_SUBNET"
+# The network made by an earlier `node-up.sh --network` for this state directory.
+NETWORK_MADE=0
+[[ "${NETWORK_ONLY}" == 1 || ! -f "${REC}/network-made" ]] || NETWORK_MADE=1
+if [[ "${NETWORK_MADE}" != 1 ]]; then
+	[[ ! -e "${NODE}" ]] || die "${NODE} exists: stop the old node first (scripts/cluster/node-down.sh)"
+	if ip link show "${BRIDGE}" >/dev/null 2>&1; then
+		die "network device ${BRIDGE} exists already (another real node?): set TRAJ_NODE_BRIDGE and TRAJ_NODE_SUBNET"
+	fi
 fi
 mkdir -p "${REC}" "${NODE}/containerd" "${NODE}/runc" "${NODE}/cni/net.d" "${NODE}/cni/ipam" \
 	"${NODE}/kubelet/root" "${NODE}/kubelet/pki" "${NODE}/pod-logs" "${LOGS}" "${PIDS}"
@@ -364,9 +378,16 @@ node_ready() {
 		-o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" == True ]]
 }
 
-record_host
+if [[ "${NETWORK_MADE}" != 1 ]]; then
+	record_host
+	make_bridge
+	touch "${REC}/network-made"
+fi
+if [[ "${NETWORK_ONLY}" == 1 ]]; then
+	log "bridge ${BRIDGE} with the host's address ${GATEWAY} made"
+	exit 0
+fi
 make_cgroups
-make_bridge
 start_containerd
 import_images
 make_kubelet_pki

@@ -72,6 +72,14 @@ if [[ "${REAL_NODE}" == 1 ]]; then
 	node_binaries_built || "${CLUSTER_SCRIPTS_DIR}/build.sh" --real-node
 fi
 
+# Where the API server listens: loopback; with a real node the host's bridge address instead (the
+# host reaches it as well as the node's pods do, e.g. an operator running in a pod with
+# KUBERNETES_SERVICE_HOST set to it, as there is no kube-proxy for the kubernetes Service).
+API_HOST=127.0.0.1
+if [[ "${REAL_NODE}" == 1 ]]; then
+	API_HOST="$(node_gateway)"
+fi
+
 DIR="${TRAJ_CLUSTER_DIR%/}"
 PKI="${DIR}/pki"
 LOGS="${DIR}/logs"
@@ -122,7 +130,7 @@ extendedKeyUsage=clientAuth"
 	new_cert apiserver "/CN=kube-apiserver" "basicConstraints=critical,CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
-subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+subjectAltName=IP:127.0.0.1,IP:${API_HOST},IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
 	new_cert admin "/O=system:masters/CN=kubernetes-admin" "${client}"
 	new_cert controller-manager "/CN=system:kube-controller-manager" "${client}"
 	new_cert scheduler "/CN=system:kube-scheduler" "${client}"
@@ -144,7 +152,7 @@ write_kubeconfig() {
 		clusters:
 		- name: trajectory
 		  cluster:
-		    server: https://127.0.0.1:${API_PORT}
+		    server: https://${API_HOST}:${API_PORT}
 		    certificate-authority-data: $(base64 -w0 <"${PKI}/ca.crt")
 		users:
 		- name: ${name}
@@ -216,7 +224,7 @@ wait_for() {
 
 api_get() {
 	curl -fsS --max-time 5 --cacert "${PKI}/ca.crt" --cert "${PKI}/admin.crt" --key "${PKI}/admin.key" \
-		"https://127.0.0.1:${API_PORT}$1"
+		"https://${API_HOST}:${API_PORT}$1"
 }
 api_readyz() { [[ "$(api_get /readyz)" == "ok" ]]; }
 kubectl() { "${K8S_BIN_DIR}/kubectl" --kubeconfig "${DIR}/kubeconfig" "$@"; }
@@ -298,7 +306,7 @@ start_components() {
 		--kubelet-client-key="${PKI}/apiserver-kubelet-client.key" \
 		"${kubelet_flags[@]}" \
 		--etcd-servers="http://127.0.0.1:${ETCD_PORT}" \
-		--bind-address=127.0.0.1 --secure-port="${API_PORT}" --advertise-address=127.0.0.1 \
+		--bind-address="${API_HOST}" --secure-port="${API_PORT}" --advertise-address="${API_HOST}" \
 		--endpoint-reconciler-type=none \
 		--tls-cert-file="${PKI}/apiserver.crt" --tls-private-key-file="${PKI}/apiserver.key" \
 		--client-ca-file="${PKI}/ca.crt" \
@@ -393,6 +401,10 @@ stop_components() {
 	done
 }
 
+if [[ "${REAL_NODE}" == 1 ]]; then
+	# The bridge first: the API server listens on its address.
+	"${CLUSTER_SCRIPTS_DIR}/node-up.sh" --network || die "making the real node's bridge failed"
+fi
 make_pki
 attempt=1
 until start_components; do
@@ -417,7 +429,9 @@ fi
 
 cat >"${DIR}/env" <<EOF
 export KUBECONFIG=${DIR}/kubeconfig
-export TRAJ_CLUSTER_API=https://127.0.0.1:${API_PORT}
+export TRAJ_CLUSTER_API=https://${API_HOST}:${API_PORT}
+export TRAJ_CLUSTER_API_HOST=${API_HOST}
+export TRAJ_CLUSTER_API_PORT=${API_PORT}
 export TRAJ_CLUSTER_ETCD=http://127.0.0.1:${ETCD_PORT}
 export TRAJ_CLUSTER_KUBECTL=${K8S_BIN_DIR}/kubectl
 export TRAJ_CLUSTER_NODES=${NODES}
@@ -426,6 +440,6 @@ if [[ "${REAL_NODE}" == 1 ]]; then
 	cat "${DIR}/node/env" >>"${DIR}/env"
 fi
 UP_OK=1
-log "control plane v${K8S_VERSION} ready in $((SECONDS - START)) s: API https://127.0.0.1:${API_PORT}," \
+log "control plane v${K8S_VERSION} ready in $((SECONDS - START)) s: API https://${API_HOST}:${API_PORT}," \
 	"${NODES} kwok node(s)$([[ "${REAL_NODE}" != 1 ]] || echo ", real node ${TRAJ_NODE_NAME}"), logs in ${LOGS}; kubectl: ${K8S_BIN_DIR}/kubectl; stop with scripts/cluster/down.sh"
 echo "export KUBECONFIG=${DIR}/kubeconfig"

@@ -1,7 +1,7 @@
 //! Helm for tests: the binary `scripts/helm/build.sh` builds (`TRAJ_HELM`), and the chart
 //! `charts/trajectory-operator` rendered by it.
 
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -114,4 +114,50 @@ pub fn object<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
                 .collect();
             panic!("the chart renders no {kind} {name}; it renders {names:?}")
         })
+}
+
+/// `helm ARGS...` against the cluster of `KUBECONFIG`: its output, or its error output when it
+/// fails.
+pub fn run(args: &[&OsStr]) -> Result<String, String> {
+    let helm = helm();
+    let output = Command::new(&helm)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", helm.display()));
+    if output.status.success() {
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    } else {
+        Err(format!(
+            "helm {args:?} failed ({}):\n{}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ))
+    }
+}
+
+/// `helm install RELEASE CHART --namespace NAMESPACE --skip-crds --values VALUES` (`values` a JSON
+/// object): the release of the chart in this repository. The CRDs are skipped: the tests apply
+/// them (`crate::install_crds`), and Helm never upgrades CRDs it finds.
+pub fn install(release: &str, namespace: &str, values: &Value) -> Result<String, String> {
+    let file = std::env::temp_dir().join(format!("{}.json", crate::unique_name("helm-values")));
+    std::fs::write(&file, values.to_string())
+        .unwrap_or_else(|e| panic!("writing {}: {e}", file.display()));
+    let installed = run(&[
+        OsStr::new("install"),
+        OsStr::new(release),
+        OsStr::new(CHART_DIR),
+        OsStr::new("--namespace"),
+        OsStr::new(namespace),
+        OsStr::new("--skip-crds"),
+        OsStr::new("--values"),
+        file.as_os_str(),
+    ]);
+    let _ = std::fs::remove_file(&file);
+    installed
+}
+
+/// `helm uninstall RELEASE --namespace NAMESPACE --wait`.
+pub fn uninstall(release: &str, namespace: &str) -> Result<String, String> {
+    run(&["uninstall", release, "--namespace", namespace, "--wait"].map(OsStr::new))
 }

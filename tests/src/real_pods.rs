@@ -21,7 +21,7 @@ use crate::{config, unique_name, wait_until};
 /// How to get everything these tests need.
 pub const HOW_TO_RUN: &str = "build the test images and run the tests with a real node that \
      imports them: `scripts/images/build.sh --test && TRAJ_NODE_IMAGES=\"out/images/test/\
-     trajectory-worker-test.tar\" MODEL_SERVER_HOST=0.0.0.0 scripts/model-server/with-model-server.sh \
+     trajectory-worker-test.tar out/images/test/trajectory-operator-test.tar\" MODEL_SERVER_HOST=0.0.0.0 scripts/model-server/with-model-server.sh \
      scripts/cluster/with-cluster.sh --real-node cargo test -p trajectory-tests --test real_pods` \
      (scripts/test.sh does all of it)";
 
@@ -30,6 +30,9 @@ pub const TAINT_KEY: &str = "trajectory.dev/real-node";
 
 /// The worker image `scripts/images/build.sh --test` builds from the test build's binaries.
 pub const WORKER_IMAGE: &str = "trajectory.local/trajectory-worker:test";
+
+/// The operator image `scripts/images/build.sh --test` builds from the test build's binaries.
+pub const OPERATOR_IMAGE: &str = "trajectory.local/trajectory-operator:test";
 
 /// The uid and gid both images run as.
 pub const NONROOT: u32 = 65532;

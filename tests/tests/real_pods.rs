@@ -7,6 +7,7 @@
 //! reach it; fails, naming what is missing, without them (see [`HOW_TO_RUN`]).
 
 use std::collections::BTreeSet;
+use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -22,10 +23,11 @@ use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
 };
 use trajectory_tests::e2e::{ControllerGuard, phase_of, run_spec, start_controller_with};
+use trajectory_tests::helm;
 use trajectory_tests::real_pods::{
-    NONROOT, RealNode, SharedStorage, WORKER_IMAGE, check_record, jsonl_lines, kill_container,
-    model_server_for_pods, pod_summary, pod_template, pods_of_index, quickstart_run,
-    real_node_with, terminated,
+    NONROOT, OPERATOR_IMAGE, RealNode, SharedStorage, TAINT_KEY, WORKER_IMAGE, check_record,
+    jsonl_lines, kill_container, model_server_for_pods, pod_summary, pod_template, pods_of_index,
+    quickstart_run, real_node_with, terminated,
 };
 use trajectory_tests::{TestNamespace, client, wait_until};
 
@@ -37,25 +39,36 @@ struct Setup {
     storage: SharedStorage,
     runs: Api<TrajectoryRun>,
     pods: Api<Pod>,
-    _controller: ControllerGuard,
+    _controller: Option<ControllerGuard>,
     ns: TestNamespace,
 }
 
 impl Setup {
     async fn new(prefix: &str) -> Self {
+        Self::create(prefix, true).await
+    }
+
+    /// As [`Setup::new`], with no operator: the test installs one.
+    async fn without_operator(prefix: &str) -> Self {
+        Self::create(prefix, false).await
+    }
+
+    async fn create(prefix: &str, in_process_operator: bool) -> Self {
         let client = client().await;
         let node = real_node_with(&client, WORKER_IMAGE).await;
         trajectory_tests::install_crds(&client).await;
         let ns = TestNamespace::create(&client, prefix).await;
         let storage = SharedStorage::create(&client, ns.name(), prefix).await;
-        let controller = start_controller_with(
-            &client,
-            Settings {
-                watch_namespace: Some(ns.name().to_owned()),
-                worker_image: WORKER_IMAGE.to_owned(),
-                ..Settings::default()
-            },
-        );
+        let controller = in_process_operator.then(|| {
+            start_controller_with(
+                &client,
+                Settings {
+                    watch_namespace: Some(ns.name().to_owned()),
+                    worker_image: WORKER_IMAGE.to_owned(),
+                    ..Settings::default()
+                },
+            )
+        });
         Self {
             runs: Api::namespaced(client.clone(), ns.name()),
             pods: Api::namespaced(client.clone(), ns.name()),
@@ -146,6 +159,65 @@ impl Setup {
     }
 }
 
+impl Setup {
+    /// Runs the quickstart (`examples/quickstart/run.yaml`, its dataset on the volume already) with
+    /// the model `model_name` at `model_url` until it ends, and checks that it succeeded in pods of
+    /// the real node with one valid record per prompt.
+    async fn run_the_quickstart(&self, model_url: &str, model_name: &str) {
+        let setup = self;
+        let run = quickstart_run(model_url, model_name, &setup.storage);
+        let started = Instant::now();
+        setup
+            .runs
+            .create(&PostParams::default(), &run)
+            .await
+            .expect("create the quickstart run");
+        let run = setup.finished("quickstart", Duration::from_secs(600)).await;
+        eprintln!(
+            "the quickstart run took {:?} in real pods",
+            started.elapsed()
+        );
+        let status = run.status.clone().expect("a status");
+        assert_eq!(
+            status.phase,
+            Some(Phase::Succeeded),
+            "status {status:#?}; pods {:#?}",
+            pod_summary(&setup.pods).await
+        );
+        let prompts = status.prompts.expect("prompt counts");
+        assert_eq!(prompts.total, 8);
+        assert_eq!(prompts.succeeded + prompts.discarded + prompts.failed, 8);
+        let (indexes, failed) = setup.prompt_indexes("quickstart");
+        assert_eq!(indexes, (0..8).collect::<Vec<u64>>(), "every prompt once");
+        assert_eq!(
+            status.output.map(|o| o.trajectories),
+            Some(8 - failed as u64)
+        );
+        // Every stage ran in a pod of the real node.
+        let jobs: Api<Job> = Api::namespaced(setup.client.clone(), setup.ns());
+        for job in ["quickstart-plan", "quickstart-gen-1", "quickstart-merge"] {
+            let succeeded = jobs
+                .get(job)
+                .await
+                .unwrap_or_else(|e| panic!("Job {job}: {e}"))
+                .status
+                .and_then(|s| s.succeeded);
+            assert!(succeeded.is_some_and(|n| n > 0), "Job {job}: {succeeded:?}");
+        }
+        let on_node = setup
+            .pods
+            .list(&kube::api::ListParams::default())
+            .await
+            .expect("list pods")
+            .items
+            .iter()
+            .all(|p| {
+                p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&setup.node.name)
+            });
+        assert!(on_node, "every pod ran on the real node");
+    }
+}
+
 /// A scripted model on every address (the pods reach it at the bridge address): a terminal call
 /// running `command`, then a final answer, each after `latency`.
 async fn scripted_model(latency: Duration, command: &str) -> ScriptedServer {
@@ -179,54 +251,7 @@ async fn the_quickstart_run_succeeds_in_real_pods() {
         &Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../examples/quickstart/datasets/quickstart.jsonl"),
     );
-    let run = quickstart_run(&model_url, &model_name, &setup.storage);
-    let started = Instant::now();
-    setup
-        .runs
-        .create(&PostParams::default(), &run)
-        .await
-        .expect("create the quickstart run");
-    let run = setup.finished("quickstart", Duration::from_secs(600)).await;
-    eprintln!(
-        "the quickstart run took {:?} in real pods",
-        started.elapsed()
-    );
-    let status = run.status.clone().expect("a status");
-    assert_eq!(
-        status.phase,
-        Some(Phase::Succeeded),
-        "status {status:#?}; pods {:#?}",
-        pod_summary(&setup.pods).await
-    );
-    let prompts = status.prompts.expect("prompt counts");
-    assert_eq!(prompts.total, 8);
-    assert_eq!(prompts.succeeded + prompts.discarded + prompts.failed, 8);
-    let (indexes, failed) = setup.prompt_indexes("quickstart");
-    assert_eq!(indexes, (0..8).collect::<Vec<u64>>(), "every prompt once");
-    assert_eq!(
-        status.output.map(|o| o.trajectories),
-        Some(8 - failed as u64)
-    );
-    // Every stage ran in a pod of the real node.
-    let jobs: Api<Job> = Api::namespaced(setup.client.clone(), setup.ns());
-    for job in ["quickstart-plan", "quickstart-gen-1", "quickstart-merge"] {
-        let succeeded = jobs
-            .get(job)
-            .await
-            .unwrap_or_else(|e| panic!("Job {job}: {e}"))
-            .status
-            .and_then(|s| s.succeeded);
-        assert!(succeeded.is_some_and(|n| n > 0), "Job {job}: {succeeded:?}");
-    }
-    let on_node = setup
-        .pods
-        .list(&kube::api::ListParams::default())
-        .await
-        .expect("list pods")
-        .items
-        .iter()
-        .all(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&setup.node.name));
-    assert!(on_node, "every pod ran on the real node");
+    setup.run_the_quickstart(&model_url, &model_name).await;
 }
 
 /// The pod's settings hold at run time, seen from inside the container by the agent's terminal
@@ -450,4 +475,139 @@ async fn an_evicted_running_pod_is_not_counted_as_a_failure() {
     assert_eq!(run.status.as_ref().and_then(|s| s.attempt), Some(1));
     let (indexes, failed) = setup.prompt_indexes("evict");
     assert_eq!((indexes, failed), ((0..4).collect::<Vec<u64>>(), 0));
+}
+
+/// The chart's values for the real node: the test images, the node's toleration and selector, and
+/// the API server's address on the bridge as `KUBERNETES_SERVICE_HOST`/`PORT` (no kube-proxy: the
+/// `kubernetes` Service's `ClusterIP` leads nowhere). Namespaced, and without the cluster-wide
+/// admission policy, so that nothing outlives the test's namespace.
+fn chart_values_for_the_real_node(api: &kube::Config) -> Value {
+    let host = api
+        .cluster_url
+        .host()
+        .expect("the API server URL has a host");
+    let port = api
+        .cluster_url
+        .port_u16()
+        .expect("the API server URL has a port");
+    assert!(
+        host != "127.0.0.1" && host != "localhost",
+        "the API server is at {}, on loopback, out of a pod's reach: start the cluster with \
+         `scripts/cluster/up.sh --real-node`, which puts it on the bridge address",
+        api.cluster_url
+    );
+    let (repository, tag) = OPERATOR_IMAGE.rsplit_once(':').expect("name:tag");
+    let (worker_repository, worker_tag) = WORKER_IMAGE.rsplit_once(':').expect("name:tag");
+    json!({
+        "image": {"repository": repository, "tag": tag, "pullPolicy": "IfNotPresent"},
+        "worker": {"image": {"repository": worker_repository, "tag": worker_tag}},
+        "scope": "Namespace",
+        "admissionPolicy": {"enabled": false},
+        "logFormat": "pretty",
+        "nodeSelector": {"type": "real"},
+        "tolerations": [{"key": TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+        "extraEnv": [
+            {"name": "KUBERNETES_SERVICE_HOST", "value": host},
+            {"name": "KUBERNETES_SERVICE_PORT", "value": port.to_string()},
+        ],
+    })
+}
+
+/// Waits until the operator's pod of `release` is Ready on the real node; panics with its status
+/// and logs when it is not within `timeout`.
+async fn operator_pod_ready(setup: &Setup, release: &str, timeout: Duration) -> Pod {
+    let selector = format!("app.kubernetes.io/instance={release}");
+    let deadline = Instant::now() + timeout;
+    loop {
+        let list = setup
+            .pods
+            .list(&kube::api::ListParams::default().labels(&selector))
+            .await
+            .expect("list the operator's pods");
+        let ready = list.items.iter().find(|pod| {
+            pod.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        });
+        if let Some(pod) = ready {
+            return pod.clone();
+        }
+        if Instant::now() > deadline {
+            let mut logs = String::new();
+            for pod in &list.items {
+                let text = setup
+                    .pods
+                    .logs(&pod.name_any(), &LogParams::default())
+                    .await
+                    .unwrap_or_else(|e| format!("(no logs: {e})"));
+                let _ = writeln!(logs, "--- {}:\n{text}", pod.name_any());
+            }
+            panic!(
+                "the operator's pod was not Ready on the real node within {timeout:?}; pods \
+                 {:#?}\nlogs:\n{logs}",
+                list.items.iter().map(|p| &p.status).collect::<Vec<_>>()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The chart installs the operator, which runs in its own image (the test build's, imported into
+/// the node) in a pod on the real node and reaches the API server at the bridge address; the
+/// quickstart run it drives succeeds in real pods with one valid record per prompt. Then the
+/// release uninstalls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_chart_installs_the_operator_in_its_own_image_and_a_run_succeeds_in_pods() {
+    let setup = Setup::without_operator("pods-chart").await;
+    real_node_with(&setup.client, OPERATOR_IMAGE).await;
+    let (model_url, model_name) = model_server_for_pods(&setup.node);
+    let values = chart_values_for_the_real_node(&trajectory_tests::config().await);
+    let release = "traj";
+    let started = Instant::now();
+    helm::install(release, setup.ns(), &values).unwrap_or_else(|e| panic!("{e}"));
+    let pod = operator_pod_ready(&setup, release, Duration::from_secs(120)).await;
+    eprintln!(
+        "the operator's pod {} was Ready {:?} after helm install",
+        pod.name_any(),
+        started.elapsed()
+    );
+    let spec = pod.spec.clone().expect("a pod spec");
+    assert_eq!(spec.node_name.as_deref(), Some(setup.node.name.as_str()));
+    let container = &spec.containers[0];
+    assert_eq!(container.image.as_deref(), Some(OPERATOR_IMAGE));
+    assert_eq!(container.image_pull_policy.as_deref(), Some("IfNotPresent"));
+
+    setup.storage.add_dataset(
+        &Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/quickstart/datasets/quickstart.jsonl"),
+    );
+    setup.run_the_quickstart(&model_url, &model_name).await;
+    // Every Job pod ran the worker image the chart passed to the operator.
+    let images: BTreeSet<String> = setup
+        .pods
+        .list(&kube::api::ListParams::default().labels("job-name"))
+        .await
+        .expect("list the run's pods")
+        .items
+        .iter()
+        .filter_map(|p| p.spec.as_ref()?.containers.first()?.image.clone())
+        .collect();
+    assert_eq!(images, BTreeSet::from([WORKER_IMAGE.to_owned()]));
+
+    helm::uninstall(release, setup.ns()).unwrap_or_else(|e| panic!("{e}"));
+    let left = setup
+        .pods
+        .list(
+            &kube::api::ListParams::default()
+                .labels(&format!("app.kubernetes.io/instance={release}")),
+        )
+        .await
+        .expect("list the operator's pods");
+    assert!(
+        left.items
+            .iter()
+            .all(|p| p.metadata.deletion_timestamp.is_some()),
+        "the operator's pod is going after helm uninstall"
+    );
 }
