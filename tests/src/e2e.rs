@@ -9,7 +9,7 @@
 //! the model, and reports the result through the pod's `status` subresource: phase, exit code and
 //! the summary as the termination message.
 //!
-//! Runs in real pods on a real kubelet are `tests/tests/real_pods.rs` (the quickstart, a SIGKILLed
+//! Runs in real pods on a real kubelet are `tests/tests/real_pods.rs` (the quickstart, a `SIGKILL`ed
 //! batch container, a 401, an eviction, the pod's settings at run time). The test-kubelet stays for
 //! what a real kubelet cannot give a test deterministically or at this scale:
 //! - a crash at an exact point of an exact batch ([`Kubelet::crash`]) and a batch held Pending while
