@@ -29,14 +29,16 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{ListParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::reconcile::observe::JobState;
-use trajectory_tests::e2e::{Kubelet, Scratch, http_get, model, phase_of, run_spec, write_dataset};
+use trajectory_tests::e2e::{
+    Kubelet, Scratch, http_get, model, phase_of, plan_termination_message, run_spec, write_dataset,
+};
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::contract::{MAX_JOB_COMPLETIONS, parse_ranges};
 
@@ -206,17 +208,8 @@ async fn hand_off_sizes(client: &Client, ns: &str, name: &str) -> (usize, usize)
         .filter_map(|map| Some(map.data.as_ref()?.values().map(String::len).sum::<usize>()))
         .max()
         .unwrap_or(0);
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let plan_selector = format!("{}={name},{}=plan", labels::RUN, labels::COMPONENT);
-    let message = pods
-        .list(&ListParams::default().labels(&plan_selector))
+    let message = plan_termination_message(client, ns, name)
         .await
-        .expect("list the plan pod")
-        .items
-        .into_iter()
-        .filter_map(|pod| pod.status?.container_statuses)
-        .flatten()
-        .find_map(|status| status.state?.terminated?.message)
         .map_or(0, |message| message.len());
     (largest_map, message)
 }
@@ -265,7 +258,6 @@ async fn latency(client: &Client, scratch: &Scratch, base_url: &str, report: &mu
     );
     let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
     let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let (mut applied_to_plan_job, mut pod_to_complete, mut complete_to_gen, mut total) =
         (vec![], vec![], vec![], vec![]);
     let _ = writeln!(
@@ -290,26 +282,8 @@ async fn latency(client: &Client, scratch: &Scratch, base_url: &str, report: &mu
         })
         .await;
         let plan_created = applied.elapsed();
-        let plan_pod = wait_until("the plan pod", Duration::from_secs(30), || async {
-            let selector = format!("{}={name}", labels::RUN);
-            pods.list(&ListParams::default().labels(&selector))
-                .await
-                .ok()?
-                .items
-                .into_iter()
-                .next()
-        })
-        .await;
         let kubelet = Kubelet::new(client, ns, &name, scratch);
-        wait_until(
-            "the run to show Planning",
-            Duration::from_secs(30),
-            || async {
-                (phase_of(&runs.get(&name).await.ok()?) == Some(Phase::Planning)).then_some(())
-            },
-        )
-        .await;
-        assert!(kubelet.play(&plan_pod).await, "the plan pod was played");
+        assert!(kubelet.play_the_plan().await, "the plan pod was played");
         let (complete_at, created_at) = generation_job_after_plan(&jobs, &name, batches).await;
         let operator_part = created_at.saturating_sub(complete_at);
         let _ = writeln!(

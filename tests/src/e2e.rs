@@ -51,7 +51,7 @@ use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunLocation, load_plan, merge, plan};
 use trajectory_worker::spec::RunSpec;
 
-use crate::unique_name;
+use crate::{unique_name, wait_until};
 
 /// The annotation the Job controller puts on an Indexed Job's pods (the source of
 /// `JOB_COMPLETION_INDEX`).
@@ -303,6 +303,32 @@ impl Kubelet {
     /// Runs what the pod's container would run, then reports it through the pod's status; false
     /// when the pod cannot start (no plan `ConfigMap`), its batch is held or the run's phase is not
     /// yet the pod's stage.
+    /// Waits for the run's plan pod and for the run to show `Planning` (see [`Kubelet::play`]), then
+    /// plays that pod alone; returns whether it played.
+    pub async fn play_the_plan(&self) -> bool {
+        let selector = format!("{}={},{}=plan", labels::RUN, self.run, labels::COMPONENT);
+        let plan_pod = wait_until("the plan pod", Duration::from_secs(30), || async {
+            self.pods
+                .list(&ListParams::default().labels(&selector))
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .next()
+        })
+        .await;
+        wait_until(
+            "the run to show Planning",
+            Duration::from_secs(30),
+            || async {
+                let run = self.runs.get(&self.run).await.ok()?;
+                (phase_of(&run) == Some(Phase::Planning)).then_some(())
+            },
+        )
+        .await;
+        self.play(&plan_pod).await
+    }
+
     pub async fn play(&self, pod: &Pod) -> bool {
         let name = pod.name_any();
         let spec = pod.spec.as_ref().expect("a pod spec");
@@ -695,4 +721,22 @@ fn worker_mode(container: &Container) -> String {
         .and_then(|args| args.first())
         .cloned()
         .expect("the worker subcommand in the container's args")
+}
+
+/// The termination message of the plan pod of `run`, once the pod has ended.
+pub async fn plan_termination_message(
+    client: &Client,
+    namespace: &str,
+    run: &str,
+) -> Option<String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let selector = format!("{}={run},{}=plan", labels::RUN, labels::COMPONENT);
+    pods.list(&ListParams::default().labels(&selector))
+        .await
+        .expect("list the plan pod")
+        .items
+        .into_iter()
+        .filter_map(|pod| pod.status?.container_statuses)
+        .flatten()
+        .find_map(|status| status.state?.terminated?.message)
 }

@@ -39,8 +39,8 @@ use trajectory_operator::service::{self, Exit};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::e2e::{
     ControllerGuard, Kubelet, NO_NODE, Played, Scratch, children, done_batches, jsonl, model,
-    phase_events, phase_of, pods_of_index, printed_row, run_spec, snapshot, start_controller_in,
-    write_dataset,
+    phase_events, phase_of, plan_termination_message, pods_of_index, printed_row, run_spec,
+    snapshot, start_controller_in, write_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::contract::{exit, paths};
@@ -1170,27 +1170,7 @@ async fn a_run_of_a_million_batches_is_planned_sharded_and_dispatched() {
         .await;
     // Only the plan pod is played: the batch pods are to be counted, not run.
     let kubelet = Kubelet::new(client, ns, "million", &setup.scratch);
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let plan_selector = format!("{}=million,{}=plan", labels::RUN, labels::COMPONENT);
-    let plan_pod = wait_until("the plan pod", Duration::from_secs(30), || async {
-        pods.list(&ListParams::default().labels(&plan_selector))
-            .await
-            .ok()?
-            .items
-            .into_iter()
-            .next()
-    })
-    .await;
-    wait_until(
-        "the run to show Planning",
-        Duration::from_secs(30),
-        || async {
-            let run = setup.runs.get("million").await.ok()?;
-            (phase_of(&run) == Some(Phase::Planning)).then_some(())
-        },
-    )
-    .await;
-    assert!(kubelet.play(&plan_pod).await, "the plan pod was played");
+    assert!(kubelet.play_the_plan().await, "the plan pod was played");
     let planned = std::time::Instant::now();
     let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
     let selector = format!("{}=million,{}=generate", labels::RUN, labels::COMPONENT);
@@ -1234,6 +1214,7 @@ async fn a_run_of_a_million_batches_is_planned_sharded_and_dispatched() {
     assert_shard_plans_are_small(&Api::namespaced(client.clone(), ns), &shards).await;
 
     // Dispatched: the Job controller starts the run's 12 pods over the shards.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     wait_until("12 active batch pods", Duration::from_secs(60), || async {
         let list = pods
             .list(&ListParams::default().labels(&selector))
@@ -1399,17 +1380,8 @@ async fn a_resume_over_scattered_done_batches_redoes_none_of_them() {
     );
 
     // The plan's summary fitted by cutting its done ranges short.
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let selector = format!("{}=scattered,{}=plan", labels::RUN, labels::COMPONENT);
-    let message = pods
-        .list(&ListParams::default().labels(&selector))
+    let message = plan_termination_message(client, ns, "scattered")
         .await
-        .expect("list the plan pod")
-        .items
-        .into_iter()
-        .filter_map(|pod| pod.status?.container_statuses)
-        .flatten()
-        .find_map(|status| status.state?.terminated?.message)
         .expect("the plan's termination message");
     assert!(message.len() <= 4096, "{} bytes", message.len());
     let summary: trajectory_worker::contract::PlanSummary =
