@@ -130,12 +130,20 @@ impl JobFixture {
             }
             _ => None,
         };
+        if component.round() > 1 {
+            job_labels.insert(labels::ROUND.to_owned(), component.round().to_string());
+        }
         job.metadata.labels = Some(job_labels);
         Self { job, attempt }
     }
 
     pub fn plan() -> Self {
-        Self::of(Component::Plan)
+        Self::of(Component::Plan { round: 1 })
+    }
+
+    /// The plan Job of a later round.
+    pub fn plan_of_round(round: u32) -> Self {
+        Self::of(Component::Plan { round })
     }
 
     pub fn generation(attempt: u32) -> Self {
@@ -143,7 +151,12 @@ impl JobFixture {
     }
 
     pub fn merge() -> Self {
-        Self::of(Component::Merge)
+        Self::of(Component::Merge { round: 1 })
+    }
+
+    /// The merge Job of a later round.
+    pub fn merge_of_round(round: u32) -> Self {
+        Self::of(Component::Merge { round })
     }
 
     /// Shard `shard` of a generation Job's attempt (named and labelled as the operator does).
@@ -281,6 +294,18 @@ impl ObservedFixture {
     pub fn worker_failure(mut self, reason: &str, error: &str) -> Self {
         let attempt = self.0.attempts.last_mut().expect("an attempt");
         attempt.failure = Some(WorkerFailure::new(error, reason, exit::PERMANENT_CONFIG));
+        self
+    }
+
+    /// The failed merge pod reported `reason` and `error` (exit code 78).
+    pub fn merge_failure(mut self, reason: &str, error: &str) -> Self {
+        self.0.merge_failure = Some(WorkerFailure::new(error, reason, exit::PERMANENT_CONFIG));
+        self
+    }
+
+    /// The children observed are those of `round` (the plan and merge Jobs take its names).
+    pub fn round(mut self, round: u32) -> Self {
+        self.0.round = round;
         self
     }
 

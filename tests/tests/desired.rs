@@ -65,7 +65,7 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
     let settings = Settings::default();
     let pending = Pending::new(vec![3, 4, 9]).expect("three batches");
     let jobs = [
-        build::plan_job(&valid, &settings, false),
+        build::plan_job(&valid, &settings, 1, false),
         build::generation_job(
             &valid,
             &settings,
@@ -77,7 +77,7 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
                 parallelism: run.spec.run.workers,
             },
         ),
-        build::merge_job(&valid, &settings, false),
+        build::merge_job(&valid, &settings, 1, false),
     ];
     let dry_run = PostParams {
         dry_run: true,

@@ -1397,3 +1397,125 @@ async fn a_resume_over_scattered_done_batches_redoes_none_of_them() {
     indexes.dedup();
     assert_eq!(indexes, (0..400).collect::<Vec<u64>>());
 }
+
+/// A batch marked done that lost a record (storage that dropped a write, a file edited by hand)
+/// is found by the merge, which clears the batch's marker and fails with `IncompleteBatch`; the
+/// run then makes a second round: a plan that finds just that batch pending, one attempt that
+/// regenerates just the lost conversation, and a merge that finds everything. `Succeeded` means
+/// complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_found_incomplete_by_the_merge_is_generated_again_in_a_second_round() {
+    let (setup, _controller, mut kubelet) =
+        Setup::with_run("e2e-rounds", "rounds", &json!({})).await;
+    let (client, ns, model) = (&setup.client, setup.ns(), &setup.model);
+    let batches = setup
+        .scratch
+        .storage()
+        .join(format!("runs/{ns}/rounds/batches"));
+    // Just before the first merge runs, prompt 4's record (batch 1 holds prompts 3 to 5) goes.
+    kubelet.crash = Box::new(move |mode, _, played| {
+        if mode == "merge" && !played.iter().any(|p| p.mode == "merge") {
+            assert_eq!(drop_record(&batches, 1, 4), 1, "prompt 4 had one record");
+        }
+        None
+    });
+    let run = kubelet
+        .serve_until("the run to finish", Duration::from_secs(180), |run| {
+            matches!(phase_of(run), Some(Phase::Succeeded | Phase::Failed))
+        })
+        .await;
+    let status = run.status.expect("a status");
+    let played = kubelet.played();
+    assert_eq!(
+        status.phase,
+        Some(Phase::Succeeded),
+        "{status:#?}; played {played:#?}"
+    );
+    assert_eq!(status.output.as_ref().map(|o| o.trajectories), Some(10));
+    // Round 2 numbers its attempts on: its first is attempt 4.
+    assert_eq!(status.attempt, Some(4));
+
+    // Round 1: the plan, the four batches in any order, the merge that found batch 1
+    // incomplete; round 2: the plan, batch 1 alone, the merge.
+    let mut modes: Vec<(&str, Option<u32>, i32)> = played
+        .iter()
+        .map(|p| (p.mode.as_str(), p.batch, p.exit_code))
+        .collect();
+    assert_eq!(modes.len(), 9, "{played:#?}");
+    modes[1..5].sort_unstable();
+    assert_eq!(
+        modes,
+        [
+            ("plan", None, 0),
+            ("batch", Some(0), 0),
+            ("batch", Some(1), 0),
+            ("batch", Some(2), 0),
+            ("batch", Some(3), 0),
+            ("merge", None, exit::PERMANENT_CONFIG),
+            ("plan", None, 0),
+            ("batch", Some(1), 0),
+            ("merge", None, 0),
+        ],
+        "{played:#?}"
+    );
+    assert_eq!(
+        model.request_count(),
+        22,
+        "10 conversations of two calls, and the lost one once more"
+    );
+    let (jobs, _) = children(client, ns, "rounds").await;
+    assert_eq!(
+        jobs,
+        [
+            "rounds-gen-1",
+            "rounds-gen-4",
+            "rounds-merge",
+            "rounds-merge-2",
+            "rounds-plan",
+            "rounds-plan-2"
+        ]
+    );
+    let out = setup.scratch.storage().join(format!("runs/{ns}/rounds"));
+    let indexes: Vec<u64> = jsonl(&out.join("trajectories.jsonl"))
+        .iter()
+        .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
+        .collect();
+    assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
+}
+
+/// Removes the record lines of `prompt` from batch `batch`'s record files (every writer's);
+/// returns how many it removed.
+fn drop_record(batches: &Path, batch: u32, prompt: u64) -> usize {
+    let prefix = format!("batch-{batch:06}");
+    let mut removed = 0;
+    for entry in std::fs::read_dir(batches).expect("the batches directory") {
+        let path = entry.expect("an entry").path();
+        let name = path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        if !name.starts_with(&prefix)
+            || !name.ends_with(".jsonl")
+            || name.ends_with(".openai.jsonl")
+        {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("a record file");
+        let kept: Vec<&str> = text
+            .lines()
+            .filter(|line| {
+                let record: Value = serde_json::from_str(line).expect("a record line");
+                let lost = record["prompt_index"].as_u64() == Some(prompt);
+                removed += usize::from(lost);
+                !lost
+            })
+            .collect();
+        let mut rewritten = kept.join("\n");
+        if !kept.is_empty() {
+            rewritten.push('\n');
+        }
+        std::fs::write(&path, rewritten).expect("rewrite the record file");
+    }
+    removed
+}

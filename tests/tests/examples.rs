@@ -144,10 +144,10 @@ async fn check_run(
         Err(e) => return Err(format!("the operator cannot build its children: {e}")),
     };
     let settings = Settings::default();
-    let config_map: ConfigMap = build::plan_config_map(&valid, Component::Plan, None);
+    let config_map: ConfigMap = build::plan_config_map(&valid, Component::Plan { round: 1 }, None);
     let first_three = Pending::new(vec![0, 1, 2]).expect("three batches");
     let jobs: Vec<Job> = vec![
-        build::plan_job(&valid, &settings, false),
+        build::plan_job(&valid, &settings, 1, false),
         build::generation_job(
             &valid,
             &settings,
@@ -159,7 +159,7 @@ async fn check_run(
                 parallelism: run.spec.run.workers,
             },
         ),
-        build::merge_job(&valid, &settings, false),
+        build::merge_job(&valid, &settings, 1, false),
     ];
     let create = PostParams {
         dry_run: true,

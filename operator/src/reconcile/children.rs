@@ -8,6 +8,14 @@ pub const MAX_NAME_LENGTH: usize = 63;
 /// Attempts are numbered from 1; this many digits are reserved for the attempt in name checks.
 pub const ATTEMPT_DIGITS: usize = 3;
 
+/// Generation attempts a round makes before it merges what is done.
+pub const ATTEMPTS_PER_ROUND: u32 = 3;
+
+/// Rounds a run makes at most. A round is a plan, its attempts and a merge; the next one starts
+/// only when the merge found batches marked done without all their records (and cleared their
+/// markers), so that it plans and generates just those again.
+pub const MAX_ROUNDS: u32 = 3;
+
 /// The longest run name whose children's names all fit in [`MAX_NAME_LENGTH`].
 pub const MAX_RUN_NAME_LENGTH: usize = MAX_NAME_LENGTH - "-gen-".len() - ATTEMPT_DIGITS;
 
@@ -23,6 +31,9 @@ pub mod labels {
     pub const ATTEMPT: &str = "trajectories.dev/attempt";
     /// The shard of a `gen` Job past the first, when an attempt runs as several Jobs.
     pub const SHARD: &str = "trajectories.dev/shard";
+    /// The round of a child past the first round (a round's children carry it; the first
+    /// round's are labelled as they always were).
+    pub const ROUND: &str = "trajectories.dev/round";
     /// Kueue admits Jobs carrying this label through the named `LocalQueue`.
     pub const KUEUE_QUEUE: &str = "kueue.x-k8s.io/queue-name";
 }
@@ -36,31 +47,40 @@ pub const CONTAINER: &str = "worker";
 /// The part of a run a child Job (and its plan `ConfigMap`) serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Component {
-    /// `trajectory-worker plan`: validate the dataset, write the manifest.
-    Plan,
+    /// `trajectory-worker plan`: validate the dataset, write the manifest; once per round.
+    Plan { round: u32 },
     /// `trajectory-worker batch`: an Indexed Job of one attempt. An attempt of more batches than
-    /// one Job may hold runs as several Jobs, its shards, numbered from 0.
+    /// one Job may hold runs as several Jobs, its shards, numbered from 0. Attempts are numbered
+    /// on across rounds: round *r* makes attempts `(r-1)·3+1` to `r·3`.
     Generate { attempt: u32, shard: u32 },
-    /// `trajectory-worker merge`.
-    Merge,
+    /// `trajectory-worker merge`; once per round.
+    Merge { round: u32 },
 }
 
 impl Component {
     /// The `app.kubernetes.io/component` label value.
     pub fn label(self) -> &'static str {
         match self {
-            Self::Plan => "plan",
+            Self::Plan { .. } => "plan",
             Self::Generate { .. } => "generate",
-            Self::Merge => "merge",
+            Self::Merge { .. } => "merge",
+        }
+    }
+
+    /// The round the child belongs to.
+    pub fn round(self) -> u32 {
+        match self {
+            Self::Plan { round } | Self::Merge { round } => round,
+            Self::Generate { attempt, .. } => round_of_attempt(attempt),
         }
     }
 
     /// The worker subcommand its pods run.
     pub fn command(self) -> &'static str {
         match self {
-            Self::Plan => "plan",
+            Self::Plan { .. } => "plan",
             Self::Generate { .. } => "batch",
-            Self::Merge => "merge",
+            Self::Merge { .. } => "merge",
         }
     }
 
@@ -70,16 +90,29 @@ impl Component {
     }
 
     /// The child's name: `{run}-plan`, `{run}-gen-{attempt}` (shard 0; `-{shard}` appended for
-    /// the others), `{run}-merge`. It fits in [`MAX_NAME_LENGTH`] for every run name validation
-    /// accepts ([`MAX_RUN_NAME_LENGTH`]) up to shard 9; decide checks the rest.
+    /// the others), `{run}-merge`; a later round's plan and merge end in `-{round}`. It fits in
+    /// [`MAX_NAME_LENGTH`] for every run name validation accepts ([`MAX_RUN_NAME_LENGTH`]) up to
+    /// shard 9; decide checks the rest.
     pub fn child_name(self, run: &str) -> String {
         match self {
-            Self::Plan => format!("{run}-plan"),
+            Self::Plan { round: ..=1 } => format!("{run}-plan"),
+            Self::Plan { round } => format!("{run}-plan-{round}"),
             Self::Generate { attempt, shard: 0 } => format!("{run}-gen-{attempt}"),
             Self::Generate { attempt, shard } => format!("{run}-gen-{attempt}-{shard}"),
-            Self::Merge => format!("{run}-merge"),
+            Self::Merge { round: ..=1 } => format!("{run}-merge"),
+            Self::Merge { round } => format!("{run}-merge-{round}"),
         }
     }
+}
+
+/// The round an attempt belongs to.
+pub fn round_of_attempt(attempt: u32) -> u32 {
+    attempt.saturating_sub(1) / ATTEMPTS_PER_ROUND + 1
+}
+
+/// The first attempt of `round`.
+pub fn first_attempt_of(round: u32) -> u32 {
+    round.saturating_sub(1) * ATTEMPTS_PER_ROUND + 1
 }
 
 #[cfg(test)]
@@ -89,7 +122,8 @@ mod tests {
     #[test]
     fn children_have_deterministic_names() {
         let cases = [
-            (Component::Plan, "coding-v1-plan"),
+            (Component::Plan { round: 1 }, "coding-v1-plan"),
+            (Component::Plan { round: 2 }, "coding-v1-plan-2"),
             (Component::generation(1), "coding-v1-gen-1"),
             (Component::generation(12), "coding-v1-gen-12"),
             (
@@ -99,7 +133,8 @@ mod tests {
                 },
                 "coding-v1-gen-2-3",
             ),
-            (Component::Merge, "coding-v1-merge"),
+            (Component::Merge { round: 1 }, "coding-v1-merge"),
+            (Component::Merge { round: 3 }, "coding-v1-merge-3"),
         ];
         for (component, expected) in cases {
             assert_eq!(component.child_name("coding-v1"), expected);
@@ -109,18 +144,31 @@ mod tests {
     #[test]
     fn the_longest_run_name_leaves_room_for_every_child() {
         let longest = "r".repeat(MAX_RUN_NAME_LENGTH);
+        let last_attempt = MAX_ROUNDS * ATTEMPTS_PER_ROUND;
+        assert!(
+            last_attempt < 10,
+            "attempts take one digit, leaving room for shards 0 to 9"
+        );
         let children = [
-            Component::Plan,
+            Component::Plan { round: MAX_ROUNDS },
             Component::generation(999),
-            // Attempts stop at 3 (decide's MAX_ATTEMPTS), leaving room for shards 0 to 9.
             Component::Generate {
-                attempt: 3,
+                attempt: last_attempt,
                 shard: 9,
             },
-            Component::Merge,
+            Component::Merge { round: MAX_ROUNDS },
         ];
         for component in children {
             assert!(component.child_name(&longest).len() <= MAX_NAME_LENGTH);
         }
+    }
+
+    #[test]
+    fn attempts_are_numbered_on_across_rounds() {
+        let rounds: Vec<u32> = (1..=7).map(round_of_attempt).collect();
+        assert_eq!(rounds, [1, 1, 1, 2, 2, 2, 3]);
+        assert_eq!([1, 2, 3].map(first_attempt_of), [1, 4, 7]);
+        assert_eq!(Component::generation(5).round(), 2);
+        assert_eq!(Component::Merge { round: 2 }.round(), 2);
     }
 }

@@ -8,11 +8,16 @@
 //!                  ▼                                  ▼                             ▼
 //!                Failed(PlanFailed)          Failed(WorkerConfigError |     Failed(MergeFailed)
 //!                                                   TooManyFailedBatches)
+//!                  ▲                                                              │ IncompleteBatch
+//!                  └─────────────── next round: plan-2 ─► gen-4 … ─► merge-2 ◄────┘
 //! ```
 //!
-//! A new attempt runs only the batches no attempt finished, up to [`MAX_ATTEMPTS`]; after that
-//! the run merges what is done (the merge reports the missing batches) as long as no more than
-//! `retry.maxFailedBatches` are missing.
+//! A new attempt runs only the batches no attempt finished, up to [`ATTEMPTS_PER_ROUND`]; after
+//! that the run merges what is done (the merge reports the missing batches) as long as no more
+//! than `retry.maxFailedBatches` are missing. A merge that finds batches marked done without all
+//! their records clears their markers and fails with `IncompleteBatch`; the run then starts its
+//! next round (up to [`MAX_ROUNDS`]), whose plan finds just those batches pending, so that
+//! `Succeeded` always means every (prompt, sample) has its record.
 
 use std::collections::BTreeSet;
 
@@ -21,14 +26,13 @@ use trajectory_worker::contract::{
     parse_ranges,
 };
 
-use super::children::{Component, MAX_NAME_LENGTH};
+use super::children::{
+    ATTEMPTS_PER_ROUND, Component, MAX_NAME_LENGTH, MAX_ROUNDS, first_attempt_of,
+};
 use super::observe::{JobState, Observed, ObservedAttempt};
 use super::status::{Merged, Outcome, Planned, Reason, Tally};
 use super::validate::ValidatedRun;
 use crate::api::{BatchCounts, OutputStatus, Phase, TrajectoryRunStatus};
-
-/// Attempts of generation before the run merges what is done.
-pub const MAX_ATTEMPTS: u32 = 3;
 
 /// What the run should have now, before it is built into objects.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,9 +58,9 @@ impl Decision {
 /// A child Job the run should have; a Job that does not exist yet comes with its plan `ConfigMap`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Child {
-    Plan { exists: bool },
+    Plan { round: u32, exists: bool },
     Generation(Shard),
-    Merge { exists: bool },
+    Merge { round: u32, exists: bool },
 }
 
 /// One generation Job of an attempt: an attempt of more than [`MAX_JOB_COMPLETIONS`] batches runs
@@ -153,19 +157,27 @@ fn stages(
 
 /// The plan stage's outcome while it is not done; `None` once the plan Job completed.
 fn plan(observed: &Observed, children: &mut Vec<Child>) -> Option<Outcome> {
+    let round = observed.round;
     let planning = || {
-        Some(Outcome::Working(
-            Phase::Planning,
-            "planning the dataset".into(),
-        ))
+        let message = match round {
+            1 => "planning the dataset".to_owned(),
+            round => format!("round {round}: planning the batches the last merge found incomplete"),
+        };
+        Some(Outcome::Working(Phase::Planning, message))
     };
     let Some(plan_job) = &observed.plan_job else {
-        children.push(Child::Plan { exists: false });
+        children.push(Child::Plan {
+            round,
+            exists: false,
+        });
         return planning();
     };
     match JobState::of(plan_job) {
         JobState::Running => {
-            children.push(Child::Plan { exists: true });
+            children.push(Child::Plan {
+                round,
+                exists: true,
+            });
             planning()
         }
         JobState::Failed { message, .. } => Some(Outcome::Failed(
@@ -217,7 +229,7 @@ fn generate(
 
     let pending = Pending::new(pending_batches(total, &done))?;
     let next = match latest_attempt(&observed.attempts) {
-        None => 1,
+        None => first_attempt_of(observed.round),
         Some(shards) => {
             let attempt = shards[0].attempt;
             match attempt_state(&shards) {
@@ -231,10 +243,14 @@ fn generate(
                         format!("attempt {attempt}: {} of {total} batches done", done.len());
                     return Some(Outcome::Working(Phase::Running, message));
                 }
-                state => match after_attempt(run, attempt, (&state, failure_of(&shards)), &pending)
-                {
+                state => match after_attempt(
+                    run,
+                    attempt + 1 - first_attempt_of(observed.round),
+                    (&state, failure_of(&shards)),
+                    &pending,
+                ) {
                     AfterAttempt::Fail(outcome) => return Some(outcome),
-                    AfterAttempt::Next(attempt) => attempt,
+                    AfterAttempt::Next => attempt + 1,
                     AfterAttempt::Merge => return None,
                 },
             }
@@ -350,14 +366,15 @@ fn to_usize(value: u32) -> usize {
 /// What follows an attempt that ended with batches still pending.
 enum AfterAttempt {
     Fail(Outcome),
-    Next(u32),
+    Next,
     /// No attempt is left, and few enough batches are missing: merge what is done.
     Merge,
 }
 
+/// `attempt_of_round`: the attempt's place in its round, from 1.
 fn after_attempt(
     run: &ValidatedRun<'_>,
-    attempt: u32,
+    attempt_of_round: u32,
     (state, failure): (&JobState, Option<&WorkerFailure>),
     pending: &Pending,
 ) -> AfterAttempt {
@@ -384,17 +401,19 @@ fn after_attempt(
                 ),
             ))
         }
-        _ if pending.count() > retry.max_failed_batches && attempt >= MAX_ATTEMPTS => {
+        _ if pending.count() > retry.max_failed_batches
+            && attempt_of_round >= ATTEMPTS_PER_ROUND =>
+        {
             AfterAttempt::Fail(Outcome::Failed(
                 Reason::TooManyFailedBatches,
                 format!(
-                    "{} batches are not done after {MAX_ATTEMPTS} attempts; at most {} may be missing",
+                    "{} batches are not done after {ATTEMPTS_PER_ROUND} attempts; at most {} may be missing",
                     pending.count(),
                     retry.max_failed_batches
                 ),
             ))
         }
-        _ if attempt < MAX_ATTEMPTS => AfterAttempt::Next(attempt + 1),
+        _ if attempt_of_round < ATTEMPTS_PER_ROUND => AfterAttempt::Next,
         _ => AfterAttempt::Merge,
     }
 }
@@ -448,15 +467,42 @@ fn merge(
     tally: &mut Tally,
     children: &mut Vec<Child>,
 ) -> Outcome {
+    let round = observed.round;
     let merging = || Outcome::Working(Phase::Merging, "merging the batches".into());
     let Some(merge_job) = &observed.merge_job else {
-        children.push(Child::Merge { exists: false });
+        children.push(Child::Merge {
+            round,
+            exists: false,
+        });
         return merging();
     };
     match JobState::of(merge_job) {
         JobState::Running => {
-            children.push(Child::Merge { exists: true });
+            children.push(Child::Merge {
+                round,
+                exists: true,
+            });
             merging()
+        }
+        JobState::Failed { .. }
+            if round < MAX_ROUNDS
+                && observed
+                    .merge_failure
+                    .as_ref()
+                    .is_some_and(|failure| failure.reason == INCOMPLETE_BATCH) =>
+        {
+            children.push(Child::Plan {
+                round: round + 1,
+                exists: false,
+            });
+            Outcome::Working(
+                Phase::Planning,
+                format!(
+                    "round {}: the merge found batches incomplete ({}); planning them again",
+                    round + 1,
+                    said(observed.merge_failure.as_ref(), "")
+                ),
+            )
         }
         JobState::Failed { message, .. } => Outcome::Failed(
             Reason::MergeFailed,
@@ -479,6 +525,10 @@ fn merge(
         }
     }
 }
+
+/// The reason a merge reports for batches marked done that lack records (it has cleared their
+/// markers by then).
+pub const INCOMPLETE_BATCH: &str = "IncompleteBatch";
 
 fn merged(run: &ValidatedRun<'_>, merge: &MergeSummary) -> Merged {
     Merged {

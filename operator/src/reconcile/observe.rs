@@ -1,6 +1,7 @@
 //! Observe: read what exists of a run's children (reads only). Jobs are found by the run label and
 //! kept only when the run is their controller (a run re-created under the same name does not adopt
-//! its predecessor's Jobs); summaries come from the termination message of a succeeded pod.
+//! its predecessor's Jobs), and only those of the latest round (the earlier rounds' children are
+//! history); summaries come from the termination message of a succeeded pod.
 //!
 //! Each generation Job's `completedIndexes` / `failedIndexes` are mapped back to batch ids through
 //! the attempt's pending list here ([`attempt_batches`], pure), so that what decide reads is
@@ -21,8 +22,10 @@ use super::children::{CONTAINER, Component, labels};
 use crate::api::TrajectoryRun;
 
 /// What the controller read about a run's children.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Observed {
+    /// The latest round any child belongs to (1 before there is any); the fields below are its.
+    pub round: u32,
     pub plan_job: Option<Job>,
     /// The plan pod's termination message, once the plan Job completed.
     pub plan_summary: Option<PlanSummary>,
@@ -34,6 +37,22 @@ pub struct Observed {
     pub plan_failure: Option<WorkerFailure>,
     /// What the failed merge pod reported, once the merge Job failed.
     pub merge_failure: Option<WorkerFailure>,
+}
+
+impl Default for Observed {
+    /// A run without children: in its first round.
+    fn default() -> Self {
+        Self {
+            round: 1,
+            plan_job: None,
+            plan_summary: None,
+            attempts: Vec::new(),
+            merge_job: None,
+            merge_summary: None,
+            plan_failure: None,
+            merge_failure: None,
+        }
+    }
 }
 
 /// One generation attempt as observed: its Job, the batch each index works, and the batches it
@@ -157,15 +176,19 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
                 .iter()
                 .any(|owner| owner.controller == Some(true) && Some(&owner.uid) == uid.as_ref())
         });
+    let (round, latest) = latest_round(owned);
 
-    let mut observed = Observed::default();
-    for job in owned {
+    let mut observed = Observed {
+        round,
+        ..Observed::default()
+    };
+    for job in latest {
         let labels = job.labels();
         match labels.get(labels::COMPONENT).map(String::as_str) {
-            Some(component) if component == Component::Plan.label() => {
+            Some(component) if component == Component::Plan { round }.label() => {
                 observed.plan_job = Some(job);
             }
-            Some(component) if component == Component::Merge.label() => {
+            Some(component) if component == Component::Merge { round }.label() => {
                 observed.merge_job = Some(job);
             }
             _ => {
@@ -203,6 +226,23 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
         observed.merge_failure = failure_if_failed(&pods, job).await?;
     }
     Ok(observed)
+}
+
+/// The latest round of `jobs`, and its Jobs (a Job without a round label is of the first round).
+fn latest_round(jobs: impl Iterator<Item = Job>) -> (u32, Vec<Job>) {
+    let round_of = |job: &Job| {
+        job.labels()
+            .get(labels::ROUND)
+            .and_then(|round| round.parse().ok())
+            .unwrap_or(1_u32)
+    };
+    let jobs: Vec<Job> = jobs.collect();
+    let latest = jobs.iter().map(round_of).max().unwrap_or(1);
+    let jobs = jobs
+        .into_iter()
+        .filter(|job| round_of(job) == latest)
+        .collect();
+    (latest, jobs)
 }
 
 impl ObservedAttempt {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use k8s_openapi::jiff::Timestamp;
 use trajectory_worker::contract::RunPlan;
 
-use super::children::labels;
+use super::children::{MAX_ROUNDS, labels};
 use super::status::{Reason, StatusWrite, set_condition, status_write};
 use super::*;
 use crate::api::ConditionType;
@@ -728,4 +728,80 @@ fn the_worker_s_reason_for_a_configuration_error_is_the_run_s() {
         failed_message(&desired),
         "the plan Job failed: InvalidDataset: datasets/prompts.jsonl: no valid line"
     );
+}
+
+/// The labels of the child Job `name` of a decision.
+fn job_labels<'a>(
+    desired: &'a Desired,
+    name: &str,
+) -> &'a std::collections::BTreeMap<String, String> {
+    desired
+        .children
+        .jobs
+        .iter()
+        .find(|job| job.metadata.name.as_deref() == Some(name))
+        .and_then(|job| job.metadata.labels.as_ref())
+        .unwrap_or_else(|| panic!("no Job {name} with labels"))
+}
+
+#[test]
+fn a_merge_that_finds_batches_incomplete_starts_a_round_that_plans_them_again() {
+    let incomplete = "batch 4 is marked done but lacks prompt 41 sample 0; its marker was removed";
+    let failed_merge = |round: u32| {
+        ObservedFixture::merged(5, 50)
+            .round(round)
+            .merge(JobFixture::merge_of_round(round).failed("PodFailurePolicy"))
+            .merge_failure("IncompleteBatch", incomplete)
+    };
+
+    let desired = decide(&failed_merge(1).build());
+    assert_eq!(names(&desired), ["r-plan-2"]);
+    assert_eq!(job_labels(&desired, "r-plan-2")[labels::ROUND], "2");
+    assert_eq!(desired.status.phase, Some(Phase::Planning));
+
+    // Round 2's plan found batch 4 pending again: its attempts are numbered on from round 1's.
+    let replanned = ObservedFixture::planned(5)
+        .done(0, 3)
+        .plan(JobFixture::plan_of_round(2).complete())
+        .round(2);
+    let desired = decide(&replanned.clone().build());
+    assert_eq!(names(&desired), ["r-gen-4"]);
+    assert_eq!(plan_batches(&desired, "r-gen-4"), Some(vec![4]));
+    assert_eq!(job_labels(&desired, "r-gen-4")[labels::ROUND], "2");
+    assert_eq!(desired.status.attempt, Some(4));
+
+    // Its attempts get the round's own budget: two more after a failed first one.
+    let retried = replanned.clone().attempt(
+        JobFixture::generation(4).complete().failed_indexes("0"),
+        &[4],
+    );
+    assert_eq!(names(&decide(&retried.build())), ["r-gen-5"]);
+    let regenerated = replanned.attempt(JobFixture::generation(4).complete().completed("0"), &[4]);
+    assert_eq!(names(&decide(&regenerated.build())), ["r-merge-2"]);
+
+    // The last round's merge failing so fails the run; so does any other merge failure at once.
+    let desired = decide(&failed_merge(MAX_ROUNDS).build());
+    assert!(desired.children.jobs.is_empty());
+    assert_eq!(
+        condition(&desired, ConditionType::Failed),
+        ("True", "MergeFailed")
+    );
+    assert!(
+        failed_message(&desired).contains(incomplete),
+        "{}",
+        failed_message(&desired)
+    );
+    let other = ObservedFixture::merged(5, 50)
+        .merge(JobFixture::merge().failed("PodFailurePolicy"))
+        .merge_failure("OutputMismatch", "the output directory holds another run");
+    assert_eq!(
+        condition(&decide(&other.build()), ConditionType::Failed),
+        ("True", "MergeFailed")
+    );
+}
+
+#[test]
+fn the_incomplete_batch_reason_is_the_one_the_worker_reports() {
+    let reported = trajectory_worker::run::RunError::IncompleteBatch(String::new()).reason();
+    assert_eq!(reported, decide::INCOMPLETE_BATCH);
 }

@@ -8,7 +8,7 @@ use crate::reconcile::children::Component;
 use crate::reconcile::validate::ValidatedRun;
 use crate::settings::Settings;
 
-/// The merge Job. `exists`: as for [`super::generation_job`].
-pub fn merge_job(run: &ValidatedRun<'_>, settings: &Settings, exists: bool) -> Job {
-    single_pod_job(run, settings, Component::Merge, exists)
+/// The merge Job of `round`. `exists`: as for [`super::generation_job`].
+pub fn merge_job(run: &ValidatedRun<'_>, settings: &Settings, round: u32, exists: bool) -> Job {
+    single_pod_job(run, settings, Component::Merge { round }, exists)
 }

@@ -45,18 +45,18 @@ pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -
     let mut children = Children::default();
     for child in wanted {
         let (map, job) = match child {
-            Child::Plan { exists } => (
-                (!exists).then(|| plan_config_map(run, Component::Plan, None)),
-                plan_job(run, settings, *exists),
+            Child::Plan { round, exists } => (
+                (!exists).then(|| plan_config_map(run, Component::Plan { round: *round }, None)),
+                plan_job(run, settings, *round, *exists),
             ),
             Child::Generation(shard) => (
                 (!shard.exists)
                     .then(|| plan_config_map(run, shard.component(), Some(&shard.pending))),
                 generation_job(run, settings, shard),
             ),
-            Child::Merge { exists } => (
-                (!exists).then(|| plan_config_map(run, Component::Merge, None)),
-                merge_job(run, settings, *exists),
+            Child::Merge { round, exists } => (
+                (!exists).then(|| plan_config_map(run, Component::Merge { round: *round }, None)),
+                merge_job(run, settings, *round, *exists),
             ),
         };
         children.config_maps.extend(map);
@@ -80,6 +80,9 @@ fn labels(run: &ValidatedRun<'_>, component: Component) -> BTreeMap<String, Stri
         if shard > 0 {
             labels.insert(labels::SHARD.to_owned(), shard.to_string());
         }
+    }
+    if component.round() > 1 {
+        labels.insert(labels::ROUND.to_owned(), component.round().to_string());
     }
     labels
 }

@@ -8,7 +8,7 @@ use crate::reconcile::children::Component;
 use crate::reconcile::validate::ValidatedRun;
 use crate::settings::Settings;
 
-/// The plan Job. `exists`: as for [`super::generation_job`].
-pub fn plan_job(run: &ValidatedRun<'_>, settings: &Settings, exists: bool) -> Job {
-    single_pod_job(run, settings, Component::Plan, exists)
+/// The plan Job of `round`. `exists`: as for [`super::generation_job`].
+pub fn plan_job(run: &ValidatedRun<'_>, settings: &Settings, round: u32, exists: bool) -> Job {
+    single_pod_job(run, settings, Component::Plan { round }, exists)
 }

@@ -62,7 +62,10 @@ fn empty_pending_list_makes_no_generation_job() {
 fn children_are_built_for_what_the_decision_wants() {
     let run = TrajectoryRun::test().build();
     let wanted = [
-        Child::Plan { exists: true },
+        Child::Plan {
+            round: 1,
+            exists: true,
+        },
         Child::Generation(Shard {
             attempt: 2,
             shard: 0,
@@ -70,7 +73,10 @@ fn children_are_built_for_what_the_decision_wants() {
             exists: false,
             parallelism: 1,
         }),
-        Child::Merge { exists: false },
+        Child::Merge {
+            round: 1,
+            exists: false,
+        },
     ];
     let built = children(&valid(&run), &settings(), &wanted);
     let names = |metas: Vec<&ObjectMeta>| -> Vec<String> {
@@ -147,12 +153,22 @@ fn generation_job_is_indexed_with_retry_limits_and_failure_policy() {
 fn plan_and_merge_jobs_run_one_pod_of_their_worker_mode() {
     for (job, mode, name) in [
         (
-            plan_job(&valid(&TrajectoryRun::test().build()), &settings(), false),
+            plan_job(
+                &valid(&TrajectoryRun::test().build()),
+                &settings(),
+                1,
+                false,
+            ),
             "plan",
             "coding-v1-plan",
         ),
         (
-            merge_job(&valid(&TrajectoryRun::test().build()), &settings(), false),
+            merge_job(
+                &valid(&TrajectoryRun::test().build()),
+                &settings(),
+                1,
+                false,
+            ),
             "merge",
             "coding-v1-merge",
         ),
@@ -298,9 +314,9 @@ fn pods_get_the_worker_contract_environment_and_the_key_only_by_secret_ref() {
 fn every_pod_meets_the_restricted_pod_security_standard() {
     let run = TrajectoryRun::test().build();
     let jobs = [
-        plan_job(&valid(&run), &settings(), false),
+        plan_job(&valid(&run), &settings(), 1, false),
         gen_job(&run, 1, &[0], false),
-        merge_job(&valid(&run), &settings(), false),
+        merge_job(&valid(&run), &settings(), 1, false),
     ];
     for job in &jobs {
         let pod = pod(job);
@@ -352,7 +368,12 @@ fn every_pod_meets_the_restricted_pod_security_standard() {
 
 #[test]
 fn storage_volume_is_mounted_as_the_data_volume() {
-    let job = plan_job(&valid(&TrajectoryRun::test().build()), &settings(), false);
+    let job = plan_job(
+        &valid(&TrajectoryRun::test().build()),
+        &settings(),
+        1,
+        false,
+    );
     let data = pod(&job)
         .volumes
         .iter()
@@ -380,9 +401,9 @@ fn queue_name_labels_the_job_for_kueue_and_creates_it_suspended() {
             .build();
         // Every stage goes through the queue: plan, generation and merge alike.
         let jobs = [
-            plan_job(&valid(&run), &settings(), exists),
+            plan_job(&valid(&run), &settings(), 1, exists),
             gen_job(&run, 1, &[0], exists),
-            merge_job(&valid(&run), &settings(), exists),
+            merge_job(&valid(&run), &settings(), 1, exists),
         ];
         for job in jobs {
             let name = job.metadata.name.clone().unwrap();
