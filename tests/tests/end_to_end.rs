@@ -1437,14 +1437,14 @@ async fn a_batch_found_incomplete_by_the_merge_is_generated_again_in_a_second_ro
 
     // Round 1: the plan, the four batches in any order, the merge that found batch 1
     // incomplete; round 2: the plan, batch 1 alone, the merge.
-    let mut modes: Vec<(&str, Option<u32>, i32)> = played
+    let mut stages: Vec<(&str, Option<u32>, i32)> = played
         .iter()
         .map(|p| (p.mode.as_str(), p.batch, p.exit_code))
         .collect();
-    assert_eq!(modes.len(), 9, "{played:#?}");
-    modes[1..5].sort_unstable();
+    assert_eq!(stages.len(), 9, "{played:#?}");
+    stages[1..5].sort_unstable();
     assert_eq!(
-        modes,
+        stages,
         [
             ("plan", None, 0),
             ("batch", Some(0), 0),
@@ -1495,10 +1495,8 @@ fn drop_record(batches: &Path, batch: u32, prompt: u64) -> usize {
             .unwrap_or_default()
             .to_string_lossy()
             .into_owned();
-        if !name.starts_with(&prefix)
-            || !name.ends_with(".jsonl")
-            || name.ends_with(".openai.jsonl")
-        {
+        let records = path.extension().is_some_and(|ext| ext == "jsonl");
+        if !name.starts_with(&prefix) || !records || name.ends_with(".openai.jsonl") {
             continue;
         }
         let text = std::fs::read_to_string(&path).expect("a record file");
