@@ -1,9 +1,18 @@
 //! `merge`: batch files, in batch order, into one dataset-ordered `trajectories.jsonl`, plus
 //! `failures.jsonl` and `statistics.json`.
 //!
-//! Every line is validated; exactly one record per (`prompt_index`, sample) is kept (a trajectory
-//! wins over a failure); lines are copied byte for byte. Outputs are written to temp names and
-//! renamed when complete, so a half-written merge never passes for a finished one.
+//! A batch may have several records files, one per writer (see [`super::batch`]); merge reads them
+//! all, in the order [`RunDir::records_files`] gives (the legacy single file, then the writers' in
+//! name order), each up to its last whole line. Every line is validated, and exactly one record per
+//! (`prompt_index`, sample) is kept: the best one (a trajectory, then a discarded record, then a
+//! failed one), and of equally good ones the first in that file order and line order. Best first,
+//! because every record of a key is a legitimate outcome of the same (prompt, sample) with the same
+//! toolsets, and a trajectory is the one a user wants; a failed record is final only when it is
+//! all there is. First in name order, because that is a function of the files alone: merging the
+//! same files again writes the same bytes. A kept trajectory's `OpenAI`-form line comes from its
+//! own writer's twin file (matched there by `finished_at`), never from another writer's.
+//! Lines are copied byte for byte; statistics count the kept records only. Outputs are written to
+//! temp names and renamed when complete, so a half-written merge never passes for a finished one.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -20,7 +29,7 @@ use super::{RunError, RunLocation};
 use crate::contract::{MergeSummary, compact_ranges, format_ranges};
 use crate::json_scan;
 use crate::storage::{
-    Context, RunDir, StorageError, read_whole_lines, read_whole_lines_into, sync_dir, temp_path,
+    Context, RunDir, StorageError, read_files_lines_into, read_whole_lines, sync_dir, temp_path,
     write_atomic, write_lines,
 };
 
@@ -327,8 +336,8 @@ impl ExpectedKeys {
 const MISSING_KEYS_SHOWN: usize = 5;
 
 /// A batch marked done holds a record for every one of its keys: it writes its marker only after
-/// the last. A key without one was lost after that (a second writer cutting the file, a restore
-/// of an older copy), and merging on would leave a hole no status shows.
+/// the last. A key without one was lost after that (a restore of an older copy of the volume, a
+/// records file removed by hand), and merging on would leave a hole no status shows.
 fn check_complete(
     batch: u32,
     kept: impl Iterator<Item = (u64, u32)>,
@@ -362,8 +371,8 @@ fn check_complete(
     )))
 }
 
-/// Reads, validates and orders one batch, and counts its kept records into `totals`. A batch
-/// marked done (`expected` given) must hold all its keys.
+/// Reads, validates and orders one batch (every records file of it), and counts its kept records
+/// into `totals`. A batch marked done (`expected` given) must hold all its keys.
 fn sort_batch(
     run_dir: &RunDir,
     (batch, expected): (u32, Option<ExpectedKeys>),
@@ -372,11 +381,12 @@ fn sort_batch(
     totals: &mut Totals,
     skipped_lines: &mut u64,
 ) -> Result<SortedBatch, RunError> {
-    let (data, lines) = read_whole_lines_into(&run_dir.batch_records(batch), buffer)?;
-    let viewed = ViewLines::new(&data, &lines);
-    let mut order: Vec<(u64, u32, u8, usize)> = Vec::with_capacity(lines.len());
-    let mut views = Vec::with_capacity(lines.len());
-    for (index, (start, end)) in lines.iter().enumerate() {
+    let files = run_dir.records_files(batch)?;
+    let read = read_files_lines_into(files.iter().map(|file| file.records.as_path()), buffer)?;
+    let viewed = ViewLines::new(&read.data, &read.lines);
+    let mut order: Vec<(u64, u32, u8, usize)> = Vec::with_capacity(read.lines.len());
+    let mut views = Vec::with_capacity(read.lines.len());
+    for (index, (start, end)) in read.lines.iter().enumerate() {
         match viewed.parse(index) {
             Ok(view) => {
                 let rank = match view.status.as_deref() {
@@ -385,15 +395,17 @@ fn sort_batch(
                     Some(_) => 2,
                 };
                 order.push((view.prompt_index, view.sample, rank, views.len()));
-                views.push((view, *start, *end));
+                views.push((view, *start, *end, read.file_of(index)));
             }
             Err(err) => {
                 *skipped_lines += 1;
-                warn!(batch, offset = start, %err, "skipping an invalid record line");
+                let file = files[read.file_of(index)].records.display();
+                warn!(batch, %file, offset = start, %err, "skipping an invalid record line");
             }
         }
     }
-    // Dataset order; for one key the best record first, then the first written.
+    // Dataset order; for one key the best record first, then the first in file and line order
+    // (`views` is in that order).
     order.sort_unstable();
     let before = order.len();
     order.dedup_by_key(|(prompt_index, sample, ..)| (*prompt_index, *sample));
@@ -405,19 +417,20 @@ fn sort_batch(
         check_complete(batch, kept, expected)?;
     }
 
-    let mut openai_lines = if openai {
-        openai_index(&run_dir.batch_openai_records(batch))?
-    } else {
-        HashMap::new()
-    };
+    // Each writer's `OpenAI`-form lines, read when one of its trajectories is kept.
+    let mut openai_lines: Vec<Option<OpenaiIndex>> = files.iter().map(|_| None).collect();
     let mut kept = Vec::with_capacity(order.len());
     let mut openai_kept = Vec::new();
     for (prompt_index, sample, rank, position) in order {
-        let (view, start, end) = &views[position];
+        let (view, start, end, file) = &views[position];
         totals.add(view);
         kept.push((*start, *end, rank == 0));
         if openai && rank == 0 {
-            let twin = openai_lines
+            let index = match &mut openai_lines[*file] {
+                Some(index) => index,
+                slot => slot.insert(openai_index(&files[*file].openai)?),
+            };
+            let twin = index
                 .remove(&(prompt_index, sample))
                 .and_then(|lines| twin_of(lines, view.finished_at.as_deref()));
             if twin.is_none() {
@@ -431,7 +444,7 @@ fn sort_batch(
     }
     drop(views);
     Ok(SortedBatch {
-        data,
+        data: read.data,
         kept,
         openai: openai_kept,
     })
@@ -614,8 +627,11 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
 /// An `OpenAI`-form line and the `finished_at` it carries (absent in lines of older workers).
 type OpenaiLine = (Option<String>, Vec<u8>);
 
-/// OpenAI-form lines of a batch by key, in file order; the main file decides which are kept.
-fn openai_index(path: &Path) -> Result<HashMap<(u64, u32), Vec<OpenaiLine>>, RunError> {
+/// The `OpenAI`-form lines of one writer's file, by key, in file order.
+type OpenaiIndex = HashMap<(u64, u32), Vec<OpenaiLine>>;
+
+/// `OpenAI`-form lines of one writer by key, in file order; its records file decides which are kept.
+fn openai_index(path: &Path) -> Result<OpenaiIndex, RunError> {
     #[derive(Deserialize)]
     struct Key {
         prompt_index: u64,
@@ -625,7 +641,7 @@ fn openai_index(path: &Path) -> Result<HashMap<(u64, u32), Vec<OpenaiLine>>, Run
         finished_at: Option<String>,
     }
     let (data, lines) = read_whole_lines(path)?;
-    let mut index: HashMap<(u64, u32), Vec<OpenaiLine>> = HashMap::new();
+    let mut index = OpenaiIndex::new();
     for (start, end) in lines {
         if let Ok(key) = serde_json::from_slice::<Key>(&data[start..end]) {
             index
@@ -637,11 +653,13 @@ fn openai_index(path: &Path) -> Result<HashMap<(u64, u32), Vec<OpenaiLine>>, Run
     Ok(index)
 }
 
-/// The `OpenAI`-form line of the very trajectory merge kept: the one with its `finished_at`. Other
-/// lines of the key were left by an attempt killed between writing its two lines, or by a second
+/// The `OpenAI`-form line of the very trajectory merge kept, among the lines of its key in its own
+/// writer's twin file: the one with its `finished_at`. Other lines of the key there were left by a
+/// write of the records file that failed after the twin's (a writer stops at that error), or, in
+/// the legacy single file, by an earlier attempt killed between its two lines or by a second
 /// writer. Lines without `finished_at` were written by older workers; of those the last is taken
-/// (a single writer writes a trajectory's `OpenAI` line just before it, so an earlier one can only
-/// be an orphan of a kill).
+/// (a writer writes a trajectory's `OpenAI` line just before it, so an earlier one can only be an
+/// orphan of a kill).
 fn twin_of(lines: Vec<OpenaiLine>, finished_at: Option<&str>) -> Option<Vec<u8>> {
     let mut legacy = None;
     for (stamp, line) in lines {
