@@ -203,6 +203,21 @@ impl RunDir {
         self.root.join("statistics.json")
     }
 
+    /// Removes the completion markers of `batches` (a marker already gone is fine), then makes the
+    /// removals durable: a plan after this sees the batches pending. Unlinking a name is atomic, so
+    /// a reader sees the marker whole or not at all.
+    pub fn remove_done_markers(&self, batches: &[u32]) -> Result<(), StorageError> {
+        for &batch in batches {
+            let path = self.batch_done(batch);
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                Err(err) => return Err(StorageError::new("removing", &path, err)),
+            }
+        }
+        sync_dir(&self.batches_dir())
+    }
+
     /// Ids of batches with a completion marker, ascending.
     pub fn done_batches(&self) -> Result<Vec<u32>, StorageError> {
         let dir = self.batches_dir();
@@ -661,5 +676,7 @@ mod tests {
         fs::write(run.batches_dir().join("batch-000003.jsonl"), b"").unwrap();
         fs::create_dir_all(run.batch_dir(4)).unwrap();
         assert_eq!(run.done_batches().unwrap(), [2, 10, 100]);
+        run.remove_done_markers(&[10, 11]).unwrap();
+        assert_eq!(run.done_batches().unwrap(), [2, 100]);
     }
 }

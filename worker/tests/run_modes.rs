@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
 };
-use trajectory_worker::contract::{BatchSummary, exit};
+use trajectory_worker::contract::{BatchSummary, exit, format_ranges};
 use trajectory_worker::run::batch::run_batch;
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::run::manifest::Manifest;
@@ -830,63 +830,103 @@ async fn ctrl_c_stops_a_local_run_and_the_same_command_finishes_it() {
     );
 }
 
-/// A batch marked done holds every (prompt, sample) of its prompts: one that lost a record after
-/// it finished fails the merge, naming the key, instead of leaving a silent hole; with its marker
-/// removed the batch generates that key alone, and the merge is complete.
+/// A batch marked done holds every (prompt, sample) of its prompts: merge fails on one that lost
+/// a record after it finished, naming the batches and the first keys, instead of leaving a silent
+/// hole. It checks every batch first and removes the markers of exactly the incomplete ones, so a
+/// new plan sees them pending, and running them generates the lost keys alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn merge_refuses_a_done_batch_that_lost_a_record_and_a_rerun_fills_only_it() {
+async fn merge_reopens_every_done_batch_that_lost_a_record_and_a_rerun_fills_only_those() {
     let server = terminal_server(Duration::ZERO).await;
-    let fixture = RunFixture::new(&server.base_url(), 8).with("/samplesPerPrompt", json!(2));
+    let fixture = RunFixture::new(&server.base_url(), 16).with("/samplesPerPrompt", json!(2));
     let location = fixture.location();
     let (manifest, _) = plan::plan(&location).unwrap();
+    assert_eq!(manifest.batch_count(), 4);
     let engine = fixture.engine();
     run_batches(&engine, &location, &manifest, 0..manifest.batch_count()).await;
     let requests = server.request_count();
-    assert_eq!(requests, 8 * 2 * 2, "8 prompts, 2 samples, 2 calls each");
+    assert_eq!(requests, 16 * 2 * 2, "16 prompts, 2 samples, 2 calls each");
 
-    // Batch 1 (prompts 4-7) loses the record of prompt 6, sample 1.
-    let files = fixture.records_files(1);
-    assert_eq!(files.len(), 1, "{files:?}");
-    let file = &files[0].records;
-    let text = std::fs::read_to_string(file).unwrap();
-    let kept: Vec<&str> = text
-        .lines()
-        .filter(|line| {
-            let record: Value = serde_json::from_str(line).unwrap();
-            (record["prompt_index"].as_u64(), record["sample"].as_u64()) != (Some(6), Some(1))
-        })
-        .collect();
-    assert_eq!(kept.len(), 7, "one record removed");
-    std::fs::write(file, kept.join("\n") + "\n").unwrap();
+    // Batch 1 (prompts 4-7) loses the record of prompt 6, sample 1; batch 2 (prompts 8-11) those
+    // of prompt 8, sample 0 and prompt 9, sample 1.
+    let lost = [(6, 1), (8, 0), (9, 1)];
+    for batch in [1, 2] {
+        let files = fixture.records_files(batch);
+        assert_eq!(files.len(), 1, "{files:?}");
+        let text = std::fs::read_to_string(&files[0].records).unwrap();
+        let kept: Vec<&str> = text
+            .lines()
+            .filter(|line| {
+                let record: Value = serde_json::from_str(line).unwrap();
+                let key = (
+                    record["prompt_index"].as_u64().unwrap(),
+                    record["sample"].as_u64().unwrap(),
+                );
+                !lost.contains(&key)
+            })
+            .collect();
+        assert_eq!(
+            kept.len(),
+            8 - usize::try_from(batch).unwrap(),
+            "records removed"
+        );
+        std::fs::write(&files[0].records, kept.join("\n") + "\n").unwrap();
+    }
 
-    let error = merge::merge(&location).unwrap_err();
-    assert_eq!(error.reason(), "IncompleteBatch");
-    assert_eq!(error.exit_code(), exit::PERMANENT_CONFIG);
-    let message = error.to_string();
-    assert!(
-        message.contains("batch 1 is marked done but holds no record for 1 of its 8")
-            && message.contains("prompt 6 sample 1"),
-        "{message}"
-    );
-    assert!(
-        !fixture.out().join("trajectories.jsonl").exists(),
-        "no output from an incomplete merge"
-    );
-
-    std::fs::remove_file(fixture.out().join("batches/batch-000001.done")).unwrap();
-    run_batch(&engine, &location, &manifest, 1, &no_shutdown(), &|_| {})
-        .await
+    let log = fixture.root().join("merge-termination-log");
+    let output = common::worker_command(&fixture, &fixture.run_file(), &log, &["merge"])
+        .output()
         .unwrap();
+    assert_eq!(output.status.code(), Some(exit::PERMANENT_CONFIG));
+    let message: Value = serde_json::from_slice(&std::fs::read(&log).unwrap()).unwrap();
+    assert_eq!(message["reason"], "IncompleteBatch");
+    assert_eq!(message["exitCode"], exit::PERMANENT_CONFIG);
+    let error = message["error"].as_str().unwrap();
+    assert!(
+        error.starts_with(
+            "incomplete batch: 2 batches (1-2) were marked done but lack records; their .done \
+             markers were removed, so that a new plan sees them pending and their next run \
+             generates only the missing keys: "
+        ) && error.contains(
+            "batch 1 holds no record for 1 of its 8 (prompt, sample) keys (prompt 6 sample 1); \
+             batch 2 holds no record for 2 of its 8 (prompt, sample) keys (prompt 8 sample 0, \
+             prompt 9 sample 1)"
+        ),
+        "{error}"
+    );
+    let run_dir = location.run_dir();
+    assert_eq!(
+        run_dir.done_batches().unwrap(),
+        [0, 3],
+        "exactly those markers go"
+    );
+    let outputs: Vec<_> = std::fs::read_dir(fixture.out())
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name.contains("trajectories") || name.contains("failures"))
+        .collect();
+    assert_eq!(
+        outputs,
+        Vec::<String>::new(),
+        "no output, and no temp file, from an incomplete merge"
+    );
+
+    let (_, summary) = plan::plan(&location).unwrap();
+    assert_eq!(
+        format_ranges(&summary.done),
+        "0,3",
+        "a new plan sees 1-2 pending"
+    );
+    run_batches(&engine, &location, &manifest, [1, 2].into_iter()).await;
     assert_eq!(
         server.request_count() - requests,
-        2,
-        "only the lost conversation is generated again"
+        2 * lost.len(),
+        "only the lost conversations are generated again"
     );
     let summary = merge::merge(&location).unwrap();
-    assert_eq!(summary.trajectories, 16);
-    let mut merged = keys(&fixture.lines("trajectories.jsonl"));
-    merged.dedup();
-    assert_eq!(merged.len(), 16);
+    assert_eq!((summary.trajectories, summary.skipped_lines), (32, 0));
+    let merged = keys(&fixture.lines("trajectories.jsonl"));
+    let every: Vec<(u64, u64)> = (0..16).flat_map(|p| [(p, 0), (p, 1)]).collect();
+    assert_eq!(merged, every, "every key once, in dataset order");
 }
 
 /// Runs `batches` to completion, one after the other.
