@@ -381,6 +381,28 @@ pub fn jsonl_lines(path: &Path) -> Vec<Value> {
     }
 }
 
+/// The whole record lines of every records file of `batch` in the run directory `run_dir` (one per
+/// writer: each pod that ran the batch), one file after another; a torn tail of a writer still at
+/// work, or killed, is not a record.
+pub fn batch_records(run_dir: &Path, batch: u32) -> Vec<Value> {
+    let run_dir = trajectory_worker::storage::RunDir::new(run_dir);
+    let files = run_dir
+        .records_files(batch)
+        .unwrap_or_else(|e| panic!("listing batch {batch}'s files: {e}"));
+    let read = trajectory_worker::storage::read_files_lines_into(
+        files.iter().map(|file| file.records.as_path()),
+        Vec::new(),
+    )
+    .unwrap_or_else(|e| panic!("reading batch {batch}'s files: {e}"));
+    read.lines
+        .iter()
+        .map(|&(start, end)| {
+            serde_json::from_slice(&read.data[start..end])
+                .unwrap_or_else(|e| panic!("bad record of batch {batch}: {e}"))
+        })
+        .collect()
+}
+
 /// Counts of the pods' phases, for failure messages.
 pub async fn pod_summary(pods: &Api<Pod>) -> BTreeMap<String, String> {
     pods.list(&ListParams::default())

@@ -25,9 +25,9 @@ use trajectory_testkit::scripted_server::{
 use trajectory_tests::e2e::{ControllerGuard, phase_of, run_spec, start_controller_with};
 use trajectory_tests::helm;
 use trajectory_tests::real_pods::{
-    NONROOT, OPERATOR_IMAGE, RealNode, SharedStorage, TAINT_KEY, WORKER_IMAGE, check_record,
-    jsonl_lines, kill_container, model_server_for_pods, pod_summary, pod_template, pods_of_index,
-    quickstart_run, real_node_with, terminated,
+    NONROOT, OPERATOR_IMAGE, RealNode, SharedStorage, TAINT_KEY, WORKER_IMAGE, batch_records,
+    check_record, jsonl_lines, kill_container, model_server_for_pods, pod_summary, pod_template,
+    pods_of_index, quickstart_run, real_node_with, terminated,
 };
 use trajectory_tests::{TestNamespace, client, wait_until};
 
@@ -142,17 +142,14 @@ impl Setup {
     /// The first pod of index 0 of the generation Job, once it is running and has written `records`
     /// records to its batch file.
     async fn running_batch_pod(&self, job: &str, run: &str, records: usize) -> Pod {
-        let batch_file = self
-            .storage
-            .run_dir(self.ns(), run)
-            .join("batches/batch-000000.jsonl");
+        let run_dir = self.storage.run_dir(self.ns(), run);
         wait_until(
             &format!("a running pod of {job} with {records} records written"),
             Duration::from_secs(180),
             || async {
                 let pod = pods_of_index(&self.pods, job, 0).await.into_iter().next()?;
                 let running = pod.status.as_ref()?.phase.as_deref() == Some("Running");
-                (running && jsonl_lines(&batch_file).len() >= records).then_some(pod)
+                (running && batch_records(&run_dir, 0).len() >= records).then_some(pod)
             },
         )
         .await
@@ -337,13 +334,7 @@ async fn a_batch_pod_killed_mid_batch_is_replaced_and_resumes() {
         )
         .await;
     let victim = setup.running_batch_pod("kill-gen-1", "kill", 2).await;
-    let written = jsonl_lines(
-        &setup
-            .storage
-            .run_dir(setup.ns(), "kill")
-            .join("batches/batch-000000.jsonl"),
-    )
-    .len();
+    let written = batch_records(&setup.storage.run_dir(setup.ns(), "kill"), 0).len();
     let before = model.request_count();
     kill_container(&victim);
 

@@ -10,7 +10,7 @@
 //! - **merge**: realistic batch files (Hermes records rendered by `hermes::trajectory_record`, in
 //!   completion order within each batch, mostly trajectories with some failed and discarded
 //!   records) plus a real manifest from `plan`. `merge::merge` is timed against
-//!   `cat batches/*.jsonl > out` into the same directory, alone and followed by an fsync of the
+//!   `cat batches/*/*.jsonl > out` into the same directory, alone and followed by an fsync of the
 //!   output (merge fsyncs what it writes). Runs alternate, after a `sync` so that no run pays for
 //!   the previous one's writeback; the median of the repeats is reported, with a warm page cache
 //!   and (if `/proc/sys/vm/drop_caches` is writable) a cold one.
@@ -66,6 +66,7 @@ use trajectory_worker::model::{
 use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::{RunFile, RunLocation, merge, plan};
 use trajectory_worker::spec::ToolsSpec;
+use trajectory_worker::storage::{RunDir, WriterId};
 use trajectory_worker::tools::{Registry, Tool, ToolContext, Workspace};
 
 const SERVER_ENV: &str = "RUN_MODES_BENCH_SERVER";
@@ -480,49 +481,26 @@ struct MergeTimes {
     cat_fsync: Vec<Duration>,
 }
 
-fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
-    const BATCH_SIZE: u64 = 100;
-    fs::create_dir_all(dir.join("datasets"))?;
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let templates = record_templates(&mut rng);
-    let sample: Vec<usize> = (0..200)
-        .map(|index| record_line(&mut rng, &templates, index, 0).1.len() + 1)
-        .collect();
-    let average = sample.iter().sum::<usize>() / sample.len();
-    let prompts = (knobs.merge_bytes / average as u64).max(BATCH_SIZE);
-
-    let generating = Instant::now();
-    let mut dataset = BufWriter::new(File::create(dir.join("datasets/prompts.jsonl"))?);
-    for index in 0..prompts {
-        writeln!(
-            dataset,
-            "{}",
-            json!({"prompt": format!("Task {index}"), "id": index})
-        )?;
-    }
-    dataset.into_inner()?.sync_all()?;
-    let location = write_run_file(
-        dir,
-        &json!({
-            "dataset": {"path": "datasets/prompts.jsonl"},
-            "batchSize": BATCH_SIZE,
-            "distribution": {"file": 100},
-            "model": {"baseUrl": "http://127.0.0.1:9/v1", "name": "bench-model"},
-            "storage": {"outputPath": "out"},
-        }),
-    )?;
-    let (manifest, _) = plan::plan(&location)?;
-    let run_dir = location.run_dir();
-    fs::create_dir_all(run_dir.batches_dir())?;
+/// One records file per batch, as one writer of it leaves it, and its `.done` marker; returns the
+/// bytes of all the records files and the counts of trajectories, discarded and failed records.
+fn write_batch_files(
+    run_dir: &RunDir,
+    manifest: &trajectory_worker::run::manifest::Manifest,
+    rng: &mut Rng,
+    templates: &[Map<String, Value>],
+) -> anyhow::Result<(u64, [u64; 3])> {
     let (mut batch_bytes, mut counts) = (0u64, [0u64; 3]);
     for batch in 0..manifest.batch_count() {
         let first = manifest.first_prompt(batch);
         let mut lines: Vec<(u8, String)> = (first..first + manifest.prompts_in(batch))
-            .map(|index| record_line(&mut rng, &templates, index, batch))
+            .map(|index| record_line(rng, templates, index, batch))
             .collect();
         // Records are appended in completion order, not dataset order.
         rng.shuffle(&mut lines);
-        let mut out = BufWriter::new(File::create(run_dir.batch_records(batch))?);
+        // One writer per batch, in the directory of its own that every batch's records get.
+        let path = run_dir.batch_records_of(batch, &WriterId::random());
+        fs::create_dir_all(run_dir.batch_dir(batch))?;
+        let mut out = BufWriter::new(File::create(path)?);
         let mut marker = [0u64; 3];
         for (kind, line) in &lines {
             out.write_all(line.as_bytes())?;
@@ -541,6 +519,82 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
             .to_string(),
         )?;
     }
+    Ok((batch_bytes, counts))
+}
+
+/// The merge benchmark's table: medians and every run, warm and (if measured) cold.
+fn print_merge_table(warm: &MergeTimes, cold: &MergeTimes) {
+    println!(
+        "\n| page cache | merge s | cat s | cat + fsync s | merge ÷ cat | merge ÷ (cat + fsync) | runs (merge; cat; cat + fsync) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---|");
+    for (label, times) in [("warm", warm), ("cold", cold)] {
+        if times.merge.is_empty() {
+            continue;
+        }
+        let (m, c, cf) = (
+            median(&times.merge),
+            median(&times.cat),
+            median(&times.cat_fsync),
+        );
+        println!(
+            "| {label} | {} | {} | {} | **{:.2}** | **{:.2}** | {}; {}; {} |",
+            seconds(m),
+            seconds(c),
+            seconds(cf),
+            m.as_secs_f64() / c.as_secs_f64(),
+            m.as_secs_f64() / cf.as_secs_f64(),
+            list(&times.merge),
+            list(&times.cat),
+            list(&times.cat_fsync),
+        );
+    }
+}
+
+/// The merge benchmark's run: `prompts` prompts in batches of `batch_size`, planned.
+fn plan_merge_run(
+    dir: &Path,
+    prompts: u64,
+    batch_size: u64,
+) -> anyhow::Result<(RunLocation, trajectory_worker::run::manifest::Manifest)> {
+    let mut dataset = BufWriter::new(File::create(dir.join("datasets/prompts.jsonl"))?);
+    for index in 0..prompts {
+        writeln!(
+            dataset,
+            "{}",
+            json!({"prompt": format!("Task {index}"), "id": index})
+        )?;
+    }
+    dataset.into_inner()?.sync_all()?;
+    let location = write_run_file(
+        dir,
+        &json!({
+            "dataset": {"path": "datasets/prompts.jsonl"},
+            "batchSize": batch_size,
+            "distribution": {"file": 100},
+            "model": {"baseUrl": "http://127.0.0.1:9/v1", "name": "bench-model"},
+            "storage": {"outputPath": "out"},
+        }),
+    )?;
+    let (manifest, _) = plan::plan(&location)?;
+    Ok((location, manifest))
+}
+
+fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
+    const BATCH_SIZE: u64 = 100;
+    fs::create_dir_all(dir.join("datasets"))?;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let templates = record_templates(&mut rng);
+    let sample: Vec<usize> = (0..200)
+        .map(|index| record_line(&mut rng, &templates, index, 0).1.len() + 1)
+        .collect();
+    let average = sample.iter().sum::<usize>() / sample.len();
+    let prompts = (knobs.merge_bytes / average as u64).max(BATCH_SIZE);
+
+    let generating = Instant::now();
+    let (location, manifest) = plan_merge_run(dir, prompts, BATCH_SIZE)?;
+    let run_dir = location.run_dir();
+    let (batch_bytes, counts) = write_batch_files(&run_dir, &manifest, &mut rng, &templates)?;
     println!(
         "\n## merge: {} batch files of {BATCH_SIZE} records, {:.0} MiB ({} records: {} trajectories, \
          {} discarded, {} failed; mean {} bytes), generated in {:.0} s",
@@ -573,7 +627,7 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
     };
     let mut cat = Command::new("sh");
     cat.arg("-c")
-        .arg("cat batches/*.jsonl > cat.jsonl")
+        .arg("cat batches/*/*.jsonl > cat.jsonl")
         .current_dir(run_dir.root());
     let mut check = None;
     let mut measure = |times: &mut MergeTimes, cache_cold: bool| -> anyhow::Result<()> {
@@ -587,7 +641,7 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
                     run_timed(
                         Command::new("sh")
                             .arg("-c")
-                            .arg("cat batches/*.jsonl >/dev/null")
+                            .arg("cat batches/*/*.jsonl >/dev/null")
                             .current_dir(run_dir.root()),
                     )?;
                 }
@@ -627,31 +681,7 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         "merge kept the wrong records: {summary:?}"
     );
 
-    println!(
-        "\n| page cache | merge s | cat s | cat + fsync s | merge ÷ cat | merge ÷ (cat + fsync) | runs (merge; cat; cat + fsync) |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|---|");
-    for (label, times) in [("warm", &warm), ("cold", &cold_times)] {
-        if times.merge.is_empty() {
-            continue;
-        }
-        let (m, c, cf) = (
-            median(&times.merge),
-            median(&times.cat),
-            median(&times.cat_fsync),
-        );
-        println!(
-            "| {label} | {} | {} | {} | **{:.2}** | **{:.2}** | {}; {}; {} |",
-            seconds(m),
-            seconds(c),
-            seconds(cf),
-            m.as_secs_f64() / c.as_secs_f64(),
-            m.as_secs_f64() / cf.as_secs_f64(),
-            list(&times.merge),
-            list(&times.cat),
-            list(&times.cat_fsync),
-        );
-    }
+    print_merge_table(&warm, &cold_times);
     println!(
         "target: merge ÷ cat ≤ 2; median of {} runs each",
         knobs.repeats
@@ -1158,12 +1188,12 @@ fn batch_path(
     manifest: &trajectory_worker::run::manifest::Manifest,
     prompts: usize,
 ) -> anyhow::Result<(PathRun, PathRun)> {
-    let path = location.run_dir().batch_records(0);
+    let run_dir = location.run_dir();
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
     let watcher = {
         let stop = Arc::clone(&stop);
-        std::thread::spawn(move || tail_lines(&path, &stop, started))
+        std::thread::spawn(move || tail_lines(&run_dir, &stop, started))
     };
     let (_trigger, shutdown) = shutdown_channel();
     let finished = Mutex::new(Vec::with_capacity(prompts));
@@ -1205,16 +1235,24 @@ fn batch_path(
     ))
 }
 
-/// Follows a growing file, noting the time each line was first seen, until told to stop.
-fn tail_lines(path: &Path, stop: &AtomicBool, started: Instant) -> anyhow::Result<Vec<Duration>> {
+/// Follows batch 0's records file (once its writer has created it), noting the time each line was
+/// first seen, until told to stop.
+fn tail_lines(
+    run_dir: &RunDir,
+    stop: &AtomicBool,
+    started: Instant,
+) -> anyhow::Result<Vec<Duration>> {
     let mut seen = Vec::new();
     let mut file = None;
     let mut offset = 0u64;
     let mut buffer = vec![0u8; 1 << 20];
     loop {
         let stopping = stop.load(Ordering::SeqCst);
-        if file.is_none() {
-            file = File::open(path).ok();
+        // The batch's one writer names its file when it starts.
+        if file.is_none()
+            && let Some(records) = run_dir.records_files(0)?.first()
+        {
+            file = File::open(&records.records).ok();
         }
         if let Some(file) = file.as_mut() {
             file.seek(SeekFrom::Start(offset))?;

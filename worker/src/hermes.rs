@@ -490,8 +490,9 @@ pub fn openai_record(
         Value::Array(conversation.messages.iter().map(Message::to_wire).collect()),
     );
     record.insert("tools".into(), Value::Array(tools));
-    // The Hermes record's own `finished_at`: it tells this conversation's line from a line an
-    // earlier attempt at the same (prompt, sample) left, so merge pairs the two forms exactly.
+    // The Hermes record's own `finished_at`: within its writer's twin file it tells this
+    // conversation's line from an orphan of the same (prompt, sample), so merge pairs the two
+    // forms exactly (and in the single file of older workers, from an earlier attempt's).
     record.insert("finished_at".into(), timestamp(context.finished_at).into());
     record
 }

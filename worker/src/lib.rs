@@ -7,7 +7,7 @@
 //!                                    │         └──► tools (terminal, file) in a workspace
 //!                                    │ hermes: one record line per (prompt, sample)
 //!                                    ▼
-//!                     batches/batch-NNNNNN.jsonl (+ .done)
+//!                     batches/batch-NNNNNN/w-<writer>.jsonl (+ batch-NNNNNN.done)
 //!                                    │
 //!                                    ▼
 //!                     merge ──► trajectories.jsonl, failures.jsonl, statistics.json
@@ -19,9 +19,9 @@
 //!   toolsets and built-in distributions it may name.
 //! - [`cli`]: the command line; each subcommand runs one mode of [`run`].
 //! - [`run`]: the run modes: [`run::plan`] checks the dataset and lays out the batches,
-//!   [`run::batch`] runs one batch's conversations and appends their records, [`run::merge`]
-//!   joins the batches into the outputs, [`run::local`] does all three on one machine, and
-//!   [`run::prompt`] runs a single prompt.
+//!   [`run::batch`] runs one batch's conversations and appends their records to files of its
+//!   own, [`run::merge`] joins the batches into the outputs, [`run::local`] does all three on one
+//!   machine, and [`run::prompt`] runs a single prompt.
 //! - [`dataset`]: reading the JSONL dataset: line framing and the rules a prompt line follows;
 //!   [`json_scan`] vouches for JSON syntax on the plan's and merge's fast paths.
 //! - [`distribution`]: which toolsets each (prompt, sample) is offered.

@@ -5,7 +5,10 @@
 //!   manifest.json               run identity, dataset and segment digests, batch byte ranges,
 //!                               spec hash
 //!   invalid.jsonl               rejected dataset lines with reasons
-//!   batches/batch-000042.jsonl  one record per (prompt, sample), appended whole and fsynced
+//!   batches/batch-000042/       the batch's records, one file per writer (process running it):
+//!     w-<writer>.jsonl          one record per (prompt, sample) it finished, appended whole and
+//!                               fsynced; its `OpenAI`-form twin in w-<writer>.openai.jsonl
+//!   batches/batch-000042.jsonl  the single records file of workers before per-writer files
 //!   batches/batch-000042.done   completion marker with counts (temp + fsync + rename)
 //!   trajectories.jsonl          merged output in dataset order
 //!   failures.jsonl              failed and discarded prompts
@@ -14,10 +17,15 @@
 //!
 //! Two rules keep every reader safe from a writer killed at any instant: whole files appear only by
 //! rename of a fsynced temp file, and append-only files are read up to their last newline (a torn
-//! tail is cut off before the next append).
+//! tail is skipped, never cut: only its writer appends to a file, and a writer starts a new file).
+//!
+//! A batch's records live in a directory of their own, not beside the other batches' files, so that
+//! finding a batch's writers lists a handful of entries: a run of a million batches has millions
+//! of entries in `batches/`, and every batch pod (and merge, for every batch) listing those would
+//! cost the run quadratic work on NFS.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, IoSlice, Read, Seek, SeekFrom, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::path::{Path, PathBuf};
 
 /// An I/O failure, with the path it happened on.
@@ -119,13 +127,65 @@ impl RunDir {
     pub fn batches_dir(&self) -> PathBuf {
         self.root.join("batches")
     }
-    /// Zero-padded so that a directory listing sorts in batch order too.
-    pub fn batch_records(&self, batch: u32) -> PathBuf {
+    /// The directory of a batch's records files; zero-padded so that a listing sorts in batch
+    /// order too.
+    pub fn batch_dir(&self, batch: u32) -> PathBuf {
+        self.batches_dir().join(format!("batch-{batch:06}"))
+    }
+    /// The records file of one writer of a batch.
+    pub fn batch_records_of(&self, batch: u32, writer: &WriterId) -> PathBuf {
+        self.batch_dir(batch).join(format!("w-{}.jsonl", writer.0))
+    }
+    /// The `OpenAI`-form twin of [`Self::batch_records_of`].
+    pub fn batch_openai_records_of(&self, batch: u32, writer: &WriterId) -> PathBuf {
+        self.batch_dir(batch)
+            .join(format!("w-{}.openai.jsonl", writer.0))
+    }
+    /// The one records file of a batch as workers before per-writer files wrote it (read, never
+    /// written).
+    pub fn legacy_batch_records(&self, batch: u32) -> PathBuf {
         self.batches_dir().join(format!("batch-{batch:06}.jsonl"))
     }
-    pub fn batch_openai_records(&self, batch: u32) -> PathBuf {
+    /// The `OpenAI`-form twin of [`Self::legacy_batch_records`].
+    pub fn legacy_batch_openai_records(&self, batch: u32) -> PathBuf {
         self.batches_dir()
             .join(format!("batch-{batch:06}.openai.jsonl"))
+    }
+
+    /// Every records file of a batch, each with the path of its `OpenAI`-form twin (which may not
+    /// exist): the legacy file first, if there is one, then each writer's in name order. The order
+    /// is a pure function of the names, so whatever picks "the first" of them picks the same one
+    /// on every run.
+    pub fn records_files(&self, batch: u32) -> Result<Vec<RecordsFile>, StorageError> {
+        let mut files = Vec::new();
+        let legacy = self.legacy_batch_records(batch);
+        match fs::symlink_metadata(&legacy) {
+            Ok(_) => files.push(RecordsFile {
+                records: legacy,
+                openai: self.legacy_batch_openai_records(batch),
+            }),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+            Err(err) => return Err(StorageError::new("reading metadata of", &legacy, err)),
+        }
+        let dir = self.batch_dir(batch);
+        let entries = match fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(files),
+            Err(err) => return Err(StorageError::new("listing", &dir, err)),
+        };
+        let mut writers = Vec::new();
+        for entry in entries {
+            let name = entry.at("listing", &dir)?.file_name();
+            if let Some(writer) = name.to_str().and_then(WriterId::of_records_file) {
+                writers.push(writer);
+            }
+        }
+        writers.sort_unstable();
+        files.extend(writers.into_iter().map(|writer| RecordsFile {
+            records: self.batch_records_of(batch, &writer),
+            openai: self.batch_openai_records_of(batch, &writer),
+        }));
+        Ok(files)
     }
     pub fn batch_done(&self, batch: u32) -> PathBuf {
         self.batches_dir().join(format!("batch-{batch:06}.done"))
@@ -141,6 +201,21 @@ impl RunDir {
     }
     pub fn statistics(&self) -> PathBuf {
         self.root.join("statistics.json")
+    }
+
+    /// Removes the completion markers of `batches` (a marker already gone is fine), then makes the
+    /// removals durable: a plan after this sees the batches pending. Unlinking a name is atomic, so
+    /// a reader sees the marker whole or not at all.
+    pub fn remove_done_markers(&self, batches: &[u32]) -> Result<(), StorageError> {
+        for &batch in batches {
+            let path = self.batch_done(batch);
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                Err(err) => return Err(StorageError::new("removing", &path, err)),
+            }
+        }
+        sync_dir(&self.batches_dir())
     }
 
     /// Ids of batches with a completion marker, ascending.
@@ -165,6 +240,47 @@ impl RunDir {
         }
         done.sort_unstable();
         Ok(done)
+    }
+}
+
+/// One records file of a batch and its `OpenAI`-form twin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordsFile {
+    pub records: PathBuf,
+    pub openai: PathBuf,
+}
+
+/// The id of one writer of a batch: one process's run of it. Random, because nothing else tells
+/// two writers apart: every pod's worker is PID 1, two pods of one index share the index, and a
+/// pod re-created with the same name may overlap its predecessor's grace period. 64 random bits
+/// make a collision negligible, and the file is created exclusively besides.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WriterId(String);
+
+impl WriterId {
+    pub fn random() -> Self {
+        Self(format!("{:016x}", rand::random::<u64>()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The writer of a records file named `w-<writer>.jsonl` (not its `.openai.jsonl` twin: a
+    /// writer id has no dot).
+    fn of_records_file(name: &str) -> Option<Self> {
+        let writer = name.strip_prefix("w-")?.strip_suffix(".jsonl")?;
+        let valid = !writer.is_empty()
+            && writer
+                .bytes()
+                .all(|byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_');
+        valid.then(|| Self(writer.to_owned()))
+    }
+}
+
+impl std::fmt::Display for WriterId {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(&self.0)
     }
 }
 
@@ -255,7 +371,9 @@ pub fn sync_dir(dir: &Path) -> Result<(), StorageError> {
         .at("syncing directory", dir)
 }
 
-/// An append-only JSONL file whose every line is written whole and fsynced.
+/// An append-only JSONL file whose every line is written whole and fsynced, by the one writer that
+/// created it. Dropped while still empty, it removes its file: a writer that recorded nothing
+/// (its batch was done by another, or it stopped before its first record) leaves no trace.
 #[derive(Debug)]
 pub struct AppendLog {
     path: PathBuf,
@@ -263,28 +381,27 @@ pub struct AppendLog {
 }
 
 impl AppendLog {
-    /// Opens (or creates) the file for appending, first cutting off a torn last line left by a
-    /// writer that was killed mid-write, so new lines never glue onto garbage.
-    pub fn open(path: &Path) -> Result<Self, StorageError> {
+    /// Creates the file for appending; it must not exist. A writer appends only to a file it
+    /// created, so it never glues a line onto another writer's torn tail, and never has a reason
+    /// to cut one (which would cut another writer's write in progress). Creating it is also the
+    /// check that the volume takes writes.
+    pub fn create(path: &Path) -> Result<Self, StorageError> {
         if let Some(dir) = path.parent() {
             fs::create_dir_all(dir).at("creating", dir)?;
         }
-        let mut file = OpenOptions::new()
-            .read(true)
+        let file = OpenOptions::new()
             .append(true)
-            .create(true)
+            .create_new(true)
             .open(path)
-            .at("opening", path)?;
-        let length = file.metadata().at("reading metadata of", path)?.len();
-        let whole = whole_lines_length(&mut file, length).at("reading", path)?;
-        if whole < length {
-            file.set_len(whole).at("truncating a torn line of", path)?;
-            file.sync_all().at("syncing", path)?;
-        }
+            .at("creating", path)?;
         Ok(Self {
             path: path.to_owned(),
             file,
         })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// Appends one line (a newline is added) and makes it durable before returning.
@@ -297,6 +414,21 @@ impl AppendLog {
         // One gathered write of the whole group: an O_APPEND write lands contiguously at the end.
         write_lines(&mut self.file, lines).at("appending to", &self.path)?;
         self.file.sync_data().at("syncing", &self.path)
+    }
+}
+
+impl Drop for AppendLog {
+    fn drop(&mut self) {
+        // Only this writer appends to the file, so empty means it never wrote. The removal is not
+        // made durable: an empty file that a crash brings back holds no line, which every reader
+        // takes as it is.
+        if self
+            .file
+            .metadata()
+            .is_ok_and(|metadata| metadata.len() == 0)
+        {
+            let _ = fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -323,24 +455,6 @@ pub fn write_lines(file: &mut File, lines: &[&[u8]]) -> io::Result<()> {
     Ok(())
 }
 
-/// The length of the file up to and including its last newline.
-fn whole_lines_length(file: &mut File, length: u64) -> io::Result<u64> {
-    const CHUNK: u64 = 64 * 1024;
-    let mut end = length;
-    let mut buffer = vec![0u8; usize::try_from(CHUNK).unwrap_or(65_536)];
-    while end > 0 {
-        let start = end.saturating_sub(CHUNK);
-        let size = usize::try_from(end - start).unwrap_or(buffer.len());
-        file.seek(SeekFrom::Start(start))?;
-        file.read_exact(&mut buffer[..size])?;
-        if let Some(position) = memchr::memrchr(b'\n', &buffer[..size]) {
-            return Ok(start + position as u64 + 1);
-        }
-        end = start;
-    }
-    Ok(0)
-}
-
 /// Byte ranges `(start, end)` of lines within a buffer, newlines excluded.
 pub type LineRanges = Vec<(usize, usize)>;
 
@@ -353,28 +467,64 @@ pub fn read_whole_lines(path: &Path) -> Result<(Vec<u8>, LineRanges), StorageErr
 /// every 4 KiB).
 pub fn read_whole_lines_into(
     path: &Path,
-    mut data: Vec<u8>,
+    data: Vec<u8>,
 ) -> Result<(Vec<u8>, LineRanges), StorageError> {
-    data.clear();
-    let read = File::open(path).and_then(|mut file| {
-        let length = file.metadata()?.len();
-        data.reserve(usize::try_from(length).unwrap_or(0));
-        file.read_to_end(&mut data)
-    });
-    match read {
-        Ok(_) => {}
-        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-        Err(err) => return Err(StorageError::new("reading", path, err)),
-    }
-    let mut lines = Vec::new();
-    let mut start = 0;
-    for end in memchr::memchr_iter(b'\n', &data) {
-        if end > start {
-            lines.push((start, end));
-        }
-        start = end + 1;
-    }
+    let FilesLines { data, lines, .. } = read_files_lines_into(std::iter::once(path), data)?;
     Ok((data, lines))
+}
+
+/// The whole lines of several JSONL files, one file after the other in one buffer.
+#[derive(Debug, Default)]
+pub struct FilesLines {
+    pub data: Vec<u8>,
+    pub lines: LineRanges,
+    /// For each file, the index in `lines` of its first line.
+    pub starts: Vec<usize>,
+}
+
+impl FilesLines {
+    /// The index of the file that line `line` came from.
+    pub fn file_of(&self, line: usize) -> usize {
+        self.starts.partition_point(|start| *start <= line) - 1
+    }
+}
+
+/// The whole lines of each file (a missing file has none), into a reused buffer. Each file's torn
+/// tail is dropped before the next file is read, so it never glues onto the next one's first line.
+pub fn read_files_lines_into<'a>(
+    paths: impl IntoIterator<Item = &'a Path>,
+    mut data: Vec<u8>,
+) -> Result<FilesLines, StorageError> {
+    data.clear();
+    let (mut lines, mut starts) = (Vec::new(), Vec::new());
+    for path in paths {
+        starts.push(lines.len());
+        let file_start = data.len();
+        let read = File::open(path).and_then(|mut file| {
+            let length = file.metadata()?.len();
+            data.reserve(usize::try_from(length).unwrap_or(0));
+            file.read_to_end(&mut data)
+        });
+        match read {
+            Ok(_) => {}
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+            Err(err) => return Err(StorageError::new("reading", path, err)),
+        }
+        let mut start = file_start;
+        for end in memchr::memchr_iter(b'\n', &data[file_start..]) {
+            let end = file_start + end;
+            if end > start {
+                lines.push((start, end));
+            }
+            start = end + 1;
+        }
+        data.truncate(start);
+    }
+    Ok(FilesLines {
+        data,
+        lines,
+        starts,
+    })
 }
 
 #[cfg(test)]
@@ -382,18 +532,48 @@ mod tests {
     use super::*;
 
     #[test]
-    fn torn_last_line_is_cut_before_the_next_append() {
+    fn a_torn_last_line_is_skipped_on_read_and_never_glued_onto_the_next_file() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("b.jsonl");
-        fs::write(&path, b"{\"a\":1}\n{\"a\":2}\n{\"a\":").unwrap();
-        let (_, lines) = read_whole_lines(&path).unwrap();
-        assert_eq!(lines.len(), 2);
-        let mut log = AppendLog::open(&path).unwrap();
-        log.append_line(b"{\"a\":3}").unwrap();
+        let (torn, whole) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+        fs::write(&torn, b"{\"a\":1}\n{\"a\":2}\n{\"a\":").unwrap();
+        fs::write(&whole, b"{\"b\":1}\n").unwrap();
+        let missing = dir.path().join("none.jsonl");
+        let read = read_files_lines_into(
+            [torn.as_path(), missing.as_path(), whole.as_path()],
+            Vec::new(),
+        )
+        .unwrap();
+        let lines: Vec<&[u8]> = read
+            .lines
+            .iter()
+            .map(|&(start, end)| &read.data[start..end])
+            .collect();
+        assert_eq!(lines, [&b"{\"a\":1}"[..], b"{\"a\":2}", b"{\"b\":1}"]);
+        assert_eq!(read.starts, [0, 2, 2]);
         assert_eq!(
-            fs::read_to_string(&path).unwrap(),
-            "{\"a\":1}\n{\"a\":2}\n{\"a\":3}\n"
+            (0..3).map(|line| read.file_of(line)).collect::<Vec<_>>(),
+            [0, 0, 2]
         );
+        let (_, lines) = read_whole_lines(&torn).unwrap();
+        assert_eq!(lines.len(), 2);
+    }
+
+    #[test]
+    fn a_writer_creates_a_file_of_its_own_and_leaves_an_existing_one_byte_for_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/w-a.jsonl");
+        let mut log = AppendLog::create(&path).unwrap();
+        log.append_line(b"{\"a\":1}").unwrap();
+        fs::write(&path, b"{\"a\":1}\n{\"a\":").unwrap();
+        let error = AppendLog::create(&path).unwrap_err();
+        assert_eq!(error.source.kind(), io::ErrorKind::AlreadyExists);
+        assert!(error.to_string().contains("w-a.jsonl"), "{error}");
+        assert_eq!(fs::read(&path).unwrap(), b"{\"a\":1}\n{\"a\":");
+        drop(log);
+        assert!(path.exists(), "a log that wrote keeps its file");
+        let empty = dir.path().join("sub/w-b.jsonl");
+        drop(AppendLog::create(&empty).unwrap());
+        assert!(!empty.exists(), "a log that wrote nothing leaves no file");
     }
 
     #[test]
@@ -402,7 +582,7 @@ mod tests {
         let path = dir.path().join("b.jsonl");
         let lines: Vec<String> = (0..3000).map(|i| format!("{{\"i\":{i}}}")).collect();
         let slices: Vec<&[u8]> = lines.iter().map(String::as_bytes).collect();
-        let mut log = AppendLog::open(&path).unwrap();
+        let mut log = AppendLog::create(&path).unwrap();
         log.append_lines(&slices).unwrap();
         log.append_line(b"{}").unwrap();
         let expected = lines.join("\n") + "\n{}\n";
@@ -410,12 +590,53 @@ mod tests {
     }
 
     #[test]
-    fn a_file_with_only_a_torn_line_becomes_empty() {
+    fn a_file_with_only_a_torn_line_has_no_whole_line() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("b.jsonl");
         fs::write(&path, vec![b'x'; 200_000]).unwrap();
-        AppendLog::open(&path).unwrap();
-        assert_eq!(fs::metadata(&path).unwrap().len(), 0);
+        let (data, lines) = read_whole_lines(&path).unwrap();
+        assert!(lines.is_empty() && data.is_empty());
+        assert_eq!(fs::metadata(&path).unwrap().len(), 200_000);
+    }
+
+    #[test]
+    fn records_files_are_the_legacy_file_then_each_writer_in_name_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        let (first, second) = (WriterId::random(), WriterId::random());
+        let (first, second) = (first.clone().min(second.clone()), first.max(second));
+        for path in [
+            run.batch_records_of(7, &second),
+            run.batch_openai_records_of(7, &second),
+            run.batch_records_of(7, &first),
+            run.legacy_batch_records(7),
+            run.batch_records_of(8, &first),
+            run.batch_dir(7).join(".w-x.jsonl.tmp-1-2"),
+        ] {
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(path, b"").unwrap();
+        }
+        let files = run.records_files(7).unwrap();
+        let records: Vec<_> = files.iter().map(|file| file.records.clone()).collect();
+        assert_eq!(
+            records,
+            [
+                run.legacy_batch_records(7),
+                run.batch_records_of(7, &first),
+                run.batch_records_of(7, &second)
+            ]
+        );
+        assert_eq!(files[0].openai, run.legacy_batch_openai_records(7));
+        assert_eq!(files[2].openai, run.batch_openai_records_of(7, &second));
+        assert!(run.records_files(9).unwrap().is_empty());
+        assert_eq!(
+            run.batch_records_of(7, &first)
+                .strip_prefix(dir.path())
+                .unwrap()
+                .to_str()
+                .unwrap(),
+            format!("batches/batch-000007/w-{first}.jsonl")
+        );
     }
 
     #[test]
@@ -453,6 +674,9 @@ mod tests {
             write_atomic(&run.batch_done(id), b"{}").unwrap();
         }
         fs::write(run.batches_dir().join("batch-000003.jsonl"), b"").unwrap();
+        fs::create_dir_all(run.batch_dir(4)).unwrap();
         assert_eq!(run.done_batches().unwrap(), [2, 10, 100]);
+        run.remove_done_markers(&[10, 11]).unwrap();
+        assert_eq!(run.done_batches().unwrap(), [2, 100]);
     }
 }

@@ -4,22 +4,23 @@
 
 mod common;
 
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{RunFixture, keys, no_shutdown, terminal_server};
+use common::{
+    RunFixture, WORKER, assert_batch_whole_lines, assert_whole_lines, keys, no_shutdown,
+    signal_after, spawn_worker, terminal_server, wait, worker,
+};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
 };
-use trajectory_worker::contract::{BatchSummary, exit};
+use trajectory_worker::contract::{BatchSummary, exit, format_ranges};
 use trajectory_worker::run::batch::run_batch;
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, merge, plan};
-
-const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 
 #[test]
 fn plan_records_every_kind_of_bad_line_and_goes_on() {
@@ -229,7 +230,7 @@ async fn workspaces_left_empty_by_read_only_tools_serve_later_conversations_and_
     .await
     .unwrap();
     assert_eq!(summary.succeeded, 40);
-    let records = fixture.lines("batches/batch-000000.jsonl");
+    let records = fixture.batch_lines(0);
     assert_eq!(records.len(), 40);
     for record in &records {
         let tool_turn = record["conversations"][3]["value"].as_str().unwrap();
@@ -401,9 +402,11 @@ async fn a_401_stops_the_batch_with_the_permanent_exit_code_and_writes_no_record
     assert!(status.success());
     let status = worker(&fixture, &["batch", "0"]).await;
     assert_eq!(status.code(), Some(exit::PERMANENT_CONFIG));
-    let records = std::fs::read_to_string(fixture.out().join("batches/batch-000000.jsonl"))
-        .unwrap_or_default();
-    assert_eq!(records, "");
+    assert_eq!(
+        fixture.records_files(0),
+        [],
+        "no record, and no empty file of the writer left behind"
+    );
     // The same number of requests as prompts in flight at most: no retries of a 401.
     assert!(server.request_count() <= 4, "{}", server.request_count());
     let message: Value =
@@ -431,7 +434,7 @@ async fn batch_zero_fast(fixture: &RunFixture) -> Result<BatchSummary, RunError>
 
 /// The batch file's records: all distinct, none failed; returns their keys.
 fn distinct_unfailed_records(fixture: &RunFixture) -> Vec<(u64, u64)> {
-    let records = fixture.lines("batches/batch-000000.jsonl");
+    let records = fixture.batch_lines(0);
     assert!(
         records.iter().all(|record| record.get("status").is_none()),
         "an outage caused a failed record: {records:?}"
@@ -518,9 +521,11 @@ async fn a_404_on_the_model_path_stops_the_batch_with_the_permanent_exit_code() 
     assert!(worker(&fixture, &["plan"]).await.success());
     let status = worker(&fixture, &["batch", "0"]).await;
     assert_eq!(status.code(), Some(exit::PERMANENT_CONFIG));
-    let records = std::fs::read_to_string(fixture.out().join("batches/batch-000000.jsonl"))
-        .unwrap_or_default();
-    assert_eq!(records, "", "a wrong path is not the prompts' failure");
+    assert_eq!(
+        fixture.records_files(0),
+        [],
+        "a wrong path is not the prompts' failure"
+    );
     // One request per conversation in flight (4) at most: a 404 is not retried.
     assert!(server.request_count() <= 4, "{}", server.request_count());
     let message: Value =
@@ -556,7 +561,7 @@ async fn a_batch_killed_at_random_points_ends_with_every_prompt_exactly_once() {
             started.elapsed() < Duration::from_secs(120),
             "the batch never finished"
         );
-        assert_whole_lines(&fixture.out().join("batches/batch-000000.jsonl"), true);
+        assert_batch_whole_lines(&fixture, 0, true);
     }
     assert!(
         kills >= 3,
@@ -583,7 +588,7 @@ async fn sigterm_leaves_whole_lines_and_the_same_command_resumes() {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let partial = assert_whole_lines(&fixture.out().join("batches/batch-000000.jsonl"), false);
+    let partial = assert_batch_whole_lines(&fixture, 0, false);
     assert!(
         partial > 0 && partial < 24,
         "{partial} records after SIGTERM"
@@ -605,79 +610,6 @@ fn local_options(fixture: &RunFixture) -> LocalOptions {
         workspace_root: fixture.workspaces(),
         progress: ProgressMode::Lines,
     }
-}
-
-fn spawn_worker(fixture: &RunFixture, args: &[&str]) -> std::process::Child {
-    let mut command = Command::new(WORKER);
-    command
-        .args(args)
-        .arg("--run-file")
-        .arg(fixture.run_file())
-        .arg("--storage-root")
-        .arg(fixture.root())
-        .env(
-            "TRAJ_TERMINATION_LOG",
-            fixture.root().join("termination-log"),
-        )
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    // Only `batch` runs conversations and so takes a workspace root.
-    if args[0] == "batch" {
-        command.arg("--workspace-root").arg(fixture.workspaces());
-    }
-    command.spawn().expect("the worker binary starts")
-}
-
-async fn worker(fixture: &RunFixture, args: &[&str]) -> ExitStatus {
-    let output = wait(spawn_worker(fixture, args)).await;
-    if !output.status.success() {
-        eprintln!("{}", String::from_utf8_lossy(&output.stderr));
-    }
-    output.status
-}
-
-/// Waits for a child process without blocking the runtime that serves its model.
-async fn wait(child: std::process::Child) -> std::process::Output {
-    tokio::task::spawn_blocking(move || child.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap()
-}
-
-/// Sends `signal` to the child after `delay`, then waits for it.
-async fn signal_after(
-    child: std::process::Child,
-    delay: Duration,
-    signal: Signal,
-) -> std::process::Output {
-    tokio::time::sleep(delay).await;
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
-    nix::sys::signal::kill(pid, signal).unwrap();
-    wait(child).await
-}
-
-/// Checks that every complete line parses; a torn tail is allowed only where a kill may have
-/// left one (it is cut before the next append). Returns the number of whole lines.
-fn assert_whole_lines(path: &std::path::Path, torn_tail_allowed: bool) -> usize {
-    let data = std::fs::read(path).unwrap_or_default();
-    let ends_whole = data.is_empty() || data.ends_with(b"\n");
-    assert!(
-        torn_tail_allowed || ends_whole,
-        "{} ends with a torn line",
-        path.display()
-    );
-    let whole = match data.iter().rposition(|&b| b == b'\n') {
-        Some(end) => &data[..end],
-        None => return 0,
-    };
-    let mut count = 0;
-    for line in whole.split(|&b| b == b'\n') {
-        serde_json::from_slice::<Value>(line)
-            .unwrap_or_else(|err| panic!("{}: bad line: {err}", path.display()));
-        count += 1;
-    }
-    count
 }
 
 /// A tiny deterministic generator for kill schedules (the seed is printed for replay).
@@ -717,10 +649,9 @@ async fn an_unreachable_model_server_stops_the_batch_without_burning_prompts() {
     .unwrap_err();
     assert!(matches!(error, RunError::ModelUnavailable(_)), "{error}");
     assert_eq!(error.exit_code(), exit::TRANSIENT);
-    let records = std::fs::read_to_string(fixture.out().join("batches/batch-000000.jsonl"))
-        .unwrap_or_default();
     assert_eq!(
-        records, "",
+        fixture.records_files(0),
+        [],
         "no prompt may be recorded as failed because the server was down"
     );
 }
@@ -759,12 +690,9 @@ async fn merge_keeps_the_openai_line_of_the_very_trajectory_it_keeps() {
         .await
         .unwrap();
     let requests = server.request_count();
-    let (main_path, openai_path) = (
-        fixture.out().join("batches/batch-000000.jsonl"),
-        fixture.out().join("batches/batch-000000.openai.jsonl"),
-    );
-    let main = fixture.lines("batches/batch-000000.jsonl");
-    let openai = fixture.lines("batches/batch-000000.openai.jsonl");
+    let files = fixture.records_files(0);
+    assert_eq!(files.len(), 1, "one writer: {files:?}");
+    let (main, openai) = (fixture.batch_lines(0), fixture.batch_openai_lines(0));
     let stamp = |line: &Value| line["finished_at"].as_str().unwrap().to_owned();
     assert_eq!(stamp(&main[0]), stamp(&openai[0]));
     let altered = |line: &Value, finished_at: &str| {
@@ -773,22 +701,29 @@ async fn merge_keeps_the_openai_line_of_the_very_trajectory_it_keeps() {
         line["messages"] = json!([{"role": "user", "content": "from another attempt"}]);
         line.to_string()
     };
-    // Prompt 0: an attempt killed between its OpenAI line and its trajectory left an orphan
-    // before the line of the attempt that finished. Prompt 1: a second writer appended another
-    // trajectory after the first, with its OpenAI line before the first one's.
-    let mut second = main[1].clone();
-    second["finished_at"] = json!("2001-01-01T00:00:01.000000Z");
+    // Prompt 0: the writer's OpenAI file holds an orphan (its trajectory never reached the main
+    // file) before the line of the trajectory that did. Prompt 1: a second writer, whose files sort
+    // after the first's (a writer id is hex), wrote another trajectory, and its OpenAI line.
     let openai_lines = [
         altered(&openai[0], "2001-01-01T00:00:00.000000Z"),
         openai[0].to_string(),
-        altered(&openai[1], "2001-01-01T00:00:01.000000Z"),
         openai[1].to_string(),
     ];
-    std::fs::write(&openai_path, openai_lines.join("\n") + "\n").unwrap();
-    let mut main_text = std::fs::read_to_string(&main_path).unwrap();
-    main_text.push_str(&second.to_string());
-    main_text.push('\n');
-    std::fs::write(&main_path, main_text).unwrap();
+    std::fs::write(&files[0].openai, openai_lines.join("\n") + "\n").unwrap();
+    let mut second = main[1].clone();
+    second["finished_at"] = json!("2001-01-01T00:00:01.000000Z");
+    let second_writer = fixture.out().join("batches/batch-000000/w-zz-second");
+    std::fs::write(
+        second_writer.with_extension("jsonl"),
+        second.to_string() + "\n",
+    )
+    .unwrap();
+    std::fs::write(
+        second_writer.with_extension("openai.jsonl"),
+        altered(&openai[1], "2001-01-01T00:00:01.000000Z") + "\n",
+    )
+    .unwrap();
+    assert_eq!(fixture.records_files(0).len(), 2);
 
     let summary = merge::merge(&fixture.location()).unwrap();
     assert_eq!((summary.trajectories, summary.skipped_lines), (2, 1));
@@ -895,61 +830,103 @@ async fn ctrl_c_stops_a_local_run_and_the_same_command_finishes_it() {
     );
 }
 
-/// A batch marked done holds every (prompt, sample) of its prompts: one that lost a record after
-/// it finished fails the merge, naming the key, instead of leaving a silent hole; with its marker
-/// removed the batch generates that key alone, and the merge is complete.
+/// A batch marked done holds every (prompt, sample) of its prompts: merge fails on one that lost
+/// a record after it finished, naming the batches and the first keys, instead of leaving a silent
+/// hole. It checks every batch first and removes the markers of exactly the incomplete ones, so a
+/// new plan sees them pending, and running them generates the lost keys alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn merge_refuses_a_done_batch_that_lost_a_record_and_a_rerun_fills_only_it() {
+async fn merge_reopens_every_done_batch_that_lost_a_record_and_a_rerun_fills_only_those() {
     let server = terminal_server(Duration::ZERO).await;
-    let fixture = RunFixture::new(&server.base_url(), 8).with("/samplesPerPrompt", json!(2));
+    let fixture = RunFixture::new(&server.base_url(), 16).with("/samplesPerPrompt", json!(2));
     let location = fixture.location();
     let (manifest, _) = plan::plan(&location).unwrap();
+    assert_eq!(manifest.batch_count(), 4);
     let engine = fixture.engine();
     run_batches(&engine, &location, &manifest, 0..manifest.batch_count()).await;
     let requests = server.request_count();
-    assert_eq!(requests, 8 * 2 * 2, "8 prompts, 2 samples, 2 calls each");
+    assert_eq!(requests, 16 * 2 * 2, "16 prompts, 2 samples, 2 calls each");
 
-    // Batch 1 (prompts 4-7) loses the record of prompt 6, sample 1.
-    let file = fixture.out().join("batches/batch-000001.jsonl");
-    let text = std::fs::read_to_string(&file).unwrap();
-    let kept: Vec<&str> = text
-        .lines()
-        .filter(|line| {
-            let record: Value = serde_json::from_str(line).unwrap();
-            (record["prompt_index"].as_u64(), record["sample"].as_u64()) != (Some(6), Some(1))
-        })
-        .collect();
-    assert_eq!(kept.len(), 7, "one record removed");
-    std::fs::write(&file, kept.join("\n") + "\n").unwrap();
+    // Batch 1 (prompts 4-7) loses the record of prompt 6, sample 1; batch 2 (prompts 8-11) those
+    // of prompt 8, sample 0 and prompt 9, sample 1.
+    let lost = [(6, 1), (8, 0), (9, 1)];
+    for batch in [1, 2] {
+        let files = fixture.records_files(batch);
+        assert_eq!(files.len(), 1, "{files:?}");
+        let text = std::fs::read_to_string(&files[0].records).unwrap();
+        let kept: Vec<&str> = text
+            .lines()
+            .filter(|line| {
+                let record: Value = serde_json::from_str(line).unwrap();
+                let key = (
+                    record["prompt_index"].as_u64().unwrap(),
+                    record["sample"].as_u64().unwrap(),
+                );
+                !lost.contains(&key)
+            })
+            .collect();
+        assert_eq!(
+            kept.len(),
+            8 - usize::try_from(batch).unwrap(),
+            "records removed"
+        );
+        std::fs::write(&files[0].records, kept.join("\n") + "\n").unwrap();
+    }
 
-    let error = merge::merge(&location).unwrap_err();
-    assert_eq!(error.reason(), "IncompleteBatch");
-    assert_eq!(error.exit_code(), exit::PERMANENT_CONFIG);
-    let message = error.to_string();
-    assert!(
-        message.contains("batch 1 is marked done but holds no record for 1 of its 8")
-            && message.contains("prompt 6 sample 1"),
-        "{message}"
-    );
-    assert!(
-        !fixture.out().join("trajectories.jsonl").exists(),
-        "no output from an incomplete merge"
-    );
-
-    std::fs::remove_file(fixture.out().join("batches/batch-000001.done")).unwrap();
-    run_batch(&engine, &location, &manifest, 1, &no_shutdown(), &|_| {})
-        .await
+    let log = fixture.root().join("merge-termination-log");
+    let output = common::worker_command(&fixture, &fixture.run_file(), &log, &["merge"])
+        .output()
         .unwrap();
+    assert_eq!(output.status.code(), Some(exit::PERMANENT_CONFIG));
+    let message: Value = serde_json::from_slice(&std::fs::read(&log).unwrap()).unwrap();
+    assert_eq!(message["reason"], "IncompleteBatch");
+    assert_eq!(message["exitCode"], exit::PERMANENT_CONFIG);
+    let error = message["error"].as_str().unwrap();
+    assert!(
+        error.starts_with(
+            "incomplete batch: 2 batches (1-2) were marked done but lack records; their .done \
+             markers were removed, so that a new plan sees them pending and their next run \
+             generates only the missing keys: "
+        ) && error.contains(
+            "batch 1 holds no record for 1 of its 8 (prompt, sample) keys (prompt 6 sample 1); \
+             batch 2 holds no record for 2 of its 8 (prompt, sample) keys (prompt 8 sample 0, \
+             prompt 9 sample 1)"
+        ),
+        "{error}"
+    );
+    let run_dir = location.run_dir();
+    assert_eq!(
+        run_dir.done_batches().unwrap(),
+        [0, 3],
+        "exactly those markers go"
+    );
+    let outputs: Vec<_> = std::fs::read_dir(fixture.out())
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name.contains("trajectories") || name.contains("failures"))
+        .collect();
+    assert_eq!(
+        outputs,
+        Vec::<String>::new(),
+        "no output, and no temp file, from an incomplete merge"
+    );
+
+    let (_, summary) = plan::plan(&location).unwrap();
+    assert_eq!(
+        format_ranges(&summary.done),
+        "0,3",
+        "a new plan sees 1-2 pending"
+    );
+    run_batches(&engine, &location, &manifest, [1, 2].into_iter()).await;
     assert_eq!(
         server.request_count() - requests,
-        2,
-        "only the lost conversation is generated again"
+        2 * lost.len(),
+        "only the lost conversations are generated again"
     );
     let summary = merge::merge(&location).unwrap();
-    assert_eq!(summary.trajectories, 16);
-    let mut merged = keys(&fixture.lines("trajectories.jsonl"));
-    merged.dedup();
-    assert_eq!(merged.len(), 16);
+    assert_eq!((summary.trajectories, summary.skipped_lines), (32, 0));
+    let merged = keys(&fixture.lines("trajectories.jsonl"));
+    let every: Vec<(u64, u64)> = (0..16).flat_map(|p| [(p, 0), (p, 1)]).collect();
+    assert_eq!(merged, every, "every key once, in dataset order");
 }
 
 /// Runs `batches` to completion, one after the other.

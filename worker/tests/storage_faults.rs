@@ -8,15 +8,13 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{Mount, RunFixture, keys, terminal_server};
+use common::{Mount, RunFixture, WORKER, keys, terminal_server};
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, text_reply, tool_call_reply,
 };
 use trajectory_worker::contract::exit;
 use trajectory_worker::run::{RunError, plan};
-
-const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 
 async fn batch_zero(fixture: &RunFixture) -> Result<(), RunError> {
     common::batch_zero(fixture, &fixture.engine())
@@ -105,18 +103,19 @@ async fn a_volume_that_fills_midway_stops_the_batch_at_once_and_loses_nothing() 
     );
 }
 
-/// The whole record lines of batch 0 (a torn tail, which ENOSPC may leave, is not a record).
+/// The whole record lines of batch 0, in every records file (a torn tail, which ENOSPC may leave,
+/// is not a record).
 fn whole_lines(fixture: &RunFixture) -> Vec<Value> {
-    let data = std::fs::read(fixture.out().join("batches/batch-000000.jsonl")).unwrap();
-    let end = data
-        .iter()
-        .rposition(|&b| b == b'\n')
-        .map_or(0, |at| at + 1);
-    data[..end]
-        .split(|&b| b == b'\n')
-        .filter(|line| !line.is_empty())
-        .map(|line| serde_json::from_slice(line).unwrap())
-        .collect()
+    let mut records = Vec::new();
+    for file in fixture.records_files(0) {
+        let (data, lines) = trajectory_worker::storage::read_whole_lines(&file.records).unwrap();
+        records.extend(
+            lines
+                .iter()
+                .map(|&(start, end)| serde_json::from_slice::<Value>(&data[start..end]).unwrap()),
+        );
+    }
+    records
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

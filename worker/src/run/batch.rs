@@ -4,21 +4,32 @@
 //! digest), every (prompt, sample) without a record is run with `concurrency` conversations in
 //! flight, and each finished conversation becomes one record line, rendered by [`crate::hermes`]:
 //! a trajectory, a discarded record or a failed record (and, when the run asks for the `OpenAI`
-//! form, a trajectory's twin in the `.openai.jsonl` file, written just before it and carrying its
-//! `finished_at`, by which merge pairs them). A single writer appends lines whole and
-//! fsyncs them (grouping the lines that arrive within a short commit interval). When every
-//! (prompt, sample) has a record, the `.done` marker is written atomically. A killed batch loses
-//! at most its in-flight conversations.
+//! form, a trajectory's twin in the writer's `.openai.jsonl` file, written just before it and
+//! carrying its `finished_at`). One writer thread appends lines whole and fsyncs them (grouping
+//! the lines that arrive within a short commit interval). When every (prompt, sample) has a
+//! record, the `.done` marker is written atomically. A killed batch loses at most its in-flight
+//! conversations.
 //!
-//! Two writers of one batch (a pod of a partitioned node still running while its index runs
-//! again; two `local` runs) are to be made safe by giving each writer a file of its own, which
-//! merge and resume union by key, rather than by a fencing token. A token must be checked on every
-//! commit against a shared record of the current holder, and on NFS that check and the append
-//! cannot be made one atomic step, nor can `O_APPEND` keep two clients' writes apart; a file per
-//! writer needs no coordination, keeps each file single-writer (so a writer's torn-tail cut never
-//! touches another's write), and merge already keeps one record per key. Today: a `local` run
+//! # Two writers of one batch
+//!
+//! A pod of a partitioned node can still be running while the Job runs its index again, and a
+//! re-created run can start while old pods are in their grace period. Each run of a batch is
+//! therefore a writer of its own, with a random [`WriterId`], and writes only files it created
+//! (`batches/batch-NNNNNN/w-<writer>.jsonl` and its `.openai.jsonl` twin; see
+//! [`RunDir::batch_records_of`]): it never opens another writer's file for writing, never cuts a
+//! torn tail (a reader skips it), and removes its files again if it wrote no line. Resume and merge
+//! read every records file of the batch (and the single `batch-NNNNNN.jsonl` of older workers) and
+//! union them by (`prompt_index`, sample).
+//!
+//! That is chosen over a fencing token: a token must be checked on every commit against a shared
+//! record of the current holder, and on NFS that check and the append cannot be made one atomic
+//! step, nor can `O_APPEND` keep two clients' writes apart. A file per writer needs no
+//! coordination, and merge keeps one record per key anyway. What it costs: two writers that
+//! overlap both run the keys neither had recorded when the later one started, so the overlap
+//! spends tokens twice (a second writer reads the others' records at its start only), and either
+//! `.done` marker, written last, says the same thing: every key has a record. A `local` run also
 //! holds a `flock` on its output directory (a second one is refused), and temp names are unique
-//! per writer (not per pid: every pod is PID 1); per-writer batch files are still to come.
+//! per writer (not per pid: every pod is PID 1).
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -47,7 +58,9 @@ use crate::hermes::{
 };
 use crate::model::{ApiKey, Circuit, ModelClient, ModelSettings};
 use crate::spec::RunSpec;
-use crate::storage::{AppendLog, RunDir, StorageError, read_whole_lines, write_atomic};
+use crate::storage::{
+    AppendLog, RunDir, StorageError, WriterId, read_files_lines_into, write_atomic,
+};
 use crate::tools::{Registry, Tool, ToolContext, ToolLimits, ToolSpec, Workspace};
 
 /// What a process needs to run conversations, built once and shared by all batches.
@@ -156,8 +169,9 @@ impl Shutdown {
     }
 }
 
-/// The outcome of one (prompt, sample), for progress displays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The outcome of one (prompt, sample), for progress displays; ordered from the best record of a
+/// key to the worst.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ConversationOutcome {
     Succeeded,
     Discarded,
@@ -196,9 +210,13 @@ struct DoneMarker {
 }
 
 /// Runs one batch to completion (or until shutdown or a permanent error): reads its rows, finds
-/// the records an earlier run left, runs every (prompt, sample) without one while a single writer
-/// appends their records, then marks the batch done.
-#[tracing::instrument(name = "batch", skip_all, fields(run = %location.plan.name, batch))]
+/// the records every earlier or concurrent writer left, runs every (prompt, sample) without one
+/// while this writer appends their records to its own files, then marks the batch done.
+#[tracing::instrument(
+    name = "batch",
+    skip_all,
+    fields(run = %location.plan.name, batch, writer = tracing::field::Empty)
+)]
 pub async fn run_batch(
     engine: &Engine,
     location: &RunLocation,
@@ -221,9 +239,12 @@ pub async fn run_batch(
     let first_prompt = manifest.first_prompt(batch);
     let rows = read_batch_rows(location, manifest, batch, layout)?;
 
-    // Opening for appending is the check that the volume takes writes (a read-only volume
-    // refuses it), before any conversation starts.
-    let main_log = AppendLog::open(&run_dir.batch_records(batch))?;
+    // Creating its file is the check that the volume takes writes (a read-only volume refuses
+    // it), before any conversation starts. The records of other writers are read after it, so a
+    // writer that finished in between is seen.
+    let writer_id = WriterId::random();
+    tracing::Span::current().record("writer", writer_id.as_str());
+    let main_log = AppendLog::create(&run_dir.batch_records_of(batch, &writer_id))?;
     let Existing {
         keys: existing,
         mut summary,
@@ -234,7 +255,9 @@ pub async fn run_batch(
         progress(Progress::Resumed(summary.resumed));
     }
     let openai_log = if engine.openai_format {
-        Some(AppendLog::open(&run_dir.batch_openai_records(batch))?)
+        Some(AppendLog::create(
+            &run_dir.batch_openai_records_of(batch, &writer_id),
+        )?)
     } else {
         None
     };
@@ -600,34 +623,46 @@ fn dataset_read_error(
     }
 }
 
-/// Keys of the records already on storage, and their counts by outcome.
+/// Keys of the records already on storage, in every records file of the batch, and their counts
+/// by outcome. A key with records in several files counts once, by its best record (a trajectory,
+/// then a discarded, then a failed one: the record merge keeps).
 fn existing_records(run_dir: &RunDir, batch: u32) -> Result<Existing, RunError> {
-    let (data, lines) = read_whole_lines(&run_dir.batch_records(batch))?;
+    let files = run_dir.records_files(batch)?;
+    let read = read_files_lines_into(files.iter().map(|file| file.records.as_path()), Vec::new())?;
+    let (data, lines) = (&read.data, &read.lines);
     let mean_record_bytes = (!lines.is_empty()).then(|| {
         let bytes: usize = lines.iter().map(|(start, end)| end - start + 1).sum();
         (bytes / lines.len()) as u64
     });
-    let mut keys = HashSet::with_capacity(lines.len());
+    let mut keys: HashMap<(u64, u32), ConversationOutcome> = HashMap::with_capacity(lines.len());
+    for (index, &(start, end)) in lines.iter().enumerate() {
+        let Ok(key) = serde_json::from_slice::<RecordKey>(&data[start..end]) else {
+            let file = files[read.file_of(index)].records.display();
+            warn!(batch, %file, "skipping an unreadable record line");
+            continue;
+        };
+        let outcome = match key.status.as_deref() {
+            None => ConversationOutcome::Succeeded,
+            Some("discarded") => ConversationOutcome::Discarded,
+            Some(_) => ConversationOutcome::Failed,
+        };
+        keys.entry((key.prompt_index, key.sample))
+            .and_modify(|best| *best = (*best).min(outcome))
+            .or_insert(outcome);
+    }
     let mut summary = BatchSummary {
         batch,
         ..BatchSummary::default()
     };
-    for (start, end) in lines {
-        let Ok(key) = serde_json::from_slice::<RecordKey>(&data[start..end]) else {
-            warn!(batch, offset = start, "skipping an unreadable record line");
-            continue;
-        };
-        if !keys.insert((key.prompt_index, key.sample)) {
-            continue;
-        }
-        match key.status.as_deref() {
-            None => summary.succeeded += 1,
-            Some("discarded") => summary.discarded += 1,
-            Some(_) => summary.failed += 1,
+    for outcome in keys.values() {
+        match outcome {
+            ConversationOutcome::Succeeded => summary.succeeded += 1,
+            ConversationOutcome::Discarded => summary.discarded += 1,
+            ConversationOutcome::Failed => summary.failed += 1,
         }
     }
     Ok(Existing {
-        keys,
+        keys: keys.into_keys().collect(),
         summary,
         mean_record_bytes,
     })

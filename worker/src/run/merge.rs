@@ -1,9 +1,22 @@
 //! `merge`: batch files, in batch order, into one dataset-ordered `trajectories.jsonl`, plus
 //! `failures.jsonl` and `statistics.json`.
 //!
-//! Every line is validated; exactly one record per (`prompt_index`, sample) is kept (a trajectory
-//! wins over a failure); lines are copied byte for byte. Outputs are written to temp names and
-//! renamed when complete, so a half-written merge never passes for a finished one.
+//! A batch may have several records files, one per writer (see [`super::batch`]); merge reads them
+//! all, in the order [`RunDir::records_files`] gives (the legacy single file, then the writers' in
+//! name order), each up to its last whole line. Every line is validated, and exactly one record per
+//! (`prompt_index`, sample) is kept: the best one (a trajectory, then a discarded record, then a
+//! failed one), and of equally good ones the first in that file order and line order. Best first,
+//! because every record of a key is a legitimate outcome of the same (prompt, sample) with the same
+//! toolsets, and a trajectory is the one a user wants; a failed record is final only when it is
+//! all there is. First in name order, because that is a function of the files alone: merging the
+//! same files again writes the same bytes. A kept trajectory's `OpenAI`-form line comes from its
+//! own writer's twin file (matched there by `finished_at`), never from another writer's.
+//! Lines are copied byte for byte; statistics count the kept records only. Outputs are written to
+//! temp names and renamed when complete, so a half-written merge never passes for a finished one.
+//!
+//! A batch marked done that lacks a key fails the merge (`IncompleteBatch`), after every batch has
+//! been checked: the markers of all such batches are removed first, so that a new plan sees them
+//! pending and their next run generates only the missing keys.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -20,7 +33,7 @@ use super::{RunError, RunLocation};
 use crate::contract::{MergeSummary, compact_ranges, format_ranges};
 use crate::json_scan;
 use crate::storage::{
-    Context, RunDir, StorageError, read_whole_lines, read_whole_lines_into, sync_dir, temp_path,
+    Context, RunDir, StorageError, read_files_lines_into, read_whole_lines, sync_dir, temp_path,
     write_atomic, write_lines,
 };
 
@@ -173,6 +186,7 @@ struct Output {
     file: File,
     bytes: u64,
     synced_at: u64,
+    renamed: bool,
     syncer: Option<(
         mpsc::Sender<()>,
         std::thread::JoinHandle<std::io::Result<()>>,
@@ -199,6 +213,7 @@ impl Output {
             file,
             bytes: 0,
             synced_at: 0,
+            renamed: false,
             syncer: Some((sync, syncer)),
         })
     }
@@ -217,17 +232,32 @@ impl Output {
         Ok(())
     }
 
+    fn stop_syncer(&mut self) -> std::io::Result<()> {
+        let Some((sync, syncer)) = self.syncer.take() else {
+            return Ok(());
+        };
+        drop(sync);
+        syncer
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("the sync thread panicked")))
+    }
+
     fn finish(mut self) -> Result<u64, StorageError> {
-        if let Some((sync, syncer)) = self.syncer.take() {
-            drop(sync);
-            syncer
-                .join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("the sync thread panicked")))
-                .at("syncing", &self.temp)?;
-        }
+        self.stop_syncer().at("syncing", &self.temp)?;
         self.file.sync_all().at("syncing", &self.temp)?;
         std::fs::rename(&self.temp, &self.path).at("renaming into place", &self.path)?;
+        self.renamed = true;
         Ok(self.bytes)
+    }
+}
+
+impl Drop for Output {
+    /// A merge that stopped at an error leaves no temp file: it can be as large as the output.
+    fn drop(&mut self) {
+        if !self.renamed {
+            let _ = self.stop_syncer();
+            let _ = std::fs::remove_file(&self.temp);
+        }
     }
 }
 
@@ -298,6 +328,8 @@ struct SortedBatch {
     kept: Vec<(usize, usize, bool)>,
     /// The `OpenAI`-form line of each kept trajectory, when the run writes that form.
     openai: Vec<Option<Vec<u8>>>,
+    /// Set when the batch is marked done but lacks keys; nothing else is then filled in.
+    incomplete: Option<Incomplete>,
 }
 
 /// The keys a batch marked done must hold: every sample of each of its prompts.
@@ -326,14 +358,33 @@ impl ExpectedKeys {
 /// Shown of the keys a done batch lacks, in its error.
 const MISSING_KEYS_SHOWN: usize = 5;
 
+/// Batches of the error whose missing keys it shows.
+const INCOMPLETE_BATCHES_DETAILED: usize = 3;
+
+/// Characters of the error given to the incomplete batches' ranges: with the sentence around them
+/// they stay well inside what the termination message carries of an error
+/// ([`crate::contract::WorkerFailure::MAX_ERROR_CHARS`]), so that "the markers were removed" always
+/// arrives.
+const INCOMPLETE_RANGES_CHARS: usize = 1000;
+
+/// What a batch marked done lacks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Incomplete {
+    batch: u32,
+    missing: u64,
+    total: u64,
+    /// The first missing keys, at most [`MISSING_KEYS_SHOWN`].
+    shown: Vec<(u64, u32)>,
+}
+
 /// A batch marked done holds a record for every one of its keys: it writes its marker only after
-/// the last. A key without one was lost after that (a second writer cutting the file, a restore
-/// of an older copy), and merging on would leave a hole no status shows.
-fn check_complete(
+/// the last. A key without one was lost after that (a restore of an older copy of the volume, a
+/// records file removed by hand), and merging on would leave a hole no status shows.
+fn missing_keys(
     batch: u32,
     kept: impl Iterator<Item = (u64, u32)>,
     expected: ExpectedKeys,
-) -> Result<(), RunError> {
+) -> Option<Incomplete> {
     // Both in (prompt, sample) order, `kept` without repeats: one walk, nothing allocated for a
     // complete batch.
     let mut kept = kept.peekable();
@@ -343,27 +394,76 @@ fn check_complete(
         if kept.next_if_eq(&key).is_none() {
             missing += 1;
             if shown.len() < MISSING_KEYS_SHOWN {
-                shown.push(format!("prompt {} sample {}", key.0, key.1));
+                shown.push(key);
             }
         }
     }
-    if missing == 0 {
-        return Ok(());
-    }
-    let total = expected.prompts * u64::from(expected.samples);
-    Err(RunError::IncompleteBatch(format!(
-        "batch {batch} is marked done but holds no record for {missing} of its {total} (prompt, sample) keys ({}{}); remove batches/batch-{batch:06}.done and run the batch again: it generates only the missing ones",
-        shown.join(", "),
-        if missing > MISSING_KEYS_SHOWN as u64 {
-            ", ..."
-        } else {
-            ""
-        }
-    )))
+    (missing > 0).then(|| Incomplete {
+        batch,
+        missing,
+        total: expected.prompts * u64::from(expected.samples),
+        shown,
+    })
 }
 
-/// Reads, validates and orders one batch, and counts its kept records into `totals`. A batch
-/// marked done (`expected` given) must hold all its keys.
+/// The error of a merge that found `incomplete` batches (in batch order) and removed their
+/// markers: first the batches as compact ranges and what was done about them, then the first
+/// missing keys of the first few.
+fn incomplete_error(incomplete: &[Incomplete]) -> RunError {
+    let mut ranges = format_ranges(&compact_ranges(incomplete.iter().map(|batch| batch.batch)));
+    if ranges.len() > INCOMPLETE_RANGES_CHARS {
+        let cut = ranges[..INCOMPLETE_RANGES_CHARS].rfind(',').unwrap_or(0);
+        ranges.truncate(cut);
+        ranges.push_str(",...");
+    }
+    let head = if let [only] = incomplete {
+        format!(
+            "batch {} was marked done but lacks records; its .done marker was removed, so that a \
+             new plan sees it pending and its next run generates only the missing keys",
+            only.batch
+        )
+    } else {
+        format!(
+            "{} batches ({ranges}) were marked done but lack records; their .done markers were \
+             removed, so that a new plan sees them pending and their next run generates only the \
+             missing keys",
+            incomplete.len()
+        )
+    };
+    let details: Vec<String> = incomplete
+        .iter()
+        .take(INCOMPLETE_BATCHES_DETAILED)
+        .map(|batch| {
+            let shown: Vec<String> = batch
+                .shown
+                .iter()
+                .map(|(prompt, sample)| format!("prompt {prompt} sample {sample}"))
+                .collect();
+            let more = if batch.missing > shown.len() as u64 {
+                ", ..."
+            } else {
+                ""
+            };
+            format!(
+                "batch {} holds no record for {} of its {} (prompt, sample) keys ({}{more})",
+                batch.batch,
+                batch.missing,
+                batch.total,
+                shown.join(", ")
+            )
+        })
+        .collect();
+    let more = if incomplete.len() > INCOMPLETE_BATCHES_DETAILED {
+        "; ..."
+    } else {
+        ""
+    };
+    RunError::IncompleteBatch(format!("{head}: {}{more}", details.join("; ")))
+}
+
+/// Reads, validates and orders one batch (every records file of it), and counts its kept records
+/// into `totals`. A batch marked done (`expected` given) that lacks keys is returned as
+/// [`SortedBatch::incomplete`], with nothing to write.
 fn sort_batch(
     run_dir: &RunDir,
     (batch, expected): (u32, Option<ExpectedKeys>),
@@ -372,11 +472,12 @@ fn sort_batch(
     totals: &mut Totals,
     skipped_lines: &mut u64,
 ) -> Result<SortedBatch, RunError> {
-    let (data, lines) = read_whole_lines_into(&run_dir.batch_records(batch), buffer)?;
-    let viewed = ViewLines::new(&data, &lines);
-    let mut order: Vec<(u64, u32, u8, usize)> = Vec::with_capacity(lines.len());
-    let mut views = Vec::with_capacity(lines.len());
-    for (index, (start, end)) in lines.iter().enumerate() {
+    let files = run_dir.records_files(batch)?;
+    let read = read_files_lines_into(files.iter().map(|file| file.records.as_path()), buffer)?;
+    let viewed = ViewLines::new(&read.data, &read.lines);
+    let mut order: Vec<(u64, u32, u8, usize)> = Vec::with_capacity(read.lines.len());
+    let mut views = Vec::with_capacity(read.lines.len());
+    for (index, (start, end)) in read.lines.iter().enumerate() {
         match viewed.parse(index) {
             Ok(view) => {
                 let rank = match view.status.as_deref() {
@@ -385,15 +486,17 @@ fn sort_batch(
                     Some(_) => 2,
                 };
                 order.push((view.prompt_index, view.sample, rank, views.len()));
-                views.push((view, *start, *end));
+                views.push((view, *start, *end, read.file_of(index)));
             }
             Err(err) => {
                 *skipped_lines += 1;
-                warn!(batch, offset = start, %err, "skipping an invalid record line");
+                let file = files[read.file_of(index)].records.display();
+                warn!(batch, %file, offset = start, %err, "skipping an invalid record line");
             }
         }
     }
-    // Dataset order; for one key the best record first, then the first written.
+    // Dataset order; for one key the best record first, then the first in file and line order
+    // (`views` is in that order).
     order.sort_unstable();
     let before = order.len();
     order.dedup_by_key(|(prompt_index, sample, ..)| (*prompt_index, *sample));
@@ -402,22 +505,31 @@ fn sort_batch(
         let kept = order
             .iter()
             .map(|(prompt_index, sample, ..)| (*prompt_index, *sample));
-        check_complete(batch, kept, expected)?;
+        if let Some(incomplete) = missing_keys(batch, kept, expected) {
+            drop(views);
+            return Ok(SortedBatch {
+                data: read.data,
+                kept: Vec::new(),
+                openai: Vec::new(),
+                incomplete: Some(incomplete),
+            });
+        }
     }
 
-    let mut openai_lines = if openai {
-        openai_index(&run_dir.batch_openai_records(batch))?
-    } else {
-        HashMap::new()
-    };
+    // Each writer's `OpenAI`-form lines, read when one of its trajectories is kept.
+    let mut openai_lines: Vec<Option<OpenaiIndex>> = files.iter().map(|_| None).collect();
     let mut kept = Vec::with_capacity(order.len());
     let mut openai_kept = Vec::new();
     for (prompt_index, sample, rank, position) in order {
-        let (view, start, end) = &views[position];
+        let (view, start, end, file) = &views[position];
         totals.add(view);
         kept.push((*start, *end, rank == 0));
         if openai && rank == 0 {
-            let twin = openai_lines
+            let index = match &mut openai_lines[*file] {
+                Some(index) => index,
+                slot => slot.insert(openai_index(&files[*file].openai)?),
+            };
+            let twin = index
                 .remove(&(prompt_index, sample))
                 .and_then(|lines| twin_of(lines, view.finished_at.as_deref()));
             if twin.is_none() {
@@ -431,9 +543,10 @@ fn sort_batch(
     }
     drop(views);
     Ok(SortedBatch {
-        data,
+        data: read.data,
         kept,
         openai: openai_kept,
+        incomplete: None,
     })
 }
 
@@ -531,6 +644,7 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
         .collect();
 
     let batch_count = manifest.batch_count();
+    let mut incomplete = Vec::new();
     let (mut totals, skipped_lines) = std::thread::scope(|scope| {
         let mut inboxes = Vec::new();
         let mut recycle = Vec::new();
@@ -559,10 +673,16 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
         }
         let lost = || RunError::Internal("a merge reader thread stopped".into());
         for batch in 0..batch_count {
-            let sorted = inboxes[(batch % READERS) as usize]
+            let mut sorted = inboxes[(batch % READERS) as usize]
                 .recv()
                 .map_err(|_| lost())??;
-            outputs.append(&sorted)?;
+            // Once a batch is incomplete the outputs are lost anyway; the other batches are still
+            // checked, so that one merge names (and reopens) every incomplete batch.
+            if let Some(missing) = sorted.incomplete.take() {
+                incomplete.push(missing);
+            } else if incomplete.is_empty() {
+                outputs.append(&sorted)?;
+            }
             // A reader that has stopped takes no buffers.
             let _ = recycle[(batch % READERS) as usize].send(sorted.data);
         }
@@ -575,6 +695,14 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
         }
         Ok::<_, RunError>((totals, skipped_lines))
     })?;
+    if !incomplete.is_empty() {
+        drop(outputs);
+        let error = incomplete_error(&incomplete);
+        warn!(%error, "reopening the incomplete batches");
+        let batches: Vec<u32> = incomplete.iter().map(|batch| batch.batch).collect();
+        run_dir.remove_done_markers(&batches)?;
+        return Err(error);
+    }
 
     let Outputs {
         trajectories,
@@ -614,8 +742,11 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
 /// An `OpenAI`-form line and the `finished_at` it carries (absent in lines of older workers).
 type OpenaiLine = (Option<String>, Vec<u8>);
 
-/// OpenAI-form lines of a batch by key, in file order; the main file decides which are kept.
-fn openai_index(path: &Path) -> Result<HashMap<(u64, u32), Vec<OpenaiLine>>, RunError> {
+/// The `OpenAI`-form lines of one writer's file, by key, in file order.
+type OpenaiIndex = HashMap<(u64, u32), Vec<OpenaiLine>>;
+
+/// `OpenAI`-form lines of one writer by key, in file order; its records file decides which are kept.
+fn openai_index(path: &Path) -> Result<OpenaiIndex, RunError> {
     #[derive(Deserialize)]
     struct Key {
         prompt_index: u64,
@@ -625,7 +756,7 @@ fn openai_index(path: &Path) -> Result<HashMap<(u64, u32), Vec<OpenaiLine>>, Run
         finished_at: Option<String>,
     }
     let (data, lines) = read_whole_lines(path)?;
-    let mut index: HashMap<(u64, u32), Vec<OpenaiLine>> = HashMap::new();
+    let mut index = OpenaiIndex::new();
     for (start, end) in lines {
         if let Ok(key) = serde_json::from_slice::<Key>(&data[start..end]) {
             index
@@ -637,11 +768,13 @@ fn openai_index(path: &Path) -> Result<HashMap<(u64, u32), Vec<OpenaiLine>>, Run
     Ok(index)
 }
 
-/// The `OpenAI`-form line of the very trajectory merge kept: the one with its `finished_at`. Other
-/// lines of the key were left by an attempt killed between writing its two lines, or by a second
+/// The `OpenAI`-form line of the very trajectory merge kept, among the lines of its key in its own
+/// writer's twin file: the one with its `finished_at`. Other lines of the key there were left by a
+/// write of the records file that failed after the twin's (a writer stops at that error), or, in
+/// the legacy single file, by an earlier attempt killed between its two lines or by a second
 /// writer. Lines without `finished_at` were written by older workers; of those the last is taken
-/// (a single writer writes a trajectory's `OpenAI` line just before it, so an earlier one can only
-/// be an orphan of a kill).
+/// (a writer writes a trajectory's `OpenAI` line just before it, so an earlier one can only be an
+/// orphan of a kill).
 fn twin_of(lines: Vec<OpenaiLine>, finished_at: Option<&str>) -> Option<Vec<u8>> {
     let mut legacy = None;
     for (stamp, line) in lines {
@@ -767,6 +900,58 @@ fn statistics(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn incomplete(batch: u32, missing: u64) -> Incomplete {
+        let expected = ExpectedKeys {
+            first_prompt: u64::from(batch) * 4,
+            prompts: 4,
+            samples: 2,
+        };
+        let kept = expected.iter().skip(usize::try_from(missing).unwrap());
+        missing_keys(batch, kept, expected).unwrap()
+    }
+
+    #[test]
+    fn an_incomplete_batch_error_names_the_batches_as_ranges_and_the_removed_markers() {
+        assert_eq!(
+            incomplete_error(&[incomplete(3, 1)]).to_string(),
+            "incomplete batch: batch 3 was marked done but lacks records; its .done marker was \
+             removed, so that a new plan sees it pending and its next run generates only the \
+             missing keys: batch 3 holds no record for 1 of its 8 (prompt, sample) keys \
+             (prompt 12 sample 0)"
+        );
+        let batches: Vec<Incomplete> = [1, 2, 3, 7].map(|batch| incomplete(batch, 6)).into();
+        let message = incomplete_error(&batches).to_string();
+        assert!(
+            message.starts_with(
+                "incomplete batch: 4 batches (1-3,7) were marked done but lack records; their \
+                 .done markers were removed"
+            ) && message.contains(
+                "batch 1 holds no record for 6 of its 8 (prompt, sample) keys (prompt 4 sample 0, \
+                 prompt 4 sample 1, prompt 5 sample 0, prompt 5 sample 1, prompt 6 sample 0, ...)"
+            ) && message.contains("batch 3 holds")
+                && !message.contains("batch 7 holds")
+                && message.ends_with("; ..."),
+            "{message}"
+        );
+        // Scattered batches: the ranges are cut, the sentence about the markers stays whole.
+        let scattered: Vec<Incomplete> = (0..2000).map(|i| incomplete(i * 2, 1)).collect();
+        let message = incomplete_error(&scattered).to_string();
+        let failure = crate::contract::WorkerFailure::new(&message, "IncompleteBatch", 78);
+        assert!(
+            failure.error.contains(
+                ",...) were marked done but lack records; their .done markers \
+                                    were removed, so that a new plan sees them pending"
+            ),
+            "{}",
+            failure.error
+        );
+        assert!(
+            failure
+                .error
+                .starts_with("incomplete batch: 2000 batches (0,2,4,")
+        );
+    }
 
     #[test]
     fn percentiles_use_nearest_rank() {

@@ -4,7 +4,10 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::Duration;
+
+use nix::sys::signal::Signal;
 
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
@@ -15,6 +18,9 @@ use trajectory_worker::model::{ModelClient, ModelSettings};
 use trajectory_worker::run::batch::{Engine, Shutdown, run_batch, shutdown_channel};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunFile, RunLocation};
+use trajectory_worker::storage::RecordsFile;
+
+pub const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 
 /// A run on disk: `<dir>/run.yaml`, `<dir>/datasets/prompts.jsonl`, outputs under `<dir>/out`.
 pub struct RunFixture {
@@ -61,13 +67,18 @@ impl RunFixture {
     }
 
     fn write_run_file(&self) {
-        let file = json!({
-            "apiVersion": "trajectories.dev/v1alpha1",
-            "kind": "TrajectoryRun",
-            "metadata": {"name": "fixture"},
-            "spec": self.spec,
-        });
-        std::fs::write(self.run_file(), serde_yaml::to_string(&file).unwrap()).unwrap();
+        write_run_file_at(&self.run_file(), &self.spec);
+    }
+
+    /// A second run file `name` of the same run (same output), with one field changed: an
+    /// operational one such as `/concurrency`, for a process that runs the run differently.
+    pub fn variant_run_file(&self, name: &str, pointer: &str, value: Value) -> PathBuf {
+        let (parent, key) = pointer.rsplit_once('/').expect("a JSON pointer with a key");
+        let mut spec = self.spec.clone();
+        spec.pointer_mut(parent).expect("parent exists")[key] = value;
+        let path = self.dir.path().join(name);
+        write_run_file_at(&path, &spec);
+        path
     }
 
     pub fn root(&self) -> &Path {
@@ -108,15 +119,162 @@ impl RunFixture {
         Engine::with_client(&spec, self.workspaces(), client).expect("engine")
     }
 
-    /// The JSON lines of an output file.
-    pub fn lines(&self, name: &str) -> Vec<Value> {
-        let text = std::fs::read_to_string(self.out().join(name)).unwrap_or_default();
-        text.lines()
-            .map(|line| {
-                serde_json::from_str(line).unwrap_or_else(|err| panic!("bad line {line:?}: {err}"))
-            })
+    /// Every records file of `batch`, as resume and merge find them.
+    pub fn records_files(&self, batch: u32) -> Vec<RecordsFile> {
+        self.location()
+            .run_dir()
+            .records_files(batch)
+            .expect("the batch's files can be listed")
+    }
+
+    /// The JSON lines of every records file of `batch`, one file after another; a line that does
+    /// not parse (a torn tail too) fails the test. Duplicates across writers are all returned.
+    pub fn batch_lines(&self, batch: u32) -> Vec<Value> {
+        self.records_files(batch)
+            .iter()
+            .flat_map(|file| parse_lines(&file.records))
             .collect()
     }
+
+    /// The JSON lines of every `OpenAI`-form file of `batch`, in the order of [`Self::batch_lines`].
+    pub fn batch_openai_lines(&self, batch: u32) -> Vec<Value> {
+        self.records_files(batch)
+            .iter()
+            .flat_map(|file| parse_lines(&file.openai))
+            .collect()
+    }
+
+    /// The JSON lines of an output file.
+    pub fn lines(&self, name: &str) -> Vec<Value> {
+        parse_lines(&self.out().join(name))
+    }
+}
+
+/// Writes the fixture's run file, with `spec`, at `path`.
+fn write_run_file_at(path: &Path, spec: &Value) {
+    let file = json!({
+        "apiVersion": "trajectories.dev/v1alpha1",
+        "kind": "TrajectoryRun",
+        "metadata": {"name": "fixture"},
+        "spec": spec,
+    });
+    std::fs::write(path, serde_yaml::to_string(&file).unwrap()).unwrap();
+}
+
+/// The JSON lines of a file (none when it does not exist); a line that does not parse fails the
+/// test.
+pub fn parse_lines(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .map(|line| {
+            serde_json::from_str(line).unwrap_or_else(|err| panic!("bad line {line:?}: {err}"))
+        })
+        .collect()
+}
+
+/// Checks that every complete line of every records file of `batch` parses; a torn tail is
+/// allowed only where a kill may have left one (readers skip it). Returns the number of whole
+/// lines.
+pub fn assert_batch_whole_lines(
+    fixture: &RunFixture,
+    batch: u32,
+    torn_tail_allowed: bool,
+) -> usize {
+    fixture
+        .records_files(batch)
+        .iter()
+        .map(|file| assert_whole_lines(&file.records, torn_tail_allowed))
+        .sum()
+}
+
+/// Checks that every complete line of `path` parses; a torn tail is allowed only where a kill may
+/// have left one. Returns the number of whole lines.
+pub fn assert_whole_lines(path: &Path, torn_tail_allowed: bool) -> usize {
+    let data = std::fs::read(path).unwrap_or_default();
+    let ends_whole = data.is_empty() || data.ends_with(b"\n");
+    assert!(
+        torn_tail_allowed || ends_whole,
+        "{} ends with a torn line",
+        path.display()
+    );
+    let whole = match data.iter().rposition(|&b| b == b'\n') {
+        Some(end) => &data[..end],
+        None => return 0,
+    };
+    let mut count = 0;
+    for line in whole.split(|&b| b == b'\n') {
+        serde_json::from_slice::<Value>(line)
+            .unwrap_or_else(|err| panic!("{}: bad line: {err}", path.display()));
+        count += 1;
+    }
+    count
+}
+
+/// The worker binary on the fixture's storage, with run file `run_file`, its termination message
+/// at `termination_log`.
+pub fn worker_command(
+    fixture: &RunFixture,
+    run_file: &Path,
+    termination_log: &Path,
+    args: &[&str],
+) -> Command {
+    let mut command = Command::new(WORKER);
+    command
+        .args(args)
+        .arg("--run-file")
+        .arg(run_file)
+        .arg("--storage-root")
+        .arg(fixture.root())
+        .env("TRAJ_TERMINATION_LOG", termination_log)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    // Only `batch` runs conversations and so takes a workspace root.
+    if args[0] == "batch" {
+        command.arg("--workspace-root").arg(fixture.workspaces());
+    }
+    command
+}
+
+/// Starts the worker binary on the fixture, its termination message in `<dir>/termination-log`.
+pub fn spawn_worker(fixture: &RunFixture, args: &[&str]) -> std::process::Child {
+    worker_command(
+        fixture,
+        &fixture.run_file(),
+        &fixture.root().join("termination-log"),
+        args,
+    )
+    .spawn()
+    .expect("the worker binary starts")
+}
+
+/// Runs the worker binary on the fixture to its end; its stderr is shown when it fails.
+pub async fn worker(fixture: &RunFixture, args: &[&str]) -> std::process::ExitStatus {
+    let output = wait(spawn_worker(fixture, args)).await;
+    if !output.status.success() {
+        eprintln!("{}", String::from_utf8_lossy(&output.stderr));
+    }
+    output.status
+}
+
+/// Waits for a child process without blocking the runtime that serves its model.
+pub async fn wait(child: std::process::Child) -> std::process::Output {
+    tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// Sends `signal` to the child after `delay`, then waits for it.
+pub async fn signal_after(
+    child: std::process::Child,
+    delay: Duration,
+    signal: Signal,
+) -> std::process::Output {
+    tokio::time::sleep(delay).await;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, signal).unwrap();
+    wait(child).await
 }
 
 /// A server that answers each conversation with one terminal call, then a final answer.
