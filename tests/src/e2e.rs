@@ -43,9 +43,7 @@ use trajectory_operator::settings::Settings;
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, text_reply, tool_call_reply,
 };
-use trajectory_worker::contract::{
-    TERMINATION_MESSAGE_LIMIT, WorkerFailure, exit, paths, termination_message,
-};
+use trajectory_worker::contract::{WorkerFailure, exit, paths, termination_message};
 use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunLocation, load_plan, merge, plan};
@@ -450,13 +448,12 @@ impl Kubelet {
             Err(error) => return report::<()>(Err(error)),
         };
         match mode {
-            // As `trajectory-worker plan` does: the summary cut to fit the termination message.
+            // As `trajectory-worker plan` does: the summary cut to fit the termination message,
+            // the pending list written to storage when it is.
             "plan" => report(
-                tokio::task::spawn_blocking(move || {
-                    plan::plan(&location).map(|(_, s)| s.fitting(TERMINATION_MESSAGE_LIMIT))
-                })
-                .await
-                .expect("the plan step does not panic"),
+                tokio::task::spawn_blocking(move || plan::plan_for_operator(&location))
+                    .await
+                    .expect("the plan step does not panic"),
             ),
             "merge" => report(
                 tokio::task::spawn_blocking(move || merge::merge(&location))

@@ -6,9 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 use tracing::{debug, error};
 
-use crate::contract::{
-    TERMINATION_MESSAGE_LIMIT, WorkerFailure, env, exit, paths, termination_message,
-};
+use crate::contract::{WorkerFailure, env, exit, paths, termination_message};
 use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
 use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
 use crate::run::manifest::Manifest;
@@ -261,12 +259,12 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
         }
         Command::Plan(args) => {
             let result = match args.location() {
-                Ok(location) => tokio::task::spawn_blocking(move || plan::plan(&location))
-                    .await
-                    .map_err(|err| RunError::Internal(err.to_string()))
-                    .and_then(|result| {
-                        result.map(|(_, summary)| summary.fitting(TERMINATION_MESSAGE_LIMIT))
-                    }),
+                Ok(location) => {
+                    tokio::task::spawn_blocking(move || plan::plan_for_operator(&location))
+                        .await
+                        .map_err(|err| RunError::Internal(err.to_string()))
+                        .and_then(|result| result)
+                }
                 Err(error) => Err(error),
             };
             args.report(&result);

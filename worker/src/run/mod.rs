@@ -177,6 +177,7 @@ impl RunFile {
             spec: self.spec.clone(),
             batches: None,
             batch_ranges: None,
+            pending_list: None,
         }
     }
 }
