@@ -362,9 +362,14 @@ impl Kubelet {
         if phase != Some(stage_phase) {
             return false;
         }
-        let batch = load_plan(&plan_path)
-            .ok()
-            .and_then(|plan| index.and_then(|i| plan.batch_for_index(i)));
+        // As the worker resolves it: through the plan, and its pending list on storage if any.
+        let batch = load_plan(&plan_path).ok().and_then(|plan| {
+            let location = RunLocation {
+                storage_root: self.storage.clone(),
+                plan,
+            };
+            index.and_then(|i| location.batch_for_index(i).ok())
+        });
         if batch.is_some_and(|batch| self.hold.contains(&batch)) {
             return false;
         }
@@ -464,9 +469,7 @@ impl Kubelet {
                 let result = async {
                     let index =
                         index.ok_or_else(|| RunError::Spec("no completion index".into()))?;
-                    let batch = location.plan.batch_for_index(index).ok_or_else(|| {
-                        RunError::BadBatchInput(format!("index {index} has no batch"))
-                    })?;
+                    let batch = location.batch_for_index(index)?;
                     let manifest = Manifest::require(&location.run_dir())?;
                     let engine = Engine::new(&location.plan.spec, workspace.to_path_buf())?;
                     let (_trigger, shutdown) = shutdown_channel();

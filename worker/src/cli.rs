@@ -333,11 +333,8 @@ async fn batch_command(
     let location = run.location()?;
     let batch = match (batch, index) {
         (Some(batch), _) => batch,
-        (None, Some(index)) => location.plan.batch_for_index(index).ok_or_else(|| {
-            RunError::BadBatchInput(format!(
-                "completion index {index} has no batch in the run plan"
-            ))
-        })?,
+        // Reads the plan's pending list from storage when it has one: blocking, but once.
+        (None, Some(index)) => location.batch_for_index(index)?,
         (None, None) => {
             return Err(RunError::Spec(format!(
                 "no batch: pass a batch id or set {}",
