@@ -996,9 +996,7 @@ async fn a_scattered_resume_hands_its_pending_list_to_the_batch_pods_through_sto
 
     // A shard working slots 100-199 of the list: its index 7 is slot 107, batch 215.
     let plan = location.plan.clone().with_pending_slots(&list, 100..200);
-    let (code, message) = batch_pod(&fixture, &plan, 7).await;
-    assert_eq!(code, Some(0), "{message}");
-    let batch: BatchSummary = serde_json::from_str(&message).unwrap();
+    let batch = worked_batch(&fixture, &plan, 7).await;
     assert_eq!((batch.batch, batch.succeeded, batch.resumed), (215, 2, 0));
     // Its prompts 430 and 431, in the order their conversations ended.
     let mut records = keys(&fixture.lines("batches/batch-000215.jsonl"));
@@ -1031,14 +1029,7 @@ async fn a_scattered_resume_hands_its_pending_list_to_the_batch_pods_through_sto
         batch_ranges: None,
         ..plan
     };
-    let (code, message) = batch_pod(&fixture, &identity, 0).await;
-    assert_eq!(code, Some(0), "{message}");
-    assert_eq!(
-        serde_json::from_str::<BatchSummary>(&message)
-            .unwrap()
-            .batch,
-        1
-    );
+    assert_eq!(worked_batch(&fixture, &identity, 0).await.batch, 1);
 }
 
 /// A pending list that is not there, is not ranges, or is shorter than the slot an index works
@@ -1090,14 +1081,18 @@ async fn a_pending_list_missing_garbled_or_too_short_fails_only_the_index() {
         "no conversation for a failed index"
     );
     // The list's slot 2 is batch 4, which the same plan works.
-    let (code, message) = batch_pod(&fixture, &past, 1).await;
-    assert_eq!(code, Some(0), "{message}");
-    assert_eq!(
-        serde_json::from_str::<BatchSummary>(&message)
-            .unwrap()
-            .batch,
-        4
-    );
+    assert_eq!(worked_batch(&fixture, &past, 1).await.batch, 4);
+}
+
+/// [`batch_pod`] for an index that must succeed: its summary.
+async fn worked_batch(
+    fixture: &RunFixture,
+    plan: &trajectory_worker::contract::RunPlan,
+    index: u32,
+) -> BatchSummary {
+    let (code, message) = batch_pod(fixture, plan, index).await;
+    assert_eq!(code, Some(0), "index {index}: {message}");
+    serde_json::from_str(&message).unwrap()
 }
 
 /// Runs `trajectory-worker batch` as a pod of a generation Job does: the run plan mounted at
