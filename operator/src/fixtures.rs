@@ -238,9 +238,11 @@ impl ObservedFixture {
                 invalid: 2,
                 batches,
                 done: Vec::new(),
+                done_count: 0,
                 dataset_digest: "sha256:x".into(),
                 spec_hash: "blake3:y".into(),
                 done_truncated: false,
+                pending_list: None,
             }),
             ..Observed::default()
         })

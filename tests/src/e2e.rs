@@ -43,9 +43,7 @@ use trajectory_operator::settings::Settings;
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, text_reply, tool_call_reply,
 };
-use trajectory_worker::contract::{
-    TERMINATION_MESSAGE_LIMIT, WorkerFailure, exit, paths, termination_message,
-};
+use trajectory_worker::contract::{WorkerFailure, exit, paths, termination_message};
 use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunLocation, load_plan, merge, plan};
@@ -364,9 +362,14 @@ impl Kubelet {
         if phase != Some(stage_phase) {
             return false;
         }
-        let batch = load_plan(&plan_path)
-            .ok()
-            .and_then(|plan| index.and_then(|i| plan.batch_for_index(i)));
+        // As the worker resolves it: through the plan, and its pending list on storage if any.
+        let batch = load_plan(&plan_path).ok().and_then(|plan| {
+            let location = RunLocation {
+                storage_root: self.storage.clone(),
+                plan,
+            };
+            index.and_then(|i| location.batch_for_index(i).ok())
+        });
         if batch.is_some_and(|batch| self.hold.contains(&batch)) {
             return false;
         }
@@ -450,13 +453,12 @@ impl Kubelet {
             Err(error) => return report::<()>(Err(error)),
         };
         match mode {
-            // As `trajectory-worker plan` does: the summary cut to fit the termination message.
+            // As `trajectory-worker plan` does: the summary cut to fit the termination message,
+            // the pending list written to storage when it is.
             "plan" => report(
-                tokio::task::spawn_blocking(move || {
-                    plan::plan(&location).map(|(_, s)| s.fitting(TERMINATION_MESSAGE_LIMIT))
-                })
-                .await
-                .expect("the plan step does not panic"),
+                tokio::task::spawn_blocking(move || plan::plan_for_operator(&location))
+                    .await
+                    .expect("the plan step does not panic"),
             ),
             "merge" => report(
                 tokio::task::spawn_blocking(move || merge::merge(&location))
@@ -467,9 +469,7 @@ impl Kubelet {
                 let result = async {
                     let index =
                         index.ok_or_else(|| RunError::Spec("no completion index".into()))?;
-                    let batch = location.plan.batch_for_index(index).ok_or_else(|| {
-                        RunError::BadBatchInput(format!("index {index} has no batch"))
-                    })?;
+                    let batch = location.batch_for_index(index)?;
                     let manifest = Manifest::require(&location.run_dir())?;
                     let engine = Engine::new(&location.plan.spec, workspace.to_path_buf())?;
                     let (_trigger, shutdown) = shutdown_channel();

@@ -1343,6 +1343,7 @@ async fn a_resume_over_scattered_done_batches_redoes_none_of_them() {
         spec: spec.run.clone(),
         batches: None,
         batch_ranges: None,
+        pending_list: None,
     };
     let plan_path = scratch.0.join("earlier-plan.json");
     std::fs::write(&plan_path, serde_json::to_string(&plan).expect("JSON")).expect("the plan");

@@ -6,9 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 use tracing::{debug, error};
 
-use crate::contract::{
-    TERMINATION_MESSAGE_LIMIT, WorkerFailure, env, exit, paths, termination_message,
-};
+use crate::contract::{WorkerFailure, env, exit, paths, termination_message};
 use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
 use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
 use crate::run::manifest::Manifest;
@@ -261,12 +259,12 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
         }
         Command::Plan(args) => {
             let result = match args.location() {
-                Ok(location) => tokio::task::spawn_blocking(move || plan::plan(&location))
-                    .await
-                    .map_err(|err| RunError::Internal(err.to_string()))
-                    .and_then(|result| {
-                        result.map(|(_, summary)| summary.fitting(TERMINATION_MESSAGE_LIMIT))
-                    }),
+                Ok(location) => {
+                    tokio::task::spawn_blocking(move || plan::plan_for_operator(&location))
+                        .await
+                        .map_err(|err| RunError::Internal(err.to_string()))
+                        .and_then(|result| result)
+                }
                 Err(error) => Err(error),
             };
             args.report(&result);
@@ -335,11 +333,8 @@ async fn batch_command(
     let location = run.location()?;
     let batch = match (batch, index) {
         (Some(batch), _) => batch,
-        (None, Some(index)) => location.plan.batch_for_index(index).ok_or_else(|| {
-            RunError::BadBatchInput(format!(
-                "completion index {index} has no batch in the run plan"
-            ))
-        })?,
+        // Reads the plan's pending list from storage when it has one: blocking, but once.
+        (None, Some(index)) => location.batch_for_index(index)?,
         (None, None) => {
             return Err(RunError::Spec(format!(
                 "no batch: pass a batch id or set {}",

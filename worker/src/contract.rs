@@ -89,6 +89,18 @@ pub struct RunPlan {
     /// [`MAX_JOB_COMPLETIONS`] of them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_ranges: Option<String>,
+    /// A plan's pending list on storage ([`PlanSummary::pending_list`]: a path relative to the
+    /// run's output directory). When set, the ids of [`RunPlan::batch_ranges`] (or
+    /// [`RunPlan::batches`]) are *slots*, positions in that list, not batch ids: completion index
+    /// *i* works the batch at slot *s* of the list, where *s* is the *i*-th id of the ranges, or
+    /// *i* when there are none ([`resolve_batch`]). It lets an attempt work the batches of a plan
+    /// whose done set is too scattered for its summary to carry. Unset, indexes map as above.
+    ///
+    /// Only a worker that writes such a list reads one: the plan pod and the generation pods of a
+    /// run run the same image, so an operator sets this only from the summary of a plan that wrote
+    /// the list. (A worker image of before this field would take the slots for batch ids.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_list: Option<String>,
 }
 
 /// Kubernetes refuses an Indexed Job with `backoffLimitPerIndex` and more completions than this;
@@ -99,11 +111,23 @@ pub const MAX_JOB_COMPLETIONS: u32 = 100_000;
 pub const MAX_LISTED_BATCHES: usize = 10_000;
 
 impl RunPlan {
-    /// The batch a Job completion index works; `None` past the end of the list, or when the
-    /// ranges cannot be read.
+    /// The batch a Job completion index works; `None` past the end of the list, when the ranges
+    /// cannot be read, or when the plan has a [`RunPlan::pending_list`] (the batch is in that file
+    /// on storage: see [`resolve_batch`]).
     pub fn batch_for_index(&self, index: u32) -> Option<u32> {
+        if self.pending_list.is_some() {
+            return None;
+        }
+        self.slot_for_index(index)
+    }
+
+    /// What a Job completion index maps to through [`RunPlan::batch_ranges`] or
+    /// [`RunPlan::batches`] (index *i* itself when neither is set): the batch id, or its slot in
+    /// the pending list when the plan has a [`RunPlan::pending_list`]. `None` past the end of the
+    /// ranges or when they cannot be read.
+    pub fn slot_for_index(&self, index: u32) -> Option<u32> {
         if let Some(ranges) = &self.batch_ranges {
-            return nth_in_ranges(ranges, index);
+            return nth_in_ranges(ranges, index).ok().flatten();
         }
         match &self.batches {
             None => Some(index),
@@ -113,28 +137,82 @@ impl RunPlan {
         }
     }
 
-    /// Every batch of the list, in index order; `None` for the identity (index *i* is batch *i*).
+    /// Every id the indexes map to, in index order (as [`RunPlan::slot_for_index`]: batch ids, or
+    /// slots of the [`RunPlan::pending_list`] when the plan has one); `None` for the identity
+    /// (index *i* is *i*).
     pub fn pending_list(&self) -> Result<Option<Vec<u32>>, String> {
         match (&self.batch_ranges, &self.batches) {
             (Some(ranges), _) => parse_ranges(ranges).map(Some),
             (None, list) => Ok(list.clone()),
         }
     }
+
+    /// The plan of a Job whose index *i* works the batch at the *i*-th of `slots` (ascending
+    /// positions) of the plan's pending list `pending_list` ([`PlanSummary::pending_list`]): the
+    /// slots are written as [`RunPlan::batch_ranges`], a few bytes for a shard's contiguous slots
+    /// however scattered its batches. [`RunPlan::batches`] is cleared: a reader of that field
+    /// alone would take the slots for batch ids.
+    #[must_use]
+    pub fn with_pending_slots(
+        mut self,
+        pending_list: &str,
+        slots: impl IntoIterator<Item = u32>,
+    ) -> Self {
+        self.pending_list = Some(pending_list.to_owned());
+        self.batch_ranges = Some(format_ranges(&compact_ranges(slots)));
+        self.batches = None;
+        self
+    }
 }
 
-/// The `index`-th id of `ranges` (`3-5,9`: index 3 is 9) without expanding them.
-fn nth_in_ranges(ranges: &str, index: u32) -> Option<u32> {
+/// The batch Job completion index `index` works under a plan with a pending list: the id at slot
+/// *s* of `pending_list_text` (the list file's ranges), where *s* is the `index`-th id of
+/// `slot_ranges` (the plan's [`RunPlan::batch_ranges`]), or `index` when there are none. `None`
+/// past the end of either, or when either cannot be read. Neither is expanded: a list of a
+/// million batches is read range by range.
+pub fn resolve_batch(
+    pending_list_text: &str,
+    slot_ranges: Option<&str>,
+    index: u32,
+) -> Option<u32> {
+    let slot = match slot_ranges {
+        Some(ranges) => nth_in_ranges(ranges, index).ok().flatten()?,
+        None => index,
+    };
+    nth_in_ranges(pending_list_text, slot).ok().flatten()
+}
+
+/// The `n`-th id of `ranges` (`3-5,9`: the 3rd is 9) without expanding them: `Ok(None)` past
+/// their end, `Err` naming the first range that cannot be read before it.
+pub fn nth_in_ranges(ranges: &str, n: u32) -> Result<Option<u32>, String> {
     let mut skipped = 0_u32;
     for part in ranges.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (first, last) = part.split_once('-').unwrap_or((part, part));
-        let (first, last): (u32, u32) = (first.parse().ok()?, last.parse().ok()?);
-        let len = last.checked_sub(first)?.checked_add(1)?;
-        if index - skipped < len {
-            return first.checked_add(index - skipped);
+        let (first, last) = parse_range(part)?;
+        // A range of all 2^32 ids has no u32 length; no list of batches or slots holds it.
+        let len = (last - first)
+            .checked_add(1)
+            .ok_or_else(|| format!("bad index range {part:?}"))?;
+        if n - skipped < len {
+            return Ok(Some(first + (n - skipped)));
         }
-        skipped = skipped.checked_add(len)?;
+        // No overflow: the ranges so far hold no more than `n` ids.
+        skipped += len;
     }
-    None
+    Ok(None)
+}
+
+/// One part of a ranges text: `7` or `3-9`, first not after last.
+fn parse_range(part: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("bad index range {part:?}");
+    let (first, last) = part.split_once('-').unwrap_or((part, part));
+    let (first, last): (u32, u32) = (
+        first.parse().map_err(|_| bad())?,
+        last.parse().map_err(|_| bad())?,
+    );
+    if first > last {
+        return Err(bad());
+    }
+    Ok((first, last))
 }
 
 /// What `plan` reports (termination message, stdout, and the operator's status).
@@ -149,48 +227,91 @@ pub struct PlanSummary {
     pub batches: u32,
     /// Batches already done on storage (from an earlier attempt or run).
     pub done: Vec<BatchRange>,
+    /// How many batches had a `.done` marker when the plan looked: the whole count, also when
+    /// [`PlanSummary::done`] is cut short. Always written; 0 when read from a worker of before it.
+    #[serde(default)]
+    pub done_count: u32,
     /// `blake3:` digest of the dataset file (as `b3sum` prints it).
     pub dataset_digest: String,
     /// Digest of the generating fields of the spec.
     pub spec_hash: String,
     /// True when `done` lists only its first ranges, so that the summary fits the termination
-    /// message: the batches it leaves out are done too, and their pods find them done and end at
-    /// once. Absent (false) in a full summary.
+    /// message; [`PlanSummary::pending_list`] then names the file of the batches not done. Absent
+    /// (false) in a full summary.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub done_truncated: bool,
+    /// Set exactly when [`PlanSummary::done_truncated`] is: the path, relative to the run's output
+    /// directory, of the file listing every batch without a `.done` marker, ascending, as one line
+    /// of ranges ([`format_ranges`]: `2,4-9,12`). The plan wrote it (atomically, fsynced) before
+    /// it reported; its name, `plan/pending-<16 hex digits>.ranges`, is new on every plan, so a
+    /// later plan never rewrites a list that pods of an earlier one still read. A generation Job
+    /// works slots of it ([`RunPlan::pending_list`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_list: Option<String>,
 }
 
+/// Each range serialises to at least `{"first":0,"last":0}`: no summary of `limit` bytes holds
+/// more than `limit / MIN_RANGE_JSON_BYTES` of them.
+const MIN_RANGE_JSON_BYTES: usize = 20;
+
 impl PlanSummary {
-    /// The summary as the termination message can hold it: `done` cut to the ranges that fit in
-    /// `limit` bytes (marked [`PlanSummary::done_truncated`]). The ranges kept are the first, so a
-    /// run resumed after long progress in order (a few ranges) always keeps them all.
+    /// Batches without a `.done` marker at plan time (the length of the pending list).
+    pub fn pending_count(&self) -> u32 {
+        self.batches.saturating_sub(self.done_count)
+    }
+
+    /// The summary as the termination message can hold it. When the whole summary is over `limit`
+    /// bytes, `done` is cut to its first ranges that fit with [`PlanSummary::done_truncated`] and
+    /// [`PlanSummary::pending_list`] set to `pending_list`, the path of the list the caller writes
+    /// before it reports the summary. The ranges kept are the first, so a run resumed after long
+    /// progress in order (a few ranges) always keeps them all.
+    ///
+    /// Work bounded by `limit`, not by the number of ranges: sizes are measured by serialising
+    /// into a counter that stops at `limit`, and only prefixes that may fit are tried.
     #[must_use]
-    pub fn fitting(mut self, limit: usize) -> Self {
-        let size = |summary: &Self| serde_json::to_string(summary).map_or(usize::MAX, |t| t.len());
-        if size(&self) <= limit {
+    pub fn fitting(mut self, limit: usize, pending_list: &str) -> Self {
+        if serialised_within(&self, limit) {
             return self;
         }
         self.done_truncated = true;
-        // Halve the list until it fits, then grow it back range by range: few serialisations.
+        self.pending_list = Some(pending_list.to_owned());
         let all = std::mem::take(&mut self.done);
-        let mut keep = all.len();
-        while keep > 0 {
-            self.done = all[..keep].to_vec();
-            if size(&self) <= limit {
-                break;
+        // The longest prefix that fits, by bisection: the size grows with the prefix.
+        let (mut fits, mut too_long) = (0, all.len().min(limit / MIN_RANGE_JSON_BYTES) + 1);
+        while too_long - fits > 1 {
+            let middle = fits + (too_long - fits) / 2;
+            self.done = all[..middle].to_vec();
+            if serialised_within(&self, limit) {
+                fits = middle;
+            } else {
+                too_long = middle;
             }
-            keep /= 2;
         }
-        while keep < all.len() {
-            self.done.push(all[keep]);
-            if size(&self) > limit {
-                self.done.pop();
-                break;
-            }
-            keep += 1;
-        }
+        self.done = all[..fits].to_vec();
         self
     }
+}
+
+/// Whether `value` serialises to JSON of at most `limit` bytes; stops writing past the limit.
+fn serialised_within<T: Serialize>(value: &T, limit: usize) -> bool {
+    /// Counts bytes, and fails the serialisation once they pass the limit.
+    struct Counter {
+        written: usize,
+        limit: usize,
+    }
+    impl std::io::Write for Counter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.written += bytes.len();
+            if self.written > self.limit {
+                return Err(std::io::ErrorKind::FileTooLarge.into());
+            }
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    serde_json::to_writer(&mut Counter { written: 0, limit }, value).is_ok()
 }
 
 /// What `batch` reports.
@@ -246,17 +367,28 @@ pub fn compact_ranges(ids: impl IntoIterator<Item = u32>) -> Vec<BatchRange> {
 
 /// Formats ranges the way Kubernetes formats `completedIndexes`: `0-41,44`.
 pub fn format_ranges(ranges: &[BatchRange]) -> String {
-    ranges
-        .iter()
-        .map(|range| {
-            if range.first == range.last {
-                range.first.to_string()
-            } else {
-                format!("{}-{}", range.first, range.last)
+    Ranges(ranges).to_string()
+}
+
+/// Ranges displayed as [`format_ranges`] writes them, for streaming a long list into a file
+/// without building it in memory first.
+#[derive(Debug, Clone, Copy)]
+pub struct Ranges<'a>(pub &'a [BatchRange]);
+
+impl std::fmt::Display for Ranges<'_> {
+    fn fmt(&self, out: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (position, range) in self.0.iter().enumerate() {
+            if position > 0 {
+                out.write_str(",")?;
             }
-        })
-        .collect::<Vec<_>>()
-        .join(",")
+            if range.first == range.last {
+                write!(out, "{}", range.first)?;
+            } else {
+                write!(out, "{}-{}", range.first, range.last)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Parses `0-41,44` (Kubernetes' `completedIndexes` format) into ids.
@@ -267,19 +399,7 @@ pub fn parse_ranges(text: &str) -> Result<Vec<u32>, String> {
         .map(str::trim)
         .filter(|part| !part.is_empty())
     {
-        let (first, last) = match part.split_once('-') {
-            Some((first, last)) => (first, last),
-            None => (part, part),
-        };
-        let first: u32 = first
-            .parse()
-            .map_err(|_| format!("bad index range {part:?}"))?;
-        let last: u32 = last
-            .parse()
-            .map_err(|_| format!("bad index range {part:?}"))?;
-        if first > last {
-            return Err(format!("bad index range {part:?}"));
-        }
+        let (first, last) = parse_range(part)?;
         ids.extend(first..=last);
     }
     Ok(ids)
@@ -352,6 +472,7 @@ mod tests {
             output_path: "runs/ns/r".into(),
             batches: None,
             batch_ranges: None,
+            pending_list: None,
         };
         assert_eq!(plan.batch_for_index(7), Some(7));
         assert_eq!(plan.pending_list(), Ok(None));
@@ -376,6 +497,55 @@ mod tests {
         plan.batch_ranges = Some("7-x".into());
         assert_eq!(plan.batch_for_index(0), None);
         assert!(plan.pending_list().is_err());
+
+        // With a pending list on storage the ranges are slots of it, and the plan alone cannot
+        // name the batch.
+        let plan = plan.with_pending_slots("plan/pending-0123456789abcdef.ranges", 5..8);
+        assert_eq!(plan.batch_ranges.as_deref(), Some("5-7"));
+        assert_eq!(plan.batches, None);
+        assert_eq!(plan.slot_for_index(2), Some(7));
+        assert_eq!(plan.batch_for_index(2), None);
+        let json = serde_json::to_value(&plan).unwrap();
+        assert_eq!(json["pendingList"], "plan/pending-0123456789abcdef.ranges");
+    }
+
+    #[test]
+    fn a_completion_index_resolves_through_its_slot_to_the_pending_batch() {
+        let list = "2,4-9,12,100000-199999\n";
+        let cases = [
+            // (slot ranges, index, batch)
+            (None, 0, Some(2)),
+            (None, 1, Some(4)),
+            (None, 6, Some(9)),
+            (None, 7, Some(12)),
+            (None, 8, Some(100_000)),
+            (None, 100_007, Some(199_999)),
+            (None, 100_008, None),
+            (Some("7-9"), 0, Some(12)),
+            (Some("7-9"), 2, Some(100_001)),
+            (Some("7-9"), 3, None),
+            (Some("0,100007"), 1, Some(199_999)),
+            (Some("100008"), 0, None),
+            (Some("x"), 0, None),
+        ];
+        for (slots, index, batch) in cases {
+            assert_eq!(
+                resolve_batch(list, slots, index),
+                batch,
+                "{slots:?} index {index}"
+            );
+        }
+        assert_eq!(resolve_batch("4-2", None, 0), None);
+        // Past the end and unreadable are told apart, the unreadable range named.
+        assert_eq!(nth_in_ranges("2,4-9", 7), Ok(None));
+        assert_eq!(nth_in_ranges("", 0), Ok(None));
+        let error = nth_in_ranges("2,9-4,12", 5).unwrap_err();
+        assert!(error.contains("\"9-4\""), "{error}");
+        assert_eq!(
+            nth_in_ranges("0-4294967294", 4_294_967_294),
+            Ok(Some(4_294_967_294))
+        );
+        assert!(nth_in_ranges("0-4294967295", 0).is_err());
     }
 
     #[test]
@@ -404,7 +574,9 @@ mod tests {
             done,
             dataset_digest: format!("blake3:{}", "0".repeat(64)),
             spec_hash: format!("blake3:{}", "1".repeat(64)),
+            done_count: 500_000,
             done_truncated: false,
+            pending_list: None,
         };
         // Every other batch done: 500,000 ranges, far beyond 4 KiB.
         let gaps: Vec<BatchRange> = (0..500_000)
@@ -413,7 +585,8 @@ mod tests {
                 last: i * 2,
             })
             .collect();
-        let fitted = summary(gaps.clone()).fitting(TERMINATION_MESSAGE_LIMIT);
+        let list = "plan/pending-0123456789abcdef.ranges";
+        let fitted = summary(gaps.clone()).fitting(TERMINATION_MESSAGE_LIMIT, list);
         let message = termination_message(&fitted);
         assert!(
             message.len() <= TERMINATION_MESSAGE_LIMIT,
@@ -423,12 +596,37 @@ mod tests {
         assert!(!message.contains("truncated\":true,\"bytes"), "{message}");
         let read: PlanSummary = serde_json::from_str(&message).unwrap();
         assert!(read.done_truncated);
+        assert_eq!(read.pending_list.as_deref(), Some(list));
+        assert_eq!((read.done_count, read.pending_count()), (500_000, 500_000));
         assert!(read.done.len() > 100, "{} ranges kept", read.done.len());
         assert_eq!(read.done[..], gaps[..read.done.len()]);
-        // A summary that fits is left whole, and says nothing of truncation.
-        let few = summary(gaps[..3].to_vec()).fitting(TERMINATION_MESSAGE_LIMIT);
-        assert!(!few.done_truncated && few.done.len() == 3);
-        assert!(!termination_message(&few).contains("doneTruncated"));
+        // The longest prefix that fits: one more range would not.
+        let mut longer = read.clone();
+        longer.done.push(gaps[read.done.len()]);
+        assert!(serde_json::to_string(&longer).unwrap().len() > TERMINATION_MESSAGE_LIMIT);
+        // A summary that fits is left whole, and says nothing of truncation or of a list.
+        let few = summary(gaps[..3].to_vec()).fitting(TERMINATION_MESSAGE_LIMIT, list);
+        assert!(!few.done_truncated && few.done.len() == 3 && few.pending_list.is_none());
+        let message = termination_message(&few);
+        assert!(!message.contains("doneTruncated") && !message.contains("pendingList"));
+        assert!(message.contains("\"doneCount\":500000"), "{message}");
+    }
+
+    #[test]
+    fn a_plan_summary_of_a_worker_without_a_done_count_reads_as_none_counted() {
+        let summary: PlanSummary = serde_json::from_value(serde_json::json!({
+            "prompts": 3, "invalid": 0, "batches": 2, "done": [{"first": 0, "last": 0}],
+            "datasetDigest": "blake3:0", "specHash": "blake3:1",
+        }))
+        .unwrap();
+        assert_eq!(
+            (
+                summary.done_count,
+                summary.done_truncated,
+                summary.pending_list
+            ),
+            (0, false, None)
+        );
     }
 
     #[test]

@@ -13,6 +13,8 @@
 //!   trajectories.jsonl          merged output in dataset order
 //!   failures.jsonl              failed and discarded prompts
 //!   statistics.json             counts, tools, reasoning, tokens, latency
+//!   plan/pending-<16 hex>.ranges  the batches not done, when a plan's summary could not list
+//!                               the done ones (one file per such plan, never rewritten)
 //! ```
 //!
 //! Two rules keep every reader safe from a writer killed at any instant: whole files appear only by
@@ -103,6 +105,9 @@ impl<T> Context<T> for io::Result<T> {
         self.map_err(|source| StorageError::new(action, path, source))
     }
 }
+
+/// The directory of [`RunDir::plan_dir`], relative to the run directory.
+const PLAN_DIR: &str = "plan";
 
 /// Paths of one run's output directory.
 #[derive(Debug, Clone)]
@@ -201,6 +206,18 @@ impl RunDir {
     }
     pub fn statistics(&self) -> PathBuf {
         self.root.join("statistics.json")
+    }
+    /// Files a plan leaves for the generation pods (its pending lists).
+    pub fn plan_dir(&self) -> PathBuf {
+        self.root.join(PLAN_DIR)
+    }
+
+    /// A name for a new plan's pending list, relative to the run directory (the form the plan's
+    /// summary and the run plan carry): `plan/pending-<16 random hex digits>.ranges`. Random, so
+    /// that a plan run again never rewrites a list that pods of an earlier plan still read.
+    pub fn new_pending_list_name() -> String {
+        let unique: u64 = rand::random();
+        format!("{PLAN_DIR}/pending-{unique:016x}.ranges")
     }
 
     /// Removes the completion markers of `batches` (a marker already gone is fine), then makes the

@@ -16,7 +16,10 @@ use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
 };
-use trajectory_worker::contract::{BatchSummary, exit, format_ranges};
+use trajectory_worker::contract::{
+    BatchSummary, PlanSummary, TERMINATION_MESSAGE_LIMIT, WorkerFailure, env, exit, format_ranges,
+    parse_ranges,
+};
 use trajectory_worker::run::batch::run_batch;
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::run::manifest::Manifest;
@@ -927,6 +930,181 @@ async fn merge_reopens_every_done_batch_that_lost_a_record_and_a_rerun_fills_onl
     let merged = keys(&fixture.lines("trajectories.jsonl"));
     let every: Vec<(u64, u64)> = (0..16).flat_map(|p| [(p, 0), (p, 1)]).collect();
     assert_eq!(merged, every, "every key once, in dataset order");
+}
+
+/// A resume whose done batches are too scattered for the plan's summary (every other one of
+/// 400): `plan` writes the batches not done to storage and names the file in its termination
+/// message, and a batch pod whose run plan points at that list works the batch at its index's
+/// slot of it, and nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scattered_resume_hands_its_pending_list_to_the_batch_pods_through_storage() {
+    const BATCHES: u32 = 400;
+    let server = terminal_server(Duration::ZERO).await;
+    let fixture = RunFixture::new(&server.base_url(), 800).with("/batchSize", json!(2));
+    let location = fixture.location();
+    let (manifest, _) = plan::plan(&location).unwrap();
+    assert_eq!(manifest.batch_count(), BATCHES);
+    // An earlier run finished the even batches.
+    let engine = fixture.engine();
+    run_batches(&engine, &location, &manifest, (0..BATCHES).step_by(2)).await;
+    let earlier = server.request_count();
+    assert_eq!(
+        earlier,
+        200 * 2 * 2,
+        "200 batches of 2 conversations of 2 calls"
+    );
+
+    assert!(worker(&fixture, &["plan"]).await.success());
+    let message = std::fs::read_to_string(fixture.root().join("termination-log")).unwrap();
+    assert!(
+        message.len() <= TERMINATION_MESSAGE_LIMIT,
+        "{} bytes",
+        message.len()
+    );
+    let summary: PlanSummary = serde_json::from_str(&message).unwrap();
+    assert!(
+        summary.done_truncated && summary.done.len() < 200,
+        "{message}"
+    );
+    assert_eq!((summary.done_count, summary.pending_count()), (200, 200));
+    let list = summary.pending_list.expect("a pending list");
+    let text = std::fs::read_to_string(fixture.out().join(&list)).unwrap();
+    let odd: Vec<u32> = (1..BATCHES).step_by(2).collect();
+    assert_eq!(parse_ranges(&text).unwrap(), odd);
+
+    // A shard working slots 100-199 of the list: its index 7 is slot 107, batch 215.
+    let plan = location.plan.clone().with_pending_slots(&list, 100..200);
+    let batch = worked_batch(&fixture, &plan, 7).await;
+    assert_eq!((batch.batch, batch.succeeded, batch.resumed), (215, 2, 0));
+    // Its prompts 430 and 431, in the order their conversations ended.
+    let mut records = keys(&fixture.lines("batches/batch-000215.jsonl"));
+    records.sort_unstable();
+    assert_eq!(records, [(430, 0), (431, 0)]);
+    assert_eq!(
+        server.request_count() - earlier,
+        2 * 2,
+        "batch 215's two conversations"
+    );
+    let mut written: Vec<u32> = std::fs::read_dir(fixture.out().join("batches"))
+        .unwrap()
+        .filter_map(|entry| {
+            let name = entry.unwrap().file_name().into_string().unwrap();
+            name.strip_prefix("batch-")?
+                .strip_suffix(".jsonl")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    written.sort_unstable();
+    let mut expected: Vec<u32> = (0..BATCHES).step_by(2).collect();
+    expected.push(215);
+    expected.sort_unstable();
+    assert_eq!(written, expected, "no other batch was worked");
+
+    // Without batch ranges, index i is slot i.
+    let plan = location.plan.clone().with_pending_slots(&list, 0..200);
+    let identity = trajectory_worker::contract::RunPlan {
+        batch_ranges: None,
+        ..plan
+    };
+    assert_eq!(worked_batch(&fixture, &identity, 0).await.batch, 1);
+}
+
+/// A pending list that is not there, is not ranges, or is shorter than the slot an index works
+/// fails only that index (exit 65, bad batch input), naming the list, before any conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_list_missing_garbled_or_too_short_fails_only_the_index() {
+    let server = terminal_server(Duration::ZERO).await;
+    let fixture = RunFixture::new(&server.base_url(), 40);
+    let location = fixture.location();
+    plan::plan(&location).unwrap();
+    std::fs::create_dir_all(fixture.out().join("plan")).unwrap();
+    std::fs::write(fixture.out().join("plan/pending-short.ranges"), "1,3-4\n").unwrap();
+    std::fs::write(
+        fixture.out().join("plan/pending-garbled.ranges"),
+        "1,3,x-9\n",
+    )
+    .unwrap();
+    let with_list = |list: &str, slots| location.plan.clone().with_pending_slots(list, slots);
+    let past = with_list("plan/pending-short.ranges", 1..5);
+    let cases = [
+        (
+            &past,
+            2,
+            "pending-short.ranges: completion index 2 works slot 3, past the end",
+        ),
+        (
+            &with_list("plan/pending-0000000000000000.ranges", 0..1),
+            0,
+            "pending-0000000000000000.ranges: cannot read it",
+        ),
+        (
+            &with_list("plan/pending-garbled.ranges", 0..3),
+            2,
+            "pending-garbled.ranges: bad index range \"x-9\"",
+        ),
+        // Past the end of the slots themselves: as for any plan.
+        (&past, 4, "completion index 4 has no batch in the run plan"),
+    ];
+    for (plan, index, named) in cases {
+        let (code, message) = batch_pod(&fixture, plan, index).await;
+        assert_eq!(code, Some(exit::BAD_BATCH_INPUT), "{message}");
+        let failure: WorkerFailure = serde_json::from_str(&message).unwrap();
+        assert_eq!(failure.reason, "BadBatchInput");
+        assert!(failure.error.contains(named), "{}", failure.error);
+    }
+    assert_eq!(
+        server.request_count(),
+        0,
+        "no conversation for a failed index"
+    );
+    // The list's slot 2 is batch 4, which the same plan works.
+    assert_eq!(worked_batch(&fixture, &past, 1).await.batch, 4);
+}
+
+/// [`batch_pod`] for an index that must succeed: its summary.
+async fn worked_batch(
+    fixture: &RunFixture,
+    plan: &trajectory_worker::contract::RunPlan,
+    index: u32,
+) -> BatchSummary {
+    let (code, message) = batch_pod(fixture, plan, index).await;
+    assert_eq!(code, Some(0), "index {index}: {message}");
+    serde_json::from_str(&message).unwrap()
+}
+
+/// Runs `trajectory-worker batch` as a pod of a generation Job does: the run plan mounted at
+/// `TRAJ_PLAN_PATH`, the index in `JOB_COMPLETION_INDEX`. Returns the exit code and the
+/// termination message.
+async fn batch_pod(
+    fixture: &RunFixture,
+    plan: &trajectory_worker::contract::RunPlan,
+    index: u32,
+) -> (Option<i32>, String) {
+    let pod = tempfile::tempdir().unwrap();
+    let plan_path = pod.path().join("plan.json");
+    std::fs::write(&plan_path, serde_json::to_string(plan).unwrap()).unwrap();
+    let termination_log = pod.path().join("termination-log");
+    let child = Command::new(WORKER)
+        .arg("batch")
+        .env(env::PLAN_PATH, &plan_path)
+        .env(env::JOB_COMPLETION_INDEX, index.to_string())
+        .env(env::STORAGE_ROOT, fixture.root())
+        .env(env::TERMINATION_LOG, &termination_log)
+        .env(env::WORKSPACE_ROOT, fixture.workspaces())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the worker binary starts");
+    let output = wait(child).await;
+    let message = std::fs::read_to_string(&termination_log).unwrap_or_else(|_| {
+        format!(
+            "no termination message; stderr: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    (output.status.code(), message)
 }
 
 /// Runs `batches` to completion, one after the other.

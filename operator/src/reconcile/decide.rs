@@ -555,9 +555,11 @@ fn recorded_plan(status: Option<&TrajectoryRunStatus>) -> Option<PlanSummary> {
         invalid: prompts.invalid,
         batches: batches.total,
         done: compact_ranges(done),
+        done_count: 0,
         dataset_digest: String::new(),
         spec_hash: String::new(),
         done_truncated: false,
+        pending_list: None,
     })
 }
 

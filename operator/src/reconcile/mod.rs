@@ -83,7 +83,8 @@ async fn reconcile_run(run: &TrajectoryRun, ctx: &Context) -> Result<Action, Err
 
 /// observe → (validate → decide → build → status: [`desired_state`]) → apply → write.
 async fn pipeline(run: &TrajectoryRun, ctx: &Context) -> Result<Action, Error> {
-    let observed = observe::observe(&ctx.client, run)
+    // Boxed too: the observed plan summary and run plans make it large (clippy::large_futures).
+    let observed = Box::pin(observe::observe(&ctx.client, run))
         .await
         .map_err(Error::observe(run))?;
     let desired =

@@ -93,11 +93,7 @@ pub async fn run_local(
         plan_summary.prompts,
         plan_summary.invalid,
         plan_summary.batches,
-        plan_summary
-            .done
-            .iter()
-            .map(|range| range.last - range.first + 1)
-            .sum::<u32>()
+        plan_summary.done_count
     );
 
     let engine = Engine::new(&location.plan.spec, options.workspace_root.clone())?;

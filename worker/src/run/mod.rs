@@ -177,6 +177,7 @@ impl RunFile {
             spec: self.spec.clone(),
             batches: None,
             batch_ranges: None,
+            pending_list: None,
         }
     }
 }
@@ -188,6 +189,18 @@ pub fn load_plan(path: &Path) -> Result<RunPlan, RunError> {
     let plan: RunPlan = serde_json::from_str(&text)
         .map_err(|err| RunError::Spec(format!("{}: invalid run plan: {err}", path.display())))?;
     check_spec(path, &plan.spec)?;
+    if let Some(list) = &plan.pending_list {
+        // It is joined to the run directory: an absolute path or `..` would leave it.
+        let inside = Path::new(list)
+            .components()
+            .all(|part| matches!(part, std::path::Component::Normal(_)));
+        if !inside || list.is_empty() {
+            return Err(RunError::Spec(format!(
+                "{}: pendingList {list:?} is not a path inside the run's output directory",
+                path.display()
+            )));
+        }
+    }
     Ok(plan)
 }
 
@@ -239,5 +252,111 @@ impl RunLocation {
 
     pub fn dataset_path(&self) -> PathBuf {
         self.storage_root.join(&self.plan.spec.dataset.path)
+    }
+
+    /// The batch Job completion index `index` works: through the run plan alone, or, when it has
+    /// a [`RunPlan::pending_list`], through its slot in that list on storage, read once and never
+    /// expanded. An index past the end of either, or a list missing or unreadable, is bad batch
+    /// input for this index alone (exit 65); a failing read of the list (EIO, ESTALE) is the
+    /// storage's, and transient.
+    pub fn batch_for_index(&self, index: u32) -> Result<u32, RunError> {
+        let no_batch = || {
+            RunError::BadBatchInput(format!(
+                "completion index {index} has no batch in the run plan"
+            ))
+        };
+        let Some(list) = &self.plan.pending_list else {
+            return self.plan.batch_for_index(index).ok_or_else(no_batch);
+        };
+        let slot = self.plan.slot_for_index(index).ok_or_else(no_batch)?;
+        let path = self.run_dir().root().join(list);
+        let bad = |why: String| {
+            RunError::BadBatchInput(format!("the plan's pending list {}: {why}", path.display()))
+        };
+        let text =
+            std::fs::read_to_string(&path).map_err(|err| pending_list_read_error(&path, err))?;
+        match crate::contract::nth_in_ranges(&text, slot) {
+            Ok(Some(batch)) => Ok(batch),
+            Ok(None) => Err(bad(format!(
+                "completion index {index} works slot {slot}, past the end of the list"
+            ))),
+            Err(err) => Err(bad(err)),
+        }
+    }
+}
+
+/// A failed read of a pending list: a list that is not there or not text is bad input for the
+/// index (no retry of the pod makes it readable); any other error (EIO, ESTALE on NFS) is the
+/// storage's, and transient.
+fn pending_list_read_error(path: &Path, error: std::io::Error) -> RunError {
+    match error.kind() {
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::InvalidData => {
+            RunError::BadBatchInput(format!(
+                "the plan's pending list {}: cannot read it: {error}",
+                path.display()
+            ))
+        }
+        _ => StorageError::new("reading the pending list", path, error).into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Errors as the kernel reports them (no filesystem here can be made to answer EIO).
+    #[test]
+    fn a_failing_read_of_the_pending_list_is_transient_and_a_missing_one_is_bad_input() {
+        let path = Path::new("/data/out/plan/pending-0123456789abcdef.ranges");
+        for errno in [nix::errno::Errno::EIO, nix::errno::Errno::ESTALE] {
+            let error =
+                pending_list_read_error(path, std::io::Error::from_raw_os_error(errno as i32));
+            assert_eq!(error.exit_code(), exit::TRANSIENT, "{error}");
+            assert!(
+                error.to_string().contains(&*path.to_string_lossy()),
+                "{error}"
+            );
+        }
+        for kind in [
+            std::io::ErrorKind::NotFound,
+            std::io::ErrorKind::InvalidData,
+        ] {
+            let error = pending_list_read_error(path, kind.into());
+            assert_eq!(error.exit_code(), exit::BAD_BATCH_INPUT, "{error}");
+            assert!(
+                error.to_string().contains(&*path.to_string_lossy()),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_run_plan_whose_pending_list_leaves_the_run_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan.json");
+        let plan_with = |list: &str| {
+            serde_json::json!({
+                "name": "r", "namespace": "ns", "outputPath": "out", "pendingList": list,
+                "spec": {"dataset": {"path": "d.jsonl"}, "model": {"baseUrl": "http://m/v1", "name": "m"}},
+            })
+            .to_string()
+        };
+        for list in [
+            "/etc/passwd",
+            "../other/plan/pending.ranges",
+            "plan/../../x",
+            "",
+        ] {
+            std::fs::write(&path, plan_with(list)).unwrap();
+            let error = load_plan(&path).unwrap_err();
+            assert_eq!(error.exit_code(), exit::PERMANENT_CONFIG, "{list}: {error}");
+            assert!(error.to_string().contains("pendingList"), "{error}");
+        }
+        std::fs::write(&path, plan_with("plan/pending-0123456789abcdef.ranges")).unwrap();
+        let plan = load_plan(&path).unwrap();
+        assert_eq!(
+            plan.pending_list.as_deref(),
+            Some("plan/pending-0123456789abcdef.ranges")
+        );
     }
 }

@@ -20,11 +20,11 @@ use super::manifest::{
 };
 use super::segments::{SEGMENT_BYTES, SegmentHasher};
 use super::{RunError, RunLocation};
-use crate::contract::{PlanSummary, compact_ranges};
+use crate::contract::{BatchRange, PlanSummary, Ranges, TERMINATION_MESSAGE_LIMIT, compact_ranges};
 use crate::dataset::{Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe, without_bom};
 use crate::distribution::Distribution;
 use crate::spec::RunSpec;
-use crate::storage::{Context, StorageError, sync_dir, temp_path, write_atomic_with};
+use crate::storage::{Context, RunDir, StorageError, sync_dir, temp_path, write_atomic_with};
 use crate::tools::Registry;
 
 /// The dataset is read in blocks of this size: large reads, and large updates for the digests
@@ -447,15 +447,19 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
     })?;
     sync_dir(run_dir.root())?;
 
-    let done = run_dir.done_batches()?;
+    let mut done = run_dir.done_batches()?;
+    done.retain(|id| *id < manifest.batch_count());
     let summary = PlanSummary {
         prompts: manifest.dataset.prompts,
         invalid: manifest.dataset.invalid,
         batches: manifest.batch_count(),
-        done: compact_ranges(done.into_iter().filter(|id| *id < manifest.batch_count())),
+        // At most the batch count, a u32.
+        done_count: u32::try_from(done.len()).unwrap_or(u32::MAX),
+        done: compact_ranges(done),
         dataset_digest: manifest.dataset.digest.clone(),
         spec_hash: manifest.spec_hash.clone(),
         done_truncated: false,
+        pending_list: None,
     };
     info!(
         prompts = summary.prompts,
@@ -467,11 +471,69 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
     Ok((manifest, summary))
 }
 
+/// `plan` as a pod runs it for the operator: [`plan`], then its summary fitted to the termination
+/// message ([`PlanSummary::fitting`]). When the done ranges do not fit, the batches not done are
+/// first written to a new pending list on storage, which the summary names.
+pub fn plan_for_operator(location: &RunLocation) -> Result<PlanSummary, RunError> {
+    let (_, summary) = plan(location)?;
+    hand_off(&location.run_dir(), summary, TERMINATION_MESSAGE_LIMIT)
+}
+
+/// Fits `summary` into `limit` bytes, writing the pending list it then names before returning it.
+///
+/// The lists of earlier plans are left in place: a pod of an earlier plan's Job may start long
+/// after a new plan (Jobs start pods as parallelism frees up) and must still find its list, and a
+/// list is at most a few MB (a million batches, every other one done: 7 MB), written only by a
+/// plan that finds its done set scattered, which happens once per re-created run or lost status.
+/// They go with the run's output directory.
+fn hand_off(run_dir: &RunDir, summary: PlanSummary, limit: usize) -> Result<PlanSummary, RunError> {
+    // Computed before `fitting` cuts `done`; a few ranges unless the done set is scattered.
+    let pending = not_done(summary.batches, &summary.done);
+    let name = RunDir::new_pending_list_name();
+    let summary = summary.fitting(limit, &name);
+    if summary.pending_list.is_some() {
+        let path = run_dir.root().join(&name);
+        write_atomic_with(&path, |out| writeln!(out, "{}", Ranges(&pending)))?;
+        // `plan/` may be new: its entry in the run directory must be durable too.
+        sync_dir(run_dir.root())?;
+        info!(
+            pending = summary.pending_count(),
+            ranges = pending.len(),
+            "the done batches do not fit the summary: wrote the pending list {}",
+            path.display()
+        );
+    }
+    Ok(summary)
+}
+
+/// The ranges of `0..batches` not in `done` (ascending, disjoint ranges).
+fn not_done(batches: u32, done: &[BatchRange]) -> Vec<BatchRange> {
+    let mut pending = Vec::with_capacity(done.len() + 1);
+    let mut next = 0;
+    for range in done {
+        if range.first > next {
+            pending.push(BatchRange {
+                first: next,
+                last: range.first - 1,
+            });
+        }
+        next = next.max(range.last.saturating_add(1));
+    }
+    if next < batches {
+        pending.push(BatchRange {
+            first: next,
+            last: batches - 1,
+        });
+    }
+    pending
+}
+
 #[cfg(test)]
 mod tests {
     use std::io::BufReader;
 
     use super::*;
+    use crate::contract::resolve_batch;
     use crate::dataset::{LineReader, parse_row};
 
     /// The layout computed line by line: `batch_size` valid lines per batch, each batch from its
@@ -512,8 +574,136 @@ mod tests {
                 spec,
                 batches: None,
                 batch_ranges: None,
+                pending_list: None,
             },
         }
+    }
+
+    /// A resume of a million batches, 40 % done at random: about 240,000 done ranges, which no
+    /// termination message holds.
+    #[test]
+    fn a_scattered_resume_of_a_million_batches_hands_off_its_pending_list_on_storage() {
+        use rand::{Rng, SeedableRng};
+        const BATCHES: u32 = 1_000_000;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(14);
+        let is_done: Vec<bool> = (0..BATCHES).map(|_| rng.random_bool(0.4)).collect();
+        let done: Vec<u32> = (0..BATCHES).filter(|id| is_done[*id as usize]).collect();
+        let expected: Vec<u32> = (0..BATCHES).filter(|id| !is_done[*id as usize]).collect();
+        let summary = PlanSummary {
+            prompts: u64::from(BATCHES),
+            invalid: 0,
+            batches: BATCHES,
+            done_count: u32::try_from(done.len()).unwrap(),
+            done: compact_ranges(done.iter().copied()),
+            dataset_digest: format!("blake3:{}", "0".repeat(64)),
+            spec_hash: format!("blake3:{}", "1".repeat(64)),
+            done_truncated: false,
+            pending_list: None,
+        };
+        assert!(
+            summary.done.len() > 200_000,
+            "{} ranges",
+            summary.done.len()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = RunDir::new(dir.path().join("out"));
+
+        let started = std::time::Instant::now();
+        let fitted = hand_off(&run_dir, summary.clone(), TERMINATION_MESSAGE_LIMIT).unwrap();
+        let took = started.elapsed();
+
+        let message = crate::contract::termination_message(&fitted);
+        assert!(
+            message.len() <= TERMINATION_MESSAGE_LIMIT,
+            "{} bytes",
+            message.len()
+        );
+        let read: PlanSummary = serde_json::from_str(&message).unwrap();
+        assert_eq!(read.done_count as usize, done.len());
+        assert!(read.done_truncated);
+        assert_eq!(read.done[..], summary.done[..read.done.len()]);
+        let list = read.pending_list.clone().expect("a pending list");
+        let unique = list
+            .strip_prefix("plan/pending-")
+            .and_then(|rest| rest.strip_suffix(".ranges"))
+            .expect("plan/pending-<hex>.ranges");
+        assert!(
+            unique.len() == 16 && unique.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{list}"
+        );
+        let text = std::fs::read_to_string(run_dir.root().join(&list)).unwrap();
+        assert_eq!(text.lines().count(), 1);
+        assert_eq!(crate::contract::parse_ranges(&text).unwrap(), expected);
+        assert_eq!(read.pending_count() as usize, expected.len());
+
+        // Job indexes count into the list: slots 0, the middle and the last.
+        let (middle, final_slot) = (expected.len() / 2, expected.len() - 1);
+        for slot in [0, middle, final_slot] {
+            let index = u32::try_from(slot).unwrap();
+            assert_eq!(
+                resolve_batch(&text, None, index),
+                Some(expected[slot]),
+                "slot {slot}"
+            );
+        }
+        let shard = format!("{middle}-{final_slot}");
+        assert_eq!(
+            resolve_batch(&text, Some(&shard), 1),
+            Some(expected[middle + 1])
+        );
+        assert_eq!(
+            resolve_batch(&text, None, u32::try_from(final_slot + 1).unwrap()),
+            None
+        );
+
+        // Linear work, bounded by the ranges (quadratic would take hours): well under a second
+        // in a release build, a few in a debug one on a loaded machine.
+        assert!(took < std::time::Duration::from_secs(30), "{took:?}");
+
+        // A plan run again writes a list of its own and leaves the earlier one for its pods.
+        let again = hand_off(&run_dir, summary, TERMINATION_MESSAGE_LIMIT).unwrap();
+        let other = again.pending_list.expect("a pending list");
+        assert_ne!(other, list);
+        assert_eq!(
+            std::fs::read_to_string(run_dir.root().join(&list)).unwrap(),
+            text
+        );
+        assert_eq!(std::fs::read_dir(run_dir.plan_dir()).unwrap().count(), 2);
+    }
+
+    #[test]
+    fn a_summary_that_fits_writes_no_pending_list() {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = RunDir::new(dir.path());
+        let summary = PlanSummary {
+            prompts: 10,
+            invalid: 0,
+            batches: 10,
+            done_count: 3,
+            done: compact_ranges([0, 1, 5]),
+            dataset_digest: String::new(),
+            spec_hash: String::new(),
+            done_truncated: false,
+            pending_list: None,
+        };
+        let fitted = hand_off(&run_dir, summary.clone(), TERMINATION_MESSAGE_LIMIT).unwrap();
+        assert_eq!(fitted, summary);
+        assert!(!run_dir.plan_dir().exists());
+    }
+
+    #[test]
+    fn the_batches_not_done_are_the_gaps_between_the_done_ranges() {
+        let pending = |batches, done: &[u32]| {
+            crate::contract::format_ranges(&not_done(
+                batches,
+                &compact_ranges(done.iter().copied()),
+            ))
+        };
+        assert_eq!(pending(10, &[]), "0-9");
+        assert_eq!(pending(10, &[0, 1, 5, 9]), "2-4,6-8");
+        assert_eq!(pending(10, &[3]), "0-2,4-9");
+        assert_eq!(pending(3, &[0, 1, 2]), "");
+        assert_eq!(pending(0, &[]), "");
     }
 
     #[test]

@@ -38,6 +38,7 @@ pub fn plan_config_map(
         output_path: run.output_path.clone(),
         batches,
         batch_ranges,
+        pending_list: None,
     };
     // A run plan holds strings, numbers and string-keyed maps, which serde_json always writes
     // (non-finite floats as null).
