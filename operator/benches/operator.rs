@@ -19,7 +19,9 @@
 //! scripts/cluster/with-cluster.sh cargo bench -p trajectory-operator --bench operator
 //! ```
 //! Knobs: `OPERATOR_BENCH_PARTS` (`latency,writes,memory`), `OPERATOR_BENCH_BATCHES` (10000),
-//! `OPERATOR_BENCH_ROUNDS` (3), `OPERATOR_BENCH_RUNS` (200).
+//! `OPERATOR_BENCH_DONE_PERCENT` (0: the latency part's runs resume over that share of their
+//! batches done at random by an earlier run), `OPERATOR_BENCH_ROUNDS` (3),
+//! `OPERATOR_BENCH_RUNS` (200).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -37,7 +39,8 @@ use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::reconcile::observe::JobState;
 use trajectory_tests::e2e::{
-    Kubelet, Scratch, http_get, model, phase_of, plan_termination_message, run_spec, write_dataset,
+    Kubelet, Scratch, http_get, mark_done, model, phase_of, plan_termination_message,
+    random_batches, run_spec, write_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::contract::{MAX_JOB_COMPLETIONS, parse_ranges};
@@ -248,6 +251,8 @@ async fn report_hand_offs(
 /// Part 1: a run of `batches` batches, `rounds` times.
 async fn latency(client: &Client, scratch: &Scratch, base_url: &str, report: &mut String) {
     let batches: u32 = knob("OPERATOR_BENCH_BATCHES", 10_000);
+    let done_percent: u32 = knob("OPERATOR_BENCH_DONE_PERCENT", 0);
+    let done_before = batches / 100 * done_percent.min(100);
     let rounds: usize = knob("OPERATOR_BENCH_ROUNDS", 3);
     let namespace = TestNamespace::create(client, "bench-latency").await;
     let ns = namespace.name();
@@ -262,29 +267,31 @@ async fn latency(client: &Client, scratch: &Scratch, base_url: &str, report: &mu
         (vec![], vec![], vec![], vec![]);
     let _ = writeln!(
         report,
-        "\n### Latency: a run of {batches} batches ({rounds} rounds)\n\n| round | apply → plan Job created ms | plan pod finished → plan Job Complete ms (Job controller) | plan Job Complete → generation Job created ms (operator) | plan pod finished → generation Job created ms |\n|---:|---:|---:|---:|---:|"
+        "\n### Latency: a run of {batches} batches, {done_before} done before at random ({rounds} rounds)\n\n| round | apply → plan Job created ms | plan pod finished → plan Job Complete ms (Job controller) | plan Job Complete → generation Job created ms (operator) | plan pod finished → generation Job created ms |\n|---:|---:|---:|---:|---:|"
     );
     for round in 0..rounds {
         let name = format!("big-{round}");
+        let spec = run_spec(base_url, &json!({"batchSize": 1, "workers": 8}));
+        let kubelet = Kubelet::new(client, ns, &name, scratch);
+        if done_before > 0 {
+            kubelet.plan_an_earlier_run(ns, &spec.run).await;
+            let done = random_batches(batches, done_before, u64::try_from(round).unwrap_or(0));
+            let output = scratch.storage().join(spec.run.output_path(ns, &name));
+            mark_done(&output.join("batches"), &done);
+        }
         let applied = Instant::now();
-        runs.create(
-            &PostParams::default(),
-            &TrajectoryRun::new(
-                &name,
-                run_spec(base_url, &json!({"batchSize": 1, "workers": 8})),
-            ),
-        )
-        .await
-        .expect("create the run");
+        runs.create(&PostParams::default(), &TrajectoryRun::new(&name, spec))
+            .await
+            .expect("create the run");
         let plan_job = format!("{name}-plan");
         wait_until("the plan Job", Duration::from_secs(30), || async {
             jobs.get_opt(&plan_job).await.ok().flatten()
         })
         .await;
         let plan_created = applied.elapsed();
-        let kubelet = Kubelet::new(client, ns, &name, scratch);
         assert!(kubelet.play_the_plan().await, "the plan pod was played");
-        let (complete_at, created_at) = generation_job_after_plan(&jobs, &name, batches).await;
+        let (complete_at, created_at) =
+            generation_job_after_plan(&jobs, &name, batches - done_before).await;
         let operator_part = created_at.saturating_sub(complete_at);
         let _ = writeln!(
             report,
@@ -316,7 +323,7 @@ async fn latency(client: &Client, scratch: &Scratch, base_url: &str, report: &mu
         ms(median(&mut complete_to_gen)),
         ms(median(&mut total))
     );
-    report_hand_offs(report, &operator, client, ns, rounds, batches).await;
+    report_hand_offs(report, &operator, client, ns, rounds, batches - done_before).await;
     drop(operator);
 }
 
@@ -547,7 +554,12 @@ async fn main() {
     for part in parts.split(',') {
         match part.trim() {
             "latency" => {
-                let scratch = Scratch::new();
+                // Hundreds of thousands of done markers are made and removed in memory.
+                let scratch = if knob("OPERATOR_BENCH_DONE_PERCENT", 0_u32) > 0 {
+                    Scratch::in_memory()
+                } else {
+                    Scratch::new()
+                };
                 latency(&client, &scratch, &base_url, &mut report).await;
             }
             "writes" => writes(&client, &base_url, &mut report).await,

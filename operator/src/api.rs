@@ -156,11 +156,35 @@ pub struct BatchCounts {
     /// Batches in the run.
     pub total: u32,
     /// Ids of the finished batches, as ranges in Kubernetes' `completedIndexes` format (`0-41,44`).
+    /// Empty when the plan found the done batches too scattered to list (see `pendingList`):
+    /// `completedCount` counts them then.
     #[serde(default)]
     pub completed: String,
-    /// Ids of the batches that failed after their retries, in the same format.
+    /// Ids of the batches that failed after their retries, in the same format (empty, likewise,
+    /// with `pendingList`).
     #[serde(default)]
     pub failed: String,
+    /// How many batches are finished (the Progress column's first number).
+    #[serde(default)]
+    pub completed_count: u32,
+    /// How many batches failed after their retries and are not finished.
+    #[serde(default)]
+    pub failed_count: u32,
+    /// Set when the plan found the batches done by an earlier run too scattered to list in its
+    /// summary: it wrote the pending batches to this list on the storage volume instead, and the
+    /// generation Jobs' completion indexes count positions in that list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_list: Option<PendingListStatus>,
+}
+
+/// The plan's list of pending batches on the storage volume.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingListStatus {
+    /// Its path, relative to the run's output directory.
+    pub path: String,
+    /// How many batches it lists: those without a completion marker when the plan ran.
+    pub batches: u32,
 }
 
 /// The merged output.

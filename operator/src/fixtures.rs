@@ -268,6 +268,22 @@ impl ObservedFixture {
     pub fn done(mut self, first: u32, last: u32) -> Self {
         if let Some(summary) = &mut self.0.plan_summary {
             summary.done.push(BatchRange { first, last });
+            summary.done_count += last - first + 1;
+        }
+        self
+    }
+
+    /// The plan found `done_count` batches done, too scattered to list: it listed only
+    /// `0..=listed_last` in its summary and wrote the pending batches to `list` on storage.
+    pub fn scattered(mut self, done_count: u32, listed_last: u32, list: &str) -> Self {
+        if let Some(summary) = &mut self.0.plan_summary {
+            summary.done = vec![BatchRange {
+                first: 0,
+                last: listed_last,
+            }];
+            summary.done_count = done_count;
+            summary.done_truncated = true;
+            summary.pending_list = Some(list.to_owned());
         }
         self
     }

@@ -246,10 +246,7 @@ impl Metrics {
             }
             if let Some(counts) = status.and_then(|s| s.batches.as_ref()) {
                 batches += i64::from(counts.total);
-                // The status is the operator's own writing; an unreadable one counts nothing.
-                let finished = trajectory_worker::contract::parse_ranges(&counts.completed)
-                    .map_or(0, |ids| ids.len());
-                done += i64::try_from(finished).unwrap_or(i64::MAX);
+                done += i64::from(finished_batches(counts));
             }
         }
         for (phase, count) in PHASES.iter().zip(by_phase) {
@@ -262,6 +259,17 @@ impl Metrics {
         self.batches.set(batches);
         self.batches_done.set(done);
     }
+}
+
+/// The finished batches of a run's status: its count, or, in a status written before there was
+/// one, its ranges counted (the status is the operator's own writing; unreadable ranges count
+/// nothing).
+fn finished_batches(counts: &crate::api::BatchCounts) -> u32 {
+    if counts.completed_count > 0 || counts.pending_list.is_some() {
+        return counts.completed_count;
+    }
+    trajectory_worker::contract::parse_ranges(&counts.completed)
+        .map_or(0, |ids| u32::try_from(ids.len()).unwrap_or(u32::MAX))
 }
 
 /// A client for `config` whose requests are counted in `trajectory_operator_api_requests_total`.
@@ -414,7 +422,11 @@ mod tests {
             ),
             run_with_status(
                 "done",
-                &json!({"phase": "Succeeded", "batches": {"total": 2, "completed": "0-1"}}),
+                &json!({"phase": "Succeeded", "batches": {"total": 2, "completed": "0-1", "completedCount": 2}}),
+            ),
+            run_with_status(
+                "resumed",
+                &json!({"phase": "Running", "batches": {"total": 1000, "completedCount": 400, "pendingList": {"path": "plan/pending-1.ranges", "batches": 600}}}),
             ),
         ];
         metrics.refresh(&runs);
@@ -422,11 +434,11 @@ mod tests {
         prometheus_client::encoding::text::encode(&mut text, &metrics.registry).expect("encode");
         for line in [
             "trajectory_operator_runs{phase=\"Pending\"} 1",
-            "trajectory_operator_runs{phase=\"Running\"} 1",
+            "trajectory_operator_runs{phase=\"Running\"} 2",
             "trajectory_operator_runs{phase=\"Succeeded\"} 1",
             "trajectory_operator_runs{phase=\"Failed\"} 0",
-            "trajectory_operator_batches 12",
-            "trajectory_operator_batches_done 7",
+            "trajectory_operator_batches 1012",
+            "trajectory_operator_batches_done 407",
         ] {
             assert!(text.contains(line), "no `{line}` in:\n{text}");
         }

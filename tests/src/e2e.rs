@@ -43,7 +43,7 @@ use trajectory_operator::settings::Settings;
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, text_reply, tool_call_reply,
 };
-use trajectory_worker::contract::{WorkerFailure, exit, paths, termination_message};
+use trajectory_worker::contract::{self, RunPlan, WorkerFailure, exit, paths, termination_message};
 use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunLocation, load_plan, merge, plan};
@@ -104,7 +104,22 @@ pub struct Scratch(pub PathBuf);
 
 impl Scratch {
     pub fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique_name("trajectory-e2e"));
+        Self::under(&std::env::temp_dir())
+    }
+
+    /// A scratch directory in memory (`/dev/shm`): for storage of hundreds of thousands of small
+    /// files, which a disk shared with builds creates and removes a few hundred a second.
+    pub fn in_memory() -> Self {
+        let shm = Path::new("/dev/shm");
+        assert!(
+            shm.is_dir(),
+            "no /dev/shm for an in-memory scratch directory"
+        );
+        Self::under(shm)
+    }
+
+    fn under(parent: &Path) -> Self {
+        let dir = parent.join(unique_name("trajectory-e2e"));
         std::fs::create_dir_all(dir.join("data/datasets")).expect("create the scratch directory");
         Self(dir)
     }
@@ -362,14 +377,9 @@ impl Kubelet {
         if phase != Some(stage_phase) {
             return false;
         }
-        // As the worker resolves it: through the plan, and its pending list on storage if any.
-        let batch = load_plan(&plan_path).ok().and_then(|plan| {
-            let location = RunLocation {
-                storage_root: self.storage.clone(),
-                plan,
-            };
-            index.and_then(|i| location.batch_for_index(i).ok())
-        });
+        let batch = load_plan(&plan_path)
+            .ok()
+            .and_then(|plan| index.and_then(|i| self.batch_of(&plan, i)));
         if batch.is_some_and(|batch| self.hold.contains(&batch)) {
             return false;
         }
@@ -398,6 +408,42 @@ impl Kubelet {
         )
         .await;
         true
+    }
+
+    /// Plays an earlier run of this run's name on the same storage (another uid, the same spec):
+    /// its plan step. Returns that plan's path and a workspace, for its batch steps.
+    pub async fn plan_an_earlier_run(&self, namespace: &str, spec: &RunSpec) -> (PathBuf, PathBuf) {
+        let earlier = RunPlan {
+            name: self.run.clone(),
+            namespace: namespace.to_owned(),
+            uid: "an-earlier-run".into(),
+            output_path: spec.output_path(namespace, &self.run),
+            spec: spec.clone(),
+            batches: None,
+            batch_ranges: None,
+            pending_list: None,
+        };
+        let earlier_dir = self.scratch.join("earlier");
+        std::fs::create_dir_all(&earlier_dir).expect("the earlier run's directory");
+        let plan_path = earlier_dir.join(paths::PLAN_FILE);
+        std::fs::write(&plan_path, serde_json::to_string(&earlier).expect("JSON"))
+            .expect("the earlier plan");
+        let workspace = earlier_dir.join("workspace");
+        let (code, message) = self.run_worker("plan", &plan_path, None, &workspace).await;
+        assert_eq!(code, exit::OK, "the earlier run's plan: {message}");
+        (plan_path, workspace)
+    }
+
+    /// The batch completion index `index` works under `plan`: through the plan's pending list on
+    /// storage when it has one.
+    fn batch_of(&self, plan: &RunPlan, index: u32) -> Option<u32> {
+        let Some(list) = &plan.pending_list else {
+            return plan.batch_for_index(index);
+        };
+        let path = self.storage.join(&plan.output_path).join(list);
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("reading the pending list {}: {e}", path.display()));
+        contract::resolve_batch(text.trim(), plan.batch_ranges.as_deref(), index)
     }
 
     /// Writes the pod's plan `ConfigMap` where the pod would see it mounted; `None` when the
@@ -739,4 +785,32 @@ pub async fn plan_termination_message(
         .filter_map(|pod| pod.status?.container_statuses)
         .flatten()
         .find_map(|status| status.state?.terminated?.message)
+}
+
+/// `count` distinct batch ids below `total`, drawn with `seed`.
+pub fn random_batches(total: u32, count: u32, seed: u64) -> BTreeSet<u32> {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let to_usize = |n: u32| usize::try_from(n).expect("a count");
+    rand::seq::index::sample(&mut rng, to_usize(total), to_usize(count))
+        .into_iter()
+        .map(|id| u32::try_from(id).expect("a batch id"))
+        .collect()
+}
+
+/// Writes the `.done` markers of `batches` in the batches directory `dir`, as batches that
+/// finished would have.
+pub fn mark_done(dir: &Path, batches: &BTreeSet<u32>) {
+    std::fs::create_dir_all(dir).expect("the batches directory");
+    for batch in batches {
+        let marker = json!({
+            "batch": batch, "succeeded": 1, "discarded": 0, "failed": 0,
+            "finishedAt": "2026-12-01T00:00:00Z",
+        });
+        std::fs::write(
+            dir.join(format!("batch-{batch:06}.done")),
+            marker.to_string(),
+        )
+        .expect("a done marker");
+    }
 }

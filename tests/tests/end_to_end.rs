@@ -38,9 +38,9 @@ use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::service::{self, Exit};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::e2e::{
-    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, children, done_batches, jsonl, model,
-    phase_events, phase_of, plan_termination_message, pods_of_index, printed_row, run_spec,
-    snapshot, start_controller_in, write_dataset,
+    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, children, done_batches, jsonl, mark_done,
+    model, phase_events, phase_of, plan_termination_message, pods_of_index, printed_row,
+    random_batches, run_spec, snapshot, start_controller_in, write_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::contract::{exit, paths};
@@ -1240,17 +1240,43 @@ async fn a_run_of_a_million_batches_is_planned_sharded_and_dispatched() {
     assert_eq!(status.attempt, Some(1));
 }
 
+/// The plan `ConfigMap` of a generation Job, checked to be under 4 KiB.
+async fn small_shard_plan(
+    maps: &Api<ConfigMap>,
+    job: &Job,
+) -> trajectory_worker::contract::RunPlan {
+    let name = job.metadata.name.clone().unwrap_or_default();
+    let map = maps.get(&name).await.expect("the shard's plan ConfigMap");
+    let text = &map.data.as_ref().expect("data")[paths::PLAN_FILE];
+    eprintln!("{name}: plan ConfigMap {} bytes", text.len());
+    assert!(text.len() < 4096, "{name}: {} bytes", text.len());
+    serde_json::from_str(text).expect("a run plan")
+}
+
+/// A Pending pod of the Job `job`, once there is one.
+async fn a_pending_pod(pods: &Api<Pod>, job: &str) -> Pod {
+    let selector = format!("batch.kubernetes.io/job-name={job}");
+    wait_until(
+        "a pending pod of the Job",
+        Duration::from_secs(60),
+        || async {
+            pods.list(&ListParams::default().labels(&selector))
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|pod| pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending"))
+        },
+    )
+    .await
+}
+
 /// Every shard's plan `ConfigMap` is small: the first shard is the identity (its Job's completions
 /// bound it), the others name their 100,000 batches as ranges.
 async fn assert_shard_plans_are_small(maps: &Api<ConfigMap>, shards: &[Job]) {
     for job in shards {
         let name = job.metadata.name.clone().unwrap_or_default();
-        let map = maps.get(&name).await.expect("the shard's plan ConfigMap");
-        let text = &map.data.as_ref().expect("data")[paths::PLAN_FILE];
-        assert!(text.len() < 4096, "{name}: {} bytes", text.len());
-        let plan: trajectory_worker::contract::RunPlan =
-            serde_json::from_str(text).expect("a run plan");
-        eprintln!("{name}: plan ConfigMap {} bytes", text.len());
+        let plan = small_shard_plan(maps, job).await;
         let first = plan.batch_for_index(0).expect("a first batch");
         assert_eq!(first % 100_000, 0, "{name}");
         assert_eq!(plan.batch_for_index(99_999), Some(first + 99_999), "{name}");
@@ -1335,26 +1361,7 @@ async fn a_resume_over_scattered_done_batches_redoes_none_of_them() {
 
     // An earlier run on the same storage finished the even batches.
     let kubelet = Kubelet::new(client, ns, "scattered", scratch);
-    let plan = trajectory_worker::contract::RunPlan {
-        name: "scattered".into(),
-        namespace: ns.to_owned(),
-        uid: "an-earlier-run".into(),
-        output_path: spec.run.output_path(ns, "scattered"),
-        spec: spec.run.clone(),
-        batches: None,
-        batch_ranges: None,
-        pending_list: None,
-    };
-    let plan_path = scratch.0.join("earlier-plan.json");
-    std::fs::write(&plan_path, serde_json::to_string(&plan).expect("JSON")).expect("the plan");
-    let workspace = scratch.0.join("earlier-workspace");
-    assert_eq!(
-        kubelet
-            .run_worker("plan", &plan_path, None, &workspace)
-            .await
-            .0,
-        0
-    );
+    let (plan_path, workspace) = kubelet.plan_an_earlier_run(ns, &spec.run).await;
     for batch in (0..BATCHES).step_by(2) {
         let (code, message) = kubelet
             .run_worker("batch", &plan_path, Some(batch), &workspace)
@@ -1409,14 +1416,11 @@ async fn a_batch_found_incomplete_by_the_merge_is_generated_again_in_a_second_ro
     let (setup, _controller, mut kubelet) =
         Setup::with_run("e2e-rounds", "rounds", &json!({})).await;
     let (client, ns, model) = (&setup.client, setup.ns(), &setup.model);
-    let batches = setup
-        .scratch
-        .storage()
-        .join(format!("runs/{ns}/rounds/batches"));
+    let run_dir = setup.scratch.storage().join(format!("runs/{ns}/rounds"));
     // Just before the first merge runs, prompt 4's record (batch 1 holds prompts 3 to 5) goes.
     kubelet.crash = Box::new(move |mode, _, played| {
         if mode == "merge" && !played.iter().any(|p| p.mode == "merge") {
-            assert_eq!(drop_record(&batches, 1, 4), 1, "prompt 4 had one record");
+            assert_eq!(drop_record(&run_dir, 1, 4), 1, "prompt 4 had one record");
         }
         None
     });
@@ -1484,23 +1488,15 @@ async fn a_batch_found_incomplete_by_the_merge_is_generated_again_in_a_second_ro
     assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
 }
 
-/// Removes the record lines of `prompt` from batch `batch`'s record files (every writer's);
-/// returns how many it removed.
-fn drop_record(batches: &Path, batch: u32, prompt: u64) -> usize {
-    let prefix = format!("batch-{batch:06}");
+/// Removes the record lines of `prompt` from batch `batch`'s record files (every writer's) in
+/// the run directory `run_dir`; returns how many it removed.
+fn drop_record(run_dir: &Path, batch: u32, prompt: u64) -> usize {
+    let files = trajectory_worker::storage::RunDir::new(run_dir)
+        .records_files(batch)
+        .expect("the batch's records files");
     let mut removed = 0;
-    for entry in std::fs::read_dir(batches).expect("the batches directory") {
-        let path = entry.expect("an entry").path();
-        let name = path
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned();
-        let records = path.extension().is_some_and(|ext| ext == "jsonl");
-        if !name.starts_with(&prefix) || !records || name.ends_with(".openai.jsonl") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&path).expect("a record file");
+    for file in files {
+        let text = std::fs::read_to_string(&file.records).expect("a records file");
         let kept: Vec<&str> = text
             .lines()
             .filter(|line| {
@@ -1514,7 +1510,108 @@ fn drop_record(batches: &Path, batch: u32, prompt: u64) -> usize {
         if !kept.is_empty() {
             rewritten.push('\n');
         }
-        std::fs::write(&path, rewritten).expect("rewrite the record file");
+        std::fs::write(&file.records, rewritten).expect("rewrite the records file");
     }
     removed
+}
+
+/// A resume of a million batches with 40 % of them done at random (some 240,000 gaps, far more
+/// than a 4 KiB summary lists): the plan writes the pending batches to a list on storage, and the
+/// operator shards just those 600,000 over six Jobs whose indexes count positions in the list; a
+/// pod of any shard works a batch that was not done, and no done batch gets a pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resume_of_a_million_batches_forty_percent_done_at_random_plans_only_the_rest() {
+    const BATCHES: u32 = 1_000_000;
+    const DONE: u32 = 400_000;
+    let mut setup = Setup::without_controller("e2e-sparse").await;
+    setup.scratch = Scratch::in_memory();
+    let (client, ns, model, scratch) = (&setup.client, setup.ns(), &setup.model, &setup.scratch);
+    write_dataset(
+        &scratch.storage(),
+        usize::try_from(BATCHES).expect("a count"),
+    );
+    let extra = json!({"batchSize": 1, "workers": 6});
+    let spec = run_spec(&model.base_url(), &extra);
+    let output = scratch.storage().join(spec.run.output_path(ns, "sparse"));
+
+    // An earlier run on the same storage planned the dataset and finished 400,000 batches at
+    // random (their markers are written here: generating them would take 400,000 conversations).
+    let kubelet = Kubelet::new(client, ns, "sparse", scratch);
+    kubelet.plan_an_earlier_run(ns, &spec.run).await;
+    let done = random_batches(BATCHES, DONE, 14);
+    mark_done(&output.join("batches"), &done);
+
+    let _controller = start_controller_in(client, ns);
+    setup.create("sparse", &extra).await;
+    assert!(kubelet.play_the_plan().await, "the plan pod was played");
+    let planned = std::time::Instant::now();
+    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+    let selector = format!("{}=sparse,{}=generate", labels::RUN, labels::COMPONENT);
+    let shards = wait_until("six generation Jobs", Duration::from_secs(120), || async {
+        let list = jobs
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .ok()?;
+        (list.items.len() == 6).then_some(list.items)
+    })
+    .await;
+    eprintln!(
+        "six generation Jobs {} ms after the plan finished",
+        planned.elapsed().as_millis()
+    );
+    let completions: i32 = shards
+        .iter()
+        .map(|job| job.spec.as_ref().and_then(|s| s.completions).unwrap_or(0))
+        .sum();
+    assert_eq!(completions, 600_000, "only the batches not done");
+
+    let message = plan_termination_message(client, ns, "sparse")
+        .await
+        .expect("the plan's termination message");
+    eprintln!("plan termination message: {} bytes", message.len());
+    assert!(message.len() <= 4096, "{} bytes", message.len());
+    let summary: trajectory_worker::contract::PlanSummary =
+        serde_json::from_str(&message).expect("a plan summary");
+    assert_eq!(summary.done_count, DONE);
+    let list = summary
+        .pending_list
+        .clone()
+        .expect("a pending list on storage");
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    for job in &shards {
+        let plan = small_shard_plan(&maps, job).await;
+        assert_eq!(plan.pending_list.as_deref(), Some(list.as_str()));
+    }
+
+    // Pods of the first and the last shard work batches that were not done, each its own.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    for job in ["sparse-gen-1", "sparse-gen-1-5"] {
+        let pod = a_pending_pod(&pods, job).await;
+        assert!(kubelet.play(&pod).await, "played a pod of {job}");
+    }
+    let mut worked = BTreeSet::new();
+    for played in kubelet.played().iter().filter(|p| p.mode == "batch") {
+        let batch = played.batch.expect("the pod's batch");
+        assert_eq!(played.exit_code, 0, "{played:?}");
+        assert!(!done.contains(&batch), "batch {batch} was done already");
+        assert!(
+            output
+                .join(format!("batches/batch-{batch:06}.done"))
+                .exists(),
+            "the pod of index {batch} marked its batch done"
+        );
+        worked.insert(batch);
+    }
+    assert_eq!(worked.len(), 2);
+    assert_eq!(
+        model.request_count(),
+        2 * 2,
+        "two conversations of two calls"
+    );
+
+    let run = setup.runs.get("sparse").await.expect("the run");
+    let status = run.status.expect("a status");
+    let counts = status.batches.expect("batch counts");
+    assert_eq!(counts.pending_list.map(|l| l.batches), Some(600_000));
+    assert!(counts.completed_count >= DONE, "{}", counts.completed_count);
 }

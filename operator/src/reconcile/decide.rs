@@ -32,7 +32,7 @@ use super::children::{
 use super::observe::{JobState, Observed, ObservedAttempt};
 use super::status::{Merged, Outcome, Planned, Reason, Tally};
 use super::validate::ValidatedRun;
-use crate::api::{BatchCounts, OutputStatus, Phase, TrajectoryRunStatus};
+use crate::api::{BatchCounts, OutputStatus, PendingListStatus, Phase, TrajectoryRunStatus};
 
 /// What the run should have now, before it is built into objects.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,38 +86,121 @@ impl Shard {
     }
 }
 
-/// The batches a generation attempt works, in index order (index *i* works batch `pending[i]`);
-/// never empty, so that no Job without completions is built.
+/// The batches a generation attempt works, in index order (index *i* works `ids[i]`): batch ids,
+/// or, when the plan wrote its pending list to storage, slots of that list (see [`IdSpace`]).
+/// Never empty, so that no Job without completions is built.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Pending(Vec<u32>);
+pub struct Pending {
+    ids: Vec<u32>,
+    /// The plan's pending list on storage the ids are slots of.
+    list: Option<String>,
+}
 
 impl Pending {
-    /// `None` for an empty list.
+    /// Batch ids; `None` for an empty list.
     pub fn new(batches: Vec<u32>) -> Option<Self> {
-        (!batches.is_empty()).then_some(Self(batches))
+        Self::of(batches, None)
     }
 
-    pub fn batches(&self) -> &[u32] {
-        &self.0
+    /// Batch ids, or slots of `list` when given; `None` for an empty list.
+    pub fn of(ids: Vec<u32>, list: Option<String>) -> Option<Self> {
+        (!ids.is_empty()).then_some(Self { ids, list })
+    }
+
+    /// What index *i* works: a batch id, or a slot of [`Pending::list`].
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// The plan's pending list on storage that [`Pending::ids`] are slots of.
+    pub fn list(&self) -> Option<&str> {
+        self.list.as_deref()
     }
 
     /// The number of batches (the Job's completions).
     pub fn count(&self) -> u32 {
-        u32::try_from(self.0.len()).unwrap_or(u32::MAX)
+        u32::try_from(self.ids.len()).unwrap_or(u32::MAX)
     }
 
     /// The list cut into slices of at most [`MAX_JOB_COMPLETIONS`], one a Job.
     pub fn shards(&self) -> Vec<Pending> {
         let size = usize::try_from(MAX_JOB_COMPLETIONS).unwrap_or(usize::MAX);
-        self.0
+        self.ids
             .chunks(size)
-            .map(|chunk| Self(chunk.to_vec()))
+            .map(|chunk| Self {
+                ids: chunk.to_vec(),
+                list: self.list.clone(),
+            })
             .collect()
     }
 
-    /// True when index *i* works batch *i*: the plan `ConfigMap` then needs no list.
+    /// True when index *i* works id *i*: the plan `ConfigMap` then needs no list.
     pub fn is_identity(&self) -> bool {
-        self.0.iter().copied().eq(0..self.count())
+        self.ids.iter().copied().eq(0..self.count())
+    }
+}
+
+/// What the ids of a run's attempts are. Batch ids while the plan's summary lists every batch
+/// done before; when the done batches were too scattered to list (a resume of a million batches
+/// with 40 % done at random has some 240,000 gaps), the plan wrote the pending batches to a list on
+/// storage, and the ids are slots of that list: the operator then knows how many batches are
+/// pending, not which, and the pods look their batches up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdSpace<'a> {
+    Batches {
+        total: u32,
+    },
+    Slots {
+        list: &'a str,
+        slots: u32,
+        /// Batches done before the plan (not in the list).
+        done_before: u32,
+    },
+}
+
+impl<'a> IdSpace<'a> {
+    pub fn of(plan: &'a PlanSummary) -> Self {
+        match &plan.pending_list {
+            Some(list) => Self::Slots {
+                list,
+                slots: plan.pending_count(),
+                done_before: plan.done_count,
+            },
+            None => Self::Batches {
+                total: plan.batches,
+            },
+        }
+    }
+
+    /// The ids done before any attempt: the plan's done batches, or no slot.
+    fn done_by_the_plan(self, plan: &PlanSummary) -> BTreeSet<u32> {
+        match self {
+            Self::Batches { .. } => plan
+                .done
+                .iter()
+                .flat_map(|range| range.first..=range.last)
+                .collect(),
+            Self::Slots { .. } => BTreeSet::new(),
+        }
+    }
+
+    /// Batches done, from the ids done.
+    fn done_count(self, done: &BTreeSet<u32>) -> u32 {
+        let done = u32::try_from(done.len()).unwrap_or(u32::MAX);
+        match self {
+            Self::Batches { .. } => done,
+            Self::Slots { done_before, .. } => done_before.saturating_add(done),
+        }
+    }
+
+    /// The ids not done, in order: what the next attempt works.
+    fn pending(self, done: &BTreeSet<u32>) -> Option<Pending> {
+        match self {
+            Self::Batches { total } => Pending::new(pending_batches(total, done)),
+            Self::Slots { list, slots, .. } => {
+                Pending::of(pending_batches(slots, done), Some(list.to_owned()))
+            }
+        }
     }
 }
 
@@ -210,24 +293,22 @@ fn generate(
     children: &mut Vec<Child>,
 ) -> Option<Outcome> {
     let total = plan.batches;
-    let mut done: BTreeSet<u32> = plan
-        .done
-        .iter()
-        .flat_map(|range| range.first..=range.last)
-        .collect();
+    let ids = IdSpace::of(plan);
+    let mut done = ids.done_by_the_plan(plan);
     let mut failed = BTreeSet::new();
     for attempt in &observed.attempts {
         done.extend(attempt.batches.completed.iter().copied());
         failed.extend(attempt.batches.failed.iter().copied());
     }
-    tally.batches = Some(batch_counts(total, &done, &failed));
-    tally.progress = Some(progress(&done, total));
+    let done_count = ids.done_count(&done);
+    tally.batches = Some(batch_counts(total, ids, &done, &failed));
+    tally.progress = Some(progress(done_count, total));
     tally.planned = Some(Planned {
         total: plan.prompts,
         invalid: plan.invalid,
     });
 
-    let pending = Pending::new(pending_batches(total, &done))?;
+    let pending = ids.pending(&done)?;
     let next = match latest_attempt(&observed.attempts) {
         None => first_attempt_of(observed.round),
         Some(shards) => {
@@ -240,7 +321,7 @@ fn generate(
                     }
                     children.extend(running_shards(run, &shards));
                     let message =
-                        format!("attempt {attempt}: {} of {total} batches done", done.len());
+                        format!("attempt {attempt}: {done_count} of {total} batches done");
                     return Some(Outcome::Working(Phase::Running, message));
                 }
                 state => match after_attempt(
@@ -341,7 +422,7 @@ fn running_shards(run: &ValidatedRun<'_>, shards: &[&ObservedAttempt]) -> Vec<Ch
             Some(Child::Generation(Shard {
                 attempt: observed.attempt,
                 shard: observed.shard,
-                pending: Pending::new(observed.pending.clone())?,
+                pending: Pending::of(observed.pending.clone(), observed.pending_list.clone())?,
                 exists: true,
                 parallelism,
             }))
@@ -545,43 +626,74 @@ fn merged(run: &ValidatedRun<'_>, merge: &MergeSummary) -> Merged {
 
 /// The plan's summary as far as the run's status recorded it (once the plan was observed, every
 /// status write carries its batch total and prompt counts): the batches completed so far stand
-/// for the plan's `done`, of which they are a superset. `None` before anything was recorded.
+/// for the plan's `done`, of which they are a superset; a plan with a pending list on storage
+/// stands as that list (the attempts' slots count in it). `None` before anything was recorded.
 fn recorded_plan(status: Option<&TrajectoryRunStatus>) -> Option<PlanSummary> {
     let status = status?;
     let (batches, prompts) = (status.batches.as_ref()?, status.prompts.as_ref()?);
-    let done = parse_ranges(&batches.completed).ok()?;
+    let (done, done_count, pending_list) = if let Some(list) = &batches.pending_list {
+        let done_before = batches.total.saturating_sub(list.batches);
+        (Vec::new(), done_before, Some(list.path.clone()))
+    } else {
+        let done = parse_ranges(&batches.completed).ok()?;
+        let count = u32::try_from(done.len()).ok()?;
+        (compact_ranges(done), count, None)
+    };
     Some(PlanSummary {
         prompts: prompts.total,
         invalid: prompts.invalid,
         batches: batches.total,
-        done: compact_ranges(done),
-        done_count: 0,
+        done,
+        done_count,
         dataset_digest: String::new(),
         spec_hash: String::new(),
-        done_truncated: false,
-        pending_list: None,
+        done_truncated: pending_list.is_some(),
+        pending_list,
     })
 }
 
-/// The batches not yet done, in order: what the next attempt works.
+/// The ids below `total` not done, in order.
 pub fn pending_batches(total: u32, done: &BTreeSet<u32>) -> Vec<u32> {
     (0..total).filter(|batch| !done.contains(batch)).collect()
 }
 
 /// The status' batch counts: done batches (from the plan's recovery scan and every attempt) and the
-/// batches that failed and are not done.
-pub fn batch_counts(total: u32, done: &BTreeSet<u32>, failed: &BTreeSet<u32>) -> BatchCounts {
+/// batches that failed and are not done; as ranges of batch ids when the ids are batch ids.
+pub fn batch_counts(
+    total: u32,
+    ids: IdSpace<'_>,
+    done: &BTreeSet<u32>,
+    failed: &BTreeSet<u32>,
+) -> BatchCounts {
     let failed: Vec<u32> = failed.difference(done).copied().collect();
-    BatchCounts {
-        total,
-        completed: format_ranges(&compact_ranges(done.iter().copied())),
-        failed: format_ranges(&compact_ranges(failed)),
+    let failed_count = u32::try_from(failed.len()).unwrap_or(u32::MAX);
+    let completed_count = ids.done_count(done);
+    match ids {
+        IdSpace::Batches { .. } => BatchCounts {
+            total,
+            completed: format_ranges(&compact_ranges(done.iter().copied())),
+            failed: format_ranges(&compact_ranges(failed)),
+            completed_count,
+            failed_count,
+            pending_list: None,
+        },
+        IdSpace::Slots { list, slots, .. } => BatchCounts {
+            total,
+            completed: String::new(),
+            failed: String::new(),
+            completed_count,
+            failed_count,
+            pending_list: Some(PendingListStatus {
+                path: list.to_owned(),
+                batches: slots,
+            }),
+        },
     }
 }
 
 /// `done/total`, the Progress printer column.
-pub fn progress(done: &BTreeSet<u32>, total: u32) -> String {
-    format!("{}/{total}", done.len())
+pub fn progress(done: u32, total: u32) -> String {
+    format!("{done}/{total}")
 }
 
 #[cfg(test)]
@@ -592,14 +704,20 @@ mod tests {
     fn batch_counts_use_compact_ranges_and_progress_counts_done_batches() {
         let done: BTreeSet<u32> = (0..=41).chain([44]).collect();
         let failed: BTreeSet<u32> = [42, 44, 50].into();
-        let counts = batch_counts(120, &done, &failed);
+        let counts = batch_counts(120, IdSpace::Batches { total: 120 }, &done, &failed);
         assert_eq!(counts.total, 120);
         assert_eq!(counts.completed, "0-41,44");
         // A batch that failed in one attempt and finished in a later one is not failed.
         assert_eq!(counts.failed, "42,50");
-        assert_eq!(progress(&done, 120), "43/120");
+        assert_eq!((counts.completed_count, counts.failed_count), (43, 2));
         assert_eq!(
-            batch_counts(3, &BTreeSet::new(), &BTreeSet::new()).completed,
+            batch_counts(
+                3,
+                IdSpace::Batches { total: 3 },
+                &BTreeSet::new(),
+                &BTreeSet::new()
+            )
+            .completed,
             ""
         );
     }
@@ -618,7 +736,7 @@ mod tests {
         let pending = Pending::new((0..250_001).collect()).unwrap();
         let sizes: Vec<u32> = pending.shards().iter().map(Pending::count).collect();
         assert_eq!(sizes, [100_000, 100_000, 50_001]);
-        assert_eq!(pending.shards()[1].batches()[0], 100_000);
+        assert_eq!(pending.shards()[1].ids()[0], 100_000);
         assert!(pending.shards()[0].is_identity() && !pending.shards()[1].is_identity());
     }
 

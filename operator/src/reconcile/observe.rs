@@ -63,14 +63,17 @@ pub struct ObservedAttempt {
     /// Which of the attempt's Jobs (0 unless the attempt has more batches than one Job holds).
     pub shard: u32,
     pub job: Job,
+    /// What each index works: batch ids, or slots of `pending_list`.
     pub pending: Vec<u32>,
+    /// The plan's pending list on storage, when the ids are slots of it.
+    pub pending_list: Option<String>,
     pub batches: AttemptBatches,
     /// What a failed pod of the Job reported, once the Job failed (the one that stopped on a
     /// configuration error first).
     pub failure: Option<WorkerFailure>,
 }
 
-/// Batches an attempt finished and gave up on, as batch ids.
+/// Batches an attempt finished and gave up on, as batch ids (or slots, with a pending list).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AttemptBatches {
     pub completed: BTreeSet<u32>,
@@ -195,8 +198,9 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
                 let Some(attempt) = labels.get(labels::ATTEMPT).and_then(|a| a.parse().ok()) else {
                     continue;
                 };
-                let pending = pending_list(&maps, &job).await?;
+                let (pending, list) = pending_list(&maps, &job).await?;
                 let mut observed_attempt = ObservedAttempt::new(attempt, job, pending)?;
+                observed_attempt.pending_list = list;
                 observed_attempt.failure = failure_if_failed(&pods, &observed_attempt.job).await?;
                 observed.attempts.push(observed_attempt);
             }
@@ -260,15 +264,20 @@ impl ObservedAttempt {
             shard,
             job,
             pending,
+            pending_list: None,
             batches,
             failure: None,
         })
     }
 }
 
-/// The batch each index of a generation Job works: the list (or ranges) in its plan `ConfigMap`,
-/// or the identity when the `ConfigMap` has none (the first attempt runs batch *i* at index *i*).
-async fn pending_list(maps: &Api<ConfigMap>, job: &Job) -> Result<Vec<u32>, ObserveError> {
+/// The id each index of a generation Job works: the list (or ranges) in its plan `ConfigMap`, or
+/// the identity when the `ConfigMap` has none (the first attempt runs batch *i* at index *i*);
+/// and the plan's pending list on storage, when the ids are slots of it.
+async fn pending_list(
+    maps: &Api<ConfigMap>,
+    job: &Job,
+) -> Result<(Vec<u32>, Option<String>), ObserveError> {
     let completions = job
         .spec
         .as_ref()
@@ -280,6 +289,7 @@ async fn pending_list(maps: &Api<ConfigMap>, job: &Job) -> Result<Vec<u32>, Obse
         .await?
         .and_then(|map| map.data?.remove(paths::PLAN_FILE))
         .and_then(|text| serde_json::from_str::<RunPlan>(&text).ok());
+    let list = plan.as_ref().and_then(|plan| plan.pending_list.clone());
     let listed = match plan.map(|plan| plan.pending_list()) {
         None => None,
         Some(Ok(listed)) => listed,
@@ -290,7 +300,7 @@ async fn pending_list(maps: &Api<ConfigMap>, job: &Job) -> Result<Vec<u32>, Obse
             });
         }
     };
-    Ok(listed.unwrap_or_else(|| (0..completions).collect()))
+    Ok((listed.unwrap_or_else(|| (0..completions).collect()), list))
 }
 
 /// Maps a generation Job's `completedIndexes` / `failedIndexes` back to batch ids through the

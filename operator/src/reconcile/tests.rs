@@ -805,3 +805,98 @@ fn the_incomplete_batch_reason_is_the_one_the_worker_reports() {
     let reported = trajectory_worker::run::RunError::IncompleteBatch(String::new()).reason();
     assert_eq!(reported, decide::INCOMPLETE_BATCH);
 }
+
+/// The plan of the `ConfigMap` `name` of a decision.
+fn run_plan(desired: &Desired, name: &str) -> RunPlan {
+    let map = desired
+        .children
+        .config_maps
+        .iter()
+        .find(|m| m.metadata.name.as_deref() == Some(name))
+        .unwrap_or_else(|| panic!("no ConfigMap {name}"));
+    serde_json::from_str(&map.data.as_ref().unwrap()["plan.json"]).unwrap()
+}
+
+#[test]
+fn a_plan_with_its_pending_list_on_storage_is_worked_by_slots_of_that_list() {
+    const LIST: &str = "plan/pending-00000000000000aa.ranges";
+    // A million batches, 400,000 of them done at random by an earlier run.
+    let scattered = ObservedFixture::planned(1_000_000).scattered(400_000, 9, LIST);
+    let desired = decide(&scattered.clone().build());
+    let shards: Vec<String> = (0..6)
+        .map(|shard| match shard {
+            0 => "r-gen-1".to_owned(),
+            shard => format!("r-gen-1-{shard}"),
+        })
+        .collect();
+    assert_eq!(names(&desired), shards);
+    for (shard, name) in (0_u32..).zip(&shards) {
+        let plan = run_plan(&desired, name);
+        assert_eq!(plan.pending_list.as_deref(), Some(LIST), "{name}");
+        let first = shard * 100_000;
+        assert_eq!(
+            plan.batch_ranges,
+            Some(format!("{first}-{}", first + 99_999)),
+            "{name}"
+        );
+        assert_eq!(plan.batches, None, "slots are never listed as batch ids");
+        let job = desired
+            .children
+            .jobs
+            .iter()
+            .find(|job| job.metadata.name.as_ref() == Some(name))
+            .unwrap();
+        assert_eq!(job.spec.as_ref().unwrap().completions, Some(100_000));
+    }
+    let counts = desired.status.batches.clone().unwrap();
+    assert_eq!(
+        (counts.total, counts.completed_count, counts.failed_count),
+        (1_000_000, 400_000, 0)
+    );
+    assert_eq!(
+        (counts.completed.as_str(), counts.failed.as_str()),
+        ("", "")
+    );
+    let list = counts.pending_list.clone().unwrap();
+    assert_eq!((list.path.as_str(), list.batches), (LIST, 600_000));
+    assert_eq!(desired.status.progress.as_deref(), Some("400000/1000000"));
+
+    // A later attempt works the slots the first left undone, in the same list.
+    let slots: Vec<u32> = (0..100_000).collect();
+    let mut observed = scattered.clone();
+    for (shard, first) in (0_u32..6).zip((0_u32..).step_by(100_000)) {
+        let job = JobFixture::generation(1).shard(shard).complete();
+        let job = if shard == 2 {
+            job.completed("0-41,43-99999").failed_indexes("42")
+        } else {
+            job.completed("0-99999")
+        };
+        let ids: Vec<u32> = slots.iter().map(|slot| first + slot).collect();
+        observed = observed.attempt(job, &ids);
+    }
+    let mut observed = observed.build();
+    for attempt in &mut observed.attempts {
+        attempt.pending_list = Some(LIST.to_owned());
+    }
+    let retried = decide(&observed);
+    assert_eq!(names(&retried), ["r-gen-2"]);
+    let plan = run_plan(&retried, "r-gen-2");
+    assert_eq!(
+        (plan.pending_list.as_deref(), plan.batch_ranges.as_deref()),
+        (Some(LIST), Some("200042"))
+    );
+    let counts = retried.status.batches.clone().unwrap();
+    assert_eq!((counts.completed_count, counts.failed_count), (999_999, 1));
+
+    // Without the plan pod, the status stands in for the plan, list and all.
+    let mut recorded_run = run();
+    recorded_run.status = Some(desired.status.clone());
+    let without_pod = scattered.without_plan_summary().build();
+    let recorded =
+        desired_state(&recorded_run, &without_pod, &Settings::default(), &now()).unwrap();
+    assert_eq!(names(&recorded), shards);
+    assert_eq!(
+        run_plan(&recorded, "r-gen-1-5").pending_list.as_deref(),
+        Some(LIST)
+    );
+}

@@ -15,7 +15,9 @@ use crate::reconcile::validate::ValidatedRun;
 
 /// The plan of the Job serving `component`. `pending` is the batch each completion index works; it
 /// is written only when it is not the identity (index *i* = batch *i*), as ranges, and also as a
-/// list while that is short (for worker images that read only the list).
+/// list while that is short (for worker images that read only the list). Slots of the plan's
+/// pending list on storage are written as ranges with the list's path, and never as a plain list
+/// (a reader of the list alone would take them for batch ids).
 pub fn plan_config_map(
     run: &ValidatedRun<'_>,
     component: Component,
@@ -24,13 +26,13 @@ pub fn plan_config_map(
     let name = run.child_name(component);
     let listed = pending.filter(|pending| !pending.is_identity());
     let batches = listed
-        .filter(|pending| pending.batches().len() <= MAX_LISTED_BATCHES)
-        .map(|pending| pending.batches().to_vec());
+        .filter(|pending| pending.ids().len() <= MAX_LISTED_BATCHES)
+        .map(|pending| pending.ids().to_vec());
     let batch_ranges = listed.map(|pending| {
         // Pending lists are ascending: each attempt works the batches not done, in order.
-        format_ranges(&compact_ranges(pending.batches().iter().copied()))
+        format_ranges(&compact_ranges(pending.ids().iter().copied()))
     });
-    let plan = RunPlan {
+    let mut plan = RunPlan {
         name: run.name.clone(),
         namespace: run.namespace.clone(),
         uid: run.uid.clone(),
@@ -40,6 +42,9 @@ pub fn plan_config_map(
         batch_ranges,
         pending_list: None,
     };
+    if let Some((list, slots)) = pending.and_then(|p| p.list().map(|list| (list, p.ids()))) {
+        plan = plan.with_pending_slots(list, slots.iter().copied());
+    }
     // A run plan holds strings, numbers and string-keyed maps, which serde_json always writes
     // (non-finite floats as null).
     let json = serde_json::to_string_pretty(&plan).expect("a run plan serialises to JSON");
