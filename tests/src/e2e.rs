@@ -35,6 +35,7 @@ use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunSpec};
 use trajectory_operator::controller;
 use trajectory_operator::reconcile::Context;
@@ -63,11 +64,30 @@ pub const NO_NODE: (&str, &str) = ("trajectories.dev/e2e-kubelet", "the-test");
 
 /// Stops the in-process controller when the test ends, also when it fails.
 #[derive(Debug)]
-pub struct ControllerGuard(Option<oneshot::Sender<()>>);
+pub struct ControllerGuard {
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl ControllerGuard {
+    /// Stops the controller and waits until it has stopped: an operator restart, the old process
+    /// gone before the new one starts.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(30), task)
+                .await
+                .expect("the controller stops within 30 s")
+                .expect("the controller does not panic");
+        }
+    }
+}
 
 impl Drop for ControllerGuard {
     fn drop(&mut self) {
-        if let Some(stop) = self.0.take() {
+        if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
     }
@@ -93,10 +113,13 @@ pub fn start_controller_in(client: &Client, namespace: &str) -> ControllerGuard 
 pub fn start_controller_with(client: &Client, settings: Settings) -> ControllerGuard {
     let (stop, stopped) = oneshot::channel::<()>();
     let ctx = Context::new(client.clone(), settings);
-    tokio::spawn(controller::run(ctx, async {
+    let task = tokio::spawn(controller::run(ctx, async {
         let _ = stopped.await;
     }));
-    ControllerGuard(Some(stop))
+    ControllerGuard {
+        stop: Some(stop),
+        task: Some(task),
+    }
 }
 
 /// A temporary directory: `data/` stands in for the shared volume, `pods/` holds what a kubelet
