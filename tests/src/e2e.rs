@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::batch::v1::{Job, JobStatus};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::jiff::Timestamp;
@@ -844,6 +844,16 @@ pub async fn children(client: &Client, namespace: &str, run: &str) -> (Vec<Strin
     job_names.sort();
     map_names.sort();
     (job_names, map_names)
+}
+
+/// The status of the Job `name`.
+pub async fn job_status(client: &Client, namespace: &str, name: &str) -> JobStatus {
+    let jobs: Api<Job> = Api::namespaced(client.clone(), namespace);
+    jobs.get(name)
+        .await
+        .unwrap_or_else(|e| panic!("get the Job {name}: {e}"))
+        .status
+        .unwrap_or_else(|| panic!("the Job {name} has no status"))
 }
 
 /// The phase-change Events on the run, in the order they happened.
