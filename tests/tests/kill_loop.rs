@@ -68,6 +68,10 @@ const MIN_RUNNING: Duration = Duration::from_millis(300);
 /// the model server, and its batch's next pod cannot have started (the Job controller holds a
 /// failed index back for at least 10 s, and the kubelet is checked not to have started it).
 const SETTLE: Duration = Duration::from_secs(1);
+/// The operator runs this long before a restart stops it: past its first list of runs and Jobs.
+/// A controller told to stop before its cache is filled never stops (kube-runtime 5.0 holds its
+/// reconciles until the cache is ready, and the shutdown has already cut the watch that fills it).
+const OPERATOR_UP: Duration = Duration::from_secs(5);
 const TIMEOUT: Duration = Duration::from_secs(600);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -103,6 +107,7 @@ async fn a_run_through_50_kills_3_operator_restarts_and_a_status_wipe_generates_
         ledger: Ledger::default(),
         controller: None,
         operator_back_at: None,
+        operator_up_since: Instant::now(),
         started: Instant::now(),
         timeline: Vec::new(),
     };
@@ -183,6 +188,7 @@ struct Chaos<'a> {
     controller: Option<ControllerGuard>,
     /// When the operator stopped by a restart starts again.
     operator_back_at: Option<Instant>,
+    operator_up_since: Instant,
     started: Instant,
     /// When the operator restarts and the wipe happened.
     timeline: Vec<String>,
@@ -210,6 +216,7 @@ impl Chaos<'_> {
             if self.operator_back_at.is_some_and(|at| Instant::now() >= at) {
                 self.operator_back_at = None;
                 self.controller = Some(start_controller_in(self.client, self.ns));
+                self.operator_up_since = Instant::now();
             }
             self.ledger.settle(self.model, &self.out, self.kubelet);
             if let Some(fault) = self.faults.due(self.model.request_count() as u64)
@@ -221,7 +228,8 @@ impl Chaos<'_> {
         }
     }
 
-    /// Does the fault; false when it cannot be done now (no process to kill, the operator down).
+    /// Does the fault; false when it cannot be done now (no process to kill, the operator down or
+    /// just started).
     async fn fault(&mut self, fault: Fault) -> bool {
         let when = format!(
             "{:.1} s, {} requests",
@@ -232,6 +240,9 @@ impl Chaos<'_> {
             Fault::Kill => self.ledger.kill_one(self.kubelet, &mut self.rng).await,
             // An operator restart: the process gone, and back a little later (a new pod).
             Fault::Restart => {
+                if self.operator_up_since.elapsed() < OPERATOR_UP {
+                    return false;
+                }
                 let Some(controller) = self.controller.take() else {
                     return false;
                 };
