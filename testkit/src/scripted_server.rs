@@ -260,12 +260,24 @@ impl ScriptedServer {
 
     /// Every request received so far, in arrival order.
     pub fn requests(&self) -> Vec<ReceivedRequest> {
-        lock(&self.shared.received)
+        self.requests_since(0)
+    }
+
+    /// The requests received after the first `seen`, in arrival order: a test following the
+    /// requests as a run goes parses each body once.
+    pub fn requests_since(&self, seen: usize) -> Vec<ReceivedRequest> {
+        // Parsed after the lock is let go (cloning `Bytes` only counts a reference), so that the
+        // requests arriving meanwhile do not wait.
+        let raw: Vec<(Option<String>, Bytes)> = lock(&self.shared.received)
             .iter()
+            .skip(seen)
+            .cloned()
+            .collect();
+        raw.into_iter()
             .map(|(authorization, body)| ReceivedRequest {
-                authorization: authorization.clone(),
-                body: serde_json::from_slice(body)
-                    .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned())),
+                authorization,
+                body: serde_json::from_slice(&body)
+                    .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned())),
             })
             .collect()
     }

@@ -20,14 +20,19 @@
 //! - many runs at once on two cores (the memory bench, the leader hand-over), whose pods would
 //!   compete with the control plane;
 //! - a run's pods on kwok nodes that never run, so that the operator's own behaviour (status
-//!   pacing, a wiped status, deletion, a refused Job) is tested apart from a container runtime.
+//!   pacing, a wiped status, deletion, a refused Job) is tested apart from a container runtime;
+//! - dozens of batch processes `SIGKILL`ed at random moments of one run (the kill loop,
+//!   `tests/tests/kill_loop.rs`), each kill's conversations in flight counted exactly: with
+//!   [`Kubelet::worker_binary`] set the kubelet runs each pod as a process of the worker's command
+//!   line, several at once, and [`Kubelet::kill`] kills one.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::batch::v1::{Job, JobStatus};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::jiff::Timestamp;
@@ -35,6 +40,7 @@ use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunSpec};
 use trajectory_operator::controller;
 use trajectory_operator::reconcile::Context;
@@ -43,7 +49,9 @@ use trajectory_operator::settings::Settings;
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, text_reply, tool_call_reply,
 };
-use trajectory_worker::contract::{self, RunPlan, WorkerFailure, exit, paths, termination_message};
+use trajectory_worker::contract::{
+    self, RunPlan, WorkerFailure, env, exit, paths, termination_message,
+};
 use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunLocation, load_plan, merge, plan};
@@ -61,11 +69,30 @@ pub const NO_NODE: (&str, &str) = ("trajectories.dev/e2e-kubelet", "the-test");
 
 /// Stops the in-process controller when the test ends, also when it fails.
 #[derive(Debug)]
-pub struct ControllerGuard(Option<oneshot::Sender<()>>);
+pub struct ControllerGuard {
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl ControllerGuard {
+    /// Stops the controller and waits until it has stopped: an operator restart, the old process
+    /// gone before the new one starts.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(30), task)
+                .await
+                .expect("the controller stops within 30 s")
+                .expect("the controller does not panic");
+        }
+    }
+}
 
 impl Drop for ControllerGuard {
     fn drop(&mut self) {
-        if let Some(stop) = self.0.take() {
+        if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
     }
@@ -91,10 +118,13 @@ pub fn start_controller_in(client: &Client, namespace: &str) -> ControllerGuard 
 pub fn start_controller_with(client: &Client, settings: Settings) -> ControllerGuard {
     let (stop, stopped) = oneshot::channel::<()>();
     let ctx = Context::new(client.clone(), settings);
-    tokio::spawn(controller::run(ctx, async {
+    let task = tokio::spawn(controller::run(ctx, async {
         let _ = stopped.await;
     }));
-    ControllerGuard(Some(stop))
+    ControllerGuard {
+        stop: Some(stop),
+        task: Some(task),
+    }
 }
 
 /// A temporary directory: `data/` stands in for the shared volume, `pods/` holds what a kubelet
@@ -214,6 +244,30 @@ pub struct Kubelet {
     pub crash: Box<Crash>,
     /// Batches whose pods are left Pending for now.
     pub hold: BTreeSet<u32>,
+    /// When set, each pod's step runs as a process of this binary — the worker's command line,
+    /// built with these tests as the `e2e-worker` binary (`env!("CARGO_BIN_EXE_e2e-worker")`) —
+    /// in the background, so that several pods run at once and a process can be killed
+    /// ([`Kubelet::kill`]). Pods deleted while their process runs are not stopped.
+    pub worker_binary: Option<PathBuf>,
+    /// The pods whose worker process runs, by name.
+    running: Arc<Mutex<BTreeMap<String, RunningPod>>>,
+}
+
+/// A pod whose worker process runs.
+#[derive(Debug)]
+struct RunningPod {
+    batch: Option<u32>,
+    started: Instant,
+    /// Tells the task waiting for the process to `SIGKILL` it.
+    kill: Option<oneshot::Sender<()>>,
+}
+
+/// A batch pod whose worker process runs, as [`Kubelet::running_batches`] lists them.
+#[derive(Debug, Clone)]
+pub struct RunningBatch {
+    pub pod: String,
+    pub batch: u32,
+    pub running_for: Duration,
 }
 
 impl std::fmt::Debug for Kubelet {
@@ -240,6 +294,8 @@ impl Kubelet {
             stopped: Arc::default(),
             crash: Box::new(|_, _, _| None),
             hold: BTreeSet::new(),
+            worker_binary: None,
+            running: Arc::default(),
         }
     }
 
@@ -263,7 +319,7 @@ impl Kubelet {
         let mut count = 0;
         for pod in list.items {
             let pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
-            let seen = self.played().iter().any(|p| p.pod == pod.name_any());
+            let seen = self.seen(&pod.name_any());
             if !pending || seen {
                 continue;
             }
@@ -313,9 +369,6 @@ impl Kubelet {
         }
     }
 
-    /// Runs what the pod's container would run, then reports it through the pod's status; false
-    /// when the pod cannot start (no plan `ConfigMap`), its batch is held or the run's phase is not
-    /// yet the pod's stage.
     /// Waits for the run's plan pod and for the run to show `Planning` (see [`Kubelet::play`]), then
     /// plays that pod alone; returns whether it played.
     pub async fn play_the_plan(&self) -> bool {
@@ -342,6 +395,10 @@ impl Kubelet {
         self.play(&plan_pod).await
     }
 
+    /// Runs what the pod's container would run, then reports it through the pod's status; false
+    /// when the pod cannot start (no plan `ConfigMap`), its batch is held or the run's phase is not
+    /// yet the pod's stage. With [`Kubelet::worker_binary`] set it starts the worker's process and
+    /// returns at once; the process's end is reported when it comes.
     pub async fn play(&self, pod: &Pod) -> bool {
         let name = pod.name_any();
         let spec = pod.spec.as_ref().expect("a pod spec");
@@ -384,21 +441,27 @@ impl Kubelet {
             return false;
         }
         let crash = (self.crash)(&mode, batch, &self.played());
-        let (exit_code, message, ran) = if let Some(code) = crash {
-            (code, String::new(), false)
-        } else {
-            let (code, message) = self
-                .run_worker(&mode, &plan_path, index, &pod_dir.join("workspace"))
-                .await;
-            (code, message, true)
-        };
-        self.played.lock().expect("not poisoned").push(Played {
+        let played = Played {
             pod: name.clone(),
             mode,
             batch,
             phase,
+            exit_code: exit::OK,
+            ran: crash.is_none(),
+        };
+        if let (Some(binary), None) = (&self.worker_binary, crash) {
+            self.start_process(binary, pod, container, played, &pod_dir);
+            return true;
+        }
+        let (exit_code, message) = if let Some(code) = crash {
+            (code, String::new())
+        } else {
+            self.run_worker(&played.mode, &plan_path, index, &pod_dir.join("workspace"))
+                .await
+        };
+        self.played.lock().expect("not poisoned").push(Played {
             exit_code,
-            ran,
+            ..played
         });
         self.report(
             &name,
@@ -444,6 +507,140 @@ impl Kubelet {
         let text = std::fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("reading the pending list {}: {e}", path.display()));
         contract::resolve_batch(text.trim(), plan.batch_ranges.as_deref(), index)
+    }
+
+    /// Starts the pod's container as a process of `binary` with the container's args and
+    /// environment ([`process_env`]), its output in `log` in the pod's directory, and a task that
+    /// reports its end — exit code, or 128 + the signal that ended it, as a container runtime
+    /// does (137 for `SIGKILL`) — with the termination log as the message.
+    fn start_process(
+        &self,
+        binary: &Path,
+        pod: &Pod,
+        container: &Container,
+        mut played: Played,
+        pod_dir: &Path,
+    ) {
+        let log_path = pod_dir.join("log");
+        let log = std::fs::File::create(&log_path)
+            .unwrap_or_else(|e| panic!("creating {}: {e}", log_path.display()));
+        let stderr = log.try_clone().expect("a second handle on the log");
+        let mut child = tokio::process::Command::new(binary)
+            .args(container.args.iter().flatten())
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .envs(process_env(pod, container, &self.storage, pod_dir))
+            .current_dir(pod_dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(stderr)
+            // A test that fails or ends leaves no worker running.
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", binary.display()));
+        let (kill, killed) = oneshot::channel();
+        self.running.lock().expect("not poisoned").insert(
+            played.pod.clone(),
+            RunningPod {
+                batch: played.batch,
+                started: Instant::now(),
+                kill: Some(kill),
+            },
+        );
+        let (pods, record, running) = (
+            self.pods.clone(),
+            Arc::clone(&self.played),
+            Arc::clone(&self.running),
+        );
+        let image = container.image.clone().unwrap_or_default();
+        let termination_log = pod_dir.join("termination-log");
+        tokio::spawn(async move {
+            let status = tokio::select! {
+                status = child.wait() => status,
+                Ok(()) = killed => {
+                    // `start_kill` is SIGKILL; an error means the process had ended already.
+                    let _ = child.start_kill();
+                    child.wait().await
+                }
+            };
+            played.exit_code = status.map_or(-1, |status| {
+                use std::os::unix::process::ExitStatusExt;
+                status
+                    .code()
+                    .or_else(|| status.signal().map(|signal| 128 + signal))
+                    .unwrap_or(-1)
+            });
+            // As a kubelet reads `terminationMessagePath`: empty when the worker wrote nothing.
+            let message = std::fs::read_to_string(&termination_log).unwrap_or_default();
+            if let Err(e) =
+                report_status(&pods, &played.pod, &image, played.exit_code, &message).await
+            {
+                eprintln!("reporting the end of pod {}: {e}", played.pod);
+            }
+            // One step under both locks (in this order, as `started_pods` takes them): the pod is
+            // always either running or played.
+            let mut running = running.lock().expect("not poisoned");
+            running.remove(&played.pod);
+            record.lock().expect("not poisoned").push(played);
+        });
+    }
+
+    /// The batch pods whose worker process runs now.
+    pub fn running_batches(&self) -> Vec<RunningBatch> {
+        self.running
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .filter_map(|(pod, running)| {
+                Some(RunningBatch {
+                    pod: pod.clone(),
+                    batch: running.batch?,
+                    running_for: running.started.elapsed(),
+                })
+            })
+            .collect()
+    }
+
+    /// Whether the kubelet has started the pod (its process may still run).
+    fn seen(&self, pod: &str) -> bool {
+        let running = self.running.lock().expect("not poisoned");
+        let played = self.played.lock().expect("not poisoned");
+        running.contains_key(pod) || played.iter().any(|p| p.pod == pod)
+    }
+
+    /// How many pods of `batch` the kubelet has started, ended or running.
+    pub fn started_pods(&self, batch: u32) -> usize {
+        let running = self.running.lock().expect("not poisoned");
+        let played = self.played.lock().expect("not poisoned");
+        running.values().filter(|r| r.batch == Some(batch)).count()
+            + played.iter().filter(|p| p.batch == Some(batch)).count()
+    }
+
+    /// `SIGKILL`s the worker process of `pod`, as `kill -9` or the OOM killer on a node would,
+    /// and waits until its end is reported (exit code 137, or its own when it ended just before
+    /// the signal); `None` when no process of that pod is running.
+    pub async fn kill(&self, pod: &str) -> Option<Played> {
+        let kill = self
+            .running
+            .lock()
+            .expect("not poisoned")
+            .get_mut(pod)?
+            .kill
+            .take()?;
+        // A refused signal means the process ended by itself meanwhile; its end is reported all
+        // the same.
+        let _ = kill.send(());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(played) = self.played().into_iter().rev().find(|p| p.pod == pod) {
+                return Some(played);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the killed process of pod {pod} was not reported within 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     /// Writes the pod's plan `ConfigMap` where the pod would see it mounted; `None` when the
@@ -530,38 +727,7 @@ impl Kubelet {
 
     /// Reports the container's end through the pod's `status` subresource, as a kubelet does.
     pub async fn report(&self, pod: &str, image: &str, exit_code: i32, message: &str) {
-        let now = Timestamp::now().to_string();
-        let (phase, reason) = if exit_code == exit::OK {
-            ("Succeeded", "Completed")
-        } else {
-            ("Failed", "Error")
-        };
-        let patch = json!({
-            "status": {
-                "phase": phase,
-                "conditions": [
-                    {"type": "Ready", "status": "False", "reason": "PodCompleted", "lastTransitionTime": now},
-                    {"type": "ContainersReady", "status": "False", "reason": "PodCompleted", "lastTransitionTime": now},
-                ],
-                "containerStatuses": [{
-                    "name": CONTAINER,
-                    "image": image,
-                    "imageID": "",
-                    "ready": false,
-                    "restartCount": 0,
-                    "started": false,
-                    "state": {"terminated": {
-                        "exitCode": exit_code,
-                        "reason": reason,
-                        "message": message,
-                        "startedAt": now,
-                        "finishedAt": now,
-                    }},
-                }],
-            }
-        });
-        self.pods
-            .patch_status(pod, &PatchParams::default(), &Patch::Merge(&patch))
+        report_status(&self.pods, pod, image, exit_code, message)
             .await
             .unwrap_or_else(|e| panic!("patching the status of pod {pod}: {e}"));
     }
@@ -592,6 +758,50 @@ impl Kubelet {
     }
 }
 
+/// The container's end reported through the pod's `status` subresource, as a kubelet does:
+/// `Succeeded` on exit code 0, `Failed` otherwise, the summary as the termination message.
+async fn report_status(
+    pods: &Api<Pod>,
+    pod: &str,
+    image: &str,
+    exit_code: i32,
+    message: &str,
+) -> Result<(), kube::Error> {
+    let now = Timestamp::now().to_string();
+    let (phase, reason) = if exit_code == exit::OK {
+        ("Succeeded", "Completed")
+    } else {
+        ("Failed", "Error")
+    };
+    let patch = json!({
+        "status": {
+            "phase": phase,
+            "conditions": [
+                {"type": "Ready", "status": "False", "reason": "PodCompleted", "lastTransitionTime": now},
+                {"type": "ContainersReady", "status": "False", "reason": "PodCompleted", "lastTransitionTime": now},
+            ],
+            "containerStatuses": [{
+                "name": CONTAINER,
+                "image": image,
+                "imageID": "",
+                "ready": false,
+                "restartCount": 0,
+                "started": false,
+                "state": {"terminated": {
+                    "exitCode": exit_code,
+                    "reason": reason,
+                    "message": message,
+                    "startedAt": now,
+                    "finishedAt": now,
+                }},
+            }],
+        }
+    });
+    pods.patch_status(pod, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(drop)
+}
+
 pub fn phase_of(run: &TrajectoryRun) -> Option<Phase> {
     run.status.as_ref().and_then(|s| s.phase)
 }
@@ -608,8 +818,13 @@ pub fn done_batches(run: &TrajectoryRun) -> u32 {
 
 /// The model: each conversation calls the terminal once, then answers.
 pub async fn model() -> ScriptedServer {
+    model_with_latency(Duration::from_millis(5)).await
+}
+
+/// [`model`] answering each request after `latency`.
+pub async fn model_with_latency(latency: Duration) -> ScriptedServer {
     ScriptedServer::start_fixed_latency(FixedLatency {
-        latency: Duration::from_millis(5),
+        latency,
         tool_call: tool_call_reply("terminal", &json!({"command": "echo hi"})),
         final_answer: text_reply("done"),
     })
@@ -679,6 +894,16 @@ pub async fn children(client: &Client, namespace: &str, run: &str) -> (Vec<Strin
     (job_names, map_names)
 }
 
+/// The status of the Job `name`.
+pub async fn job_status(client: &Client, namespace: &str, name: &str) -> JobStatus {
+    let jobs: Api<Job> = Api::namespaced(client.clone(), namespace);
+    jobs.get(name)
+        .await
+        .unwrap_or_else(|e| panic!("get the Job {name}: {e}"))
+        .status
+        .unwrap_or_else(|| panic!("the Job {name} has no status"))
+}
+
 /// The phase-change Events on the run, in the order they happened.
 pub async fn phase_events(client: &Client, namespace: &str, uid: &str) -> Vec<String> {
     let events: Api<Event> = Api::namespaced(client.clone(), namespace);
@@ -740,6 +965,112 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<String> 
     let mut response = String::new();
     stream.read_to_string(&mut response).await.ok()?;
     Some(response)
+}
+
+/// The environment of the pod's worker container as the process sees it: its literal values and
+/// the values it takes from the pod's labels and annotations (the Job controller's
+/// `JOB_COMPLETION_INDEX`), with the contract's paths mapped onto what this kubelet mounts — the
+/// storage, the plan, the termination log and the workspace in the pod's directory.
+fn process_env(
+    pod: &Pod,
+    container: &Container,
+    storage: &Path,
+    pod_dir: &Path,
+) -> Vec<(String, OsString)> {
+    let field = |path: &str| -> Option<String> {
+        let (map, key) = path.strip_suffix("']")?.split_once("['")?;
+        let values = match map {
+            "metadata.annotations" => pod.metadata.annotations.as_ref(),
+            "metadata.labels" => pod.metadata.labels.as_ref(),
+            _ => None,
+        }?;
+        values.get(key).cloned()
+    };
+    let mounted = |name: &str| -> Option<PathBuf> {
+        match name {
+            env::PLAN_PATH => Some(pod_dir.join(paths::PLAN_FILE)),
+            env::STORAGE_ROOT => Some(storage.to_path_buf()),
+            env::TERMINATION_LOG => Some(pod_dir.join("termination-log")),
+            env::WORKSPACE_ROOT => Some(pod_dir.join("workspace")),
+            _ => None,
+        }
+    };
+    container
+        .env
+        .iter()
+        .flatten()
+        .map(|var| {
+            let value = if let Some(path) = mounted(&var.name) {
+                path.into_os_string()
+            } else if let Some(value) = &var.value {
+                value.into()
+            } else {
+                let Some(path) = var
+                    .value_from
+                    .as_ref()
+                    .and_then(|from| from.field_ref.as_ref())
+                    .map(|field_ref| field_ref.field_path.as_str())
+                else {
+                    panic!("the test-kubelet cannot resolve {var:?}");
+                };
+                field(path)
+                    .unwrap_or_else(|| panic!("pod {} has no {path}", pod.name_any()))
+                    .into()
+            };
+            (var.name.clone(), value)
+        })
+        .collect()
+}
+
+/// One record line of a batch file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct BatchRecord {
+    /// The batch of the file that holds it.
+    pub batch: u32,
+    pub prompt_index: u64,
+    pub sample: u64,
+}
+
+/// The records of the batch files in `run_dir`'s `batches/` (of `batch` only, when given), in
+/// batch, file and line order: every records file of a batch (each writer's, and the single file
+/// of older workers) but the `OpenAI` twins. A torn last line (a writer killed mid-write) is no
+/// record: resume and merge leave it out too.
+pub fn batch_records(run_dir: &Path, batch: Option<u32>) -> Vec<BatchRecord> {
+    let batches: Vec<u32> = match batch {
+        Some(batch) => vec![batch],
+        None => batches_with_records(run_dir),
+    };
+    let mut records = Vec::new();
+    for batch in batches {
+        for record in crate::real_pods::batch_records(run_dir, batch) {
+            records.push(BatchRecord {
+                batch,
+                prompt_index: record["prompt_index"]
+                    .as_u64()
+                    .unwrap_or_else(|| panic!("batch {batch}: no prompt_index: {record}")),
+                sample: record["sample"].as_u64().unwrap_or(0),
+            });
+        }
+    }
+    records
+}
+
+/// The batches of `run_dir` with records files: a directory `batch-NNNNNN` of writers' files, or
+/// an older worker's `batch-NNNNNN.jsonl`; ascending.
+fn batches_with_records(run_dir: &Path) -> Vec<u32> {
+    let dir = run_dir.join("batches");
+    let mut batches: Vec<u32> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .filter_map(|entry| {
+            let name = entry.expect("a directory entry").file_name();
+            let name = name.to_str()?.strip_prefix("batch-")?;
+            let digits = name.strip_suffix(".jsonl").unwrap_or(name);
+            (digits.len() == 6).then(|| digits.parse().ok()).flatten()
+        })
+        .collect();
+    batches.sort_unstable();
+    batches.dedup();
+    batches
 }
 
 /// The worker subcommand of the pod's container, after checking that the container points the

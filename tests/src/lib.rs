@@ -7,7 +7,8 @@
 //!   for when it runs out.
 //!
 //! - [`install_crds`] applies the generated CRD file; [`e2e`] drives a run end to end (an in-process
-//!   controller and a test-kubelet running the worker's real steps).
+//!   controller and a test-kubelet running the worker's real steps, in the test's process or as
+//!   processes of the worker's command line, the crate's `e2e-worker` binary).
 //! - [`helm`] renders the Helm chart with the helm binary `scripts/helm/build.sh` builds.
 //! - [`real_pods`] runs in real pods on the real node (`scripts/cluster/up.sh --real-node`): the
 //!   node and its imported images, a shared `hostPath` volume, the model as pods reach it.

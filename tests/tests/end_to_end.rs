@@ -38,8 +38,8 @@ use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::service::{self, Exit};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::e2e::{
-    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, children, done_batches, jsonl, mark_done,
-    model, phase_events, phase_of, plan_termination_message, pods_of_index, printed_row,
+    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, children, done_batches, job_status, jsonl,
+    mark_done, model, phase_events, phase_of, plan_termination_message, pods_of_index, printed_row,
     random_batches, run_spec, snapshot, start_controller_in, write_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
@@ -137,13 +137,7 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
     let (jobs, maps) = children(client, ns, "e2e").await;
     assert_eq!(jobs, ["e2e-gen-1", "e2e-merge", "e2e-plan"]);
     assert_eq!(maps, jobs);
-    let gen_job: Api<Job> = Api::namespaced(client.clone(), ns);
-    let gen_status = gen_job
-        .get("e2e-gen-1")
-        .await
-        .expect("gen-1")
-        .status
-        .expect("status");
+    let gen_status = job_status(client, ns, "e2e-gen-1").await;
     assert_eq!(gen_status.completed_indexes.as_deref(), Some("0-3"));
 
     // An Event at every phase change, in order.
@@ -302,13 +296,7 @@ async fn a_crashed_batch_is_retried_and_a_wiped_status_is_rebuilt_without_redoin
     assert_eq!(indexes, (0..10).collect());
     let (jobs, _) = children(client, ns, "retry").await;
     assert_eq!(jobs, ["retry-gen-1", "retry-merge", "retry-plan"]);
-    let gen_job: Api<Job> = Api::namespaced(client.clone(), ns);
-    let gen_status = gen_job
-        .get("retry-gen-1")
-        .await
-        .expect("gen-1")
-        .status
-        .expect("status");
+    let gen_status = job_status(client, ns, "retry-gen-1").await;
     assert_eq!(gen_status.completed_indexes.as_deref(), Some("0-3"));
     assert_eq!(gen_status.failed, Some(1));
 }
