@@ -1384,8 +1384,16 @@ async fn a_resume_over_scattered_done_batches_redoes_none_of_them() {
         serde_json::from_str(&message).expect("a plan summary");
     assert!(summary.done_truncated, "{message}");
     assert!(summary.done.len() < 200, "{} ranges", summary.done.len());
+    // The whole count, and the list of the 200 batches not done, on storage.
+    assert_eq!(summary.done_count, 200, "{message}");
+    let list = summary.pending_list.expect("a pending list");
 
     let out = scratch.storage().join(format!("runs/{ns}/scattered"));
+    let pending = std::fs::read_to_string(out.join(&list)).expect("the pending list");
+    assert_eq!(
+        trajectory_worker::contract::parse_ranges(&pending).expect("ranges"),
+        (1..BATCHES).step_by(2).collect::<Vec<u32>>()
+    );
     let mut indexes: Vec<u64> = jsonl(&out.join("trajectories.jsonl"))
         .iter()
         .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
