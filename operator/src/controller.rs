@@ -9,8 +9,9 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::batch::v1::Job;
 use kube::Api;
 use kube::runtime::controller::{Action, Controller};
@@ -43,8 +44,12 @@ pub fn error_policy(run: Arc<TrajectoryRun>, error: &Error, ctx: Arc<Context>) -
     }
 }
 
+/// How long the controller may take to drain after a shutdown request: reconciles in flight finish
+/// in well under a second, and a pod's default termination grace is 30 s.
+pub const DRAIN_LIMIT: Duration = Duration::from_secs(10);
+
 /// Runs the controller over every namespace (or the one of `settings.watch_namespace`) until
-/// `shutdown` resolves.
+/// `shutdown` resolves, and its reconciles in flight finish (at most [`DRAIN_LIMIT`] later).
 pub async fn run(ctx: Context, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
     let (runs, jobs): (Api<TrajectoryRun>, Api<Job>) = match &ctx.settings.watch_namespace {
         Some(namespace) => (
@@ -57,13 +62,23 @@ pub async fn run(ctx: Context, shutdown: impl Future<Output = ()> + Send + Sync 
     let controller = Controller::new(runs, watcher::Config::default())
         .owns(jobs, watcher::Config::default().labels(&managed));
     ctx.metrics.count_runs_in(controller.store());
-    controller
-        .graceful_shutdown_on(shutdown)
+    let shutdown = shutdown.shared();
+    let drained = controller
+        .graceful_shutdown_on(shutdown.clone())
         .run(reconcile, error_policy, Arc::new(ctx))
         .for_each(|result| async move {
             if let Err(error) = result {
                 warn!(%error, "reconcile failed");
             }
-        })
-        .await;
+        });
+    // A controller asked to stop before its first list of runs arrived never drains: kube-runtime
+    // holds reconciles until its cache is ready, and the shutdown has ended the watch that fills
+    // it. Without a limit, a SIGTERM or a lost Lease right at startup would leave the process up.
+    tokio::select! {
+        () = drained => {}
+        () = async {
+            shutdown.await;
+            tokio::time::sleep(DRAIN_LIMIT).await;
+        } => warn!(limit = ?DRAIN_LIMIT, "the controller did not drain in time; stopping it"),
+    }
 }

@@ -127,3 +127,20 @@ async fn a_new_run_is_planned_and_a_plan_without_summary_fails_it() {
     .await;
     assert!(!reasons.is_empty());
 }
+
+/// A controller told to stop at once, before its first list of runs arrived, still stops (within
+/// its drain limit): kube-runtime alone would wait for a cache the shutdown keeps from filling.
+#[tokio::test]
+async fn a_controller_stopped_at_once_still_stops() {
+    let client = client().await;
+    install_crds(&client).await;
+    let started = std::time::Instant::now();
+    let ctx = Context::new(client.clone(), Settings::default());
+    tokio::time::timeout(
+        controller::DRAIN_LIMIT + Duration::from_secs(5),
+        controller::run(ctx, std::future::ready(())),
+    )
+    .await
+    .expect("the controller stops within its drain limit");
+    eprintln!("stopped after {:?}", started.elapsed());
+}
