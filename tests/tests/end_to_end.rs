@@ -1158,22 +1158,8 @@ async fn a_run_of_a_million_batches_is_planned_sharded_and_dispatched() {
         .await;
     // Only the plan pod is played: the batch pods are to be counted, not run.
     let kubelet = Kubelet::new(client, ns, "million", &setup.scratch);
-    assert!(kubelet.play_the_plan().await, "the plan pod was played");
-    let planned = std::time::Instant::now();
-    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+    let shards = generation_jobs_after_the_plan(&kubelet, client, ns, 10).await;
     let selector = format!("{}=million,{}=generate", labels::RUN, labels::COMPONENT);
-    let shards = wait_until("ten generation Jobs", Duration::from_secs(60), || async {
-        let list = jobs
-            .list(&ListParams::default().labels(&selector))
-            .await
-            .ok()?;
-        (list.items.len() == 10).then_some(list.items)
-    })
-    .await;
-    eprintln!(
-        "ten generation Jobs {} ms after the plan finished",
-        planned.elapsed().as_millis()
-    );
     let mut shape: Vec<(String, Option<i32>, Option<i32>)> = shards
         .iter()
         .map(|job| {
@@ -1226,6 +1212,38 @@ async fn a_run_of_a_million_batches_is_planned_sharded_and_dispatched() {
     assert_eq!(status.phase, Some(Phase::Running));
     assert_eq!(status.progress.as_deref(), Some("0/1000000"));
     assert_eq!(status.attempt, Some(1));
+}
+
+/// Plays the run's plan pod, then waits for its `count` generation Jobs (printing how long after
+/// the plan they all were there).
+async fn generation_jobs_after_the_plan(
+    kubelet: &Kubelet,
+    client: &kube::Client,
+    ns: &str,
+    count: usize,
+) -> Vec<Job> {
+    assert!(kubelet.play_the_plan().await, "the plan pod was played");
+    let planned = std::time::Instant::now();
+    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+    let selector = format!(
+        "{}={},{}=generate",
+        labels::RUN,
+        kubelet.run,
+        labels::COMPONENT
+    );
+    let shards = wait_until("the generation Jobs", Duration::from_secs(120), || async {
+        let list = jobs
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .ok()?;
+        (list.items.len() == count).then_some(list.items)
+    })
+    .await;
+    eprintln!(
+        "{count} generation Jobs {} ms after the plan finished",
+        planned.elapsed().as_millis()
+    );
+    shards
 }
 
 /// The plan `ConfigMap` of a generation Job, checked to be under 4 KiB.
@@ -1539,22 +1557,7 @@ async fn a_resume_of_a_million_batches_forty_percent_done_at_random_plans_only_t
 
     let _controller = start_controller_in(client, ns);
     setup.create("sparse", &extra).await;
-    assert!(kubelet.play_the_plan().await, "the plan pod was played");
-    let planned = std::time::Instant::now();
-    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
-    let selector = format!("{}=sparse,{}=generate", labels::RUN, labels::COMPONENT);
-    let shards = wait_until("six generation Jobs", Duration::from_secs(120), || async {
-        let list = jobs
-            .list(&ListParams::default().labels(&selector))
-            .await
-            .ok()?;
-        (list.items.len() == 6).then_some(list.items)
-    })
-    .await;
-    eprintln!(
-        "six generation Jobs {} ms after the plan finished",
-        planned.elapsed().as_millis()
-    );
+    let shards = generation_jobs_after_the_plan(&kubelet, client, ns, 6).await;
     let completions: i32 = shards
         .iter()
         .map(|job| job.spec.as_ref().and_then(|s| s.completions).unwrap_or(0))

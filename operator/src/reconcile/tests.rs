@@ -57,14 +57,7 @@ fn failed_message(desired: &Desired) -> &str {
 }
 
 fn plan_batches(desired: &Desired, name: &str) -> Option<Vec<u32>> {
-    let map = desired
-        .children
-        .config_maps
-        .iter()
-        .find(|m| m.metadata.name.as_deref() == Some(name))
-        .unwrap_or_else(|| panic!("no ConfigMap {name}"));
-    let plan: RunPlan = serde_json::from_str(&map.data.as_ref().unwrap()["plan.json"]).unwrap();
-    plan.batches
+    run_plan(desired, name).batches
 }
 
 #[test]
