@@ -172,7 +172,8 @@ impl<'a> IdSpace<'a> {
         }
     }
 
-    /// The ids done before any attempt: the plan's done batches, or no slot.
+    /// The ids done before any attempt: the plan's done batches (no slot is: the list holds the
+    /// batches the plan found not done).
     fn done_by_the_plan(self, plan: &PlanSummary) -> BTreeSet<u32> {
         match self {
             Self::Batches { .. } => plan
@@ -326,7 +327,7 @@ fn generate(
                 }
                 state => match after_attempt(
                     run,
-                    attempt + 1 - first_attempt_of(observed.round),
+                    (attempt + 1).saturating_sub(first_attempt_of(observed.round)),
                     (&state, failure_of(&shards)),
                     &pending,
                 ) {
