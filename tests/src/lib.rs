@@ -9,6 +9,7 @@
 //! - [`install_crds`] applies the generated CRD file; [`e2e`] drives a run end to end (an in-process
 //!   controller and a test-kubelet running the worker's real steps, in the test's process or as
 //!   processes of the worker's command line, the crate's `e2e-worker` binary).
+//! - [`children`] builds a run's Jobs with the operator's own builder, without a controller.
 //! - [`helm`] renders the Helm chart with the helm binary `scripts/helm/build.sh` builds.
 //! - [`real_pods`] runs in real pods on the real node (`scripts/cluster/up.sh --real-node`): the
 //!   node and its imported images, a shared `hostPath` volume, the model as pods reach it.
@@ -16,6 +17,7 @@
 //! Run the tests with a cluster that lives only as long as the run:
 //! `scripts/cluster/with-cluster.sh cargo test -p trajectory-tests`.
 
+pub mod children;
 pub mod crds;
 pub mod e2e;
 pub mod helm;

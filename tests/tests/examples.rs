@@ -24,9 +24,9 @@ use serde_json::Value;
 use trajectory_operator::api::TrajectoryRun;
 use trajectory_operator::reconcile::build;
 use trajectory_operator::reconcile::children::Component;
-use trajectory_operator::reconcile::decide::{Pending, Shard};
 use trajectory_operator::reconcile::validate::{Validation, validate};
 use trajectory_operator::settings::Settings;
+use trajectory_tests::children::jobs_of_every_stage;
 use trajectory_tests::{TestNamespace, client, install_crds};
 use trajectory_worker::run::RunFile;
 
@@ -145,22 +145,7 @@ async fn check_run(
     };
     let settings = Settings::default();
     let config_map: ConfigMap = build::plan_config_map(&valid, Component::Plan { round: 1 }, None);
-    let first_three = Pending::new(vec![0, 1, 2]).expect("three batches");
-    let jobs: Vec<Job> = vec![
-        build::plan_job(&valid, &settings, 1, false),
-        build::generation_job(
-            &valid,
-            &settings,
-            &Shard {
-                attempt: 1,
-                shard: 0,
-                pending: first_three.clone(),
-                exists: false,
-                parallelism: run.spec.run.workers,
-            },
-        ),
-        build::merge_job(&valid, &settings, 1, false),
-    ];
+    let jobs = jobs_of_every_stage(&valid, &settings);
     let create = PostParams {
         dry_run: true,
         field_manager: Some(FIELD_MANAGER.to_owned()),
@@ -262,10 +247,12 @@ async fn every_example_is_accepted_by_the_api_server_and_the_operator() {
             "{expected} was not checked; found {files:?}"
         );
     }
-    assert!(
-        others.iter().any(|place| place.contains("(Deployment)")),
-        "the vLLM Deployment was not checked: {others:?}"
-    );
+    for kind in ["(Deployment)", "(NetworkPolicy)"] {
+        assert!(
+            others.iter().any(|place| place.contains(kind)),
+            "no {kind} was checked (the vLLM Deployment, examples/networkpolicy/): {others:?}"
+        );
+    }
 }
 
 /// The check refuses what it should: a typo in a run, an invalid pod setting and a bad value.

@@ -62,3 +62,19 @@ app.kubernetes.io/part-of: trajectory-operator
 {{- fail "serviceAccount.name: name the existing ServiceAccount to use when serviceAccount.create=false" -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The network of the IPv4 address of a CIDR (a.b.c.d/n) at a prefix length, as a number:
+     (list "10.1.2.3/32" 8) gives 167772160 (10.0.0.0). Templates have no bit operations, so
+     the host bits are cleared by an integer division and a multiplication. */}}
+{{- define "trajectory-operator.ipv4Network" -}}
+{{- $octets := splitList "." (first (splitList "/" (index . 0))) -}}
+{{- $address := 0 -}}
+{{- range $octets -}}
+{{- $address = add (mul $address 256) (int .) -}}
+{{- end -}}
+{{- $block := 1 -}}
+{{- range until (sub 32 (int (index . 1)) | int) -}}
+{{- $block = mul $block 2 -}}
+{{- end -}}
+{{- mul (div $address $block) $block -}}
+{{- end -}}
