@@ -156,9 +156,13 @@ impl RunArgs {
 /// Starts logging to stderr.
 /// The whole `trajectory-worker` process; returns its exit code.
 pub fn main() -> i32 {
+    let dumpable = hide_from_same_uid_processes();
     let huge_pages = disable_transparent_huge_pages();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
+    if let Err(err) = dumpable {
+        error!(%err, "cannot mark the process non-dumpable: tool commands may read its memory");
+    }
     if let Err(err) = huge_pages {
         debug!(%err, "transparent huge pages stay enabled");
     }
@@ -169,6 +173,18 @@ pub fn main() -> i32 {
             exit::TRANSIENT
         }
     }
+}
+
+/// Marks the process non-dumpable, first thing, before it reads a secret.
+///
+/// The worker holds the model API key in its environment and memory, and tool commands run as the
+/// same uid. A non-dumpable process's `/proc/<pid>/environ`, `mem`, `maps`, `fd/` and the like are
+/// owned by root and refused to other processes of the uid (the kernel's ptrace access check), and
+/// it cannot be ptrace-attached or core-dumped. `/proc/<pid>/cmdline` stays world-readable, which
+/// is why no secret is ever passed on a command line. The process itself keeps full access to its
+/// own `/proc/self` (the file tools read `/proc/self/fd`).
+fn hide_from_same_uid_processes() -> nix::Result<()> {
+    nix::sys::prctl::set_dumpable(false)
 }
 
 /// Turns transparent huge pages off for this process before it allocates much.
