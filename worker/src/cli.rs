@@ -11,6 +11,7 @@ use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_c
 use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
 use crate::run::manifest::Manifest;
 use crate::run::{RunError, RunFile, RunLocation, load_plan, merge, plan};
+use crate::tools::sandbox::{EXECUTOR_SUBCOMMAND, LandlockMode, Sandbox, executor_main};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -104,9 +105,17 @@ pub struct WorkspaceArgs {
     /// Directory for per-conversation tool workspaces.
     #[arg(long, env = env::WORKSPACE_ROOT)]
     pub workspace_root: Option<PathBuf>,
+    /// Landlock confinement of terminal commands: `auto` where the kernel has it, `required` to
+    /// refuse commands it cannot confine, `off` to run without it.
+    #[arg(long, env = env::LANDLOCK, value_enum, default_value_t = LandlockMode::Auto)]
+    pub landlock: LandlockMode,
 }
 
 impl WorkspaceArgs {
+    fn sandbox(&self) -> Sandbox {
+        Sandbox::current_exe(self.landlock)
+    }
+
     fn root(&self) -> PathBuf {
         self.workspace_root
             .clone()
@@ -156,6 +165,15 @@ impl RunArgs {
 /// Starts logging to stderr.
 /// The whole `trajectory-worker` process; returns its exit code.
 pub fn main() -> i32 {
+    // The executor of one terminal command: before anything else, so it costs an exec and not a
+    // runtime's start (see `tools::sandbox`).
+    let mut args = std::env::args_os().skip(1);
+    if args
+        .next()
+        .is_some_and(|first| first == EXECUTOR_SUBCOMMAND)
+    {
+        return executor_main(args);
+    }
     let dumpable = hide_from_same_uid_processes();
     let huge_pages = disable_transparent_huge_pages();
     let cli = Cli::parse();
@@ -263,6 +281,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
                 storage,
                 base_url,
                 workspace_root: workspaces.root(),
+                sandbox: workspaces.sandbox(),
                 progress: if no_progress_bar {
                     ProgressMode::Lines
                 } else {
@@ -316,9 +335,14 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             toolsets,
             workspaces,
         } => {
-            let record =
-                crate::run::prompt::run_prompt(&run_file, &prompt, toolsets, workspaces.root())
-                    .await?;
+            let record = crate::run::prompt::run_prompt(
+                &run_file,
+                &prompt,
+                toolsets,
+                workspaces.root(),
+                workspaces.sandbox(),
+            )
+            .await?;
             println!(
                 "{}",
                 serde_json::to_string_pretty(&record).unwrap_or_default()
@@ -359,6 +383,7 @@ async fn batch_command(
         }
     };
     let manifest = Manifest::require(&location.run_dir())?;
-    let engine = Engine::new(&location.plan.spec, workspaces.root())?;
+    let mut engine = Engine::new(&location.plan.spec, workspaces.root())?;
+    engine.sandbox = workspaces.sandbox();
     run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await
 }
