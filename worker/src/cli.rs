@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
-use tracing::{debug, error};
+use tracing::{debug, error, info, warn};
 
 use crate::contract::{WorkerFailure, env, exit, paths, termination_message};
 use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
@@ -114,6 +114,38 @@ pub struct WorkspaceArgs {
 impl WorkspaceArgs {
     fn sandbox(&self) -> Sandbox {
         Sandbox::current_exe(self.landlock)
+    }
+
+    /// Says once whether terminal commands will be confined by Landlock, and refuses to start
+    /// when they must be and cannot.
+    fn check_sandbox(&self) -> Result<(), RunError> {
+        if self.landlock == LandlockMode::Off {
+            warn!(
+                "Landlock is off (--landlock off): terminal commands can reach every file this uid can"
+            );
+            return Ok(());
+        }
+        let enforced = self.sandbox().landlock_enforced().map_err(|err| {
+            RunError::Internal(format!("cannot start the terminal's executor: {err}"))
+        })?;
+        match (enforced, self.landlock) {
+            (true, _) => {
+                info!("terminal commands are confined by Landlock to their workspace");
+                Ok(())
+            }
+            (false, LandlockMode::Required) => Err(RunError::Spec(format!(
+                "Landlock is required ({} / --landlock required) but this kernel does not \
+                 enforce it",
+                env::LANDLOCK
+            ))),
+            (false, _) => {
+                warn!(
+                    "this kernel does not enforce Landlock: terminal commands can reach every file \
+                     this uid can (set --landlock required to refuse to run like this)"
+                );
+                Ok(())
+            }
+        }
     }
 
     fn root(&self) -> PathBuf {
@@ -276,6 +308,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             no_progress_bar,
             base_url,
         } => {
+            workspaces.check_sandbox()?;
             let options = LocalOptions {
                 run_file,
                 storage,
@@ -312,7 +345,10 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             batch,
             workspaces,
         } => {
-            let result = batch_command(&run, index, batch, &workspaces, shutdown).await;
+            let result = match workspaces.check_sandbox() {
+                Ok(()) => batch_command(&run, index, batch, &workspaces, shutdown).await,
+                Err(error) => Err(error),
+            };
             run.report(&result);
             println!("{}", termination_message(&result?));
             Ok(())
@@ -335,6 +371,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             toolsets,
             workspaces,
         } => {
+            workspaces.check_sandbox()?;
             let record = crate::run::prompt::run_prompt(
                 &run_file,
                 &prompt,

@@ -263,6 +263,11 @@ fn assert_layers_beside_landlock_hold(probe: &Probe) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn escape_attempts_fail_under_landlock_and_the_key_leaks_nowhere() {
     let probe = Probe::run("required").await;
+    assert!(
+        probe.worker_output.contains("confined by Landlock"),
+        "the worker says whether Landlock confines the commands:\n{}",
+        probe.worker_output
+    );
     assert_layers_beside_landlock_hold(&probe);
     let original = probe.fixture.dataset();
     let dataset = probe.dataset_text();
@@ -302,6 +307,11 @@ async fn escape_attempts_fail_under_landlock_and_the_key_leaks_nowhere() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_landlock_the_storage_and_the_siblings_are_open_but_the_other_layers_hold() {
     let probe = Probe::run("off").await;
+    assert!(
+        probe.worker_output.contains("Landlock is off"),
+        "{}",
+        probe.worker_output
+    );
     // The key file is readable without Landlock, so the key reaches the tool result: only the
     // other judgements are shared.
     assert!(probe.output(8).contains(KEY), "{}", probe.output(8));

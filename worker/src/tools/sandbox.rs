@@ -145,6 +145,19 @@ impl Sandbox {
         Self::new(executor, landlock)
     }
 
+    /// Whether this kernel enforces the executor's Landlock rules: runs `true` under the
+    /// executor with Landlock required (one exec; the worker asks once, at startup).
+    pub fn landlock_enforced(&self) -> std::io::Result<bool> {
+        let status = Self::new(&self.executor, LandlockMode::Required)
+            .command(Path::new("/"), Duration::ZERO, "true")
+            .env_clear()
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()?;
+        Ok(status.success())
+    }
+
     /// The executor's command line for `shell -c command` in `workspace`; the caller sets the
     /// environment, working directory and standard streams.
     pub fn command(&self, workspace: &Path, grace: Duration, command: &str) -> Command {
