@@ -35,7 +35,9 @@
 //!   output already in flight still arrives), when the worker asks (`SIGTERM`: a timeout or a
 //!   cancelled conversation) or when the worker dies (`PR_SET_PDEATHSIG`), it `SIGKILL`s its
 //!   children, re-reads `/proc/self/task/*/children` to catch the ones re-parented meanwhile, and
-//!   reaps until it has no child left: no process and no zombie remains. Not covered: a `SIGKILL`
+//!   reaps until it has no child left: no process and no zombie remains. (The parent-death signal
+//!   follows the worker *thread* that spawned the executor; the conversations run on the
+//!   runtime's worker threads, which live as long as the process.) Not covered: a `SIGKILL`
 //!   of the executor itself (by the OOM killer, or a user) leaves its descendants to the next
 //!   reaper up; in a pod the container's PID namespace ends them with the pod. A PID namespace per
 //!   command would cover that too, but needs unprivileged user namespaces, which the restricted
