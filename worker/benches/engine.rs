@@ -35,6 +35,7 @@ use tokio::sync::Semaphore;
 use trajectory_testkit::scripted_server::{FixedLatency, MODEL, ScriptedServer};
 use trajectory_worker::agent::{AgentConfig, run_conversation};
 use trajectory_worker::model::{ModelClient, ModelSettings, RetryPolicy};
+use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
 use trajectory_worker::tools::{
     Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace,
 };
@@ -221,6 +222,7 @@ fn engine(base_url: &str) -> anyhow::Result<Engine> {
         ctx: ToolContext {
             workspace: Workspace::new(std::env::temp_dir())?,
             limits: ToolLimits::default(),
+            sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
         },
         config: AgentConfig {
             max_turns: 10,

@@ -67,6 +67,7 @@ use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::{RunFile, RunLocation, merge, plan};
 use trajectory_worker::spec::ToolsSpec;
 use trajectory_worker::storage::{RunDir, WriterId};
+use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
 use trajectory_worker::tools::{Registry, Tool, ToolContext, Workspace};
 
 const SERVER_ENV: &str = "RUN_MODES_BENCH_SERVER";
@@ -1040,9 +1041,10 @@ fn local_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let engine = Arc::new(
-        runtime.block_on(async { Engine::new(&location.plan.spec, dir.join("workspaces")) })?,
-    );
+    let mut engine =
+        runtime.block_on(async { Engine::new(&location.plan.spec, dir.join("workspaces")) })?;
+    engine.sandbox = Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto);
+    let engine = Arc::new(engine);
     let texts = Arc::new(texts);
     let mut rounds = Vec::new();
     for _ in 0..knobs.repeats {
@@ -1103,6 +1105,7 @@ async fn engine_path(
     let context = Arc::new(ToolContext {
         workspace: Workspace::new(workspace)?,
         limits: engine.limits.clone(),
+        sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
     });
     let completions = Arc::new(Mutex::new(Vec::with_capacity(texts.len())));
     let failed = Arc::new(AtomicBool::new(false));

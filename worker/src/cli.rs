@@ -4,13 +4,14 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
-use tracing::{debug, error};
+use tracing::{debug, error, info, warn};
 
 use crate::contract::{WorkerFailure, env, exit, paths, termination_message};
 use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
 use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
 use crate::run::manifest::Manifest;
 use crate::run::{RunError, RunFile, RunLocation, load_plan, merge, plan};
+use crate::tools::sandbox::{EXECUTOR_SUBCOMMAND, LandlockMode, Sandbox, executor_main};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -104,9 +105,49 @@ pub struct WorkspaceArgs {
     /// Directory for per-conversation tool workspaces.
     #[arg(long, env = env::WORKSPACE_ROOT)]
     pub workspace_root: Option<PathBuf>,
+    /// Landlock confinement of terminal commands: `auto` where the kernel has it, `required` to
+    /// refuse commands it cannot confine, `off` to run without it.
+    #[arg(long, env = env::LANDLOCK, value_enum, default_value_t = LandlockMode::Auto)]
+    pub landlock: LandlockMode,
 }
 
 impl WorkspaceArgs {
+    fn sandbox(&self) -> Sandbox {
+        Sandbox::current_exe(self.landlock)
+    }
+
+    /// Says once whether terminal commands will be confined by Landlock, and refuses to start
+    /// when they must be and cannot.
+    fn check_sandbox(&self) -> Result<(), RunError> {
+        if self.landlock == LandlockMode::Off {
+            warn!(
+                "Landlock is off (--landlock off): terminal commands can reach every file this uid can"
+            );
+            return Ok(());
+        }
+        let enforced = self.sandbox().landlock_enforced().map_err(|err| {
+            RunError::Internal(format!("cannot start the terminal's executor: {err}"))
+        })?;
+        match (enforced, self.landlock) {
+            (true, _) => {
+                info!("terminal commands are confined by Landlock to their workspace");
+                Ok(())
+            }
+            (false, LandlockMode::Required) => Err(RunError::Spec(format!(
+                "Landlock is required ({} / --landlock required) but this kernel does not \
+                 enforce it",
+                env::LANDLOCK
+            ))),
+            (false, _) => {
+                warn!(
+                    "this kernel does not enforce Landlock: terminal commands can reach every file \
+                     this uid can (set --landlock required to refuse to run like this)"
+                );
+                Ok(())
+            }
+        }
+    }
+
     fn root(&self) -> PathBuf {
         self.workspace_root
             .clone()
@@ -156,9 +197,22 @@ impl RunArgs {
 /// Starts logging to stderr.
 /// The whole `trajectory-worker` process; returns its exit code.
 pub fn main() -> i32 {
+    // The executor of one terminal command: before anything else, so it costs an exec and not a
+    // runtime's start (see `tools::sandbox`).
+    let mut args = std::env::args_os().skip(1);
+    if args
+        .next()
+        .is_some_and(|first| first == EXECUTOR_SUBCOMMAND)
+    {
+        return executor_main(args);
+    }
+    let dumpable = hide_from_same_uid_processes();
     let huge_pages = disable_transparent_huge_pages();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
+    if let Err(err) = dumpable {
+        error!(%err, "cannot mark the process non-dumpable: tool commands may read its memory");
+    }
     if let Err(err) = huge_pages {
         debug!(%err, "transparent huge pages stay enabled");
     }
@@ -169,6 +223,18 @@ pub fn main() -> i32 {
             exit::TRANSIENT
         }
     }
+}
+
+/// Marks the process non-dumpable, first thing, before it reads a secret.
+///
+/// The worker holds the model API key in its environment and memory, and tool commands run as the
+/// same uid. A non-dumpable process's `/proc/<pid>/environ`, `mem`, `maps`, `fd/` and the like are
+/// owned by root and refused to other processes of the uid (the kernel's ptrace access check), and
+/// it cannot be ptrace-attached or core-dumped. `/proc/<pid>/cmdline` stays world-readable, which
+/// is why no secret is ever passed on a command line. The process itself keeps full access to its
+/// own `/proc/self` (the file tools read `/proc/self/fd`).
+fn hide_from_same_uid_processes() -> nix::Result<()> {
+    nix::sys::prctl::set_dumpable(false)
 }
 
 /// Turns transparent huge pages off for this process before it allocates much.
@@ -242,11 +308,13 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             no_progress_bar,
             base_url,
         } => {
+            workspaces.check_sandbox()?;
             let options = LocalOptions {
                 run_file,
                 storage,
                 base_url,
                 workspace_root: workspaces.root(),
+                sandbox: workspaces.sandbox(),
                 progress: if no_progress_bar {
                     ProgressMode::Lines
                 } else {
@@ -277,7 +345,10 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             batch,
             workspaces,
         } => {
-            let result = batch_command(&run, index, batch, &workspaces, shutdown).await;
+            let result = match workspaces.check_sandbox() {
+                Ok(()) => batch_command(&run, index, batch, &workspaces, shutdown).await,
+                Err(error) => Err(error),
+            };
             run.report(&result);
             println!("{}", termination_message(&result?));
             Ok(())
@@ -300,9 +371,15 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             toolsets,
             workspaces,
         } => {
-            let record =
-                crate::run::prompt::run_prompt(&run_file, &prompt, toolsets, workspaces.root())
-                    .await?;
+            workspaces.check_sandbox()?;
+            let record = crate::run::prompt::run_prompt(
+                &run_file,
+                &prompt,
+                toolsets,
+                workspaces.root(),
+                workspaces.sandbox(),
+            )
+            .await?;
             println!(
                 "{}",
                 serde_json::to_string_pretty(&record).unwrap_or_default()
@@ -343,6 +420,7 @@ async fn batch_command(
         }
     };
     let manifest = Manifest::require(&location.run_dir())?;
-    let engine = Engine::new(&location.plan.spec, workspaces.root())?;
+    let mut engine = Engine::new(&location.plan.spec, workspaces.root())?;
+    engine.sandbox = workspaces.sandbox();
     run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await
 }

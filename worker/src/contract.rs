@@ -27,6 +27,8 @@ pub mod env {
     pub const TERMINATION_LOG: &str = "TRAJ_TERMINATION_LOG";
     /// Directory under which per-conversation tool workspaces are created.
     pub const WORKSPACE_ROOT: &str = "TRAJ_WORKSPACE_ROOT";
+    /// Landlock confinement of terminal commands: `auto`, `required` or `off`.
+    pub const LANDLOCK: &str = "TRAJ_LANDLOCK";
     /// `json` or `pretty` log output.
     pub const LOG_FORMAT: &str = "TRAJ_LOG_FORMAT";
 }

@@ -14,6 +14,7 @@ use trajectory_worker::agent::{
     AgentConfig, Conversation, ConversationError, FINAL_ANSWER_REQUEST, run_conversation,
 };
 use trajectory_worker::model::{Message, ModelClient};
+use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
 use trajectory_worker::tools::{
     Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace,
 };
@@ -126,6 +127,7 @@ impl Fixture {
         let ctx = ToolContext {
             workspace: Workspace::new(dir.path()).unwrap(),
             limits: ToolLimits::default(),
+            sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
         };
         let config = AgentConfig {
             max_turns: 5,

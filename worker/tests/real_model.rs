@@ -15,6 +15,7 @@ use trajectory_worker::hermes::{RecordContext, trajectory_record};
 use trajectory_worker::model::{Message, ModelClient, ModelSettings, RetryPolicy};
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::spec::ToolsSpec;
+use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
 use trajectory_worker::tools::{Registry, ToolContext, ToolLimits, Workspace};
 
 fn model_server() -> String {
@@ -56,6 +57,7 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
     let context = ToolContext {
         workspace: Workspace::new(dir.path()).unwrap(),
         limits: ToolLimits::default(),
+        sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
     };
     let config = AgentConfig {
         max_turns: 2,
@@ -130,6 +132,7 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
         storage: None,
         base_url: Some(model_server()),
         workspace_root: storage.path().join("workspaces"),
+        sandbox: common::sandbox(),
         progress: ProgressMode::Lines,
     };
     let report = run_local(&options, &common::no_shutdown())

@@ -611,6 +611,7 @@ fn local_options(fixture: &RunFixture) -> LocalOptions {
         storage: None,
         base_url: None,
         workspace_root: fixture.workspaces(),
+        sandbox: common::sandbox(),
         progress: ProgressMode::Lines,
     }
 }

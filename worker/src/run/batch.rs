@@ -61,6 +61,7 @@ use crate::spec::RunSpec;
 use crate::storage::{
     AppendLog, RunDir, StorageError, WriterId, read_files_lines_into, write_atomic,
 };
+use crate::tools::sandbox::{LandlockMode, Sandbox};
 use crate::tools::{Registry, Tool, ToolContext, ToolLimits, ToolSpec, Workspace};
 
 /// What a process needs to run conversations, built once and shared by all batches.
@@ -73,6 +74,9 @@ pub struct Engine {
     pub limits: ToolLimits,
     pub workspace_root: PathBuf,
     pub keep_workspaces: bool,
+    /// How terminal commands are confined: by default this binary as the executor, Landlock
+    /// where the kernel has it.
+    pub sandbox: Sandbox,
     pub require_reasoning: bool,
     pub openai_format: bool,
     pub seed: u64,
@@ -124,6 +128,7 @@ impl Engine {
             },
             workspace_root,
             keep_workspaces: spec.tools.keep_workspaces,
+            sandbox: Sandbox::current_exe(LandlockMode::Auto),
             require_reasoning: spec.filters.require_reasoning,
             openai_format: spec.openai_format,
             seed: spec.seed,
@@ -1000,6 +1005,7 @@ async fn converse(
     let tool_context = ToolContext {
         workspace,
         limits: engine.limits.clone(),
+        sandbox: engine.sandbox.clone(),
     };
     let result = run_conversation(
         &engine.client,

@@ -18,6 +18,7 @@ use super::batch::{ConversationOutcome, Engine, Progress, Shutdown, run_batch};
 use super::{RunError, RunFile, RunLocation, merge, plan};
 use crate::contract::{MergeSummary, PlanSummary};
 use crate::storage::LockError;
+use crate::tools::sandbox::Sandbox;
 
 /// How progress is shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +38,8 @@ pub struct LocalOptions {
     /// Overrides `spec.model.baseUrl` (an operational field: it does not change the spec hash).
     pub base_url: Option<String>,
     pub workspace_root: PathBuf,
+    /// How terminal commands are confined.
+    pub sandbox: Sandbox,
     pub progress: ProgressMode,
 }
 
@@ -96,7 +99,8 @@ pub async fn run_local(
         plan_summary.done_count
     );
 
-    let engine = Engine::new(&location.plan.spec, options.workspace_root.clone())?;
+    let mut engine = Engine::new(&location.plan.spec, options.workspace_root.clone())?;
+    engine.sandbox = options.sandbox.clone();
     let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
     let pending: Vec<u32> = (0..manifest.batch_count())
         .filter(|batch| !done.contains(batch))

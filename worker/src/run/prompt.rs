@@ -8,6 +8,7 @@ use super::batch::Engine;
 use super::{RunError, RunFile};
 use crate::agent::run_conversation;
 use crate::hermes::{RecordContext, trajectory_record};
+use crate::tools::sandbox::Sandbox;
 use crate::tools::{ToolContext, ToolSpec, Workspace};
 
 /// Runs `prompt` with the run file's model and tools and returns the trajectory record.
@@ -16,10 +17,12 @@ pub async fn run_prompt(
     prompt: &str,
     toolsets: Option<Vec<String>>,
     workspace_root: PathBuf,
+    sandbox: Sandbox,
 ) -> Result<Map<String, Value>, RunError> {
     let run_file = RunFile::load(run_file)?;
     let spec = &run_file.spec;
-    let engine = Engine::new(spec, workspace_root)?;
+    let mut engine = Engine::new(spec, workspace_root)?;
+    engine.sandbox = sandbox;
     let toolsets = match toolsets {
         Some(names) => {
             if let Some(unknown) = names
@@ -48,6 +51,7 @@ pub async fn run_prompt(
     let context = ToolContext {
         workspace,
         limits: engine.limits.clone(),
+        sandbox: engine.sandbox.clone(),
     };
     let started_at = chrono::Utc::now();
     let conversation = run_conversation(&engine.client, &tools, &context, prompt, &engine.agent)

@@ -6,8 +6,9 @@
 //! build cannot serve are *known but unavailable*, so a run that could draw them is refused before
 //! any work starts, naming the toolset and what would enable it (the reference silently dropped them).
 //!
-//! Every conversation gets its own [`Workspace`] directory; file tools are confined to it and the
-//! terminal runs inside it.
+//! Every conversation gets its own [`Workspace`] directory; file tools are confined to it by path
+//! checks (they run inside the worker, which needs the storage, so the worker itself cannot be
+//! put under Landlock), and the terminal runs its commands inside it under the [`sandbox`].
 //!
 //! To add a tool to a toolset, see that toolset's module ([`file`] says how for a file tool). To
 //! add a toolset: a module with its `TOOLSET` name and a `tools(&ToolsSpec)` list, registered in
@@ -17,6 +18,7 @@
 
 mod args;
 pub mod file;
+pub mod sandbox;
 pub mod terminal;
 mod text;
 
@@ -81,6 +83,8 @@ pub trait Tool: Send + Sync + fmt::Debug {
 pub struct ToolContext {
     pub workspace: Workspace,
     pub limits: ToolLimits,
+    /// How terminal commands are confined.
+    pub sandbox: sandbox::Sandbox,
 }
 
 /// Caps that keep a misbehaving model from producing unbounded work or output.

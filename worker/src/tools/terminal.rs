@@ -1,10 +1,12 @@
 //! The `terminal` toolset: one tool, `terminal`, that runs a shell command in the conversation's
 //! workspace directory.
 //!
-//! Every command runs in its own process group, so everything it starts — pipelines, background
-//! jobs, their children — can be killed at once. The group is killed when the command times out,
-//! when the call is dropped (a cancelled conversation), and when the command finishes: no process
-//! outlives the call that started it, so nothing leaks into later conversations of the same pod.
+//! Every command runs under its own executor ([`super::sandbox`]): a cleared environment, a
+//! Landlock domain confined to the workspace, and a reaper that kills everything the command
+//! started — pipelines, background jobs, `setsid` and double-forked daemons — when the command
+//! finishes. The executor is told to do the same when the command times out and when the call is
+//! dropped (a cancelled conversation): no process outlives the call that started it, so nothing
+//! leaks into later conversations of the same pod.
 //!
 //! Output is read while the command runs (a chatty command never blocks on a full pipe) and kept
 //! within `max_output_bytes`: the head and a ring of the tail, the middle replaced by a marker.
@@ -18,7 +20,7 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use nix::sys::signal::{Signal, killpg};
+use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Map, Value, json};
 use tokio::io::AsyncReadExt;
@@ -27,15 +29,16 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 use super::args::{optional_u64_arg, string_arg};
+use super::sandbox::{REFUSED_EXIT, Sandbox};
 use super::text::{complete_prefix_len, complete_suffix_start};
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::ToolsSpec;
 
 pub const TOOLSET: &str = "terminal";
 
-/// How long output is still collected after the shell exits while a background process it left
-/// behind keeps the pipe open. Long enough to catch output already in flight, short enough that
-/// `server &` does not make every call wait for the full timeout.
+/// How long a background process the shell left behind may still write output after the shell
+/// exits, before the executor kills it (and the pipe closes). Long enough to catch output already
+/// in flight, short enough that `server &` does not make every call wait for the full timeout.
 const EXIT_GRACE: Duration = Duration::from_millis(500);
 
 /// Used when the worker itself has no `PATH` (as in some minimal containers).
@@ -125,6 +128,7 @@ impl Tool for TerminalTool {
                 Err(message) => return ToolOutcome::Err(message),
             };
             run(
+                &ctx.sandbox,
                 command,
                 ctx.workspace.root(),
                 timeout,
@@ -136,16 +140,19 @@ impl Tool for TerminalTool {
 }
 
 /// Runs one command to completion, timeout or cancellation and renders the tool result.
-async fn run(command: &str, cwd: &Path, timeout: Duration, max_output_bytes: usize) -> ToolOutcome {
-    let (mut child, mut output) = match spawn(command, cwd) {
+async fn run(
+    sandbox: &Sandbox,
+    command: &str,
+    cwd: &Path,
+    timeout: Duration,
+    max_output_bytes: usize,
+) -> ToolOutcome {
+    let (child, mut output) = match spawn(sandbox, command, cwd) {
         Ok(spawned) => spawned,
-        Err(err) => return ToolOutcome::Err(format!("could not start the shell: {err}")),
+        Err(err) => return ToolOutcome::Err(format!("could not start the sandbox: {err}")),
     };
-    // Armed before the first await, so a call dropped at any point below still kills the group.
-    let _group = child
-        .id()
-        .and_then(|id| i32::try_from(id).ok())
-        .map(|id| ProcessGroup(Pid::from_raw(id)));
+    // Armed before the first await, so a call dropped at any point below still ends the command.
+    let mut child = Executor(child);
 
     let deadline = Instant::now() + timeout;
     let mut stop_at = deadline;
@@ -159,7 +166,7 @@ async fn run(command: &str, cwd: &Path, timeout: Duration, max_output_bytes: usi
                 Ok(0) | Err(_) => output_open = false,
                 Ok(n) => kept.push(&buf[..n]),
             },
-            waited = child.wait(), if status.is_none() => match waited {
+            waited = child.0.wait(), if status.is_none() => match waited {
                 Ok(exit) => {
                     status = Some(exit);
                     stop_at = deadline.min(Instant::now() + EXIT_GRACE);
@@ -176,6 +183,11 @@ async fn run(command: &str, cwd: &Path, timeout: Duration, max_output_bytes: usi
     }
 
     let output = kept.render();
+    if status.is_some_and(|exit| exit.code() == Some(REFUSED_EXIT))
+        && let Some(reason) = output.strip_prefix("sandbox: ")
+    {
+        return ToolOutcome::Err(format!("the command was not run: {}", reason.trim_end()));
+    }
     ToolOutcome::Ok(match status {
         Some(exit) => json!({ "output": output, "exit_code": exit_code(exit), "error": null }),
         None => json!({
@@ -186,28 +198,21 @@ async fn run(command: &str, cwd: &Path, timeout: Duration, max_output_bytes: usi
     })
 }
 
-/// Starts `bash -c command` (or `sh` where bash is missing) in its own process group, with stdout
-/// and stderr on one pipe so their output interleaves as it would on a terminal.
-fn spawn(command: &str, cwd: &Path) -> io::Result<(Child, pipe::Receiver)> {
-    match spawn_with("bash", command, cwd) {
-        Err(err) if err.kind() == io::ErrorKind::NotFound => spawn_with("sh", command, cwd),
-        spawned => spawned,
-    }
-}
-
-fn spawn_with(shell: &str, command: &str, cwd: &Path) -> io::Result<(Child, pipe::Receiver)> {
+/// Starts the executor that runs `bash -c command` (or `sh` where bash is missing) in its own
+/// process group, with stdout and stderr on one pipe so their output interleaves as it would on a
+/// terminal, and a minimal environment of its own.
+fn spawn(sandbox: &Sandbox, command: &str, cwd: &Path) -> io::Result<(Child, pipe::Receiver)> {
     let (reader, writer) = io::pipe()?;
     let writer_for_stderr = writer.try_clone()?;
-    let mut cmd = Command::new(shell);
-    cmd.arg("-c")
-        .arg(command)
-        .current_dir(cwd)
+    let mut cmd = Command::from(sandbox.command(cwd, EXIT_GRACE, command));
+    cmd.current_dir(cwd)
         .env_clear()
         .env(
             "PATH",
             std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into()),
         )
         .env("HOME", cwd)
+        .env("TMPDIR", cwd)
         .env("TERM", "dumb")
         .stdin(Stdio::null())
         .stdout(Stdio::from(writer))
@@ -234,15 +239,19 @@ fn exit_code(status: ExitStatus) -> Option<i32> {
         .or_else(|| status.signal().map(|signal| 128 + signal))
 }
 
-/// Kills a command's whole process group when dropped.
+/// A running executor; when dropped before it has been reaped (a timeout, a cancelled call), it is
+/// asked with `SIGTERM` to kill everything its command started and exit. Not `SIGKILL`: that
+/// would leave the command's descendants to the next reaper up.
 #[derive(Debug)]
-struct ProcessGroup(Pid);
+struct Executor(Child);
 
-impl Drop for ProcessGroup {
+impl Drop for Executor {
     fn drop(&mut self) {
-        // ESRCH (the group is already gone) is the normal case after a command that left nothing
-        // behind; there is nothing else to do about a failure here either.
-        let _ = killpg(self.0, Signal::SIGKILL);
+        // `id` is `None` once the executor was reaped, so a recycled pid is never signalled.
+        if let Some(pid) = self.0.id().and_then(|id| i32::try_from(id).ok()) {
+            // ESRCH (it has just exited) is fine; nothing else can be done about a failure here.
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        }
     }
 }
 
@@ -306,259 +315,6 @@ impl OutputBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tools::{ToolLimits, Workspace};
-
-    fn context(dir: &Path, limits: ToolLimits) -> ToolContext {
-        ToolContext {
-            workspace: Workspace::new(dir).unwrap(),
-            limits,
-        }
-    }
-
-    fn tool() -> TerminalTool {
-        TerminalTool::new(60, 16 * 1024)
-    }
-
-    async fn call(ctx: &ToolContext, args: Value) -> ToolOutcome {
-        let Value::Object(args) = args else {
-            panic!("arguments must be an object")
-        };
-        tool().call(args, ctx).await
-    }
-
-    fn ok(outcome: ToolOutcome) -> Value {
-        match outcome {
-            ToolOutcome::Ok(value) => value,
-            ToolOutcome::Err(message) => panic!("expected success, got error: {message}"),
-        }
-    }
-
-    /// Whether a process has finished (gone, or a zombie waiting for a reaper that may not exist
-    /// in a container without an init).
-    fn process_is_gone(pid: i32) -> bool {
-        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Err(_) => true,
-            Ok(stat) => stat
-                .rsplit_once(')')
-                .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
-        }
-    }
-
-    async fn assert_process_gone(pid: i32) {
-        for _ in 0..100 {
-            if process_is_gone(pid) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        // Do not leave the stray process behind if the assertion fails.
-        let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
-        panic!("process {pid} is still running");
-    }
-
-    fn read_pid(dir: &Path) -> i32 {
-        std::fs::read_to_string(dir.join("pid"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap()
-    }
-
-    #[tokio::test]
-    async fn command_output_and_exit_code_are_returned() {
-        let dir = tempfile::tempdir().unwrap();
-        let ctx = context(dir.path(), ToolLimits::default());
-        let result = ok(call(
-            &ctx,
-            json!({"command": "echo out; echo err >&2; echo again"}),
-        )
-        .await);
-        assert_eq!(
-            result,
-            json!({"output": "out\nerr\nagain\n", "exit_code": 0, "error": null})
-        );
-    }
-
-    #[tokio::test]
-    async fn non_zero_exit_code_is_a_result_not_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let ctx = context(dir.path(), ToolLimits::default());
-        let outcome = call(&ctx, json!({"command": "echo failing; exit 3"})).await;
-        assert_eq!(
-            outcome,
-            ToolOutcome::Ok(json!({"output": "failing\n", "exit_code": 3, "error": null}))
-        );
-        assert_eq!(
-            outcome.into_content(),
-            r#"{"output":"failing\n","exit_code":3,"error":null}"#
-        );
-    }
-
-    #[tokio::test]
-    async fn command_killed_by_a_signal_reports_128_plus_the_signal() {
-        let dir = tempfile::tempdir().unwrap();
-        let ctx = context(dir.path(), ToolLimits::default());
-        let result = ok(call(&ctx, json!({"command": "kill -9 $$"})).await);
-        assert_eq!(result["exit_code"], 137);
-    }
-
-    #[tokio::test]
-    async fn command_runs_in_the_workspace_with_home_there_and_a_dumb_terminal() {
-        let dir = tempfile::tempdir().unwrap();
-        let ctx = context(dir.path(), ToolLimits::default());
-        let result = ok(call(
-            &ctx,
-            json!({"command": "pwd; echo $HOME; echo $TERM; touch made"}),
-        )
-        .await);
-        let root = ctx.workspace.root().display();
-        assert_eq!(result["output"], format!("{root}\n{root}\ndumb\n"));
-        assert!(dir.path().join("made").exists());
-    }
-
-    #[tokio::test]
-    async fn worker_environment_is_not_passed_to_commands() {
-        // Cargo sets these for the test process, standing in for the worker's secrets.
-        assert!(std::env::var_os("CARGO_PKG_NAME").is_some());
-        let dir = tempfile::tempdir().unwrap();
-        let ctx = context(dir.path(), ToolLimits::default());
-        let result = ok(call(&ctx, json!({"command": "env"})).await);
-        let output = result["output"].as_str().unwrap();
-        assert!(!output.contains("CARGO_PKG_NAME"), "{output}");
-        assert!(output.contains("PATH="), "{output}");
-    }
-
-    #[tokio::test]
-    async fn stdin_is_empty() {
-        let dir = tempfile::tempdir().unwrap();
-        let ctx = context(dir.path(), ToolLimits::default());
-        let result = ok(call(&ctx, json!({"command": "cat; echo done"})).await);
-        assert_eq!(result["output"], "done\n");
-    }
-
-    #[tokio::test]
-    async fn timeout_kills_the_whole_process_group() {
-        let dir = tempfile::tempdir().unwrap();
-        let limits = ToolLimits {
-            command_timeout: Duration::from_secs(1),
-            ..ToolLimits::default()
-        };
-        let ctx = context(dir.path(), limits);
-        let started = std::time::Instant::now();
-        let result = ok(call(
-            &ctx,
-            json!({"command": "echo started; sleep 30 & echo $! > pid; wait"}),
-        )
-        .await);
-        assert!(started.elapsed() < Duration::from_secs(10));
-        assert_eq!(
-            result,
-            json!({"output": "started\n", "exit_code": null, "error": "command timed out after 1s"})
-        );
-        assert_process_gone(read_pid(dir.path())).await;
-    }
-
-    #[tokio::test]
-    async fn requested_timeout_is_capped_by_the_limit() {
-        let dir = tempfile::tempdir().unwrap();
-        let limits = ToolLimits {
-            command_timeout: Duration::from_secs(1),
-            ..ToolLimits::default()
-        };
-        let ctx = context(dir.path(), limits);
-        let result = ok(call(&ctx, json!({"command": "sleep 30", "timeout": 1000})).await);
-        assert_eq!(result["error"], "command timed out after 1s");
-    }
-
-    #[tokio::test]
-    async fn shorter_requested_timeout_is_honoured() {
-        let dir = tempfile::tempdir().unwrap();
-        let ctx = context(dir.path(), ToolLimits::default());
-        let started = std::time::Instant::now();
-        let result = ok(call(&ctx, json!({"command": "sleep 30", "timeout": "1"})).await);
-        assert_eq!(result["error"], "command timed out after 1s");
-        assert!(started.elapsed() < Duration::from_secs(10));
-    }
-
-    #[tokio::test]
-    async fn dropping_the_call_kills_the_process_group() {
-        let dir = tempfile::tempdir().unwrap();
-        let ctx = context(dir.path(), ToolLimits::default());
-        let tool = tool();
-        let Value::Object(args) = json!({"command": "sleep 30 & echo $! > pid; wait"}) else {
-            unreachable!()
-        };
-        let call = tool.call(args, &ctx);
-        let pid_file = dir.path().join("pid");
-        let cancelled = tokio::time::timeout(Duration::from_secs(5), async {
-            tokio::select! {
-                _ = call => panic!("the command should still be running"),
-                () = async {
-                    while std::fs::read_to_string(&pid_file).map_or(true, |text| !text.ends_with('\n')) {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                } => {}
-            }
-        })
-        .await;
-        assert!(cancelled.is_ok(), "the pid file never appeared");
-        assert_process_gone(read_pid(dir.path())).await;
-    }
-
-    #[tokio::test]
-    async fn background_process_does_not_outlive_the_command() {
-        let dir = tempfile::tempdir().unwrap();
-        let ctx = context(dir.path(), ToolLimits::default());
-        let started = std::time::Instant::now();
-        let result = ok(call(
-            &ctx,
-            json!({"command": "sleep 30 & echo $! > pid; echo bye"}),
-        )
-        .await);
-        assert_eq!(
-            result,
-            json!({"output": "bye\n", "exit_code": 0, "error": null})
-        );
-        assert!(started.elapsed() < Duration::from_secs(10));
-        assert_process_gone(read_pid(dir.path())).await;
-    }
-
-    #[tokio::test]
-    async fn large_output_keeps_head_and_tail_within_the_cap() {
-        let dir = tempfile::tempdir().unwrap();
-        let limits = ToolLimits {
-            max_output_bytes: 100,
-            ..ToolLimits::default()
-        };
-        let ctx = context(dir.path(), limits);
-        // Far more than a pipe buffer holds: the command must not block on a full pipe.
-        let result = ok(call(&ctx, json!({"command": "seq 1 200000"})).await);
-        assert_eq!(result["exit_code"], 0);
-        let output = result["output"].as_str().unwrap();
-        assert!(output.starts_with("1\n2\n3\n"), "{output}");
-        assert!(output.ends_with("199999\n200000\n"), "{output}");
-        let total: usize = (1..=200_000).map(|n: u32| n.to_string().len() + 1).sum();
-        assert!(output.contains(&format!("\n... [{} bytes elided] ...\n", total - 100)));
-        assert!(output.len() < 200);
-    }
-
-    #[tokio::test]
-    async fn missing_or_empty_command_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let ctx = context(dir.path(), ToolLimits::default());
-        assert_eq!(
-            call(&ctx, json!({})).await,
-            ToolOutcome::Err("missing required argument `command`".to_owned())
-        );
-        assert_eq!(
-            call(&ctx, json!({"command": "  "})).await,
-            ToolOutcome::Err("argument `command` is empty".to_owned())
-        );
-        assert!(matches!(
-            call(&ctx, json!({"command": "true", "timeout": "soon"})).await,
-            ToolOutcome::Err(message) if message.contains("timeout")
-        ));
-    }
 
     #[test]
     fn output_buffer_keeps_everything_under_the_limit() {

@@ -19,8 +19,15 @@ use trajectory_worker::run::batch::{Engine, Shutdown, run_batch, shutdown_channe
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunFile, RunLocation};
 use trajectory_worker::storage::RecordsFile;
+use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
 
 pub const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
+
+/// The worker binary as the terminal's executor (the test binary itself cannot be one), with
+/// Landlock where the kernel has it.
+pub fn sandbox() -> Sandbox {
+    Sandbox::new(WORKER, LandlockMode::Auto)
+}
 
 /// A run on disk: `<dir>/run.yaml`, `<dir>/datasets/prompts.jsonl`, outputs under `<dir>/out`.
 pub struct RunFixture {
@@ -106,7 +113,10 @@ impl RunFixture {
     }
 
     pub fn engine(&self) -> Engine {
-        Engine::new(&self.location().plan.spec, self.workspaces()).expect("engine")
+        let mut engine =
+            Engine::new(&self.location().plan.spec, self.workspaces()).expect("engine");
+        engine.sandbox = sandbox();
+        engine
     }
 
     /// [`Self::engine`] with retries 10 ms apart (the spec's backoff starts at a second).
@@ -116,7 +126,9 @@ impl RunFixture {
         settings.retry.base_delay = Duration::from_millis(10);
         settings.retry.max_delay = Duration::from_millis(200);
         let client = ModelClient::new(settings).expect("client");
-        Engine::with_client(&spec, self.workspaces(), client).expect("engine")
+        let mut engine = Engine::with_client(&spec, self.workspaces(), client).expect("engine");
+        engine.sandbox = sandbox();
+        engine
     }
 
     /// Every records file of `batch`, as resume and merge find them.

@@ -8,6 +8,7 @@ use serde_json::Value;
 use tempfile::TempDir;
 
 use crate::spec::ToolsSpec;
+use crate::tools::sandbox::{LandlockMode, Sandbox};
 use crate::tools::{ToolContext, ToolLimits, ToolOutcome, Workspace};
 
 const SECRET: &str = "TOP SECRET outside the workspace\n";
@@ -41,6 +42,8 @@ impl Fixture {
             ctx: ToolContext {
                 workspace: Workspace::new(&root).unwrap(),
                 limits,
+                // The file tools run in the worker; no executor is started.
+                sandbox: Sandbox::current_exe(LandlockMode::Auto),
             },
             outside: outside.canonicalize().unwrap(),
             _parent: parent,

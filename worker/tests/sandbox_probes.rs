@@ -1,0 +1,341 @@
+//! Escape attempts against the local sandbox, driven through the real `trajectory-worker local`
+//! binary: a scripted model issues each attempt as a `terminal` call, and the test judges from the
+//! outside — the files on storage, the processes left on the machine, the worker's own output —
+//! never from what the command says about itself alone.
+//!
+//! The worker gets a recognisable fake API key (`sk-probe-…`) the way a user gives the real one,
+//! in its environment, and the same key sits in a key file beside the storage; the key must
+//! appear in no record, batch file, log or tool result.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use common::{RunFixture, WORKER, wait};
+use serde_json::{Value, json};
+use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_calls_reply};
+use trajectory_worker::contract::env;
+
+/// The fake key; a probe that prints it anywhere fails the test.
+const KEY: &str = "sk-probe-4f1c9e7a2b6d";
+
+/// The worker, found from a command: the executor's parent.
+const WORKER_PID: &str = "W=$(awk '/^PPid/{print $2}' /proc/$PPID/status)";
+
+/// What one probe run leaves to judge.
+struct Probe {
+    fixture: RunFixture,
+    /// Holds the key file, outside the storage, as a mounted Secret would be (kept until the
+    /// probe's judgements are done).
+    _secrets: tempfile::TempDir,
+    /// Another conversation's workspace, planted beside this one's.
+    sibling: PathBuf,
+    /// Each probe's tool result (`output`, `exit_code`, `error`), in call order.
+    results: Vec<Value>,
+    /// The `--landlock` mode of the run.
+    landlock: String,
+    /// What the worker printed (stdout and stderr).
+    worker_output: String,
+    /// The `Authorization` header the model server saw.
+    authorization: Option<String>,
+}
+
+impl Probe {
+    /// Runs one conversation whose model calls `terminal` once per escape attempt, all in one
+    /// turn, with Landlock in `landlock` mode.
+    async fn run(landlock: &str) -> Self {
+        let server = ScriptedServer::start_with_default([], Step::ok(text_reply("done"))).await;
+        let fixture = RunFixture::new(&server.base_url(), 1).with("/concurrency", json!(1));
+        let secrets = tempfile::tempdir().unwrap();
+        let key_file = secrets.path().join("api-key");
+        std::fs::write(&key_file, KEY).unwrap();
+        let sibling = fixture.workspaces().join("conversation-sibling");
+        std::fs::create_dir_all(&sibling).unwrap();
+        std::fs::write(sibling.join("notes.txt"), "sibling-private\n").unwrap();
+        let commands = escape_attempts(landlock, fixture.root(), &sibling, &key_file);
+        let calls: Vec<(&str, Value)> = commands
+            .iter()
+            .map(|command| {
+                (
+                    "terminal",
+                    Value::String(json!({"command": command}).to_string()),
+                )
+            })
+            .collect();
+        server.push(Step::ok(tool_calls_reply(&calls)));
+
+        let child = Command::new(WORKER)
+            .arg("local")
+            .arg(fixture.run_file())
+            .arg("--no-progress-bar")
+            .arg("--workspace-root")
+            .arg(fixture.workspaces())
+            .arg("--landlock")
+            .arg(landlock)
+            .env(env::MODEL_API_KEY, KEY)
+            .env(env::MODEL_API_KEY_FILE, &key_file)
+            .env("RUST_LOG", "debug")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the worker binary starts");
+        let output = wait(child).await;
+        let worker_output = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(output.status.success(), "the run failed:\n{worker_output}");
+
+        let requests = server.requests();
+        let authorization = requests[0].authorization.clone();
+        let results = requests.last().expect("the model was called").body["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|message| message["role"] == "tool")
+            .map(|message| serde_json::from_str(message["content"].as_str().unwrap()).unwrap())
+            .collect::<Vec<Value>>();
+        assert_eq!(results.len(), commands.len(), "one result per probe");
+        Self {
+            fixture,
+            _secrets: secrets,
+            landlock: landlock.to_owned(),
+            sibling,
+            results,
+            worker_output,
+            authorization,
+        }
+    }
+
+    fn output(&self, index: usize) -> &str {
+        self.results[index]["output"].as_str().unwrap_or_default()
+    }
+
+    fn storage(&self) -> &Path {
+        self.fixture.root()
+    }
+
+    fn dataset_text(&self) -> String {
+        std::fs::read_to_string(self.fixture.dataset()).unwrap()
+    }
+
+    /// The key reached the model server (so it was really in use), and nowhere else: no tool
+    /// result, no file on storage, nothing the worker printed.
+    fn assert_key_leaked_nowhere(&self) {
+        assert_eq!(
+            self.authorization.as_deref(),
+            Some(format!("Bearer {KEY}").as_str())
+        );
+        for (index, result) in self.results.iter().enumerate() {
+            assert!(
+                !result.to_string().contains(KEY),
+                "probe {index} printed the key: {result}"
+            );
+        }
+        assert!(!self.worker_output.contains(KEY), "{}", self.worker_output);
+        for entry in walkdir::WalkDir::new(self.storage()).into_iter().flatten() {
+            if entry.file_type().is_file() {
+                let data = std::fs::read(entry.path()).unwrap_or_default();
+                assert!(
+                    !String::from_utf8_lossy(&data).contains(KEY),
+                    "the key is in {}",
+                    entry.path().display()
+                );
+            }
+        }
+    }
+}
+
+/// Processes whose command line holds `marker` (a zombie's is empty, but only a live parent can
+/// keep a zombie, and every process of the run has ended).
+fn processes_with(marker: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains(marker) {
+            found.push(format!("{}: {cmdline}", entry.file_name().display()));
+        }
+    }
+    found
+}
+
+/// The escape attempts, the same for both variants; each index is named where it is judged.
+fn escape_attempts(
+    landlock: &str,
+    probe_dir: &Path,
+    sibling: &Path,
+    key_file: &Path,
+) -> Vec<String> {
+    let dataset = probe_dir.join("datasets/prompts.jsonl");
+    vec![
+        // 0: the worker's environment through /proc, as the issue's user did.
+        format!("{WORKER_PID}; tr '\\0' '\\n' < /proc/$W/environ; echo status=$?"),
+        // 1: every process's environment.
+        "cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; echo scanned".to_owned(),
+        // 2: the command's own environment.
+        "env".to_owned(),
+        // 3: the worker's memory.
+        format!("{WORKER_PID}; head -c 64 /proc/$W/mem >/dev/null; echo status=$?"),
+        // 4: the worker's command line: readable, and without a secret.
+        format!("{WORKER_PID}; tr '\\0' ' ' < /proc/$W/cmdline; echo"),
+        // 5: reading the dataset.
+        format!("cat {}; echo status=$?", dataset.display()),
+        // 6: changing the dataset, directly and through the worker's cwd link.
+        format!(
+            "echo hacked >> {}; echo direct=$?; {WORKER_PID}; echo hacked >> /proc/$W/cwd/{}; \
+             echo via_cwd=$?",
+            dataset.display(),
+            dataset.display()
+        ),
+        // 7: another conversation's workspace, read and written.
+        format!(
+            "cat {0}/notes.txt; echo read=$?; echo overwritten > {0}/notes.txt; echo write=$?",
+            sibling.display()
+        ),
+        // 8: the key file (a mounted Secret).
+        format!("cat {}; echo status=$?", key_file.display()),
+        // 9: processes that try to outlive the conversation.
+        {
+            let [a, b, c, d] = markers(landlock);
+            format!(
+                "setsid sleep {a} & nohup sleep {b} >/dev/null 2>&1 & (sleep {c} &) & \
+                 setsid -f sleep {d}; echo spawned"
+            )
+        },
+        // 10: the workspace itself works as before.
+        "echo made > mine.txt && cat mine.txt && echo $HOME $TMPDIR".to_owned(),
+    ]
+}
+
+/// The command-line markers (`sleep` durations) of probe 9's processes; distinct per variant, as
+/// the variants run at the same time.
+fn markers(landlock: &str) -> [String; 4] {
+    let base = if landlock == "off" { 987_710 } else { 987_610 };
+    [1, 2, 3, 4].map(|n| (base + n).to_string())
+}
+
+/// No process of probe 9 is left on the machine once the run has ended.
+fn assert_nothing_outlived_the_conversation(landlock: &str) {
+    let left: Vec<String> = markers(landlock)
+        .iter()
+        .flat_map(|marker| processes_with(marker))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "processes outlived the conversation: {left:?}"
+    );
+}
+
+/// The judgements that hold with and without Landlock: they rest on the cleared environment,
+/// the non-dumpable worker and the executor's reaping.
+fn assert_layers_beside_landlock_hold(probe: &Probe) {
+    probe.assert_key_leaked_nowhere();
+    assert!(
+        probe.output(0).contains("Permission denied"),
+        "{}",
+        probe.output(0)
+    );
+    assert!(
+        probe.output(1).ends_with("scanned\n"),
+        "{}",
+        probe.output(1)
+    );
+    let env = probe.output(2);
+    assert!(env.contains("TERM=dumb") && env.contains("PATH="), "{env}");
+    assert!(!env.contains(env::MODEL_API_KEY), "{env}");
+    assert!(probe.output(3).contains("status=1"), "{}", probe.output(3));
+    assert!(
+        probe.output(4).contains("trajectory-worker"),
+        "{}",
+        probe.output(4)
+    );
+    assert!(probe.output(9).contains("spawned"), "{}", probe.output(9));
+    assert_nothing_outlived_the_conversation(&probe.landlock);
+    let ws = probe.output(10);
+    assert!(ws.starts_with("made\n"), "{ws}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn escape_attempts_fail_under_landlock_and_the_key_leaks_nowhere() {
+    let probe = Probe::run("required").await;
+    assert!(
+        probe.worker_output.contains("confined by Landlock"),
+        "the worker says whether Landlock confines the commands:\n{}",
+        probe.worker_output
+    );
+    assert_layers_beside_landlock_hold(&probe);
+    let original = probe.fixture.dataset();
+    let dataset = probe.dataset_text();
+    assert!(
+        !dataset.contains("hacked"),
+        "the dataset was changed: {dataset}"
+    );
+    for (index, denied) in [(5, "status=1"), (8, "status=1")] {
+        let output = probe.output(index);
+        assert!(
+            output.contains("Permission denied") && output.contains(denied),
+            "probe {index}: {output}"
+        );
+    }
+    assert!(
+        !probe.output(5).contains("task number"),
+        "{}",
+        probe.output(5)
+    );
+    assert!(probe.output(6).contains("direct=1"), "{}", probe.output(6));
+    assert!(probe.output(6).contains("via_cwd=1"), "{}", probe.output(6));
+    let sibling = probe.output(7);
+    assert!(
+        sibling.contains("read=1") && sibling.contains("write=1"),
+        "{sibling}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(probe.sibling.join("notes.txt")).unwrap(),
+        "sibling-private\n"
+    );
+    assert!(original.exists());
+}
+
+/// What a kernel without Landlock looks like (`--landlock off`): the storage, the sibling's
+/// workspace and the key file are open to the commands — the layers beside Landlock still keep
+/// the environment, the worker's memory and the processes in check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_landlock_the_storage_and_the_siblings_are_open_but_the_other_layers_hold() {
+    let probe = Probe::run("off").await;
+    assert!(
+        probe.worker_output.contains("Landlock is off"),
+        "{}",
+        probe.worker_output
+    );
+    // The key file is readable without Landlock, so the key reaches the tool result: only the
+    // other judgements are shared.
+    assert!(probe.output(8).contains(KEY), "{}", probe.output(8));
+    assert!(
+        probe.output(0).contains("Permission denied"),
+        "{}",
+        probe.output(0)
+    );
+    assert!(!probe.output(2).contains(KEY));
+    assert!(probe.output(3).contains("status=1"), "{}", probe.output(3));
+    assert_nothing_outlived_the_conversation(&probe.landlock);
+    assert!(
+        probe.output(5).contains("task number 0"),
+        "{}",
+        probe.output(5)
+    );
+    assert!(probe.dataset_text().contains("hacked"));
+    assert!(
+        probe.output(7).contains("sibling-private"),
+        "{}",
+        probe.output(7)
+    );
+    assert_eq!(
+        std::fs::read_to_string(probe.sibling.join("notes.txt")).unwrap(),
+        "overwritten\n"
+    );
+}

@@ -1,0 +1,269 @@
+//! The terminal tool end to end: each command runs under the real executor (the worker binary),
+//! so these are tests of the sandboxed path the worker takes. The escape attempts are in
+//! `sandbox_probes.rs`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+use trajectory_worker::spec::ToolsSpec;
+use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
+use trajectory_worker::tools::{Tool, ToolContext, ToolLimits, ToolOutcome, Workspace, terminal};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
+
+fn context(dir: &Path, limits: ToolLimits) -> ToolContext {
+    ToolContext {
+        workspace: Workspace::new(dir).unwrap(),
+        limits,
+        sandbox: Sandbox::new(WORKER, LandlockMode::Auto),
+    }
+}
+
+fn tool() -> Arc<dyn Tool> {
+    terminal::tools(&ToolsSpec::default()).remove(0)
+}
+
+async fn call(ctx: &ToolContext, args: Value) -> ToolOutcome {
+    let Value::Object(args) = args else {
+        panic!("arguments must be an object")
+    };
+    tool().call(args, ctx).await
+}
+
+fn ok(outcome: ToolOutcome) -> Value {
+    match outcome {
+        ToolOutcome::Ok(value) => value,
+        ToolOutcome::Err(message) => panic!("expected success, got error: {message}"),
+    }
+}
+
+/// Whether a process has finished (gone, or a zombie waiting for a reaper that may not exist
+/// in a container without an init).
+fn process_is_gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
+async fn assert_process_gone(pid: i32) {
+    for _ in 0..100 {
+        if process_is_gone(pid) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Do not leave the stray process behind if the assertion fails.
+    let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+    panic!("process {pid} is still running");
+}
+
+fn read_pid(dir: &Path) -> i32 {
+    std::fs::read_to_string(dir.join("pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn command_output_and_exit_code_are_returned() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(dir.path(), ToolLimits::default());
+    let result = ok(call(
+        &ctx,
+        json!({"command": "echo out; echo err >&2; echo again"}),
+    )
+    .await);
+    assert_eq!(
+        result,
+        json!({"output": "out\nerr\nagain\n", "exit_code": 0, "error": null})
+    );
+}
+
+#[tokio::test]
+async fn non_zero_exit_code_is_a_result_not_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(dir.path(), ToolLimits::default());
+    let outcome = call(&ctx, json!({"command": "echo failing; exit 3"})).await;
+    assert_eq!(
+        outcome,
+        ToolOutcome::Ok(json!({"output": "failing\n", "exit_code": 3, "error": null}))
+    );
+    assert_eq!(
+        outcome.into_content(),
+        r#"{"output":"failing\n","exit_code":3,"error":null}"#
+    );
+}
+
+#[tokio::test]
+async fn command_killed_by_a_signal_reports_128_plus_the_signal() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(dir.path(), ToolLimits::default());
+    let result = ok(call(&ctx, json!({"command": "kill -9 $$"})).await);
+    assert_eq!(result["exit_code"], 137);
+}
+
+#[tokio::test]
+async fn command_runs_in_the_workspace_with_home_there_and_a_dumb_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(dir.path(), ToolLimits::default());
+    let result = ok(call(
+        &ctx,
+        json!({"command": "pwd; echo $HOME; echo $TERM; touch made"}),
+    )
+    .await);
+    let root = ctx.workspace.root().display();
+    assert_eq!(result["output"], format!("{root}\n{root}\ndumb\n"));
+    assert!(dir.path().join("made").exists());
+}
+
+#[tokio::test]
+async fn worker_environment_is_not_passed_to_commands() {
+    // Cargo sets these for the test process, standing in for the worker's secrets.
+    assert!(std::env::var_os("CARGO_PKG_NAME").is_some());
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(dir.path(), ToolLimits::default());
+    let result = ok(call(&ctx, json!({"command": "env"})).await);
+    let output = result["output"].as_str().unwrap();
+    assert!(!output.contains("CARGO_PKG_NAME"), "{output}");
+    assert!(output.contains("PATH="), "{output}");
+}
+
+#[tokio::test]
+async fn stdin_is_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(dir.path(), ToolLimits::default());
+    let result = ok(call(&ctx, json!({"command": "cat; echo done"})).await);
+    assert_eq!(result["output"], "done\n");
+}
+
+#[tokio::test]
+async fn timeout_kills_the_whole_process_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = ToolLimits {
+        command_timeout: Duration::from_secs(1),
+        ..ToolLimits::default()
+    };
+    let ctx = context(dir.path(), limits);
+    let started = std::time::Instant::now();
+    let result = ok(call(
+        &ctx,
+        json!({"command": "echo started; sleep 30 & echo $! > pid; wait"}),
+    )
+    .await);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(
+        result,
+        json!({"output": "started\n", "exit_code": null, "error": "command timed out after 1s"})
+    );
+    assert_process_gone(read_pid(dir.path())).await;
+}
+
+#[tokio::test]
+async fn requested_timeout_is_capped_by_the_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = ToolLimits {
+        command_timeout: Duration::from_secs(1),
+        ..ToolLimits::default()
+    };
+    let ctx = context(dir.path(), limits);
+    let result = ok(call(&ctx, json!({"command": "sleep 30", "timeout": 1000})).await);
+    assert_eq!(result["error"], "command timed out after 1s");
+}
+
+#[tokio::test]
+async fn shorter_requested_timeout_is_honoured() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(dir.path(), ToolLimits::default());
+    let started = std::time::Instant::now();
+    let result = ok(call(&ctx, json!({"command": "sleep 30", "timeout": "1"})).await);
+    assert_eq!(result["error"], "command timed out after 1s");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[tokio::test]
+async fn dropping_the_call_kills_the_process_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(dir.path(), ToolLimits::default());
+    let tool = tool();
+    let Value::Object(args) = json!({"command": "sleep 30 & echo $! > pid; wait"}) else {
+        unreachable!()
+    };
+    let call = tool.call(args, &ctx);
+    let pid_file = dir.path().join("pid");
+    let cancelled = tokio::time::timeout(Duration::from_secs(5), async {
+        tokio::select! {
+            _ = call => panic!("the command should still be running"),
+            () = async {
+                while std::fs::read_to_string(&pid_file).map_or(true, |text| !text.ends_with('\n')) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            } => {}
+        }
+    })
+    .await;
+    assert!(cancelled.is_ok(), "the pid file never appeared");
+    assert_process_gone(read_pid(dir.path())).await;
+}
+
+#[tokio::test]
+async fn background_process_does_not_outlive_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(dir.path(), ToolLimits::default());
+    let started = std::time::Instant::now();
+    let result = ok(call(
+        &ctx,
+        json!({"command": "sleep 30 & echo $! > pid; echo bye"}),
+    )
+    .await);
+    assert_eq!(
+        result,
+        json!({"output": "bye\n", "exit_code": 0, "error": null})
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_process_gone(read_pid(dir.path())).await;
+}
+
+#[tokio::test]
+async fn large_output_keeps_head_and_tail_within_the_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = ToolLimits {
+        max_output_bytes: 100,
+        ..ToolLimits::default()
+    };
+    let ctx = context(dir.path(), limits);
+    // Far more than a pipe buffer holds: the command must not block on a full pipe.
+    let result = ok(call(&ctx, json!({"command": "seq 1 200000"})).await);
+    assert_eq!(result["exit_code"], 0);
+    let output = result["output"].as_str().unwrap();
+    assert!(output.starts_with("1\n2\n3\n"), "{output}");
+    assert!(output.ends_with("199999\n200000\n"), "{output}");
+    let total: usize = (1..=200_000).map(|n: u32| n.to_string().len() + 1).sum();
+    assert!(output.contains(&format!("\n... [{} bytes elided] ...\n", total - 100)));
+    assert!(output.len() < 200);
+}
+
+#[tokio::test]
+async fn missing_or_empty_command_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(dir.path(), ToolLimits::default());
+    assert_eq!(
+        call(&ctx, json!({})).await,
+        ToolOutcome::Err("missing required argument `command`".to_owned())
+    );
+    assert_eq!(
+        call(&ctx, json!({"command": "  "})).await,
+        ToolOutcome::Err("argument `command` is empty".to_owned())
+    );
+    assert!(matches!(
+        call(&ctx, json!({"command": "true", "timeout": "soon"})).await,
+        ToolOutcome::Err(message) if message.contains("timeout")
+    ));
+}
