@@ -22,6 +22,10 @@
 //! `OPERATOR_BENCH_DONE_PERCENT` (0: the latency part's runs resume over that share of their
 //! batches done at random by an earlier run), `OPERATOR_BENCH_ROUNDS` (3),
 //! `OPERATOR_BENCH_RUNS` (200).
+//!
+//! The test-kubelet runs the model's terminal commands through the worker's executor, the
+//! `e2e-worker` binary of the tests crate, which `cargo bench` of this crate does not build:
+//! `cargo build --release -p trajectory-tests --bin e2e-worker` first (or set `TRAJ_E2E_WORKER`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

@@ -56,6 +56,7 @@ use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunLocation, load_plan, merge, plan};
 use trajectory_worker::spec::RunSpec;
+use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
 
 use crate::{unique_name, wait_until};
 
@@ -497,6 +498,32 @@ impl Kubelet {
         (plan_path, workspace)
     }
 
+    /// The executor of the terminal commands of a step run in this process (a test binary is no
+    /// worker binary to re-execute as one): [`Kubelet::worker_binary`] when set, else
+    /// `TRAJ_E2E_WORKER`, else the `e2e-worker` binary cargo builds beside this crate's tests.
+    fn executor(&self) -> PathBuf {
+        if let Some(binary) = &self.worker_binary {
+            return binary.clone();
+        }
+        if let Some(binary) = std::env::var_os("TRAJ_E2E_WORKER") {
+            return binary.into();
+        }
+        // target/<profile>/deps/<test>-<hash> → target/<profile>/e2e-worker
+        let test = std::env::current_exe().expect("the test binary's path");
+        let beside = test
+            .parent()
+            .and_then(Path::parent)
+            .map(|profile| profile.join("e2e-worker"));
+        match beside {
+            Some(binary) if binary.is_file() => binary,
+            _ => panic!(
+                "no e2e-worker binary beside {}: build it (`cargo build -p trajectory-tests --bin \
+                 e2e-worker`, with `--release` for a benchmark) or set TRAJ_E2E_WORKER",
+                test.display()
+            ),
+        }
+    }
+
     /// The batch completion index `index` works under `plan`: through the plan's pending list on
     /// storage when it has one.
     fn batch_of(&self, plan: &RunPlan, index: u32) -> Option<u32> {
@@ -714,7 +741,8 @@ impl Kubelet {
                         index.ok_or_else(|| RunError::Spec("no completion index".into()))?;
                     let batch = location.batch_for_index(index)?;
                     let manifest = Manifest::require(&location.run_dir())?;
-                    let engine = Engine::new(&location.plan.spec, workspace.to_path_buf())?;
+                    let mut engine = Engine::new(&location.plan.spec, workspace.to_path_buf())?;
+                    engine.sandbox = Sandbox::new(self.executor(), LandlockMode::Auto);
                     let (_trigger, shutdown) = shutdown_channel();
                     run_batch(&engine, &location, &manifest, batch, &shutdown, &|_| {}).await
                 }
