@@ -171,6 +171,8 @@ impl Sandbox {
             .arg(self.landlock.as_str())
             .arg("--grace-ms")
             .arg(grace.as_millis().to_string())
+            .arg("--parent")
+            .arg(std::process::id().to_string())
             .arg("--")
             .arg(command);
         cmd
@@ -183,6 +185,8 @@ struct ExecutorArgs {
     workspace: PathBuf,
     landlock: LandlockMode,
     grace: Duration,
+    /// The worker's pid: while it lives, it is the executor's parent.
+    parent: Pid,
     command: OsString,
 }
 
@@ -190,6 +194,7 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, 
     let mut workspace = None;
     let mut landlock = LandlockMode::Auto;
     let mut grace = Duration::ZERO;
+    let mut parent = None;
     loop {
         let flag = args.next().ok_or("missing `-- <command>`")?;
         let mut value = || {
@@ -213,6 +218,14 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, 
                     .ok_or(format!("bad --grace-ms {}", text.display()))?;
                 grace = Duration::from_millis(millis);
             }
+            Some("--parent") => {
+                let text = value()?;
+                let pid = text
+                    .to_str()
+                    .and_then(|text| text.parse().ok())
+                    .ok_or(format!("bad --parent {}", text.display()))?;
+                parent = Some(Pid::from_raw(pid));
+            }
             Some("--") => break,
             _ => return Err(format!("unknown argument {}", flag.display())),
         }
@@ -222,6 +235,7 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, 
         workspace: workspace.ok_or("missing --workspace")?,
         landlock,
         grace,
+        parent: parent.ok_or("missing --parent")?,
         command,
     })
 }
@@ -258,7 +272,9 @@ fn execute(args: &ExecutorArgs) -> Result<i32, String> {
     // The worker's death must end the command too; if it died before this line, end now.
     nix::sys::prctl::set_pdeathsig(Signal::SIGTERM)
         .map_err(|err| format!("cannot set the parent-death signal: {err}"))?;
-    if getppid() == Pid::from_raw(1) {
+    // Re-parented means the worker died first. Compared with the worker's own pid, not with 1:
+    // in a container the worker is PID 1 itself.
+    if getppid() != args.parent {
         return Err("the worker is gone".to_owned());
     }
     nix::sys::prctl::set_child_subreaper(true)
@@ -467,6 +483,8 @@ mod tests {
         assert_eq!(parsed.workspace, Path::new("/w"));
         assert_eq!(parsed.landlock, LandlockMode::Required);
         assert_eq!(parsed.grace, Duration::from_millis(500));
+        let worker = i32::try_from(std::process::id()).unwrap();
+        assert_eq!(parsed.parent, Pid::from_raw(worker));
         assert_eq!(parsed.command, "echo hi");
     }
 
@@ -477,5 +495,10 @@ mod tests {
         assert!(parse_args(args(&["--nope", "x", "--", "true"])).is_err());
         assert!(parse_args(args(&["--landlock", "maybe", "--", "true"])).is_err());
         assert!(parse_args(args(&["--", "true"])).is_err());
+        assert!(
+            parse_args(args(&["--workspace", "/w", "--", "true"])).is_err(),
+            "no --parent"
+        );
+        assert!(parse_args(args(&["--workspace", "/w", "--parent", "x", "--", "true"])).is_err());
     }
 }
