@@ -211,21 +211,9 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, 
                     .ok_or(format!("unknown --landlock {}", text.display()))?;
             }
             Some("--grace-ms") => {
-                let text = value()?;
-                let millis = text
-                    .to_str()
-                    .and_then(|text| text.parse().ok())
-                    .ok_or(format!("bad --grace-ms {}", text.display()))?;
-                grace = Duration::from_millis(millis);
+                grace = Duration::from_millis(number("--grace-ms", &value()?)?);
             }
-            Some("--parent") => {
-                let text = value()?;
-                let pid = text
-                    .to_str()
-                    .and_then(|text| text.parse().ok())
-                    .ok_or(format!("bad --parent {}", text.display()))?;
-                parent = Some(Pid::from_raw(pid));
-            }
+            Some("--parent") => parent = Some(Pid::from_raw(number("--parent", &value()?)?)),
             Some("--") => break,
             _ => return Err(format!("unknown argument {}", flag.display())),
         }
@@ -238,6 +226,13 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, 
         parent: parent.ok_or("missing --parent")?,
         command,
     })
+}
+
+/// The number `text` given to `flag`.
+fn number<T: std::str::FromStr>(flag: &str, text: &OsStr) -> Result<T, String> {
+    text.to_str()
+        .and_then(|text| text.parse().ok())
+        .ok_or(format!("bad {flag} {}", text.display()))
 }
 
 /// The executor process: `args` are those after the subcommand. Returns the exit code: the
