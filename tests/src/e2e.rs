@@ -35,13 +35,14 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::batch::v1::{Job, JobStatus};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec};
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunSpec};
+use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunSpec, TrajectoryRunStatus};
 use trajectory_operator::controller;
 use trajectory_operator::reconcile::Context;
 use trajectory_operator::reconcile::children::{CONTAINER, labels};
@@ -828,6 +829,11 @@ async fn report_status(
     pods.patch_status(pod, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map(drop)
+}
+
+/// The run status' condition `type_`.
+pub fn condition<'a>(status: &'a TrajectoryRunStatus, type_: &str) -> Option<&'a Condition> {
+    status.conditions.iter().find(|c| c.type_ == type_)
 }
 
 pub fn phase_of(run: &TrajectoryRun) -> Option<Phase> {

@@ -60,6 +60,19 @@ pub fn template(release: &str, namespace: &str, sets: &[&str]) -> Result<String,
     run_template(release, namespace, &args)
 }
 
+/// Asserts that helm refused to render (`rendered` is [`template`]'s or
+/// [`template_with_values`]'s result for the values `what` describes) with an error naming
+/// `named`.
+pub fn assert_refused(rendered: Result<String, String>, what: &str, named: &str) {
+    match rendered {
+        Ok(_) => panic!("helm template accepted {what}"),
+        Err(message) => assert!(
+            message.contains(named),
+            "{what}: the error does not name {named:?}:\n{message}"
+        ),
+    }
+}
+
 /// [`template`] with `values` (a JSON object) as a values file, as Argo CD or Flux pass them.
 pub fn template_with_values(
     release: &str,

@@ -38,9 +38,10 @@ use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::service::{self, Exit};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::e2e::{
-    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, children, done_batches, job_status, jsonl,
-    mark_done, model, phase_events, phase_of, plan_termination_message, pods_of_index, printed_row,
-    random_batches, run_spec, snapshot, start_controller_in, write_dataset,
+    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, children, condition, done_batches,
+    job_status, jsonl, mark_done, model, phase_events, phase_of, plan_termination_message,
+    pods_of_index, printed_row, random_batches, run_spec, snapshot, start_controller_in,
+    write_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::contract::{exit, paths};
@@ -103,13 +104,8 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
     );
     assert_eq!(status.attempt, Some(1));
     assert!(status.completion_time.is_some());
-    let condition = |type_: &str| {
-        status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == type_)
-            .map(|c| (c.status.as_str(), c.reason.as_str()))
-    };
+    let condition =
+        |type_: &str| condition(&status, type_).map(|c| (c.status.as_str(), c.reason.as_str()));
     assert_eq!(condition("Succeeded"), Some(("True", "Succeeded")));
     assert_eq!(condition("Ready"), Some(("True", "Succeeded")));
     // kstatus reads a finished run as Current: the latest generation observed, neither
@@ -563,12 +559,7 @@ fn finished(run: &TrajectoryRun) -> bool {
 }
 
 fn condition_status(run: &TrajectoryRun, type_: &str) -> Option<String> {
-    run.status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_)
-        .map(|c| c.status.clone())
+    condition(run.status.as_ref()?, type_).map(|c| c.status.clone())
 }
 
 /// `spec.workers` changed on a running run reaches the live Indexed Job's `parallelism`, and the
@@ -1084,11 +1075,7 @@ async fn a_run_whose_job_is_refused_stalls_until_its_spec_is_fixed() {
     .await;
     let status = stalled.status.clone().expect("a status");
     assert_eq!(status.phase, Some(Phase::Failed));
-    let failed = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Failed")
-        .expect("a Failed condition");
+    let failed = condition(&status, "Failed").expect("a Failed condition");
     assert_eq!(
         (failed.status.as_str(), failed.reason.as_str()),
         ("True", "InvalidSpec")
@@ -1323,11 +1310,7 @@ async fn a_model_that_refuses_the_key_fails_the_run_as_model_unauthorized() {
         })
         .await;
     let status = run.status.expect("a status");
-    let failed = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Failed")
-        .expect("a Failed condition");
+    let failed = condition(&status, "Failed").expect("a Failed condition");
     assert_eq!(
         (failed.status.as_str(), failed.reason.as_str()),
         ("True", "ModelUnauthorized"),

@@ -22,7 +22,7 @@ use trajectory_operator::settings::Settings;
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
 };
-use trajectory_tests::e2e::{ControllerGuard, phase_of, run_spec, start_controller_with};
+use trajectory_tests::e2e::{self, ControllerGuard, phase_of, run_spec, start_controller_with};
 use trajectory_tests::helm;
 use trajectory_tests::real_pods::{
     NONROOT, OPERATOR_IMAGE, RealNode, SharedStorage, TAINT_KEY, WORKER_IMAGE, batch_records,
@@ -230,12 +230,7 @@ async fn scripted_model(latency: Duration, command: &str) -> ScriptedServer {
 }
 
 fn condition(run: &TrajectoryRun, type_: &str) -> Option<(String, String)> {
-    run.status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_)
-        .map(|c| (c.status.clone(), c.reason.clone()))
+    e2e::condition(run.status.as_ref()?, type_).map(|c| (c.status.clone(), c.reason.clone()))
 }
 
 /// The shipped quickstart (eight prompts, the small llama.cpp model, `terminal_only`) goes plan →
