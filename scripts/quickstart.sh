@@ -11,8 +11,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "${REPO_ROOT}"
 
 run_file="${1:-examples/quickstart/run.yaml}"
-echo "==> building trajectory-worker (release)" >&2
-cargo build --release --quiet -p trajectory-worker
+echo "==> building trajectory-worker and its tool executor, trajectory-executor (release)" >&2
+cargo build --release --quiet -p trajectory-worker -p trajectory-sandbox
 worker="${CARGO_TARGET_DIR}/release/trajectory-worker"
 
 echo "==> starting the local model server (first run installs it: about 5 minutes)" >&2

@@ -21,6 +21,7 @@
 # TRAJ_IMAGE_REGISTRY says otherwise: the Helm chart's default image references.
 #
 # Caches (outside the clone): release builds in ~/.cache/trajectory-operator/cargo-target-images,
+# the static trajectory-executor in .../cargo-target-executor,
 # the Debian root filesystem keyed by images/worker/* and the .deb files in .../images/.
 # Runs as root (mmdebstrap's root mode; verify.sh runs the images with runc); mmdebstrap can
 # also work unprivileged in its unshare mode. Installs umoci, skopeo, mmdebstrap and binutils with
@@ -78,6 +79,8 @@ case "$(uname -m)" in
   *) die "unsupported machine $(uname -m)" ;;
 esac
 TRIPLET="$(uname -m)-linux-gnu"
+RUST_TRIPLE="$(uname -m)-unknown-linux-gnu"
+EXECUTOR_TARGET_DIR="${TRAJ_EXECUTOR_CARGO_TARGET_DIR:-${TRAJ_CACHE_DIR}/cargo-target-executor}"
 
 step "tools: umoci, skopeo, mmdebstrap, readelf"
 need_commands umoci:umoci skopeo:skopeo mmdebstrap:mmdebstrap readelf:binutils
@@ -101,6 +104,22 @@ else
   done
 fi
 binary_path() { echo "${BUILD_TARGET_DIR}/${profile/test/debug}/trajectory-$1"; }
+
+if [[ " ${images[*]} " == *" worker "* ]]; then
+  step "static trajectory-executor (every profile; ${EXECUTOR_TARGET_DIR})"
+  # The tool executor runs inside the run's task image, whatever libc that has: linked static
+  # (glibc's static-pie; it resolves no names, so glibc's static NSS caveat does not apply). Its
+  # own target directory, because RUSTFLAGS would otherwise invalidate every other build; small
+  # and quick (a few crates), so always optimised.
+  env -u SOURCE_DATE_EPOCH CARGO_TARGET_DIR="${EXECUTOR_TARGET_DIR}" \
+    RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build --release --locked --quiet -p trajectory-sandbox --bin trajectory-executor \
+    --target "${RUST_TRIPLE}"
+  executor_binary="${EXECUTOR_TARGET_DIR}/${RUST_TRIPLE}/release/trajectory-executor"
+  if readelf -l "${executor_binary}" | grep -q 'program interpreter'; then
+    die "${executor_binary} is not statically linked"
+  fi
+fi
 
 step "Debian root filesystem (mmdebstrap, cached)"
 # shellcheck source=images/worker/debian.env
@@ -283,10 +302,13 @@ for image in "${images[@]}"; do
       step "image trajectory-worker"
       stage="${work}/worker"
       install_binary "$(binary_path worker)" "${stage}/usr/local/bin/trajectory-worker"
+      # Beside the worker (which finds it there for a pod without a sandbox container), and the
+      # file the generation pods' init container copies into the sandbox container.
+      install_binary "${executor_binary}" "${stage}/usr/local/bin/trajectory-executor"
       pack_layer "${stage}" "${work}/worker.tar"
       assemble trajectory-worker \
         "${rootfs}=mmdebstrap --variant=essential ${DEBIAN_SUITE} (+ ${packages}), images/worker/customize.sh" \
-        "${work}/worker.tar=scripts/images/build.sh: trajectory-worker"
+        "${work}/worker.tar=scripts/images/build.sh: trajectory-worker, trajectory-executor (static)"
       ;;
   esac
 done

@@ -499,32 +499,6 @@ impl Kubelet {
         (plan_path, workspace)
     }
 
-    /// The executor of the terminal commands of a step run in this process (a test binary is no
-    /// worker binary to re-execute as one): [`Kubelet::worker_binary`] when set, else
-    /// `TRAJ_E2E_WORKER`, else the `e2e-worker` binary cargo builds beside this crate's tests.
-    fn executor(&self) -> PathBuf {
-        if let Some(binary) = &self.worker_binary {
-            return binary.clone();
-        }
-        if let Some(binary) = std::env::var_os("TRAJ_E2E_WORKER") {
-            return binary.into();
-        }
-        // target/<profile>/deps/<test>-<hash> → target/<profile>/e2e-worker
-        let test = std::env::current_exe().expect("the test binary's path");
-        let beside = test
-            .parent()
-            .and_then(Path::parent)
-            .map(|profile| profile.join("e2e-worker"));
-        match beside {
-            Some(binary) if binary.is_file() => binary,
-            _ => panic!(
-                "no e2e-worker binary beside {}: build it (`cargo build -p trajectory-tests --bin \
-                 e2e-worker`, with `--release` for a benchmark) or set TRAJ_E2E_WORKER",
-                test.display()
-            ),
-        }
-    }
-
     /// The batch completion index `index` works under `plan`: through the plan's pending list on
     /// storage when it has one.
     fn batch_of(&self, plan: &RunPlan, index: u32) -> Option<u32> {
@@ -743,7 +717,7 @@ impl Kubelet {
                     let batch = location.batch_for_index(index)?;
                     let manifest = Manifest::require(&location.run_dir())?;
                     let mut engine = Engine::new(&location.plan.spec, workspace.to_path_buf())?;
-                    engine.sandbox = Sandbox::new(self.executor(), LandlockMode::Auto);
+                    engine.sandbox = Sandbox::local(LandlockMode::Auto);
                     let (_trigger, shutdown) = shutdown_channel();
                     run_batch(&engine, &location, &manifest, batch, &shutdown, &|_| {}).await
                 }
@@ -1033,6 +1007,9 @@ fn process_env(
         .env
         .iter()
         .flatten()
+        // The test-kubelet runs no sandbox container: its workers start their executors
+        // themselves, as a local run does.
+        .filter(|var| var.name != env::SANDBOX_SOCKET)
         .map(|var| {
             let value = if let Some(path) = mounted(&var.name) {
                 path.into_os_string()

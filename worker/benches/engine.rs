@@ -222,7 +222,7 @@ fn engine(base_url: &str) -> anyhow::Result<Engine> {
         ctx: ToolContext {
             workspace: Workspace::new(std::env::temp_dir())?,
             limits: ToolLimits::default(),
-            sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
+            sandbox: Sandbox::local(LandlockMode::Auto),
         },
         config: AgentConfig {
             max_turns: 10,

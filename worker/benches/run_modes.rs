@@ -1043,7 +1043,7 @@ fn local_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
         .build()?;
     let mut engine =
         runtime.block_on(async { Engine::new(&location.plan.spec, dir.join("workspaces")) })?;
-    engine.sandbox = Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto);
+    engine.sandbox = Sandbox::local(LandlockMode::Auto);
     let engine = Arc::new(engine);
     let texts = Arc::new(texts);
     let mut rounds = Vec::new();
@@ -1105,7 +1105,7 @@ async fn engine_path(
     let context = Arc::new(ToolContext {
         workspace: Workspace::new(workspace)?,
         limits: engine.limits.clone(),
-        sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
+        sandbox: Sandbox::local(LandlockMode::Auto),
     });
     let completions = Arc::new(Mutex::new(Vec::with_capacity(texts.len())));
     let failed = Arc::new(AtomicBool::new(false));

@@ -6,12 +6,14 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 use tracing::{debug, error, info, warn};
 
+use crate::contract::LandlockStatus;
 use crate::contract::{WorkerFailure, env, exit, paths, termination_message};
 use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
 use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
 use crate::run::manifest::Manifest;
 use crate::run::{RunError, RunFile, RunLocation, load_plan, merge, plan};
-use crate::tools::sandbox::{EXECUTOR_SUBCOMMAND, LandlockMode, Sandbox, executor_main};
+use crate::spec::LandlockSetting;
+use crate::tools::sandbox::{LandlockMode, Sandbox};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -106,44 +108,71 @@ pub struct WorkspaceArgs {
     #[arg(long, env = env::WORKSPACE_ROOT)]
     pub workspace_root: Option<PathBuf>,
     /// Landlock confinement of terminal commands: `auto` where the kernel has it, `required` to
-    /// refuse commands it cannot confine, `off` to run without it.
-    #[arg(long, env = env::LANDLOCK, value_enum, default_value_t = LandlockMode::Auto)]
-    pub landlock: LandlockMode,
+    /// refuse commands it cannot confine, `off` to run without it (default: the run's
+    /// `spec.sandbox.landlock`).
+    #[arg(long, env = env::LANDLOCK, value_parser = parse_landlock)]
+    pub landlock: Option<LandlockMode>,
+    /// The `trajectory-executor` binary that runs each terminal command (default: the one next to
+    /// this program, else the one on PATH).
+    #[arg(long, env = env::EXECUTOR)]
+    pub executor: Option<PathBuf>,
+    /// Send terminal commands to the sandbox container's executor listening on this Unix socket
+    /// instead of starting an executor here (the generation pods).
+    #[arg(long, env = env::SANDBOX_SOCKET, conflicts_with = "executor")]
+    pub sandbox_socket: Option<PathBuf>,
+}
+
+fn parse_landlock(text: &str) -> Result<LandlockMode, String> {
+    LandlockMode::parse(text).ok_or_else(|| format!("expected auto, required or off, not {text:?}"))
 }
 
 impl WorkspaceArgs {
-    fn sandbox(&self) -> Sandbox {
-        Sandbox::current_exe(self.landlock)
+    /// Where terminal commands run; `spec` is the run's setting, which the flag overrides.
+    fn sandbox(&self, spec: LandlockSetting) -> Sandbox {
+        let landlock = self.landlock.unwrap_or(match spec {
+            LandlockSetting::Auto => LandlockMode::Auto,
+            LandlockSetting::Required => LandlockMode::Required,
+            LandlockSetting::Off => LandlockMode::Off,
+        });
+        match (&self.sandbox_socket, &self.executor) {
+            (Some(socket), _) => Sandbox::pod(socket, landlock),
+            (None, Some(executor)) => Sandbox::new(executor, landlock),
+            (None, None) => Sandbox::local(landlock),
+        }
     }
 
     /// Says once whether terminal commands will be confined by Landlock, and refuses to start
     /// when they must be and cannot.
-    fn check_sandbox(&self) -> Result<(), RunError> {
-        if self.landlock == LandlockMode::Off {
+    async fn check_sandbox(&self, sandbox: &Sandbox) -> Result<LandlockStatus, RunError> {
+        if sandbox.landlock == LandlockMode::Off {
             warn!(
                 "Landlock is off (--landlock off): terminal commands can reach every file this uid can"
             );
-            return Ok(());
+            return Ok(LandlockStatus::Off);
         }
-        let enforced = self.sandbox().landlock_enforced().map_err(|err| {
+        let root = self.root();
+        std::fs::create_dir_all(&root).map_err(|err| {
+            RunError::Internal(format!("cannot create {}: {err}", root.display()))
+        })?;
+        let enforced = sandbox.landlock_enforced(&root).await.map_err(|err| {
             RunError::Internal(format!("cannot start the terminal's executor: {err}"))
         })?;
-        match (enforced, self.landlock) {
+        match (enforced, sandbox.landlock) {
             (true, _) => {
                 info!("terminal commands are confined by Landlock to their workspace");
-                Ok(())
+                Ok(LandlockStatus::Enforced)
             }
             (false, LandlockMode::Required) => Err(RunError::Spec(format!(
-                "Landlock is required ({} / --landlock required) but this kernel does not \
-                 enforce it",
+                "Landlock is required (spec.sandbox.landlock, {} or --landlock) but the kernel \
+                 where the commands run does not enforce it",
                 env::LANDLOCK
             ))),
             (false, _) => {
                 warn!(
                     "this kernel does not enforce Landlock: terminal commands can reach every file \
-                     this uid can (set --landlock required to refuse to run like this)"
+                     this uid can (set spec.sandbox.landlock: required to refuse to run like this)"
                 );
-                Ok(())
+                Ok(LandlockStatus::NotEnforced)
             }
         }
     }
@@ -197,15 +226,6 @@ impl RunArgs {
 /// Starts logging to stderr.
 /// The whole `trajectory-worker` process; returns its exit code.
 pub fn main() -> i32 {
-    // The executor of one terminal command: before anything else, so it costs an exec and not a
-    // runtime's start (see `tools::sandbox`).
-    let mut args = std::env::args_os().skip(1);
-    if args
-        .next()
-        .is_some_and(|first| first == EXECUTOR_SUBCOMMAND)
-    {
-        return executor_main(args);
-    }
     let dumpable = hide_from_same_uid_processes();
     let huge_pages = disable_transparent_huge_pages();
     let cli = Cli::parse();
@@ -308,13 +328,14 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             no_progress_bar,
             base_url,
         } => {
-            workspaces.check_sandbox()?;
+            let sandbox = workspaces.sandbox(RunFile::load(&run_file)?.spec.sandbox.landlock);
+            workspaces.check_sandbox(&sandbox).await?;
             let options = LocalOptions {
                 run_file,
                 storage,
                 base_url,
                 workspace_root: workspaces.root(),
-                sandbox: workspaces.sandbox(),
+                sandbox,
                 progress: if no_progress_bar {
                     ProgressMode::Lines
                 } else {
@@ -345,10 +366,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             batch,
             workspaces,
         } => {
-            let result = match workspaces.check_sandbox() {
-                Ok(()) => batch_command(&run, index, batch, &workspaces, shutdown).await,
-                Err(error) => Err(error),
-            };
+            let result = batch_command(&run, index, batch, &workspaces, shutdown).await;
             run.report(&result);
             println!("{}", termination_message(&result?));
             Ok(())
@@ -371,13 +389,14 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             toolsets,
             workspaces,
         } => {
-            workspaces.check_sandbox()?;
+            let sandbox = workspaces.sandbox(RunFile::load(&run_file)?.spec.sandbox.landlock);
+            workspaces.check_sandbox(&sandbox).await?;
             let record = crate::run::prompt::run_prompt(
                 &run_file,
                 &prompt,
                 toolsets,
                 workspaces.root(),
-                workspaces.sandbox(),
+                sandbox,
             )
             .await?;
             println!(
@@ -419,8 +438,12 @@ async fn batch_command(
             )));
         }
     };
+    let sandbox = workspaces.sandbox(location.plan.spec.sandbox.landlock);
+    let landlock = workspaces.check_sandbox(&sandbox).await?;
     let manifest = Manifest::require(&location.run_dir())?;
     let mut engine = Engine::new(&location.plan.spec, workspaces.root())?;
-    engine.sandbox = workspaces.sandbox();
-    run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await
+    engine.sandbox = sandbox;
+    let mut summary = run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await?;
+    summary.landlock = Some(landlock);
+    Ok(summary)
 }

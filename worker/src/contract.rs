@@ -31,6 +31,10 @@ pub mod env {
     pub const LANDLOCK: &str = "TRAJ_LANDLOCK";
     /// `json` or `pretty` log output.
     pub const LOG_FORMAT: &str = "TRAJ_LOG_FORMAT";
+    /// The `trajectory-executor` binary a worker starts for each terminal command.
+    pub const EXECUTOR: &str = "TRAJ_EXECUTOR";
+    /// The Unix socket of the sandbox container's executor (generation pods).
+    pub const SANDBOX_SOCKET: &str = "TRAJ_SANDBOX_SOCKET";
 }
 
 /// Paths inside a worker pod.
@@ -43,8 +47,16 @@ pub mod paths {
     pub const STORAGE_ROOT: &str = "/data";
     /// Kubernetes' default termination message path.
     pub const TERMINATION_LOG: &str = "/dev/termination-log";
-    /// Scratch space for tool workspaces (an emptyDir).
+    /// Scratch space for tool workspaces (an emptyDir), mounted at this path in the worker and
+    /// the sandbox container alike.
     pub const WORKSPACE_ROOT: &str = "/workspace";
+    /// Directory of the executor's socket, shared by the worker and the sandbox container (an
+    /// emptyDir). Outside every path a confined command may open.
+    pub const SANDBOX_SOCKET_DIR: &str = "/sandbox/socket";
+    /// File name of the socket inside [`SANDBOX_SOCKET_DIR`].
+    pub const SANDBOX_SOCKET_FILE: &str = "executor.sock";
+    /// Where the init container puts the executor binary for the sandbox container (an emptyDir).
+    pub const SANDBOX_BIN_DIR: &str = "/sandbox/bin";
 }
 
 /// Process exit codes. Anything not listed is transient: the Job retries the index.
@@ -329,6 +341,20 @@ pub struct BatchSummary {
     /// Set when the batch stopped early, with the error class (e.g. `unauthorized`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped: Option<String>,
+    /// Whether Landlock confined the batch's terminal commands (absent: not checked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub landlock: Option<LandlockStatus>,
+}
+
+/// Whether Landlock confines the terminal commands where they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum LandlockStatus {
+    Enforced,
+    /// The kernel where the commands run does not enforce it (`spec.sandbox.landlock: auto`).
+    NotEnforced,
+    /// Turned off by the run's settings.
+    Off,
 }
 
 /// What `merge` reports.

@@ -48,6 +48,9 @@ pub struct RunSpec {
     /// Tool settings.
     #[serde(default)]
     pub tools: ToolsSpec,
+    /// Where and how confined the model's terminal commands run.
+    #[serde(default)]
+    pub sandbox: SandboxSpec,
     /// Which finished conversations are kept as trajectories.
     #[serde(default)]
     pub filters: FiltersSpec,
@@ -226,6 +229,41 @@ impl Default for TerminalSpec {
             max_output_bytes: default_max_output_bytes(),
         }
     }
+}
+
+/// Where the model's terminal commands run, and how they are confined. Every command runs under
+/// the tool executor, confined to its conversation's workspace; on a cluster, in a sandbox
+/// container of the generation pod that holds no secret and no shared storage.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxSpec {
+    /// Image of the generation pods' sandbox container, in which the model's commands run
+    /// (cluster only): the run's task image, for example a Python or a repository image. It needs
+    /// `bash` or `sh`; the executor binary is copied in by an init container, and the container
+    /// runs as uid and gid 65532 whatever the image's user. Default: the worker image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Landlock confinement of the commands to their workspace. `auto`: confined where the
+    /// kernel has Landlock; where it has not, the run says so in its Events and status and runs
+    /// unconfined. `required`: commands that Landlock cannot confine are refused (the run fails
+    /// with the reason). `off`: not used. A local run's `--landlock` flag overrides it.
+    #[serde(default)]
+    pub landlock: LandlockSetting,
+}
+
+/// Landlock confinement of the model's commands (see [`SandboxSpec::landlock`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub enum LandlockSetting {
+    /// Confine where the kernel supports it, and say so where it does not.
+    #[default]
+    Auto,
+    /// Refuse to run commands that cannot be confined.
+    Required,
+    /// Do not use Landlock.
+    Off,
 }
 
 /// Which conversations are kept.

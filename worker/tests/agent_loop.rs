@@ -127,7 +127,7 @@ impl Fixture {
         let ctx = ToolContext {
             workspace: Workspace::new(dir.path()).unwrap(),
             limits: ToolLimits::default(),
-            sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
+            sandbox: Sandbox::local(LandlockMode::Auto),
         };
         let config = AgentConfig {
             max_turns: 5,

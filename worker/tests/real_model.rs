@@ -57,7 +57,7 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
     let context = ToolContext {
         workspace: Workspace::new(dir.path()).unwrap(),
         limits: ToolLimits::default(),
-        sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
+        sandbox: Sandbox::local(LandlockMode::Auto),
     };
     let config = AgentConfig {
         max_turns: 2,

@@ -1,4 +1,4 @@
-//! The terminal tool end to end: each command runs under the real executor (the worker binary),
+//! The terminal tool end to end: each command runs under the real executor (`trajectory-executor`),
 //! so these are tests of the sandboxed path the worker takes. The escape attempts are in
 //! `sandbox_probes.rs`.
 
@@ -10,16 +10,106 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use serde_json::{Value, json};
 use trajectory_worker::spec::ToolsSpec;
-use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
+use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox, find_executor};
 use trajectory_worker::tools::{Tool, ToolContext, ToolLimits, ToolOutcome, Workspace, terminal};
 
-const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
+/// Where a test's commands run: under an executor the test starts for each command, as in a local
+/// run, or sent to a `trajectory-executor serve` of the test's own, as in a generation pod.
+#[derive(Debug, Clone, Copy)]
+enum Where {
+    Local,
+    Pod,
+}
 
-fn context(dir: &Path, limits: ToolLimits) -> ToolContext {
-    ToolContext {
-        workspace: Workspace::new(dir).unwrap(),
-        limits,
-        sandbox: Sandbox::new(WORKER, LandlockMode::Auto),
+/// Every test below runs in both places.
+macro_rules! in_both_places {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[tokio::test]
+                async fn local() {
+                    super::$name(super::Where::Local).await;
+                }
+                #[tokio::test]
+                async fn pod() {
+                    super::$name(super::Where::Pod).await;
+                }
+            }
+        )*
+    };
+}
+
+/// A tool context, and the sandbox server it uses (stopped with it).
+struct TestContext {
+    context: ToolContext,
+    _server: Option<Server>,
+}
+
+impl std::ops::Deref for TestContext {
+    type Target = ToolContext;
+    fn deref(&self) -> &ToolContext {
+        &self.context
+    }
+}
+
+/// A `trajectory-executor serve` with `dir` as its workspace root, on a socket outside it.
+struct Server {
+    process: std::process::Child,
+    _socket_dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn start(root: &Path) -> (Self, std::path::PathBuf) {
+        let socket_dir = tempfile::tempdir().unwrap();
+        let socket = socket_dir.path().join("executor.sock");
+        let process = std::process::Command::new(find_executor())
+            .args(["serve", "--socket"])
+            .arg(&socket)
+            .arg("--workspace-root")
+            .arg(root)
+            .env_clear()
+            .spawn()
+            .expect("starting trajectory-executor serve (built with the workspace's tests)");
+        let server = Self {
+            process,
+            _socket_dir: socket_dir,
+        };
+        // As the worker's start-up probe does: commands go out once the server listens.
+        let listening = std::time::Instant::now() + Duration::from_secs(10);
+        // (A connection that sends nothing is refused by the server as a bad request.)
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(
+                std::time::Instant::now() < listening,
+                "trajectory-executor serve did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (server, socket)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+fn context(place: Where, dir: &Path, limits: ToolLimits) -> TestContext {
+    let (sandbox, server) = match place {
+        Where::Local => (Sandbox::local(LandlockMode::Auto), None),
+        Where::Pod => {
+            let (server, socket) = Server::start(dir);
+            (Sandbox::pod(socket, LandlockMode::Auto), Some(server))
+        }
+    };
+    TestContext {
+        context: ToolContext {
+            workspace: Workspace::new(dir).unwrap(),
+            limits,
+            sandbox,
+        },
+        _server: server,
     }
 }
 
@@ -72,10 +162,9 @@ fn read_pid(dir: &Path) -> i32 {
         .unwrap()
 }
 
-#[tokio::test]
-async fn command_output_and_exit_code_are_returned() {
+async fn command_output_and_exit_code_are_returned(place: Where) {
     let dir = tempfile::tempdir().unwrap();
-    let ctx = context(dir.path(), ToolLimits::default());
+    let ctx = context(place, dir.path(), ToolLimits::default());
     let result = ok(call(
         &ctx,
         json!({"command": "echo out; echo err >&2; echo again"}),
@@ -87,10 +176,9 @@ async fn command_output_and_exit_code_are_returned() {
     );
 }
 
-#[tokio::test]
-async fn non_zero_exit_code_is_a_result_not_an_error() {
+async fn non_zero_exit_code_is_a_result_not_an_error(place: Where) {
     let dir = tempfile::tempdir().unwrap();
-    let ctx = context(dir.path(), ToolLimits::default());
+    let ctx = context(place, dir.path(), ToolLimits::default());
     let outcome = call(&ctx, json!({"command": "echo failing; exit 3"})).await;
     assert_eq!(
         outcome,
@@ -102,18 +190,16 @@ async fn non_zero_exit_code_is_a_result_not_an_error() {
     );
 }
 
-#[tokio::test]
-async fn command_killed_by_a_signal_reports_128_plus_the_signal() {
+async fn command_killed_by_a_signal_reports_128_plus_the_signal(place: Where) {
     let dir = tempfile::tempdir().unwrap();
-    let ctx = context(dir.path(), ToolLimits::default());
+    let ctx = context(place, dir.path(), ToolLimits::default());
     let result = ok(call(&ctx, json!({"command": "kill -9 $$"})).await);
     assert_eq!(result["exit_code"], 137);
 }
 
-#[tokio::test]
-async fn command_runs_in_the_workspace_with_home_there_and_a_dumb_terminal() {
+async fn command_runs_in_the_workspace_with_home_there_and_a_dumb_terminal(place: Where) {
     let dir = tempfile::tempdir().unwrap();
-    let ctx = context(dir.path(), ToolLimits::default());
+    let ctx = context(place, dir.path(), ToolLimits::default());
     let result = ok(call(
         &ctx,
         json!({"command": "pwd; echo $HOME; echo $TERM; touch made"}),
@@ -124,34 +210,31 @@ async fn command_runs_in_the_workspace_with_home_there_and_a_dumb_terminal() {
     assert!(dir.path().join("made").exists());
 }
 
-#[tokio::test]
-async fn worker_environment_is_not_passed_to_commands() {
+async fn worker_environment_is_not_passed_to_commands(place: Where) {
     // Cargo sets these for the test process, standing in for the worker's secrets.
     assert!(std::env::var_os("CARGO_PKG_NAME").is_some());
     let dir = tempfile::tempdir().unwrap();
-    let ctx = context(dir.path(), ToolLimits::default());
+    let ctx = context(place, dir.path(), ToolLimits::default());
     let result = ok(call(&ctx, json!({"command": "env"})).await);
     let output = result["output"].as_str().unwrap();
     assert!(!output.contains("CARGO_PKG_NAME"), "{output}");
     assert!(output.contains("PATH="), "{output}");
 }
 
-#[tokio::test]
-async fn stdin_is_empty() {
+async fn stdin_is_empty(place: Where) {
     let dir = tempfile::tempdir().unwrap();
-    let ctx = context(dir.path(), ToolLimits::default());
+    let ctx = context(place, dir.path(), ToolLimits::default());
     let result = ok(call(&ctx, json!({"command": "cat; echo done"})).await);
     assert_eq!(result["output"], "done\n");
 }
 
-#[tokio::test]
-async fn timeout_kills_the_whole_process_group() {
+async fn timeout_kills_the_whole_process_group(place: Where) {
     let dir = tempfile::tempdir().unwrap();
     let limits = ToolLimits {
         command_timeout: Duration::from_secs(1),
         ..ToolLimits::default()
     };
-    let ctx = context(dir.path(), limits);
+    let ctx = context(place, dir.path(), limits);
     let started = std::time::Instant::now();
     let result = ok(call(
         &ctx,
@@ -166,32 +249,29 @@ async fn timeout_kills_the_whole_process_group() {
     assert_process_gone(read_pid(dir.path())).await;
 }
 
-#[tokio::test]
-async fn requested_timeout_is_capped_by_the_limit() {
+async fn requested_timeout_is_capped_by_the_limit(place: Where) {
     let dir = tempfile::tempdir().unwrap();
     let limits = ToolLimits {
         command_timeout: Duration::from_secs(1),
         ..ToolLimits::default()
     };
-    let ctx = context(dir.path(), limits);
+    let ctx = context(place, dir.path(), limits);
     let result = ok(call(&ctx, json!({"command": "sleep 30", "timeout": 1000})).await);
     assert_eq!(result["error"], "command timed out after 1s");
 }
 
-#[tokio::test]
-async fn shorter_requested_timeout_is_honoured() {
+async fn shorter_requested_timeout_is_honoured(place: Where) {
     let dir = tempfile::tempdir().unwrap();
-    let ctx = context(dir.path(), ToolLimits::default());
+    let ctx = context(place, dir.path(), ToolLimits::default());
     let started = std::time::Instant::now();
     let result = ok(call(&ctx, json!({"command": "sleep 30", "timeout": "1"})).await);
     assert_eq!(result["error"], "command timed out after 1s");
     assert!(started.elapsed() < Duration::from_secs(10));
 }
 
-#[tokio::test]
-async fn dropping_the_call_kills_the_process_group() {
+async fn dropping_the_call_kills_the_process_group(place: Where) {
     let dir = tempfile::tempdir().unwrap();
-    let ctx = context(dir.path(), ToolLimits::default());
+    let ctx = context(place, dir.path(), ToolLimits::default());
     let tool = tool();
     let Value::Object(args) = json!({"command": "sleep 30 & echo $! > pid; wait"}) else {
         unreachable!()
@@ -213,10 +293,9 @@ async fn dropping_the_call_kills_the_process_group() {
     assert_process_gone(read_pid(dir.path())).await;
 }
 
-#[tokio::test]
-async fn background_process_does_not_outlive_the_command() {
+async fn background_process_does_not_outlive_the_command(place: Where) {
     let dir = tempfile::tempdir().unwrap();
-    let ctx = context(dir.path(), ToolLimits::default());
+    let ctx = context(place, dir.path(), ToolLimits::default());
     let started = std::time::Instant::now();
     let result = ok(call(
         &ctx,
@@ -231,14 +310,13 @@ async fn background_process_does_not_outlive_the_command() {
     assert_process_gone(read_pid(dir.path())).await;
 }
 
-#[tokio::test]
-async fn large_output_keeps_head_and_tail_within_the_cap() {
+async fn large_output_keeps_head_and_tail_within_the_cap(place: Where) {
     let dir = tempfile::tempdir().unwrap();
     let limits = ToolLimits {
         max_output_bytes: 100,
         ..ToolLimits::default()
     };
-    let ctx = context(dir.path(), limits);
+    let ctx = context(place, dir.path(), limits);
     // Far more than a pipe buffer holds: the command must not block on a full pipe.
     let result = ok(call(&ctx, json!({"command": "seq 1 200000"})).await);
     assert_eq!(result["exit_code"], 0);
@@ -250,10 +328,9 @@ async fn large_output_keeps_head_and_tail_within_the_cap() {
     assert!(output.len() < 200);
 }
 
-#[tokio::test]
-async fn missing_or_empty_command_is_an_error() {
+async fn missing_or_empty_command_is_an_error(place: Where) {
     let dir = tempfile::tempdir().unwrap();
-    let ctx = context(dir.path(), ToolLimits::default());
+    let ctx = context(place, dir.path(), ToolLimits::default());
     assert_eq!(
         call(&ctx, json!({})).await,
         ToolOutcome::Err("missing required argument `command`".to_owned())
@@ -267,3 +344,19 @@ async fn missing_or_empty_command_is_an_error() {
         ToolOutcome::Err(message) if message.contains("timeout")
     ));
 }
+
+in_both_places!(
+    command_output_and_exit_code_are_returned,
+    non_zero_exit_code_is_a_result_not_an_error,
+    command_killed_by_a_signal_reports_128_plus_the_signal,
+    command_runs_in_the_workspace_with_home_there_and_a_dumb_terminal,
+    worker_environment_is_not_passed_to_commands,
+    stdin_is_empty,
+    timeout_kills_the_whole_process_group,
+    requested_timeout_is_capped_by_the_limit,
+    shorter_requested_timeout_is_honoured,
+    dropping_the_call_kills_the_process_group,
+    background_process_does_not_outlive_the_command,
+    large_output_keeps_head_and_tail_within_the_cap,
+    missing_or_empty_command_is_an_error,
+);

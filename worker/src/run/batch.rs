@@ -128,7 +128,7 @@ impl Engine {
             },
             workspace_root,
             keep_workspaces: spec.tools.keep_workspaces,
-            sandbox: Sandbox::current_exe(LandlockMode::Auto),
+            sandbox: Sandbox::local(LandlockMode::Auto),
             require_reasoning: spec.filters.require_reasoning,
             openai_format: spec.openai_format,
             seed: spec.seed,
@@ -317,6 +317,7 @@ pub async fn run_batch(
         failed: marker.failed,
         resumed: summary.resumed,
         stopped: None,
+        landlock: None,
     })
 }
 
@@ -332,6 +333,7 @@ fn done_summary(run_dir: &RunDir, batch: u32) -> Option<BatchSummary> {
         failed: marker.failed,
         resumed: marker.succeeded + marker.discarded + marker.failed,
         stopped: None,
+        landlock: None,
     })
 }
 

@@ -157,6 +157,7 @@ fn note_cluster_only_fields(run_file: &RunFile) {
     let spec = &run_file.spec;
     let ignored: Vec<&str> = [
         (spec.pod_template.is_some(), "podTemplate"),
+        (spec.sandbox.image.is_some(), "sandbox.image"),
         (spec.queue_name.is_some(), "queueName"),
         (spec.storage.volume.is_some(), "storage.volume"),
         (

@@ -1,499 +1,200 @@
-//! The local tool sandbox: every terminal command runs under a small executor process that
-//! confines it and, when it ends, ends everything it started.
+//! Where the terminal tool's commands run: never in the worker's process, always under the
+//! `trajectory-executor` of the [`trajectory_sandbox`] crate, which confines each command to its
+//! conversation's workspace and ends everything it started (that crate's docs say what each layer
+//! guarantees).
 //!
-//! ```text
-//! worker (holds the API key; non-dumpable)
-//!   └─ trajectory-worker executor --workspace W …   cleared env, own process group,
-//!        │                                          child subreaper, Landlock domain
-//!        └─ bash -c <command>                       and whatever it forks, setsid or not
-//! ```
-//!
-//! The executor is this binary re-executed as a hidden subcommand (`executor`), handled in
-//! [`crate::cli::main`] before the CLI, logging or the async runtime start, so it costs one exec
-//! and a few syscalls. `unsafe` is forbidden in this workspace, so nothing can run between fork and
-//! exec of the command (`pre_exec`); a process of our own in between is the safe way to apply
-//! Landlock and to become a reaper. One executor per *command*, not per conversation: the tool's
-//! contract was already "nothing outlives the command", a per-command executor needs no protocol
-//! between worker and executor, and the benchmark's conversations run one command each, so a
-//! per-conversation executor would save nothing there.
-//!
-//! What each layer guarantees, and what it does not:
-//! - **Cleared environment.** The executor and the command get `PATH`, `HOME` and `TMPDIR` (the
-//!   workspace), `TERM=dumb`, and `LANG`/`LC_ALL`/`TZ` if the worker has them; never the worker's
-//!   environment, so no key is in any process the model can reach.
-//! - **Non-dumpable worker** ([`crate::cli::main`]): the worker's `/proc/<pid>/environ`, `mem`,
-//!   `fd/` are refused to same-uid processes. Its `cmdline` is not hidden: no secret may be passed
-//!   on a command line (none is: the key comes from the environment or a key file).
-//! - **No capabilities.** The executor drops every capability (bounding set included) and sets
-//!   `no_new_privs` before the command starts, so a worker running as root does not lend the
-//!   command root's `CAP_SYS_PTRACE` (which overrides non-dumpable), `CAP_DAC_OVERRIDE` or
-//!   `CAP_KILL`, and no setuid or file-capability binary gives any back. The uid stays the
-//!   worker's: files the worker's uid owns are open to the command where Landlock is off.
-//! - **Nothing outlives the command.** The executor is a child subreaper
-//!   (`PR_SET_CHILD_SUBREAPER`): whatever the command forks, `setsid`, double fork and `nohup`
-//!   included, is re-parented to it, never to init. When the shell exits (after a short grace, so
-//!   output already in flight still arrives), when the worker asks (`SIGTERM`: a timeout or a
-//!   cancelled conversation) or when the worker dies (`PR_SET_PDEATHSIG`), it `SIGKILL`s its
-//!   children, re-reads `/proc/self/task/*/children` to catch the ones re-parented meanwhile, and
-//!   reaps until it has no child left: no process and no zombie remains. (The parent-death signal
-//!   follows the worker *thread* that spawned the executor; the conversations run on the
-//!   runtime's worker threads, which live as long as the process.) Not covered: a `SIGKILL`
-//!   of the executor itself (by the OOM killer, or a user) leaves its descendants to the next
-//!   reaper up; in a pod the container's PID namespace ends them with the pod. A PID namespace per
-//!   command would cover that too, but needs unprivileged user namespaces, which the restricted
-//!   Pod Security Standard and many kernels refuse.
-//! - **Landlock** (where the kernel has it, ABI 6 asked for, best effort below): the command may
-//!   read, write and execute only inside its workspace, read and execute the system (`/usr`,
-//!   `/bin`, `/lib*`, `/etc`, `/opt`, `/proc`, `/sys`, `/dev`) and write the harmless devices
-//!   (`/dev/null`, `/dev/zero`, `/dev/full`, `/dev/tty`). Everything else is refused: the storage
-//!   root (dataset, batches, other runs), other conversations' workspaces, `/tmp`, `/run` and
-//!   `/var` (where a pod's Secrets and `ServiceAccount` token are mounted), the home directory. A
-//!   Landlock domain also cannot ptrace-attach to processes outside it (other conversations, the
-//!   worker) and, from ABI 6, cannot signal them or connect to their abstract Unix sockets. It
-//!   does *not* stop reading their `/proc/<pid>/environ` or `maps` (seen on this machine's 6.18
-//!   kernel): that is left to the non-dumpable flag and the dropped capabilities. Not covered: network access (the pod's `NetworkPolicy` is the layer
-//!   for egress), `/proc/<pid>/cmdline` of other processes (readable: it carries no secret), a
-//!   storage root that lies under one of the system paths above, and kernel exploits (use gVisor
-//!   or Kata for that). [`LandlockMode`] says what happens on a kernel without it.
+//! - **Local** (`trajectory-worker local`, `prompt`, and a `batch` without a sandbox container):
+//!   the worker starts `trajectory-executor run` as its child, with a cleared environment, for
+//!   each command. The worker marks itself non-dumpable, so its memory and environment stay out
+//!   of reach of the commands, which run as the same uid.
+//! - **Pod** (a generation Job's pod): the commands run in the pod's sandbox container, whose
+//!   `trajectory-executor serve` the worker reaches over a Unix socket on a shared emptyDir. That
+//!   container has the run's task image and mounts the workspaces only: no API key, no data
+//!   volume, no other container's processes.
 
-use std::ffi::{OsStr, OsString};
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use landlock::{
-    ABI, Access, AccessFs, CompatLevel, Compatible, Ruleset, RulesetAttr, RulesetCreatedAttr,
-    RulesetStatus, Scope, path_beneath_rules,
-};
-use nix::errno::Errno;
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::signal::{SigSet, Signal, kill};
-use nix::sys::signalfd::SignalFd;
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
-use nix::unistd::{Pid, getppid};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use trajectory_sandbox::protocol::{self, Request};
+pub use trajectory_sandbox::{EXECUTOR_BINARY, LandlockMode, REFUSED_EXIT, REFUSED_PREFIX};
 
-/// The hidden subcommand that runs one command confined.
-pub const EXECUTOR_SUBCOMMAND: &str = "executor";
+/// How long the worker waits for the sandbox container's socket at start-up: the container is
+/// started before the worker, but may still be getting ready.
+const SOCKET_WAIT: Duration = Duration::from_secs(60);
 
-/// Exit code of an executor that refused to run the command (the sandbox could not be set up as
-/// required). Outside the shell's own 126/127/128+N conventions.
-pub const REFUSED_EXIT: i32 = 121;
-
-/// The Landlock ABI whose features are asked for: filesystem rights up to truncate and ioctl on
-/// devices, and the signal and abstract-socket scopes. Older kernels get what they support.
-const LANDLOCK_ABI: ABI = ABI::V6;
-
-/// Read-only (and executable) system paths. `/run` and `/var` are left out on purpose: a pod's
-/// `ServiceAccount` token and Secrets are mounted there (`/var/run` is usually a link to `/run`).
-const SYSTEM_READ_ONLY: [&str; 12] = [
-    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/proc",
-    "/sys", "/dev",
-];
-
-/// Devices a command may write (and read).
-const WRITABLE_DEVICES: [&str; 4] = ["/dev/null", "/dev/zero", "/dev/full", "/dev/tty"];
-
-/// What to do about Landlock.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum LandlockMode {
-    /// Confine where the kernel supports it; run unconfined (and say so once) where it does not.
-    #[default]
-    Auto,
-    /// Refuse to run a command that Landlock does not confine.
-    Required,
-    /// Do not use Landlock (what a kernel without it looks like; for tests and comparisons).
-    Off,
-}
-
-impl LandlockMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Auto => "auto",
-            Self::Required => "required",
-            Self::Off => "off",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<Self> {
-        [Self::Auto, Self::Required, Self::Off]
-            .into_iter()
-            .find(|mode| mode.as_str() == text)
-    }
-}
-
-/// How the terminal tool starts its executor.
+/// Where commands run, and how confined.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sandbox {
-    /// The `trajectory-worker` binary that serves as the executor.
-    pub executor: PathBuf,
+    pub place: Place,
     pub landlock: LandlockMode,
 }
 
+/// Where the executor is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Place {
+    /// The `trajectory-executor` binary the worker starts for each command.
+    Local { executor: PathBuf },
+    /// The socket of the sandbox container's `trajectory-executor serve`.
+    Pod { socket: PathBuf },
+}
+
 impl Sandbox {
+    /// Commands under the executor binary `executor`, started by the worker.
     pub fn new(executor: impl Into<PathBuf>, landlock: LandlockMode) -> Self {
         Self {
-            executor: executor.into(),
+            place: Place::Local {
+                executor: executor.into(),
+            },
             landlock,
         }
     }
 
-    /// This process's own binary as the executor (right in `trajectory-worker`; a test binary
-    /// must name the worker binary instead).
-    pub fn current_exe(landlock: LandlockMode) -> Self {
-        // Without /proc/self/exe the last resort is the name on PATH.
-        let executor =
-            std::env::current_exe().unwrap_or_else(|_| PathBuf::from("trajectory-worker"));
-        Self::new(executor, landlock)
+    /// Commands under [`find_executor`]'s binary.
+    pub fn local(landlock: LandlockMode) -> Self {
+        Self::new(find_executor(), landlock)
     }
 
-    /// Whether this kernel enforces the executor's Landlock rules: runs `true` under the
-    /// executor with Landlock required (one exec; the worker asks once, at startup).
-    pub fn landlock_enforced(&self) -> std::io::Result<bool> {
-        let status = Self::new(&self.executor, LandlockMode::Required)
-            .command(Path::new("/"), Duration::ZERO, "true")
-            .env_clear()
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()?;
-        Ok(status.success())
+    /// Commands sent to the sandbox server listening on `socket`.
+    pub fn pod(socket: impl Into<PathBuf>, landlock: LandlockMode) -> Self {
+        Self {
+            place: Place::Pod {
+                socket: socket.into(),
+            },
+            landlock,
+        }
     }
 
-    /// The executor's command line for `shell -c command` in `workspace`; the caller sets the
-    /// environment, working directory and standard streams.
-    pub fn command(&self, workspace: &Path, grace: Duration, command: &str) -> Command {
-        let mut cmd = Command::new(&self.executor);
-        cmd.arg(EXECUTOR_SUBCOMMAND)
-            .arg("--workspace")
-            .arg(workspace)
-            .arg("--landlock")
-            .arg(self.landlock.as_str())
-            .arg("--grace-ms")
-            .arg(grace.as_millis().to_string())
-            .arg("--parent")
-            .arg(std::process::id().to_string())
-            .arg("--")
-            .arg(command);
-        cmd
+    /// Whether the executor's Landlock rules are enforced where the commands run: runs `true`
+    /// there with Landlock required (the worker asks once, at start-up). `workspace_root` is
+    /// where the workspaces are.
+    pub async fn landlock_enforced(&self, workspace_root: &Path) -> std::io::Result<bool> {
+        match &self.place {
+            Place::Local { executor } => {
+                let status = tokio::process::Command::from(trajectory_sandbox::run::command(
+                    executor,
+                    workspace_root,
+                    LandlockMode::Required,
+                    Duration::ZERO,
+                    "true",
+                ))
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .await?;
+                Ok(status.success())
+            }
+            Place::Pod { socket } => {
+                let stream = connect_waiting(socket, SOCKET_WAIT).await?;
+                let request = Request {
+                    workspace: workspace_root.display().to_string(),
+                    command: "true".to_owned(),
+                    landlock: LandlockMode::Required,
+                    grace_ms: 0,
+                };
+                let code = send(stream, &request, &mut |_| {}).await?;
+                Ok(code == 0)
+            }
+        }
     }
 }
 
-/// The executor's arguments.
-#[derive(Debug)]
-struct ExecutorArgs {
-    workspace: PathBuf,
-    landlock: LandlockMode,
-    grace: Duration,
-    /// The worker's pid: while it lives, it is the executor's parent.
-    parent: Pid,
-    command: OsString,
+/// The executor binary: `trajectory-executor` next to this program (an installed pair, or
+/// cargo's target directory; a test or bench binary sits one level down, in `deps/`), else the
+/// one on `PATH`.
+pub fn find_executor() -> PathBuf {
+    if let Ok(this) = std::env::current_exe()
+        && let Some(dir) = this.parent()
+    {
+        let beside = [
+            dir.join(EXECUTOR_BINARY),
+            dir.join("..").join(EXECUTOR_BINARY),
+        ];
+        if let Some(found) = beside.into_iter().find(|path| path.is_file()) {
+            return found;
+        }
+    }
+    PathBuf::from(EXECUTOR_BINARY)
 }
 
-fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, String> {
-    let mut workspace = None;
-    let mut landlock = LandlockMode::Auto;
-    let mut grace = Duration::ZERO;
-    let mut parent = None;
+/// Connects to `socket`, retrying while it does not exist yet or nobody listens on it.
+async fn connect_waiting(socket: &Path, wait: Duration) -> std::io::Result<UnixStream> {
+    let until = tokio::time::Instant::now() + wait;
     loop {
-        let flag = args.next().ok_or("missing `-- <command>`")?;
-        let mut value = || {
-            args.next()
-                .ok_or(format!("{} needs a value", flag.display()))
-        };
-        match flag.to_str() {
-            Some("--workspace") => workspace = Some(PathBuf::from(value()?)),
-            Some("--landlock") => {
-                let text = value()?;
-                landlock = text
-                    .to_str()
-                    .and_then(LandlockMode::parse)
-                    .ok_or(format!("unknown --landlock {}", text.display()))?;
+        match UnixStream::connect(socket).await {
+            Ok(stream) => return Ok(stream),
+            Err(err)
+                if matches!(
+                    err.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ) && tokio::time::Instant::now() < until =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            Some("--grace-ms") => {
-                grace = Duration::from_millis(number("--grace-ms", &value()?)?);
+            Err(err) => {
+                return Err(std::io::Error::new(
+                    err.kind(),
+                    format!("sandbox socket {}: {err}", socket.display()),
+                ));
             }
-            Some("--parent") => parent = Some(Pid::from_raw(number("--parent", &value()?)?)),
-            Some("--") => break,
-            _ => return Err(format!("unknown argument {}", flag.display())),
-        }
-    }
-    let command = args.next().ok_or("missing the command after `--`")?;
-    Ok(ExecutorArgs {
-        workspace: workspace.ok_or("missing --workspace")?,
-        landlock,
-        grace,
-        parent: parent.ok_or("missing --parent")?,
-        command,
-    })
-}
-
-/// The number `text` given to `flag`.
-fn number<T: std::str::FromStr>(flag: &str, text: &OsStr) -> Result<T, String> {
-    text.to_str()
-        .and_then(|text| text.parse().ok())
-        .ok_or(format!("bad {flag} {}", text.display()))
-}
-
-/// The executor process: `args` are those after the subcommand. Returns the exit code: the
-/// shell's, or `128 + N` when a signal N ended it, or [`REFUSED_EXIT`].
-pub fn executor_main(args: impl Iterator<Item = OsString>) -> i32 {
-    match parse_args(args).and_then(|args| execute(&args)) {
-        Ok(code) => code,
-        Err(message) => {
-            // stderr is the command's output pipe: the model reads why nothing ran.
-            let _ = writeln!(std::io::stderr(), "sandbox: {message}");
-            REFUSED_EXIT
         }
     }
 }
 
-fn execute(args: &ExecutorArgs) -> Result<i32, String> {
-    // The signals that end a command early arrive on a descriptor, not as handlers (which would
-    // need `unsafe`). The command starts with an empty mask: std resets it before exec.
-    let mut signals = SigSet::empty();
-    for signal in [
-        Signal::SIGCHLD,
-        Signal::SIGTERM,
-        Signal::SIGINT,
-        Signal::SIGHUP,
-    ] {
-        signals.add(signal);
-    }
-    signals
-        .thread_block()
-        .map_err(|err| format!("cannot block signals: {err}"))?;
-    let signal_fd = SignalFd::new(&signals).map_err(|err| format!("no signalfd: {err}"))?;
-    // The worker's death must end the command too; if it died before this line, end now.
-    nix::sys::prctl::set_pdeathsig(Signal::SIGTERM)
-        .map_err(|err| format!("cannot set the parent-death signal: {err}"))?;
-    // Re-parented means the worker died first. Compared with the worker's own pid, not with 1:
-    // in a container the worker is PID 1 itself.
-    if getppid() != args.parent {
-        return Err("the worker is gone".to_owned());
-    }
-    nix::sys::prctl::set_child_subreaper(true)
-        .map_err(|err| format!("cannot become a child subreaper: {err}"))?;
-    drop_privileges()?;
-    confine(&args.workspace, args.landlock)?;
+/// Runs one command through the sandbox server on `socket`: each piece of output goes to
+/// `output` as it arrives; returns the exit code. Dropping the future (a timeout, a cancelled
+/// conversation) closes the connection, which ends the command.
+pub async fn run_in_pod(
+    socket: &Path,
+    request: &Request,
+    output: &mut (dyn FnMut(&[u8]) + Send),
+) -> std::io::Result<i32> {
+    let stream = UnixStream::connect(socket).await.map_err(|err| {
+        std::io::Error::new(
+            err.kind(),
+            format!("sandbox socket {}: {err}", socket.display()),
+        )
+    })?;
+    send(stream, request, output).await
+}
 
-    let shell = spawn_shell(&args.command, &args.workspace)
-        .map_err(|err| format!("could not start the shell: {err}"))?;
-    let shell_pid = Pid::from_raw(i32::try_from(shell.id()).unwrap_or(i32::MAX));
-    // The child handle is not waited through std: every child is reaped below with waitpid.
-    drop(shell);
-
-    let mut status = None;
-    let mut grace_ends: Option<Instant> = None;
+async fn send(
+    mut stream: UnixStream,
+    request: &Request,
+    output: &mut (dyn FnMut(&[u8]) + Send),
+) -> std::io::Result<i32> {
+    let mut line = serde_json::to_vec(request)?;
+    line.push(b'\n');
+    stream.write_all(&line).await?;
+    let mut payload = vec![0_u8; protocol::MAX_FRAME_BYTES];
     loop {
-        let timeout = match grace_ends {
-            None => PollTimeout::NONE,
-            Some(end) => {
-                let left = end.saturating_duration_since(Instant::now());
-                PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
+        let mut header = [0_u8; protocol::HEADER_BYTES];
+        stream.read_exact(&mut header).await?;
+        let (kind, len) = protocol::parse_header(header);
+        if len > protocol::MAX_FRAME_BYTES {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("the sandbox sent a frame of {len} bytes"),
+            ));
+        }
+        stream.read_exact(&mut payload[..len]).await?;
+        match kind {
+            protocol::OUTPUT => output(&payload[..len]),
+            protocol::EXIT => {
+                return protocol::parse_exit(&payload[..len]).ok_or_else(|| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "the sandbox sent a bad exit frame",
+                    )
+                });
             }
-        };
-        let mut fds = [PollFd::new(
-            std::os::fd::AsFd::as_fd(&signal_fd),
-            PollFlags::POLLIN,
-        )];
-        match poll(&mut fds, timeout) {
-            Ok(0) => break, // the grace after the shell's exit is over
-            Ok(_) => {}
-            Err(Errno::EINTR) => continue,
-            Err(err) => return Err(format!("poll failed: {err}")),
-        }
-        let Ok(Some(info)) = signal_fd.read_signal() else {
-            continue;
-        };
-        if i32::try_from(info.ssi_signo).ok() != Some(Signal::SIGCHLD as i32) {
-            break; // asked to stop: a timeout, a cancelled call, or the worker's death
-        }
-        if let Some(code) = reap_exited(shell_pid) {
-            status = Some(code);
-        }
-        if status.is_some() {
-            if !has_children() {
-                break;
+            other => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("the sandbox sent a frame of unknown kind {other}"),
+                ));
             }
-            grace_ends.get_or_insert_with(|| Instant::now() + args.grace);
         }
-    }
-    kill_all_descendants();
-    Ok(status.unwrap_or(128 + Signal::SIGKILL as i32))
-}
-
-/// Gives up every capability for good, and the means of regaining one (setuid and file-capability
-/// binaries), before anything the model chose runs.
-///
-/// Why: a worker running as root (a container without `runAsNonRoot`, or this machine's test
-/// suite) would otherwise pass root's `CAP_SYS_PTRACE` on to the commands, and that capability
-/// overrides the non-dumpable flag: `/proc/<worker>/environ` was readable, key included. Landlock
-/// does not close that hole on its own: its ptrace rule stops attaching and signalling, but here
-/// reading another process's `environ` or `maps` was still allowed. With no capabilities, root is
-/// an ordinary uid to the kernel's ptrace check, and the non-dumpable worker is refused.
-fn drop_privileges() -> Result<(), String> {
-    use caps::{CapSet, Capability};
-    nix::sys::prctl::set_no_new_privs().map_err(|err| format!("cannot set no_new_privs: {err}"))?;
-    // Only a process holding CAP_SETPCAP can shrink its bounding set; without it (any non-root
-    // uid) the set bounds nothing the commands could get under no_new_privs anyway.
-    if caps::has_cap(None, CapSet::Effective, Capability::CAP_SETPCAP).unwrap_or(false) {
-        caps::clear(None, CapSet::Bounding)
-            .map_err(|err| format!("cannot drop the bounding capabilities: {err}"))?;
-    }
-    for set in [
-        CapSet::Ambient,
-        CapSet::Inheritable,
-        CapSet::Effective,
-        CapSet::Permitted,
-    ] {
-        caps::clear(None, set).map_err(|err| format!("cannot drop capabilities: {err}"))?;
-    }
-    Ok(())
-}
-
-/// Applies the Landlock rules to this process (and so to everything it starts).
-fn confine(workspace: &Path, mode: LandlockMode) -> Result<(), String> {
-    if mode == LandlockMode::Off {
-        return Ok(());
-    }
-    let status = landlock_rules(workspace).map_err(|err| format!("Landlock: {err}"))?;
-    match (status, mode) {
-        (RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced, _)
-        | (RulesetStatus::NotEnforced, LandlockMode::Auto) => Ok(()),
-        (RulesetStatus::NotEnforced, _) => Err(
-            "Landlock is required (--landlock required) but this kernel does not enforce it; \
-             the command was not run"
-                .to_owned(),
-        ),
-    }
-}
-
-fn landlock_rules(workspace: &Path) -> Result<RulesetStatus, landlock::RulesetError> {
-    let abi = LANDLOCK_ABI;
-    let read = AccessFs::from_read(abi);
-    let all = AccessFs::from_all(abi);
-    let status = Ruleset::default()
-        .set_compatibility(CompatLevel::BestEffort)
-        .handle_access(all)?
-        .scope(Scope::from_all(abi))?
-        .create()?
-        .add_rules(path_beneath_rules(SYSTEM_READ_ONLY, read))?
-        .add_rules(path_beneath_rules(
-            WRITABLE_DEVICES,
-            AccessFs::from_file(abi),
-        ))?
-        .add_rules(path_beneath_rules([workspace], all))?
-        .restrict_self()?;
-    Ok(status.ruleset)
-}
-
-/// Starts the shell in the workspace, with the executor's (already minimal) environment and
-/// standard streams. `bash`, or `sh` where bash is missing.
-fn spawn_shell(command: &OsStr, workspace: &Path) -> std::io::Result<std::process::Child> {
-    let spawn = |shell: &str| {
-        Command::new(shell)
-            .arg("-c")
-            .arg(command)
-            .current_dir(workspace)
-            .spawn()
-    };
-    match spawn("bash") {
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => spawn("sh"),
-        spawned => spawned,
-    }
-}
-
-/// Reaps every child that has exited; returns the shell's exit code if it was among them (a
-/// signal N gives 128+N, the shell's own convention).
-fn reap_exited(shell: Pid) -> Option<i32> {
-    let mut shell_code = None;
-    loop {
-        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::Exited(pid, code)) if pid == shell => shell_code = Some(code),
-            Ok(WaitStatus::Signaled(pid, signal, _)) if pid == shell => {
-                shell_code = Some(128 + signal as i32);
-            }
-            Ok(WaitStatus::StillAlive) | Err(_) => return shell_code,
-            Ok(_) => {}
-        }
-    }
-}
-
-/// This process's children (every thread's; the executor has one).
-fn children() -> Vec<Pid> {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return Vec::new();
-    };
-    tasks
-        .flatten()
-        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
-        .flat_map(|list| {
-            list.split_whitespace()
-                .filter_map(|pid| pid.parse().ok())
-                .map(Pid::from_raw)
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
-fn has_children() -> bool {
-    !children().is_empty()
-}
-
-/// Kills every descendant and reaps it. A killed process's children are re-parented to this
-/// subreaper, so the loop goes on until `waitpid` says no child is left.
-fn kill_all_descendants() {
-    loop {
-        for child in children() {
-            let _ = kill(child, Signal::SIGKILL);
-        }
-        match waitpid(None, None) {
-            Err(Errno::EINTR) | Ok(_) => {}
-            // ECHILD: no child is left. Nothing can be done about another failure of waitpid
-            // either, and the loop must not spin on it.
-            Err(_) => return,
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn args(list: &[&str]) -> impl Iterator<Item = OsString> {
-        list.iter()
-            .map(OsString::from)
-            .collect::<Vec<_>>()
-            .into_iter()
-    }
-
-    #[test]
-    fn executor_arguments_round_trip_through_the_command_line() {
-        let sandbox = Sandbox::new("/bin/trajectory-worker", LandlockMode::Required);
-        let cmd = sandbox.command(Path::new("/w"), Duration::from_millis(500), "echo hi");
-        let mut given = cmd.get_args().map(OsStr::to_owned);
-        assert_eq!(given.next().unwrap(), EXECUTOR_SUBCOMMAND);
-        let parsed = parse_args(given).unwrap();
-        assert_eq!(parsed.workspace, Path::new("/w"));
-        assert_eq!(parsed.landlock, LandlockMode::Required);
-        assert_eq!(parsed.grace, Duration::from_millis(500));
-        let worker = i32::try_from(std::process::id()).unwrap();
-        assert_eq!(parsed.parent, Pid::from_raw(worker));
-        assert_eq!(parsed.command, "echo hi");
-    }
-
-    #[test]
-    fn executor_refuses_unknown_or_incomplete_arguments() {
-        assert!(parse_args(args(&["--workspace"])).is_err());
-        assert!(parse_args(args(&["--workspace", "/w", "--"])).is_err());
-        assert!(parse_args(args(&["--nope", "x", "--", "true"])).is_err());
-        assert!(parse_args(args(&["--landlock", "maybe", "--", "true"])).is_err());
-        assert!(parse_args(args(&["--", "true"])).is_err());
-        assert!(
-            parse_args(args(&["--workspace", "/w", "--", "true"])).is_err(),
-            "no --parent"
-        );
-        assert!(parse_args(args(&["--workspace", "/w", "--parent", "x", "--", "true"])).is_err());
     }
 }

@@ -29,10 +29,11 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 use super::args::{optional_u64_arg, string_arg};
-use super::sandbox::{REFUSED_EXIT, Sandbox};
+use super::sandbox::{LandlockMode, Place, REFUSED_EXIT, REFUSED_PREFIX, Sandbox, run_in_pod};
 use super::text::{complete_prefix_len, complete_suffix_start};
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::ToolsSpec;
+use trajectory_sandbox::protocol::Request;
 
 pub const TOOLSET: &str = "terminal";
 
@@ -40,14 +41,6 @@ pub const TOOLSET: &str = "terminal";
 /// exits, before the executor kills it (and the pipe closes). Long enough to catch output already
 /// in flight, short enough that `server &` does not make every call wait for the full timeout.
 const EXIT_GRACE: Duration = Duration::from_millis(500);
-
-/// Used when the worker itself has no `PATH` (as in some minimal containers).
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-
-/// Environment variables passed through to commands. Everything else is dropped: the worker's
-/// environment carries the model server's API key, and a model running `env` must not copy it into
-/// a trajectory.
-const PASSED_ENV: [&str; 3] = ["LANG", "LC_ALL", "TZ"];
 
 pub fn tools(config: &ToolsSpec) -> Vec<Arc<dyn Tool>> {
     vec![Arc::new(TerminalTool::new(
@@ -147,16 +140,69 @@ async fn run(
     timeout: Duration,
     max_output_bytes: usize,
 ) -> ToolOutcome {
-    let (child, mut output) = match spawn(sandbox, command, cwd) {
-        Ok(spawned) => spawned,
-        Err(err) => return ToolOutcome::Err(format!("could not start the sandbox: {err}")),
+    let mut kept = OutputBuffer::new(max_output_bytes);
+    let ran = match &sandbox.place {
+        Place::Local { executor } => {
+            run_local(executor, sandbox.landlock, command, cwd, timeout, &mut kept).await
+        }
+        Place::Pod { socket } => {
+            let request = Request {
+                workspace: cwd.display().to_string(),
+                command: command.to_owned(),
+                landlock: sandbox.landlock,
+                grace_ms: u64::try_from(EXIT_GRACE.as_millis()).unwrap_or(u64::MAX),
+            };
+            let mut push = |bytes: &[u8]| kept.push(bytes);
+            // Past the deadline the future is dropped: the connection closes, and the server
+            // ends the command.
+            match tokio::time::timeout(timeout, run_in_pod(socket, &request, &mut push)).await {
+                Ok(Ok(code)) => Ok(Some(code)),
+                Ok(Err(err)) => Err(format!("the sandbox failed: {err}")),
+                Err(_) => Ok(None),
+            }
+        }
     };
+    let exit_code = match ran {
+        Ok(exit_code) => exit_code,
+        Err(message) => return ToolOutcome::Err(message),
+    };
+    let output = kept.render();
+    if exit_code == Some(REFUSED_EXIT)
+        && let Some(reason) = output.strip_prefix(REFUSED_PREFIX)
+    {
+        return ToolOutcome::Err(format!("the command was not run: {}", reason.trim_end()));
+    }
+    ToolOutcome::Ok(match exit_code {
+        Some(code) => json!({ "output": output, "exit_code": code, "error": null }),
+        None => json!({
+            "output": output,
+            "exit_code": null,
+            "error": format!("command timed out after {}s", timeout.as_secs()),
+        }),
+    })
+}
+
+/// Runs the command under an executor child of the worker; its output goes into `kept`. Returns
+/// the exit code, or `None` if the command timed out.
+async fn run_local(
+    executor: &Path,
+    landlock: LandlockMode,
+    command: &str,
+    cwd: &Path,
+    timeout: Duration,
+    kept: &mut OutputBuffer,
+) -> Result<Option<i32>, String> {
+    let (child, mut output) = spawn(executor, landlock, command, cwd).map_err(|err| {
+        format!(
+            "could not start the sandbox ({}): {err}",
+            executor.display()
+        )
+    })?;
     // Armed before the first await, so a call dropped at any point below still ends the command.
     let mut child = Executor(child);
 
     let deadline = Instant::now() + timeout;
     let mut stop_at = deadline;
-    let mut kept = OutputBuffer::new(max_output_bytes);
     let mut buf = vec![0_u8; 64 * 1024];
     let mut output_open = true;
     let mut status: Option<ExitStatus> = None;
@@ -171,9 +217,7 @@ async fn run(
                     status = Some(exit);
                     stop_at = deadline.min(Instant::now() + EXIT_GRACE);
                 }
-                Err(err) => {
-                    return ToolOutcome::Err(format!("waiting for the command failed: {err}"));
-                }
+                Err(err) => return Err(format!("waiting for the command failed: {err}")),
             },
             () = tokio::time::sleep_until(stop_at) => break,
         }
@@ -181,48 +225,26 @@ async fn run(
             break;
         }
     }
-
-    let output = kept.render();
-    if status.is_some_and(|exit| exit.code() == Some(REFUSED_EXIT))
-        && let Some(reason) = output.strip_prefix("sandbox: ")
-    {
-        return ToolOutcome::Err(format!("the command was not run: {}", reason.trim_end()));
-    }
-    ToolOutcome::Ok(match status {
-        Some(exit) => json!({ "output": output, "exit_code": exit_code(exit), "error": null }),
-        None => json!({
-            "output": output,
-            "exit_code": null,
-            "error": format!("command timed out after {}s", timeout.as_secs()),
-        }),
-    })
+    Ok(status.and_then(exit_code))
 }
 
 /// Starts the executor that runs `bash -c command` (or `sh` where bash is missing) in its own
 /// process group, with stdout and stderr on one pipe so their output interleaves as it would on a
-/// terminal, and a minimal environment of its own.
-fn spawn(sandbox: &Sandbox, command: &str, cwd: &Path) -> io::Result<(Child, pipe::Receiver)> {
+/// terminal. The executor's environment is cleared ([`trajectory_sandbox::run::command`]).
+fn spawn(
+    executor: &Path,
+    landlock: LandlockMode,
+    command: &str,
+    cwd: &Path,
+) -> io::Result<(Child, pipe::Receiver)> {
     let (reader, writer) = io::pipe()?;
     let writer_for_stderr = writer.try_clone()?;
-    let mut cmd = Command::from(sandbox.command(cwd, EXIT_GRACE, command));
-    cmd.current_dir(cwd)
-        .env_clear()
-        .env(
-            "PATH",
-            std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into()),
-        )
-        .env("HOME", cwd)
-        .env("TMPDIR", cwd)
-        .env("TERM", "dumb")
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(writer))
+    let mut cmd = Command::from(trajectory_sandbox::run::command(
+        executor, cwd, landlock, EXIT_GRACE, command,
+    ));
+    cmd.stdout(Stdio::from(writer))
         .stderr(Stdio::from(writer_for_stderr))
         .process_group(0);
-    for name in PASSED_ENV {
-        if let Some(value) = std::env::var_os(name) {
-            cmd.env(name, value);
-        }
-    }
     let child = cmd.spawn()?;
     // The command still holds our copies of the pipe's write end; they must be closed here or the
     // read side would never see end-of-file.

@@ -23,10 +23,10 @@ use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
 
 pub const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 
-/// The worker binary as the terminal's executor (the test binary itself cannot be one), with
-/// Landlock where the kernel has it.
+/// The `trajectory-executor` cargo builds beside the worker binary (the workspace's tests build
+/// it), with Landlock where the kernel has it.
 pub fn sandbox() -> Sandbox {
-    Sandbox::new(WORKER, LandlockMode::Auto)
+    Sandbox::local(LandlockMode::Auto)
 }
 
 /// A run on disk: `<dir>/run.yaml`, `<dir>/datasets/prompts.jsonl`, outputs under `<dir>/out`.

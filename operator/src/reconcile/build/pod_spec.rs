@@ -1,6 +1,20 @@
 //! The worker pod every Job of a run runs: the worker contract's environment ([`env`]), the API key
 //! only through a `secretKeyRef`, the plan `ConfigMap` and the storage volume mounted, and the
 //! restricted Pod Security Standard met.
+//!
+//! A generation pod also runs the model's terminal commands, never in the worker's container:
+//!
+//! ```text
+//! init  install-executor   worker image: copies the static trajectory-executor to /sandbox/bin
+//! init  sandbox (sidecar)  the run's task image (spec.sandbox.image): trajectory-executor serve
+//!                          mounts: /sandbox/bin (ro), /sandbox/socket, /workspace — nothing else
+//! main  worker             API key, /data, plan; sends each command over /sandbox/socket
+//! ```
+//!
+//! The sandbox is a native sidecar (an init container that restarts always), so it starts before
+//! the worker and is stopped when the worker has exited, and the Job counts the worker's exit
+//! alone. The containers do not share a process namespace: the commands cannot see the worker's
+//! processes at all.
 
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapVolumeSource, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource,
@@ -18,10 +32,25 @@ mod volumes {
     pub const PLAN: &str = "plan";
     pub const WORKSPACE: &str = "workspace";
     pub const TMP: &str = "tmp";
+    pub const SANDBOX_BIN: &str = "sandbox-bin";
+    pub const SANDBOX_SOCKET: &str = "sandbox-socket";
 }
+
+/// Container names of a generation pod besides [`CONTAINER`].
+pub mod containers {
+    pub const INSTALL_EXECUTOR: &str = "install-executor";
+    pub const SANDBOX: &str = "sandbox";
+}
+
+/// The executor binary inside the worker image.
+const IMAGE_EXECUTOR: &str = "/usr/local/bin/trajectory-executor";
 
 /// The group of the worker image's user (`nonroot`, 65532, as in distroless images).
 const WORKER_GROUP: i64 = 65532;
+
+/// The sandbox container's user and group, whatever its image's: the worker's, so that both
+/// can create and remove files in the workspaces, and never root.
+const SANDBOX_USER: i64 = 65532;
 
 /// The pod of the Job `job_name` serving `component`.
 pub fn pod_spec(
@@ -31,6 +60,7 @@ pub fn pod_spec(
     job_name: &str,
 ) -> PodSpec {
     let overrides = run.overrides.clone();
+    let sandboxed = runs_commands(component);
     let empty_dir = |name: &str| Volume {
         name: name.to_owned(),
         empty_dir: Some(EmptyDirVolumeSource::default()),
@@ -59,22 +89,111 @@ pub fn pod_spec(
             seccomp_profile: Some(runtime_default()),
             ..PodSecurityContext::default()
         }),
+        init_containers: sandboxed.then(|| sandbox_containers(run, settings)),
         containers: vec![worker_container(run, settings, component)],
-        volumes: Some(vec![
-            Volume {
-                name: volumes::PLAN.to_owned(),
-                config_map: Some(ConfigMapVolumeSource {
-                    name: job_name.to_owned(),
-                    ..ConfigMapVolumeSource::default()
-                }),
-                ..Volume::default()
-            },
-            run.data_volume.clone(),
-            empty_dir(volumes::WORKSPACE),
-            empty_dir(volumes::TMP),
-        ]),
+        volumes: Some(
+            [
+                Volume {
+                    name: volumes::PLAN.to_owned(),
+                    config_map: Some(ConfigMapVolumeSource {
+                        name: job_name.to_owned(),
+                        ..ConfigMapVolumeSource::default()
+                    }),
+                    ..Volume::default()
+                },
+                run.data_volume.clone(),
+                empty_dir(volumes::WORKSPACE),
+                empty_dir(volumes::TMP),
+            ]
+            .into_iter()
+            .chain(
+                sandboxed
+                    .then(|| {
+                        [
+                            empty_dir(volumes::SANDBOX_BIN),
+                            empty_dir(volumes::SANDBOX_SOCKET),
+                        ]
+                    })
+                    .into_iter()
+                    .flatten(),
+            )
+            .collect(),
+        ),
         ..PodSpec::default()
     }
+}
+
+/// Whether `component`'s pods run model-chosen commands: the generation pods.
+fn runs_commands(component: Component) -> bool {
+    matches!(component, Component::Generate { .. })
+}
+
+fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
+    VolumeMount {
+        name: name.to_owned(),
+        mount_path: path.to_owned(),
+        read_only: read_only.then_some(true),
+        ..VolumeMount::default()
+    }
+}
+
+/// The image of the worker's own container.
+fn worker_image(run: &ValidatedRun<'_>, settings: &Settings) -> String {
+    run.overrides
+        .image
+        .clone()
+        .unwrap_or_else(|| settings.worker_image.clone())
+}
+
+/// The init container that copies the executor out of the worker image, then the sandbox sidecar
+/// that runs it in the task image.
+fn sandbox_containers(run: &ValidatedRun<'_>, settings: &Settings) -> Vec<Container> {
+    let worker_image = worker_image(run, settings);
+    let socket = format!(
+        "{}/{}",
+        paths::SANDBOX_SOCKET_DIR,
+        paths::SANDBOX_SOCKET_FILE
+    );
+    let install = Container {
+        name: containers::INSTALL_EXECUTOR.to_owned(),
+        image: Some(worker_image.clone()),
+        image_pull_policy: run.overrides.image_pull_policy.clone(),
+        command: Some(vec![
+            IMAGE_EXECUTOR.to_owned(),
+            "install".to_owned(),
+            paths::SANDBOX_BIN_DIR.to_owned(),
+        ]),
+        volume_mounts: Some(vec![mount(
+            volumes::SANDBOX_BIN,
+            paths::SANDBOX_BIN_DIR,
+            false,
+        )]),
+        security_context: Some(restricted(None)),
+        ..Container::default()
+    };
+    let sandbox = Container {
+        name: containers::SANDBOX.to_owned(),
+        image: Some(run.spec.sandbox.image.clone().unwrap_or(worker_image)),
+        image_pull_policy: run.overrides.image_pull_policy.clone(),
+        // A native sidecar: started before the worker, stopped after it.
+        restart_policy: Some("Always".to_owned()),
+        command: Some(vec![
+            format!("{}/trajectory-executor", paths::SANDBOX_BIN_DIR),
+            "serve".to_owned(),
+            "--socket".to_owned(),
+            socket,
+            "--workspace-root".to_owned(),
+            paths::WORKSPACE_ROOT.to_owned(),
+        ]),
+        volume_mounts: Some(vec![
+            mount(volumes::SANDBOX_BIN, paths::SANDBOX_BIN_DIR, true),
+            mount(volumes::SANDBOX_SOCKET, paths::SANDBOX_SOCKET_DIR, false),
+            mount(volumes::WORKSPACE, paths::WORKSPACE_ROOT, false),
+        ]),
+        security_context: Some(restricted(Some(SANDBOX_USER))),
+        ..Container::default()
+    };
+    vec![install, sandbox]
 }
 
 fn worker_container(
@@ -83,51 +202,56 @@ fn worker_container(
     component: Component,
 ) -> Container {
     let overrides = &run.overrides;
-    let mount = |name: &str, path: &str, read_only: bool| VolumeMount {
-        name: name.to_owned(),
-        mount_path: path.to_owned(),
-        read_only: read_only.then_some(true),
-        ..VolumeMount::default()
-    };
+    let mut volume_mounts = vec![
+        mount(volumes::PLAN, paths::PLAN_DIR, true),
+        mount(DATA_VOLUME, paths::STORAGE_ROOT, false),
+        mount(volumes::WORKSPACE, paths::WORKSPACE_ROOT, false),
+        mount(volumes::TMP, "/tmp", false),
+    ];
+    if runs_commands(component) {
+        volume_mounts.push(mount(
+            volumes::SANDBOX_SOCKET,
+            paths::SANDBOX_SOCKET_DIR,
+            false,
+        ));
+    }
     Container {
         name: CONTAINER.to_owned(),
-        image: Some(
-            overrides
-                .image
-                .clone()
-                .unwrap_or_else(|| settings.worker_image.clone()),
-        ),
+        image: Some(worker_image(run, settings)),
         image_pull_policy: overrides.image_pull_policy.clone(),
         command: Some(vec!["trajectory-worker".to_owned()]),
         args: Some(vec![component.command().to_owned()]),
-        env: Some(environment(run, settings)),
+        env: Some(environment(run, settings, component)),
         resources: overrides.resources.clone(),
-        volume_mounts: Some(vec![
-            mount(volumes::PLAN, paths::PLAN_DIR, true),
-            mount(DATA_VOLUME, paths::STORAGE_ROOT, false),
-            mount(volumes::WORKSPACE, paths::WORKSPACE_ROOT, false),
-            mount(volumes::TMP, "/tmp", false),
-        ]),
+        volume_mounts: Some(volume_mounts),
         termination_message_path: Some(paths::TERMINATION_LOG.to_owned()),
         termination_message_policy: Some("FallbackToLogsOnError".to_owned()),
-        security_context: Some(SecurityContext {
-            run_as_non_root: Some(true),
-            allow_privilege_escalation: Some(false),
-            read_only_root_filesystem: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".to_owned()]),
-                add: None,
-            }),
-            seccomp_profile: Some(runtime_default()),
-            ..SecurityContext::default()
-        }),
+        security_context: Some(restricted(None)),
         ..Container::default()
+    }
+}
+
+/// The restricted Pod Security Standard's container settings, and a read-only root filesystem;
+/// `user` when the image's own user must not be trusted.
+fn restricted(user: Option<i64>) -> SecurityContext {
+    SecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: user,
+        run_as_group: user,
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".to_owned()]),
+            add: None,
+        }),
+        seccomp_profile: Some(runtime_default()),
+        ..SecurityContext::default()
     }
 }
 
 /// The user's extra environment, then the worker contract's variables (which win), then the API
 /// key from its Secret.
-fn environment(run: &ValidatedRun<'_>, settings: &Settings) -> Vec<EnvVar> {
+fn environment(run: &ValidatedRun<'_>, settings: &Settings, component: Component) -> Vec<EnvVar> {
     let contract = |name: &str, value: &str| EnvVar {
         name: name.to_owned(),
         value: Some(value.to_owned()),
@@ -144,6 +268,16 @@ fn environment(run: &ValidatedRun<'_>, settings: &Settings) -> Vec<EnvVar> {
         contract(env::WORKSPACE_ROOT, paths::WORKSPACE_ROOT),
         contract(env::LOG_FORMAT, &settings.worker_log_format),
     ]);
+    if runs_commands(component) {
+        env_vars.push(contract(
+            env::SANDBOX_SOCKET,
+            &format!(
+                "{}/{}",
+                paths::SANDBOX_SOCKET_DIR,
+                paths::SANDBOX_SOCKET_FILE
+            ),
+        ));
+    }
     if let Some(secret) = &run.spec.model.api_key_secret_ref {
         env_vars.push(EnvVar {
             name: env::MODEL_API_KEY.to_owned(),

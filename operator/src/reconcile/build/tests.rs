@@ -36,6 +36,18 @@ fn gen_job(run: &TrajectoryRun, attempt: u32, batches: &[u32], exists: bool) -> 
     generation_job(&valid(run), &settings(), &shard)
 }
 
+/// A run whose model key comes from the Secret `llm-key`, key `api-key`.
+fn run_with_a_key_secret() -> TrajectoryRun {
+    TrajectoryRun::test()
+        .with(|spec| {
+            spec.model.api_key_secret_ref = Some(trajectory_worker::spec::SecretKeyRef {
+                name: "llm-key".into(),
+                key: "api-key".into(),
+            });
+        })
+        .build()
+}
+
 fn settings() -> Settings {
     Settings::default()
 }
@@ -265,14 +277,7 @@ fn plan_config_map_lists_pending_batches_only_when_not_the_identity() {
 
 #[test]
 fn pods_get_the_worker_contract_environment_and_the_key_only_by_secret_ref() {
-    let run = TrajectoryRun::test()
-        .with(|spec| {
-            spec.model.api_key_secret_ref = Some(trajectory_worker::spec::SecretKeyRef {
-                name: "llm-key".into(),
-                key: "api-key".into(),
-            });
-        })
-        .build();
+    let run = run_with_a_key_secret();
     let job = gen_job(&run, 1, &[0], false);
     let value = |name| env_value(&job, name).and_then(|var| var.value.clone());
     assert_eq!(
@@ -332,7 +337,8 @@ fn every_pod_meets_the_restricted_pod_security_standard() {
             pod_context.seccomp_profile.as_ref().unwrap().type_,
             "RuntimeDefault"
         );
-        for container in &pod.containers {
+        let all_containers = pod.init_containers.iter().flatten().chain(&pod.containers);
+        for container in all_containers {
             let context = container.security_context.as_ref().unwrap();
             assert_eq!(context.allow_privilege_escalation, Some(false));
             assert_eq!(context.read_only_root_filesystem, Some(true));
@@ -345,16 +351,16 @@ fn every_pod_meets_the_restricted_pod_security_standard() {
                 context.seccomp_profile.as_ref().unwrap().type_,
                 "RuntimeDefault"
             );
-            // The read-only root needs writable scratch: the workspace and /tmp are emptyDirs.
-            let mounts: Vec<_> = container
-                .volume_mounts
-                .iter()
-                .flatten()
-                .map(|m| (m.name.as_str(), m.mount_path.as_str()))
-                .collect();
-            assert!(mounts.contains(&("workspace", paths::WORKSPACE_ROOT)));
-            assert!(mounts.contains(&("tmp", "/tmp")));
         }
+        // The worker's read-only root needs writable scratch: the workspace and /tmp are emptyDirs.
+        let mounts: Vec<_> = pod.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .map(|m| (m.name.as_str(), m.mount_path.as_str()))
+            .collect();
+        assert!(mounts.contains(&("workspace", paths::WORKSPACE_ROOT)));
+        assert!(mounts.contains(&("tmp", "/tmp")));
         let empty_dirs: Vec<_> = pod
             .volumes
             .iter()
@@ -362,7 +368,128 @@ fn every_pod_meets_the_restricted_pod_security_standard() {
             .filter(|v| v.empty_dir.is_some())
             .map(|v| v.name.as_str())
             .collect();
-        assert_eq!(empty_dirs, ["workspace", "tmp"]);
+        if pod.init_containers.is_some() {
+            assert_eq!(
+                empty_dirs,
+                ["workspace", "tmp", "sandbox-bin", "sandbox-socket"]
+            );
+        } else {
+            assert_eq!(empty_dirs, ["workspace", "tmp"]);
+        }
+    }
+}
+
+#[test]
+fn generation_pods_run_commands_in_a_sandbox_sidecar_that_holds_no_secret_and_no_storage() {
+    let run = run_with_a_key_secret();
+    let job = gen_job(&run, 1, &[0], false);
+    let pod_spec = pod(&job);
+    let init = pod_spec.init_containers.as_ref().expect("init containers");
+    let names: Vec<_> = init.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["install-executor", "sandbox"]);
+    let (install, sandbox) = (&init[0], &init[1]);
+    assert_eq!(
+        install.image, pod_spec.containers[0].image,
+        "the worker image"
+    );
+    assert_eq!(
+        sandbox.image, pod_spec.containers[0].image,
+        "default: the worker image"
+    );
+    assert_eq!(
+        sandbox.restart_policy.as_deref(),
+        Some("Always"),
+        "a native sidecar"
+    );
+    assert_eq!(
+        pod_spec.share_process_namespace, None,
+        "separate process namespaces"
+    );
+    let context = sandbox.security_context.as_ref().unwrap();
+    assert_eq!(
+        (context.run_as_user, context.run_as_group),
+        (Some(65532), Some(65532))
+    );
+
+    // The sandbox mounts its binary, the socket and the workspaces: no data volume, no plan.
+    let mounts =
+        |container: &k8s_openapi::api::core::v1::Container| -> Vec<(String, String, bool)> {
+            container
+                .volume_mounts
+                .iter()
+                .flatten()
+                .map(|m| {
+                    (
+                        m.name.clone(),
+                        m.mount_path.clone(),
+                        m.read_only == Some(true),
+                    )
+                })
+                .collect()
+        };
+    assert_eq!(
+        mounts(sandbox),
+        [
+            (
+                "sandbox-bin".to_owned(),
+                paths::SANDBOX_BIN_DIR.to_owned(),
+                true
+            ),
+            (
+                "sandbox-socket".to_owned(),
+                paths::SANDBOX_SOCKET_DIR.to_owned(),
+                false
+            ),
+            (
+                "workspace".to_owned(),
+                paths::WORKSPACE_ROOT.to_owned(),
+                false
+            ),
+        ]
+    );
+    assert!(
+        sandbox.env.is_none() && sandbox.env_from.is_none(),
+        "no environment at all"
+    );
+    // The worker holds the key and the data volume, and reaches the sandbox through the socket.
+    let worker_mounts = mounts(&pod_spec.containers[0]);
+    assert!(worker_mounts.iter().any(|(name, ..)| name == "data"));
+    assert!(
+        worker_mounts
+            .iter()
+            .any(|(name, ..)| name == "sandbox-socket")
+    );
+    assert!(env_value(&job, env::MODEL_API_KEY).is_some());
+    let socket = env_value(&job, env::SANDBOX_SOCKET).and_then(|var| var.value.clone());
+    assert_eq!(
+        socket,
+        Some(format!(
+            "{}/{}",
+            paths::SANDBOX_SOCKET_DIR,
+            paths::SANDBOX_SOCKET_FILE
+        ))
+    );
+    assert!(
+        sandbox.command.as_ref().unwrap().contains(&socket.unwrap()),
+        "the sidecar listens where the worker connects"
+    );
+
+    // The task image, when the run names one.
+    let task = TrajectoryRun::test()
+        .with(|spec| spec.sandbox.image = Some("python:3.12-slim".into()))
+        .build();
+    let task_job = gen_job(&task, 1, &[0], false);
+    let task_init = pod(&task_job).init_containers.as_ref().unwrap();
+    assert_eq!(task_init[1].image.as_deref(), Some("python:3.12-slim"));
+    assert_eq!(task_init[0].image, pod(&task_job).containers[0].image);
+
+    // Plan and merge pods run no command of the model's: no sandbox.
+    for job in [
+        plan_job(&valid(&run), &settings(), 1, false),
+        merge_job(&valid(&run), &settings(), 1, false),
+    ] {
+        assert!(pod(&job).init_containers.is_none());
+        assert!(env_value(&job, env::SANDBOX_SOCKET).is_none());
     }
 }
 

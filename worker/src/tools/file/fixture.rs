@@ -43,7 +43,7 @@ impl Fixture {
                 workspace: Workspace::new(&root).unwrap(),
                 limits,
                 // The file tools run in the worker; no executor is started.
-                sandbox: Sandbox::current_exe(LandlockMode::Auto),
+                sandbox: Sandbox::local(LandlockMode::Auto),
             },
             outside: outside.canonicalize().unwrap(),
             _parent: parent,

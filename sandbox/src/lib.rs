@@ -1,0 +1,133 @@
+//! The tool executor: every command the model chooses runs under it, confined to its
+//! conversation's workspace, and when the command ends, everything it started ends too.
+//!
+//! ```text
+//! local run (trajectory-worker local)        pod of a generation Job
+//!
+//! worker (API key; non-dumpable)             worker container (API key, data volume)
+//!   └─ trajectory-executor run …               │ Unix socket on a shared emptyDir
+//!        └─ bash -c <command> …              sandbox container (task image; workspace only)
+//!                                              └─ trajectory-executor serve   (PID 1, reaps)
+//!                                                   └─ trajectory-executor run …
+//!                                                        └─ bash -c <command> …
+//! ```
+//!
+//! One binary, three subcommands:
+//! - [`run`]: runs one command confined (cleared environment, no capabilities, Landlock, child
+//!   subreaper that kills and reaps every descendant). The worker starts it as a child in local
+//!   runs; in a pod, the server does.
+//! - [`serve`]: the sandbox container's entry point. It accepts one connection per command from
+//!   the worker over a Unix socket ([`protocol`]), runs the command under [`run`] and streams its
+//!   output back. The worker container alone holds the API key and the data volume; the sandbox
+//!   container mounts only the workspaces, the socket and this binary.
+//! - `install DIR`: copies this binary into `DIR` (the init container that puts it on the pod's
+//!   shared volume, for a task image that has no such binary).
+//!
+//! The binary is small and built static for pods, so that it runs on any image's libc and costs
+//! every command one cheap exec.
+
+pub mod protocol;
+pub mod run;
+pub mod serve;
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::Path;
+
+/// The executor binary's file name.
+pub const EXECUTOR_BINARY: &str = "trajectory-executor";
+
+/// Exit code of an executor that refused to run the command (the sandbox could not be set up as
+/// required). Outside the shell's own 126/127/128+N conventions.
+pub const REFUSED_EXIT: i32 = 121;
+
+/// What a refused command's output starts with; the rest of that output says why.
+pub const REFUSED_PREFIX: &str = "sandbox: ";
+
+/// Used when the executor itself has no `PATH` (as in some minimal containers).
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Environment variables passed through to commands besides `PATH`. Everything else is dropped:
+/// the worker's environment carries the model server's API key, and a model running `env` must
+/// not copy it into a trajectory.
+pub const PASSED_ENV: [&str; 3] = ["LANG", "LC_ALL", "TZ"];
+
+/// What to do about Landlock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum LandlockMode {
+    /// Confine where the kernel supports it; run unconfined where it does not (the worker says so).
+    #[default]
+    Auto,
+    /// Refuse to run a command that Landlock does not confine.
+    Required,
+    /// Do not use Landlock (what a kernel without it looks like; for tests and comparisons).
+    Off,
+}
+
+impl LandlockMode {
+    pub const ALL: [Self; 3] = [Self::Auto, Self::Required, Self::Off];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Required => "required",
+            Self::Off => "off",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|mode| mode.as_str() == text)
+    }
+}
+
+impl std::fmt::Display for LandlockMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The whole `trajectory-executor` process: `args` are its arguments after the program name.
+/// Returns the exit code.
+pub fn main(mut args: impl Iterator<Item = OsString>) -> i32 {
+    let subcommand = args.next();
+    match subcommand.as_ref().and_then(|name| name.to_str()) {
+        Some(run::SUBCOMMAND) => run::main(args),
+        Some(serve::SUBCOMMAND) => serve::main(args),
+        Some("install") => match args.next() {
+            Some(dir) => report(install(Path::new(&dir)), "install"),
+            None => report(Err("install needs a directory".to_owned()), "install"),
+        },
+        _ => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "usage: {EXECUTOR_BINARY} run|serve|install … (see the trajectory_sandbox docs)"
+            );
+            2
+        }
+    }
+}
+
+fn report(result: Result<(), String>, what: &str) -> i32 {
+    match result {
+        Ok(()) => 0,
+        Err(message) => {
+            let _ = writeln!(std::io::stderr(), "{EXECUTOR_BINARY} {what}: {message}");
+            1
+        }
+    }
+}
+
+/// Copies this binary into `dir` as [`EXECUTOR_BINARY`], atomically (a reader never sees half).
+fn install(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let this = std::env::current_exe().map_err(|err| format!("no /proc/self/exe: {err}"))?;
+    let target = dir.join(EXECUTOR_BINARY);
+    let partial = dir.join(format!(".{EXECUTOR_BINARY}.partial"));
+    std::fs::copy(&this, &partial)
+        .map_err(|err| format!("cannot copy to {}: {err}", partial.display()))?;
+    std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o555))
+        .map_err(|err| format!("cannot make {} executable: {err}", partial.display()))?;
+    std::fs::rename(&partial, &target)
+        .map_err(|err| format!("cannot rename to {}: {err}", target.display()))
+}

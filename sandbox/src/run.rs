@@ -1,0 +1,471 @@
+//! `trajectory-executor run`: one command, confined, and nothing it starts outlives it.
+//!
+//! The worker (local runs) or the sandbox server (pods) starts one executor per *command*: the
+//! tool's contract is "nothing outlives the command", a per-command executor needs no state
+//! across commands, and a process of our own between the caller and the shell is the safe way
+//! (`unsafe` is forbidden here, so nothing can run between fork and exec) to apply Landlock and to
+//! become a reaper.
+//!
+//! What each layer guarantees, and what it does not:
+//! - **Cleared environment.** The executor and the command get `PATH`, `HOME` and `TMPDIR` (the
+//!   workspace), `TERM=dumb`, and `LANG`/`LC_ALL`/`TZ` if the worker has them; never the worker's
+//!   environment, so no key is in any process the model can reach.
+//! - **Non-dumpable worker**: the worker's `/proc/<pid>/environ`, `mem`,
+//!   `fd/` are refused to same-uid processes. Its `cmdline` is not hidden: no secret may be passed
+//!   on a command line (none is: the key comes from the environment or a key file).
+//! - **No capabilities.** The executor drops every capability (bounding set included) and sets
+//!   `no_new_privs` before the command starts, so a worker running as root does not lend the
+//!   command root's `CAP_SYS_PTRACE` (which overrides non-dumpable), `CAP_DAC_OVERRIDE` or
+//!   `CAP_KILL`, and no setuid or file-capability binary gives any back. The uid stays the
+//!   worker's: files the worker's uid owns are open to the command where Landlock is off.
+//! - **Nothing outlives the command.** The executor is a child subreaper
+//!   (`PR_SET_CHILD_SUBREAPER`): whatever the command forks, `setsid`, double fork and `nohup`
+//!   included, is re-parented to it, never to init. When the shell exits (after a short grace, so
+//!   output already in flight still arrives), when the worker asks (`SIGTERM`: a timeout or a
+//!   cancelled conversation) or when the worker dies (`PR_SET_PDEATHSIG`), it `SIGKILL`s its
+//!   children, re-reads `/proc/self/task/*/children` to catch the ones re-parented meanwhile, and
+//!   reaps until it has no child left: no process and no zombie remains. (The parent-death signal
+//!   follows the worker *thread* that spawned the executor; the conversations run on the
+//!   runtime's worker threads, which live as long as the process.) Not covered: a `SIGKILL`
+//!   of the executor itself (by the OOM killer, or a user) leaves its descendants to the next
+//!   reaper up; in a pod the container's PID namespace ends them with the pod. A PID namespace per
+//!   command would cover that too, but needs unprivileged user namespaces, which the restricted
+//!   Pod Security Standard and many kernels refuse.
+//! - **Landlock** (where the kernel has it, ABI 6 asked for, best effort below): the command may
+//!   read, write and execute only inside its workspace, read and execute the system (`/usr`,
+//!   `/bin`, `/lib*`, `/etc`, `/opt`, `/proc`, `/sys`, `/dev`) and write the harmless devices
+//!   (`/dev/null`, `/dev/zero`, `/dev/full`, `/dev/tty`). Everything else is refused: the storage
+//!   root (dataset, batches, other runs), other conversations' workspaces, `/tmp`, `/run` and
+//!   `/var` (where a pod's Secrets and `ServiceAccount` token are mounted), the home directory. A
+//!   Landlock domain also cannot ptrace-attach to processes outside it (other conversations, the
+//!   worker) and, from ABI 6, cannot signal them or connect to their abstract Unix sockets. It
+//!   does *not* stop reading their `/proc/<pid>/environ` or `maps` (seen on this machine's 6.18
+//!   kernel): that is left to the non-dumpable flag and the dropped capabilities. Not covered: network access (the pod's `NetworkPolicy` is the layer
+//!   for egress), `/proc/<pid>/cmdline` of other processes (readable: it carries no secret), a
+//!   storage root that lies under one of the system paths above, and kernel exploits (use gVisor
+//!   or Kata for that). [`LandlockMode`] says what happens on a kernel without it.
+
+use std::ffi::{OsStr, OsString};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use landlock::{
+    ABI, Access, AccessFs, CompatLevel, Compatible, Ruleset, RulesetAttr, RulesetCreatedAttr,
+    RulesetStatus, Scope, path_beneath_rules,
+};
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signal::{SigSet, Signal, kill};
+use nix::sys::signalfd::SignalFd;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{Pid, getppid};
+
+use crate::{DEFAULT_PATH, LandlockMode, PASSED_ENV, REFUSED_EXIT, REFUSED_PREFIX};
+
+/// The subcommand that runs one command confined.
+pub const SUBCOMMAND: &str = "run";
+
+/// The Landlock ABI whose features are asked for: filesystem rights up to truncate and ioctl on
+/// devices, and the signal and abstract-socket scopes. Older kernels get what they support.
+const LANDLOCK_ABI: ABI = ABI::V6;
+
+/// Read-only (and executable) system paths. `/run` and `/var` are left out on purpose: a pod's
+/// `ServiceAccount` token and Secrets are mounted there (`/var/run` is usually a link to `/run`).
+const SYSTEM_READ_ONLY: [&str; 12] = [
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/proc",
+    "/sys", "/dev",
+];
+
+/// Devices a command may write (and read).
+const WRITABLE_DEVICES: [&str; 4] = ["/dev/null", "/dev/zero", "/dev/full", "/dev/tty"];
+
+/// The command line of an executor running `shell -c command` in `workspace`, with `parent`
+/// (the caller's pid) as the process it must outlive no longer than. The executor starts with a
+/// cleared environment: `PATH` and [`PASSED_ENV`] of the caller, nothing else. The caller sets
+/// the standard output and error (stdin is empty) and, if it wants, the process group.
+pub fn command(
+    executor: &Path,
+    workspace: &Path,
+    landlock: LandlockMode,
+    grace: Duration,
+    command: &str,
+) -> Command {
+    let mut cmd = Command::new(executor);
+    cmd.arg(SUBCOMMAND)
+        .arg("--workspace")
+        .arg(workspace)
+        .arg("--landlock")
+        .arg(landlock.as_str())
+        .arg("--grace-ms")
+        .arg(grace.as_millis().to_string())
+        .arg("--parent")
+        .arg(std::process::id().to_string())
+        .arg("--")
+        .arg(command)
+        .current_dir(workspace)
+        .env_clear()
+        .stdin(Stdio::null());
+    pass_environment(&mut cmd);
+    cmd
+}
+
+/// `PATH` (or [`DEFAULT_PATH`]) and [`PASSED_ENV`] of this process, onto `cmd`.
+fn pass_environment(cmd: &mut Command) {
+    cmd.env(
+        "PATH",
+        std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into()),
+    );
+    for name in PASSED_ENV {
+        if let Some(value) = std::env::var_os(name) {
+            cmd.env(name, value);
+        }
+    }
+}
+
+/// Whether this kernel enforces the executor's Landlock rules: runs `true` under `executor` with
+/// Landlock required, in `workspace` (one exec; the worker asks once, at startup).
+pub fn landlock_enforced(executor: &Path, workspace: &Path) -> std::io::Result<bool> {
+    let status = command(
+        executor,
+        workspace,
+        LandlockMode::Required,
+        Duration::ZERO,
+        "true",
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .status()?;
+    Ok(status.success())
+}
+
+/// The executor's arguments.
+#[derive(Debug)]
+struct ExecutorArgs {
+    workspace: PathBuf,
+    landlock: LandlockMode,
+    grace: Duration,
+    /// The worker's pid: while it lives, it is the executor's parent.
+    parent: Pid,
+    command: OsString,
+}
+
+fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, String> {
+    let mut workspace = None;
+    let mut landlock = LandlockMode::Auto;
+    let mut grace = Duration::ZERO;
+    let mut parent = None;
+    loop {
+        let flag = args.next().ok_or("missing `-- <command>`")?;
+        let mut value = || {
+            args.next()
+                .ok_or(format!("{} needs a value", flag.display()))
+        };
+        match flag.to_str() {
+            Some("--workspace") => workspace = Some(PathBuf::from(value()?)),
+            Some("--landlock") => {
+                let text = value()?;
+                landlock = text
+                    .to_str()
+                    .and_then(LandlockMode::parse)
+                    .ok_or(format!("unknown --landlock {}", text.display()))?;
+            }
+            Some("--grace-ms") => {
+                grace = Duration::from_millis(number("--grace-ms", &value()?)?);
+            }
+            Some("--parent") => parent = Some(Pid::from_raw(number("--parent", &value()?)?)),
+            Some("--") => break,
+            _ => return Err(format!("unknown argument {}", flag.display())),
+        }
+    }
+    let command = args.next().ok_or("missing the command after `--`")?;
+    Ok(ExecutorArgs {
+        workspace: workspace.ok_or("missing --workspace")?,
+        landlock,
+        grace,
+        parent: parent.ok_or("missing --parent")?,
+        command,
+    })
+}
+
+/// The number `text` given to `flag`.
+fn number<T: std::str::FromStr>(flag: &str, text: &OsStr) -> Result<T, String> {
+    text.to_str()
+        .and_then(|text| text.parse().ok())
+        .ok_or(format!("bad {flag} {}", text.display()))
+}
+
+/// The executor process: `args` are those after the subcommand. Returns the exit code: the
+/// shell's, or `128 + N` when a signal N ended it, or [`REFUSED_EXIT`].
+pub fn main(args: impl Iterator<Item = OsString>) -> i32 {
+    match parse_args(args).and_then(|args| execute(&args)) {
+        Ok(code) => code,
+        Err(message) => {
+            // stderr is the command's output pipe: the model reads why nothing ran.
+            let _ = writeln!(std::io::stderr(), "{REFUSED_PREFIX}{message}");
+            REFUSED_EXIT
+        }
+    }
+}
+
+fn execute(args: &ExecutorArgs) -> Result<i32, String> {
+    // The signals that end a command early arrive on a descriptor, not as handlers (which would
+    // need `unsafe`). The command starts with an empty mask: std resets it before exec.
+    let mut signals = SigSet::empty();
+    for signal in [
+        Signal::SIGCHLD,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+    ] {
+        signals.add(signal);
+    }
+    signals
+        .thread_block()
+        .map_err(|err| format!("cannot block signals: {err}"))?;
+    let signal_fd = SignalFd::new(&signals).map_err(|err| format!("no signalfd: {err}"))?;
+    // The worker's death must end the command too; if it died before this line, end now.
+    nix::sys::prctl::set_pdeathsig(Signal::SIGTERM)
+        .map_err(|err| format!("cannot set the parent-death signal: {err}"))?;
+    // Re-parented means the worker died first. Compared with the worker's own pid, not with 1:
+    // in a container the worker is PID 1 itself.
+    if getppid() != args.parent {
+        return Err("the worker is gone".to_owned());
+    }
+    nix::sys::prctl::set_child_subreaper(true)
+        .map_err(|err| format!("cannot become a child subreaper: {err}"))?;
+    drop_privileges()?;
+    confine(&args.workspace, args.landlock)?;
+
+    let shell = spawn_shell(&args.command, &args.workspace)
+        .map_err(|err| format!("could not start the shell: {err}"))?;
+    let shell_pid = Pid::from_raw(i32::try_from(shell.id()).unwrap_or(i32::MAX));
+    // The child handle is not waited through std: every child is reaped below with waitpid.
+    drop(shell);
+
+    let mut status = None;
+    let mut grace_ends: Option<Instant> = None;
+    loop {
+        let timeout = match grace_ends {
+            None => PollTimeout::NONE,
+            Some(end) => {
+                let left = end.saturating_duration_since(Instant::now());
+                PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
+            }
+        };
+        let mut fds = [PollFd::new(
+            std::os::fd::AsFd::as_fd(&signal_fd),
+            PollFlags::POLLIN,
+        )];
+        match poll(&mut fds, timeout) {
+            Ok(0) => break, // the grace after the shell's exit is over
+            Ok(_) => {}
+            Err(Errno::EINTR) => continue,
+            Err(err) => return Err(format!("poll failed: {err}")),
+        }
+        let Ok(Some(info)) = signal_fd.read_signal() else {
+            continue;
+        };
+        if i32::try_from(info.ssi_signo).ok() != Some(Signal::SIGCHLD as i32) {
+            break; // asked to stop: a timeout, a cancelled call, or the worker's death
+        }
+        if let Some(code) = reap_exited(shell_pid) {
+            status = Some(code);
+        }
+        if status.is_some() {
+            if !has_children() {
+                break;
+            }
+            grace_ends.get_or_insert_with(|| Instant::now() + args.grace);
+        }
+    }
+    kill_all_descendants();
+    Ok(status.unwrap_or(128 + Signal::SIGKILL as i32))
+}
+
+/// Gives up every capability for good, and the means of regaining one (setuid and file-capability
+/// binaries), before anything the model chose runs.
+///
+/// Why: a worker running as root (a container without `runAsNonRoot`, or this machine's test
+/// suite) would otherwise pass root's `CAP_SYS_PTRACE` on to the commands, and that capability
+/// overrides the non-dumpable flag: `/proc/<worker>/environ` was readable, key included. Landlock
+/// does not close that hole on its own: its ptrace rule stops attaching and signalling, but here
+/// reading another process's `environ` or `maps` was still allowed. With no capabilities, root is
+/// an ordinary uid to the kernel's ptrace check, and the non-dumpable worker is refused.
+fn drop_privileges() -> Result<(), String> {
+    use caps::{CapSet, Capability};
+    nix::sys::prctl::set_no_new_privs().map_err(|err| format!("cannot set no_new_privs: {err}"))?;
+    // Only a process holding CAP_SETPCAP can shrink its bounding set; without it (any non-root
+    // uid) the set bounds nothing the commands could get under no_new_privs anyway.
+    if caps::has_cap(None, CapSet::Effective, Capability::CAP_SETPCAP).unwrap_or(false) {
+        caps::clear(None, CapSet::Bounding)
+            .map_err(|err| format!("cannot drop the bounding capabilities: {err}"))?;
+    }
+    for set in [
+        CapSet::Ambient,
+        CapSet::Inheritable,
+        CapSet::Effective,
+        CapSet::Permitted,
+    ] {
+        caps::clear(None, set).map_err(|err| format!("cannot drop capabilities: {err}"))?;
+    }
+    Ok(())
+}
+
+/// Applies the Landlock rules to this process (and so to everything it starts).
+fn confine(workspace: &Path, mode: LandlockMode) -> Result<(), String> {
+    if mode == LandlockMode::Off {
+        return Ok(());
+    }
+    let status = landlock_rules(workspace).map_err(|err| format!("Landlock: {err}"))?;
+    match (status, mode) {
+        (RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced, _)
+        | (RulesetStatus::NotEnforced, LandlockMode::Auto) => Ok(()),
+        (RulesetStatus::NotEnforced, _) => Err(
+            "Landlock is required (--landlock required) but this kernel does not enforce it; \
+             the command was not run"
+                .to_owned(),
+        ),
+    }
+}
+
+fn landlock_rules(workspace: &Path) -> Result<RulesetStatus, landlock::RulesetError> {
+    let abi = LANDLOCK_ABI;
+    let read = AccessFs::from_read(abi);
+    let all = AccessFs::from_all(abi);
+    let status = Ruleset::default()
+        .set_compatibility(CompatLevel::BestEffort)
+        .handle_access(all)?
+        .scope(Scope::from_all(abi))?
+        .create()?
+        .add_rules(path_beneath_rules(SYSTEM_READ_ONLY, read))?
+        .add_rules(path_beneath_rules(
+            WRITABLE_DEVICES,
+            AccessFs::from_file(abi),
+        ))?
+        .add_rules(path_beneath_rules([workspace], all))?
+        .restrict_self()?;
+    Ok(status.ruleset)
+}
+
+/// Starts the shell in the workspace, with the executor's standard streams and an environment of
+/// its own: `HOME` and `TMPDIR` are the workspace, `TERM=dumb`, and what [`pass_environment`]
+/// passes. `bash`, or `sh` where bash is missing.
+fn spawn_shell(command: &OsStr, workspace: &Path) -> std::io::Result<std::process::Child> {
+    let spawn = |shell: &str| {
+        let mut cmd = Command::new(shell);
+        cmd.arg("-c")
+            .arg(command)
+            .current_dir(workspace)
+            .env_clear()
+            .env("HOME", workspace)
+            .env("TMPDIR", workspace)
+            .env("TERM", "dumb");
+        pass_environment(&mut cmd);
+        cmd.spawn()
+    };
+    match spawn("bash") {
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => spawn("sh"),
+        spawned => spawned,
+    }
+}
+
+/// Reaps every child that has exited; returns the shell's exit code if it was among them (a
+/// signal N gives 128+N, the shell's own convention).
+fn reap_exited(shell: Pid) -> Option<i32> {
+    let mut shell_code = None;
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(pid, code)) if pid == shell => shell_code = Some(code),
+            Ok(WaitStatus::Signaled(pid, signal, _)) if pid == shell => {
+                shell_code = Some(128 + signal as i32);
+            }
+            Ok(WaitStatus::StillAlive) | Err(_) => return shell_code,
+            Ok(_) => {}
+        }
+    }
+}
+
+/// This process's children (every thread's; the executor has one).
+fn children() -> Vec<Pid> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|list| {
+            list.split_whitespace()
+                .filter_map(|pid| pid.parse().ok())
+                .map(Pid::from_raw)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+fn has_children() -> bool {
+    !children().is_empty()
+}
+
+/// Kills every descendant and reaps it. A killed process's children are re-parented to this
+/// subreaper, so the loop goes on until `waitpid` says no child is left.
+fn kill_all_descendants() {
+    loop {
+        for child in children() {
+            let _ = kill(child, Signal::SIGKILL);
+        }
+        match waitpid(None, None) {
+            Err(Errno::EINTR) | Ok(_) => {}
+            // ECHILD: no child is left. Nothing can be done about another failure of waitpid
+            // either, and the loop must not spin on it.
+            Err(_) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> impl Iterator<Item = OsString> {
+        list.iter()
+            .map(OsString::from)
+            .collect::<Vec<_>>()
+            .into_iter()
+    }
+
+    #[test]
+    fn executor_arguments_round_trip_through_the_command_line() {
+        let cmd = command(
+            Path::new("/bin/trajectory-executor"),
+            Path::new("/w"),
+            LandlockMode::Required,
+            Duration::from_millis(500),
+            "echo hi",
+        );
+        let mut given = cmd.get_args().map(OsStr::to_owned);
+        assert_eq!(given.next().unwrap(), SUBCOMMAND);
+        let parsed = parse_args(given).unwrap();
+        assert_eq!(parsed.workspace, Path::new("/w"));
+        assert_eq!(parsed.landlock, LandlockMode::Required);
+        assert_eq!(parsed.grace, Duration::from_millis(500));
+        let worker = i32::try_from(std::process::id()).unwrap();
+        assert_eq!(parsed.parent, Pid::from_raw(worker));
+        assert_eq!(parsed.command, "echo hi");
+    }
+
+    #[test]
+    fn executor_refuses_unknown_or_incomplete_arguments() {
+        assert!(parse_args(args(&["--workspace"])).is_err());
+        assert!(parse_args(args(&["--workspace", "/w", "--"])).is_err());
+        assert!(parse_args(args(&["--nope", "x", "--", "true"])).is_err());
+        assert!(parse_args(args(&["--landlock", "maybe", "--", "true"])).is_err());
+        assert!(parse_args(args(&["--", "true"])).is_err());
+        assert!(
+            parse_args(args(&["--workspace", "/w", "--", "true"])).is_err(),
+            "no --parent"
+        );
+        assert!(parse_args(args(&["--workspace", "/w", "--parent", "x", "--", "true"])).is_err());
+    }
+}

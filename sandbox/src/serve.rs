@@ -1,0 +1,380 @@
+//! `trajectory-executor serve`: the sandbox container's entry point.
+//!
+//! It listens on a Unix socket on an emptyDir it shares with the worker container, and runs each
+//! command it is sent under its own [`crate::run`] executor in the conversation's workspace (a
+//! directory under `--workspace-root`, the workspace volume both containers mount), streaming the
+//! output back ([`crate::protocol`]). A thread per connection; the main thread owns the signals.
+//!
+//! The server is the container's PID 1, so every process whose parent dies is re-parented to it:
+//! it reaps them all (`waitpid(-1)`), and hands the exit codes of the executors it started to the
+//! connections that wait for them. On `SIGTERM` (the pod ends) it asks every executor to end its
+//! command, waits for them, and exits.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signal::{SigSet, Signal, kill};
+use nix::sys::signalfd::SignalFd;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::Pid;
+
+use crate::protocol::{self, Request};
+use crate::{REFUSED_EXIT, REFUSED_PREFIX};
+
+/// The subcommand.
+pub const SUBCOMMAND: &str = "serve";
+
+/// How long a connection may take to send its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the executors get to end their commands when the pod ends.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Stack of a connection's thread: it only copies bytes between two descriptors.
+const CONNECTION_STACK: usize = 256 * 1024;
+
+#[derive(Debug)]
+struct ServeArgs {
+    socket: PathBuf,
+    workspace_root: PathBuf,
+}
+
+fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ServeArgs, String> {
+    let mut socket = None;
+    let mut workspace_root = None;
+    while let Some(flag) = args.next() {
+        let value = args
+            .next()
+            .ok_or(format!("{} needs a value", flag.display()))?;
+        match flag.to_str() {
+            Some("--socket") => socket = Some(PathBuf::from(value)),
+            Some("--workspace-root") => workspace_root = Some(PathBuf::from(value)),
+            _ => return Err(format!("unknown argument {}", flag.display())),
+        }
+    }
+    Ok(ServeArgs {
+        socket: socket.ok_or("missing --socket")?,
+        workspace_root: workspace_root.ok_or("missing --workspace-root")?,
+    })
+}
+
+/// The server process; returns its exit code.
+pub fn main(args: impl Iterator<Item = OsString>) -> i32 {
+    match parse_args(args).and_then(|args| serve(&args)) {
+        Ok(()) => 0,
+        Err(message) => {
+            let _ = writeln!(std::io::stderr(), "trajectory-executor serve: {message}");
+            1
+        }
+    }
+}
+
+/// The executors running, by pid, each with the connection waiting for its exit code.
+#[derive(Debug, Default)]
+struct Executors {
+    waiting: HashMap<Pid, Sender<i32>>,
+}
+
+type Shared = Arc<Mutex<Executors>>;
+
+fn lock(executors: &Shared) -> std::sync::MutexGuard<'_, Executors> {
+    // A connection thread that panicked leaves consistent data behind (one map operation).
+    executors.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn serve(args: &ServeArgs) -> Result<(), String> {
+    // Blocked before any thread starts, so every thread inherits the mask and the signals reach
+    // only the descriptor below. Commands start with an empty mask: std resets it before exec.
+    let mut signals = SigSet::empty();
+    for signal in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT] {
+        signals.add(signal);
+    }
+    signals
+        .thread_block()
+        .map_err(|err| format!("cannot block signals: {err}"))?;
+    let signal_fd = SignalFd::new(&signals).map_err(|err| format!("no signalfd: {err}"))?;
+
+    let workspace_root = args
+        .workspace_root
+        .canonicalize()
+        .map_err(|err| format!("workspace root {}: {err}", args.workspace_root.display()))?;
+    let executor = std::env::current_exe().map_err(|err| format!("no /proc/self/exe: {err}"))?;
+    // A socket left by an earlier life of this container would make bind fail.
+    match std::fs::remove_file(&args.socket) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+            return Err(format!("cannot remove {}: {err}", args.socket.display()));
+        }
+        _ => {}
+    }
+    let listener = UnixListener::bind(&args.socket)
+        .map_err(|err| format!("cannot listen on {}: {err}", args.socket.display()))?;
+
+    let executors: Shared = Arc::default();
+    {
+        let executors = Arc::clone(&executors);
+        std::thread::Builder::new()
+            .name("accept".to_owned())
+            .spawn(move || accept(&listener, &executor, &workspace_root, &executors))
+            .map_err(|err| format!("cannot start the accept thread: {err}"))?;
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "trajectory-executor serve: listening on {}",
+        args.socket.display()
+    );
+
+    loop {
+        let Ok(Some(info)) = signal_fd.read_signal() else {
+            continue;
+        };
+        if i32::try_from(info.ssi_signo).ok() == Some(Signal::SIGCHLD as i32) {
+            reap(&executors);
+        } else {
+            shut_down(&signal_fd, &executors);
+            return Ok(());
+        }
+    }
+}
+
+fn accept(listener: &UnixListener, executor: &Path, root: &Path, executors: &Shared) {
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        let (executor, root, executors) =
+            (executor.to_owned(), root.to_owned(), Arc::clone(executors));
+        let spawned = std::thread::Builder::new()
+            .name("connection".to_owned())
+            .stack_size(CONNECTION_STACK)
+            .spawn(move || connection(stream, &executor, &root, &executors));
+        if let Err(err) = spawned {
+            // Out of threads: the worker sees its connection closed and reports a tool error.
+            let _ = writeln!(std::io::stderr(), "cannot start a connection thread: {err}");
+        }
+    }
+}
+
+/// Reaps every exited child; an executor's exit code goes to its connection, an orphan's nowhere.
+fn reap(executors: &Shared) {
+    loop {
+        let (pid, code) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(pid, code)) => (pid, code),
+            Ok(WaitStatus::Signaled(pid, signal, _)) => (pid, 128 + signal as i32),
+            Ok(WaitStatus::StillAlive) | Err(_) => return,
+            Ok(_) => continue,
+        };
+        if let Some(waiting) = lock(executors).waiting.remove(&pid) {
+            let _ = waiting.send(code);
+        }
+    }
+}
+
+/// Asks every executor to end its command, reaps them for at most [`SHUTDOWN_GRACE`], exits.
+fn shut_down(signal_fd: &SignalFd, executors: &Shared) {
+    for pid in lock(executors).waiting.keys() {
+        let _ = kill(*pid, Signal::SIGTERM);
+    }
+    let until = Instant::now() + SHUTDOWN_GRACE;
+    while !lock(executors).waiting.is_empty() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let mut fds = [PollFd::new(signal_fd.as_fd(), PollFlags::POLLIN)];
+        if let Ok(1..) = poll(
+            &mut fds,
+            PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX),
+        ) {
+            let _ = signal_fd.read_signal();
+            reap(executors);
+        }
+    }
+}
+
+/// One command, from its request to its exit frame.
+fn connection(mut stream: UnixStream, executor: &Path, root: &Path, executors: &Shared) {
+    let outcome = read_request(&stream).and_then(|request| {
+        let workspace = resolve_workspace(root, &request.workspace)?;
+        start(executor, &workspace, &request, executors)
+    });
+    let code = match outcome {
+        Ok((pid, output, exited)) => relay(&mut stream, pid, &output, &exited),
+        Err(message) => {
+            let refusal = format!("{REFUSED_PREFIX}{message}\n");
+            let _ = write_frame(&mut stream, protocol::OUTPUT, refusal.as_bytes());
+            REFUSED_EXIT
+        }
+    };
+    let _ = write_frame(&mut stream, protocol::EXIT, &protocol::exit_payload(code));
+}
+
+fn read_request(stream: &UnixStream) -> Result<Request, String> {
+    stream
+        .set_read_timeout(Some(REQUEST_TIMEOUT))
+        .map_err(|err| format!("socket: {err}"))?;
+    let mut line = Vec::new();
+    BufReader::new(stream.take(protocol::MAX_REQUEST_BYTES))
+        .read_until(b'\n', &mut line)
+        .map_err(|err| format!("cannot read the request: {err}"))?;
+    stream
+        .set_read_timeout(None)
+        .map_err(|err| format!("socket: {err}"))?;
+    serde_json::from_slice(&line).map_err(|err| format!("bad request: {err}"))
+}
+
+/// The workspace directory a request names, which must be the root or lie under it, symlinks
+/// resolved.
+fn resolve_workspace(root: &Path, requested: &str) -> Result<PathBuf, String> {
+    let workspace = Path::new(requested)
+        .canonicalize()
+        .map_err(|err| format!("workspace {requested}: {err}"))?;
+    if !workspace.starts_with(root) || !workspace.is_dir() {
+        return Err(format!(
+            "workspace {requested} is not a directory under the workspace root {}",
+            root.display()
+        ));
+    }
+    Ok(workspace)
+}
+
+/// Starts the command's executor with its output on a pipe; returns its pid, the pipe's read end
+/// and where its exit code will arrive.
+fn start(
+    executor: &Path,
+    workspace: &Path,
+    request: &Request,
+    executors: &Shared,
+) -> Result<(Pid, std::io::PipeReader, Receiver<i32>), String> {
+    use std::os::unix::process::CommandExt;
+    let (reader, writer) = std::io::pipe().map_err(|err| format!("no pipe: {err}"))?;
+    let writer_for_stderr = writer
+        .try_clone()
+        .map_err(|err| format!("no pipe: {err}"))?;
+    let mut command = crate::run::command(
+        executor,
+        workspace,
+        request.landlock,
+        Duration::from_millis(request.grace_ms),
+        &request.command,
+    );
+    command
+        .stdout(writer)
+        .stderr(writer_for_stderr)
+        .process_group(0);
+    let (sender, exited) = channel();
+    // Registered under the lock the reaper takes, so its exit cannot be reaped unseen.
+    let mut executors = lock(executors);
+    let child = command
+        .spawn()
+        .map_err(|err| format!("cannot start the executor: {err}"))?;
+    let pid = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+    executors.waiting.insert(pid, sender);
+    // `command` still holds the pipe's write ends; they close with it, so the read end sees EOF
+    // when the executor and its command are gone.
+    drop(command);
+    Ok((pid, reader, exited))
+}
+
+/// Streams the executor's output to the worker until the executor is gone; returns its exit code.
+/// The worker hanging up first ends the command.
+fn relay(
+    stream: &mut UnixStream,
+    pid: Pid,
+    output: &std::io::PipeReader,
+    exited: &Receiver<i32>,
+) -> i32 {
+    let mut buf = vec![0_u8; protocol::MAX_FRAME_BYTES];
+    let mut worker_there = true;
+    let cancel = |worker_there: &mut bool| {
+        if std::mem::replace(worker_there, false) {
+            let _ = kill(pid, Signal::SIGTERM);
+        }
+    };
+    loop {
+        let mut fds = vec![PollFd::new(output.as_fd(), PollFlags::POLLIN)];
+        if worker_there {
+            fds.push(PollFd::new(stream.as_fd(), PollFlags::POLLIN));
+        }
+        match poll(&mut fds, PollTimeout::NONE) {
+            Err(Errno::EINTR) => continue,
+            Err(_) => break,
+            Ok(_) => {}
+        }
+        let output_ready = fds[0].any().unwrap_or(true);
+        let worker_spoke = fds.get(1).is_some_and(|fd| fd.any().unwrap_or(true));
+        drop(fds);
+        if worker_spoke {
+            // Nothing is expected after the request: end of file or anything else is a hang-up.
+            cancel(&mut worker_there);
+        }
+        if output_ready {
+            match (&*output).read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    if worker_there && write_frame(stream, protocol::OUTPUT, &buf[..n]).is_err() {
+                        cancel(&mut worker_there);
+                    }
+                }
+                Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+    }
+    // The pipe is closed: the executor has ended or is ending.
+    exited.recv().unwrap_or(REFUSED_EXIT)
+}
+
+fn write_frame(stream: &mut UnixStream, kind: u8, payload: &[u8]) -> std::io::Result<()> {
+    stream.write_all(&protocol::header(kind, payload.len()))?;
+    stream.write_all(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workspaces_outside_the_root_are_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let root = root.path().canonicalize().unwrap();
+        std::fs::create_dir(root.join("c1")).unwrap();
+        std::os::unix::fs::symlink("/etc", root.join("out")).unwrap();
+        let under = |name: &str| root.join(name).display().to_string();
+        assert_eq!(
+            resolve_workspace(&root, &under("c1")).unwrap(),
+            root.join("c1")
+        );
+        assert_eq!(resolve_workspace(&root, &under("")).unwrap(), root);
+        for bad in [
+            under(".."),
+            "/etc".to_owned(),
+            under("c1/../.."),
+            under("out"),
+            under("x"),
+        ] {
+            assert!(resolve_workspace(&root, &bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn serve_arguments_are_checked() {
+        let args = |list: &[&str]| {
+            list.iter()
+                .map(OsString::from)
+                .collect::<Vec<_>>()
+                .into_iter()
+        };
+        assert!(parse_args(args(&["--socket", "/s"])).is_err());
+        assert!(parse_args(args(&["--socket"])).is_err());
+        assert!(parse_args(args(&["--nope", "x"])).is_err());
+        let parsed = parse_args(args(&["--socket", "/s", "--workspace-root", "/w"])).unwrap();
+        assert_eq!(parsed.socket, Path::new("/s"));
+    }
+}
