@@ -96,6 +96,20 @@ pub struct TrajectoryRunStatus {
     /// The merged output, once the merge Job succeeded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<OutputStatus>,
+    /// How the model's commands were confined, as the first generation pod that finished saw it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<SandboxStatus>,
+}
+
+/// How the model's commands are confined where they run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxStatus {
+    /// `Enforced`: Landlock confines each command to its conversation's workspace.
+    /// `NotEnforced`: the node's kernel (or the container runtime's seccomp profile) does not
+    /// let Landlock work, and commands ran with the other layers only (`spec.sandbox.landlock:
+    /// required` refuses to run so). `Off`: `spec.sandbox.landlock` is `off`.
+    pub landlock: String,
 }
 
 /// The phase of a run.

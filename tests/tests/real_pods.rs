@@ -253,8 +253,14 @@ async fn the_quickstart_run_succeeds_in_real_pods() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_pod_runs_as_its_spec_says_and_logs_its_progress() {
     let setup = Setup::new("pods-settings").await;
+    // Run in the sandbox sidecar: PID 1 there is the executor's server, the worker's processes
+    // are in another PID namespace, and neither the data volume nor the worker's environment
+    // is there.
     let probe = "id -u; id -g; touch /probe 2>&1; \
-                 ls /var/run/secrets/kubernetes.io/serviceaccount 2>&1; echo probed";
+                 ls /var/run/secrets/kubernetes.io/serviceaccount 2>&1; ls /data 2>&1; \
+                 echo \"pid1=$(tr '\\0' ' ' < /proc/1/cmdline)\"; \
+                 echo \"workers=$(cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -c 'trajectory-worke[r] batch')\"; \
+                 echo \"traj_env=$(env | grep -c '^TRAJ_')\"; echo probed";
     let model = scripted_model(Duration::from_millis(5), probe).await;
     setup
         .create_scripted(
@@ -297,6 +303,22 @@ async fn a_batch_pod_runs_as_its_spec_says_and_logs_its_progress() {
         !tool_turn.contains("ca.crt") && !tool_turn.contains("namespace\\ntoken"),
         "no token: {tool_turn}"
     );
+    assert!(
+        tool_turn.contains("pid1=/sandbox/bin/trajectory-executor serve"),
+        "the command ran in the sandbox container: {tool_turn}"
+    );
+    assert!(
+        tool_turn.contains("workers=0"),
+        "no worker process visible: {tool_turn}"
+    );
+    assert!(
+        tool_turn.contains("traj_env=0"),
+        "no worker environment: {tool_turn}"
+    );
+    assert!(
+        tool_turn.contains("ls: cannot access '/data': No such file or directory"),
+        "no data volume in the sandbox: {tool_turn}"
+    );
 
     let pod = pods_of_index(&setup.pods, "settings-gen-1", 0)
         .await
@@ -308,10 +330,25 @@ async fn a_batch_pod_runs_as_its_spec_says_and_logs_its_progress() {
     let summary: Value = serde_json::from_str(&message)
         .unwrap_or_else(|e| panic!("termination message {message:?}: {e}"));
     assert_eq!(summary["succeeded"], 1, "{summary}");
+    // This machine's kernel has Landlock, and the runtime's default seccomp profile lets it
+    // through: the sandbox confined the command.
+    assert_eq!(summary["landlock"], "enforced", "{summary}");
     let status = run.status.expect("a status");
     assert_eq!(status.prompts.map(|p| p.succeeded), Some(1));
+    assert_eq!(
+        status.sandbox.map(|sandbox| sandbox.landlock).as_deref(),
+        Some("Enforced"),
+        "the run's status says the commands were confined"
+    );
     let spec = pod.spec.as_ref().expect("a pod spec");
     assert_eq!(spec.automount_service_account_token, Some(false));
+    let sidecars: Vec<_> = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(sidecars, ["install-executor", "sandbox"]);
 
     let logs = setup
         .pods

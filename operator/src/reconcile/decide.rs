@@ -208,7 +208,10 @@ impl<'a> IdSpace<'a> {
 /// The decision: plan, then generation attempts, then merge.
 pub fn decide(run: &ValidatedRun<'_>, observed: &Observed) -> Decision {
     let mut children = Vec::new();
-    let mut tally = Tally::default();
+    let mut tally = Tally {
+        landlock: observed.landlock,
+        ..Tally::default()
+    };
     let outcome = stages(run, observed, &mut tally, &mut children);
     Decision {
         children,

@@ -179,10 +179,14 @@ async fn write_status(
         "status updated"
     );
     let before = run.status.as_ref().and_then(|status| status.phase);
-    if let Some(event) = status::transition_event(before, status)
-        && let Err(error) = ctx.recorder.publish(&event, &run.object_ref(&())).await
-    {
-        warn!(%error, "publishing an Event failed");
+    let events = [
+        status::transition_event(before, status),
+        status::sandbox_event(run.status.as_ref(), status),
+    ];
+    for event in events.into_iter().flatten() {
+        if let Err(error) = ctx.recorder.publish(&event, &run.object_ref(&())).await {
+            warn!(%error, "publishing an Event failed");
+        }
     }
     Ok(())
 }

@@ -15,7 +15,8 @@ use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use serde::de::DeserializeOwned;
 use trajectory_worker::contract::{
-    self, MergeSummary, PlanSummary, RunPlan, WorkerFailure, exit, paths,
+    self, BatchSummary, LandlockStatus, MergeSummary, PlanSummary, RunPlan, WorkerFailure, exit,
+    paths,
 };
 
 use super::children::{CONTAINER, Component, labels};
@@ -37,6 +38,9 @@ pub struct Observed {
     pub plan_failure: Option<WorkerFailure>,
     /// What the failed merge pod reported, once the merge Job failed.
     pub merge_failure: Option<WorkerFailure>,
+    /// Whether Landlock confined the commands, from the first generation pod that finished; read
+    /// only while the run's status does not show it yet.
+    pub landlock: Option<LandlockStatus>,
 }
 
 impl Default for Observed {
@@ -51,6 +55,7 @@ impl Default for Observed {
             merge_summary: None,
             plan_failure: None,
             merge_failure: None,
+            landlock: None,
         }
     }
 }
@@ -223,6 +228,10 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
     {
         observed.merge_summary = summary(&pods, &job.name_any()).await?;
     }
+    let landlock_shown = run.status.as_ref().is_some_and(|s| s.sandbox.is_some());
+    if !landlock_shown {
+        observed.landlock = first_landlock_status(&pods, &observed.attempts).await?;
+    }
     if let Some(job) = &observed.plan_job {
         observed.plan_failure = failure_if_failed(&pods, job).await?;
     }
@@ -230,6 +239,28 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
         observed.merge_failure = failure_if_failed(&pods, job).await?;
     }
     Ok(observed)
+}
+
+/// Whether Landlock confined the commands, as the summary of a succeeded generation pod says: one
+/// pod list, for the first Job with a succeeded index (the kernel and the runtime's profile are
+/// the nodes', so one pod tells for the pool).
+async fn first_landlock_status(
+    pods: &Api<Pod>,
+    attempts: &[ObservedAttempt],
+) -> Result<Option<LandlockStatus>, kube::Error> {
+    let succeeded = |attempt: &&ObservedAttempt| {
+        attempt
+            .job
+            .status
+            .as_ref()
+            .and_then(|status| status.succeeded)
+            .is_some_and(|succeeded| succeeded > 0)
+    };
+    let Some(attempt) = attempts.iter().find(succeeded) else {
+        return Ok(None);
+    };
+    let summary: Option<BatchSummary> = summary(pods, &attempt.job.name_any()).await?;
+    Ok(summary.and_then(|summary| summary.landlock))
 }
 
 /// The latest round of `jobs`, and its Jobs (a Job without a round label is of the first round).

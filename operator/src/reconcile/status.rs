@@ -14,8 +14,10 @@ use std::time::Duration;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::runtime::events::{Event, EventType};
 
+use trajectory_worker::contract::LandlockStatus;
+
 use crate::api::{
-    BatchCounts, ConditionType, OutputStatus, Phase, PromptCounts, TrajectoryRun,
+    BatchCounts, ConditionType, OutputStatus, Phase, PromptCounts, SandboxStatus, TrajectoryRun,
     TrajectoryRunStatus,
 };
 
@@ -124,6 +126,8 @@ pub struct Tally {
     pub attempt: Option<u32>,
     /// The merge's counts and output.
     pub merged: Option<Merged>,
+    /// Whether Landlock confined the commands (see [`crate::api::SandboxStatus`]).
+    pub landlock: Option<LandlockStatus>,
 }
 
 /// Prompt counts of the plan.
@@ -265,6 +269,11 @@ fn record_tally(status: &mut TrajectoryRunStatus, tally: &Tally) {
     if let Some(attempt) = tally.attempt {
         status.attempt = Some(attempt);
     }
+    if let Some(landlock) = tally.landlock {
+        status.sandbox = Some(SandboxStatus {
+            landlock: landlock_status_name(landlock).to_owned(),
+        });
+    }
     if let Some(merged) = &tally.merged {
         let prompts = status.prompts.get_or_insert_with(PromptCounts::default);
         prompts.succeeded = merged.succeeded;
@@ -379,6 +388,46 @@ pub fn transition_event(before: Option<Phase>, status: &TrajectoryRunStatus) -> 
     })
 }
 
+fn landlock_status_name(landlock: LandlockStatus) -> &'static str {
+    match landlock {
+        LandlockStatus::Enforced => "Enforced",
+        LandlockStatus::NotEnforced => "NotEnforced",
+        LandlockStatus::Off => "Off",
+    }
+}
+
+/// The Warning announcing that the run's commands are not confined by Landlock, when `status`
+/// first shows it (`before` is the status the run had).
+pub fn sandbox_event(
+    before: Option<&TrajectoryRunStatus>,
+    status: &TrajectoryRunStatus,
+) -> Option<Event> {
+    let shown = |status: Option<&TrajectoryRunStatus>| {
+        status
+            .and_then(|status| status.sandbox.as_ref())
+            .map(|sandbox| sandbox.landlock.clone())
+    };
+    let landlock = shown(Some(status)).filter(|now| Some(now) != shown(before).as_ref())?;
+    let note = match landlock.as_str() {
+        "NotEnforced" => {
+            "Landlock is not enforced where the generation pods run (the node's kernel or the \
+             container runtime's seccomp profile): the model's commands are confined by the \
+             sandbox container, dropped capabilities and the reaper only, and conversations of \
+             a pod can reach each other's workspaces. Set spec.sandbox.landlock: required to \
+             refuse to run so."
+        }
+        "Off" => "spec.sandbox.landlock is off: the model's commands are not confined by Landlock.",
+        _ => return None,
+    };
+    Some(Event {
+        type_: EventType::Warning,
+        reason: format!("Landlock{landlock}"),
+        note: Some(note.to_owned()),
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    })
+}
+
 /// Whether to write a run's status now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StatusWrite {
@@ -439,6 +488,45 @@ mod tests {
     use k8s_openapi::jiff::Timestamp;
 
     use super::*;
+
+    #[test]
+    fn landlock_not_enforced_is_shown_in_the_status_and_announced_once_by_a_warning() {
+        let run = TrajectoryRun::test().build();
+        let now = Time(Timestamp::now());
+        let working = Outcome::Working(Phase::Running, "generating".to_owned());
+        let tally = |landlock| Tally {
+            landlock,
+            ..Tally::default()
+        };
+        let shown = desired(
+            &run,
+            &working,
+            &tally(Some(LandlockStatus::NotEnforced)),
+            &now,
+        );
+        assert_eq!(shown.sandbox.as_ref().unwrap().landlock, "NotEnforced");
+        let event = sandbox_event(run.status.as_ref(), &shown).expect("a Warning");
+        assert_eq!(event.type_, EventType::Warning);
+        assert_eq!(event.reason, "LandlockNotEnforced");
+        assert!(
+            event
+                .note
+                .unwrap()
+                .contains("spec.sandbox.landlock: required")
+        );
+
+        // Later reconciles read no pod for it and keep what the status shows, without a new Event.
+        let mut later_run = run.clone();
+        later_run.status = Some(shown.clone());
+        let later = desired(&later_run, &working, &tally(None), &now);
+        assert_eq!(later.sandbox, shown.sandbox);
+        assert!(sandbox_event(Some(&shown), &later).is_none());
+
+        // Confined commands are shown, and need no Event.
+        let confined = desired(&run, &working, &tally(Some(LandlockStatus::Enforced)), &now);
+        assert_eq!(confined.sandbox.as_ref().unwrap().landlock, "Enforced");
+        assert!(sandbox_event(None, &confined).is_none());
+    }
 
     #[test]
     fn conditions_keep_their_transition_time_while_the_status_holds() {

@@ -473,7 +473,11 @@ fn generation_pods_run_commands_in_a_sandbox_sidecar_that_holds_no_secret_and_no
         sandbox.command.as_ref().unwrap().contains(&socket.unwrap()),
         "the sidecar listens where the worker connects"
     );
+}
 
+#[test]
+fn the_sandbox_runs_the_task_image_in_generation_pods_only() {
+    let run = run_with_a_key_secret();
     // The task image, when the run names one.
     let task = TrajectoryRun::test()
         .with(|spec| spec.sandbox.image = Some("python:3.12-slim".into()))
