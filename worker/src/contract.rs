@@ -117,6 +117,25 @@ pub struct RunPlan {
     pub pending_list: Option<String>,
 }
 
+/// The rows whose own sandbox image a run does not honour.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ImagesNotHonoured {
+    /// How many.
+    pub rows: u64,
+    /// The dataset line numbers (from 1) of the first of them.
+    pub first_lines: Vec<u64>,
+    /// The first distinct images they name.
+    pub first_images: Vec<String>,
+}
+
+impl ImagesNotHonoured {
+    /// Line numbers listed: enough to find the rows, small enough for a termination message.
+    pub const LISTED_LINES: usize = 10;
+    /// Distinct images listed.
+    pub const LISTED_IMAGES: usize = 5;
+}
+
 /// Kubernetes refuses an Indexed Job with `backoffLimitPerIndex` and more completions than this;
 /// a generation attempt of more batches runs as several Jobs.
 pub const MAX_JOB_COMPLETIONS: u32 = 100_000;
@@ -262,6 +281,12 @@ pub struct PlanSummary {
     /// works slots of it ([`RunPlan::pending_list`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_list: Option<String>,
+    /// Valid rows that name a sandbox image of their own (the reference's `image` or
+    /// `docker_image`) other than the run's task image: every prompt of a run runs in the run's
+    /// image (`spec.sandbox.image`), so these are listed rather than silently run elsewhere. The
+    /// fields stay in each record's `source`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images_not_honoured: Option<ImagesNotHonoured>,
 }
 
 /// Each range serialises to at least `{"first":0,"last":0}`: no summary of `limit` bytes holds
@@ -605,6 +630,7 @@ mod tests {
             done_count: 500_000,
             done_truncated: false,
             pending_list: None,
+            images_not_honoured: None,
         };
         // Every other batch done: 500,000 ranges, far beyond 4 KiB.
         let gaps: Vec<BatchRange> = (0..500_000)

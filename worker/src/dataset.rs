@@ -381,10 +381,47 @@ pub fn probe_line(line: &[u8], info: &LineInfo, prompt_field: &str) -> Result<()
 
 /// [`probe_line`] for a line known only by its content and whether it was too long to keep.
 pub fn probe(line: &[u8], too_long: bool, prompt_field: &str) -> Result<(), Rejection> {
+    probe_image(line, too_long, prompt_field).map(drop)
+}
+
+/// The fields in which the reference's datasets name a prompt's own sandbox image; `image` wins
+/// when a row has both.
+pub const IMAGE_FIELDS: [&str; 2] = ["image", "docker_image"];
+
+/// [`probe`], and the image the row names for itself (a string in one of [`IMAGE_FIELDS`]), if
+/// any: the plan lists the rows whose image the run does not honour.
+pub fn probe_image(
+    line: &[u8],
+    too_long: bool,
+    prompt_field: &str,
+) -> Result<Option<String>, Rejection> {
     let text = frame_checks(line, too_long)?;
-    if surely_valid(text, prompt_field) {
-        return Ok(());
+    let mut images = [None, None];
+    if surely_valid(text, prompt_field, &mut images) {
+        return Ok(images.into_iter().flatten().next().map(str::to_owned));
     }
+    probe_slowly(text, prompt_field)?;
+    // Rare: a valid line the fast path was unsure of. Its image is read by a parse of its own.
+    let images: Images = serde_json::from_str(text)
+        .map_err(|err| reject(RejectionReason::InvalidJson, format!("invalid JSON: {err}")))?;
+    Ok([images.image, images.docker_image]
+        .into_iter()
+        .flatten()
+        .find_map(|image| match image {
+            Value::String(image) => Some(image),
+            _ => None,
+        }))
+}
+
+/// The [`IMAGE_FIELDS`] of a row.
+#[derive(serde::Deserialize)]
+struct Images {
+    image: Option<Value>,
+    docker_image: Option<Value>,
+}
+
+/// The full check of a line the fast path was unsure of.
+fn probe_slowly(text: &str, prompt_field: &str) -> Result<(), Rejection> {
     let mut deserializer = serde_json::Deserializer::from_str(text);
     let found = ProbeSeed {
         field: prompt_field,
@@ -412,13 +449,23 @@ pub fn probe(line: &[u8], too_long: bool, prompt_field: &str) -> Result<(), Reje
 /// beyond syntax); what is left is the prompt: present, a string, and not blank. A `\u` escape in
 /// the prompt (it could unescape to whitespace), a key written with escapes (it could unescape to
 /// the prompt field) and a chat field (rare; the full check reads them) are left to the full check.
-fn surely_valid(text: &str, prompt_field: &str) -> bool {
+///
+/// The values of the [`IMAGE_FIELDS`] go into `images`, in that order, when they are strings
+/// without escapes (anything else is left to the full check).
+fn surely_valid<'t>(text: &'t str, prompt_field: &str, images: &mut [Option<&'t str>; 2]) -> bool {
     let mut prompt = false;
     json_scan::object_line(text.as_bytes(), |field| {
         if field.is(prompt_field) {
             prompt = true;
             let literal = &text[field.value.clone()];
             literal.starts_with('"') && !field.unicode_escape && !blank_string(literal)
+        } else if let Some(slot) = IMAGE_FIELDS.iter().position(|name| field.is(name)) {
+            let literal = &text[field.value.clone()];
+            let plain = literal.starts_with('"') && !literal.contains('\\');
+            if plain {
+                images[slot] = Some(&literal[1..literal.len() - 1]);
+            }
+            plain
         } else {
             !field.key_escaped && !CHAT_FIELDS.iter().any(|chat| field.is(chat))
         }

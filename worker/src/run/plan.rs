@@ -13,15 +13,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
 use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
-use tracing::info;
+use tracing::{info, warn};
 
 use super::manifest::{
     BatchLayout, DatasetInfo, MANIFEST_VERSION, Manifest, RunIdentity, spec_hash,
 };
 use super::segments::{SEGMENT_BYTES, SegmentHasher};
 use super::{RunError, RunLocation};
-use crate::contract::{BatchRange, PlanSummary, Ranges, TERMINATION_MESSAGE_LIMIT, compact_ranges};
-use crate::dataset::{Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe, without_bom};
+use crate::contract::{
+    BatchRange, ImagesNotHonoured, PlanSummary, Ranges, TERMINATION_MESSAGE_LIMIT, compact_ranges,
+};
+use crate::dataset::{
+    Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe, probe_image, without_bom,
+};
 use crate::distribution::Distribution;
 use crate::spec::RunSpec;
 use crate::storage::{Context, RunDir, StorageError, sync_dir, temp_path, write_atomic_with};
@@ -43,8 +47,9 @@ const VALIDATORS: usize = 2;
 struct Checked {
     /// End of the line within the block, after its newline.
     next: usize,
-    /// `None` when the validator skipped it (the run's `maxSamples` was reached before it).
-    result: Option<Result<(), Rejection>>,
+    /// `None` when the validator skipped it (the run's `maxSamples` was reached before it); for
+    /// a valid row, the image it names for itself.
+    result: Option<Result<Option<String>, Rejection>>,
 }
 
 /// Frames and validates the lines of a block (the validator thread's work).
@@ -61,7 +66,8 @@ fn check_block(block: &Block, prompt_field: &str, skip: bool) -> Vec<Checked> {
             None => (data.len(), data.len()),
         };
         let content = without_bom(lines.offset + position as u64, &data[position..end]);
-        let result = (!skip).then(|| probe(content, content.len() > MAX_LINE_BYTES, prompt_field));
+        let result =
+            (!skip).then(|| probe_image(content, content.len() > MAX_LINE_BYTES, prompt_field));
         checked.push(Checked { next, result });
         position = next;
     }
@@ -81,9 +87,28 @@ struct Layout<'a> {
     valid_end: u64,
     invalid_out: BufWriter<File>,
     invalid_temp: &'a Path,
+    /// The run's task image (`spec.sandbox.image`); rows naming another one are not honoured.
+    task_image: Option<&'a str>,
+    images_not_honoured: ImagesNotHonoured,
 }
 
 impl Layout<'_> {
+    /// Counts a valid row whose own image the run will not use.
+    fn note_image(&mut self, image: Option<&String>) {
+        if let Some(image) = image.filter(|image| Some(image.as_str()) != self.task_image) {
+            let listed = &mut self.images_not_honoured;
+            listed.rows += 1;
+            if listed.first_lines.len() < ImagesNotHonoured::LISTED_LINES {
+                listed.first_lines.push(self.lines);
+            }
+            if listed.first_images.len() < ImagesNotHonoured::LISTED_IMAGES
+                && !listed.first_images.contains(image)
+            {
+                listed.first_images.push(image.clone());
+            }
+        }
+    }
+
     fn reject(
         &mut self,
         info: &LineInfo,
@@ -139,7 +164,8 @@ impl Layout<'_> {
             self.bytes = offset + next as u64;
             match &line.result {
                 _ if self.prompts >= self.max_samples => {}
-                Some(Ok(())) => {
+                Some(Ok(image)) => {
+                    self.note_image(image.as_ref());
                     if self.prompts.is_multiple_of(self.batch_size) {
                         self.batch_start = offset + position as u64;
                     }
@@ -181,6 +207,7 @@ struct Scanned {
     invalid: u64,
     bytes: u64,
     invalid_out: BufWriter<File>,
+    images_not_honoured: ImagesNotHonoured,
 }
 
 /// Keeps the disk busy ahead of the reader when the file is not in the page cache: the reader
@@ -246,6 +273,8 @@ fn scan(
         valid_end: 0,
         invalid_out,
         invalid_temp,
+        task_image: spec.sandbox.image.as_deref(),
+        images_not_honoured: ImagesNotHonoured::default(),
     };
     let mut read_ahead = ReadAhead::new(file);
     let mut blocks = LineBlocks::new(file, BLOCK_BYTES, MAX_LINE_BYTES);
@@ -326,6 +355,7 @@ fn scan(
         invalid: layout.invalid,
         bytes: layout.bytes,
         invalid_out: layout.invalid_out,
+        images_not_honoured: layout.images_not_honoured,
     })
 }
 
@@ -404,6 +434,7 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         invalid,
         bytes,
         invalid_out,
+        images_not_honoured,
     } = match scan(&file, spec, &dataset_path, invalid_out, &invalid_temp) {
         Ok(scanned) => scanned,
         Err(error) => {
@@ -460,7 +491,18 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         spec_hash: manifest.spec_hash.clone(),
         done_truncated: false,
         pending_list: None,
+        images_not_honoured: (images_not_honoured.rows > 0).then_some(images_not_honoured),
     };
+    if let Some(listed) = &summary.images_not_honoured {
+        warn!(
+            rows = listed.rows,
+            lines = ?listed.first_lines,
+            images = ?listed.first_images,
+            task_image = spec.sandbox.image.as_deref().unwrap_or("the worker image"),
+            "rows name a sandbox image of their own (`image`/`docker_image`): not honoured, every \
+             prompt runs in the run's task image (spec.sandbox.image)"
+        );
+    }
     info!(
         prompts = summary.prompts,
         invalid = summary.invalid,
@@ -579,6 +621,48 @@ mod tests {
         }
     }
 
+    /// Rows naming a sandbox image of their own other than the run's are listed in the summary
+    /// (`image` winning over `docker_image`), on the fast path and the full check alike; rows in
+    /// the run's own image and rows without one are not.
+    #[test]
+    fn rows_whose_own_image_is_not_the_runs_are_listed_in_the_summary() {
+        let dir = tempfile::tempdir().unwrap();
+        let lines = [
+            r#"{"prompt": "a", "image": "python:3.12"}"#,
+            r#"{"prompt": "b"}"#,
+            r#"{"prompt": "c", "docker_image": "swe/task-1"}"#,
+            r#"{"prompt": "d", "image": "repo:main", "docker_image": "swe/task-2"}"#,
+            r#"{"prompt": "e", "image": "task:latest"}"#,
+            // An escape sends the row through the full check, which reads its image too.
+            r#"{"prompt": "fA", "image": "python:3.12"}"#,
+            r#"{"prompt": "g", "image": 7}"#,
+        ];
+        std::fs::write(dir.path().join("data.jsonl"), lines.join("\n") + "\n").unwrap();
+        let mut location = location(dir.path(), None);
+        location.plan.spec.sandbox.image = Some("task:latest".into());
+        let (_, summary) = plan(&location).unwrap();
+        let listed = summary.images_not_honoured.expect("listed");
+        assert_eq!(listed.rows, 4);
+        assert_eq!(listed.first_lines, [1, 3, 4, 6]);
+        assert_eq!(
+            listed.first_images,
+            ["python:3.12", "swe/task-1", "repo:main"]
+        );
+        assert_eq!(summary.prompts, 7, "listed rows still run");
+
+        location.plan.spec.sandbox.image = None;
+        std::fs::write(dir.path().join("data.jsonl"), "{\"prompt\": \"x\"}\n").unwrap();
+        let (_, plain) = plan(&RunLocation {
+            plan: crate::contract::RunPlan {
+                output_path: "out-plain".into(),
+                ..location.plan.clone()
+            },
+            ..location
+        })
+        .unwrap();
+        assert_eq!(plain.images_not_honoured, None);
+    }
+
     /// A resume of a million batches, 40 % done at random: about 240,000 done ranges, which no
     /// termination message holds.
     #[test]
@@ -599,6 +683,7 @@ mod tests {
             spec_hash: format!("blake3:{}", "1".repeat(64)),
             done_truncated: false,
             pending_list: None,
+            images_not_honoured: None,
         };
         assert!(
             summary.done.len() > 200_000,
@@ -685,6 +770,7 @@ mod tests {
             spec_hash: String::new(),
             done_truncated: false,
             pending_list: None,
+            images_not_honoured: None,
         };
         let fitted = hand_off(&run_dir, summary.clone(), TERMINATION_MESSAGE_LIMIT).unwrap();
         assert_eq!(fitted, summary);
