@@ -33,7 +33,7 @@ struct Probe {
     sibling: PathBuf,
     /// Each probe's tool result (`output`, `exit_code`, `error`), in call order.
     results: Vec<Value>,
-    /// The `--landlock` mode of the run.
+    /// The variant: the `--landlock` mode of the run, or `nonroot`.
     landlock: String,
     /// What the worker printed (stdout and stderr).
     worker_output: String,
@@ -43,8 +43,15 @@ struct Probe {
 
 impl Probe {
     /// Runs one conversation whose model calls `terminal` once per escape attempt, all in one
-    /// turn, with Landlock in `landlock` mode.
+    /// turn, with Landlock in `landlock` mode, as this test's uid.
     async fn run(landlock: &str) -> Self {
+        Self::run_as(landlock, None).await
+    }
+
+    /// [`Probe::run`] with the worker (and so the commands) running as `uid` when given (through
+    /// util-linux's `setpriv`, from binaries copied where that uid can run them, over storage it
+    /// owns).
+    async fn run_as(landlock: &str, uid: Option<u32>) -> Self {
         let server = ScriptedServer::start_with_default([], Step::ok(text_reply("done"))).await;
         let fixture = RunFixture::new(&server.base_url(), 1).with("/concurrency", json!(1));
         let secrets = tempfile::tempdir().unwrap();
@@ -53,7 +60,9 @@ impl Probe {
         let sibling = fixture.workspaces().join("conversation-sibling");
         std::fs::create_dir_all(&sibling).unwrap();
         std::fs::write(sibling.join("notes.txt"), "sibling-private\n").unwrap();
-        let commands = escape_attempts(landlock, fixture.root(), &sibling, &key_file);
+        // Which markers probe 9 uses: the variants run at the same time.
+        let variant = if uid.is_some() { "nonroot" } else { landlock };
+        let commands = escape_attempts(variant, fixture.root(), &sibling, &key_file);
         let calls: Vec<(&str, Value)> = commands
             .iter()
             .map(|command| {
@@ -65,7 +74,21 @@ impl Probe {
             .collect();
         server.push(Step::ok(tool_calls_reply(&calls)));
 
-        let child = Command::new(WORKER)
+        let binaries = tempfile::tempdir().unwrap();
+        let mut command = match uid {
+            None => Command::new(WORKER),
+            Some(uid) => {
+                let worker = as_user(uid, binaries.path(), &[fixture.root(), secrets.path()]);
+                let mut command = Command::new("setpriv");
+                command
+                    .arg(format!("--reuid={uid}"))
+                    .arg(format!("--regid={uid}"))
+                    .args(["--clear-groups", "--"])
+                    .arg(worker);
+                command
+            }
+        };
+        let child = command
             .arg("local")
             .arg(fixture.run_file())
             .arg("--no-progress-bar")
@@ -101,7 +124,7 @@ impl Probe {
         Self {
             fixture,
             _secrets: secrets,
-            landlock: landlock.to_owned(),
+            landlock: variant.to_owned(),
             sibling,
             results,
             worker_output,
@@ -148,6 +171,24 @@ impl Probe {
     }
 }
 
+/// Makes `owned` (recursively) `uid`'s and copies the worker and the executor into `dir`, where
+/// `uid` can run them; returns the worker's copy.
+fn as_user(uid: u32, dir: &Path, owned: &[&Path]) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let worker = dir.join("trajectory-worker");
+    std::fs::copy(WORKER, &worker).unwrap();
+    let executor = trajectory_worker::tools::sandbox::find_executor();
+    std::fs::copy(&executor, dir.join("trajectory-executor"))
+        .unwrap_or_else(|e| panic!("copying {}: {e}", executor.display()));
+    for root in owned {
+        for entry in walkdir::WalkDir::new(root).into_iter().flatten() {
+            std::os::unix::fs::chown(entry.path(), Some(uid), Some(uid)).unwrap();
+        }
+    }
+    worker
+}
+
 /// Processes whose command line holds `marker` (a zombie's is empty, but only a live parent can
 /// keep a zombie, and every process of the run has ended).
 fn processes_with(marker: &str) -> Vec<String> {
@@ -166,7 +207,7 @@ fn processes_with(marker: &str) -> Vec<String> {
 
 /// The escape attempts, the same for both variants; each index is named where it is judged.
 fn escape_attempts(
-    landlock: &str,
+    variant: &str,
     probe_dir: &Path,
     sibling: &Path,
     key_file: &Path,
@@ -201,7 +242,7 @@ fn escape_attempts(
         format!("cat {}; echo status=$?", key_file.display()),
         // 9: processes that try to outlive the conversation.
         {
-            let [a, b, c, d] = markers(landlock);
+            let [a, b, c, d] = markers(variant);
             format!(
                 "setsid sleep {a} & nohup sleep {b} >/dev/null 2>&1 & (sleep {c} &) & \
                  setsid -f sleep {d}; echo spawned"
@@ -209,19 +250,25 @@ fn escape_attempts(
         },
         // 10: the workspace itself works as before.
         "echo made > mine.txt && cat mine.txt && echo $HOME $TMPDIR".to_owned(),
+        // 11: who the commands run as.
+        "id -u".to_owned(),
     ]
 }
 
 /// The command-line markers (`sleep` durations) of probe 9's processes; distinct per variant, as
 /// the variants run at the same time.
-fn markers(landlock: &str) -> [String; 4] {
-    let base = if landlock == "off" { 987_710 } else { 987_610 };
+fn markers(variant: &str) -> [String; 4] {
+    let base = match variant {
+        "off" => 987_710,
+        "nonroot" => 987_810,
+        _ => 987_610,
+    };
     [1, 2, 3, 4].map(|n| (base + n).to_string())
 }
 
 /// No process of probe 9 is left on the machine once the run has ended.
-fn assert_nothing_outlived_the_conversation(landlock: &str) {
-    let left: Vec<String> = markers(landlock)
+fn assert_nothing_outlived_the_conversation(variant: &str) {
+    let left: Vec<String> = markers(variant)
         .iter()
         .flat_map(|marker| processes_with(marker))
         .collect();
@@ -338,4 +385,36 @@ async fn without_landlock_the_storage_and_the_siblings_are_open_but_the_other_la
         std::fs::read_to_string(probe.sibling.join("notes.txt")).unwrap(),
         "overwritten\n"
     );
+}
+
+/// As a non-root uid (nobody, 65534), with Landlock off: the worker's non-dumpable flag alone
+/// refuses its environment and memory to the commands, which run as the same uid. (As root, the
+/// dropped capabilities refuse them first, so the other variants do not show this layer alone.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn as_a_non_root_uid_the_non_dumpable_worker_alone_keeps_its_environment_and_memory() {
+    const NOBODY: u32 = 65534;
+    assert!(
+        // /proc/self belongs to the process's effective uid.
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap()) == 0,
+        "this test switches to uid {NOBODY} and so must start as root (CI and the test suite do)"
+    );
+    let probe = Probe::run_as("off", Some(NOBODY)).await;
+    assert_eq!(
+        probe.output(11),
+        format!("{NOBODY}\n"),
+        "the commands ran as nobody"
+    );
+    assert!(
+        probe.output(0).contains("Permission denied") && probe.output(0).contains("status=1"),
+        "the worker's environ: {}",
+        probe.output(0)
+    );
+    assert!(probe.output(3).contains("status=1"), "{}", probe.output(3));
+    assert!(!probe.output(1).contains(KEY), "{}", probe.output(1));
+    assert!(
+        !probe.output(2).contains(env::MODEL_API_KEY),
+        "{}",
+        probe.output(2)
+    );
+    assert_nothing_outlived_the_conversation(&probe.landlock);
 }
