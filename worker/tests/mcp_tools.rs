@@ -1,8 +1,8 @@
 //! MCP toolsets against real servers from the registries, installed by `scripts/mcp/install.sh`:
-//! npm's `@modelcontextprotocol/server-everything` (over stdio and streamable HTTP) and PyPI's
-//! `mcp-server-time` and `mcp-server-fetch`. Discovery, calls and results; a call that outlasts
-//! its limit, a server that dies midway, garbage instead of MCP; and a whole local run against
-//! the scripted model whose record holds a real MCP result.
+//! npm's `@modelcontextprotocol/server-everything` (over stdio and streamable HTTP) and the
+//! `PyPI` packages `mcp-server-time` and `mcp-server-fetch`. Discovery, calls and results; a call
+//! that outlasts its limit, a server that dies midway, garbage instead of MCP; and a whole local
+//! run against the scripted model whose record holds a real MCP result.
 
 mod common;
 
@@ -52,20 +52,26 @@ fn server(spec: Value) -> McpServerSpec {
 
 /// server-everything over stdio, with `extra` merged into its spec.
 fn everything_stdio(extra: Value) -> McpServerSpec {
+    let Value::Object(extra) = extra else {
+        panic!("extra settings are an object")
+    };
     let mut spec = json!({
         "name": "everything",
         "stdio": {"command": "node", "args": [everything_js(), "stdio"]},
         "timeoutSeconds": 20,
         "connectTimeoutSeconds": 60,
     });
-    for (key, value) in extra.as_object().unwrap() {
-        spec[key] = value.clone();
+    for (key, value) in extra {
+        spec[key] = value;
     }
     server(spec)
 }
 
 fn args(value: Value) -> Map<String, Value> {
-    value.as_object().unwrap().clone()
+    let Value::Object(map) = value else {
+        panic!("arguments are an object")
+    };
+    map
 }
 
 fn result_text(outcome: &ToolOutcome) -> String {

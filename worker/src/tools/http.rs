@@ -304,7 +304,10 @@ mod tests {
     use super::*;
 
     fn args(value: Value) -> Map<String, Value> {
-        value.as_object().unwrap().clone()
+        let Value::Object(map) = value else {
+            panic!("arguments are an object")
+        };
+        map
     }
 
     #[test]

@@ -284,6 +284,7 @@ impl Registry {
 
     /// This registry with the MCP toolsets holding the tools `plan` froze (a server the spec
     /// no longer declares is ignored; a declared one missing from `frozen` has no tools).
+    #[must_use]
     pub fn with_frozen_mcp(&self, frozen: &[mcp::FrozenServer]) -> Self {
         let mut registry = self.clone();
         for server in &self.mcp_servers {
