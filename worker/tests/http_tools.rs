@@ -238,3 +238,11 @@ fn a_spec_whose_template_names_an_undeclared_argument_is_refused_at_validation()
          `parameters.properties` does not declare"
     );
 }
+
+#[test]
+fn the_mcp_example_run_file_is_valid() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mcp/run.yaml");
+    let run = trajectory_worker::run::RunFile::load(&path).expect("examples/mcp/run.yaml loads");
+    let declared: Vec<&str> = run.spec.tools.declared_toolsets().collect();
+    assert_eq!(declared, ["time", "everything", "team"]);
+}

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value, json};
 use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
 use trajectory_worker::run::batch::shutdown_channel;
-use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
+use trajectory_worker::run::local::run_local;
 use trajectory_worker::spec::{McpServerSpec, ToolsSpec};
 use trajectory_worker::tools::mcp::McpServer;
 use trajectory_worker::tools::{Registry, ToolContext, ToolLimits, ToolOutcome, Workspace};
@@ -454,15 +454,9 @@ async fn a_local_run_freezes_the_mcp_tools_and_its_record_holds_the_real_result(
                             "connectTimeoutSeconds": 60}]}),
         );
     let (_trigger, shutdown) = shutdown_channel();
-    let options = LocalOptions {
-        run_file: fixture.run_file(),
-        storage: None,
-        base_url: None,
-        workspace_root: fixture.workspaces(),
-        sandbox: common::sandbox(),
-        progress: ProgressMode::Lines,
-    };
-    run_local(&options, &shutdown).await.expect("the local run");
+    run_local(&common::local_options(&fixture), &shutdown)
+        .await
+        .expect("the local run");
 
     let manifest: Value =
         serde_json::from_slice(&std::fs::read(fixture.out().join("manifest.json")).unwrap())
