@@ -65,7 +65,9 @@ fn wait_for_port(port: u16) -> anyhow::Result<()> {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// Runs `call` WARMUP + CALLS times; prints wall and client CPU per timed call.
@@ -85,7 +87,7 @@ where
             anyhow::bail!("{label}: {error}");
         }
     }
-    let (wall, cpu) = (started.elapsed(), cpu_now()? - cpu_started);
+    let (wall, cpu) = (started.elapsed(), cpu_now()?.saturating_sub(cpu_started));
     let per_call = |total: Duration| total.as_secs_f64() * 1e6 / calls as f64;
     println!(
         "{label:<28} {calls:>6} calls   wall {:>8.1} µs/call   client CPU {:>7.1} µs/call",
@@ -102,7 +104,8 @@ async fn main() -> anyhow::Result<()> {
         .and_then(|text| text.parse().ok())
         .unwrap_or(2000);
     let dir = servers_dir()?;
-    let everything = dir.join("node/node_modules/@modelcontextprotocol/server-everything/dist/index.js");
+    let everything =
+        dir.join("node/node_modules/@modelcontextprotocol/server-everything/dist/index.js");
     let echo = || {
         let mut args = Map::new();
         args.insert("message".into(), Value::from("benchmark"));
@@ -133,15 +136,27 @@ async fn main() -> anyhow::Result<()> {
         "name": "everything", "streamableHttp": {"url": format!("http://127.0.0.1:{port}/mcp")},
     }))?;
     let server = McpServer::new(http);
-    measure("MCP streamable HTTP (echo)", calls, || server.call("echo", echo())).await?;
+    measure("MCP streamable HTTP (echo)", calls, || {
+        server.call("echo", echo())
+    })
+    .await?;
     server.close().await;
 
     let files = tempfile::tempdir()?;
-    std::fs::write(files.path().join("item.json"), r#"{"id": 7, "name": "frobnicator"}"#)?;
+    std::fs::write(
+        files.path().join("item.json"),
+        r#"{"id": 7, "name": "frobnicator"}"#,
+    )?;
     let port = free_port()?;
     let _files_server = Stop(
         Command::new("python3")
-            .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "-m",
+                "http.server",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+            ])
             .current_dir(files.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -167,6 +182,9 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut item = Map::new();
     item.insert("id".into(), Value::from("item"));
-    measure("HTTP tool (GET, JSON)", calls, || tool.call(item.clone(), &ctx)).await?;
+    measure("HTTP tool (GET, JSON)", calls, || {
+        tool.call(item.clone(), &ctx)
+    })
+    .await?;
     Ok(())
 }

@@ -265,7 +265,8 @@ pub struct McpServerSpec {
     /// Time limit of one tool call, in seconds; a call that takes longer is a tool error.
     #[serde(default = "default_mcp_call_timeout")]
     pub timeout_seconds: u64,
-    /// Time limit of connecting to the server (starting it, for stdio) and listing its tools.
+    /// Time limit of connecting to the server (starting it, for stdio) and listing its tools
+    /// when the run is planned, and of a reconnection before a call.
     #[serde(default = "default_mcp_connect_timeout")]
     pub connect_timeout_seconds: u64,
     /// Bytes of one tool result the model is shown; longer results are cut with a marker.

@@ -195,16 +195,22 @@ impl McpServer {
     pub async fn call(&self, tool: &str, arguments: Map<String, Value>) -> ToolOutcome {
         let name = &self.spec.name;
         let limit = self.spec.timeout_seconds;
-        let deadline = Instant::now() + Duration::from_secs(limit);
+        let connect_limit = Duration::from_secs(self.spec.connect_timeout_seconds);
         let timed_out = || {
             ToolOutcome::Err(format!(
                 "the MCP server {name:?} did not answer within {limit} seconds"
             ))
         };
-        // A server that died is started (or reconnected) again once per call.
+        // A server that died is started (or reconnected) again once per call. Starting it is
+        // bounded by connectTimeoutSeconds, the call itself by timeoutSeconds.
         for attempt in 0..2 {
-            let session = match timeout_at(deadline, self.session()).await {
-                Err(_) => return timed_out(),
+            let session = match tokio::time::timeout(connect_limit, self.session()).await {
+                Err(_) => {
+                    return ToolOutcome::Err(format!(
+                        "the MCP server {name:?} did not start within {} seconds",
+                        connect_limit.as_secs()
+                    ));
+                }
                 Ok(Err(error)) => {
                     return ToolOutcome::Err(format!(
                         "the MCP server {name:?} is unavailable: {error}"
@@ -214,6 +220,7 @@ impl McpServer {
             };
             let params =
                 CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments.clone());
+            let deadline = Instant::now() + Duration::from_secs(limit);
             match timeout_at(deadline, session.peer().call_tool(params)).await {
                 Err(_) => return timed_out(),
                 Ok(Ok(result)) => return render(result, self.max_result_bytes()),
