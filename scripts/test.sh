@@ -55,6 +55,11 @@ step "helm template (default, and namespaced with two replicas)"
 "${TRAJ_HELM}" template trajectory-operator charts/trajectory-operator \
   --namespace trajectory-system --set scope=Namespace,replicaCount=2 >/dev/null
 
+step "MCP servers: install (cached)"
+# worker/tests/mcp_tools.rs talks to them (npm's server-everything, PyPI's time and fetch servers).
+TRAJ_MCP_DIR="$(scripts/mcp/install.sh --print-dir)"
+export TRAJ_MCP_DIR
+
 step "run the tests with a model server and a control plane with a real node"
 MODEL_SERVER_HOST=0.0.0.0 scripts/model-server/with-model-server.sh \
   scripts/cluster/with-cluster.sh --real-node \

@@ -4,7 +4,7 @@
 //!  run file / plan ConfigMap ──► plan ──► manifest.json, invalid.jsonl ─┐
 //!                                                                       ▼
 //!  dataset.jsonl ──seek(offset)──► batch ──► agent ◄──► model server (OpenAI-compatible)
-//!                                    │         └──► tools (terminal, file) in a workspace
+//!                                    │         └──► tools (terminal, file, MCP, HTTP) in a workspace
 //!                                    │ hermes: one record line per (prompt, sample)
 //!                                    ▼
 //!                     batches/batch-NNNNNN/w-<writer>.jsonl (+ batch-NNNNNN.done)
@@ -16,7 +16,8 @@
 //! - [`contract`]: what the operator and the worker agree on: the run plan a pod receives, mount
 //!   paths and environment, exit codes, and the summaries of the termination message.
 //! - [`spec`]: the `TrajectoryRun` spec a user writes, and its validation; [`toolsets`]: the
-//!   toolsets and built-in distributions it may name.
+//!   toolsets and built-in distributions it may name; [`declared`]: the MCP servers and HTTP
+//!   tools it may declare.
 //! - [`cli`]: the command line; each subcommand runs one mode of [`run`].
 //! - [`run`]: the run modes: [`run::plan`] checks the dataset and lays out the batches,
 //!   [`run::batch`] runs one batch's conversations and appends their records to files of its
@@ -28,16 +29,18 @@
 //! - [`agent`]: one conversation, from the prompt to a final answer.
 //! - [`model`]: the OpenAI-compatible chat-completions client (retries, streaming, the shapes
 //!   servers return reasoning in).
-//! - [`tools`]: the registry and toolsets (terminal, file), each tool its own type.
+//! - [`tools`]: the registry and toolsets (terminal, file, MCP servers, declared HTTP tools),
+//!   each tool its own type.
 //! - [`hermes`]: how a record is rendered: every line a batch writes (a trajectory in the Hermes /
 //!   `ShareGPT` format, a discarded or a failed record); [`pyjson`] writes JSON as Python does.
 //! - [`storage`]: the run's directory on shared storage, and its crash-safe writes.
 //!
-//! [`spec`] and [`contract`] are the contract with the operator and build with serde alone
+//! [`spec`], [`declared`] and [`contract`] are the contract with the operator and build with serde alone
 //! (`default-features = false`); everything else sits behind the `engine` feature. The scripted
 //! model server the tests and benchmarks talk to is the `trajectory-testkit` crate.
 
 pub mod contract;
+pub mod declared;
 pub mod spec;
 pub mod toolsets;
 

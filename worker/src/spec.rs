@@ -157,6 +157,26 @@ pub struct SecretKeyRef {
     pub key: String,
 }
 
+impl SecretKeyRef {
+    /// The environment variable a run's pods get this key as, when a tool setting refers to it:
+    /// `TRAJ_SECRET_<NAME>__<KEY>`, upper-cased, with every other character than letters and
+    /// digits written `_`.
+    pub fn env_var(&self) -> String {
+        let part = |text: &str| -> String {
+            text.chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() {
+                        c.to_ascii_uppercase()
+                    } else {
+                        '_'
+                    }
+                })
+                .collect()
+        };
+        format!("TRAJ_SECRET_{}__{}", part(&self.name), part(&self.key))
+    }
+}
+
 /// Reasoning ("thinking") settings.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
@@ -197,7 +217,7 @@ impl Default for AgentSpec {
 }
 
 /// Tool settings.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ToolsSpec {
@@ -207,6 +227,189 @@ pub struct ToolsSpec {
     /// Keep each conversation's workspace directory after it ends (for debugging).
     #[serde(default)]
     pub keep_workspaces: bool,
+    /// MCP servers. Each one is a toolset, named by its `name`, that distributions (inline maps)
+    /// can draw; its tools are listed once, when the run is planned, and frozen into the plan.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp: Vec<McpServerSpec>,
+    /// Tools that call a team's own HTTP services, declared here, grouped into toolsets.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub http: Vec<HttpToolsetSpec>,
+}
+
+impl ToolsSpec {
+    /// The toolset names the spec declares (MCP servers and HTTP toolsets), in declaration order.
+    pub fn declared_toolsets(&self) -> impl Iterator<Item = &str> {
+        self.mcp
+            .iter()
+            .map(|server| server.name.as_str())
+            .chain(self.http.iter().map(|group| group.toolset.as_str()))
+    }
+}
+
+/// An MCP server whose tools the agent is offered, as the toolset `name`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct McpServerSpec {
+    /// Toolset name (letters, digits, `_` and `-`); the server's tools are offered to the model
+    /// as `mcp__<name>__<tool>`, as hermes-agent names them.
+    pub name: String,
+    /// Reach the server over MCP's streamable HTTP transport. Exactly one of `streamableHttp`
+    /// and `stdio` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub streamable_http: Option<McpHttpTransport>,
+    /// Start the server as a child process and talk to it over stdin/stdout (local runs; on a
+    /// cluster it must run inside the sandbox). Exactly one of `streamableHttp` and `stdio` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdio: Option<McpStdioTransport>,
+    /// Time limit of one tool call, in seconds; a call that takes longer is a tool error.
+    #[serde(default = "default_mcp_call_timeout")]
+    pub timeout_seconds: u64,
+    /// Time limit of connecting to the server (starting it, for stdio) and listing its tools
+    /// when the run is planned, and of a reconnection before a call.
+    #[serde(default = "default_mcp_connect_timeout")]
+    pub connect_timeout_seconds: u64,
+    /// Bytes of one tool result the model is shown; longer results are cut with a marker.
+    #[serde(default = "default_tool_result_bytes")]
+    pub max_result_bytes: u64,
+}
+
+/// MCP streamable HTTP transport settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct McpHttpTransport {
+    /// The server's MCP endpoint, an http:// or https:// URL (e.g. `http://tools.team:8080/mcp`).
+    pub url: String,
+    /// Headers sent with every request (an `Authorization` token, say), values from the
+    /// environment or a Secret.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<NamedValue>,
+}
+
+/// MCP stdio transport settings: the server is a child process of the worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct McpStdioTransport {
+    /// The program, found on `PATH` unless it is a path.
+    pub command: String,
+    /// Its arguments.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// Its whole environment besides `PATH`: the worker's own environment (which holds the model's
+    /// API key) is never passed on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<NamedValue>,
+}
+
+/// A named value (an HTTP header, an environment variable): a constant, or read from the
+/// worker's environment or a Secret. Secrets are never written inline.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct NamedValue {
+    /// The header's or variable's name.
+    pub name: String,
+    /// A constant value, for what is not secret (`Accept: application/json`). Refused for names
+    /// that look like credentials (authorization, cookie, and names with key, token, secret,
+    /// password or auth in them): use `valueFrom`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
+    /// Where the value comes from. Exactly one of `value` and `valueFrom` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_from: Option<ValueSource>,
+}
+
+/// Where a secret value comes from: exactly one of `env` (local runs) and `secretKeyRef` (cluster).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ValueSource {
+    /// Environment variable of the worker holding the value (local runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<String>,
+    /// Secret key holding the value (cluster): the run's pods get it as the environment variable
+    /// [`SecretKeyRef::env_var`] names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_key_ref: Option<SecretKeyRef>,
+}
+
+impl ValueSource {
+    /// The environment variable the worker reads the value from.
+    pub fn env_var(&self) -> Option<String> {
+        match (&self.env, &self.secret_key_ref) {
+            (Some(env), _) => Some(env.clone()),
+            (None, Some(secret)) => Some(secret.env_var()),
+            (None, None) => None,
+        }
+    }
+}
+
+/// A toolset of declared HTTP tools.
+///
+/// A list of `{toolset, tools}` rather than a `toolset` field on each tool: distributions draw
+/// toolsets, so the group is the unit a user thinks in (one service, one toolset), declaration
+/// order is kept (it is the catalog order), and a list of objects reads and merges well in a
+/// Kubernetes resource where a map keyed by name would not.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct HttpToolsetSpec {
+    /// Toolset name (letters, digits, `_` and `-`), as distributions name it.
+    pub toolset: String,
+    /// Its tools, in the order they are offered.
+    pub tools: Vec<HttpToolSpec>,
+}
+
+/// One declared HTTP tool: what the model is told, and the request a call makes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct HttpToolSpec {
+    /// Tool name the model calls (letters, digits, `_` and `-`, at most 64).
+    pub name: String,
+    /// What the tool does, for the model.
+    pub description: String,
+    /// JSON schema of the arguments: an object schema whose `properties` name every placeholder
+    /// the templates use; `required` ones must be given in a call.
+    #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
+    pub parameters: Value,
+    /// HTTP method.
+    #[serde(default)]
+    pub method: HttpMethod,
+    /// URL template, an http:// or https:// URL; `{name}` is replaced by the argument `name`,
+    /// percent-encoded (an absent optional argument by nothing). Placeholders may appear in the
+    /// path and query only, never in the scheme, host or port.
+    pub url: String,
+    /// JSON body template: a string that is exactly `"{name}"` becomes the argument with its JSON
+    /// type (an absent optional argument: `null`); `{name}` inside a longer string is replaced by
+    /// the argument's text. Sent as `application/json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
+    pub body: Option<Value>,
+    /// Headers sent with every call, values from the environment or a Secret.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<NamedValue>,
+    /// Time limit of one call, in seconds.
+    #[serde(default = "default_http_tool_timeout")]
+    pub timeout_seconds: u64,
+    /// Bytes of response body accepted; a longer answer is a tool error.
+    #[serde(default = "default_tool_result_bytes")]
+    pub max_response_bytes: u64,
+}
+
+/// The HTTP method of a declared tool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "UPPERCASE")]
+pub enum HttpMethod {
+    #[default]
+    Get,
+    Post,
+    Put,
+    Patch,
+    Delete,
 }
 
 /// Terminal tool settings.
@@ -344,6 +547,18 @@ fn default_command_timeout() -> u64 {
 }
 fn default_max_output_bytes() -> u64 {
     16 * 1024
+}
+fn default_mcp_call_timeout() -> u64 {
+    60
+}
+fn default_mcp_connect_timeout() -> u64 {
+    30
+}
+fn default_http_tool_timeout() -> u64 {
+    30
+}
+fn default_tool_result_bytes() -> u64 {
+    64 * 1024
 }
 fn default_per_batch() -> u32 {
     3
@@ -498,9 +713,16 @@ impl RunSpec {
                 ),
             );
         }
+        let declared: Vec<&str> = self.tools.declared_toolsets().collect();
         violations
             .0
-            .extend(crate::toolsets::distribution_violations(&self.distribution));
+            .extend(crate::toolsets::distribution_violations_declaring(
+                &self.distribution,
+                &declared,
+            ));
+        violations
+            .0
+            .extend(crate::declared::declared_tool_violations(&self.tools));
         if let DistributionSpec::Inline(map) = &self.distribution {
             violations.check(
                 !map.is_empty(),

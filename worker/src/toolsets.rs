@@ -172,6 +172,15 @@ pub const BUILTIN_DISTRIBUTIONS: &[BuiltinDistribution] = &[
 /// toolset, or a toolset it does not ship drawn with a probability above 0. Each violation names
 /// `spec.distribution` (or the inline toolset's own field).
 pub fn distribution_violations(spec: &DistributionSpec) -> Vec<SpecViolation> {
+    distribution_violations_declaring(spec, &[])
+}
+
+/// [`distribution_violations`] for a spec that also declares toolsets of its own (MCP servers and
+/// HTTP toolsets, `spec.tools`), which an inline distribution may name too.
+pub fn distribution_violations_declaring(
+    spec: &DistributionSpec,
+    declared: &[&str],
+) -> Vec<SpecViolation> {
     let violation = |field: String, message: String| SpecViolation { field, message };
     let (name, toolsets): (&str, Vec<(&str, f64)>) = match spec {
         DistributionSpec::Named(name) => {
@@ -206,11 +215,12 @@ pub fn distribution_violations(spec: &DistributionSpec) -> Vec<SpecViolation> {
                     ),
                 ));
             }
-        } else if !SHIPPED.contains(&toolset) {
+        } else if !SHIPPED.contains(&toolset) && !declared.contains(&toolset) {
             let known: Vec<&str> = SHIPPED
                 .iter()
                 .copied()
                 .chain(NOT_YET_SHIPPED.iter().map(|(name, _)| *name))
+                .chain(declared.iter().copied())
                 .collect();
             violations.push(violation(
                 format!("spec.distribution.{toolset}"),

@@ -8,8 +8,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    RunFixture, WORKER, assert_batch_whole_lines, assert_whole_lines, keys, no_shutdown,
-    signal_after, spawn_worker, terminal_server, wait, worker,
+    RunFixture, WORKER, assert_batch_whole_lines, assert_whole_lines, keys, local_options,
+    no_shutdown, signal_after, spawn_worker, terminal_server, wait, worker,
 };
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
@@ -21,7 +21,7 @@ use trajectory_worker::contract::{
     parse_ranges,
 };
 use trajectory_worker::run::batch::run_batch;
-use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
+use trajectory_worker::run::local::run_local;
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, merge, plan};
 
@@ -603,17 +603,6 @@ async fn sigterm_leaves_whole_lines_and_the_same_command_resumes() {
         keys(&fixture.lines("trajectories.jsonl")),
         (0..24).map(|i| (i, 0)).collect::<Vec<_>>()
     );
-}
-
-fn local_options(fixture: &RunFixture) -> LocalOptions {
-    LocalOptions {
-        run_file: fixture.run_file(),
-        storage: None,
-        base_url: None,
-        workspace_root: fixture.workspaces(),
-        sandbox: common::sandbox(),
-        progress: ProgressMode::Lines,
-    }
 }
 
 /// A tiny deterministic generator for kill schedules (the seed is printed for replay).

@@ -106,6 +106,7 @@ impl Engine {
         workspace_root: PathBuf,
         client: ModelClient,
     ) -> Result<Self, RunError> {
+        crate::tools::http::check_values(&spec.tools).map_err(RunError::Spec)?;
         let registry = Registry::builtin(&spec.tools);
         let distribution = Distribution::resolve(&spec.distribution, &registry)
             .map_err(|err| RunError::Spec(err.to_string()))?;
@@ -738,6 +739,7 @@ impl Shared {
         let circuit = Arc::new(Circuit::for_concurrency(engine.concurrency.max(1)));
         let mut engine = engine.clone();
         engine.client = engine.client.with_circuit(Arc::clone(&circuit));
+        engine.registry = engine.registry.with_frozen_mcp(&context.mcp_tools);
         Self {
             circuit,
             engine,
@@ -841,6 +843,8 @@ struct BatchContext {
     id_prefix: String,
     batch: u32,
     catalog: Vec<String>,
+    /// The MCP tools the plan froze.
+    mcp_tools: Vec<crate::tools::mcp::FrozenServer>,
     model: String,
 }
 
@@ -855,6 +859,7 @@ impl BatchContext {
                 .collect(),
             batch,
             catalog: manifest.tool_catalog.clone(),
+            mcp_tools: manifest.mcp_tools.clone(),
             model: location.plan.spec.model.name.clone(),
         }
     }

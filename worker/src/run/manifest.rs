@@ -23,6 +23,10 @@ pub struct Manifest {
     pub samples_per_prompt: u32,
     /// Every tool the run's distribution can offer; `tool_stats` are normalised over it.
     pub tool_catalog: Vec<String>,
+    /// The tools of the spec's MCP servers, as `plan` discovered them: every batch offers these,
+    /// whatever the servers list later.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp_tools: Vec<crate::tools::mcp::FrozenServer>,
     /// Per batch: the byte range of its lines in the dataset (a batch checks the bytes against
     /// the dataset's segment digests).
     pub batches: Vec<BatchLayout>,
@@ -158,6 +162,13 @@ pub fn spec_hash(spec: &RunSpec) -> String {
         "tools": spec.tools.terminal,
         "filters": spec.filters,
     });
+    // Declared HTTP tools are what the model is offered, so they count; added only when there are
+    // any, so that the hash of a run without them is what it always was. (MCP servers' tools are
+    // frozen in the manifest instead; their addresses are operational.)
+    let mut generating = generating;
+    if !spec.tools.http.is_empty() {
+        generating["httpTools"] = serde_json::to_value(&spec.tools.http).unwrap_or_default();
+    }
     let hash = blake3::hash(generating.to_string().as_bytes());
     format!("blake3:{}", &hash.to_hex()[..32])
 }

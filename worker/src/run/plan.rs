@@ -30,6 +30,7 @@ use crate::distribution::Distribution;
 use crate::spec::RunSpec;
 use crate::storage::{Context, RunDir, StorageError, sync_dir, temp_path, write_atomic_with};
 use crate::tools::Registry;
+use crate::tools::mcp::{FrozenServer, discover_blocking};
 
 /// The dataset is read in blocks of this size: large reads, and large updates for the digests
 /// (BLAKE3 hashes many 1 KiB chunks at once only when it is given them at once).
@@ -365,6 +366,7 @@ fn run_manifest(
     location: &RunLocation,
     dataset: DatasetInfo,
     catalog: Vec<String>,
+    mcp_tools: Vec<FrozenServer>,
     batches: Vec<BatchLayout>,
 ) -> Result<Manifest, RunError> {
     let spec = &location.plan.spec;
@@ -399,6 +401,7 @@ fn run_manifest(
             batch_size: spec.batch_size,
             samples_per_prompt: spec.samples_per_prompt,
             tool_catalog: catalog,
+            mcp_tools,
             batches,
         }),
     }
@@ -410,8 +413,21 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
     let registry = Registry::builtin(&spec.tools);
     let distribution = Distribution::resolve(&spec.distribution, &registry)
         .map_err(|err| RunError::Spec(err.to_string()))?;
-    let catalog = registry.catalog(&distribution.possible_toolsets());
     let run_dir = location.run_dir();
+    // MCP tools are listed once, by the first plan of a run; a plan run again (a resumed or
+    // re-created run) keeps what the manifest froze, so every record sees the same tools. A
+    // manifest of another run is refused below; its frozen tools are not used.
+    let mcp_tools = match Manifest::load(&run_dir) {
+        Ok(Some(existing)) if existing.spec_hash == spec_hash(spec) => existing.mcp_tools,
+        _ => discover_blocking(&spec.tools.mcp).map_err(|err| {
+            RunError::Spec(format!(
+                "{err}; check that the server is up and its spec.tools.mcp settings"
+            ))
+        })?,
+    };
+    let catalog = registry
+        .with_frozen_mcp(&mcp_tools)
+        .catalog(&distribution.possible_toolsets());
     let dataset_path = location.dataset_path();
     let file = File::open(&dataset_path).map_err(|err| {
         RunError::InvalidDataset(format!(
@@ -466,7 +482,7 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
             dataset_path.display()
         )));
     }
-    let manifest = match run_manifest(location, dataset, catalog, batches) {
+    let manifest = match run_manifest(location, dataset, catalog, mcp_tools, batches) {
         Ok(manifest) => manifest,
         Err(error) => return fail(error),
     };

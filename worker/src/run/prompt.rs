@@ -23,6 +23,13 @@ pub async fn run_prompt(
     let spec = &run_file.spec;
     let mut engine = Engine::new(spec, workspace_root)?;
     engine.sandbox = sandbox;
+    // No plan froze the MCP tools of a single prompt: they are listed now.
+    let frozen = engine
+        .registry
+        .discover_mcp()
+        .await
+        .map_err(|err| RunError::Spec(err.to_string()))?;
+    engine.registry = engine.registry.with_frozen_mcp(&frozen);
     let toolsets = match toolsets {
         Some(names) => {
             if let Some(unknown) = names

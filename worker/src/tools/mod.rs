@@ -15,13 +15,20 @@
 //! [`Registry::builtin`] and in [`crate::toolsets::SHIPPED`] (taken off `NOT_YET_SHIPPED` if a
 //! distribution already names it), so that a spec naming it validates.
 //! Arguments are read with the `args` helpers, output is cut on character boundaries by `text`.
+//!
+//! Besides the built-in toolsets, a spec declares toolsets of its own: MCP servers ([`mcp`],
+//! whose tools `plan` discovers and freezes into the manifest, see [`Registry::with_frozen_mcp`])
+//! and HTTP tools ([`http`]). They are registered after the built-in ones, in declaration order.
 
 mod args;
 pub mod file;
+pub mod http;
+pub mod mcp;
 pub mod sandbox;
 pub mod terminal;
 mod text;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Component, Path, PathBuf};
@@ -214,7 +221,8 @@ pub enum Availability {
 /// A named group of tools.
 #[derive(Debug, Clone)]
 pub struct Toolset {
-    pub name: &'static str,
+    /// A built-in name, or one the spec declares.
+    pub name: Cow<'static, str>,
     pub availability: Availability,
     pub tools: Vec<Arc<dyn Tool>>,
 }
@@ -223,6 +231,9 @@ pub struct Toolset {
 #[derive(Debug, Clone)]
 pub struct Registry {
     toolsets: Vec<Toolset>,
+    /// The declared MCP servers, whose sessions the tools of every [`Registry::with_frozen_mcp`]
+    /// copy share: one session per server and process.
+    mcp_servers: Vec<Arc<mcp::McpServer>>,
 }
 
 impl Registry {
@@ -230,12 +241,12 @@ impl Registry {
     pub fn builtin(config: &ToolsSpec) -> Self {
         let mut toolsets = vec![
             Toolset {
-                name: terminal::TOOLSET,
+                name: terminal::TOOLSET.into(),
                 availability: Availability::Available,
                 tools: terminal::tools(config),
             },
             Toolset {
-                name: file::TOOLSET,
+                name: file::TOOLSET.into(),
                 availability: Availability::Available,
                 tools: file::tools(config),
             },
@@ -244,20 +255,71 @@ impl Registry {
             toolsets::NOT_YET_SHIPPED
                 .iter()
                 .map(|(name, hint)| Toolset {
-                    name,
+                    name: (*name).into(),
                     availability: Availability::Unavailable((*hint).to_owned()),
                     tools: Vec::new(),
                 }),
         );
-        Self { toolsets }
+        let mcp_servers: Vec<Arc<mcp::McpServer>> = config
+            .mcp
+            .iter()
+            .map(|server| Arc::new(mcp::McpServer::new(server.clone())))
+            .collect();
+        // An MCP toolset has its tools once the frozen list is known (`with_frozen_mcp`).
+        toolsets.extend(mcp_servers.iter().map(|server| Toolset {
+            name: server.name().to_owned().into(),
+            availability: Availability::Available,
+            tools: Vec::new(),
+        }));
+        toolsets.extend(config.http.iter().map(|group| Toolset {
+            name: group.toolset.clone().into(),
+            availability: Availability::Available,
+            tools: http::tools(group),
+        }));
+        Self {
+            toolsets,
+            mcp_servers,
+        }
+    }
+
+    /// This registry with the MCP toolsets holding the tools `plan` froze (a server the spec
+    /// no longer declares is ignored; a declared one missing from `frozen` has no tools).
+    #[must_use]
+    pub fn with_frozen_mcp(&self, frozen: &[mcp::FrozenServer]) -> Self {
+        let mut registry = self.clone();
+        for server in &self.mcp_servers {
+            let tools: Vec<Arc<dyn Tool>> = frozen
+                .iter()
+                .filter(|entry| entry.server == server.name())
+                .flat_map(|entry| entry.tools.iter())
+                .map(|tool| Arc::new(mcp::McpTool::new(Arc::clone(server), tool)) as Arc<dyn Tool>)
+                .collect();
+            if let Some(toolset) = registry
+                .toolsets
+                .iter_mut()
+                .find(|toolset| toolset.name == server.name())
+            {
+                toolset.tools = tools;
+            }
+        }
+        registry
+    }
+
+    /// Lists the tools of every declared MCP server now (a run without a plan: `prompt`).
+    pub async fn discover_mcp(&self) -> Result<Vec<mcp::FrozenServer>, mcp::McpError> {
+        let mut frozen = Vec::with_capacity(self.mcp_servers.len());
+        for server in &self.mcp_servers {
+            frozen.push(server.discover().await?);
+        }
+        Ok(frozen)
     }
 
     pub fn toolset(&self, name: &str) -> Option<&Toolset> {
         self.toolsets.iter().find(|toolset| toolset.name == name)
     }
 
-    pub fn toolset_names(&self) -> impl Iterator<Item = &'static str> + '_ {
-        self.toolsets.iter().map(|toolset| toolset.name)
+    pub fn toolset_names(&self) -> impl Iterator<Item = &str> + '_ {
+        self.toolsets.iter().map(|toolset| toolset.name.as_ref())
     }
 
     /// The tools of the given toolsets, in registry order, without duplicates.
@@ -265,7 +327,7 @@ impl Registry {
         let mut seen = std::collections::BTreeSet::new();
         self.toolsets
             .iter()
-            .filter(|toolset| toolsets.iter().any(|name| name == toolset.name))
+            .filter(|toolset| toolsets.iter().any(|name| *name == toolset.name))
             .flat_map(|toolset| toolset.tools.iter())
             .filter(|tool| seen.insert(tool.spec().name.clone()))
             .cloned()
@@ -282,14 +344,14 @@ impl Registry {
     }
 
     /// Tool name → toolset name, for the tools of available toolsets.
-    pub fn tool_to_toolset(&self) -> BTreeMap<String, &'static str> {
+    pub fn tool_to_toolset(&self) -> BTreeMap<String, &str> {
         self.toolsets
             .iter()
             .flat_map(|toolset| {
                 toolset
                     .tools
                     .iter()
-                    .map(move |tool| (tool.spec().name.clone(), toolset.name))
+                    .map(move |tool| (tool.spec().name.clone(), toolset.name.as_ref()))
             })
             .collect()
     }

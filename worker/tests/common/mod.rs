@@ -16,6 +16,7 @@ use trajectory_testkit::scripted_server::{
 use trajectory_worker::contract::BatchSummary;
 use trajectory_worker::model::{ModelClient, ModelSettings};
 use trajectory_worker::run::batch::{Engine, Shutdown, run_batch, shutdown_channel};
+use trajectory_worker::run::local::{LocalOptions, ProgressMode};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunFile, RunLocation};
 use trajectory_worker::storage::RecordsFile;
@@ -27,6 +28,18 @@ pub const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 /// it), with Landlock where the kernel has it.
 pub fn sandbox() -> Sandbox {
     Sandbox::local(LandlockMode::Auto)
+}
+
+/// Options of a `local` run of `fixture`'s run file, with line progress and the sandbox above.
+pub fn local_options(fixture: &RunFixture) -> LocalOptions {
+    LocalOptions {
+        run_file: fixture.run_file(),
+        storage: None,
+        base_url: None,
+        workspace_root: fixture.workspaces(),
+        sandbox: sandbox(),
+        progress: ProgressMode::Lines,
+    }
 }
 
 /// A run on disk: `<dir>/run.yaml`, `<dir>/datasets/prompts.jsonl`, outputs under `<dir>/out`.
