@@ -85,16 +85,27 @@ impl fmt::Display for Exceeded {
                 "the command exceeded the sandbox's memory limit ({}; its processes held {}) \
                  and all its processes were stopped",
                 human_bytes(limit),
-                human_bytes(seen)
+                beyond(limit, seen)
             ),
             Self::Workspace { limit, seen } => write!(
                 f,
                 "the command exceeded the sandbox's workspace limit ({}; the workspace holds {}) \
                  and all its processes were stopped; delete files to make room",
                 human_bytes(limit),
-                human_bytes(seen)
+                beyond(limit, seen)
             ),
         }
+    }
+}
+
+/// `seen`, which is past `limit`, as people read it: "more than" the limit when the two would
+/// read the same.
+fn beyond(limit: u64, seen: u64) -> String {
+    let (limit, seen) = (human_bytes(limit), human_bytes(seen));
+    if limit == seen {
+        format!("more than {limit}")
+    } else {
+        seen
     }
 }
 
