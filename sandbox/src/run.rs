@@ -44,6 +44,22 @@
 //!   for egress), `/proc/<pid>/cmdline` of other processes (readable: it carries no secret), a
 //!   storage root that lies under one of the system paths above, and kernel exploits (use gVisor
 //!   or Kata for that). [`LandlockMode`] says what happens on a kernel without it.
+//! - **Limits** ([`Limits`]: processes and threads, resident memory, workspace size; see
+//!   `limits.rs`). Per process, rlimits the command cannot raise: no core files, `RLIMIT_DATA` at
+//!   twice the memory limit, `RLIMIT_FSIZE` at the workspace limit plus one byte. Over the whole
+//!   command, a check 10 ms after the start and then every 20, 40, 80, 100 ms: the descendants'
+//!   count and their summed `RssAnon + RssShmem`, and the workspace's allocated size (walked only
+//!   when `statvfs` says the filesystem grew enough for it to matter), again when the command ends.
+//!   Past a limit, everything is killed (the shell's process group first, with one `killpg`) and
+//!   the executor exits with [`LIMIT_EXIT`] and a `sandbox: ` line naming the limit after the
+//!   command's output. The commands run at nice 19, so that a fork bomb cannot starve the executor
+//!   that must stop it. Why no cgroup, PID namespace or `RLIMIT_NPROC`: the restricted Pod Security
+//!   Standard gives no capability and a read-only cgroupfs, unprivileged user namespaces are not
+//!   available, and `RLIMIT_NPROC` counts every process of the uid (the user's session locally, a
+//!   whole node's uid 65532 in pods), not the command's. Not covered: what a command allocates or
+//!   writes within one check interval (bounded by the rlimits per process), a `memfd` written but
+//!   not mapped, the page cache; in pods, the sandbox container's resource limits are the hard
+//!   bound (`spec.sandbox.resources`).
 
 use std::ffi::{OsStr, OsString};
 use std::io::Write;
