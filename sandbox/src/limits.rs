@@ -24,6 +24,9 @@ const CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// while the filesystem grows, see [`Disk`]).
 const WALK_TIME_SHARE: u32 = 10;
 
+/// A walk this fast (a few hundred files) is done at the end of every command, `statvfs` or not.
+const CHEAP_WALK: Duration = Duration::from_millis(1);
+
 /// Entries one walk of the workspace looks at; beyond them the size is a lower bound (the
 /// pod's ephemeral-storage limit still holds).
 const WALK_MAX_ENTRIES: usize = 100_000;
@@ -144,13 +147,14 @@ impl Supervisor {
         let now = Instant::now();
         let disk = (limits.workspace_bytes > 0).then(|| {
             let filesystem_then = filesystem_used(workspace);
+            let started = Instant::now();
             let walked = workspace_bytes(workspace);
             Disk {
                 at_start: walked,
                 walked,
                 filesystem_then,
                 next_walk: now,
-                walk_cost: now.elapsed(),
+                walk_cost: started.elapsed(),
             }
         });
         let limited = limits != Limits::NONE;
@@ -195,27 +199,33 @@ impl Supervisor {
                 });
             }
         }
-        self.check_workspace(now)
+        self.check_workspace(Some(now))
     }
 
     /// The last check, once the command has ended by itself: a file cut short by `RLIMIT_FSIZE`
-    /// (or written between two checks) still leaves the workspace past its limit.
+    /// (or written between two checks) still leaves the workspace past its limit. A walk whatever
+    /// `statvfs` says if the workspace is small enough to walk cheaply: space freed elsewhere on
+    /// the filesystem meanwhile (another conversation deleting files) can hide the command's
+    /// writes from `statvfs`, and no later check would catch them.
     pub(crate) fn check_at_end(&mut self) -> Option<Exceeded> {
-        let now = Instant::now();
-        if let Some(disk) = &mut self.disk {
-            disk.next_walk = now;
-        }
-        self.check_workspace(now)
+        let cheap = self
+            .disk
+            .as_ref()
+            .is_some_and(|disk| disk.walk_cost < CHEAP_WALK);
+        self.check_workspace((!cheap).then(Instant::now))
     }
 
-    fn check_workspace(&mut self, now: Instant) -> Option<Exceeded> {
+    /// Checks the workspace; `now` for a check during the command, which walks only when the
+    /// filesystem's growth says it could be past its limit, and not more often than the walk's
+    /// cost allows.
+    fn check_workspace(&mut self, now: Option<Instant>) -> Option<Exceeded> {
         let limit = self.limits.workspace_bytes;
         let disk = self.disk.as_mut()?;
         let filesystem_now = filesystem_used(&self.workspace);
         let at_most = disk
             .walked
             .saturating_add(filesystem_now.saturating_sub(disk.filesystem_then));
-        if at_most <= limit || now < disk.next_walk {
+        if now.is_some_and(|now| at_most <= limit || now < disk.next_walk) {
             return None;
         }
         let started = Instant::now();

@@ -75,7 +75,7 @@ impl Probe {
         server.push(Step::ok(tool_calls_reply(&calls)));
 
         let binaries = tempfile::tempdir().unwrap();
-        let mut command = match uid {
+        let command = match uid {
             None => Command::new(WORKER),
             Some(uid) => {
                 let worker = as_user(uid, binaries.path(), &[fixture.root(), secrets.path()]);
@@ -88,12 +88,7 @@ impl Probe {
                 command
             }
         };
-        let child = command
-            .arg("local")
-            .arg(fixture.run_file())
-            .arg("--no-progress-bar")
-            .arg("--workspace-root")
-            .arg(fixture.workspaces())
+        let child = local_run(command, &fixture)
             .arg("--landlock")
             .arg(landlock)
             .env(env::MODEL_API_KEY, KEY)
@@ -186,6 +181,18 @@ fn as_user(uid: u32, dir: &Path, owned: &[&Path]) -> PathBuf {
             std::os::unix::fs::chown(entry.path(), Some(uid), Some(uid)).unwrap();
         }
     }
+    worker
+}
+
+/// `worker` (the worker binary, or what runs it) told to run the fixture's run locally, its
+/// workspaces beside the storage.
+fn local_run(mut worker: Command, fixture: &RunFixture) -> Command {
+    worker
+        .arg("local")
+        .arg(fixture.run_file())
+        .arg("--no-progress-bar")
+        .arg("--workspace-root")
+        .arg(fixture.workspaces());
     worker
 }
 
@@ -442,12 +449,7 @@ async fn a_fork_bomb_a_memory_hog_and_a_disk_filler_stop_only_their_own_conversa
             json!({"limits": {"processes": 64, "memoryBytes": 256 << 20, "workspaceBytes": 64 << 20}}),
         );
     let started = std::time::Instant::now();
-    let child = Command::new(WORKER)
-        .arg("local")
-        .arg(fixture.run_file())
-        .arg("--no-progress-bar")
-        .arg("--workspace-root")
-        .arg(fixture.workspaces())
+    let child = local_run(Command::new(WORKER), &fixture)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
