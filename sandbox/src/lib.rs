@@ -26,6 +26,7 @@
 //! The binary is small and built static for pods, so that it runs on any image's libc and costs
 //! every command one cheap exec.
 
+mod limits;
 pub mod protocol;
 pub mod run;
 pub mod serve;
@@ -43,6 +44,11 @@ pub const REFUSED_EXIT: i32 = 121;
 
 /// What a refused command's output starts with; the rest of that output says why.
 pub const REFUSED_PREFIX: &str = "sandbox: ";
+
+/// Exit code of an executor that stopped its command because the command went past one of its
+/// [`Limits`]. The output's last line is [`REFUSED_PREFIX`] and which limit, after whatever the
+/// command wrote before.
+pub const LIMIT_EXIT: i32 = 122;
 
 /// Used when the executor itself has no `PATH` (as in some minimal containers).
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -84,6 +90,59 @@ impl LandlockMode {
 impl std::fmt::Display for LandlockMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// What one command, with everything it starts, may use ([`run`] says how each is enforced). Zero
+/// means no limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Limits {
+    /// Processes and threads alive at once.
+    pub processes: u64,
+    /// Bytes of resident memory (anonymous and shared), summed over the processes.
+    pub memory_bytes: u64,
+    /// Bytes the conversation's workspace may hold on disk.
+    pub workspace_bytes: u64,
+}
+
+impl Limits {
+    /// No limit at all.
+    pub const NONE: Self = Self {
+        processes: 0,
+        memory_bytes: 0,
+        workspace_bytes: 0,
+    };
+
+    /// The defaults of a run's `spec.sandbox.limits`: room for a build or a test suite, far below
+    /// what would starve the other conversations of a pod or a laptop.
+    pub const DEFAULT: Self = Self {
+        processes: 256,
+        memory_bytes: 2 << 30,
+        workspace_bytes: 1 << 30,
+    };
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+/// `bytes` for people, to a tenth of the unit: `1.5 GiB`, `64 MiB`, `512 B`.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut unit = 0;
+    while unit + 1 < UNITS.len() && bytes >= 1024 << (10 * (unit + 1)) {
+        unit += 1;
+    }
+    let tenths = u128::from(bytes) * 10 / (1024_u128 << (10 * unit));
+    match (tenths / 10, tenths % 10) {
+        (whole, 0) => format!("{whole} {}", UNITS[unit]),
+        (whole, tenth) => format!("{whole}.{tenth} {}", UNITS[unit]),
     }
 }
 
@@ -130,4 +189,17 @@ fn install(dir: &Path) -> Result<(), String> {
         .map_err(|err| format!("cannot make {} executable: {err}", partial.display()))?;
     std::fs::rename(&partial, &target)
         .map_err(|err| format!("cannot rename to {}: {err}", target.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_are_shown_in_their_largest_whole_unit() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(64 << 20), "64 MiB");
+        assert_eq!(human_bytes(3 << 29), "1.5 GiB");
+        assert_eq!(human_bytes(2 << 40), "2 TiB");
+    }
 }

@@ -7,7 +7,7 @@
 //! the output). The worker closing the connection early (a timeout, a cancelled conversation)
 //! asks the server to end the command and everything it started.
 
-use crate::LandlockMode;
+use crate::{LandlockMode, Limits};
 
 /// A frame of command output (stdout and stderr, interleaved as written).
 pub const OUTPUT: u8 = b'o';
@@ -37,6 +37,9 @@ pub struct Request {
     pub landlock: LandlockMode,
     /// How long a background process may still write after the shell exits, in milliseconds.
     pub grace_ms: u64,
+    /// What the command may use; the defaults when left out.
+    #[serde(default)]
+    pub limits: Limits,
 }
 
 /// A frame's header.
@@ -80,5 +83,10 @@ mod tests {
         let line = r#"{"workspace":"c1","command":"ls","landlock":"required","graceMs":5}"#;
         let request: Request = serde_json::from_str(line).unwrap();
         assert_eq!(request.landlock, LandlockMode::Required);
+        assert_eq!(request.limits, Limits::DEFAULT);
+        let line = r#"{"workspace":"c1","command":"ls","landlock":"off","graceMs":5,
+            "limits":{"processes":3,"memoryBytes":4,"workspaceBytes":5}}"#;
+        let request: Request = serde_json::from_str(line).unwrap();
+        assert_eq!(request.limits.workspace_bytes, 5);
     }
 }

@@ -44,6 +44,22 @@
 //!   for egress), `/proc/<pid>/cmdline` of other processes (readable: it carries no secret), a
 //!   storage root that lies under one of the system paths above, and kernel exploits (use gVisor
 //!   or Kata for that). [`LandlockMode`] says what happens on a kernel without it.
+//! - **Limits** ([`Limits`]: processes and threads, resident memory, workspace size; see
+//!   `limits.rs`). Per process, rlimits the command cannot raise: no core files, `RLIMIT_DATA` at
+//!   twice the memory limit, `RLIMIT_FSIZE` at the workspace limit plus one byte. Over the whole
+//!   command, a check 10 ms after the start and then every 20, 40, 80, 100 ms: the descendants'
+//!   count and their summed `RssAnon + RssShmem`, and the workspace's allocated size (walked only
+//!   when `statvfs` says the filesystem grew enough for it to matter), again when the command ends.
+//!   Past a limit, everything is killed (the shell's process group first, with one `killpg`) and
+//!   the executor exits with [`LIMIT_EXIT`] and a `sandbox: ` line naming the limit after the
+//!   command's output. The commands run at nice 19, so that a fork bomb cannot starve the executor
+//!   that must stop it. Why no cgroup, PID namespace or `RLIMIT_NPROC`: the restricted Pod Security
+//!   Standard gives no capability and a read-only cgroupfs, unprivileged user namespaces are not
+//!   available, and `RLIMIT_NPROC` counts every process of the uid (the user's session locally, a
+//!   whole node's uid 65532 in pods), not the command's. Not covered: what a command allocates or
+//!   writes within one check interval (bounded by the rlimits per process), a `memfd` written but
+//!   not mapped, the page cache; in pods, the sandbox container's resource limits are the hard
+//!   bound (`spec.sandbox.resources`).
 
 use std::ffi::{OsStr, OsString};
 use std::io::Write;
@@ -57,12 +73,15 @@ use landlock::{
 };
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::signal::{SigSet, Signal, kill};
+use nix::sys::signal::{SigSet, Signal, kill, killpg};
 use nix::sys::signalfd::SignalFd;
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Pid, getppid};
 
-use crate::{DEFAULT_PATH, LandlockMode, PASSED_ENV, REFUSED_EXIT, REFUSED_PREFIX};
+use crate::limits::{Supervisor, apply_rlimits};
+use crate::{
+    DEFAULT_PATH, LIMIT_EXIT, LandlockMode, Limits, PASSED_ENV, REFUSED_EXIT, REFUSED_PREFIX,
+};
 
 /// The subcommand that runs one command confined.
 pub const SUBCOMMAND: &str = "run";
@@ -89,6 +108,7 @@ pub fn command(
     executor: &Path,
     workspace: &Path,
     landlock: LandlockMode,
+    limits: Limits,
     grace: Duration,
     command: &str,
 ) -> Command {
@@ -98,6 +118,12 @@ pub fn command(
         .arg(workspace)
         .arg("--landlock")
         .arg(landlock.as_str())
+        .arg("--max-processes")
+        .arg(limits.processes.to_string())
+        .arg("--max-memory")
+        .arg(limits.memory_bytes.to_string())
+        .arg("--max-workspace")
+        .arg(limits.workspace_bytes.to_string())
         .arg("--grace-ms")
         .arg(grace.as_millis().to_string())
         .arg("--parent")
@@ -131,6 +157,7 @@ pub fn landlock_enforced(executor: &Path, workspace: &Path) -> std::io::Result<b
         executor,
         workspace,
         LandlockMode::Required,
+        Limits::NONE,
         Duration::ZERO,
         "true",
     )
@@ -145,6 +172,7 @@ pub fn landlock_enforced(executor: &Path, workspace: &Path) -> std::io::Result<b
 struct ExecutorArgs {
     workspace: PathBuf,
     landlock: LandlockMode,
+    limits: Limits,
     grace: Duration,
     /// The worker's pid: while it lives, it is the executor's parent.
     parent: Pid,
@@ -154,6 +182,8 @@ struct ExecutorArgs {
 fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, String> {
     let mut workspace = None;
     let mut landlock = LandlockMode::Auto;
+    // Flags left out limit nothing.
+    let mut limits = Limits::NONE;
     let mut grace = Duration::ZERO;
     let mut parent = None;
     loop {
@@ -171,6 +201,11 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, 
                     .and_then(LandlockMode::parse)
                     .ok_or(format!("unknown --landlock {}", text.display()))?;
             }
+            Some("--max-processes") => limits.processes = number("--max-processes", &value()?)?,
+            Some("--max-memory") => limits.memory_bytes = number("--max-memory", &value()?)?,
+            Some("--max-workspace") => {
+                limits.workspace_bytes = number("--max-workspace", &value()?)?;
+            }
             Some("--grace-ms") => {
                 grace = Duration::from_millis(number("--grace-ms", &value()?)?);
             }
@@ -183,6 +218,7 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, 
     Ok(ExecutorArgs {
         workspace: workspace.ok_or("missing --workspace")?,
         landlock,
+        limits,
         grace,
         parent: parent.ok_or("missing --parent")?,
         command,
@@ -237,20 +273,27 @@ fn execute(args: &ExecutorArgs) -> Result<i32, String> {
         .map_err(|err| format!("cannot become a child subreaper: {err}"))?;
     drop_privileges()?;
     confine(&args.workspace, args.landlock)?;
+    apply_rlimits(&args.limits)?;
+    let mut supervisor = Supervisor::start(&args.workspace, args.limits);
 
     let shell = spawn_shell(&args.command, &args.workspace)
         .map_err(|err| format!("could not start the shell: {err}"))?;
     let shell_pid = Pid::from_raw(i32::try_from(shell.id()).unwrap_or(i32::MAX));
+    lower_priority(shell_pid);
     // The child handle is not waited through std: every child is reaped below with waitpid.
     drop(shell);
 
     let mut status = None;
     let mut grace_ends: Option<Instant> = None;
-    loop {
-        let timeout = match grace_ends {
+    let mut exceeded = loop {
+        let wake = [grace_ends, supervisor.next_check()]
+            .into_iter()
+            .flatten()
+            .min();
+        let timeout = match wake {
             None => PollTimeout::NONE,
-            Some(end) => {
-                let left = end.saturating_duration_since(Instant::now());
+            Some(at) => {
+                let left = at.saturating_duration_since(Instant::now());
                 PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
             }
         };
@@ -259,28 +302,43 @@ fn execute(args: &ExecutorArgs) -> Result<i32, String> {
             PollFlags::POLLIN,
         )];
         match poll(&mut fds, timeout) {
-            Ok(0) => break, // the grace after the shell's exit is over
-            Ok(_) => {}
+            Ok(0) => {} // a check is due, or the grace after the shell's exit is over
+            Ok(_) => {
+                if let Ok(Some(info)) = signal_fd.read_signal() {
+                    if i32::try_from(info.ssi_signo).ok() != Some(Signal::SIGCHLD as i32) {
+                        // Asked to stop: a timeout, a cancelled call, or the worker's death.
+                        break None;
+                    }
+                    if let Some(code) = reap_exited(shell_pid) {
+                        status = Some(code);
+                    }
+                }
+            }
             Err(Errno::EINTR) => continue,
             Err(err) => return Err(format!("poll failed: {err}")),
         }
-        let Ok(Some(info)) = signal_fd.read_signal() else {
-            continue;
-        };
-        if i32::try_from(info.ssi_signo).ok() != Some(Signal::SIGCHLD as i32) {
-            break; // asked to stop: a timeout, a cancelled call, or the worker's death
-        }
-        if let Some(code) = reap_exited(shell_pid) {
-            status = Some(code);
+        if let Some(exceeded) = supervisor.check_if_due() {
+            break Some(exceeded);
         }
         if status.is_some() {
             if !has_children() {
-                break;
+                break None;
             }
-            grace_ends.get_or_insert_with(|| Instant::now() + args.grace);
+            let end = *grace_ends.get_or_insert_with(|| Instant::now() + args.grace);
+            if Instant::now() >= end {
+                break None;
+            }
         }
+    };
+    kill_all_descendants(shell_pid);
+    if exceeded.is_none() && status.is_some() {
+        exceeded = supervisor.check_at_end();
     }
-    kill_all_descendants();
+    if let Some(exceeded) = exceeded {
+        // Last on the output pipe: every process that could write to it is gone.
+        let _ = writeln!(std::io::stderr(), "\n{REFUSED_PREFIX}{exceeded}");
+        return Ok(LIMIT_EXIT);
+    }
     Ok(status.unwrap_or(128 + Signal::SIGKILL as i32))
 }
 
@@ -351,10 +409,13 @@ fn landlock_rules(workspace: &Path) -> Result<RulesetStatus, landlock::RulesetEr
 
 /// Starts the shell in the workspace, with the executor's standard streams and an environment of
 /// its own: `HOME` and `TMPDIR` are the workspace, `TERM=dumb`, and what [`pass_environment`]
-/// passes. `bash`, or `sh` where bash is missing.
+/// passes. `bash`, or `sh` where bash is missing. The shell leads a process group of its own,
+/// which its pipelines and background jobs join: one `killpg` ends them all at once, forks in
+/// flight included (a fork bomb outpaces killing its members one by one).
 fn spawn_shell(command: &OsStr, workspace: &Path) -> std::io::Result<std::process::Child> {
     let spawn = |shell: &str| {
         let mut cmd = Command::new(shell);
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         cmd.arg("-c")
             .arg(command)
             .current_dir(workspace)
@@ -368,6 +429,21 @@ fn spawn_shell(command: &OsStr, workspace: &Path) -> std::io::Result<std::proces
     match spawn("bash") {
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => spawn("sh"),
         spawned => spawned,
+    }
+}
+
+/// The nice value of the commands: the lowest priority. A command that keeps every CPU busy (a
+/// fork bomb is thousands of runnable processes) still leaves CPU time to the executor that must
+/// stop it, to the worker and to the other conversations' executors. Commands compete among
+/// themselves as before.
+const COMMAND_NICE: i32 = 19;
+
+/// Gives the shell, and so everything it starts, the lowest CPU priority. Set from here, just
+/// after the spawn (setting it between fork and exec would need `unsafe`): the shell has not yet
+/// read its command by then. A failure leaves the command at the executor's priority.
+fn lower_priority(shell: Pid) {
+    if let Some(pid) = rustix::process::Pid::from_raw(shell.as_raw()) {
+        let _ = rustix::process::setpriority_process(Some(pid), COMMAND_NICE);
     }
 }
 
@@ -408,9 +484,12 @@ fn has_children() -> bool {
     !children().is_empty()
 }
 
-/// Kills every descendant and reaps it. A killed process's children are re-parented to this
-/// subreaper, so the loop goes on until `waitpid` says no child is left.
-fn kill_all_descendants() {
+/// Kills every descendant and reaps it: first the shell's process group (`shell` is its id,
+/// which stays reserved while the group has a member, even once the shell is reaped), then, as a
+/// killed process's children are re-parented to this subreaper, whatever left the group, until
+/// `waitpid` says no child is left.
+fn kill_all_descendants(shell: Pid) {
+    let _ = killpg(shell, Signal::SIGKILL);
     loop {
         for child in children() {
             let _ = kill(child, Signal::SIGKILL);
@@ -420,6 +499,15 @@ fn kill_all_descendants() {
             // ECHILD: no child is left. Nothing can be done about another failure of waitpid
             // either, and the loop must not spin on it.
             Err(_) => return,
+        }
+        // Every zombie at once before listing the children again: a fork bomb leaves thousands,
+        // and one listing per zombie would be quadratic.
+        loop {
+            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) => break,
+                Err(Errno::EINTR) | Ok(_) => {}
+                Err(_) => return,
+            }
         }
     }
 }
@@ -441,6 +529,11 @@ mod tests {
             Path::new("/bin/trajectory-executor"),
             Path::new("/w"),
             LandlockMode::Required,
+            Limits {
+                processes: 7,
+                memory_bytes: 8,
+                workspace_bytes: 9,
+            },
             Duration::from_millis(500),
             "echo hi",
         );
@@ -450,6 +543,9 @@ mod tests {
         assert_eq!(parsed.workspace, Path::new("/w"));
         assert_eq!(parsed.landlock, LandlockMode::Required);
         assert_eq!(parsed.grace, Duration::from_millis(500));
+        assert_eq!(parsed.limits.processes, 7);
+        assert_eq!(parsed.limits.memory_bytes, 8);
+        assert_eq!(parsed.limits.workspace_bytes, 9);
         let worker = i32::try_from(std::process::id()).unwrap();
         assert_eq!(parsed.parent, Pid::from_raw(worker));
         assert_eq!(parsed.command, "echo hi");
@@ -467,5 +563,18 @@ mod tests {
             "no --parent"
         );
         assert!(parse_args(args(&["--workspace", "/w", "--parent", "x", "--", "true"])).is_err());
+        assert!(
+            parse_args(args(&[
+                "--workspace",
+                "/w",
+                "--parent",
+                "1",
+                "--max-memory",
+                "2G",
+                "--",
+                "true"
+            ]))
+            .is_err()
+        );
     }
 }

@@ -261,6 +261,7 @@ fn start(
         executor,
         workspace,
         request.landlock,
+        request.limits,
         Duration::from_millis(request.grace_ms),
         &request.command,
     );

@@ -12,7 +12,7 @@ use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_c
 use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
 use crate::run::manifest::Manifest;
 use crate::run::{RunError, RunFile, RunLocation, load_plan, merge, plan};
-use crate::spec::LandlockSetting;
+use crate::spec::{LandlockSetting, SandboxSpec};
 use crate::tools::sandbox::{LandlockMode, Sandbox};
 
 #[derive(Debug, Parser)]
@@ -127,18 +127,20 @@ fn parse_landlock(text: &str) -> Result<LandlockMode, String> {
 }
 
 impl WorkspaceArgs {
-    /// Where terminal commands run; `spec` is the run's setting, which the flag overrides.
-    fn sandbox(&self, spec: LandlockSetting) -> Sandbox {
-        let landlock = self.landlock.unwrap_or(match spec {
+    /// Where terminal commands run, and with which limits; the Landlock flag overrides the
+    /// run's setting.
+    fn sandbox(&self, spec: &SandboxSpec) -> Sandbox {
+        let landlock = self.landlock.unwrap_or(match spec.landlock {
             LandlockSetting::Auto => LandlockMode::Auto,
             LandlockSetting::Required => LandlockMode::Required,
             LandlockSetting::Off => LandlockMode::Off,
         });
-        match (&self.sandbox_socket, &self.executor) {
+        let sandbox = match (&self.sandbox_socket, &self.executor) {
             (Some(socket), _) => Sandbox::pod(socket, landlock),
             (None, Some(executor)) => Sandbox::new(executor, landlock),
             (None, None) => Sandbox::local(landlock),
-        }
+        };
+        sandbox.with_limits(spec.limits.into())
     }
 
     /// Says once whether terminal commands will be confined by Landlock, and refuses to start
@@ -328,7 +330,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             no_progress_bar,
             base_url,
         } => {
-            let sandbox = workspaces.sandbox(RunFile::load(&run_file)?.spec.sandbox.landlock);
+            let sandbox = workspaces.sandbox(&RunFile::load(&run_file)?.spec.sandbox);
             workspaces.check_sandbox(&sandbox).await?;
             let options = LocalOptions {
                 run_file,
@@ -389,7 +391,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             toolsets,
             workspaces,
         } => {
-            let sandbox = workspaces.sandbox(RunFile::load(&run_file)?.spec.sandbox.landlock);
+            let sandbox = workspaces.sandbox(&RunFile::load(&run_file)?.spec.sandbox);
             workspaces.check_sandbox(&sandbox).await?;
             let record = crate::run::prompt::run_prompt(
                 &run_file,
@@ -438,7 +440,7 @@ async fn batch_command(
             )));
         }
     };
-    let sandbox = workspaces.sandbox(location.plan.spec.sandbox.landlock);
+    let sandbox = workspaces.sandbox(&location.plan.spec.sandbox);
     let landlock = workspaces.check_sandbox(&sandbox).await?;
     let manifest = Manifest::require(&location.run_dir())?;
     let mut engine = Engine::new(&location.plan.spec, workspaces.root())?;

@@ -453,6 +453,63 @@ pub struct SandboxSpec {
     /// with the reason). `off`: not used. A local run's `--landlock` flag overrides it.
     #[serde(default)]
     pub landlock: LandlockSetting,
+    /// What one terminal command, with every process it starts, may use. Past a limit the
+    /// command and all its processes are stopped, and the model gets a tool error naming the
+    /// limit; the worker and the other conversations go on. Checked by the tool executor every
+    /// 10 to 100 ms, locally and in pods.
+    #[serde(default)]
+    pub limits: SandboxLimits,
+    /// Resources of the generation pods' sandbox container (cluster only), as a container's
+    /// `resources`: `requests` and `limits` of `cpu`, `memory` and `ephemeral-storage`. A memory
+    /// limit puts the kernel's OOM killer in the sandbox container's cgroup, never the worker's;
+    /// an `ephemeral-storage` limit adds to the pod's, against which the kubelet counts the
+    /// workspace volume. Default: none (the namespace's `LimitRange`, if any).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
+    pub resources: Option<Value>,
+}
+
+/// Limits on one terminal command and everything it starts (see [`SandboxSpec::limits`]). Zero
+/// means no limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxLimits {
+    /// Processes and threads alive at once: a fork bomb is stopped when it passes this.
+    #[serde(default = "default_sandbox_processes")]
+    pub processes: u64,
+    /// Bytes of resident memory (anonymous and shared, not the page cache), summed over the
+    /// command's processes. No single process may map more than twice this: an allocation
+    /// beyond it fails in the program itself.
+    #[serde(default = "default_sandbox_memory_bytes")]
+    pub memory_bytes: u64,
+    /// Bytes the conversation's workspace may hold on disk. No single file may grow beyond it.
+    /// A workspace already past it (an earlier command's files) stops only the commands that
+    /// make it grow, so the model can still delete files.
+    #[serde(default = "default_sandbox_workspace_bytes")]
+    pub workspace_bytes: u64,
+}
+
+impl Default for SandboxLimits {
+    fn default() -> Self {
+        Self {
+            processes: default_sandbox_processes(),
+            memory_bytes: default_sandbox_memory_bytes(),
+            workspace_bytes: default_sandbox_workspace_bytes(),
+        }
+    }
+}
+
+fn default_sandbox_processes() -> u64 {
+    256
+}
+
+fn default_sandbox_memory_bytes() -> u64 {
+    2 << 30
+}
+
+fn default_sandbox_workspace_bytes() -> u64 {
+    1 << 30
 }
 
 /// Landlock confinement of the model's commands (see [`SandboxSpec::landlock`]).

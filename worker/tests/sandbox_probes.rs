@@ -75,7 +75,7 @@ impl Probe {
         server.push(Step::ok(tool_calls_reply(&calls)));
 
         let binaries = tempfile::tempdir().unwrap();
-        let mut command = match uid {
+        let command = match uid {
             None => Command::new(WORKER),
             Some(uid) => {
                 let worker = as_user(uid, binaries.path(), &[fixture.root(), secrets.path()]);
@@ -88,12 +88,7 @@ impl Probe {
                 command
             }
         };
-        let child = command
-            .arg("local")
-            .arg(fixture.run_file())
-            .arg("--no-progress-bar")
-            .arg("--workspace-root")
-            .arg(fixture.workspaces())
+        let child = local_run(command, &fixture)
             .arg("--landlock")
             .arg(landlock)
             .env(env::MODEL_API_KEY, KEY)
@@ -186,6 +181,18 @@ fn as_user(uid: u32, dir: &Path, owned: &[&Path]) -> PathBuf {
             std::os::unix::fs::chown(entry.path(), Some(uid), Some(uid)).unwrap();
         }
     }
+    worker
+}
+
+/// `worker` (the worker binary, or what runs it) told to run the fixture's run locally, its
+/// workspaces beside the storage.
+fn local_run(mut worker: Command, fixture: &RunFixture) -> Command {
+    worker
+        .arg("local")
+        .arg(fixture.run_file())
+        .arg("--no-progress-bar")
+        .arg("--workspace-root")
+        .arg(fixture.workspaces());
     worker
 }
 
@@ -417,4 +424,83 @@ async fn as_a_non_root_uid_the_non_dumpable_worker_alone_keeps_its_environment_a
         probe.output(2)
     );
     assert_nothing_outlived_the_conversation(&probe.landlock);
+}
+
+/// Limits, through the real worker: four conversations at once, three of them a fork bomb, a
+/// memory hog and a disk filler, the fourth ordinary work. Each offender gets a tool error naming
+/// its limit and its conversation goes on; the ordinary one completes as if alone; the worker
+/// finishes the run; nothing is left running.
+#[tokio::test]
+async fn a_fork_bomb_a_memory_hog_and_a_disk_filler_stop_only_their_own_conversation() {
+    let bomb = "f(){ if [ $1 -lt 9 ]; then f $(($1+1)) & f $(($1+1)) & fi; sleep 987801; }; f 0";
+    let hog = "for i in 1 2 3 4; do head -c 2G /dev/zero | tail & done; wait";
+    let filler = "for i in $(seq 100); do head -c 4M /dev/zero > f$i; done";
+    let ordinary = "for i in $(seq 20); do echo $i > n$i; sleep 0.1; done; cat n* | wc -l";
+    let server = ScriptedServer::start_with_default([], Step::ok(text_reply("done"))).await;
+    // One first reply per conversation; which conversation gets which does not matter.
+    for command in [bomb, hog, filler, ordinary] {
+        let arguments = Value::String(json!({ "command": command }).to_string());
+        server.push(Step::ok(tool_calls_reply(&[("terminal", arguments)])));
+    }
+    let fixture = RunFixture::new(&server.base_url(), 4)
+        .with("/concurrency", json!(4))
+        .with(
+            "/sandbox",
+            json!({"limits": {"processes": 64, "memoryBytes": 256 << 20, "workspaceBytes": 64 << 20}}),
+        );
+    let started = std::time::Instant::now();
+    let child = local_run(Command::new(WORKER), &fixture)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the worker binary starts");
+    let output = tokio::time::timeout(std::time::Duration::from_secs(120), wait(child))
+        .await
+        .expect("the run ends within two minutes");
+    let took = started.elapsed();
+    assert!(
+        output.status.success(),
+        "the run failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    eprintln!("the run took {took:?}");
+
+    let mut results: Vec<String> = server
+        .requests()
+        .iter()
+        .flat_map(|request| {
+            request.body["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|message| message["role"] == "tool")
+                .map(|message| message["content"].as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    results.sort();
+    results.dedup();
+    assert_eq!(results.len(), 4, "{results:#?}");
+    let error_of = |limit: &str| {
+        results
+            .iter()
+            .filter_map(|content| serde_json::from_str::<Value>(content).ok())
+            .filter_map(|result| result["error"].as_str().map(str::to_owned))
+            .find(|error| error.contains(&format!("the sandbox's {limit} limit")))
+            .unwrap_or_else(|| panic!("no {limit} limit error in {results:#?}"))
+    };
+    assert!(error_of("process").contains("(64 processes"));
+    assert!(error_of("memory").contains("(256 MiB"));
+    assert!(error_of("workspace").contains("(64 MiB"));
+    assert!(
+        results
+            .iter()
+            .any(|content| content == r#"{"output":"20\n","exit_code":0,"error":null}"#),
+        "the ordinary conversation: {results:#?}"
+    );
+    // Every conversation went on after its tool result, to its final answer.
+    let records = fixture.lines("trajectories.jsonl");
+    assert_eq!(records.len(), 4, "{records:#?}");
+    let left = processes_with("987801");
+    assert!(left.is_empty(), "processes outlived the run: {left:?}");
 }

@@ -10,7 +10,7 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use serde_json::{Value, json};
 use trajectory_worker::spec::ToolsSpec;
-use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox, find_executor};
+use trajectory_worker::tools::sandbox::{LandlockMode, Limits, Sandbox, find_executor};
 use trajectory_worker::tools::{Tool, ToolContext, ToolLimits, ToolOutcome, Workspace, terminal};
 
 /// Where a test's commands run: under an executor the test starts for each command, as in a local
@@ -344,6 +344,185 @@ async fn missing_or_empty_command_is_an_error(place: Where) {
         ToolOutcome::Err(message) if message.contains("timeout")
     ));
 }
+
+/// Small limits, so that the offenders below stay cheap on a shared test machine.
+const TEST_LIMITS: Limits = Limits {
+    processes: 64,
+    memory_bytes: 256 << 20,
+    workspace_bytes: 64 << 20,
+};
+
+/// Two conversations of one worker (one executor server, in a pod), side by side under
+/// [`TEST_LIMITS`]: one runs an offending command, the other ordinary work at the same time.
+struct Neighbours {
+    offender: ToolContext,
+    neighbour: ToolContext,
+    _server: Option<Server>,
+    _root: tempfile::TempDir,
+}
+
+impl Neighbours {
+    fn new(place: Where) -> Self {
+        let root = tempfile::tempdir().unwrap();
+        let (sandbox, server) = match place {
+            Where::Local => (Sandbox::local(LandlockMode::Auto), None),
+            Where::Pod => {
+                let (server, socket) = Server::start(root.path());
+                (Sandbox::pod(socket, LandlockMode::Auto), Some(server))
+            }
+        };
+        let sandbox = sandbox.with_limits(TEST_LIMITS);
+        let conversation = |name: &str| {
+            let dir = root.path().join(name);
+            std::fs::create_dir(&dir).unwrap();
+            ToolContext {
+                workspace: Workspace::new(&dir).unwrap(),
+                // The safety net: whatever the executor does, the command ends within a minute.
+                limits: ToolLimits {
+                    command_timeout: Duration::from_secs(60),
+                    ..ToolLimits::default()
+                },
+                sandbox: sandbox.clone(),
+            }
+        };
+        Self {
+            offender: conversation("offender"),
+            neighbour: conversation("neighbour"),
+            _server: server,
+            _root: root,
+        }
+    }
+
+    /// Runs `offending` in one conversation while the other forks, writes and sleeps for about
+    /// two seconds. The neighbour must finish as if alone, the offender be stopped [`QUICKLY`]
+    /// with an error that starts with `reason`, and nothing of it be left running. Returns the
+    /// offender's error.
+    async fn run(&self, offending: &str, reason: &str) -> String {
+        let neighbour_work =
+            "for i in $(seq 20); do echo $i > n$i; sleep 0.1; done; cat n* | wc -l; echo done";
+        let started = std::time::Instant::now();
+        let (offended, neighbour) = tokio::join!(
+            async {
+                let outcome = call(&self.offender, json!({"command": offending})).await;
+                (outcome, started.elapsed())
+            },
+            call(&self.neighbour, json!({"command": neighbour_work})),
+        );
+        let neighbour = ok(neighbour);
+        assert_eq!(
+            neighbour,
+            json!({"output": "20\ndone\n", "exit_code": 0, "error": null})
+        );
+        let (outcome, took) = offended;
+        let ToolOutcome::Err(error) = outcome else {
+            panic!("the offending command was not stopped: {outcome:?}");
+        };
+        let left = processes_in(self.offender.workspace.root());
+        assert!(left.is_empty(), "processes left running: {left:?}");
+        eprintln!("stopped after {took:?}: {error}");
+        assert!(error.starts_with(reason), "{error}");
+        assert!(took < QUICKLY, "{took:?}");
+        error
+    }
+}
+
+/// Live processes whose working directory is `dir`.
+fn processes_in(dir: &Path) -> Vec<String> {
+    let dir = dir.canonicalize().unwrap();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|entry| std::fs::read_link(entry.path().join("cwd")).is_ok_and(|cwd| cwd == dir))
+        .map(|entry| entry.file_name().display().to_string())
+        .filter(|pid| pid.parse().is_ok_and(|pid| !process_is_gone(pid)))
+        .collect()
+}
+
+/// Within seconds even on a loaded two-core machine; the figures are printed.
+const QUICKLY: Duration = Duration::from_secs(20);
+
+async fn fork_bomb_is_stopped_at_the_process_limit(place: Where) {
+    let neighbours = Neighbours::new(place);
+    // A fork bomb bounded, as a safety net, at depth 9 (at most 1,023 shells): it passes the
+    // limit of 64 long before.
+    let bomb = "f(){ if [ $1 -lt 9 ]; then f $(($1+1)) & f $(($1+1)) & fi; sleep 300; }; f 0";
+    neighbours
+        .run(
+            bomb,
+            "the command exceeded the sandbox's process limit (64 processes",
+        )
+        .await;
+}
+
+async fn memory_hog_is_stopped_at_the_memory_limit(place: Where) {
+    let neighbours = Neighbours::new(place);
+    // Four processes, none of them past the per-process ceiling (twice the limit) before their
+    // sum passes the limit: the whole command is what is limited.
+    let hog = "echo hogging; for i in 1 2 3 4; do head -c 2G /dev/zero | tail & done; wait";
+    let error = neighbours
+        .run(
+            hog,
+            "the command exceeded the sandbox's memory limit (256 MiB",
+        )
+        .await;
+    assert!(
+        error.ends_with("Output before it was stopped:\nhogging"),
+        "{error}"
+    );
+}
+
+async fn disk_filler_is_stopped_at_the_workspace_limit(place: Where) {
+    let neighbours = Neighbours::new(place);
+    let filler = "for i in $(seq 100); do head -c 4M /dev/zero > f$i; done; echo never";
+    neighbours
+        .run(
+            filler,
+            "the command exceeded the sandbox's workspace limit (64 MiB",
+        )
+        .await;
+    let written: u64 = std::fs::read_dir(neighbours.offender.workspace.root())
+        .unwrap()
+        .flatten()
+        .map(|file| file.metadata().unwrap().len())
+        .sum();
+    // Stopped on the way: the limit is passed by what one check interval (at most 100 ms) lets
+    // it write, far less than the 400 MiB it was after even on a loaded machine.
+    eprintln!("written before the stop: {} MiB", written >> 20);
+    assert!(written < 300 << 20, "{written} bytes were written");
+}
+
+async fn one_huge_file_stops_at_the_workspace_limit_and_can_be_deleted(place: Where) {
+    let neighbours = Neighbours::new(place);
+    neighbours
+        .run(
+            "yes > fill; echo after",
+            "the command exceeded the sandbox's workspace limit (64 MiB",
+        )
+        .await;
+    let fill = neighbours.offender.workspace.root().join("fill");
+    assert_eq!(std::fs::metadata(&fill).unwrap().len(), (64 << 20) + 1);
+    // The workspace is past its limit, but a command that does not grow it runs, so the model
+    // can make room.
+    let cleaned = ok(call(
+        &neighbours.offender,
+        json!({"command": "ls; rm fill; echo room"}),
+    )
+    .await);
+    assert_eq!(cleaned["output"], "fill\nroom\n");
+    let again = ok(call(
+        &neighbours.offender,
+        json!({"command": "head -c 1M /dev/zero > f; echo ok"}),
+    )
+    .await);
+    assert_eq!(again["output"], "ok\n");
+}
+
+in_both_places!(
+    fork_bomb_is_stopped_at_the_process_limit,
+    memory_hog_is_stopped_at_the_memory_limit,
+    disk_filler_is_stopped_at_the_workspace_limit,
+    one_huge_file_stops_at_the_workspace_limit_and_can_be_deleted,
+);
 
 in_both_places!(
     command_output_and_exit_code_are_returned,

@@ -48,6 +48,8 @@ pub enum Invalid {
     InvalidVolume(#[source] serde_json::Error),
     #[error("spec.podTemplate is invalid: {0}")]
     InvalidPodTemplate(#[source] serde_json::Error),
+    #[error("spec.sandbox.resources is not a container's resources (requests, limits): {0}")]
+    InvalidSandboxResources(#[source] serde_json::Error),
     #[error("{field}: {value:?} is not a quantity (e.g. 500m, 2, 4Gi)")]
     InvalidQuantity { field: String, value: String },
 }
@@ -67,6 +69,7 @@ impl Invalid {
             Self::MissingVolume => "MissingVolume",
             Self::InvalidVolume(_) => "InvalidVolume",
             Self::InvalidPodTemplate(_) | Self::InvalidQuantity { .. } => "InvalidPodTemplate",
+            Self::InvalidSandboxResources(_) => "InvalidSandboxResources",
         }
     }
 }
@@ -92,6 +95,8 @@ pub struct ValidatedRun<'a> {
     pub owner: OwnerReference,
     /// `spec.podTemplate`, parsed.
     pub overrides: PodOverrides,
+    /// `spec.sandbox.resources`, parsed: the sandbox container's.
+    pub sandbox_resources: Option<ResourceRequirements>,
     /// `spec.storage.volume` as the pod's `data` volume.
     pub data_volume: Volume,
     /// The output directory relative to the storage volume.
@@ -140,6 +145,7 @@ pub fn validate(run: &TrajectoryRun) -> Result<Validation<'_>, Invalid> {
     let namespace = run.namespace().ok_or(Invalid::NotStored)?;
     let uid = run.uid().ok_or(Invalid::NotStored)?;
     let overrides = PodOverrides::from_spec(spec)?;
+    let sandbox_resources = sandbox_resources(spec)?;
     let data_volume = data_volume(spec)?;
     Ok(Validation::Valid(Box::new(ValidatedRun {
         run,
@@ -150,6 +156,7 @@ pub fn validate(run: &TrajectoryRun) -> Result<Validation<'_>, Invalid> {
         uid,
         owner,
         overrides,
+        sandbox_resources,
         data_volume,
         _checked: Checked,
     })))
@@ -172,6 +179,51 @@ fn data_volume(spec: &RunSpec) -> Result<Volume, Invalid> {
     let mut volume: Volume = serde_json::from_value(source).map_err(Invalid::InvalidVolume)?;
     DATA_VOLUME.clone_into(&mut volume.name);
     Ok(volume)
+}
+
+/// The sandbox container's resources. Only `requests` and `limits`: an unknown key (a typo,
+/// `limit`) is refused rather than silently leaving the container unlimited.
+fn sandbox_resources(spec: &RunSpec) -> Result<Option<ResourceRequirements>, Invalid> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Known {
+        #[serde(rename = "requests")]
+        _requests: Option<serde_json::Value>,
+        #[serde(rename = "limits")]
+        _limits: Option<serde_json::Value>,
+    }
+    let Some(value) = &spec.sandbox.resources else {
+        return Ok(None);
+    };
+    serde_json::from_value::<Known>(value.clone()).map_err(Invalid::InvalidSandboxResources)?;
+    let resources: ResourceRequirements =
+        serde_json::from_value(value.clone()).map_err(Invalid::InvalidSandboxResources)?;
+    check_quantities(&resources, "spec.sandbox.resources")?;
+    Ok(Some(resources))
+}
+
+/// The API server answers a Job with a malformed quantity with 500 Internal Server Error (it
+/// fails converting the applied object), which looks transient; checked here, it is a bad spec
+/// that names its field (`prefix`.requests.cpu).
+fn check_quantities(resources: &ResourceRequirements, prefix: &str) -> Result<(), Invalid> {
+    static QUANTITY: LazyLock<Regex> = LazyLock::new(|| {
+        // The API server's own pattern (k8s.io/apimachinery resource.Quantity).
+        Regex::new(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$").expect("a valid pattern")
+    });
+    for (kind, quantities) in [
+        ("requests", &resources.requests),
+        ("limits", &resources.limits),
+    ] {
+        for (name, quantity) in quantities.iter().flatten() {
+            if !QUANTITY.is_match(&quantity.0) {
+                return Err(Invalid::InvalidQuantity {
+                    field: format!("{prefix}.{kind}.{name}"),
+                    value: quantity.0.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Pod settings a user may give in `spec.podTemplate`. Unknown keys are refused, so that a typo
@@ -202,31 +254,11 @@ impl PodOverrides {
         Ok(overrides)
     }
 
-    /// The API server answers a Job with a malformed quantity with 500 Internal Server Error (it
-    /// fails converting the applied object), which looks transient; checked here, it is a bad spec
-    /// that names its field.
     fn check_quantities(&self) -> Result<(), Invalid> {
-        static QUANTITY: LazyLock<Regex> = LazyLock::new(|| {
-            // The API server's own pattern (k8s.io/apimachinery resource.Quantity).
-            Regex::new(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$").expect("a valid pattern")
-        });
-        let Some(resources) = &self.resources else {
-            return Ok(());
-        };
-        for (kind, quantities) in [
-            ("requests", &resources.requests),
-            ("limits", &resources.limits),
-        ] {
-            for (name, quantity) in quantities.iter().flatten() {
-                if !QUANTITY.is_match(&quantity.0) {
-                    return Err(Invalid::InvalidQuantity {
-                        field: format!("spec.podTemplate.resources.{kind}.{name}"),
-                        value: quantity.0.clone(),
-                    });
-                }
-            }
+        match &self.resources {
+            Some(resources) => check_quantities(resources, "spec.podTemplate.resources"),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -252,6 +284,24 @@ mod tests {
             "{error}"
         );
         assert_eq!(error.label(), "NameTooLong");
+    }
+
+    #[test]
+    fn sandbox_resources_must_be_a_containers_resources_with_quantities() {
+        let with = |resources: serde_json::Value| {
+            TrajectoryRun::test()
+                .with(|spec| spec.sandbox.resources = Some(resources))
+                .build()
+        };
+        assert!(validate(&with(json!({"limits": {"memory": "2Gi"}}))).is_ok());
+        let typo = invalid(&with(json!({"limit": {"memory": "2Gi"}})));
+        assert_eq!(typo.label(), "InvalidSandboxResources");
+        assert!(typo.is_permanent());
+        let bad = invalid(&with(json!({"limits": {"memory": "lots"}})));
+        assert_eq!(
+            bad.to_string(),
+            "spec.sandbox.resources.limits.memory: \"lots\" is not a quantity (e.g. 500m, 2, 4Gi)"
+        );
     }
 
     #[test]

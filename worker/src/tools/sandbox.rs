@@ -18,7 +18,9 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use trajectory_sandbox::protocol::{self, Request};
-pub use trajectory_sandbox::{EXECUTOR_BINARY, LandlockMode, REFUSED_EXIT, REFUSED_PREFIX};
+pub use trajectory_sandbox::{
+    EXECUTOR_BINARY, LIMIT_EXIT, LandlockMode, Limits, REFUSED_EXIT, REFUSED_PREFIX,
+};
 
 /// How long the worker waits for the sandbox container's socket at start-up: the container is
 /// started before the worker, but may still be getting ready.
@@ -29,6 +31,8 @@ const SOCKET_WAIT: Duration = Duration::from_secs(60);
 pub struct Sandbox {
     pub place: Place,
     pub landlock: LandlockMode,
+    /// What each command may use ([`Limits::DEFAULT`] unless set).
+    pub limits: Limits,
 }
 
 /// Where the executor is.
@@ -48,6 +52,7 @@ impl Sandbox {
                 executor: executor.into(),
             },
             landlock,
+            limits: Limits::DEFAULT,
         }
     }
 
@@ -63,7 +68,14 @@ impl Sandbox {
                 socket: socket.into(),
             },
             landlock,
+            limits: Limits::DEFAULT,
         }
+    }
+
+    /// The same sandbox with other limits on each command.
+    #[must_use]
+    pub fn with_limits(self, limits: Limits) -> Self {
+        Self { limits, ..self }
     }
 
     /// Whether the executor's Landlock rules are enforced where the commands run: runs `true`
@@ -76,6 +88,7 @@ impl Sandbox {
                     executor,
                     workspace_root,
                     LandlockMode::Required,
+                    Limits::NONE,
                     Duration::ZERO,
                     "true",
                 ))
@@ -92,6 +105,7 @@ impl Sandbox {
                     command: "true".to_owned(),
                     landlock: LandlockMode::Required,
                     grace_ms: 0,
+                    limits: Limits::NONE,
                 };
                 let code = send(stream, &request, &mut |_| {}).await?;
                 Ok(code == 0)
@@ -196,5 +210,26 @@ async fn send(
                 ));
             }
         }
+    }
+}
+
+impl From<crate::spec::SandboxLimits> for Limits {
+    fn from(spec: crate::spec::SandboxLimits) -> Self {
+        Self {
+            processes: spec.processes,
+            memory_bytes: spec.memory_bytes,
+            workspace_bytes: spec.workspace_bytes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_run_files_default_limits_are_the_executors() {
+        let spec = crate::spec::SandboxLimits::default();
+        assert_eq!(Limits::from(spec), Limits::DEFAULT);
     }
 }

@@ -29,7 +29,9 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 use super::args::{optional_u64_arg, string_arg};
-use super::sandbox::{LandlockMode, Place, REFUSED_EXIT, REFUSED_PREFIX, Sandbox, run_in_pod};
+use super::sandbox::{
+    LIMIT_EXIT, LandlockMode, Limits, Place, REFUSED_EXIT, REFUSED_PREFIX, Sandbox, run_in_pod,
+};
 use super::text::{complete_prefix_len, complete_suffix_start};
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::ToolsSpec;
@@ -143,7 +145,8 @@ async fn run(
     let mut kept = OutputBuffer::new(max_output_bytes);
     let ran = match &sandbox.place {
         Place::Local { executor } => {
-            run_local(executor, sandbox.landlock, command, cwd, timeout, &mut kept).await
+            let how = (sandbox.landlock, sandbox.limits);
+            run_local(executor, how, command, cwd, timeout, &mut kept).await
         }
         Place::Pod { socket } => {
             let request = Request {
@@ -151,6 +154,7 @@ async fn run(
                 command: command.to_owned(),
                 landlock: sandbox.landlock,
                 grace_ms: u64::try_from(EXIT_GRACE.as_millis()).unwrap_or(u64::MAX),
+                limits: sandbox.limits,
             };
             let mut push = |bytes: &[u8]| kept.push(bytes);
             // Past the deadline the future is dropped: the connection closes, and the server
@@ -172,6 +176,11 @@ async fn run(
     {
         return ToolOutcome::Err(format!("the command was not run: {}", reason.trim_end()));
     }
+    if exit_code == Some(LIMIT_EXIT)
+        && let Some((before, reason)) = split_limit_reason(&output)
+    {
+        return ToolOutcome::Err(limit_error(before, reason));
+    }
     ToolOutcome::Ok(match exit_code {
         Some(code) => json!({ "output": output, "exit_code": code, "error": null }),
         None => json!({
@@ -182,17 +191,38 @@ async fn run(
     })
 }
 
+/// The output of a command the executor stopped at a limit: what the command wrote, and the
+/// executor's reason (its last line, after [`REFUSED_PREFIX`]).
+fn split_limit_reason(output: &str) -> Option<(&str, &str)> {
+    let trimmed = output.trim_end();
+    let start = trimmed
+        .rfind(&format!("\n{REFUSED_PREFIX}"))
+        .map_or(0, |at| at + 1);
+    let reason = trimmed[start..].strip_prefix(REFUSED_PREFIX)?;
+    (!reason.contains('\n')).then(|| (trimmed[..start].trim_end(), reason))
+}
+
+/// The tool error of a command stopped at a limit: the reason first, then the output so far
+/// (the model may want to see how far it got).
+fn limit_error(before: &str, reason: &str) -> String {
+    if before.is_empty() {
+        reason.to_owned()
+    } else {
+        format!("{reason}. Output before it was stopped:\n{before}")
+    }
+}
+
 /// Runs the command under an executor child of the worker; its output goes into `kept`. Returns
 /// the exit code, or `None` if the command timed out.
 async fn run_local(
     executor: &Path,
-    landlock: LandlockMode,
+    (landlock, limits): (LandlockMode, Limits),
     command: &str,
     cwd: &Path,
     timeout: Duration,
     kept: &mut OutputBuffer,
 ) -> Result<Option<i32>, String> {
-    let (child, mut output) = spawn(executor, landlock, command, cwd).map_err(|err| {
+    let (child, mut output) = spawn(executor, (landlock, limits), command, cwd).map_err(|err| {
         format!(
             "could not start the sandbox ({}): {err}",
             executor.display()
@@ -233,14 +263,14 @@ async fn run_local(
 /// terminal. The executor's environment is cleared ([`trajectory_sandbox::run::command`]).
 fn spawn(
     executor: &Path,
-    landlock: LandlockMode,
+    (landlock, limits): (LandlockMode, Limits),
     command: &str,
     cwd: &Path,
 ) -> io::Result<(Child, pipe::Receiver)> {
     let (reader, writer) = io::pipe()?;
     let writer_for_stderr = writer.try_clone()?;
     let mut cmd = Command::from(trajectory_sandbox::run::command(
-        executor, cwd, landlock, EXIT_GRACE, command,
+        executor, cwd, landlock, limits, EXIT_GRACE, command,
     ));
     cmd.stdout(Stdio::from(writer))
         .stderr(Stdio::from(writer_for_stderr))
@@ -363,6 +393,22 @@ mod tests {
         assert!(!rendered.contains('\u{FFFD}'), "{rendered}");
         assert!(rendered.starts_with("éé\n"), "{rendered}");
         assert!(rendered.ends_with("\néé"), "{rendered}");
+    }
+
+    #[test]
+    fn a_limit_reason_is_split_from_the_output_before_it() {
+        let output =
+            "step 1\nstep 2\n\nsandbox: the command exceeded the sandbox's process limit\n";
+        let (before, reason) = split_limit_reason(output).unwrap();
+        assert_eq!(before, "step 1\nstep 2");
+        assert_eq!(reason, "the command exceeded the sandbox's process limit");
+        assert_eq!(
+            split_limit_reason("\nsandbox: out of room\n"),
+            Some(("", "out of room"))
+        );
+        // The reason must be the last line: a command's own `sandbox: ` line earlier is output.
+        assert_eq!(split_limit_reason("sandbox: x\nmore output\n"), None);
+        assert_eq!(split_limit_reason("nothing of the kind"), None);
     }
 
     #[test]

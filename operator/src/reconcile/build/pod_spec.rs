@@ -191,6 +191,9 @@ fn sandbox_containers(run: &ValidatedRun<'_>, settings: &Settings) -> Vec<Contai
             mount(volumes::WORKSPACE, paths::WORKSPACE_ROOT, false),
         ]),
         security_context: Some(restricted(Some(SANDBOX_USER))),
+        // Its own, never the worker's: the OOM killer and the kubelet act on the container in
+        // which the model's commands run.
+        resources: run.sandbox_resources.clone(),
         ..Container::default()
     };
     vec![install, sandbox]

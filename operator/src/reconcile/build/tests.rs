@@ -498,6 +498,40 @@ fn the_sandbox_runs_the_task_image_in_generation_pods_only() {
 }
 
 #[test]
+fn sandbox_resources_go_to_the_sandbox_container_only() {
+    let run = TrajectoryRun::test()
+        .with(|spec| {
+            spec.sandbox.resources = Some(json!({
+                "requests": {"memory": "1Gi"},
+                "limits": {"memory": "4Gi", "ephemeral-storage": "8Gi"},
+            }));
+        })
+        .with_pod_template(json!({"resources": {"limits": {"memory": "512Mi"}}}))
+        .build();
+    let job = gen_job(&run, 1, &[0], false);
+    let pod_spec = pod(&job);
+    let init = pod_spec.init_containers.as_ref().unwrap();
+    let (install, sandbox) = (&init[0], &init[1]);
+    let limits = sandbox.resources.as_ref().unwrap().limits.as_ref().unwrap();
+    assert_eq!(limits["memory"].0, "4Gi");
+    assert_eq!(limits["ephemeral-storage"].0, "8Gi");
+    assert!(install.resources.is_none());
+    let worker = pod_spec.containers[0].resources.as_ref().unwrap();
+    assert_eq!(
+        worker.limits.as_ref().unwrap()["memory"].0,
+        "512Mi",
+        "the worker's own"
+    );
+
+    let plain = gen_job(&TrajectoryRun::test().build(), 1, &[0], false);
+    assert!(
+        pod(&plain).init_containers.as_ref().unwrap()[1]
+            .resources
+            .is_none()
+    );
+}
+
+#[test]
 fn storage_volume_is_mounted_as_the_data_volume() {
     let job = plan_job(
         &valid(&TrajectoryRun::test().build()),
