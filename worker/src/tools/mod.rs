@@ -21,6 +21,7 @@ pub mod file;
 pub mod sandbox;
 pub mod terminal;
 mod text;
+pub mod web;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -225,6 +226,25 @@ pub struct Registry {
     toolsets: Vec<Toolset>,
 }
 
+/// A toolset whose tools need a backend: available with its tools, or unavailable saying why.
+fn backed_toolset<E: fmt::Display>(
+    name: &'static str,
+    tools: Result<Vec<Arc<dyn Tool>>, E>,
+) -> Toolset {
+    match tools {
+        Ok(tools) => Toolset {
+            name,
+            availability: Availability::Available,
+            tools,
+        },
+        Err(error) => Toolset {
+            name,
+            availability: Availability::Unavailable(error.to_string()),
+            tools: Vec::new(),
+        },
+    }
+}
+
 impl Registry {
     /// The built-in toolsets, configured from the run's `tools` spec.
     pub fn builtin(config: &ToolsSpec) -> Self {
@@ -239,6 +259,7 @@ impl Registry {
                 availability: Availability::Available,
                 tools: file::tools(config),
             },
+            backed_toolset(web::TOOLSET, web::tools(config)),
         ];
         toolsets.extend(
             toolsets::NOT_YET_SHIPPED
