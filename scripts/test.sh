@@ -55,6 +55,9 @@ step "helm template (default, and namespaced with two replicas)"
 "${TRAJ_HELM}" template trajectory-operator charts/trajectory-operator \
   --namespace trajectory-system --set scope=Namespace,replicaCount=2 >/dev/null
 
+step "web tools: searx and python3-doc (apt-get, once)"
+scripts/web/install.sh
+
 step "run the tests with a model server and a control plane with a real node"
 MODEL_SERVER_HOST=0.0.0.0 scripts/model-server/with-model-server.sh \
   scripts/cluster/with-cluster.sh --real-node \
