@@ -231,7 +231,7 @@ pub struct WebSpec {
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum WebSearchBackend {
-    /// A SearXNG (or searx) instance's JSON API: `<url>/search?q=<query>&format=json`, no key.
+    /// A `SearXNG` (or searx) instance's JSON API: `<url>/search?q=<query>&format=json`, no key.
     /// The instance must list `json` in `search.formats`.
     #[default]
     Searxng,

@@ -1,5 +1,5 @@
 //! The `web` toolset against real servers: Debian's searx with an offline engine over the
-//! `python3-doc` pages, and Python's `http.server` serving those pages (web_servers). Every bad
+//! `python3-doc` pages, and Python's `http.server` serving those pages (`web_servers`). Every bad
 //! backend or page ends as a tool error the model reads, or a capped result.
 
 mod common;
@@ -22,12 +22,13 @@ const SUBPROCESS_PAGE: &str = "library/asyncio-subprocess.html";
 fn web_tools(web: Value) -> (Arc<dyn Tool>, Arc<dyn Tool>) {
     let mut web = web;
     web["extract"]["allowPrivateAddresses"] = json!(true);
-    tools_exactly(web)
+    tools_exactly(&web)
 }
 
 /// The web tools with exactly this `spec.tools.web`.
-fn tools_exactly(web: Value) -> (Arc<dyn Tool>, Arc<dyn Tool>) {
-    let tools: ToolsSpec = serde_json::from_value(json!({ "web": web })).expect("tools spec");
+fn tools_exactly(web: &Value) -> (Arc<dyn Tool>, Arc<dyn Tool>) {
+    let tools: ToolsSpec =
+        serde_json::from_value(json!({ "web": web.clone() })).expect("tools spec");
     let mut tools = web::tools(&tools).expect("the web toolset builds");
     assert_eq!(tools.len(), 2);
     let extract = tools.pop().unwrap();
@@ -81,7 +82,7 @@ async fn ok(tool: &Arc<dyn Tool>, args: Value) -> Value {
 async fn err(tool: &Arc<dyn Tool>, args: Value) -> String {
     match call(tool, args).await {
         ToolOutcome::Err(message) => message,
-        other => panic!("expected a tool error, got {other:?}"),
+        other @ ToolOutcome::Ok(_) => panic!("expected a tool error, got {other:?}"),
     }
 }
 
@@ -285,7 +286,7 @@ async fn a_redirect_loop_a_binary_page_a_pdf_and_an_internal_address_are_tool_er
     assert!(message.contains("cannot extract PDF"), "{message}");
 
     // By default the model cannot reach loopback, private or metadata addresses.
-    let (_, guarded) = tools_exactly(json!({"search": {"url": "http://127.0.0.1:9"}}));
+    let (_, guarded) = tools_exactly(&json!({"search": {"url": "http://127.0.0.1:9"}}));
     for url in [
         files.url("logo.png"),
         "http://169.254.169.254/latest/meta-data/".to_owned(),
@@ -411,5 +412,8 @@ where
     for _ in 0..calls {
         std::hint::black_box(call().await);
     }
-    ((cpu() - cpu_before) / calls, wall_before.elapsed() / calls)
+    (
+        cpu().saturating_sub(cpu_before) / calls,
+        wall_before.elapsed() / calls,
+    )
 }

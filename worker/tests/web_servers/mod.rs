@@ -1,5 +1,5 @@
 //! Real servers for the web tool tests, started by the test and stopped when dropped:
-//! - [`Searx`]: Debian's `searx` (the project SearXNG forked from) with one offline engine, its
+//! - [`Searx`]: Debian's `searx` (the project `SearXNG` forked from) with one offline engine, its
 //!   `sqlite` engine over a full-text index of Debian's `python3-doc` HTML pages, so a search
 //!   returns real results without the internet; each result's URL points at a [`DocsServer`];
 //! - [`DocsServer`]: Python's `http.server` serving a directory (those pages, or a test's files);
@@ -215,6 +215,9 @@ engines:
     )
 }
 
+/// Tests of one binary run on threads of one process: one builds the index, the others wait.
+static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The full-text index of [`PYTHON_DOCS`], built once by `scripts/web/build-index.py` into the
 /// cache, keyed by the script and the docs package's version.
 fn python_docs_index() -> PathBuf {
@@ -230,20 +233,19 @@ fn python_docs_index() -> PathBuf {
     let mut hash = Sha256::new();
     hash.update(std::fs::read(&script).expect("build-index.py"));
     hash.update(&version.stdout);
-    let key: String = hash.finalize()[..8]
+    let key = hash.finalize()[..8]
         .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+        .fold(String::new(), |key, byte| key + &format!("{byte:02x}"));
     let cache = std::env::var_os("TRAJ_CACHE_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME"))
-                .join(".cache/trajectory-operator")
-        })
+        .map_or_else(
+            || {
+                PathBuf::from(std::env::var_os("HOME").expect("HOME"))
+                    .join(".cache/trajectory-operator")
+            },
+            PathBuf::from,
+        )
         .join("web");
     let index = cache.join(format!("python3-doc-{key}.sqlite"));
-    // Tests of one binary run on threads of one process: one builds, the others wait for it.
-    static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _building = BUILDING
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);

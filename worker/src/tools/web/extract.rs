@@ -2,6 +2,7 @@
 //! an HTML page by Readability and writes it as Markdown, passes plain text through, refuses PDF
 //! and binary bodies, and cuts what is left to the reference's character budget.
 
+use std::fmt::Write as _;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -144,10 +145,11 @@ impl WebExtract {
             .replace_all(&content, "[BASE64_IMAGE_REMOVED]")
             .into_owned();
         if cut {
-            content.push_str(&format!(
+            let _ = write!(
+                content,
                 "\n\n[... page cut at {} bytes ...]",
                 self.limits.max_page_bytes
-            ));
+            );
         }
         Ok(Page {
             url: final_url,
