@@ -59,6 +59,8 @@ step "MCP servers: install (cached)"
 # worker/tests/mcp_tools.rs talks to them (npm's server-everything, PyPI's time and fetch servers).
 TRAJ_MCP_DIR="$(scripts/mcp/install.sh --print-dir)"
 export TRAJ_MCP_DIR
+step "web tools: searx and python3-doc (apt-get, once)"
+scripts/web/install.sh
 
 step "run the tests with a model server and a control plane with a real node"
 MODEL_SERVER_HOST=0.0.0.0 scripts/model-server/with-model-server.sh \

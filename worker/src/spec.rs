@@ -227,6 +227,10 @@ pub struct ToolsSpec {
     /// Keep each conversation's workspace directory after it ends (for debugging).
     #[serde(default)]
     pub keep_workspaces: bool,
+    /// The `web` toolset (`web_search`, `web_extract`). A distribution that can draw `web` needs
+    /// `web.search`.
+    #[serde(default)]
+    pub web: WebSpec,
     /// MCP servers. Each one is a toolset, named by its `name`, that distributions (inline maps)
     /// can draw; its tools are listed once, when the run is planned, and frozen into the plan.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -410,6 +414,114 @@ pub enum HttpMethod {
     Put,
     Patch,
     Delete,
+}
+
+/// Web search and page extraction.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct WebSpec {
+    /// The search backend of `web_search`; required when the distribution can draw `web`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub search: Option<WebSearchSpec>,
+    /// Limits of the page fetches of `web_extract` (it fetches pages itself, no backend needed).
+    #[serde(default)]
+    pub extract: WebExtractSpec,
+}
+
+/// Which API a search backend speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum WebSearchBackend {
+    /// A `SearXNG` (or searx) instance's JSON API: `<url>/search?q=<query>&format=json`, no key.
+    /// The instance must list `json` in `search.formats`.
+    #[default]
+    Searxng,
+    /// Any JSON search endpoint: `url` is a template, the result fields are found by the
+    /// `*Pointer` settings (Brave's API, for example, is `json` with `apiKeyHeader`).
+    Json,
+}
+
+/// The search backend of `web_search`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct WebSearchSpec {
+    /// The API the backend speaks.
+    #[serde(default)]
+    pub backend: WebSearchBackend,
+    /// `searxng`: the instance's base URL (e.g. `http://searxng.search:8080`). `json`: a URL
+    /// template in which `{query}` is replaced by the URL-encoded query and `{limit}` by the
+    /// result count (e.g. `https://api.search.brave.com/res/v1/web/search?q={query}&count={limit}`).
+    pub url: String,
+    /// `json`: JSON pointer (RFC 6901) to the array of results in the answer.
+    #[serde(default = "default_results_pointer")]
+    pub results_pointer: String,
+    /// `json`: JSON pointer to the title inside one result.
+    #[serde(default = "default_title_pointer")]
+    pub title_pointer: String,
+    /// `json`: JSON pointer to the URL inside one result.
+    #[serde(default = "default_url_pointer")]
+    pub url_pointer: String,
+    /// `json`: JSON pointer to the snippet (the result's `description`) inside one result.
+    #[serde(default = "default_snippet_pointer")]
+    pub snippet_pointer: String,
+    /// Header that carries the API key (e.g. `X-Subscription-Token`); unset, a configured key is
+    /// sent as `Authorization: Bearer <key>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_header: Option<String>,
+    /// Secret holding the backend's API key (cluster; the worker reads it from
+    /// `TRAJ_WEB_SEARCH_API_KEY`). Never inline, never logged, never in a record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_secret_ref: Option<SecretKeyRef>,
+    /// Environment variable holding the backend's API key (local runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_env: Option<String>,
+    /// Time limit of one search request, in seconds.
+    #[serde(default = "default_web_search_timeout")]
+    pub timeout_seconds: u64,
+    /// Results shown to the model per search (1–20; the reference shows 5).
+    #[serde(default = "default_web_max_results")]
+    pub max_results: u32,
+}
+
+/// Limits of `web_extract`'s page fetches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct WebExtractSpec {
+    /// Time limit of fetching one page (connect, redirects and body), in seconds.
+    #[serde(default = "default_web_extract_timeout")]
+    pub timeout_seconds: u64,
+    /// Bytes of one page's body read at most; a longer page is cut there and extracted from
+    /// what was read.
+    #[serde(default = "default_web_max_page_bytes")]
+    pub max_page_bytes: u64,
+    /// Redirects followed per page; one more is a tool error (so is a redirect loop).
+    #[serde(default = "default_web_max_redirects")]
+    pub max_redirects: u32,
+    /// Characters of one page's Markdown shown to the model (the reference's budget is 5000);
+    /// the rest is cut with a note saying so.
+    #[serde(default = "default_web_max_chars")]
+    pub max_chars: u64,
+    /// Allow pages on loopback, private, link-local and other non-public addresses (by literal
+    /// address or by what the name resolves to). Off, such a URL is refused, as the reference
+    /// does: the model must not reach the cluster's or the host's internal services.
+    #[serde(default)]
+    pub allow_private_addresses: bool,
+}
+
+impl Default for WebExtractSpec {
+    fn default() -> Self {
+        Self {
+            timeout_seconds: default_web_extract_timeout(),
+            max_page_bytes: default_web_max_page_bytes(),
+            max_redirects: default_web_max_redirects(),
+            max_chars: default_web_max_chars(),
+            allow_private_addresses: false,
+        }
+    }
 }
 
 /// Terminal tool settings.
@@ -617,6 +729,36 @@ fn default_http_tool_timeout() -> u64 {
 fn default_tool_result_bytes() -> u64 {
     64 * 1024
 }
+fn default_results_pointer() -> String {
+    "/results".to_owned()
+}
+fn default_title_pointer() -> String {
+    "/title".to_owned()
+}
+fn default_url_pointer() -> String {
+    "/url".to_owned()
+}
+fn default_snippet_pointer() -> String {
+    "/content".to_owned()
+}
+fn default_web_search_timeout() -> u64 {
+    10
+}
+fn default_web_max_results() -> u32 {
+    5
+}
+fn default_web_extract_timeout() -> u64 {
+    20
+}
+fn default_web_max_page_bytes() -> u64 {
+    5 * 1024 * 1024
+}
+fn default_web_max_redirects() -> u32 {
+    5
+}
+fn default_web_max_chars() -> u64 {
+    5000
+}
 fn default_per_batch() -> u32 {
     3
 }
@@ -758,6 +900,60 @@ impl RunSpec {
             "tools.terminal.timeoutSeconds",
             "must be at least 1".to_owned(),
         );
+        self.check_web(violations);
+    }
+
+    fn check_web(&self, violations: &mut Violations) {
+        let web = &self.tools.web;
+        if let Some(search) = &web.search {
+            violations.check(
+                search.url.starts_with("http://") || search.url.starts_with("https://"),
+                "tools.web.search.url",
+                format!("{:?} must be an http:// or https:// URL", search.url),
+            );
+            violations.check(
+                search.backend != WebSearchBackend::Json || search.url.contains("{query}"),
+                "tools.web.search.url",
+                "a `json` backend's URL template must contain {query}".to_owned(),
+            );
+            violations.check(
+                search.timeout_seconds >= 1,
+                "tools.web.search.timeoutSeconds",
+                "must be at least 1".to_owned(),
+            );
+            violations.check(
+                (1..=20).contains(&search.max_results),
+                "tools.web.search.maxResults",
+                format!("must be between 1 and 20, got {}", search.max_results),
+            );
+            for (field, pointer) in [
+                ("resultsPointer", &search.results_pointer),
+                ("titlePointer", &search.title_pointer),
+                ("urlPointer", &search.url_pointer),
+                ("snippetPointer", &search.snippet_pointer),
+            ] {
+                violations.check(
+                    pointer.is_empty() || pointer.starts_with('/'),
+                    &format!("tools.web.search.{field}"),
+                    format!("{pointer:?} must be a JSON pointer: empty or starting with /"),
+                );
+            }
+        }
+        violations.check(
+            web.extract.timeout_seconds >= 1,
+            "tools.web.extract.timeoutSeconds",
+            "must be at least 1".to_owned(),
+        );
+        violations.check(
+            web.extract.max_page_bytes >= 1024,
+            "tools.web.extract.maxPageBytes",
+            "must be at least 1024".to_owned(),
+        );
+        violations.check(
+            web.extract.max_chars >= 100,
+            "tools.web.extract.maxChars",
+            "must be at least 100".to_owned(),
+        );
     }
 
     fn check_storage_and_distribution(&self, violations: &mut Violations) {
@@ -770,12 +966,11 @@ impl RunSpec {
                 ),
             );
         }
-        let declared: Vec<&str> = self.tools.declared_toolsets().collect();
         violations
             .0
-            .extend(crate::toolsets::distribution_violations_declaring(
+            .extend(crate::toolsets::distribution_violations(
                 &self.distribution,
-                &declared,
+                &self.tools,
             ));
         violations
             .0

@@ -1,20 +1,26 @@
 //! The toolsets and built-in distributions a run may name, as plain data, with the check that a
 //! spec's distribution can be served by this build. It builds with serde alone (like [`crate::spec`]),
 //! so that the operator refuses a run naming an unknown distribution or a toolset this build does
-//! not ship before any pod starts, in the words the worker would use.
+//! not ship before any pod starts, in the words the worker would use. A shipped toolset whose tools
+//! talk to a backend is served only when the run configures it ([`missing_backend`]).
 
-use crate::spec::{DistributionSpec, SpecViolation};
+use crate::spec::{DistributionSpec, SpecViolation, ToolsSpec};
 
 /// The toolsets this build serves, in catalog order.
-pub const SHIPPED: [&str; 2] = ["terminal", "file"];
+pub const SHIPPED: [&str; 3] = ["terminal", "file", "web"];
+
+/// The setting a shipped toolset needs and `tools` lacks, as a field path; `None` when the
+/// toolset needs no backend or has one. A toolset with a backend adds one arm here.
+pub fn missing_backend(toolset: &str, tools: &ToolsSpec) -> Option<&'static str> {
+    match toolset {
+        "web" if tools.web.search.is_none() => Some("spec.tools.web.search"),
+        _ => None,
+    }
+}
 
 /// Toolsets named by the reference's distributions that this build does not ship yet, with what
 /// would enable them.
-pub const NOT_YET_SHIPPED: [(&str, &str); 4] = [
-    (
-        "web",
-        "web search and extraction are not in this build yet; use a distribution without `web`",
-    ),
+pub const NOT_YET_SHIPPED: [(&str, &str); 3] = [
     (
         "vision",
         "vision tools are not in this build yet; use a distribution without `vision`",
@@ -169,18 +175,12 @@ pub const BUILTIN_DISTRIBUTIONS: &[BuiltinDistribution] = &[
 ];
 
 /// Every way `spec` names a distribution this build cannot serve: an unknown name, an unknown
-/// toolset, or a toolset it does not ship drawn with a probability above 0. Each violation names
-/// `spec.distribution` (or the inline toolset's own field).
-pub fn distribution_violations(spec: &DistributionSpec) -> Vec<SpecViolation> {
-    distribution_violations_declaring(spec, &[])
-}
-
-/// [`distribution_violations`] for a spec that also declares toolsets of its own (MCP servers and
-/// HTTP toolsets, `spec.tools`), which an inline distribution may name too.
-pub fn distribution_violations_declaring(
-    spec: &DistributionSpec,
-    declared: &[&str],
-) -> Vec<SpecViolation> {
+/// toolset, or a toolset it does not ship (or whose backend `tools` does not configure) drawn
+/// with a probability above 0; toolsets the spec declares itself (MCP servers and HTTP toolsets,
+/// `spec.tools`) may be named by an inline distribution too. Each violation names
+/// `spec.distribution` (or the inline toolset's own field, or the missing backend setting).
+pub fn distribution_violations(spec: &DistributionSpec, tools: &ToolsSpec) -> Vec<SpecViolation> {
+    let declared: Vec<&str> = tools.declared_toolsets().collect();
     let violation = |field: String, message: String| SpecViolation { field, message };
     let (name, toolsets): (&str, Vec<(&str, f64)>) = match spec {
         DistributionSpec::Named(name) => {
@@ -215,6 +215,11 @@ pub fn distribution_violations_declaring(
                     ),
                 ));
             }
+        } else if let Some(field) = missing_backend(toolset, tools).filter(|_| percent > 0.0) {
+            violations.push(violation(
+                field.to_owned(),
+                format!("required because distribution {name:?} draws toolset {toolset}"),
+            ));
         } else if !SHIPPED.contains(&toolset) && !declared.contains(&toolset) {
             let known: Vec<&str> = SHIPPED
                 .iter()
@@ -236,7 +241,7 @@ mod tests {
     use super::*;
 
     fn messages(spec: &DistributionSpec) -> Vec<String> {
-        distribution_violations(spec)
+        distribution_violations(spec, &ToolsSpec::default())
             .iter()
             .map(ToString::to_string)
             .collect()
@@ -247,12 +252,34 @@ mod tests {
         assert!(messages(&DistributionSpec::Named("terminal_only".into())).is_empty());
         let default = messages(&DistributionSpec::Named("default".into()));
         assert_eq!(default.len(), 4, "{default:?}");
+        assert_eq!(
+            default[0],
+            "spec.tools.web.search: required because distribution \"default\" draws toolset web"
+        );
         assert!(
-            default[0].starts_with(
-                "spec.distribution: \"default\" can draw toolset \"web\" (100%), which is not available"
+            default[1].starts_with(
+                "spec.distribution: \"default\" can draw toolset \"vision\" (100%), which is not available"
             ),
             "{default:?}"
         );
+    }
+
+    #[test]
+    fn a_toolset_with_a_backend_passes_once_the_backend_is_configured() {
+        let research = DistributionSpec::Named("terminal_web".into());
+        assert_eq!(
+            messages(&research),
+            [
+                "spec.tools.web.search: required because distribution \"terminal_web\" draws toolset web"
+            ]
+        );
+        let tools: ToolsSpec = serde_json::from_value(
+            serde_json::json!({"web": {"search": {"url": "http://searxng:8080"}}}),
+        )
+        .unwrap();
+        assert!(distribution_violations(&research, &tools).is_empty());
+        assert_eq!(missing_backend("web", &tools), None);
+        assert_eq!(missing_backend("terminal", &ToolsSpec::default()), None);
     }
 
     #[test]
@@ -274,9 +301,14 @@ mod tests {
                 "spec.distribution.termnal: unknown toolset \"termnal\"; known: terminal, file, web, vision, image_gen, browser"
             ]
         );
-        // A toolset this build does not ship may be named at 0%.
+        // A toolset this build does not ship, or whose backend is missing, may be named at 0%.
         let off = DistributionSpec::Inline(
-            [("terminal".to_owned(), 100.0), ("web".to_owned(), 0.0)].into(),
+            [
+                ("terminal".to_owned(), 100.0),
+                ("web".to_owned(), 0.0),
+                ("vision".to_owned(), 0.0),
+            ]
+            .into(),
         );
         assert!(messages(&off).is_empty());
     }

@@ -484,7 +484,7 @@ fn an_unknown_or_unavailable_distribution_fails_the_run_before_any_pod() {
         ),
         (
             DistributionSpec::Named("research".into()),
-            "spec.distribution: \"research\" can draw toolset \"web\" (90%), which is not available",
+            "spec.tools.web.search: required because distribution \"research\" draws toolset web",
         ),
         (
             DistributionSpec::Inline([("terminl".to_owned(), 100.0)].into()),

@@ -27,6 +27,7 @@ pub mod mcp;
 pub mod sandbox;
 pub mod terminal;
 mod text;
+pub mod web;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -236,6 +237,25 @@ pub struct Registry {
     mcp_servers: Vec<Arc<mcp::McpServer>>,
 }
 
+/// A toolset whose tools need a backend: available with its tools, or unavailable saying why.
+fn backed_toolset<E: fmt::Display>(
+    name: &'static str,
+    tools: Result<Vec<Arc<dyn Tool>>, E>,
+) -> Toolset {
+    match tools {
+        Ok(tools) => Toolset {
+            name: name.into(),
+            availability: Availability::Available,
+            tools,
+        },
+        Err(error) => Toolset {
+            name: name.into(),
+            availability: Availability::Unavailable(error.to_string()),
+            tools: Vec::new(),
+        },
+    }
+}
+
 impl Registry {
     /// The built-in toolsets, configured from the run's `tools` spec.
     pub fn builtin(config: &ToolsSpec) -> Self {
@@ -250,6 +270,7 @@ impl Registry {
                 availability: Availability::Available,
                 tools: file::tools(config),
             },
+            backed_toolset(web::TOOLSET, web::tools(config)),
         ];
         toolsets.extend(
             toolsets::NOT_YET_SHIPPED
