@@ -41,7 +41,8 @@
 //! Knobs (environment): `TERMINAL_BENCH_CONCURRENCY` (`256,1000`), `TERMINAL_BENCH_LATENCY_MS`
 //! (1000), `TERMINAL_BENCH_ROUNDS` (7, prompts per C), `TERMINAL_BENCH_BASELINE` (1),
 //! `TERMINAL_BENCH_KEEP` (0; 1 keeps each run's directory), `TERMINAL_BENCH_DIR` (the system temp
-//! dir).
+//! dir), `TERMINAL_BENCH_EXECUTOR` (another executor binary, e.g. the static one that
+//! `scripts/images/build.sh` builds for pods).
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
@@ -189,9 +190,13 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The release executor next to the release worker; a missing one fails the bench.
+/// The release executor next to the release worker (or `TERMINAL_BENCH_EXECUTOR`); a missing one
+/// fails the bench.
 fn executor() -> anyhow::Result<PathBuf> {
-    let executor = Path::new(WORKER).with_file_name(EXECUTOR_BINARY);
+    let executor = std::env::var_os("TERMINAL_BENCH_EXECUTOR").map_or_else(
+        || Path::new(WORKER).with_file_name(EXECUTOR_BINARY),
+        PathBuf::from,
+    );
     if !executor.is_file() {
         bail!(
             "{} is missing: build it first with `cargo build --release -p trajectory-sandbox` \
