@@ -176,7 +176,7 @@ fn main() -> anyhow::Result<()> {
             let before = own_cost(&probe)?;
             let run = run_local(&dir, &executor, &knobs, concurrency, tool)?;
             let after = own_cost(&probe)?;
-            rows.push((tool, concurrency, run, (before + after) / 2.0));
+            rows.push((tool, concurrency, run, f64::midpoint(before, after)));
             if !knobs.keep {
                 fs::remove_dir_all(&dir)?;
             }
@@ -313,7 +313,7 @@ fn run_local(
     let ticks = |value: u64| value as f64 / clock_ticks();
     Ok(LocalRun {
         prompts,
-        window_rate: records / (last.time - first.time).as_secs_f64(),
+        window_rate: records / last.time.saturating_sub(first.time).as_secs_f64(),
         whole_rate: prompts as f64 / elapsed.as_secs_f64(),
         window_self: ticks(last.own - first.own) / records,
         window_children: ticks(last.children - first.children) / records,

@@ -314,7 +314,7 @@ async fn workspaces_commands_left_as_made_serve_later_conversations_and_changed_
         let (dirs, listings) = terminal_workspaces(then).await;
         assert_eq!(dirs, 40, "{then}: a changed workspace was handed on");
         assert!(
-            listings.iter().all(|listing| listing.is_empty()),
+            listings.iter().all(String::is_empty),
             "{then}: {listings:?}"
         );
     }
