@@ -44,8 +44,10 @@
 //! dir), `TERMINAL_BENCH_EXECUTOR` (another executor binary, e.g. the static one that
 //! `scripts/images/build.sh` builds for pods).
 
+mod common;
+
 use std::fs::{self, File};
-use std::io::{BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -53,12 +55,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use nix::sys::resource::{Resource, UsageWho, getrlimit, getrusage, setrlimit};
+use common::{env_number, load_average, raise_open_files_limit, start_server_process};
+use nix::sys::resource::{UsageWho, getrusage};
 use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::json;
-use trajectory_testkit::scripted_server::{
-    FixedLatency, MODEL, ScriptedServer, text_reply, tool_call_reply,
-};
+use trajectory_testkit::scripted_server::{MODEL, tool_call_reply};
 use trajectory_worker::run::{RunFile, RunLocation};
 use trajectory_worker::storage::RunDir;
 use trajectory_worker::tools::sandbox::EXECUTOR_BINARY;
@@ -143,10 +144,12 @@ fn main() -> anyhow::Result<()> {
             Ok("read_file") => Tool::ReadFile,
             _ => Tool::Terminal,
         };
-        return serve(knobs.latency, tool);
+        return common::serve(knobs.latency, tool.call());
     }
     let executor = executor()?;
-    raise_open_files_limit(knobs.concurrencies.iter().copied().max().unwrap_or(1))?;
+    // Per conversation: its connection, the output pipe and the executor's pidfd, with room.
+    let most = knobs.concurrencies.iter().copied().max().unwrap_or(1);
+    raise_open_files_limit(u64::try_from(most)? * 4 + 100)?;
     fs::create_dir_all(&knobs.dir)?;
     let root = tempfile::Builder::new()
         .prefix("terminal-bench-")
@@ -240,7 +243,8 @@ fn run_local(
         )?;
     }
     dataset.flush()?;
-    let (mut server, base_url) = start_server_process(tool)?;
+    let (mut server, base_url) =
+        start_server_process(&[(SERVER_ENV, "1"), (TOOL_ENV, tool.name())])?;
     let file = json!({
         "apiVersion": "trajectories.dev/v1alpha1",
         "kind": "TrajectoryRun",
@@ -477,46 +481,6 @@ fn print_table(rows: &[(Tool, usize, LocalRun, f64)], latency: Duration) {
     );
 }
 
-/// The scripted server in fixed-latency mode in a child process (this bench re-executed), so
-/// that its CPU is not counted as the client's; returns the child and the base URL it printed.
-fn start_server_process(tool: Tool) -> anyhow::Result<(std::process::Child, String)> {
-    let mut server = Command::new(std::env::current_exe()?)
-        .env(SERVER_ENV, "1")
-        .env(TOOL_ENV, tool.name())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("cannot start the server process")?;
-    let mut base_url = String::new();
-    BufReader::new(server.stdout.take().context("server stdout is piped")?)
-        .read_line(&mut base_url)?;
-    let base_url = base_url.trim().to_owned();
-    ensure!(
-        base_url.starts_with("http://"),
-        "the server printed {base_url:?}"
-    );
-    Ok((server, base_url))
-}
-
-/// The server process: serve until the parent closes stdin.
-fn serve(latency: Duration, tool: Tool) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let server = runtime.block_on(ScriptedServer::start_fixed_latency(FixedLatency {
-        latency,
-        tool_call: tool.call(),
-        final_answer: text_reply("done"),
-    }));
-    let mut stdout = std::io::stdout();
-    writeln!(stdout, "{}", server.base_url())?;
-    stdout.flush()?;
-    std::io::stdin().read_to_end(&mut Vec::new())?;
-    drop(server);
-    runtime.shutdown_background();
-    Ok(())
-}
-
 /// CPU of this process's reaped children (user + system).
 fn children_cpu() -> anyhow::Result<Duration> {
     let usage = getrusage(UsageWho::RUSAGE_CHILDREN)?;
@@ -524,38 +488,4 @@ fn children_cpu() -> anyhow::Result<Duration> {
     Ok(Duration::from_micros(
         micros(usage.user_time()) + micros(usage.system_time()),
     ))
-}
-
-fn raise_open_files_limit(concurrency: usize) -> anyhow::Result<()> {
-    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    if soft < hard {
-        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
-    }
-    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    let needed = u64::try_from(concurrency)? * 4 + 100;
-    if soft < needed {
-        bail!("the open-files limit is {soft}; concurrency {concurrency} needs about {needed}");
-    }
-    Ok(())
-}
-
-fn env_number(name: &str, default: u64) -> anyhow::Result<u64> {
-    match std::env::var(name) {
-        Ok(value) => value
-            .trim()
-            .parse()
-            .with_context(|| format!("{name} must be a number, got {value:?}")),
-        Err(_) => Ok(default),
-    }
-}
-
-fn load_average() -> String {
-    fs::read_to_string("/proc/loadavg")
-        .map(|text| {
-            text.split_whitespace()
-                .take(3)
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_default()
 }
