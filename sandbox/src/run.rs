@@ -23,7 +23,7 @@
 //!   included, is re-parented to it, never to init. When the shell exits (after a short grace, so
 //!   output already in flight still arrives), when the worker asks (`SIGTERM`: a timeout or a
 //!   cancelled conversation) or when the worker dies (`PR_SET_PDEATHSIG`), it `SIGKILL`s its
-//!   children, re-reads `/proc/self/task/*/children` to catch the ones re-parented meanwhile, and
+//!   children, re-reads `/proc/thread-self/children` to catch the ones re-parented meanwhile, and
 //!   reaps until it has no child left: no process and no zombie remains. (The parent-death signal
 //!   follows the worker *thread* that spawned the executor; the conversations run on the
 //!   runtime's worker threads, which live as long as the process.) Not covered: a `SIGKILL`
@@ -75,7 +75,7 @@ use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{SigSet, Signal, kill, killpg};
 use nix::sys::signalfd::SignalFd;
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid, waitpid};
 use nix::unistd::{Pid, getppid};
 
 use crate::limits::{Supervisor, apply_rlimits};
@@ -412,13 +412,20 @@ fn landlock_rules(workspace: &Path) -> Result<RulesetStatus, landlock::RulesetEr
 /// passes. `bash`, or `sh` where bash is missing. The shell leads a process group of its own,
 /// which its pipelines and background jobs join: one `killpg` ends them all at once, forks in
 /// flight included (a fork bomb outpaces killing its members one by one).
+///
+/// The shell is named by its path on `PATH`, and the executor moves into the workspace itself
+/// rather than asking `Command` to: with a bare name and a `PATH` of its own, or a directory to
+/// change to that glibc's `posix_spawn` cannot be told about (a static build), std forks the
+/// executor and tries each `PATH` entry with `execve`; like this it spawns with `posix_spawn`
+/// (`vfork`: no page tables copied) and one `execve` (issue 13, the terminal's CPU per command).
 fn spawn_shell(command: &OsStr, workspace: &Path) -> std::io::Result<std::process::Child> {
+    use std::os::unix::process::CommandExt;
+    std::env::set_current_dir(workspace)?;
     let spawn = |shell: &str| {
-        let mut cmd = Command::new(shell);
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let mut cmd = Command::new(on_path(shell));
+        cmd.arg0(shell).process_group(0);
         cmd.arg("-c")
             .arg(command)
-            .current_dir(workspace)
             .env_clear()
             .env("HOME", workspace)
             .env("TMPDIR", workspace)
@@ -447,6 +454,29 @@ fn lower_priority(shell: Pid) {
     }
 }
 
+/// Where `program` is on this process's `PATH` (the one the shell gets): the first entry holding
+/// an executable file of that name, as `execvp` would pick. `program` itself when none does (the
+/// spawn then fails with `NotFound`).
+fn on_path(program: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into());
+    std::env::split_paths(&path)
+        .map(|dir| {
+            // An empty entry is the current directory, to execvp.
+            let dir = if dir.as_os_str().is_empty() {
+                PathBuf::from(".")
+            } else {
+                dir
+            };
+            dir.join(program)
+        })
+        .find(|candidate| {
+            std::fs::metadata(candidate)
+                .is_ok_and(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+        })
+        .unwrap_or_else(|| PathBuf::from(program))
+}
+
 /// Reaps every child that has exited; returns the shell's exit code if it was among them (a
 /// signal N gives 128+N, the shell's own convention).
 fn reap_exited(shell: Pid) -> Option<i32> {
@@ -463,34 +493,35 @@ fn reap_exited(shell: Pid) -> Option<i32> {
     }
 }
 
-/// This process's children (every thread's; the executor has one).
+/// This process's children. The executor has one thread, so its children are that thread's
+/// (`/proc/thread-self/children`: one file read, no listing of `/proc/self/task`).
 fn children() -> Vec<Pid> {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return Vec::new();
-    };
-    tasks
-        .flatten()
-        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
-        .flat_map(|list| {
+    std::fs::read_to_string("/proc/thread-self/children")
+        .map(|list| {
             list.split_whitespace()
                 .filter_map(|pid| pid.parse().ok())
                 .map(Pid::from_raw)
-                .collect::<Vec<_>>()
+                .collect()
         })
-        .collect()
+        .unwrap_or_default()
 }
 
+/// Whether any child, running or exited, is left: one `waitid` that reaps nothing (`WNOWAIT`),
+/// instead of reading `/proc` (the usual case, a command that left nothing behind, reads none).
 fn has_children() -> bool {
-    !children().is_empty()
+    waitid(
+        Id::All,
+        WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
+    ) != Err(Errno::ECHILD)
 }
 
 /// Kills every descendant and reaps it: first the shell's process group (`shell` is its id,
 /// which stays reserved while the group has a member, even once the shell is reaped), then, as a
 /// killed process's children are re-parented to this subreaper, whatever left the group, until
-/// `waitpid` says no child is left.
+/// no child is left.
 fn kill_all_descendants(shell: Pid) {
     let _ = killpg(shell, Signal::SIGKILL);
-    loop {
+    while has_children() {
         for child in children() {
             let _ = kill(child, Signal::SIGKILL);
         }

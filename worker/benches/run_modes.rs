@@ -38,25 +38,26 @@
 //! profiling `trajectory-worker merge` or `plan` on it). For a quick run:
 //! `RUN_MODES_BENCH_MERGE_MIB=64 RUN_MODES_BENCH_PLAN_MIB=64 RUN_MODES_BENCH_PROMPTS=2000`.
 
+mod common;
+
 use std::fmt::Write as _;
 use std::fs::{self, File};
-use std::io::{BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use chrono::TimeZone;
+use common::{env_number, load_average, raise_open_files_limit, start_server_process};
 use futures::StreamExt;
-use nix::sys::resource::{Resource, UsageWho, getrlimit, getrusage, setrlimit};
+use nix::sys::resource::{UsageWho, getrusage};
 use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
-use trajectory_testkit::scripted_server::{
-    FixedLatency, MODEL, ScriptedServer, text_reply, tool_call_reply,
-};
+use trajectory_testkit::scripted_server::{MODEL, tool_call_reply};
 use trajectory_worker::agent::{Conversation, run_conversation};
 use trajectory_worker::hermes::{RecordContext, timestamp, trajectory_record};
 use trajectory_worker::model::types::{parse_arguments, tool_call};
@@ -121,7 +122,10 @@ impl Knobs {
 fn main() -> anyhow::Result<()> {
     let knobs = Knobs::from_env()?;
     if std::env::var_os(SERVER_ENV).is_some() {
-        return serve(knobs.latency);
+        return common::serve(
+            knobs.latency,
+            tool_call_reply("read_file", &json!({"path": "missing.txt"})),
+        );
     }
     fs::create_dir_all(&knobs.dir)?;
     let root = tempfile::Builder::new()
@@ -274,17 +278,6 @@ fn sync() -> std::io::Result<()> {
     }
 }
 
-fn load_average() -> String {
-    fs::read_to_string("/proc/loadavg")
-        .map(|text| {
-            text.split_whitespace()
-                .take(3)
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_default()
-}
-
 fn run_timed(command: &mut Command) -> anyhow::Result<(Duration, String)> {
     let started = Instant::now();
     let output = command.stdout(Stdio::null()).output()?;
@@ -317,16 +310,6 @@ fn cpu_time() -> anyhow::Result<Duration> {
     Ok(Duration::from_micros(
         micros(usage.user_time()) + micros(usage.system_time()),
     ))
-}
-
-fn env_number(name: &str, default: u64) -> anyhow::Result<u64> {
-    match std::env::var(name) {
-        Ok(value) => value
-            .trim()
-            .parse()
-            .with_context(|| format!("{name} must be a number, got {value:?}")),
-        Err(_) => Ok(default),
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -924,26 +907,6 @@ impl PathRun {
     }
 }
 
-/// The scripted server in fixed-latency mode in a child process (this bench re-executed), so
-/// that the client's CPU time is measured alone; returns the child and the base URL it printed.
-fn start_server_process() -> anyhow::Result<(std::process::Child, String)> {
-    let mut server = Command::new(std::env::current_exe()?)
-        .env(SERVER_ENV, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("cannot start the server process")?;
-    let mut base_url = String::new();
-    BufReader::new(server.stdout.take().context("server stdout is piped")?)
-        .read_line(&mut base_url)?;
-    let base_url = base_url.trim().to_owned();
-    ensure!(
-        base_url.starts_with("http://"),
-        "the server printed {base_url:?}"
-    );
-    Ok((server, base_url))
-}
-
 /// The local table: each round's rates of the four paths (A, B: the engine; C, D: the batch),
 /// D against the others, and the client's CPU per conversation; then the median ratios.
 fn print_local_rounds(rounds: &[Vec<PathRun>], concurrency: usize) {
@@ -1011,7 +974,7 @@ fn local_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
         concurrency >= 1 && prompts >= concurrency,
         "needs PROMPTS >= CONCURRENCY >= 1"
     );
-    raise_open_files_limit(concurrency)?;
+    raise_open_files_limit(u64::try_from(concurrency)? * 2 + 100)?;
     fs::create_dir_all(dir.join("datasets"))?;
     let texts: Vec<String> = (0..prompts)
         .map(|index| format!("Benchmark prompt {index}: read the file, then answer."))
@@ -1022,7 +985,7 @@ fn local_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
     }
     dataset.flush()?;
 
-    let (mut server, base_url) = start_server_process()?;
+    let (mut server, base_url) = start_server_process(&[(SERVER_ENV, "1")])?;
 
     let location = write_run_file(
         dir,
@@ -1275,36 +1238,4 @@ fn tail_lines(
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-}
-
-/// The server process: serve until the parent closes stdin.
-fn serve(latency: Duration) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let server = runtime.block_on(ScriptedServer::start_fixed_latency(FixedLatency {
-        latency,
-        tool_call: tool_call_reply("read_file", &json!({"path": "missing.txt"})),
-        final_answer: text_reply("done"),
-    }));
-    let mut stdout = std::io::stdout();
-    writeln!(stdout, "{}", server.base_url())?;
-    stdout.flush()?;
-    std::io::stdin().read_to_end(&mut Vec::new())?;
-    drop(server);
-    runtime.shutdown_background();
-    Ok(())
-}
-
-fn raise_open_files_limit(concurrency: usize) -> anyhow::Result<()> {
-    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    if soft < hard {
-        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
-    }
-    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    let needed = u64::try_from(concurrency)? * 2 + 100;
-    if soft < needed {
-        bail!("the open-files limit is {soft}; concurrency {concurrency} needs about {needed}");
-    }
-    Ok(())
 }

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::HashSet;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -211,15 +212,27 @@ async fn workspaces_left_empty_by_read_only_tools_serve_later_conversations_and_
 {
     // Every conversation reads a file that exists in no fresh workspace: it is not found every
     // time, whichever workspace (reused or new) the conversation got.
+    let tool_call = tool_call_reply("read_file", &json!({"path": "notes.txt"}));
+    for tool_turn in batch_of_40(tool_call, json!({"file": 100})).await {
+        assert!(
+            tool_turn.contains("not found") || tool_turn.contains("No such file"),
+            "{tool_turn}"
+        );
+    }
+}
+
+/// Runs one batch of 40 conversations (concurrency 4) whose one tool call is `tool_call`, checks
+/// that all succeeded and no workspace is left behind, and returns each one's tool turn.
+async fn batch_of_40(tool_call: Value, distribution: Value) -> Vec<String> {
     let server = ScriptedServer::start_fixed_latency(FixedLatency {
         latency: Duration::from_millis(5),
-        tool_call: tool_call_reply("read_file", &json!({"path": "notes.txt"})),
+        tool_call,
         final_answer: text_reply("done"),
     })
     .await;
     let fixture = RunFixture::new(&server.base_url(), 40)
         .with("/batchSize", json!(40))
-        .with("/distribution", json!({"file": 100}));
+        .with("/distribution", distribution);
     let location = fixture.location();
     let (manifest, _) = plan::plan(&location).unwrap();
     let summary = run_batch(
@@ -233,20 +246,67 @@ async fn workspaces_left_empty_by_read_only_tools_serve_later_conversations_and_
     .await
     .unwrap();
     assert_eq!(summary.succeeded, 40);
-    let records = fixture.batch_lines(0);
-    assert_eq!(records.len(), 40);
-    for record in &records {
-        let tool_turn = record["conversations"][3]["value"].as_str().unwrap();
-        assert!(
-            tool_turn.contains("not found") || tool_turn.contains("No such file"),
-            "{tool_turn}"
-        );
-    }
     assert_eq!(
         std::fs::read_dir(fixture.workspaces()).unwrap().count(),
         0,
         "workspaces left behind"
     );
+    let records = fixture.batch_lines(0);
+    assert_eq!(records.len(), 40);
+    records
+        .iter()
+        .map(|record| {
+            record["conversations"][3]["value"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect()
+}
+
+/// Runs 40 conversations (concurrency 4) whose one terminal call is `pwd; <then>`, and returns
+/// how many distinct workspaces they ran in and each call's output without its first line.
+async fn terminal_workspaces(then: &str) -> (usize, Vec<String>) {
+    let tool_call = tool_call_reply("terminal", &json!({"command": format!("pwd; {then}")}));
+    let mut dirs = HashSet::new();
+    let mut rest = Vec::new();
+    for tool_turn in batch_of_40(tool_call, json!("terminal_only")).await {
+        let start = tool_turn.find('{').unwrap();
+        let end = tool_turn.rfind('}').unwrap();
+        let response: Value = serde_json::from_str(&tool_turn[start..=end]).unwrap();
+        let output = response["content"]["output"].as_str().unwrap().to_owned();
+        assert_eq!(response["content"]["exit_code"], 0, "{then}: {output}");
+        let (dir, after) = output.split_once('\n').unwrap();
+        dirs.insert(dir.to_owned());
+        rest.push(after.to_owned());
+    }
+    (dirs.len(), rest)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workspaces_commands_left_as_made_serve_later_conversations_and_changed_ones_never_do() {
+    // `true` changes nothing: the batch reuses the workspaces (at most a few more than the 4 in
+    // flight, instead of 40).
+    let (dirs, _) = terminal_workspaces("true").await;
+    assert!(
+        dirs < 40,
+        "{dirs} workspaces for 40 conversations: none was reused"
+    );
+    // A file left behind, a file made and removed again, a changed mode, an extended attribute:
+    // every conversation sees a fresh, empty workspace.
+    for then in [
+        "ls -A; echo left > \"left-$$\"",
+        "ls -A; touch gone; rm gone",
+        "ls -A; chmod 755 .",
+        "ls -A; /usr/bin/python3 -c \"import os; os.setxattr('.', 'user.note', b'left')\"",
+    ] {
+        let (dirs, listings) = terminal_workspaces(then).await;
+        assert_eq!(dirs, 40, "{then}: a changed workspace was handed on");
+        assert!(
+            listings.iter().all(String::is_empty),
+            "{then}: {listings:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -44,6 +44,13 @@ pub const TOOLSET: &str = "terminal";
 /// in flight, short enough that `server &` does not make every call wait for the full timeout.
 const EXIT_GRACE: Duration = Duration::from_millis(500);
 
+/// How long a timed-out command's executor has to kill and reap what the command started, once
+/// asked, before it is killed itself. It needs milliseconds; this bounds a wedged one.
+const STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// The most output read from the pipe at once: the pipe's own capacity.
+const READ_CHUNK: usize = 64 * 1024;
+
 pub fn tools(config: &ToolsSpec) -> Vec<Arc<dyn Tool>> {
     vec![Arc::new(TerminalTool::new(
         config.terminal.timeout_seconds,
@@ -233,14 +240,18 @@ async fn run_local(
 
     let deadline = Instant::now() + timeout;
     let mut stop_at = deadline;
-    let mut buf = vec![0_u8; 64 * 1024];
+    // Not zeroed: `read_buf` fills spare capacity, and most commands print little or nothing.
+    let mut buf = Vec::with_capacity(READ_CHUNK);
     let mut output_open = true;
     let mut status: Option<ExitStatus> = None;
     loop {
         tokio::select! {
-            read = output.read(&mut buf), if output_open => match read {
+            read = output.read_buf(&mut buf), if output_open => match read {
                 Ok(0) | Err(_) => output_open = false,
-                Ok(n) => kept.push(&buf[..n]),
+                Ok(_) => {
+                    kept.push(&buf);
+                    buf.clear();
+                }
             },
             waited = child.0.wait(), if status.is_none() => match waited {
                 Ok(exit) => {
@@ -254,6 +265,9 @@ async fn run_local(
         if status.is_some() && !output_open {
             break;
         }
+    }
+    if status.is_none() {
+        child.stop().await;
     }
     Ok(status.and_then(exit_code))
 }
@@ -296,6 +310,24 @@ fn exit_code(status: ExitStatus) -> Option<i32> {
 /// would leave the command's descendants to the next reaper up.
 #[derive(Debug)]
 struct Executor(Child);
+
+impl Executor {
+    /// Asks the executor to end the command (as dropping it does) and waits until it has, so
+    /// that when a timed-out call returns nothing it started is left (the batch may then hand
+    /// the workspace to another conversation). One that does not exit within [`STOP_WAIT`] is
+    /// killed.
+    async fn stop(&mut self) {
+        if let Some(pid) = self.0.id().and_then(|id| i32::try_from(id).ok()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        }
+        if tokio::time::timeout(STOP_WAIT, self.0.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.0.kill().await;
+        }
+    }
+}
 
 impl Drop for Executor {
     fn drop(&mut self) {
