@@ -241,6 +241,46 @@ pub struct ToolsSpec {
 }
 
 impl ToolsSpec {
+    /// Every Secret key a tool setting refers to, with the environment variable the worker reads
+    /// it from: the operator puts exactly these into the worker container (never into the
+    /// sandbox container, where the model's commands run).
+    pub fn secret_env(&self) -> Vec<(String, &SecretKeyRef)> {
+        fn named(values: &[NamedValue]) -> impl Iterator<Item = &SecretKeyRef> {
+            values
+                .iter()
+                .filter_map(|value| value.value_from.as_ref()?.secret_key_ref.as_ref())
+        }
+        let mut refs: Vec<&SecretKeyRef> = Vec::new();
+        for server in &self.mcp {
+            if let Some(http) = &server.streamable_http {
+                refs.extend(named(&http.headers));
+            }
+            if let Some(stdio) = &server.stdio {
+                refs.extend(named(&stdio.env));
+            }
+        }
+        for group in &self.http {
+            for tool in &group.tools {
+                refs.extend(named(&tool.headers));
+            }
+        }
+        let mut env: Vec<(String, &SecretKeyRef)> = refs
+            .into_iter()
+            .map(|secret| (secret.env_var(), secret))
+            .collect();
+        if let Some(secret) = self
+            .web
+            .search
+            .as_ref()
+            .and_then(|search| search.api_key_secret_ref.as_ref())
+        {
+            env.push((crate::contract::env::WEB_SEARCH_API_KEY.to_owned(), secret));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        env.retain(|(name, _)| seen.insert(name.clone()));
+        env
+    }
+
     /// The toolset names the spec declares (MCP servers and HTTP toolsets), in declaration order.
     pub fn declared_toolsets(&self) -> impl Iterator<Item = &str> {
         self.mcp

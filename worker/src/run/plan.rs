@@ -414,17 +414,7 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
     let distribution = Distribution::resolve(&spec.distribution, &registry)
         .map_err(|err| RunError::Spec(err.to_string()))?;
     let run_dir = location.run_dir();
-    // MCP tools are listed once, by the first plan of a run; a plan run again (a resumed or
-    // re-created run) keeps what the manifest froze, so every record sees the same tools. A
-    // manifest of another run is refused below; its frozen tools are not used.
-    let mcp_tools = match Manifest::load(&run_dir) {
-        Ok(Some(existing)) if existing.spec_hash == spec_hash(spec) => existing.mcp_tools,
-        _ => discover_blocking(&spec.tools.mcp).map_err(|err| {
-            RunError::Spec(format!(
-                "{err}; check that the server is up and its spec.tools.mcp settings"
-            ))
-        })?,
-    };
+    let mcp_tools = frozen_or_discovered_mcp_tools(&run_dir, spec)?;
     let catalog = registry
         .with_frozen_mcp(&mcp_tools)
         .catalog(&distribution.possible_toolsets());
@@ -510,14 +500,7 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         images_not_honoured: (images_not_honoured.rows > 0).then_some(images_not_honoured),
     };
     if let Some(listed) = &summary.images_not_honoured {
-        warn!(
-            rows = listed.rows,
-            lines = ?listed.first_lines,
-            images = ?listed.first_images,
-            task_image = spec.sandbox.image.as_deref().unwrap_or("the worker image"),
-            "rows name a sandbox image of their own (`image`/`docker_image`): not honoured, every \
-             prompt runs in the run's task image (spec.sandbox.image)"
-        );
+        warn_images_not_honoured(listed, spec);
     }
     info!(
         prompts = summary.prompts,
@@ -527,6 +510,34 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         run_dir.root().display()
     );
     Ok((manifest, summary))
+}
+
+/// The run's MCP tools. They are listed once, by the first plan of a run; a plan run again (a
+/// resumed or re-created run) keeps what the manifest froze, so every record sees the same tools.
+/// A manifest of another run is refused later; its frozen tools are not used.
+fn frozen_or_discovered_mcp_tools(
+    run_dir: &RunDir,
+    spec: &RunSpec,
+) -> Result<Vec<crate::tools::mcp::FrozenServer>, RunError> {
+    Ok(match Manifest::load(run_dir) {
+        Ok(Some(existing)) if existing.spec_hash == spec_hash(spec) => existing.mcp_tools,
+        _ => discover_blocking(&spec.tools.mcp).map_err(|err| {
+            RunError::Spec(format!(
+                "{err}; check that the server is up and its spec.tools.mcp settings"
+            ))
+        })?,
+    })
+}
+
+fn warn_images_not_honoured(listed: &ImagesNotHonoured, spec: &RunSpec) {
+    warn!(
+        rows = listed.rows,
+        lines = ?listed.first_lines,
+        images = ?listed.first_images,
+        task_image = spec.sandbox.image.as_deref().unwrap_or("the worker image"),
+        "rows name a sandbox image of their own (`image`/`docker_image`): not honoured, every \
+         prompt runs in the run's task image (spec.sandbox.image)"
+    );
 }
 
 /// `plan` as a pod runs it for the operator: [`plan`], then its summary fitted to the termination

@@ -22,6 +22,7 @@ use k8s_openapi::api::core::v1::{
     VolumeMount,
 };
 use trajectory_worker::contract::{env, paths};
+use trajectory_worker::spec::SecretKeyRef;
 
 use crate::reconcile::children::{CONTAINER, Component};
 use crate::reconcile::validate::{DATA_VOLUME, ValidatedRun};
@@ -281,20 +282,29 @@ fn environment(run: &ValidatedRun<'_>, settings: &Settings, component: Component
             ),
         ));
     }
-    if let Some(secret) = &run.spec.model.api_key_secret_ref {
-        env_vars.push(EnvVar {
-            name: env::MODEL_API_KEY.to_owned(),
-            value: None,
-            value_from: Some(EnvVarSource {
-                secret_key_ref: Some(SecretKeySelector {
-                    name: secret.name.clone(),
-                    key: secret.key.clone(),
-                    optional: Some(false),
-                }),
-                ..EnvVarSource::default()
+    let secret = |name: String, secret: &SecretKeyRef| EnvVar {
+        name,
+        value: None,
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.name.clone(),
+                key: secret.key.clone(),
+                optional: Some(false),
             }),
-        });
+            ..EnvVarSource::default()
+        }),
+    };
+    if let Some(key) = &run.spec.model.api_key_secret_ref {
+        env_vars.push(secret(env::MODEL_API_KEY.to_owned(), key));
     }
+    // The tools' backend keys (web search, MCP and HTTP tool headers): the worker's alone.
+    env_vars.extend(
+        run.spec
+            .tools
+            .secret_env()
+            .into_iter()
+            .map(|(name, key)| secret(name, key)),
+    );
     env_vars
 }
 

@@ -684,3 +684,40 @@ fn a_pending_list_is_written_as_ranges_and_as_a_list_only_while_short() {
     assert_eq!(long.batches, None);
     assert_eq!(long.batch_for_index(20_000), Some(30_000));
 }
+
+#[test]
+fn tool_backend_secrets_reach_the_worker_container_only() {
+    let tools = json!({
+        "web": {"search": {"backend": "json", "url": "https://search.example/api?q={query}",
+                           "apiKeySecretRef": {"name": "search", "key": "token"}}},
+        "mcp": [{"name": "team", "streamableHttp": {"url": "http://mcp.team:8080/mcp",
+                 "headers": [{"name": "Authorization",
+                              "valueFrom": {"secretKeyRef": {"name": "mcp-auth", "key": "bearer"}}}]}}],
+    });
+    let run = TrajectoryRun::test()
+        .with(|spec| spec.tools = serde_json::from_value(tools.clone()).unwrap())
+        .build();
+    let job = gen_job(&run, 1, &[0], false);
+    let from_secret = |name: &str| {
+        let var = env_value(&job, name).unwrap_or_else(|| panic!("{name} in the worker's env"));
+        assert_eq!(var.value, None, "{name} comes from its Secret only");
+        let selector = var
+            .value_from
+            .as_ref()
+            .unwrap()
+            .secret_key_ref
+            .as_ref()
+            .unwrap();
+        (selector.name.clone(), selector.key.clone())
+    };
+    assert_eq!(
+        from_secret(env::WEB_SEARCH_API_KEY),
+        ("search".to_owned(), "token".to_owned())
+    );
+    assert_eq!(
+        from_secret("TRAJ_SECRET_MCP_AUTH__BEARER"),
+        ("mcp-auth".to_owned(), "bearer".to_owned())
+    );
+    let sandbox = &pod(&job).init_containers.as_ref().unwrap()[1];
+    assert!(sandbox.env.is_none(), "the sandbox gets no secret");
+}
