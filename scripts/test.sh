@@ -28,6 +28,9 @@ cargo test --workspace --all-features --no-run --quiet
 step "model server: install (cached)"
 scripts/model-server/install.sh
 
+step "browser: Debian's chromium (apt-get, once)"
+scripts/browser/install.sh
+
 step "real node: Debian packages (apt-get, once)"
 scripts/cluster/install-node.sh
 

@@ -223,6 +223,7 @@ fn engine(base_url: &str) -> anyhow::Result<Engine> {
             workspace: Workspace::new(std::env::temp_dir())?,
             limits: ToolLimits::default(),
             sandbox: Sandbox::local(LandlockMode::Auto),
+            browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
         },
         config: AgentConfig {
             max_turns: 10,

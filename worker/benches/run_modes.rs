@@ -1069,6 +1069,7 @@ async fn engine_path(
         workspace: Workspace::new(workspace)?,
         limits: engine.limits.clone(),
         sandbox: Sandbox::local(LandlockMode::Auto),
+        browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
     });
     let completions = Arc::new(Mutex::new(Vec::with_capacity(texts.len())));
     let failed = Arc::new(AtomicBool::new(false));

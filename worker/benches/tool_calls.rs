@@ -179,6 +179,7 @@ async fn main() -> anyhow::Result<()> {
         workspace: Workspace::new(workspace.path())?,
         limits: ToolLimits::default(),
         sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
+        browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
     };
     let mut item = Map::new();
     item.insert("id".into(), Value::from("item"));

@@ -238,6 +238,10 @@ pub struct ToolsSpec {
     /// Tools that call a team's own HTTP services, declared here, grouped into toolsets.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub http: Vec<HttpToolsetSpec>,
+    /// Browser tool settings (`browser_*`: headless Chromium over the `DevTools` protocol). A run
+    /// whose distribution can draw `browser` needs this section, even if empty (`browser: {}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub browser: Option<BrowserSpec>,
 }
 
 impl ToolsSpec {
@@ -564,6 +568,43 @@ impl Default for WebExtractSpec {
     }
 }
 
+/// Browser tool settings: the Chromium the worker starts (once per worker process; one
+/// browser context per conversation) and what the model may do with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct BrowserSpec {
+    /// The Chromium executable (Debian's `chromium` package installs `/usr/bin/chromium`).
+    #[serde(default = "default_chromium_path")]
+    pub chromium_path: String,
+    /// Time for Chromium to start and open its `DevTools` endpoint, in seconds.
+    #[serde(default = "default_browser_launch_timeout")]
+    pub launch_timeout_seconds: u64,
+    /// Time one navigation (`browser_navigate`, or a click, key press or `browser_back` that
+    /// loads a page) may take, in seconds; a page that takes longer is a tool error.
+    #[serde(default = "default_browser_navigation_timeout")]
+    pub navigation_timeout_seconds: u64,
+    /// Characters of one `browser_snapshot`; a longer snapshot is cut (the reference's 8000).
+    #[serde(default = "default_snapshot_max_chars")]
+    pub snapshot_max_chars: u64,
+    /// URL schemes `browser_navigate` accepts (lower case). `file` and `chrome` are left out by
+    /// default so that the model cannot read the worker's files or the browser's internals.
+    #[serde(default = "default_allowed_schemes")]
+    pub allowed_schemes: Vec<String>,
+}
+
+impl Default for BrowserSpec {
+    fn default() -> Self {
+        Self {
+            chromium_path: default_chromium_path(),
+            launch_timeout_seconds: default_browser_launch_timeout(),
+            navigation_timeout_seconds: default_browser_navigation_timeout(),
+            snapshot_max_chars: default_snapshot_max_chars(),
+            allowed_schemes: default_allowed_schemes(),
+        }
+    }
+}
+
 /// Terminal tool settings.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
@@ -799,6 +840,21 @@ fn default_web_max_redirects() -> u32 {
 fn default_web_max_chars() -> u64 {
     5000
 }
+fn default_chromium_path() -> String {
+    "/usr/bin/chromium".to_owned()
+}
+fn default_browser_launch_timeout() -> u64 {
+    30
+}
+fn default_browser_navigation_timeout() -> u64 {
+    30
+}
+fn default_snapshot_max_chars() -> u64 {
+    8000
+}
+fn default_allowed_schemes() -> Vec<String> {
+    vec!["http".to_owned(), "https".to_owned()]
+}
 fn default_per_batch() -> u32 {
     3
 }
@@ -941,6 +997,9 @@ impl RunSpec {
             "must be at least 1".to_owned(),
         );
         self.check_web(violations);
+        if let Some(browser) = &self.tools.browser {
+            check_browser(browser, violations);
+        }
     }
 
     fn check_web(&self, violations: &mut Violations) {
@@ -1040,6 +1099,42 @@ impl RunSpec {
     }
 }
 
+fn check_browser(browser: &BrowserSpec, violations: &mut Violations) {
+    violations.check(
+        browser.chromium_path.starts_with('/'),
+        "tools.browser.chromiumPath",
+        format!(
+            "{:?} must be an absolute path (Chromium starts with an empty environment, without PATH)",
+            browser.chromium_path
+        ),
+    );
+    violations.check(
+        browser.launch_timeout_seconds >= 1,
+        "tools.browser.launchTimeoutSeconds",
+        "must be at least 1".to_owned(),
+    );
+    violations.check(
+        browser.navigation_timeout_seconds >= 1,
+        "tools.browser.navigationTimeoutSeconds",
+        "must be at least 1".to_owned(),
+    );
+    violations.check(
+        browser.snapshot_max_chars >= 100,
+        "tools.browser.snapshotMaxChars",
+        format!("must be at least 100, got {}", browser.snapshot_max_chars),
+    );
+    for scheme in &browser.allowed_schemes {
+        violations.check(
+            !scheme.is_empty()
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "+-.".contains(c)),
+            "tools.browser.allowedSchemes",
+            format!("{scheme:?} must be a lower-case URL scheme without `:` (e.g. \"https\")"),
+        );
+    }
+}
+
 /// True for a non-empty relative path with no `..`, root or empty components.
 pub fn is_relative_clean_path(path: &str) -> bool {
     !path.is_empty()
@@ -1087,6 +1182,31 @@ mod tests {
                 "spec.batchSize",
                 "spec.model.baseUrl",
                 "spec.distribution.terminal"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_browser_distribution_needs_the_browser_section_and_its_bounds_hold() {
+        let mut spec = minimal();
+        spec.distribution = DistributionSpec::Named("browser_only".into());
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(fields, ["spec.tools.browser"]);
+        spec.tools.browser = Some(BrowserSpec::default());
+        assert!(spec.validate().is_empty());
+        spec.tools.browser = Some(BrowserSpec {
+            chromium_path: "chromium".into(),
+            snapshot_max_chars: 10,
+            allowed_schemes: vec!["https:".into()],
+            ..BrowserSpec::default()
+        });
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.tools.browser.chromiumPath",
+                "spec.tools.browser.snapshotMaxChars",
+                "spec.tools.browser.allowedSchemes"
             ]
         );
     }

@@ -7,20 +7,22 @@
 use crate::spec::{DistributionSpec, SpecViolation, ToolsSpec};
 
 /// The toolsets this build serves, in catalog order.
-pub const SHIPPED: [&str; 3] = ["terminal", "file", "web"];
+pub const SHIPPED: [&str; 4] = ["terminal", "file", "web", "browser"];
 
 /// The setting a shipped toolset needs and `tools` lacks, as a field path; `None` when the
 /// toolset needs no backend or has one. A toolset with a backend adds one arm here.
 pub fn missing_backend(toolset: &str, tools: &ToolsSpec) -> Option<&'static str> {
     match toolset {
         "web" if tools.web.search.is_none() => Some("spec.tools.web.search"),
+        // `browser: {}` is enough: it starts Debian's /usr/bin/chromium.
+        "browser" if tools.browser.is_none() => Some("spec.tools.browser"),
         _ => None,
     }
 }
 
 /// Toolsets named by the reference's distributions that this build does not ship yet, with what
 /// would enable them.
-pub const NOT_YET_SHIPPED: [(&str, &str); 3] = [
+pub const NOT_YET_SHIPPED: [(&str, &str); 2] = [
     (
         "vision",
         "vision tools are not in this build yet; use a distribution without `vision`",
@@ -28,10 +30,6 @@ pub const NOT_YET_SHIPPED: [(&str, &str); 3] = [
     (
         "image_gen",
         "image generation is not in this build yet; use a distribution without `image_gen`",
-    ),
-    (
-        "browser",
-        "browser tools are not in this build yet; use a distribution without `browser`",
     ),
 ];
 
@@ -279,6 +277,18 @@ mod tests {
         .unwrap();
         assert!(distribution_violations(&research, &tools).is_empty());
         assert_eq!(missing_backend("web", &tools), None);
+        let browser_only = DistributionSpec::Named("browser_only".into());
+        assert_eq!(
+            messages(&browser_only),
+            [
+                "spec.tools.browser: required because distribution \"browser_only\" draws toolset browser"
+            ]
+        );
+        let tools = ToolsSpec {
+            browser: Some(crate::spec::BrowserSpec::default()),
+            ..ToolsSpec::default()
+        };
+        assert!(distribution_violations(&browser_only, &tools).is_empty());
         assert_eq!(missing_backend("terminal", &ToolsSpec::default()), None);
     }
 
@@ -298,7 +308,7 @@ mod tests {
         assert_eq!(
             messages(&inline),
             [
-                "spec.distribution.termnal: unknown toolset \"termnal\"; known: terminal, file, web, vision, image_gen, browser"
+                "spec.distribution.termnal: unknown toolset \"termnal\"; known: terminal, file, web, browser, vision, image_gen"
             ]
         );
         // A toolset this build does not ship, or whose backend is missing, may be named at 0%.

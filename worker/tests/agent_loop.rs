@@ -128,6 +128,7 @@ impl Fixture {
             workspace: Workspace::new(dir.path()).unwrap(),
             limits: ToolLimits::default(),
             sandbox: Sandbox::local(LandlockMode::Auto),
+            browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
         };
         let config = AgentConfig {
             max_turns: 5,

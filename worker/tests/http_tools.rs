@@ -110,6 +110,7 @@ impl Fixture {
                 workspace: Workspace::new(dir.path()).unwrap(),
                 limits: ToolLimits::default(),
                 sandbox: common::sandbox(),
+                browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
             },
             _dir: dir,
         }

@@ -410,6 +410,7 @@ async fn the_pypi_time_and_fetch_servers_answer_through_the_registry() {
         workspace: Workspace::new(dir.path()).unwrap(),
         limits: ToolLimits::default(),
         sandbox: common::sandbox(),
+        browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
     };
     let tools = registry.tools_for(&["time".to_owned(), "fetch".to_owned()]);
     let tool = |name: &str| Arc::clone(tools.iter().find(|tool| tool.spec().name == name).unwrap());

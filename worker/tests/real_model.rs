@@ -58,6 +58,7 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
         workspace: Workspace::new(dir.path()).unwrap(),
         limits: ToolLimits::default(),
         sandbox: Sandbox::local(LandlockMode::Auto),
+        browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
     };
     let config = AgentConfig {
         max_turns: 2,

@@ -108,6 +108,7 @@ fn context(place: Where, dir: &Path, limits: ToolLimits) -> TestContext {
             workspace: Workspace::new(dir).unwrap(),
             limits,
             sandbox,
+            browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
         },
         _server: server,
     }
@@ -383,6 +384,7 @@ impl Neighbours {
                     ..ToolLimits::default()
                 },
                 sandbox: sandbox.clone(),
+                browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
             }
         };
         Self {

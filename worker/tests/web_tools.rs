@@ -52,6 +52,7 @@ fn context() -> Context {
             workspace: Workspace::new(dir.path()).unwrap(),
             limits: ToolLimits::default(),
             sandbox: common::sandbox(),
+            browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
         },
         _dir: dir,
     }

@@ -1071,6 +1071,7 @@ async fn converse(
         workspace,
         limits: engine.limits.clone(),
         sandbox: engine.sandbox.clone(),
+        browser: crate::tools::browser::ConversationBrowser::default(),
     };
     let result = run_conversation(
         &engine.client,

@@ -59,6 +59,7 @@ pub async fn run_prompt(
         workspace,
         limits: engine.limits.clone(),
         sandbox: engine.sandbox.clone(),
+        browser: crate::tools::browser::ConversationBrowser::default(),
     };
     let started_at = chrono::Utc::now();
     let conversation = run_conversation(&engine.client, &tools, &context, prompt, &engine.agent)

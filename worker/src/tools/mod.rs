@@ -21,6 +21,7 @@
 //! and HTTP tools ([`http`]). They are registered after the built-in ones, in declaration order.
 
 mod args;
+pub mod browser;
 pub mod file;
 pub mod http;
 pub mod mcp;
@@ -93,6 +94,9 @@ pub struct ToolContext {
     pub limits: ToolLimits,
     /// How terminal commands are confined.
     pub sandbox: sandbox::Sandbox,
+    /// The conversation's browser context, opened by its first browser call and disposed with
+    /// this context.
+    pub browser: browser::ConversationBrowser,
 }
 
 /// Caps that keep a misbehaving model from producing unbounded work or output.
@@ -271,6 +275,11 @@ impl Registry {
                 tools: file::tools(config),
             },
             backed_toolset(web::TOOLSET, web::tools(config)),
+            Toolset {
+                name: browser::TOOLSET.into(),
+                availability: Availability::Available,
+                tools: browser::tools(config),
+            },
         ];
         toolsets.extend(
             toolsets::NOT_YET_SHIPPED

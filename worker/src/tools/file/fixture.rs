@@ -44,6 +44,7 @@ impl Fixture {
                 limits,
                 // The file tools run in the worker; no executor is started.
                 sandbox: Sandbox::local(LandlockMode::Auto),
+                browser: crate::tools::browser::ConversationBrowser::default(),
             },
             outside: outside.canonicalize().unwrap(),
             _parent: parent,

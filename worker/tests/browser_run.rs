@@ -1,0 +1,82 @@
+//! A local run whose conversations draw the `browser` toolset, against the scripted model and a
+//! real headless Chromium (scripts/browser/install.sh) loading a page from a local server: the
+//! record holds the real snapshot the browser made.
+
+mod common;
+
+use axum::Router;
+use axum::response::Html;
+use axum::routing::get;
+use common::{RunFixture, no_shutdown};
+use serde_json::json;
+use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
+use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
+
+const PAGE: &str = "<!doctype html><title>Browser fixture</title><h1>Glossary</h1>\
+    <p>A <a href=\"/bdfl\">BDFL</a> is a benevolent dictator for life.</p>";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browser_conversation_records_the_real_snapshot() {
+    let app = Router::new().route("/", get(|| async { Html(PAGE) }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let site = format!("http://{}/", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let server = ScriptedServer::start([
+        Step::ok(tool_call_reply("browser_navigate", &json!({"url": site}))),
+        Step::ok(tool_call_reply("browser_snapshot", &json!({}))),
+        Step::ok(text_reply("A BDFL is a benevolent dictator for life.")),
+    ])
+    .await;
+    let fixture = RunFixture::new(&server.base_url(), 1)
+        .with("/distribution", json!("browser_only"))
+        .with("/concurrency", json!(1))
+        .with("/tools", json!({"browser": {}}));
+    let options = LocalOptions {
+        run_file: fixture.run_file(),
+        storage: None,
+        base_url: None,
+        workspace_root: fixture.workspaces(),
+        sandbox: common::sandbox(),
+        progress: ProgressMode::Lines,
+    };
+    let report = run_local(&options, &no_shutdown()).await.unwrap();
+    assert_eq!(report.merge.trajectories, 1);
+
+    let record = &fixture.lines("trajectories.jsonl")[0];
+    assert_eq!(record["toolsets_used"], json!(["browser"]));
+    let turns = record["conversations"].as_array().unwrap();
+    let tool_turns: Vec<&str> = turns
+        .iter()
+        .filter(|turn| turn["from"] == "tool")
+        .map(|turn| turn["value"].as_str().unwrap())
+        .collect();
+    assert_eq!(tool_turns.len(), 2, "{turns:?}");
+    assert!(
+        tool_turns[0].contains(r#""title": "Browser fixture""#),
+        "{}",
+        tool_turns[0]
+    );
+    // The snapshot as Chromium's accessibility tree gave it, refs and all.
+    for expected in [
+        r#"- document \"Browser fixture\"\n"#,
+        r#"- heading \"Glossary\" [ref=e1] [level=1]"#,
+        r#"- link \"BDFL\" [ref=e2]"#,
+        "- text: is a benevolent dictator for life.",
+        r#""element_count": 2"#,
+    ] {
+        assert!(
+            tool_turns[1].contains(expected),
+            "{expected} in {}",
+            tool_turns[1]
+        );
+    }
+    assert_eq!(
+        record["tool_stats"]["browser_snapshot"],
+        json!({"count": 1, "success": 1, "failure": 0})
+    );
+    assert_eq!(
+        record["tool_stats"]["browser_click"],
+        json!({"count": 0, "success": 0, "failure": 0})
+    );
+}
