@@ -32,34 +32,16 @@ for arg in "$@"; do
 	esac
 done
 
-missing_packages() {
-	local p
-	for p in "${PACKAGES[@]}"; do
-		[[ "$(dpkg-query -W -f='${db:Status-Status}' "${p}" 2>/dev/null)" == installed ]] || echo "${p}"
-	done
-}
+# shellcheck source=scripts/apt.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/../apt.sh"
 
-mapfile -t missing < <(missing_packages)
+mapfile -t missing < <(apt_missing "${PACKAGES[@]}")
 if [[ ${#missing[@]} -eq 0 ]]; then
 	[[ "${CHECK}" == 1 ]] || log "installed: ${PACKAGES[*]} ($(chromium --version 2>/dev/null || echo 'chromium --version failed'))"
 	exit 0
 fi
 [[ "${CHECK}" == 0 ]] || exit 1
-[[ "$(id -u)" -eq 0 ]] || die "missing Debian packages: ${missing[*]}; install them as root: apt-get install ${missing[*]}"
-
 start=${SECONDS}
-apt_log="${TRAJ_CACHE_DIR}/build-logs/browser-install-$(date +%Y%m%d-%H%M%S).log"
-mkdir -p "$(dirname "${apt_log}")"
-log "installing ${missing[*]} (apt-get; log: ${apt_log})"
-if ! apt-get update >"${apt_log}" 2>&1; then
-	tail -n 20 "${apt_log}" >&2
-	die "apt-get update failed (log: ${apt_log})"
-fi
-if ! DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >>"${apt_log}" 2>&1; then
-	tail -n 20 "${apt_log}" >&2
-	log "apt-get install failed (log: ${apt_log})"
-fi
-mapfile -t still < <(missing_packages)
-[[ ${#still[@]} -eq 0 ]] || die "Debian package(s) not installed: ${still[*]} (log: ${apt_log})"
+apt_install browser-install "${missing[@]}"
 command -v chromium >/dev/null || die "chromium is not on PATH after installing ${PACKAGES[*]}"
 log "installed ${missing[*]}: $(chromium --version) ($((SECONDS - start)) s)"

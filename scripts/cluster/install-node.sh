@@ -13,6 +13,8 @@ set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib.sh"
+# shellcheck source=scripts/apt.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/../apt.sh"
 
 CHECK=0
 for arg in "$@"; do
@@ -27,38 +29,17 @@ for arg in "$@"; do
 done
 
 # missing_packages: the NODE_PACKAGES that dpkg does not report as installed, one per line.
-missing_packages() {
-	local p
-	for p in "${NODE_PACKAGES[@]}"; do
-		[[ "$(dpkg-query -W -f='${db:Status-Status}' "${p}" 2>/dev/null)" == installed ]] || echo "${p}"
-	done
-}
-
-mapfile -t missing < <(missing_packages)
+mapfile -t missing < <(apt_missing "${NODE_PACKAGES[@]}")
 if [[ ${#missing[@]} -eq 0 ]]; then
 	[[ "${CHECK}" == 1 ]] || log "node packages installed: ${NODE_PACKAGES[*]}"
 	exit 0
 fi
 [[ "${CHECK}" == 0 ]] || exit 1
-[[ "$(id -u)" -eq 0 ]] || die "missing Debian packages: ${missing[*]}; install them as root: apt-get install ${missing[*]}"
 
 start=${SECONDS}
-log "installing ${missing[*]} (apt-get)"
-mkdir -p "${TRAJ_CACHE_DIR}"
-apt_log="${TRAJ_CACHE_DIR}/build-logs/install-node-$(date +%Y%m%d-%H%M%S).log"
-mkdir -p "$(dirname "${apt_log}")"
-if ! apt-get update >"${apt_log}" 2>&1; then
-	tail -n 20 "${apt_log}" >&2
-	die "apt-get update failed (log: ${apt_log})"
-fi
 # No daemon is started by the packages' maintainer scripts: there is no init system here, and up.sh starts
 # containerd itself with its own configuration.
-if ! DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >>"${apt_log}" 2>&1; then
-	tail -n 20 "${apt_log}" >&2
-	log "apt-get install failed (log: ${apt_log})"
-fi
-mapfile -t still < <(missing_packages)
-[[ ${#still[@]} -eq 0 ]] || die "Debian package(s) not installed: ${still[*]} (log: ${apt_log})"
+apt_install install-node "${missing[@]}"
 for tool in containerd containerd-shim-runc-v2 ctr runc umoci skopeo iptables nft; do
 	command -v "${tool}" >/dev/null || die "${tool} is not on PATH after installing ${NODE_PACKAGES[*]}"
 done

@@ -7,10 +7,10 @@ mod common;
 use axum::Router;
 use axum::response::Html;
 use axum::routing::get;
-use common::{RunFixture, no_shutdown};
+use common::{RunFixture, local_options, no_shutdown};
 use serde_json::json;
 use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
-use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
+use trajectory_worker::run::local::run_local;
 
 const PAGE: &str = "<!doctype html><title>Browser fixture</title><h1>Glossary</h1>\
     <p>A <a href=\"/bdfl\">BDFL</a> is a benevolent dictator for life.</p>";
@@ -32,15 +32,9 @@ async fn a_browser_conversation_records_the_real_snapshot() {
         .with("/distribution", json!("browser_only"))
         .with("/concurrency", json!(1))
         .with("/tools", json!({"browser": {}}));
-    let options = LocalOptions {
-        run_file: fixture.run_file(),
-        storage: None,
-        base_url: None,
-        workspace_root: fixture.workspaces(),
-        sandbox: common::sandbox(),
-        progress: ProgressMode::Lines,
-    };
-    let report = run_local(&options, &no_shutdown()).await.unwrap();
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
     assert_eq!(report.merge.trajectories, 1);
 
     let record = &fixture.lines("trajectories.jsonl")[0];
