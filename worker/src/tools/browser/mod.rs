@@ -400,7 +400,9 @@ async fn run(
             return Ok(json!({"success": true, "closed": true}));
         }
         Call::Navigate(url) => {
-            if slot.is_none() {
+            // A session on a Chromium that died is replaced (its state went with the process).
+            if slot.as_ref().is_none_or(|session| !session.is_alive()) {
+                slot.take();
                 *slot = Some(Session::open(pool.chromium().await?).await?);
             }
             let session = slot.as_mut().ok_or(BrowserError::NoPage)?;

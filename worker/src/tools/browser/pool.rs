@@ -155,7 +155,7 @@ impl Chromium {
         self.profile.as_ref().map(|dir| dir.path().to_owned())
     }
 
-    fn is_alive(&self) -> bool {
+    pub(super) fn is_alive(&self) -> bool {
         self.connected.load(Ordering::Acquire)
             && self
                 .child

@@ -93,6 +93,11 @@ impl Session {
         })
     }
 
+    /// Whether its Chromium still runs.
+    pub(super) fn is_alive(&self) -> bool {
+        self.chromium.is_alive()
+    }
+
     /// Loads `url` and waits for its load event.
     ///
     /// The page is sent there by script (`location.href = ...`) rather than `Page.navigate`:
