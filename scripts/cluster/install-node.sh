@@ -28,7 +28,7 @@ for arg in "$@"; do
 	esac
 done
 
-# missing_packages: the NODE_PACKAGES that dpkg does not report as installed, one per line.
+# The NODE_PACKAGES that dpkg does not report as installed.
 mapfile -t missing < <(apt_missing "${NODE_PACKAGES[@]}")
 if [[ ${#missing[@]} -eq 0 ]]; then
 	[[ "${CHECK}" == 1 ]] || log "node packages installed: ${NODE_PACKAGES[*]}"

@@ -161,6 +161,11 @@ impl Browser {
         }
     }
 
+    async fn navigate(&self, ctx: &ToolContext, url: impl Into<String>) -> Value {
+        self.ok(ctx, "browser_navigate", json!({"url": url.into()}))
+            .await
+    }
+
     async fn snapshot(&self, ctx: &ToolContext) -> String {
         let value = self.ok(ctx, "browser_snapshot", json!({})).await;
         value["snapshot"].as_str().unwrap().to_owned()
@@ -200,9 +205,7 @@ async fn navigate_snapshot_click_type_submit_back_and_images_on_real_pages() {
     let before = browser.err(&ctx, "browser_snapshot", json!({})).await;
     assert_eq!(before, "no page is open; call browser_navigate first");
 
-    let navigated = browser
-        .ok(&ctx, "browser_navigate", json!({"url": format!("{site}/")}))
-        .await;
+    let navigated = browser.navigate(&ctx, format!("{site}/")).await;
     assert_eq!(
         navigated,
         json!({"success": true, "url": format!("{site}/"), "title": "Fixture home"})
@@ -324,9 +327,7 @@ async fn a_page_that_hangs_is_a_tool_error_and_the_page_stays_usable() {
         started.elapsed()
     );
     assert!(hung.contains("timed out after 2 s"), "{hung}");
-    let home = browser
-        .ok(&ctx, "browser_navigate", json!({"url": format!("{site}/")}))
-        .await;
+    let home = browser.navigate(&ctx, format!("{site}/")).await;
     assert_eq!(home["title"], "Fixture home");
     // A port that was just free: a refused connection is an error too.
     let closed = std::net::TcpListener::bind("127.0.0.1:0")
@@ -377,18 +378,10 @@ async fn conversations_do_not_share_cookies_and_their_contexts_close_with_them()
     let first = browser.conversation();
     let second = browser.conversation();
     browser
-        .ok(
-            &first,
-            "browser_navigate",
-            json!({"url": format!("{site}/set-cookie?v=first")}),
-        )
+        .navigate(&first, format!("{site}/set-cookie?v=first"))
         .await;
     browser
-        .ok(
-            &first,
-            "browser_navigate",
-            json!({"url": format!("{site}/show-cookie")}),
-        )
+        .navigate(&first, format!("{site}/show-cookie"))
         .await;
     assert!(
         browser
@@ -397,11 +390,7 @@ async fn conversations_do_not_share_cookies_and_their_contexts_close_with_them()
             .contains("cookies: token=first")
     );
     browser
-        .ok(
-            &second,
-            "browser_navigate",
-            json!({"url": format!("{site}/show-cookie")}),
-        )
+        .navigate(&second, format!("{site}/show-cookie"))
         .await;
     let seen = browser.snapshot(&second).await;
     assert!(seen.contains("cookies: none"), "{seen}");
@@ -419,11 +408,7 @@ async fn conversations_do_not_share_cookies_and_their_contexts_close_with_them()
     // A new conversation starts without the first one's cookie, on the same Chromium.
     let third = browser.conversation();
     browser
-        .ok(
-            &third,
-            "browser_navigate",
-            json!({"url": format!("{site}/show-cookie")}),
-        )
+        .navigate(&third, format!("{site}/show-cookie"))
         .await;
     assert!(browser.snapshot(&third).await.contains("cookies: none"));
 }
@@ -434,9 +419,7 @@ async fn chromium_runs_with_an_empty_environment_and_its_profile_is_removed_with
     let site = site().await;
     let browser = Browser::new(&BrowserSpec::default());
     let ctx = browser.conversation();
-    browser
-        .ok(&ctx, "browser_navigate", json!({"url": format!("{site}/")}))
-        .await;
+    browser.navigate(&ctx, format!("{site}/")).await;
     let chromium = browser.pool.chromium().await.unwrap();
     let pid = chromium.pid();
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
@@ -486,9 +469,7 @@ async fn a_chromium_that_died_is_a_tool_error_and_the_next_navigation_starts_a_n
     let site = site().await;
     let browser = Browser::new(&BrowserSpec::default());
     let ctx = browser.conversation();
-    browser
-        .ok(&ctx, "browser_navigate", json!({"url": format!("{site}/")}))
-        .await;
+    browser.navigate(&ctx, format!("{site}/")).await;
     let first = browser.pool.chromium().await.unwrap();
     let pid = first.pid();
     drop(first);
@@ -499,9 +480,7 @@ async fn a_chromium_that_died_is_a_tool_error_and_the_next_navigation_starts_a_n
     .unwrap();
     let gone = browser.err(&ctx, "browser_snapshot", json!({})).await;
     assert!(gone.starts_with("the browser failed"), "{gone}");
-    let again = browser
-        .ok(&ctx, "browser_navigate", json!({"url": format!("{site}/")}))
-        .await;
+    let again = browser.navigate(&ctx, format!("{site}/")).await;
     assert_eq!(again["title"], "Fixture home");
     assert_ne!(browser.pool.chromium().await.unwrap().pid(), pid);
 }
@@ -550,18 +529,12 @@ async fn measure_start_up_and_client_cpu_per_call() {
         let ctx = browser.conversation();
         let started = Instant::now();
         browser
-            .ok(
-                &ctx,
-                "browser_navigate",
-                json!({"url": format!("{site}/tutorial.html")}),
-            )
+            .navigate(&ctx, format!("{site}/tutorial.html"))
             .await;
         contexts.push(started.elapsed());
     }
     let ctx = browser.conversation();
-    browser
-        .ok(&ctx, "browser_navigate", json!({"url": format!("{site}/")}))
-        .await;
+    browser.navigate(&ctx, format!("{site}/")).await;
     let calls = 200;
     for (name, args) in [
         ("browser_snapshot", json!({})),
