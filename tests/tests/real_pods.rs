@@ -260,7 +260,7 @@ async fn a_batch_pod_runs_as_its_spec_says_and_logs_its_progress() {
                  ls /var/run/secrets/kubernetes.io/serviceaccount 2>&1; ls /data 2>&1; \
                  echo \"pid1=$(tr '\\0' ' ' < /proc/1/cmdline)\"; \
                  echo \"workers=$(cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -c 'trajectory-worke[r] batch')\"; \
-                 echo \"traj_env=$(env | grep -c '^TRAJ_')\"; echo probed";
+                 echo \"traj_env=$(env | grep -c '^TRAJ_')\"; ls /workspace 2>&1; echo probed";
     let model = scripted_model(Duration::from_millis(5), probe).await;
     setup
         .create_scripted(
@@ -357,6 +357,46 @@ async fn a_batch_pod_runs_as_its_spec_says_and_logs_its_progress() {
         .expect("kubectl logs of the batch pod (API server -> kubelet)");
     assert!(logs.contains("starting batch"), "logs:\n{logs}");
     assert!(logs.contains("batch done"), "logs:\n{logs}");
+}
+
+/// A command that forks past the run's process limit, in the sandbox container of a real pod, is
+/// stopped with a tool error naming the limit, and its conversation and the run go on to the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_command_past_the_sandbox_process_limit_is_stopped_in_a_real_pod() {
+    let setup = Setup::new("pods-limits").await;
+    let model = scripted_model(
+        Duration::from_millis(5),
+        "for i in $(seq 64); do sleep 30 & done; wait; echo all-waited",
+    )
+    .await;
+    setup
+        .create_scripted(
+            "limits",
+            &setup.model_url(&model),
+            1,
+            &json!({
+                "batchSize": 1, "workers": 1, "concurrency": 1,
+                "sandbox": {"limits": {"processes": 16}},
+            }),
+        )
+        .await;
+    let run = setup.finished("limits", Duration::from_secs(300)).await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    let dir = setup.storage.run_dir(setup.ns(), "limits");
+    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
+    assert_eq!(records.len(), 1);
+    let tool_turn = records[0]["conversations"]
+        .as_array()
+        .expect("conversations")
+        .iter()
+        .find(|t| t["from"] == "tool")
+        .map(|t| t["value"].as_str().unwrap_or_default().to_owned())
+        .expect("a tool turn");
+    assert!(
+        tool_turn.contains("exceeded the sandbox's process limit (16"),
+        "{tool_turn}"
+    );
+    assert!(!tool_turn.contains("all-waited"), "{tool_turn}");
 }
 
 /// A batch pod whose container is killed (SIGKILL) mid-batch is replaced by the Job controller on the same
