@@ -215,6 +215,19 @@ impl Setup {
     }
 }
 
+/// The tool turn of the one record a run of one prompt wrote into `run_dir`'s output.
+fn only_tool_turn(run_dir: &std::path::Path) -> String {
+    let records = jsonl_lines(&run_dir.join("trajectories.jsonl"));
+    assert_eq!(records.len(), 1);
+    records[0]["conversations"]
+        .as_array()
+        .expect("conversations")
+        .iter()
+        .find(|t| t["from"] == "tool")
+        .map(|t| t["value"].as_str().unwrap_or_default().to_owned())
+        .expect("a tool turn")
+}
+
 /// A scripted model on every address (the pods reach it at the bridge address): a terminal call
 /// running `command`, then a final answer, each after `latency`.
 async fn scripted_model(latency: Duration, command: &str) -> ScriptedServer {
@@ -274,15 +287,7 @@ async fn a_batch_pod_runs_as_its_spec_says_and_logs_its_progress() {
     assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
 
     let dir = setup.storage.run_dir(setup.ns(), "settings");
-    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
-    assert_eq!(records.len(), 1);
-    let tool_turn = records[0]["conversations"]
-        .as_array()
-        .expect("conversations")
-        .iter()
-        .find(|t| t["from"] == "tool")
-        .map(|t| t["value"].as_str().unwrap_or_default().to_owned())
-        .expect("a tool turn");
+    let tool_turn = only_tool_turn(&dir);
     assert!(tool_turn.contains("probed"), "{tool_turn}");
     assert!(
         tool_turn.contains(&format!("{NONROOT}\\n{NONROOT}")),
@@ -383,15 +388,7 @@ async fn a_command_past_the_sandbox_process_limit_is_stopped_in_a_real_pod() {
     let run = setup.finished("limits", Duration::from_secs(300)).await;
     assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
     let dir = setup.storage.run_dir(setup.ns(), "limits");
-    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
-    assert_eq!(records.len(), 1);
-    let tool_turn = records[0]["conversations"]
-        .as_array()
-        .expect("conversations")
-        .iter()
-        .find(|t| t["from"] == "tool")
-        .map(|t| t["value"].as_str().unwrap_or_default().to_owned())
-        .expect("a tool turn");
+    let tool_turn = only_tool_turn(&dir);
     assert!(
         tool_turn.contains("exceeded the sandbox's process limit (16"),
         "{tool_turn}"

@@ -56,6 +56,18 @@ fn pod(job: &Job) -> &PodSpec {
     job.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
 }
 
+/// The Secret (name, key) the worker's variable `name` comes from; it must have no inline value.
+fn secret_of(job: &Job, name: &str) -> (String, String) {
+    let var = env_value(job, name).unwrap_or_else(|| panic!("{name} in the worker's env"));
+    assert_eq!(var.value, None, "{name} comes from its Secret only");
+    let selector = var
+        .value_from
+        .as_ref()
+        .and_then(|from| from.secret_key_ref.as_ref())
+        .unwrap_or_else(|| panic!("{name} from a secretKeyRef"));
+    (selector.name.clone(), selector.key.clone())
+}
+
 fn env_value<'a>(job: &'a Job, name: &str) -> Option<&'a EnvVar> {
     pod(job).containers[0]
         .env
@@ -297,18 +309,9 @@ fn pods_get_the_worker_contract_environment_and_the_key_only_by_secret_ref() {
         Some(paths::TERMINATION_LOG)
     );
     assert_eq!(value(env::LOG_FORMAT).as_deref(), Some("json"));
-    let key = env_value(&job, env::MODEL_API_KEY).unwrap();
-    assert_eq!(key.value, None);
-    let selector = key
-        .value_from
-        .as_ref()
-        .unwrap()
-        .secret_key_ref
-        .as_ref()
-        .unwrap();
     assert_eq!(
-        (selector.name.as_str(), selector.key.as_str()),
-        ("llm-key", "api-key")
+        secret_of(&job, env::MODEL_API_KEY),
+        ("llm-key".to_owned(), "api-key".to_owned())
     );
 
     let without = gen_job(&TrajectoryRun::test().build(), 1, &[0], false);
@@ -698,24 +701,12 @@ fn tool_backend_secrets_reach_the_worker_container_only() {
         .with(|spec| spec.tools = serde_json::from_value(tools.clone()).unwrap())
         .build();
     let job = gen_job(&run, 1, &[0], false);
-    let from_secret = |name: &str| {
-        let var = env_value(&job, name).unwrap_or_else(|| panic!("{name} in the worker's env"));
-        assert_eq!(var.value, None, "{name} comes from its Secret only");
-        let selector = var
-            .value_from
-            .as_ref()
-            .unwrap()
-            .secret_key_ref
-            .as_ref()
-            .unwrap();
-        (selector.name.clone(), selector.key.clone())
-    };
     assert_eq!(
-        from_secret(env::WEB_SEARCH_API_KEY),
+        secret_of(&job, env::WEB_SEARCH_API_KEY),
         ("search".to_owned(), "token".to_owned())
     );
     assert_eq!(
-        from_secret("TRAJ_SECRET_MCP_AUTH__BEARER"),
+        secret_of(&job, "TRAJ_SECRET_MCP_AUTH__BEARER"),
         ("mcp-auth".to_owned(), "bearer".to_owned())
     );
     let sandbox = &pod(&job).init_containers.as_ref().unwrap()[1];
