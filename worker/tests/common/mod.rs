@@ -20,7 +20,9 @@ use trajectory_worker::run::local::{LocalOptions, ProgressMode};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunFile, RunLocation};
 use trajectory_worker::storage::RecordsFile;
+use trajectory_worker::tools::browser::ConversationBrowser;
 use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
+use trajectory_worker::tools::{ToolContext, ToolLimits, Workspace};
 
 pub const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 
@@ -28,6 +30,17 @@ pub const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 /// it), with Landlock where the kernel has it.
 pub fn sandbox() -> Sandbox {
     Sandbox::local(LandlockMode::Auto)
+}
+
+/// The tool context of a conversation working in `workspace` (which must exist), with default
+/// limits and the sandbox above.
+pub fn tool_context(workspace: &Path) -> ToolContext {
+    ToolContext {
+        workspace: Workspace::new(workspace).expect("the workspace exists"),
+        limits: ToolLimits::default(),
+        sandbox: sandbox(),
+        browser: ConversationBrowser::default(),
+    }
 }
 
 /// Options of a `local` run of `fixture`'s run file, with line progress and the sandbox above.
