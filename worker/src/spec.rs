@@ -1470,6 +1470,55 @@ mod tests {
     }
 
     #[test]
+    fn vision_and_image_endpoints_are_checked_and_their_secret_keys_reach_the_worker() {
+        let mut spec = minimal();
+        spec.distribution = DistributionSpec::Named("creative".into());
+        spec.tools = serde_json::from_value(serde_json::json!({
+            "web": {"search": {"url": "http://searxng:8080"}},
+            "vision": {"baseUrl": "http://vllm-vl:8000/v1", "model": "vl",
+                       "apiKey": {"secretKeyRef": {"name": "vl-key", "key": "token"}}},
+            "imageGen": {"baseUrl": "http://images:8000/v1", "model": "img",
+                         "apiKey": {"env": "IMAGES_KEY"}},
+        }))
+        .unwrap();
+        assert_eq!(spec.validate(), []);
+        let env: Vec<String> = spec
+            .tools
+            .secret_env()
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        assert_eq!(env, ["TRAJ_SECRET_VL_KEY__TOKEN"]);
+
+        let vision = spec.tools.vision.as_mut().unwrap();
+        vision.base_url = "vllm-vl:8000".into();
+        vision.api_key = Some(ValueSource {
+            env: Some("A".into()),
+            secret_key_ref: Some(SecretKeyRef {
+                name: "n".into(),
+                key: "k".into(),
+            }),
+        });
+        vision.max_image_bytes = 10;
+        let image_gen = spec.tools.image_gen.as_mut().unwrap();
+        image_gen.model = String::new();
+        image_gen.sizes.square = String::new();
+        image_gen.extra_body = Some(serde_json::json!([1]));
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.tools.vision.baseUrl",
+                "spec.tools.vision.apiKey",
+                "spec.tools.vision.maxImageBytes",
+                "spec.tools.imageGen.model",
+                "spec.tools.imageGen.sizes.square",
+                "spec.tools.imageGen.extraBody",
+            ]
+        );
+    }
+
+    #[test]
     fn clean_paths() {
         assert!(is_relative_clean_path("a/b.jsonl"));
         assert!(!is_relative_clean_path("/a"));

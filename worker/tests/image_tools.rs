@@ -16,12 +16,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine as _;
 use local_servers::{PYTHON_DOCS, RedirectLoop, served_files as served};
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
-    ReceivedRequest, ScriptedServer, Step, images_b64_reply, images_url_reply, text_reply,
-    tool_call_reply,
+    ScriptedServer, Step, images_b64_reply, images_url_reply, text_reply, tool_call_reply,
 };
 use trajectory_worker::run::local::run_local;
 use trajectory_worker::spec::ToolsSpec;
@@ -152,19 +150,6 @@ impl Conversation {
     }
 }
 
-/// The image of a chat request: its MIME type and decoded bytes.
-fn sent_image(request: &ReceivedRequest) -> (String, Vec<u8>) {
-    let part = &request.body["messages"][0]["content"][1];
-    assert_eq!(part["type"], "image_url", "{part}");
-    let url = part["image_url"]["url"].as_str().expect("a data URL");
-    let (head, data) = url.split_once(";base64,").expect("a base64 data URL");
-    let mime = head.strip_prefix("data:").expect("a data URL").to_owned();
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(data)
-        .expect("valid base64");
-    (mime, bytes)
-}
-
 fn analyze(image_url: &str) -> Value {
     json!({"image_url": image_url, "question": "How many points has the star?"})
 }
@@ -200,7 +185,7 @@ async fn a_workspace_png_reaches_the_model_as_a_data_url_with_the_question_model
         messages[0]["content"][0],
         json!({"type": "text", "text": "Fully describe and explain everything about this image, then answer the following question:\n\nHow many points has the star?"})
     );
-    assert_eq!(sent_image(request), ("image/png".to_owned(), png));
+    assert_eq!(common::sent_image(request), ("image/png".to_owned(), png));
 }
 
 #[tokio::test]
@@ -221,7 +206,7 @@ async fn image_urls_are_fetched_from_a_real_server_and_each_format_is_told_by_it
         let result = conversation.ok(&tool, analyze(&site.url(name))).await;
         assert_eq!(result["analysis"], "seen");
         let requests = server.requests();
-        let sent = sent_image(requests.last().unwrap());
+        let sent = common::sent_image(requests.last().unwrap());
         assert_eq!(sent, (mime.to_owned(), bytes.clone()), "{name}");
     }
     assert_eq!(server.request_count(), 3);
@@ -490,24 +475,6 @@ async fn an_image_endpoint_that_fails_is_a_tool_error_and_nothing_is_saved() {
     assert!(!conversation.root().join("generated_images").exists());
 }
 
-/// The `<tool_response>` payloads of the conversation's tool turns (one call per turn here).
-fn tool_responses(record: &Value) -> Vec<Value> {
-    record["conversations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|turn| turn["from"] == "tool")
-        .map(|turn| {
-            let text = turn["value"].as_str().unwrap();
-            let payload = text
-                .strip_prefix("<tool_response>\n")
-                .and_then(|rest| rest.strip_suffix("\n</tool_response>"))
-                .unwrap_or_else(|| panic!("one tool response: {text}"));
-            serde_json::from_str(payload).unwrap()
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_run_generates_an_image_and_shows_the_saved_file_to_the_vision_model() {
     let png = python_doc(STAR_PNG);
@@ -544,7 +511,7 @@ async fn a_local_run_generates_an_image_and_shows_the_saved_file_to_the_vision_m
 
     let record = &fixture.lines("trajectories.jsonl")[0];
     assert_eq!(record["toolsets_used"], json!(["image_gen", "vision"]));
-    let responses = tool_responses(record);
+    let responses = common::tool_responses(record);
     assert_eq!(responses.len(), 2, "{record}");
     assert_eq!(responses[0]["name"], "image_generate");
     assert_eq!(
@@ -568,7 +535,10 @@ async fn a_local_run_generates_an_image_and_shows_the_saved_file_to_the_vision_m
     let requests = vision.requests();
     assert_eq!(requests.len(), 1);
     assert_eq!(requests[0].authorization.as_deref(), Some(BEARER));
-    assert_eq!(sent_image(&requests[0]), ("image/png".to_owned(), png));
+    assert_eq!(
+        common::sent_image(&requests[0]),
+        ("image/png".to_owned(), png)
+    );
     assert_eq!(images.request_count(), 1);
     // ... and went with the workspace when the conversation ended.
     let left = std::fs::read_dir(fixture.workspaces()).map_or(0, Iterator::count);
