@@ -332,8 +332,8 @@ async fn chat_completions(
     answer(&shared, "/v1/chat/completions", &headers, body).await
 }
 
-/// The Images API: scripted like completions (in fixed-latency mode it answers as completions
-/// do, which no benchmark asks of it).
+/// The Images API: scripted like completions (in fixed-latency mode it answers what a
+/// completion would, so a benchmark scripts it with `start_with_default`).
 async fn image_generations(
     State(shared): State<Arc<Shared>>,
     headers: HeaderMap,

@@ -12,26 +12,18 @@
 //! `CALLS` are timed. Knobs (environment): `TOOL_BENCH_CALLS` (2000). The MCP servers come from
 //! `scripts/mcp/install.sh` (or `TRAJ_MCP_DIR`).
 
+mod per_call;
+
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+
+use per_call::{Stop, free_port, measure, wait_for_port};
 
 use anyhow::{Context, ensure};
-use nix::sys::resource::{UsageWho, getrusage};
-use nix::sys::time::TimeValLike;
 use serde_json::{Map, Value, json};
 use trajectory_worker::spec::{McpServerSpec, ToolsSpec};
+use trajectory_worker::tools::Registry;
 use trajectory_worker::tools::mcp::McpServer;
-use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
-use trajectory_worker::tools::{Registry, ToolContext, ToolLimits, ToolOutcome, Workspace};
-
-const WARMUP: usize = 50;
-
-fn cpu_now() -> anyhow::Result<Duration> {
-    let usage = getrusage(UsageWho::RUSAGE_SELF)?;
-    let micros = usage.user_time().num_microseconds() + usage.system_time().num_microseconds();
-    Ok(Duration::from_micros(u64::try_from(micros)?))
-}
 
 fn servers_dir() -> anyhow::Result<PathBuf> {
     if let Ok(dir) = std::env::var("TRAJ_MCP_DIR") {
@@ -44,57 +36,6 @@ fn servers_dir() -> anyhow::Result<PathBuf> {
         .output()?;
     ensure!(output.status.success(), "{} failed", script.display());
     Ok(String::from_utf8(output.stdout)?.trim().into())
-}
-
-struct Stop(Child);
-
-impl Drop for Stop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_for_port(port: u16) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        ensure!(Instant::now() < deadline, "nothing listens on {port}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Ok(())
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
-/// Runs `call` WARMUP + CALLS times; prints wall and client CPU per timed call.
-async fn measure<F, Fut>(label: &str, calls: usize, mut call: F) -> anyhow::Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = ToolOutcome>,
-{
-    for _ in 0..WARMUP {
-        if let ToolOutcome::Err(error) = call().await {
-            anyhow::bail!("{label}: {error}");
-        }
-    }
-    let (started, cpu_started) = (Instant::now(), cpu_now()?);
-    for _ in 0..calls {
-        if let ToolOutcome::Err(error) = call().await {
-            anyhow::bail!("{label}: {error}");
-        }
-    }
-    let (wall, cpu) = (started.elapsed(), cpu_now()?.saturating_sub(cpu_started));
-    let per_call = |total: Duration| total.as_secs_f64() * 1e6 / calls as f64;
-    println!(
-        "{label:<28} {calls:>6} calls   wall {:>8.1} µs/call   client CPU {:>7.1} µs/call",
-        per_call(wall),
-        per_call(cpu)
-    );
-    Ok(())
 }
 
 #[tokio::main]
@@ -117,7 +58,10 @@ async fn main() -> anyhow::Result<()> {
         "connectTimeoutSeconds": 60,
     }))?;
     let server = McpServer::new(stdio);
-    measure("MCP stdio (echo)", calls, || server.call("echo", echo())).await?;
+    measure("MCP stdio (echo)", calls, per_call::cpu_now, || {
+        server.call("echo", echo())
+    })
+    .await?;
     server.close().await;
 
     let port = free_port()?;
@@ -136,9 +80,12 @@ async fn main() -> anyhow::Result<()> {
         "name": "everything", "streamableHttp": {"url": format!("http://127.0.0.1:{port}/mcp")},
     }))?;
     let server = McpServer::new(http);
-    measure("MCP streamable HTTP (echo)", calls, || {
-        server.call("echo", echo())
-    })
+    measure(
+        "MCP streamable HTTP (echo)",
+        calls,
+        per_call::cpu_now,
+        || server.call("echo", echo()),
+    )
     .await?;
     server.close().await;
 
@@ -147,23 +94,7 @@ async fn main() -> anyhow::Result<()> {
         files.path().join("item.json"),
         r#"{"id": 7, "name": "frobnicator"}"#,
     )?;
-    let port = free_port()?;
-    let _files_server = Stop(
-        Command::new("python3")
-            .args([
-                "-m",
-                "http.server",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-            ])
-            .current_dir(files.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting python3 -m http.server")?,
-    );
-    wait_for_port(port)?;
+    let (_files_server, port) = per_call::http_server(files.path())?;
     let tools: ToolsSpec = serde_json::from_value(json!({"http": [{"toolset": "team", "tools": [{
         "name": "get_item", "description": "d",
         "parameters": {"type": "object", "properties": {"id": {"type": "string"}}},
@@ -175,15 +106,10 @@ async fn main() -> anyhow::Result<()> {
         .pop()
         .context("the HTTP tool")?;
     let workspace = tempfile::tempdir()?;
-    let ctx = ToolContext {
-        workspace: Workspace::new(workspace.path())?,
-        limits: ToolLimits::default(),
-        sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
-        browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
-    };
+    let ctx = per_call::tool_context(workspace.path())?;
     let mut item = Map::new();
     item.insert("id".into(), Value::from("item"));
-    measure("HTTP tool (GET, JSON)", calls, || {
+    measure("HTTP tool (GET, JSON)", calls, per_call::cpu_now, || {
         tool.call(item.clone(), &ctx)
     })
     .await?;

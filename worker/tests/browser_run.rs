@@ -1,6 +1,7 @@
-//! A local run whose conversations draw the `browser` toolset, against the scripted model and a
+//! Local runs whose conversations draw the `browser` toolset, against the scripted model and a
 //! real headless Chromium (scripts/browser/install.sh) loading a page from a local server: the
-//! record holds the real snapshot the browser made.
+//! record holds the real snapshot the browser made, and `browser_vision` shows the scripted vision
+//! endpoint a real screenshot.
 
 mod common;
 
@@ -15,12 +16,18 @@ use trajectory_worker::run::local::run_local;
 const PAGE: &str = "<!doctype html><title>Browser fixture</title><h1>Glossary</h1>\
     <p>A <a href=\"/bdfl\">BDFL</a> is a benevolent dictator for life.</p>";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_browser_conversation_records_the_real_snapshot() {
+/// Serves [`PAGE`] on an ephemeral loopback port; returns its URL.
+async fn site() -> String {
     let app = Router::new().route("/", get(|| async { Html(PAGE) }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let site = format!("http://{}/", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    site
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browser_conversation_records_the_real_snapshot() {
+    let site = site().await;
 
     let server = ScriptedServer::start([
         Step::ok(tool_call_reply("browser_navigate", &json!({"url": site}))),
@@ -77,10 +84,7 @@ async fn a_browser_conversation_records_the_real_snapshot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn browser_vision_shows_a_png_screenshot_of_the_page_to_the_vision_model() {
-    let app = Router::new().route("/", get(|| async { Html(PAGE) }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let site = format!("http://{}/", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let site = site().await;
 
     let vision = ScriptedServer::start([Step::ok(text_reply("A page headed Glossary."))]).await;
     let model = ScriptedServer::start([

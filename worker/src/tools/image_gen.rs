@@ -20,8 +20,8 @@ use serde_json::{Map, Value, json};
 use super::args::optional_string_arg;
 use super::endpoint::{self, Endpoint, EndpointError};
 use super::file::confine;
-use super::vision::image::{ImageKind, checked_kind};
-use super::web::{error_chain, read_capped, reference_json};
+use super::vision::image::{ImageKind, checked_kind, download};
+use super::web::reference_json;
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec, Workspace, WorkspaceError};
 use crate::spec::{ImageGenSpec, ImageResponseFormat, ToolsSpec};
 
@@ -193,24 +193,10 @@ impl ImageGenerate {
     }
 
     async fn fetch(&self, url: &str) -> Result<(ImageKind, Vec<u8>), String> {
-        let mut response = self
-            .download
-            .get(url)
-            .send()
-            .await
-            .map_err(|err| format!("cannot download {url}: {}", error_chain(&err)))?;
-        let status = response.status();
-        if !status.is_success() {
-            return Err(format!("cannot download {url}: HTTP {status}"));
-        }
-        let (bytes, cut) = read_capped(&mut response, self.max_image_bytes)
-            .await
-            .map_err(|err| format!("cannot download {url}: {}", error_chain(&err)))?;
-        if cut {
-            return Err(self.too_large());
-        }
-        let kind = checked_kind(&bytes, url, None)?;
-        Ok((kind, bytes))
+        let image = download(self.download.get(url), url, self.max_image_bytes)
+            .await?
+            .ok_or_else(|| self.too_large())?;
+        Ok((image.kind, image.bytes))
     }
 
     fn too_large(&self) -> String {

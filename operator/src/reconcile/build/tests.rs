@@ -696,6 +696,10 @@ fn tool_backend_secrets_reach_the_worker_container_only() {
         "mcp": [{"name": "team", "streamableHttp": {"url": "http://mcp.team:8080/mcp",
                  "headers": [{"name": "Authorization",
                               "valueFrom": {"secretKeyRef": {"name": "mcp-auth", "key": "bearer"}}}]}}],
+        "vision": {"baseUrl": "http://vllm-vl:8000/v1", "model": "vl",
+                   "apiKey": {"secretKeyRef": {"name": "vl", "key": "api-key"}}},
+        "imageGen": {"baseUrl": "https://api.openai.com/v1", "model": "gpt-image-1",
+                     "apiKey": {"secretKeyRef": {"name": "openai", "key": "key"}}},
     });
     let run = TrajectoryRun::test()
         .with(|spec| spec.tools = serde_json::from_value(tools.clone()).unwrap())
@@ -708,6 +712,14 @@ fn tool_backend_secrets_reach_the_worker_container_only() {
     assert_eq!(
         secret_of(&job, "TRAJ_SECRET_MCP_AUTH__BEARER"),
         ("mcp-auth".to_owned(), "bearer".to_owned())
+    );
+    assert_eq!(
+        secret_of(&job, "TRAJ_SECRET_VL__API_KEY"),
+        ("vl".to_owned(), "api-key".to_owned())
+    );
+    assert_eq!(
+        secret_of(&job, "TRAJ_SECRET_OPENAI__KEY"),
+        ("openai".to_owned(), "key".to_owned())
     );
     let sandbox = &pod(&job).init_containers.as_ref().unwrap()[1];
     assert!(sandbox.env.is_none(), "the sandbox gets no secret");

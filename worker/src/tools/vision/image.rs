@@ -165,42 +165,45 @@ impl ImageSource {
         if let Some(refusal) = guard::refusal(&url, self.allow_private) {
             return Err(refusal);
         }
-        let mut response = self
-            .client
-            .get(url)
-            .header(ACCEPT, "image/*,*/*;q=0.8")
-            .send()
-            .await
-            .map_err(|err| format!("cannot fetch {raw}: {}", error_chain(&err)))?;
-        let status = response.status();
-        if !status.is_success() {
-            return Err(format!("cannot fetch {raw}: HTTP {status}"));
-        }
-        let declared_length = response
-            .headers()
-            .get(CONTENT_LENGTH)
-            .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
-        if declared_length.is_some_and(|length| length > self.max_bytes as u64) {
-            return Err(self.too_large(raw));
-        }
-        let declared = response
-            .headers()
-            .get(CONTENT_TYPE)
-            .and_then(|value| value.to_str().ok())
-            .map(str::to_owned);
-        let (bytes, cut) = read_capped(&mut response, self.max_bytes)
-            .await
-            .map_err(|err| format!("cannot fetch {raw}: {}", error_chain(&err)))?;
-        if cut {
-            return Err(self.too_large(raw));
-        }
-        let kind = checked_kind(&bytes, raw, declared.as_deref())?;
-        Ok(Image { kind, bytes })
+        let request = self.client.get(url).header(ACCEPT, "image/*,*/*;q=0.8");
+        download(request, raw, self.max_bytes)
+            .await?
+            .ok_or_else(|| too_large(raw, self.max_bytes))
     }
+}
 
-    fn too_large(&self, source: &str) -> String {
-        too_large(source, self.max_bytes)
+/// Sends `request` (for the image `shown`) and reads the image it answers with, at most
+/// `max_bytes` of it (`None`: longer, by its declared length or by what came), recognised by its
+/// signature.
+pub(crate) async fn download(
+    request: reqwest::RequestBuilder,
+    shown: &str,
+    max_bytes: usize,
+) -> Result<Option<Image>, String> {
+    let fail = |err: reqwest::Error| format!("cannot fetch {shown}: {}", error_chain(&err));
+    let mut response = request.send().await.map_err(fail)?;
+    let status = response.status();
+    if !status.is_success() {
+        return Err(format!("cannot fetch {shown}: HTTP {status}"));
     }
+    let declared_length = response
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+    if declared_length.is_some_and(|length| length > max_bytes as u64) {
+        return Ok(None);
+    }
+    let declared = response
+        .headers()
+        .get(CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
+    let (bytes, cut) = read_capped(&mut response, max_bytes).await.map_err(fail)?;
+    if cut {
+        return Ok(None);
+    }
+    let kind = checked_kind(&bytes, shown, declared.as_deref())?;
+    Ok(Some(Image { kind, bytes }))
 }
 
 fn too_large(source: &str, max_bytes: usize) -> String {
