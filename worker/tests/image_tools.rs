@@ -547,3 +547,41 @@ async fn a_local_run_generates_an_image_and_shows_the_saved_file_to_the_vision_m
         "workspaces are removed unless tools.keepWorkspaces"
     );
 }
+
+#[test]
+fn a_key_variable_that_is_not_set_refuses_the_run_naming_it_and_never_drops_browser_vision() {
+    use trajectory_worker::distribution::Distribution;
+    use trajectory_worker::spec::DistributionSpec;
+    use trajectory_worker::tools::Registry;
+    let tools: ToolsSpec = serde_json::from_value(json!({
+        "browser": {},
+        "vision": {"baseUrl": "http://127.0.0.1:1/v1", "model": "vl",
+                   "apiKey": {"env": "TRAJ_TEST_VISION_KEY_THAT_IS_NOT_SET"}},
+        "imageGen": {"baseUrl": "http://127.0.0.1:1/v1", "model": "img",
+                     "apiKey": {"env": "TRAJ_TEST_IMAGE_KEY_THAT_IS_NOT_SET"}},
+    }))
+    .unwrap();
+    let registry = Registry::builtin(&tools);
+    for (toolset, variable) in [
+        (
+            "vision",
+            "spec.tools.vision.apiKey names the environment variable TRAJ_TEST_VISION_KEY_THAT_IS_NOT_SET",
+        ),
+        // The browser toolset would offer browser_vision: it is refused whole, not offered
+        // without it, so that every record of a run has the same catalog.
+        (
+            "browser",
+            "spec.tools.vision.apiKey names the environment variable TRAJ_TEST_VISION_KEY_THAT_IS_NOT_SET",
+        ),
+        (
+            "image_gen",
+            "spec.tools.imageGen.apiKey names the environment variable TRAJ_TEST_IMAGE_KEY_THAT_IS_NOT_SET",
+        ),
+    ] {
+        let spec = DistributionSpec::Inline([(toolset.to_owned(), 100.0)].into());
+        let error = Distribution::resolve(&spec, &registry)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains(variable), "{toolset}: {error}");
+    }
+}
