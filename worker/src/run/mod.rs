@@ -4,6 +4,7 @@
 //! reports a summary. Errors carry the exit code of the worker contract ([`crate::contract::exit`]).
 
 pub mod batch;
+pub mod distributions;
 pub mod local;
 pub mod manifest;
 pub mod merge;
@@ -141,6 +142,14 @@ pub const LOCAL_NAMESPACE: &str = "local";
 impl RunFile {
     /// Reads and validates a run file; errors name the file and the field.
     pub fn load(path: &Path) -> Result<Self, RunError> {
+        let file = Self::read(path)?;
+        check_spec(path, &file.spec)?;
+        Ok(file)
+    }
+
+    /// Reads a run file without validating its spec (for listings that report what is wrong
+    /// instead of refusing it); errors name the file, line and column.
+    pub fn read(path: &Path) -> Result<Self, RunError> {
         let text = std::fs::read_to_string(path).map_err(|err| {
             RunError::Spec(format!("cannot read run file {}: {err}", path.display()))
         })?;
@@ -158,7 +167,6 @@ impl RunFile {
                 file.kind
             )));
         }
-        check_spec(path, &file.spec)?;
         Ok(file)
     }
 
