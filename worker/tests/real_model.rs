@@ -6,6 +6,7 @@
 //! result returned, the record valid), never about what the model says.
 
 mod common;
+mod local_servers;
 mod web_servers;
 
 use std::path::Path;
@@ -183,7 +184,7 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
 /// model's own; greedy decoding (temperature 0) makes them the same on every run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_model_searches_the_web_and_its_record_holds_a_real_searx_result() {
-    let docs = web_servers::DocsServer::start(web_servers::PYTHON_DOCS.as_ref());
+    let docs = local_servers::DocsServer::start(local_servers::PYTHON_DOCS.as_ref());
     let searx = web_servers::Searx::start(&docs);
     let fixture = common::RunFixture::with_lines(
         &model_server(),
