@@ -4,21 +4,25 @@
 //! over the `python3-doc` pages and those pages served over HTTP (`web`), Debian's headless
 //! Chromium (`browser`), real processes and files in the workspace (`terminal`, `file`), and the
 //! scripted server's multimodal and Images endpoints for `vision` and `image_gen`, for which no
-//! model ships here (docs/tools/vision.md). Every record must be valid, every call a success,
+//! model ships here (docs/tools/vision.md), with the docs' real PNG logo as the image. Every record must be valid, every call a success,
 //! and the model must have been asked exactly as often as the offered toolsets imply.
 
 mod common;
+mod local_servers;
 mod web_servers;
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use common::{RunFixture, local_options, no_shutdown};
+use local_servers::{DocsServer, PYTHON_DOCS};
 use serde_json::{Value, json};
-use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
+use trajectory_testkit::scripted_server::{
+    ScriptedServer, Step, images_b64_reply, text_reply, tool_call_reply,
+};
 use trajectory_worker::run::local::run_local;
 use trajectory_worker::spec::RunSpec;
 use trajectory_worker::toolsets::{BUILTIN_DISTRIBUTIONS, distribution_violations};
-use web_servers::{DocsServer, PYTHON_DOCS, Searx};
+use web_servers::Searx;
 
 /// The page the probes extract and browse.
 const PAGE: &str = "library/asyncio-subprocess.html";
@@ -62,9 +66,15 @@ fn probes(docs: &DocsServer) -> Vec<(&'static str, &'static str, Value)> {
 }
 
 /// The model: the next probe whose tool the request offers and no earlier turn called, then a
-/// final answer. A request without tools is a vision request: it gets a description.
+/// final answer. A request with a prompt and no messages is an Images request: it gets the
+/// docs' real PNG. A request without tools is a vision request: it gets a description.
 fn model(probes: Vec<(&'static str, &'static str, Value)>) -> impl Fn(&Value) -> Step {
+    let png =
+        std::fs::read(std::path::Path::new(PYTHON_DOCS).join(IMAGE)).expect("python3-doc's logo");
     move |body| {
+        if body.get("prompt").is_some() && body.get("messages").is_none() {
+            return Step::ok(images_b64_reply(&png));
+        }
         let Some(tools) = body["tools"].as_array() else {
             return Step::ok(text_reply("A blue and yellow snake logo."));
         };
@@ -97,7 +107,7 @@ fn tools(searx: &Searx, scripted: &ScriptedServer) -> Value {
             "extract": {"allowPrivateAddresses": true},
         },
         "browser": {},
-        "vision": {"baseUrl": scripted.base_url(), "model": "scripted-vision"},
+        "vision": {"baseUrl": scripted.base_url(), "model": "scripted-vision", "allowPrivateAddresses": true},
         "imageGen": {"baseUrl": scripted.base_url(), "model": "scripted-images"},
     })
 }
@@ -151,7 +161,7 @@ async fn every_builtin_distribution_validates_and_runs_on_real_backends() {
             expected_requests += 1 + probes
                 .iter()
                 .filter(|(toolset, ..)| used.contains(*toolset))
-                .map(|(toolset, ..)| 1 + usize::from(*toolset == "vision"))
+                .map(|(toolset, ..)| 1 + usize::from(matches!(*toolset, "vision" | "image_gen")))
                 .sum::<usize>();
             exercised.extend(used);
             let keys: BTreeSet<String> = record["tool_stats"]
