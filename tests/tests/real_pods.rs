@@ -104,6 +104,24 @@ impl Setup {
             .expect("create the run");
     }
 
+    /// Creates run `name` of `prompts` scripted prompts in one batch, run by one worker with
+    /// `concurrency` conversations at once against `model`, with `extra` spec keys.
+    async fn create_one_batch(
+        &self,
+        name: &str,
+        model: &ScriptedServer,
+        prompts: usize,
+        concurrency: usize,
+        extra: Value,
+    ) {
+        let mut keys = json!({"batchSize": prompts, "workers": 1, "concurrency": concurrency});
+        for (key, value) in extra.as_object().into_iter().flatten() {
+            keys[key] = value.clone();
+        }
+        self.create_scripted(name, &self.model_url(model), prompts, &keys)
+            .await;
+    }
+
     /// Waits until run `name` is finished; panics with its status and pods after `timeout`.
     async fn finished(&self, name: &str, timeout: Duration) -> TrajectoryRun {
         let deadline = Instant::now() + timeout;
@@ -139,16 +157,28 @@ impl Setup {
         (indexes, failures.len())
     }
 
-    /// The one pod Job `job` ran (so that its conversations shared one sandbox container).
-    async fn only_pod_of(&self, job: &str) -> Pod {
-        let mut pods = self
+    /// Waits until run `name` of `prompts` prompts, all in one batch, has succeeded in one pod
+    /// (so that its conversations shared one sandbox container), with one record per prompt and
+    /// two requests to `model` per conversation; returns the records' tool turns.
+    async fn one_pod_succeeded_once_per_prompt(
+        &self,
+        name: &str,
+        prompts: usize,
+        model: &ScriptedServer,
+    ) -> Vec<String> {
+        let run = self.finished(name, Duration::from_secs(300)).await;
+        assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+        let (indexes, failed) = self.prompt_indexes(name);
+        assert_eq!((indexes, failed), ((0..prompts as u64).collect(), 0));
+        assert_two_requests_per_conversation(model, prompts);
+        let pods = self
             .pods
-            .list(&kube::api::ListParams::default().labels(&format!("job-name={job}")))
+            .list(&kube::api::ListParams::default().labels(&format!("job-name={name}-gen-1")))
             .await
-            .expect("list the Job's pods")
+            .expect("list the generation Job's pods")
             .items;
         assert_eq!(pods.len(), 1, "{:#?}", pod_summary(&self.pods).await);
-        pods.remove(0)
+        tool_turns(&self.storage.run_dir(self.ns(), name))
     }
 
     /// The first pod of index 0 of the generation Job, once it is running and has written `records`
@@ -278,19 +308,20 @@ async fn scripted_model(latency: Duration, command: &str) -> ScriptedServer {
     .await
 }
 
-/// A scripted model on every address whose first replies each call `terminal` with one of
-/// `commands`, in order (one per conversation when as many conversations start at once), and
-/// whose every later reply is a final answer.
-async fn model_calling_terminal_with(commands: &[&str]) -> ScriptedServer {
-    let calls = commands
-        .iter()
-        .map(|command| Step::ok(tool_call_reply("terminal", &json!({ "command": command }))));
+/// A scripted model on every address that gives `replies` in order, whatever the request, then a
+/// final answer to every later request.
+async fn model_replying(replies: impl IntoIterator<Item = Value>) -> ScriptedServer {
     ScriptedServer::start_with_default_on(
         IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-        calls,
+        replies.into_iter().map(Step::ok),
         Step::ok(text_reply("done")),
     )
     .await
+}
+
+/// A model reply calling `terminal` with `command`.
+fn terminal_call(command: &str) -> Value {
+    tool_call_reply("terminal", &json!({ "command": command }))
 }
 
 /// `model` was asked twice per conversation for `conversations` conversations (the tool call, then
@@ -503,29 +534,28 @@ echo "running=$(grep -a -l "${m}[1-5]" /proc/[0-9]*/cmdline 2>/dev/null | wc -l)
 /// Nothing a command starts outlives its conversation in a real pod: three conversations, one
 /// after the other in the sandbox container of one batch pod, each start processes meant to
 /// survive (`setsid`, `nohup`, a double fork, a daemon), and each later one finds none of the
-/// earlier ones' processes left, and no zombie. Two model requests per conversation: no record
-/// is missing and none was redone.
+/// earlier ones' processes left, and no zombie. The second one also kills its own executor
+/// (`SIGKILL`, as the OOM killer would), leaving its processes to the sandbox server. Two model
+/// requests per conversation: no record is missing and none was redone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nothing_a_command_starts_outlives_its_conversation_in_a_real_pod() {
     let setup = Setup::new("pods-orphans").await;
-    let model = scripted_model(Duration::from_millis(5), ORPHANS_PROBE).await;
+    let kills_its_executor = format!("{ORPHANS_PROBE}\nkill -KILL $PPID; sleep 30");
+    let model = model_replying([
+        terminal_call(ORPHANS_PROBE),
+        text_reply("done"),
+        terminal_call(&kills_its_executor),
+        text_reply("done"),
+        terminal_call(ORPHANS_PROBE),
+    ])
+    .await;
     let prompts = 3;
     setup
-        .create_scripted(
-            "orphans",
-            &setup.model_url(&model),
-            prompts,
-            &json!({"batchSize": prompts, "workers": 1, "concurrency": 1}),
-        )
+        .create_one_batch("orphans", &model, prompts, 1, json!({}))
         .await;
-    let run = setup.finished("orphans", Duration::from_secs(300)).await;
-    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
-    let (indexes, failed) = setup.prompt_indexes("orphans");
-    assert_eq!((indexes, failed), ((0..prompts as u64).collect(), 0));
-    assert_two_requests_per_conversation(&model, prompts);
-    setup.only_pod_of("orphans-gen-1").await;
-
-    let turns = tool_turns(&setup.storage.run_dir(setup.ns(), "orphans"));
+    let turns = setup
+        .one_pod_succeeded_once_per_prompt("orphans", prompts, &model)
+        .await;
     for turn in &turns {
         assert!(
             turn.contains("pid1=/sandbox/bin/trajectory-executor serve"),
@@ -544,6 +574,16 @@ async fn nothing_a_command_starts_outlives_its_conversation_in_a_real_pod() {
             "zombies in the sandbox container: {turn}"
         );
     }
+    let mut codes: Vec<Option<i64>> = turns
+        .iter()
+        .map(|turn| tool_result(turn)["exit_code"].as_i64())
+        .collect();
+    codes.sort_unstable();
+    assert_eq!(
+        codes,
+        [Some(0), Some(0), Some(137)],
+        "one command killed its executor"
+    );
 }
 
 /// A memory hog and a disk filler, each in its own conversation in the sandbox container of one
@@ -557,27 +597,15 @@ async fn a_memory_hog_and_a_disk_filler_stop_only_their_own_conversation_in_a_re
     let filler = "for i in $(seq 100); do head -c 4M /dev/zero > f$i; done; echo filler-done";
     let neighbour = "for i in $(seq 20); do echo $i > n$i; sleep 0.1; done; cat n* | wc -l";
     // The three conversations start at once, so each gets one of the three first replies.
-    let model = model_calling_terminal_with(&[hog, filler, neighbour]).await;
+    let model = model_replying([hog, filler, neighbour].map(terminal_call)).await;
     let prompts = 3;
+    let limits = json!({"limits": {"memoryBytes": 128 << 20, "workspaceBytes": 32 << 20}});
     setup
-        .create_scripted(
-            "hogs",
-            &setup.model_url(&model),
-            prompts,
-            &json!({
-                "batchSize": prompts, "workers": 1, "concurrency": prompts,
-                "sandbox": {"limits": {"memoryBytes": 128 << 20, "workspaceBytes": 32 << 20}},
-            }),
-        )
+        .create_one_batch("hogs", &model, prompts, prompts, json!({"sandbox": limits}))
         .await;
-    let run = setup.finished("hogs", Duration::from_secs(300)).await;
-    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
-    let (indexes, failed) = setup.prompt_indexes("hogs");
-    assert_eq!((indexes, failed), ((0..prompts as u64).collect(), 0));
-    assert_two_requests_per_conversation(&model, prompts);
-    setup.only_pod_of("hogs-gen-1").await;
-
-    let turns = tool_turns(&setup.storage.run_dir(setup.ns(), "hogs"));
+    let turns = setup
+        .one_pod_succeeded_once_per_prompt("hogs", prompts, &model)
+        .await;
     let turn_with = |text: &str| {
         turns
             .iter()
@@ -609,12 +637,7 @@ async fn a_batch_pod_killed_mid_batch_is_replaced_and_resumes() {
     let model = scripted_model(Duration::from_millis(700), "echo hi").await;
     let prompts = 6;
     setup
-        .create_scripted(
-            "kill",
-            &setup.model_url(&model),
-            prompts,
-            &json!({"batchSize": prompts, "workers": 1, "concurrency": 1}),
-        )
+        .create_one_batch("kill", &model, prompts, 1, json!({}))
         .await;
     let victim = setup.running_batch_pod("kill-gen-1", "kill", 2).await;
     let written = batch_records(&setup.storage.run_dir(setup.ns(), "kill"), 0).len();
