@@ -118,7 +118,11 @@ enum Mode {
         tool_call: Bytes,
         final_answer: Bytes,
     },
+    Respond(Box<Responder>),
 }
+
+/// A function from a request's JSON body to the step that answers it.
+pub type Responder = dyn Fn(&Value) -> Step + Send + Sync;
 
 /// A request as recorded: path, `Authorization` header, raw body.
 type Received = (&'static str, Option<String>, Bytes);
@@ -182,6 +186,19 @@ impl ScriptedServer {
     ) -> Self {
         let steps = Mutex::new(steps.into_iter().collect());
         Self::serve(ip, Mode::Script { steps, default })
+    }
+
+    /// Answers each request with `responder(body)`: for conversations whose turns depend on what
+    /// the request offers (its `tools`) or already holds (its `messages`), which a fixed script
+    /// cannot know in advance. A body that is not JSON is passed as a JSON string.
+    #[allow(
+        clippy::unused_async,
+        reason = "async so that it is called on the tokio runtime it spawns onto"
+    )]
+    pub async fn start_responding(
+        responder: impl Fn(&Value) -> Step + Send + Sync + 'static,
+    ) -> Self {
+        Self::serve(LOOPBACK, Mode::Respond(Box::new(responder)))
     }
 
     /// Serves the benchmark mode.
@@ -352,6 +369,11 @@ async fn answer(shared: &Shared, path: &'static str, headers: &HeaderMap, body: 
         Mode::Script { steps, default } => {
             let step = lock(steps).pop_front().unwrap_or_else(|| default.clone());
             perform(step).await
+        }
+        Mode::Respond(responder) => {
+            let request = serde_json::from_slice(&body)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+            perform(responder(&request)).await
         }
         Mode::FixedLatency {
             latency,

@@ -8,6 +8,9 @@
 //! `python3-doc` is installed by `scripts/web/install.sh`; a server that cannot start fails the
 //! test loudly.
 
+// Shared by several test binaries, each using a part (as `common` is).
+#![allow(dead_code)]
+
 use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
