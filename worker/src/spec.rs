@@ -340,7 +340,9 @@ pub struct McpHttpTransport {
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct McpStdioTransport {
-    /// The program, found on `PATH` unless it is a path.
+    /// The program, found on `PATH` unless it is a path. On a cluster it runs in the pod's
+    /// sandbox container, confined like a terminal command: `spec.sandbox.image` must have it,
+    /// under a system directory (`/usr`, `/opt`, …).
     pub command: String,
     /// Its arguments.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
