@@ -576,7 +576,9 @@ impl Default for WebExtractSpec {
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct BrowserSpec {
-    /// The Chromium executable (Debian's `chromium` package installs `/usr/bin/chromium`).
+    /// The Chromium executable (Debian's `chromium` package installs `/usr/bin/chromium`). On a
+    /// cluster Chromium runs in the generation pods' sandbox container: `spec.sandbox.image` must
+    /// have it there.
     #[serde(default = "default_chromium_path")]
     pub chromium_path: String,
     /// Time for Chromium to start and open its `DevTools` endpoint, in seconds.

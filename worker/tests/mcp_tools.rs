@@ -163,16 +163,9 @@ fn children_with(marker: &str) -> Vec<i32> {
 
 /// Pids of every process whose environment holds `marker`.
 fn processes_with(marker: &str) -> Vec<i32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|entry| {
-            let pid = entry.file_name().to_string_lossy().parse::<i32>().ok()?;
-            let environ = std::fs::read(entry.path().join("environ")).ok()?;
-            String::from_utf8_lossy(&environ)
-                .contains(marker)
-                .then_some(pid)
-        })
+    common::processes_with_env(|var| String::from_utf8_lossy(var).contains(marker))
+        .into_iter()
+        .map(|(pid, _)| pid)
         .collect()
 }
 

@@ -285,7 +285,7 @@ impl Registry {
             Toolset {
                 name: browser::TOOLSET.into(),
                 availability: Availability::Available,
-                tools: browser::tools(config),
+                tools: browser::tools(config, sessions),
             },
         ];
         toolsets.extend(

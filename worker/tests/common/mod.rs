@@ -460,3 +460,21 @@ impl Drop for SandboxServer {
         let _ = self.process.wait();
     }
 }
+
+/// Every process whose environment has a variable `var` for which `matches` holds, with its
+/// pid and command line (arguments joined by spaces).
+pub fn processes_with_env(matches: impl Fn(&[u8]) -> bool) -> Vec<(i32, String)> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_string_lossy().parse::<i32>().ok()?;
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            if !environ.split(|&byte| byte == 0).any(&matches) {
+                return None;
+            }
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            Some((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")))
+        })
+        .collect()
+}

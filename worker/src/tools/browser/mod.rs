@@ -1,8 +1,10 @@
 //! The `browser` toolset: the reference's `browser_*` tools (same names, descriptions,
 //! argument schemas and result shapes), driving a headless Chromium over the `DevTools` protocol.
 //!
-//! - `pool.rs` starts the worker's one Chromium on the first browser call (with an empty
-//!   environment, its profile in a temporary directory) and restarts it if it dies;
+//! - `pool.rs` starts the worker's one Chromium on the first browser call (in a pod, in the
+//!   sandbox container through an executor session on a `DevTools` pipe, which `bridge.rs` turns
+//!   into the WebSocket chromiumoxide connects to; locally as a child with an empty environment,
+//!   its profile in a temporary directory) and restarts it if it dies;
 //! - `session.rs` is one conversation's browser context and page, opened by the conversation's
 //!   first `browser_navigate` and disposed on `browser_close` or when the conversation ends
 //!   (its [`ConversationBrowser`] in the [`ToolContext`] is dropped);
@@ -16,6 +18,7 @@
 //! To add a browser tool: a variant of `Action` with its name, description and schema in
 //! [`tools`], its arguments read in `Action::parse`, and the work in `session.rs`.
 
+mod bridge;
 mod cdp;
 mod pool;
 mod session;
@@ -31,6 +34,7 @@ use std::time::Duration;
 use serde_json::{Map, Value, json};
 
 use super::args::{non_empty_string_arg, optional_bool_arg, string_arg};
+use super::sandbox::Sandbox;
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::{BrowserSpec, ToolsSpec};
 use pool::Pool;
@@ -93,14 +97,15 @@ pub struct ConversationBrowser {
     session: tokio::sync::Mutex<Option<Session>>,
 }
 
-/// The toolset's tools, in the reference's order. Chromium is not started here (a run that is
-/// only planned never starts it) but by the first call.
-pub fn tools(config: &ToolsSpec) -> Vec<Arc<dyn Tool>> {
+/// The toolset's tools, in the reference's order, with Chromium in `sandbox` when given (a
+/// pod's sandbox container). Chromium is not started here (a run that is only planned never
+/// starts it) but by the first call.
+pub fn tools(config: &ToolsSpec, sandbox: Option<&Sandbox>) -> Vec<Arc<dyn Tool>> {
     let settings = config
         .browser
         .as_ref()
         .map_or_else(|| Settings::from(&BrowserSpec::default()), Settings::from);
-    tools_on(&Arc::new(Pool::new(settings)))
+    tools_on(&Arc::new(Pool::new(settings, sandbox.cloned())))
 }
 
 /// The tools, on a given pool (tests look into it).

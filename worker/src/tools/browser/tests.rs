@@ -115,7 +115,7 @@ struct Browser {
 
 impl Browser {
     fn new(spec: &BrowserSpec) -> Self {
-        let pool = Arc::new(Pool::new(Settings::from(spec)));
+        let pool = Arc::new(Pool::new(Settings::from(spec), None));
         Self {
             tools: tools_on(&pool),
             pool,
