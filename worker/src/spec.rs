@@ -306,8 +306,9 @@ pub struct McpServerSpec {
     /// and `stdio` is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub streamable_http: Option<McpHttpTransport>,
-    /// Start the server as a child process and talk to it over stdin/stdout (local runs; on a
-    /// cluster it must run inside the sandbox). Exactly one of `streamableHttp` and `stdio` is set.
+    /// Start the server as a program and talk to it over stdin/stdout: the worker's child in local
+    /// runs; on a cluster in the pod's sandbox container (the plan pod gets one too). Exactly one
+    /// of `streamableHttp` and `stdio` is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stdio: Option<McpStdioTransport>,
     /// Time limit of one tool call, in seconds; a call that takes longer is a tool error.
