@@ -26,11 +26,12 @@
 //!   children, re-reads `/proc/thread-self/children` to catch the ones re-parented meanwhile, and
 //!   reaps until it has no child left: no process and no zombie remains. (The parent-death signal
 //!   follows the worker *thread* that spawned the executor; the conversations run on the
-//!   runtime's worker threads, which live as long as the process.) Not covered: a `SIGKILL`
-//!   of the executor itself (by the OOM killer, or a user) leaves its descendants to the next
-//!   reaper up; in a pod the container's PID namespace ends them with the pod. A PID namespace per
-//!   command would cover that too, but needs unprivileged user namespaces, which the restricted
-//!   Pod Security Standard and many kernels refuse.
+//!   runtime's worker threads, which live as long as the process.) A `SIGKILL` of the executor
+//!   itself (by the OOM killer, or by the command, which shares its uid and Landlock domain)
+//!   leaves its descendants to the next reaper up: in a pod the sandbox server, which kills them
+//!   ([`crate::serve`]); locally, not covered (whatever reaps the worker's orphans does not kill
+//!   them). A PID namespace per command would cover that too, but needs unprivileged user
+//!   namespaces, which the restricted Pod Security Standard and many kernels refuse.
 //! - **Landlock** (where the kernel has it, ABI 6 asked for, best effort below): the command may
 //!   read, write and execute only inside its workspace, read and execute the system (`/usr`,
 //!   `/bin`, `/lib*`, `/etc`, `/opt`, `/proc`, `/sys`, `/dev`) and write the harmless devices

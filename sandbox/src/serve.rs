@@ -8,9 +8,16 @@
 //! and an executor of its own ([`crate::session`]) that takes over the connection. A thread per
 //! connection; the main thread owns the signals.
 //!
-//! The server is the container's PID 1, so every process whose parent dies is re-parented to it:
-//! it reaps them all (`waitpid(-1)`), and hands the exit codes of the executors it started to the
-//! connections that wait for them. On `SIGTERM` (the pod ends) it asks every executor to end its
+//! The server is the container's PID 1 (and a child subreaper, for when it is not), so every
+//! process whose parent dies is re-parented to it: it reaps them all (`waitpid(-1)`), and hands the
+//! exit codes of the executors it started to the connections that wait for them. A child that is
+//! not one of its executors can only come from a command whose executor died before the command
+//! did (`SIGKILL`ed by the OOM killer, or by the command itself: the two share a uid and a Landlock
+//! domain): the server kills it, with its process group when it leads one, so that nothing
+//! outlives its command there either ([`kill_orphans`]). A worker hanging up (a timeout, a
+//! cancelled call) asks the executor to end its command, and kills it after
+//! [`CANCEL_GRACE`] if it has not (a command can stop its executor with `SIGSTOP`), which ends
+//! the command the same way. On `SIGTERM` (the pod ends) it asks every executor to end its
 //! command, waits for them, and exits.
 
 use std::collections::HashMap;
@@ -26,10 +33,10 @@ use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::signal::{Signal, kill};
+use nix::sys::signal::{Signal, kill, killpg};
 use nix::sys::signalfd::SignalFd;
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
-use nix::unistd::Pid;
+use nix::unistd::{Pid, getpgid};
 
 use crate::protocol::{self, Line, Request, SessionRequest};
 use crate::session::write_frame;
@@ -43,6 +50,10 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long the executors get to end their commands when the pod ends.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// How long an executor asked to end its command (the worker hung up) has before it is killed.
+/// It needs milliseconds; this bounds a stopped or wedged one.
+const CANCEL_GRACE: Duration = Duration::from_secs(2);
 
 /// Stack of a connection's thread: it only copies bytes between two descriptors.
 const CONNECTION_STACK: usize = 256 * 1024;
@@ -100,11 +111,23 @@ fn lock(executors: &Shared) -> std::sync::MutexGuard<'_, Executors> {
     executors.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Sends `signal` to executor `pid` if it has not been reaped: under the lock the reaper holds
+/// while it reaps, so a pid recycled by then is never signalled.
+fn signal_executor(executors: &Shared, pid: Pid, signal: Signal) {
+    if lock(executors).waiting.contains_key(&pid) {
+        let _ = kill(pid, signal);
+    }
+}
+
 fn serve(args: &ServeArgs) -> Result<(), String> {
     // Blocked before any thread starts, so every thread inherits the mask and the signals reach
     // only the descriptor.
     let signal_fd =
         crate::run::signal_descriptor(&[Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT])?;
+    // As PID 1 it is the reaper anyway; elsewhere (a test, a task image with an init of its own)
+    // this keeps the orphans of a dead executor with the server, which kills them.
+    nix::sys::prctl::set_child_subreaper(true)
+        .map_err(|err| format!("cannot become a child subreaper: {err}"))?;
 
     let workspace_root = args
         .workspace_root
@@ -176,18 +199,54 @@ fn accept(listener: &UnixListener, places: &Places, executors: &Shared) {
     }
 }
 
-/// Reaps every exited child; an executor's exit code goes to its connection, an orphan's nowhere.
+/// Reaps every exited child (an executor's exit code goes to its connection, an orphan's
+/// nowhere), then kills the orphans. Under the lock throughout: an executor is registered before
+/// the reaper can see it, and a reaped pid leaves the map before it can be recycled.
 fn reap(executors: &Shared) {
+    let mut executors = lock(executors);
     loop {
         let (pid, code) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
             Ok(WaitStatus::Exited(pid, code)) => (pid, code),
             Ok(WaitStatus::Signaled(pid, signal, _)) => (pid, 128 + signal as i32),
-            Ok(WaitStatus::StillAlive) | Err(_) => return,
+            Ok(WaitStatus::StillAlive) | Err(_) => break,
             Ok(_) => continue,
         };
-        if let Some(waiting) = lock(executors).waiting.remove(&pid) {
+        if let Some(waiting) = executors.waiting.remove(&pid) {
             let _ = waiting.send(code);
         }
+    }
+    kill_orphans(&executors);
+}
+
+/// `SIGKILL`s every child of the server that is not a running executor, and the process group
+/// of each that leads one. Such a child was re-parented here because its executor died first: an
+/// executor that ends normally has killed and reaped everything its command started. Each kill
+/// re-parents the victim's own children here, and its death brings the next [`reap`], so the
+/// whole tree goes, level by level; a process group (the command's shell's, or one a `setsid`
+/// made) goes at once, forks in flight included. Only a group the orphan leads: a process can
+/// join any group of its session, and a command that joined another conversation's group must
+/// not make the server kill that conversation.
+///
+/// The re-parented children are the main thread's (the kernel gives orphans to the reaper's
+/// first live thread), and this runs on it: one read of `/proc/thread-self/children`. The
+/// executors are the connection threads' children.
+fn kill_orphans(executors: &Executors) {
+    let Ok(children) = std::fs::read_to_string("/proc/thread-self/children") else {
+        return;
+    };
+    for pid in children
+        .split_whitespace()
+        .filter_map(|pid| pid.parse().ok())
+    {
+        let pid = Pid::from_raw(pid);
+        if executors.waiting.contains_key(&pid) {
+            continue;
+        }
+        // An unreaped child's pid, and so the group it leads, cannot be recycled meanwhile.
+        if getpgid(Some(pid)) == Ok(pid) {
+            let _ = killpg(pid, Signal::SIGKILL);
+        }
+        let _ = kill(pid, Signal::SIGKILL);
     }
 }
 
@@ -226,7 +285,7 @@ fn connection(mut stream: UnixStream, places: &Places, executors: &Shared) {
         start(&places.executor, &workspace, &request, executors)
     });
     let code = match outcome {
-        Ok((pid, output, exited)) => relay(&mut stream, pid, &output, &exited),
+        Ok((pid, output, exited)) => relay(&mut stream, pid, &output, &exited, executors),
         Err(message) => {
             let refusal = format!("{REFUSED_PREFIX}{message}\n");
             let _ = write_frame(&mut stream, protocol::OUTPUT, refusal.as_bytes());
@@ -384,18 +443,24 @@ fn start(
 }
 
 /// Streams the executor's output to the worker until the executor is gone; returns its exit code.
-/// The worker hanging up first ends the command.
+/// The worker hanging up first ends the command: the executor is asked to (`SIGTERM`, and
+/// `SIGCONT` in case the command stopped it), and killed after [`CANCEL_GRACE`], whereupon the
+/// reaper kills what is left of the command ([`kill_orphans`]).
 fn relay(
     stream: &mut UnixStream,
     pid: Pid,
     output: &std::io::PipeReader,
     exited: &Receiver<i32>,
+    executors: &Shared,
 ) -> i32 {
     let mut buf = vec![0_u8; protocol::MAX_FRAME_BYTES];
     let mut worker_there = true;
-    let cancel = |worker_there: &mut bool| {
+    let mut kill_at: Option<Instant> = None;
+    let cancel = |worker_there: &mut bool, kill_at: &mut Option<Instant>| {
         if std::mem::replace(worker_there, false) {
-            let _ = kill(pid, Signal::SIGTERM);
+            signal_executor(executors, pid, Signal::SIGTERM);
+            signal_executor(executors, pid, Signal::SIGCONT);
+            *kill_at = Some(Instant::now() + CANCEL_GRACE);
         }
     };
     loop {
@@ -403,9 +468,19 @@ fn relay(
         if worker_there {
             fds.push(PollFd::new(stream.as_fd(), PollFlags::POLLIN));
         }
-        match poll(&mut fds, PollTimeout::NONE) {
+        let timeout = kill_at.map_or(PollTimeout::NONE, |at| {
+            PollTimeout::try_from(at.saturating_duration_since(Instant::now()))
+                .unwrap_or(PollTimeout::MAX)
+        });
+        match poll(&mut fds, timeout) {
             Err(Errno::EINTR) => continue,
             Err(_) => break,
+            Ok(0) => {
+                // The grace is over: the executor is killed, the reaper kills its command.
+                signal_executor(executors, pid, Signal::SIGKILL);
+                kill_at = None;
+                continue;
+            }
             Ok(_) => {}
         }
         let output_ready = fds[0].any().unwrap_or(true);
@@ -413,14 +488,14 @@ fn relay(
         drop(fds);
         if worker_spoke {
             // Nothing is expected after the request: end of file or anything else is a hang-up.
-            cancel(&mut worker_there);
+            cancel(&mut worker_there, &mut kill_at);
         }
         if output_ready {
             match (&*output).read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => {
                     if worker_there && write_frame(stream, protocol::OUTPUT, &buf[..n]).is_err() {
-                        cancel(&mut worker_there);
+                        cancel(&mut worker_there, &mut kill_at);
                     }
                 }
                 Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}

@@ -123,6 +123,12 @@ make_cgroups() {
 make_bridge() {
 	echo "${BRIDGE}" >"${REC}/bridge.txt"
 	ip link add "${BRIDGE}" type bridge
+	# A bridge whose address was never set takes the lowest of its ports' addresses, so it changes
+	# when a pod's veth comes or goes: the running pods' ARP entries for the host then name an
+	# address nobody has, and their connections to the host (the model server) stall until the
+	# entry expires (a model call timed out twice, 10 s each, as another pod ended). Set once, even
+	# to the random address it has, the bridge keeps it.
+	ip link set "${BRIDGE}" address "$(cat "/sys/class/net/${BRIDGE}/address")"
 	ip addr add "${GATEWAY}/24" dev "${BRIDGE}"
 	ip link set "${BRIDGE}" up
 	# containerd's CNI calls bridge (attach the pod's veth; the address above is already the gateway, so

@@ -4,8 +4,9 @@
 //!
 //! It binds `127.0.0.1:0` (or another address: the `*_on` constructors, e.g. `0.0.0.0` for pods of
 //! the local cluster's real node, which reach the host at its bridge address) on the caller's tokio
-//! runtime and serves `POST /v1/chat/completions` and
-//! `GET /v1/models`. It runs in one of two modes:
+//! runtime and serves `POST /v1/chat/completions`, `POST /v1/images/generations` (for the image
+//! tool: scripted like completions, see [`images_b64_reply`]) and `GET /v1/models`. It runs in
+//! one of two modes:
 //!
 //! - **Script**: each request consumes the next [`Step`] of a queue; when the queue is empty the
 //!   default step answers (by default a 500 saying the script is exhausted, so a test that makes
@@ -14,7 +15,8 @@
 //!   request without a `tool` message gets a tool call and one with a `tool` message gets a final
 //!   answer, so every conversation is exactly two calls. Concurrency is unbounded.
 //!
-//! Every request's body and `Authorization` header are recorded; see [`ScriptedServer::requests`].
+//! Every request's path, body and `Authorization` header are recorded; see
+//! [`ScriptedServer::requests`].
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -98,6 +100,8 @@ impl FixedLatency {
 /// One request as the server received it.
 #[derive(Debug, Clone)]
 pub struct ReceivedRequest {
+    /// The request's path (`/v1/chat/completions`, `/v1/images/generations`).
+    pub path: String,
     /// The `Authorization` header, if any.
     pub authorization: Option<String>,
     /// The JSON body (a JSON string holding the raw text when the body was not JSON).
@@ -114,12 +118,20 @@ enum Mode {
         tool_call: Bytes,
         final_answer: Bytes,
     },
+    Respond(Box<Responder>),
 }
+
+/// A function from a request's JSON body to the step that answers it.
+pub type Responder = dyn Fn(&Value) -> Step + Send + Sync;
+
+/// A request as recorded: path, `Authorization` header, raw body.
+type Received = (&'static str, Option<String>, Bytes);
 
 struct Shared {
     mode: Mode,
-    /// Raw bodies; parsed only when a test asks, so the benchmark server spends no CPU on it.
-    received: Mutex<Vec<(Option<String>, Bytes)>>,
+    /// Paths, `Authorization` headers and raw bodies; parsed only when a test asks, so the
+    /// benchmark server spends no CPU on it.
+    received: Mutex<Vec<Received>>,
 }
 
 /// A running scripted server; it stops accepting connections when dropped.
@@ -176,6 +188,19 @@ impl ScriptedServer {
         Self::serve(ip, Mode::Script { steps, default })
     }
 
+    /// Answers each request with `responder(body)`: for conversations whose turns depend on what
+    /// the request offers (its `tools`) or already holds (its `messages`), which a fixed script
+    /// cannot know in advance. A body that is not JSON is passed as a JSON string.
+    #[allow(
+        clippy::unused_async,
+        reason = "async so that it is called on the tokio runtime it spawns onto"
+    )]
+    pub async fn start_responding(
+        responder: impl Fn(&Value) -> Step + Send + Sync + 'static,
+    ) -> Self {
+        Self::serve(LOOPBACK, Mode::Respond(Box::new(responder)))
+    }
+
     /// Serves the benchmark mode.
     #[allow(
         clippy::unused_async,
@@ -209,6 +234,7 @@ impl ScriptedServer {
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/images/generations", post(image_generations))
             .route("/v1/models", get(models))
             .with_state(Arc::clone(&shared));
         // A backlog larger than tokio's default 1024, so a benchmark opening a thousand
@@ -268,13 +294,14 @@ impl ScriptedServer {
     pub fn requests_since(&self, seen: usize) -> Vec<ReceivedRequest> {
         // Parsed after the lock is let go (cloning `Bytes` only counts a reference), so that the
         // requests arriving meanwhile do not wait.
-        let raw: Vec<(Option<String>, Bytes)> = lock(&self.shared.received)
+        let raw: Vec<Received> = lock(&self.shared.received)
             .iter()
             .skip(seen)
             .cloned()
             .collect();
         raw.into_iter()
-            .map(|(authorization, body)| ReceivedRequest {
+            .map(|(path, authorization, body)| ReceivedRequest {
+                path: path.to_owned(),
                 authorization,
                 body: serde_json::from_slice(&body)
                     .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned())),
@@ -319,15 +346,34 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    answer(&shared, "/v1/chat/completions", &headers, body).await
+}
+
+/// The Images API: scripted like completions (in fixed-latency mode it answers as completions
+/// do, which no benchmark asks of it).
+async fn image_generations(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    answer(&shared, "/v1/images/generations", &headers, body).await
+}
+
+async fn answer(shared: &Shared, path: &'static str, headers: &HeaderMap, body: Bytes) -> Response {
     let authorization = headers
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
         .map(str::to_owned);
-    lock(&shared.received).push((authorization, body.clone()));
+    lock(&shared.received).push((path, authorization, body.clone()));
     match &shared.mode {
         Mode::Script { steps, default } => {
             let step = lock(steps).pop_front().unwrap_or_else(|| default.clone());
             perform(step).await
+        }
+        Mode::Respond(responder) => {
+            let request = serde_json::from_slice(&body)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+            perform(responder(&request)).await
         }
         Mode::FixedLatency {
             latency,
@@ -488,6 +534,18 @@ pub fn tool_calls_reply(calls: &[(&str, Value)]) -> Value {
         json!({"role": "assistant", "content": null, "tool_calls": calls}),
         "tool_calls",
     )
+}
+
+/// An Images API answer carrying `image` base64-encoded (`response_format: b64_json`).
+pub fn images_b64_reply(image: &[u8]) -> Value {
+    use base64::Engine as _;
+    let encoded = base64::engine::general_purpose::STANDARD.encode(image);
+    json!({"created": 0, "data": [{"b64_json": encoded, "revised_prompt": "scripted"}]})
+}
+
+/// An Images API answer pointing at `url` (`response_format: url`).
+pub fn images_url_reply(url: &str) -> Value {
+    json!({"created": 0, "data": [{"url": url}]})
 }
 
 /// Where a reply carries its reasoning.

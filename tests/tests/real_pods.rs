@@ -104,6 +104,24 @@ impl Setup {
             .expect("create the run");
     }
 
+    /// Creates run `name` of `prompts` scripted prompts in one batch, run by one worker with
+    /// `concurrency` conversations at once against `model`, with `extra` spec keys.
+    async fn create_one_batch(
+        &self,
+        name: &str,
+        model: &ScriptedServer,
+        prompts: usize,
+        concurrency: usize,
+        extra: Value,
+    ) {
+        let mut keys = json!({"batchSize": prompts, "workers": 1, "concurrency": concurrency});
+        for (key, value) in extra.as_object().into_iter().flatten() {
+            keys[key] = value.clone();
+        }
+        self.create_scripted(name, &self.model_url(model), prompts, &keys)
+            .await;
+    }
+
     /// Waits until run `name` is finished; panics with its status and pods after `timeout`.
     async fn finished(&self, name: &str, timeout: Duration) -> TrajectoryRun {
         let deadline = Instant::now() + timeout;
@@ -137,6 +155,30 @@ impl Setup {
         indexes.extend(failures.iter().filter_map(|f| f["prompt_index"].as_u64()));
         indexes.sort_unstable();
         (indexes, failures.len())
+    }
+
+    /// Waits until run `name` of `prompts` prompts, all in one batch, has succeeded in one pod
+    /// (so that its conversations shared one sandbox container), with one record per prompt and
+    /// two requests to `model` per conversation; returns the records' tool turns.
+    async fn one_pod_succeeded_once_per_prompt(
+        &self,
+        name: &str,
+        prompts: usize,
+        model: &ScriptedServer,
+    ) -> Vec<String> {
+        let run = self.finished(name, Duration::from_secs(300)).await;
+        assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+        let (indexes, failed) = self.prompt_indexes(name);
+        assert_eq!((indexes, failed), ((0..prompts as u64).collect(), 0));
+        assert_two_requests_per_conversation(model, prompts);
+        let pods = self
+            .pods
+            .list(&kube::api::ListParams::default().labels(&format!("job-name={name}-gen-1")))
+            .await
+            .expect("list the generation Job's pods")
+            .items;
+        assert_eq!(pods.len(), 1, "{:#?}", pod_summary(&self.pods).await);
+        tool_turns(&self.storage.run_dir(self.ns(), name))
     }
 
     /// The first pod of index 0 of the generation Job, once it is running and has written `records`
@@ -215,17 +257,41 @@ impl Setup {
     }
 }
 
+/// The first tool turn of every record run `run_dir` wrote, in the order written.
+fn tool_turns(run_dir: &std::path::Path) -> Vec<String> {
+    jsonl_lines(&run_dir.join("trajectories.jsonl"))
+        .iter()
+        .map(|record| {
+            record["conversations"]
+                .as_array()
+                .expect("conversations")
+                .iter()
+                .find(|t| t["from"] == "tool")
+                .unwrap_or_else(|| panic!("a tool turn in {record}"))["value"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect()
+}
+
+/// The tool's result in tool turn `turn` (`<tool_response>` around the call's id, name and
+/// result).
+fn tool_result(turn: &str) -> Value {
+    let payload = turn
+        .strip_prefix("<tool_response>\n")
+        .and_then(|rest| rest.strip_suffix("\n</tool_response>"))
+        .unwrap_or_else(|| panic!("not a tool response: {turn}"));
+    let payload: Value =
+        serde_json::from_str(payload).unwrap_or_else(|e| panic!("bad tool response {turn}: {e}"));
+    payload["content"].clone()
+}
+
 /// The tool turn of the one record a run of one prompt wrote into `run_dir`'s output.
 fn only_tool_turn(run_dir: &std::path::Path) -> String {
-    let records = jsonl_lines(&run_dir.join("trajectories.jsonl"));
-    assert_eq!(records.len(), 1);
-    records[0]["conversations"]
-        .as_array()
-        .expect("conversations")
-        .iter()
-        .find(|t| t["from"] == "tool")
-        .map(|t| t["value"].as_str().unwrap_or_default().to_owned())
-        .expect("a tool turn")
+    let mut turns = tool_turns(run_dir);
+    assert_eq!(turns.len(), 1, "{turns:#?}");
+    turns.remove(0)
 }
 
 /// A scripted model on every address (the pods reach it at the bridge address): a terminal call
@@ -240,6 +306,49 @@ async fn scripted_model(latency: Duration, command: &str) -> ScriptedServer {
         },
     )
     .await
+}
+
+/// A scripted model on every address that gives `replies` in order, whatever the request, then a
+/// final answer to every later request.
+async fn model_replying(replies: impl IntoIterator<Item = Value>) -> ScriptedServer {
+    ScriptedServer::start_with_default_on(
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        replies.into_iter().map(Step::ok),
+        Step::ok(text_reply("done")),
+    )
+    .await
+}
+
+/// A model reply calling `terminal` with `command`.
+fn terminal_call(command: &str) -> Value {
+    tool_call_reply("terminal", &json!({ "command": command }))
+}
+
+/// `model` was asked twice per conversation for `conversations` conversations (the tool call, then
+/// the final answer): none was lost or redone. Lists the requests when not.
+fn assert_two_requests_per_conversation(model: &ScriptedServer, conversations: usize) {
+    let requests = model.requests();
+    let asked: Vec<String> = requests
+        .iter()
+        .map(|request| {
+            let messages = request.body["messages"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let roles: Vec<&str> = messages.iter().filter_map(|m| m["role"].as_str()).collect();
+            let prompt = messages
+                .iter()
+                .find(|m| m["role"] == "user")
+                .and_then(|m| m["content"].as_str())
+                .unwrap_or_default();
+            format!("{prompt:?}: {roles:?}")
+        })
+        .collect();
+    assert_eq!(
+        requests.len(),
+        2 * conversations,
+        "two model requests per conversation: {asked:#?}"
+    );
 }
 
 fn condition(run: &TrajectoryRun, type_: &str) -> Option<(String, String)> {
@@ -396,6 +505,129 @@ async fn a_command_past_the_sandbox_process_limit_is_stopped_in_a_real_pod() {
     assert!(!tool_turn.contains("all-waited"), "{tool_turn}");
 }
 
+/// What each conversation of the orphans probe runs in the sandbox container: first it lists the
+/// processes earlier conversations' commands left there (markers: `sleep 98790N`) and the
+/// container's zombies, then it starts its own would-be survivors — `setsid`, `nohup`, a double
+/// fork, `setsid -f` and a daemon that forks twice, calls `setsid`, moves to `/` and closes its
+/// standard streams — and checks that they run. The markers are put together at run time, so
+/// that no command line but the survivors' holds one (the shell's and the executor's hold this
+/// text).
+const ORPHANS_PROBE: &str = r#"m=98790
+echo "pid1=$(tr '\0' ' ' < /proc/1/cmdline)"
+left=$(grep -a -l "${m}[1-5]" /proc/[0-9]*/cmdline 2>/dev/null)
+echo "left=[$(for f in $left; do tr '\0' ' ' < $f; echo "($f);"; done)]"
+echo "zombies=[$(grep -l '^[0-9]* ([^)]*) Z' /proc/[0-9]*/stat 2>/dev/null | tr '\n' ' ')]"
+setsid sleep ${m}1 &
+nohup sleep ${m}2 >/dev/null 2>&1 &
+( (sleep ${m}3 &) & )
+setsid -f sleep ${m}4
+python3 -c 'import os, sys
+if os.fork(): sys.exit()
+os.setsid()
+if os.fork(): sys.exit()
+os.chdir("/")
+os.closerange(0, 3)
+os.execvp("sleep", ["sleep", sys.argv[1]])' ${m}5
+sleep 1
+echo "running=$(grep -a -l "${m}[1-5]" /proc/[0-9]*/cmdline 2>/dev/null | wc -l)""#;
+
+/// Nothing a command starts outlives its conversation in a real pod: three conversations, one
+/// after the other in the sandbox container of one batch pod, each start processes meant to
+/// survive (`setsid`, `nohup`, a double fork, a daemon), and each later one finds none of the
+/// earlier ones' processes left, and no zombie. The second one also kills its own executor
+/// (`SIGKILL`, as the OOM killer would), leaving its processes to the sandbox server. Two model
+/// requests per conversation: no record is missing and none was redone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nothing_a_command_starts_outlives_its_conversation_in_a_real_pod() {
+    let setup = Setup::new("pods-orphans").await;
+    let kills_its_executor = format!("{ORPHANS_PROBE}\nkill -KILL $PPID; sleep 30");
+    let model = model_replying([
+        terminal_call(ORPHANS_PROBE),
+        text_reply("done"),
+        terminal_call(&kills_its_executor),
+        text_reply("done"),
+        terminal_call(ORPHANS_PROBE),
+    ])
+    .await;
+    let prompts = 3;
+    setup
+        .create_one_batch("orphans", &model, prompts, 1, json!({}))
+        .await;
+    let turns = setup
+        .one_pod_succeeded_once_per_prompt("orphans", prompts, &model)
+        .await;
+    for turn in &turns {
+        assert!(
+            turn.contains("pid1=/sandbox/bin/trajectory-executor serve"),
+            "in the sandbox container: {turn}"
+        );
+        assert!(
+            turn.contains("running=5"),
+            "every would-be survivor started: {turn}"
+        );
+        assert!(
+            turn.contains("left=[]"),
+            "processes outlived their conversation: {turn}"
+        );
+        assert!(
+            turn.contains("zombies=[]"),
+            "zombies in the sandbox container: {turn}"
+        );
+    }
+    let mut codes: Vec<Option<i64>> = turns
+        .iter()
+        .map(|turn| tool_result(turn)["exit_code"].as_i64())
+        .collect();
+    codes.sort_unstable();
+    assert_eq!(
+        codes,
+        [Some(0), Some(0), Some(137)],
+        "one command killed its executor"
+    );
+}
+
+/// A memory hog and a disk filler, each in its own conversation in the sandbox container of one
+/// real pod, past small `spec.sandbox.limits`: each gets a tool error naming its limit and goes on
+/// to its final answer, while a neighbour conversation running at the same time in the same pod
+/// does its work as if alone; the run succeeds with every record, none redone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_memory_hog_and_a_disk_filler_stop_only_their_own_conversation_in_a_real_pod() {
+    let setup = Setup::new("pods-hogs").await;
+    let hog = "for i in 1 2 3 4; do head -c 2G /dev/zero | tail & done; wait; echo hog-done";
+    let filler = "for i in $(seq 100); do head -c 4M /dev/zero > f$i; done; echo filler-done";
+    let neighbour = "for i in $(seq 20); do echo $i > n$i; sleep 0.1; done; cat n* | wc -l";
+    // The three conversations start at once, so each gets one of the three first replies.
+    let model = model_replying([hog, filler, neighbour].map(terminal_call)).await;
+    let prompts = 3;
+    let limits = json!({"limits": {"memoryBytes": 128 << 20, "workspaceBytes": 32 << 20}});
+    setup
+        .create_one_batch("hogs", &model, prompts, prompts, json!({"sandbox": limits}))
+        .await;
+    let turns = setup
+        .one_pod_succeeded_once_per_prompt("hogs", prompts, &model)
+        .await;
+    let turn_with = |text: &str| {
+        turns
+            .iter()
+            .find(|turn| turn.contains(text))
+            .unwrap_or_else(|| panic!("no tool turn with {text:?}: {turns:#?}"))
+    };
+    let memory = turn_with("the sandbox's memory limit (128 MiB");
+    assert!(!memory.contains("hog-done"), "{memory}");
+    let workspace = turn_with("the sandbox's workspace limit (32 MiB");
+    assert!(!workspace.contains("filler-done"), "{workspace}");
+    let neighbour = turns
+        .iter()
+        .map(|turn| tool_result(turn))
+        .find(|result| result["error"].is_null())
+        .unwrap_or_else(|| panic!("no tool turn without an error: {turns:#?}"));
+    assert_eq!(
+        neighbour,
+        json!({"output": "20\n", "exit_code": 0, "error": null}),
+        "the neighbour did its work as if alone"
+    );
+}
+
 /// A batch pod whose container is killed (SIGKILL) mid-batch is replaced by the Job controller on the same
 /// index; the new pod resumes from the records on the volume: every prompt exactly once, and fewer
 /// model requests than redoing the batch.
@@ -405,12 +637,7 @@ async fn a_batch_pod_killed_mid_batch_is_replaced_and_resumes() {
     let model = scripted_model(Duration::from_millis(700), "echo hi").await;
     let prompts = 6;
     setup
-        .create_scripted(
-            "kill",
-            &setup.model_url(&model),
-            prompts,
-            &json!({"batchSize": prompts, "workers": 1, "concurrency": 1}),
-        )
+        .create_one_batch("kill", &model, prompts, 1, json!({}))
         .await;
     let victim = setup.running_batch_pod("kill-gen-1", "kill", 2).await;
     let written = batch_records(&setup.storage.run_dir(setup.ns(), "kill"), 0).len();

@@ -81,8 +81,13 @@ pub enum Command {
         #[command(flatten)]
         workspaces: WorkspaceArgs,
     },
-    /// List the built-in toolset distributions.
-    Distributions,
+    /// List the built-in toolset distributions, the toolsets each draws and what each toolset
+    /// needs configured; with a run file, which distributions it can serve and what it lacks
+    /// (exits non-zero when its own distribution cannot run).
+    Distributions {
+        /// A `TrajectoryRun` YAML to check the distributions against.
+        run_file: Option<PathBuf>,
+    },
 }
 
 /// Where the run plan comes from.
@@ -407,16 +412,8 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             );
             Ok(())
         }
-        Command::Distributions => {
-            for distribution in crate::distribution::builtin() {
-                println!("{:<16} {}", distribution.name, distribution.description);
-                let mut toolsets = distribution.toolsets.clone();
-                toolsets.sort_by(|a, b| b.1.total_cmp(&a.1));
-                for (toolset, percent) in toolsets {
-                    println!("    • {toolset:<15}: {percent}% chance");
-                }
-            }
-            Ok(())
+        Command::Distributions { run_file } => {
+            crate::run::distributions::print(run_file.as_deref())
         }
     }
 }

@@ -120,13 +120,8 @@ impl Check<'_> {
                     ),
                 ),
                 (None, Some(source)) => {
-                    let ok = match (&source.env, &source.secret_key_ref) {
-                        (Some(env), None) => !env.is_empty(),
-                        (None, Some(secret)) => !secret.name.is_empty() && !secret.key.is_empty(),
-                        _ => false,
-                    };
                     self.that(
-                        ok,
+                        source.is_well_formed(),
                         &format!("{field}.valueFrom"),
                         "set exactly one of `env` (a variable name) and `secretKeyRef` \
                          (name and key)",

@@ -242,6 +242,15 @@ pub struct ToolsSpec {
     /// whose distribution can draw `browser` needs this section, even if empty (`browser: {}`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub browser: Option<BrowserSpec>,
+    /// The `vision` toolset (`vision_analyze`) and, with `browser`, `browser_vision`: an
+    /// OpenAI-compatible multimodal chat endpoint. A run whose distribution can draw `vision`
+    /// needs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vision: Option<VisionSpec>,
+    /// The `image_gen` toolset (`image_generate`): an `OpenAI` Images-compatible endpoint. A run
+    /// whose distribution can draw `image_gen` needs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_gen: Option<ImageGenSpec>,
 }
 
 impl ToolsSpec {
@@ -268,6 +277,14 @@ impl ToolsSpec {
                 refs.extend(named(&tool.headers));
             }
         }
+        let vision_key = self.vision.as_ref().and_then(|v| v.api_key.as_ref());
+        let image_key = self.image_gen.as_ref().and_then(|i| i.api_key.as_ref());
+        refs.extend(
+            vision_key
+                .into_iter()
+                .chain(image_key)
+                .filter_map(|source| source.secret_key_ref.as_ref()),
+        );
         let mut env: Vec<(String, &SecretKeyRef)> = refs
             .into_iter()
             .map(|secret| (secret.env_var(), secret))
@@ -387,6 +404,15 @@ pub struct ValueSource {
 }
 
 impl ValueSource {
+    /// Whether exactly one of `env` (non-empty) and `secretKeyRef` (name and key) is set.
+    pub fn is_well_formed(&self) -> bool {
+        match (&self.env, &self.secret_key_ref) {
+            (Some(env), None) => !env.is_empty(),
+            (None, Some(secret)) => !secret.name.is_empty() && !secret.key.is_empty(),
+            _ => false,
+        }
+    }
+
     /// The environment variable the worker reads the value from.
     pub fn env_var(&self) -> Option<String> {
         match (&self.env, &self.secret_key_ref) {
@@ -608,6 +634,116 @@ impl Default for BrowserSpec {
             allowed_schemes: default_allowed_schemes(),
         }
     }
+}
+
+/// The multimodal model of `vision_analyze` and `browser_vision`: an OpenAI-compatible chat
+/// completions endpoint (vLLM or llama.cpp serving a vision-language model, or a hosted API), and
+/// the limits of fetching the images the model names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct VisionSpec {
+    /// Base URL of the API, up to and including its version (e.g. `http://vllm-vl:8000/v1`);
+    /// requests go to `<baseUrl>/chat/completions`.
+    pub base_url: String,
+    /// The model name sent in every request.
+    pub model: String,
+    /// The API key, sent as `Authorization: Bearer <key>`: `{env: NAME}` (local runs) or
+    /// `{secretKeyRef: {name, key}}` (cluster). Unset, no key is sent. Never inline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<ValueSource>,
+    /// Time limit of one request to the model, in seconds.
+    #[serde(default = "default_vision_timeout")]
+    pub timeout_seconds: u64,
+    /// `max_tokens` of the model's answer (the reference's 2000).
+    #[serde(default = "default_vision_max_tokens")]
+    pub max_tokens: u32,
+    /// Bytes of one image read at most (from a URL or the workspace); a larger image is a tool
+    /// error.
+    #[serde(default = "default_vision_max_image_bytes")]
+    pub max_image_bytes: u64,
+    /// Time limit of fetching one image URL (connect, redirects and body), in seconds.
+    #[serde(default = "default_vision_download_timeout")]
+    pub download_timeout_seconds: u64,
+    /// Redirects followed when fetching an image; one more is a tool error (so is a loop).
+    #[serde(default = "default_web_max_redirects")]
+    pub max_redirects: u32,
+    /// Allow image URLs on loopback, private, link-local and other non-public addresses. Off, such
+    /// a URL is refused (as `web_extract` refuses it): the model must not reach internal services.
+    #[serde(default)]
+    pub allow_private_addresses: bool,
+}
+
+/// The image model of `image_generate`: an `OpenAI` Images-compatible endpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ImageGenSpec {
+    /// Base URL of the API, up to and including its version (e.g. `https://api.openai.com/v1`);
+    /// requests go to `<baseUrl>/images/generations`.
+    pub base_url: String,
+    /// The model name sent in every request (e.g. `gpt-image-1`).
+    pub model: String,
+    /// The API key, sent as `Authorization: Bearer <key>`: `{env: NAME}` (local runs) or
+    /// `{secretKeyRef: {name, key}}` (cluster). Unset, no key is sent. Never inline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<ValueSource>,
+    /// Time limit of one generation (and of downloading an image the endpoint answers with a
+    /// URL), in seconds.
+    #[serde(default = "default_image_gen_timeout")]
+    pub timeout_seconds: u64,
+    /// The `size` sent for each of the tool's aspect ratios.
+    #[serde(default)]
+    pub sizes: ImageSizes,
+    /// The `response_format` to ask for (`b64_json` or `url`). Unset, none is sent (some models,
+    /// such as `gpt-image-1`, refuse the parameter); both kinds of answer are accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_format: Option<ImageResponseFormat>,
+    /// Bytes of one generated image accepted; a larger one is a tool error.
+    #[serde(default = "default_image_gen_max_image_bytes")]
+    pub max_image_bytes: u64,
+    /// Extra JSON merged into every request body (`quality`, `style`, provider options).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
+    pub extra_body: Option<Value>,
+}
+
+/// The `size` of an image request for each aspect ratio `image_generate` offers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ImageSizes {
+    /// `landscape` (the reference's 16:9 wide, its default).
+    #[serde(default = "default_landscape_size")]
+    pub landscape: String,
+    /// `square` (1:1).
+    #[serde(default = "default_square_size")]
+    pub square: String,
+    /// `portrait` (the reference's 16:9 tall).
+    #[serde(default = "default_portrait_size")]
+    pub portrait: String,
+}
+
+impl Default for ImageSizes {
+    fn default() -> Self {
+        Self {
+            landscape: default_landscape_size(),
+            square: default_square_size(),
+            portrait: default_portrait_size(),
+        }
+    }
+}
+
+/// How an Images endpoint is asked to return the image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+pub enum ImageResponseFormat {
+    /// The image's bytes, base64-encoded, in the answer.
+    #[serde(rename = "b64_json")]
+    B64Json,
+    /// A URL the worker downloads the image from.
+    #[serde(rename = "url")]
+    Url,
 }
 
 /// Terminal tool settings.
@@ -860,6 +996,34 @@ fn default_snapshot_max_chars() -> u64 {
 fn default_allowed_schemes() -> Vec<String> {
     vec!["http".to_owned(), "https".to_owned()]
 }
+fn default_vision_timeout() -> u64 {
+    120
+}
+fn default_vision_max_tokens() -> u32 {
+    2000
+}
+fn default_vision_max_image_bytes() -> u64 {
+    20 * 1024 * 1024
+}
+fn default_vision_download_timeout() -> u64 {
+    30
+}
+fn default_image_gen_timeout() -> u64 {
+    180
+}
+fn default_image_gen_max_image_bytes() -> u64 {
+    32 * 1024 * 1024
+}
+// gpt-image-1's sizes; `tools.imageGen.sizes` sets others (dall-e-3: 1792x1024, 1024x1792).
+fn default_landscape_size() -> String {
+    "1536x1024".to_owned()
+}
+fn default_square_size() -> String {
+    "1024x1024".to_owned()
+}
+fn default_portrait_size() -> String {
+    "1024x1536".to_owned()
+}
 fn default_per_batch() -> u32 {
     3
 }
@@ -1005,6 +1169,12 @@ impl RunSpec {
         if let Some(browser) = &self.tools.browser {
             check_browser(browser, violations);
         }
+        if let Some(vision) = &self.tools.vision {
+            check_vision(vision, violations);
+        }
+        if let Some(image_gen) = &self.tools.image_gen {
+            check_image_gen(image_gen, violations);
+        }
     }
 
     fn check_web(&self, violations: &mut Violations) {
@@ -1140,6 +1310,94 @@ fn check_browser(browser: &BrowserSpec, violations: &mut Violations) {
     }
 }
 
+/// The settings every model endpoint of a tool has: an http(s) base URL, a model, a well-formed
+/// key source and a time limit.
+fn check_endpoint(
+    field: &str,
+    (base_url, model, api_key, timeout): (&str, &str, Option<&ValueSource>, u64),
+    violations: &mut Violations,
+) {
+    violations.check(
+        base_url.starts_with("http://") || base_url.starts_with("https://"),
+        &format!("{field}.baseUrl"),
+        format!("{base_url:?} must be an http:// or https:// URL"),
+    );
+    violations.check(
+        !model.is_empty(),
+        &format!("{field}.model"),
+        "must not be empty".to_owned(),
+    );
+    violations.check(
+        api_key.is_none_or(ValueSource::is_well_formed),
+        &format!("{field}.apiKey"),
+        "set exactly one of `env` (a variable name) and `secretKeyRef` (name and key)".to_owned(),
+    );
+    violations.check(
+        timeout >= 1,
+        &format!("{field}.timeoutSeconds"),
+        "must be at least 1".to_owned(),
+    );
+}
+
+fn check_vision(vision: &VisionSpec, violations: &mut Violations) {
+    let endpoint = (
+        vision.base_url.as_str(),
+        vision.model.as_str(),
+        vision.api_key.as_ref(),
+        vision.timeout_seconds,
+    );
+    check_endpoint("tools.vision", endpoint, violations);
+    violations.check(
+        vision.max_tokens >= 1,
+        "tools.vision.maxTokens",
+        "must be at least 1".to_owned(),
+    );
+    violations.check(
+        vision.max_image_bytes >= 1024,
+        "tools.vision.maxImageBytes",
+        "must be at least 1024".to_owned(),
+    );
+    violations.check(
+        vision.download_timeout_seconds >= 1,
+        "tools.vision.downloadTimeoutSeconds",
+        "must be at least 1".to_owned(),
+    );
+}
+
+fn check_image_gen(image_gen: &ImageGenSpec, violations: &mut Violations) {
+    let endpoint = (
+        image_gen.base_url.as_str(),
+        image_gen.model.as_str(),
+        image_gen.api_key.as_ref(),
+        image_gen.timeout_seconds,
+    );
+    check_endpoint("tools.imageGen", endpoint, violations);
+    violations.check(
+        image_gen.max_image_bytes >= 1024,
+        "tools.imageGen.maxImageBytes",
+        "must be at least 1024".to_owned(),
+    );
+    let sizes = &image_gen.sizes;
+    for (name, size) in [
+        ("landscape", &sizes.landscape),
+        ("square", &sizes.square),
+        ("portrait", &sizes.portrait),
+    ] {
+        violations.check(
+            !size.trim().is_empty(),
+            &format!("tools.imageGen.sizes.{name}"),
+            "must not be empty (e.g. \"1024x1024\")".to_owned(),
+        );
+    }
+    if let Some(extra) = &image_gen.extra_body {
+        violations.check(
+            extra.is_object(),
+            "tools.imageGen.extraBody",
+            "must be a JSON object".to_owned(),
+        );
+    }
+}
+
 /// True for a non-empty relative path with no `..`, root or empty components.
 pub fn is_relative_clean_path(path: &str) -> bool {
     !path.is_empty()
@@ -1212,6 +1470,55 @@ mod tests {
                 "spec.tools.browser.chromiumPath",
                 "spec.tools.browser.snapshotMaxChars",
                 "spec.tools.browser.allowedSchemes"
+            ]
+        );
+    }
+
+    #[test]
+    fn vision_and_image_endpoints_are_checked_and_their_secret_keys_reach_the_worker() {
+        let mut spec = minimal();
+        spec.distribution = DistributionSpec::Named("creative".into());
+        spec.tools = serde_json::from_value(serde_json::json!({
+            "web": {"search": {"url": "http://searxng:8080"}},
+            "vision": {"baseUrl": "http://vllm-vl:8000/v1", "model": "vl",
+                       "apiKey": {"secretKeyRef": {"name": "vl-key", "key": "token"}}},
+            "imageGen": {"baseUrl": "http://images:8000/v1", "model": "img",
+                         "apiKey": {"env": "IMAGES_KEY"}},
+        }))
+        .unwrap();
+        assert_eq!(spec.validate(), []);
+        let env: Vec<String> = spec
+            .tools
+            .secret_env()
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        assert_eq!(env, ["TRAJ_SECRET_VL_KEY__TOKEN"]);
+
+        let vision = spec.tools.vision.as_mut().unwrap();
+        vision.base_url = "vllm-vl:8000".into();
+        vision.api_key = Some(ValueSource {
+            env: Some("A".into()),
+            secret_key_ref: Some(SecretKeyRef {
+                name: "n".into(),
+                key: "k".into(),
+            }),
+        });
+        vision.max_image_bytes = 10;
+        let image_gen = spec.tools.image_gen.as_mut().unwrap();
+        image_gen.model = String::new();
+        image_gen.sizes.square = String::new();
+        image_gen.extra_body = Some(serde_json::json!([1]));
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.tools.vision.baseUrl",
+                "spec.tools.vision.apiKey",
+                "spec.tools.vision.maxImageBytes",
+                "spec.tools.imageGen.model",
+                "spec.tools.imageGen.sizes.square",
+                "spec.tools.imageGen.extraBody",
             ]
         );
     }

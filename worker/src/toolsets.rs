@@ -7,7 +7,7 @@
 use crate::spec::{DistributionSpec, SpecViolation, ToolsSpec};
 
 /// The toolsets this build serves, in catalog order.
-pub const SHIPPED: [&str; 4] = ["terminal", "file", "web", "browser"];
+pub const SHIPPED: [&str; 6] = ["terminal", "file", "web", "browser", "vision", "image_gen"];
 
 /// The setting a shipped toolset needs and `tools` lacks, as a field path; `None` when the
 /// toolset needs no backend or has one. A toolset with a backend adds one arm here.
@@ -16,22 +16,15 @@ pub fn missing_backend(toolset: &str, tools: &ToolsSpec) -> Option<&'static str>
         "web" if tools.web.search.is_none() => Some("spec.tools.web.search"),
         // `browser: {}` is enough: it starts Debian's /usr/bin/chromium.
         "browser" if tools.browser.is_none() => Some("spec.tools.browser"),
+        "vision" if tools.vision.is_none() => Some("spec.tools.vision"),
+        "image_gen" if tools.image_gen.is_none() => Some("spec.tools.imageGen"),
         _ => None,
     }
 }
 
 /// Toolsets named by the reference's distributions that this build does not ship yet, with what
-/// would enable them.
-pub const NOT_YET_SHIPPED: [(&str, &str); 2] = [
-    (
-        "vision",
-        "vision tools are not in this build yet; use a distribution without `vision`",
-    ),
-    (
-        "image_gen",
-        "image generation is not in this build yet; use a distribution without `image_gen`",
-    ),
-];
+/// would enable them (none: every toolset the distributions name is shipped).
+pub const NOT_YET_SHIPPED: [(&str, &str); 0] = [];
 
 /// A built-in distribution: name, description, toolsets with percentages.
 pub type BuiltinDistribution = (&'static str, &'static str, &'static [(&'static str, f64)]);
@@ -246,19 +239,38 @@ mod tests {
     }
 
     #[test]
-    fn the_shipped_distributions_pass_and_the_others_are_refused_naming_the_toolset() {
+    fn a_distribution_is_refused_naming_every_backend_it_draws_and_lacks() {
         assert!(messages(&DistributionSpec::Named("terminal_only".into())).is_empty());
-        let default = messages(&DistributionSpec::Named("default".into()));
-        assert_eq!(default.len(), 4, "{default:?}");
         assert_eq!(
-            default[0],
-            "spec.tools.web.search: required because distribution \"default\" draws toolset web"
+            messages(&DistributionSpec::Named("default".into())),
+            [
+                "spec.tools.web.search: required because distribution \"default\" draws toolset web",
+                "spec.tools.vision: required because distribution \"default\" draws toolset vision",
+                "spec.tools.imageGen: required because distribution \"default\" draws toolset image_gen",
+                "spec.tools.browser: required because distribution \"default\" draws toolset browser",
+            ]
         );
-        assert!(
-            default[1].starts_with(
-                "spec.distribution: \"default\" can draw toolset \"vision\" (100%), which is not available"
-            ),
-            "{default:?}"
+    }
+
+    #[test]
+    fn every_builtin_distribution_passes_with_every_backend_configured() {
+        let tools: ToolsSpec = serde_json::from_value(serde_json::json!({
+            "web": {"search": {"url": "http://searxng:8080"}},
+            "browser": {},
+            "vision": {"baseUrl": "http://vllm-vl:8000/v1", "model": "vl"},
+            "imageGen": {"baseUrl": "http://images:8000/v1", "model": "img"},
+        }))
+        .unwrap();
+        assert!(NOT_YET_SHIPPED.is_empty());
+        for (name, ..) in BUILTIN_DISTRIBUTIONS {
+            let spec = DistributionSpec::Named((*name).to_owned());
+            assert_eq!(distribution_violations(&spec, &tools), [], "{name}");
+        }
+        assert_eq!(missing_backend("vision", &tools), None);
+        assert_eq!(missing_backend("image_gen", &tools), None);
+        assert_eq!(
+            missing_backend("image_gen", &ToolsSpec::default()),
+            Some("spec.tools.imageGen")
         );
     }
 

@@ -77,6 +77,67 @@ async fn a_browser_conversation_records_the_real_snapshot() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn browser_vision_shows_a_png_screenshot_of_the_page_to_the_vision_model() {
+    let site = serve_page().await;
+
+    let vision = ScriptedServer::start([Step::ok(text_reply("A page headed Glossary."))]).await;
+    let model = ScriptedServer::start([
+        Step::ok(tool_call_reply("browser_navigate", &json!({"url": site}))),
+        Step::ok(tool_call_reply(
+            "browser_vision",
+            &json!({"question": "What does the heading say?"}),
+        )),
+        Step::ok(text_reply("It says Glossary.")),
+    ])
+    .await;
+    let fixture = RunFixture::new(&model.base_url(), 1)
+        .with("/distribution", json!("browser_only"))
+        .with("/concurrency", json!(1))
+        .with(
+            "/tools",
+            json!({"browser": {}, "vision": {"baseUrl": vision.base_url(), "model": "scripted-vl"}}),
+        );
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    assert_eq!(report.merge.trajectories, 1);
+
+    let record = &fixture.lines("trajectories.jsonl")[0];
+    let responses = common::tool_responses(record);
+    assert_eq!(responses.len(), 2, "{record}");
+    assert_eq!(responses[1]["name"], "browser_vision");
+    assert_eq!(
+        responses[1]["content"],
+        json!({"success": true, "analysis": "A page headed Glossary."})
+    );
+    // The catalog holds browser_vision because the spec configures a vision model.
+    assert_eq!(
+        record["tool_stats"]["browser_vision"],
+        json!({"count": 1, "success": 1, "failure": 0})
+    );
+    assert_eq!(record["tool_stats"].as_object().unwrap().len(), 10);
+
+    let requests = vision.requests();
+    assert_eq!(requests.len(), 1);
+    let prompt = requests[0].body["messages"][0]["content"][0]["text"]
+        .as_str()
+        .unwrap();
+    assert!(
+        prompt.starts_with(
+            "You are analyzing a screenshot of a web browser.\n\nUser's question: What does the heading say?\n\n"
+        ),
+        "{prompt}"
+    );
+    let (mime, png) = common::sent_image(&requests[0]);
+    assert_eq!(mime, "image/png");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    // IHDR: the viewport's width and height, big-endian, at bytes 16..24.
+    let width = u32::from_be_bytes(png[16..20].try_into().unwrap());
+    let height = u32::from_be_bytes(png[20..24].try_into().unwrap());
+    assert!(width >= 300 && height >= 200, "{width}x{height}");
+}
+
 /// The processes whose `HOME` lies under `dir` (a sandbox server's sessions).
 fn processes_at_home_under(dir: &std::path::Path) -> Vec<(i32, String)> {
     let prefix = format!("HOME={}", dir.display());

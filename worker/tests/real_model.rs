@@ -6,6 +6,8 @@
 //! result returned, the record valid), never about what the model says.
 
 mod common;
+mod local_servers;
+mod web_servers;
 
 use std::path::Path;
 
@@ -169,6 +171,82 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
         serde_json::from_slice(&std::fs::read(report.run_dir.join("statistics.json")).unwrap())
             .unwrap();
     assert_eq!(statistics["counts"]["records"], 8);
+}
+
+/// The whole loop with `web` offered: the small model searches (the `minimal` distribution offers
+/// `web_search` and `web_extract` only), and its record holds what Debian's searx really found
+/// in the `python3-doc` index, links to the docs server and all.
+///
+/// SmolLM2-135M seldom calls a tool unasked, and writes URLs as search queries (which searx's
+/// full-text engine cannot parse), so the run does what a user of so small a model would:
+/// `spec.model.extraBody` forces the `web_search` call (`tool_choice`, which llama.cpp turns into
+/// a grammar), and the ephemeral system prompt asks for keywords. The arguments are still the
+/// model's own; greedy decoding (temperature 0) makes them the same on every run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_model_searches_the_web_and_its_record_holds_a_real_searx_result() {
+    let docs = local_servers::DocsServer::start(local_servers::PYTHON_DOCS.as_ref());
+    let searx = web_servers::Searx::start(&docs);
+    let fixture = common::RunFixture::with_lines(
+        &model_server(),
+        &[serde_json::json!({ "prompt": "subprocess" }).to_string()],
+    )
+    .with("/distribution", serde_json::json!("minimal"))
+    .with("/concurrency", serde_json::json!(1))
+    .with(
+        "/model",
+        serde_json::json!({
+            "baseUrl": model_server(), "name": model_name(), "maxTokens": 128,
+            "temperature": 0.0, "requestTimeoutSeconds": 300,
+            "extraBody": {"tool_choice": {"type": "function", "function": {"name": "web_search"}}},
+        }),
+    )
+    .with(
+        "/agent",
+        serde_json::json!({
+            "maxTurns": 1, "promptTimeoutSeconds": 900,
+            "ephemeralSystemPrompt": "Search queries are plain keywords, never URLs.",
+        }),
+    )
+    .with(
+        "/tools",
+        serde_json::json!({"web": {"search": {"url": searx.base_url(), "timeoutSeconds": 30, "maxResults": 2}}}),
+    );
+    let report = run_local(&common::local_options(&fixture), &common::no_shutdown())
+        .await
+        .expect("the run finishes");
+    assert_eq!(
+        report.merge.trajectories,
+        1,
+        "{:?}",
+        fixture.lines("failures.jsonl")
+    );
+
+    let record = &fixture.lines("trajectories.jsonl")[0];
+    assert_valid_record(record);
+    assert_eq!(record["toolsets_used"], serde_json::json!(["web"]));
+    let turns = record["conversations"].as_array().unwrap();
+    let search = turns
+        .iter()
+        .filter(|turn| turn["from"] == "tool")
+        .filter_map(|turn| turn["value"].as_str())
+        .find(|value| value.contains(r#""name": "web_search""#))
+        .unwrap_or_else(|| {
+            panic!(
+                "no web_search result among the turns: {}",
+                serde_json::to_string_pretty(turns).unwrap()
+            )
+        });
+    // A result only searx can have given: a page of the docs server's python3-doc tree.
+    assert!(
+        search.contains(&format!("http://127.0.0.1:{}/", docs.port)),
+        "{}",
+        serde_json::to_string_pretty(turns).unwrap()
+    );
+    assert_eq!(
+        record["tool_stats"]["web_search"]["success"], 1,
+        "{}",
+        record["tool_stats"]
+    );
 }
 
 /// The structure every Hermes record has, whatever the model said.

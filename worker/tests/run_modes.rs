@@ -1169,3 +1169,47 @@ async fn run_batches(
             .unwrap();
     }
 }
+
+#[test]
+fn distributions_checks_a_run_file_and_fails_naming_what_its_distribution_lacks() {
+    let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1);
+    let distributions = |run_file: &std::path::Path| {
+        let output = Command::new(WORKER)
+            .arg("distributions")
+            .arg(run_file)
+            .env("RUST_LOG", "warn")
+            .output()
+            .expect("run the worker");
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let (code, listing, _) = distributions(&fixture.run_file());
+    assert_eq!(code, Some(0), "{listing}");
+    assert!(
+        listing.contains("its distribution (terminal_only) can run"),
+        "{listing}"
+    );
+    assert!(
+        listing
+            .lines()
+            .any(|line| line.starts_with("terminal_only ") && line.ends_with("[ready]")),
+        "{listing}"
+    );
+
+    let browser = fixture.variant_run_file("browser.yaml", "/distribution", json!("browser_only"));
+    let (code, listing, stderr) = distributions(&browser);
+    assert_eq!(code, Some(exit::PERMANENT_CONFIG), "{listing}{stderr}");
+    assert!(
+        listing.contains("[lacks spec.tools.browser]"),
+        "the listing is printed before the refusal: {listing}"
+    );
+    assert!(
+        stderr.contains(
+            "browser.yaml: spec.tools.browser: required because distribution \"browser_only\" draws toolset browser"
+        ),
+        "{stderr}"
+    );
+}

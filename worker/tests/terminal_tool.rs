@@ -104,7 +104,12 @@ fn process_is_gone(pid: i32) -> bool {
 }
 
 async fn assert_process_gone(pid: i32) {
-    for _ in 0..100 {
+    assert_process_gone_within(pid, Duration::from_secs(2)).await;
+}
+
+async fn assert_process_gone_within(pid: i32, time: Duration) {
+    let until = std::time::Instant::now() + time;
+    while std::time::Instant::now() < until {
         if process_is_gone(pid) {
             return;
         }
@@ -112,12 +117,16 @@ async fn assert_process_gone(pid: i32) {
     }
     // Do not leave the stray process behind if the assertion fails.
     let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
-    panic!("process {pid} is still running");
+    panic!("process {pid} is still running after {time:?}");
 }
 
 fn read_pid(dir: &Path) -> i32 {
-    std::fs::read_to_string(dir.join("pid"))
-        .unwrap()
+    read_pid_file(&dir.join("pid"))
+}
+
+fn read_pid_file(file: &Path) -> i32 {
+    std::fs::read_to_string(file)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
         .trim()
         .parse()
         .unwrap()
@@ -269,6 +278,54 @@ async fn background_process_does_not_outlive_the_command(place: Where) {
     );
     assert!(started.elapsed() < Duration::from_secs(10));
     assert_process_gone(read_pid(dir.path())).await;
+}
+
+/// A command that kills its own executor (the OOM killer's `SIGKILL`, or the command itself: they
+/// share a uid and a Landlock domain) leaves nothing running in a pod: the server, the executor's
+/// reaper, kills the orphans — a `setsid` one, and a subshell with a child of its own — as they
+/// are re-parented to it. (Not yet locally, where they would go to the worker's reaper.)
+#[tokio::test]
+async fn a_command_that_kills_its_executor_leaves_nothing_running_in_a_pod() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(Where::Pod, dir.path(), ToolLimits::default());
+    let started = std::time::Instant::now();
+    let result = ok(call(
+        &ctx,
+        json!({"command": "setsid sleep 30 >/dev/null 2>&1 & echo $! > pid; \
+                           (sleep 30 & echo $! > pid2; wait) >/dev/null 2>&1 & echo $! > pid3; \
+                           sleep 0.2; kill -9 $PPID; sleep 30"}),
+    )
+    .await);
+    assert_eq!(
+        result["exit_code"], 137,
+        "the executor was killed: {result}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10), "{result}");
+    for file in ["pid", "pid2", "pid3"] {
+        assert_process_gone(read_pid_file(&dir.path().join(file))).await;
+    }
+}
+
+/// A command that stops its executor (`SIGSTOP`, which a stopped process cannot catch) is still
+/// ended when the worker hangs up on a timeout: the server continues and then kills the executor,
+/// and its orphans with it.
+#[tokio::test]
+async fn a_command_that_stops_its_executor_is_ended_on_its_timeout_in_a_pod() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = ToolLimits {
+        command_timeout: Duration::from_secs(1),
+        ..ToolLimits::default()
+    };
+    let ctx = context(Where::Pod, dir.path(), limits);
+    let result = ok(call(
+        &ctx,
+        json!({"command": "sleep 30 >/dev/null 2>&1 & echo $! > pid; \
+                           while kill -STOP $PPID; do sleep 0.01; done"}),
+    )
+    .await);
+    assert_eq!(result["error"], "command timed out after 1s", "{result}");
+    // The server's grace for the executor, and some.
+    assert_process_gone_within(read_pid(dir.path()), Duration::from_secs(5)).await;
 }
 
 async fn large_output_keeps_head_and_tail_within_the_cap(place: Where) {

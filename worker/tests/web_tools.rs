@@ -1,19 +1,21 @@
 //! The `web` toolset against real servers: Debian's searx with an offline engine over the
-//! `python3-doc` pages, and Python's `http.server` serving those pages (`web_servers`). Every bad
+//! `python3-doc` pages, and Python's `http.server` serving those pages (`local_servers`). Every bad
 //! backend or page ends as a tool error the model reads, or a capped result.
 
 mod common;
+mod local_servers;
 mod web_servers;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use local_servers::{DocsServer, PYTHON_DOCS, RedirectLoop, free_port, served_files};
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
 use trajectory_worker::run::plan;
 use trajectory_worker::spec::ToolsSpec;
-use trajectory_worker::tools::{Tool, ToolContext, ToolLimits, ToolOutcome, Workspace, web};
-use web_servers::{DocsServer, PYTHON_DOCS, RedirectLoop, Searx, free_port};
+use trajectory_worker::tools::{Tool, ToolContext, ToolOutcome, web};
+use web_servers::Searx;
 
 /// The page the searches below find first, and its path on the docs server.
 const SUBPROCESS_PAGE: &str = "library/asyncio-subprocess.html";
@@ -48,12 +50,7 @@ struct Context {
 fn context() -> Context {
     let dir = tempfile::tempdir().unwrap();
     Context {
-        ctx: ToolContext {
-            workspace: Workspace::new(dir.path()).unwrap(),
-            limits: ToolLimits::default(),
-            sandbox: common::sandbox(),
-            browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
-        },
+        ctx: common::tool_context(dir.path()),
         _dir: dir,
     }
 }
@@ -85,16 +82,6 @@ async fn err(tool: &Arc<dyn Tool>, args: Value) -> String {
         ToolOutcome::Err(message) => message,
         other @ ToolOutcome::Ok(_) => panic!("expected a tool error, got {other:?}"),
     }
-}
-
-/// A directory of files for the bad-page tests, served.
-fn served_files(files: &[(&str, &[u8])]) -> (tempfile::TempDir, DocsServer) {
-    let dir = tempfile::tempdir().unwrap();
-    for (name, bytes) in files {
-        std::fs::write(dir.path().join(name), bytes).unwrap();
-    }
-    let server = DocsServer::start(dir.path());
-    (dir, server)
 }
 
 #[tokio::test]

@@ -4,6 +4,7 @@
 //! reports a summary. Errors carry the exit code of the worker contract ([`crate::contract::exit`]).
 
 pub mod batch;
+pub mod distributions;
 pub mod local;
 pub mod manifest;
 pub mod merge;
@@ -141,16 +142,42 @@ pub const LOCAL_NAMESPACE: &str = "local";
 impl RunFile {
     /// Reads and validates a run file; errors name the file and the field.
     pub fn load(path: &Path) -> Result<Self, RunError> {
+        let file = Self::read(path)?;
+        check_spec(path, &file.spec)?;
+        Ok(file)
+    }
+
+    /// Reads a run file without validating its spec (for listings that report what is wrong
+    /// instead of refusing it); errors name the file, line and column.
+    pub fn read(path: &Path) -> Result<Self, RunError> {
         let text = std::fs::read_to_string(path).map_err(|err| {
             RunError::Spec(format!("cannot read run file {}: {err}", path.display()))
         })?;
-        let file: Self = serde_yaml::from_str(&text).map_err(|err| {
-            let place = err
-                .location()
-                .map(|location| format!(":{}:{}", location.line(), location.column()))
-                .unwrap_or_default();
-            RunError::Spec(format!("{}{place}: {err}", path.display()))
-        })?;
+        // The API server refuses (or prunes) fields the CRD does not know; a run file gets the
+        // same strictness, so that a misspelt setting is not silently left at its default.
+        let mut unknown = Vec::new();
+        let file: Self =
+            serde_ignored::deserialize(serde_yaml::Deserializer::from_str(&text), |field| {
+                unknown.push(field.to_string());
+            })
+            .map_err(|err| {
+                let place = err
+                    .location()
+                    .map(|location| format!(":{}:{}", location.line(), location.column()))
+                    .unwrap_or_default();
+                RunError::Spec(format!("{}{place}: {err}", path.display()))
+            })?;
+        // Outside the spec (status, metadata.uid, ...) a file exported from a cluster may hold
+        // anything.
+        unknown.retain(|field| field.starts_with("spec."));
+        if !unknown.is_empty() {
+            return Err(RunError::Spec(format!(
+                "{}: unknown field{} {}",
+                path.display(),
+                if unknown.len() == 1 { "" } else { "s" },
+                unknown.join(", ")
+            )));
+        }
         if file.kind != "TrajectoryRun" {
             return Err(RunError::Spec(format!(
                 "{}: kind is {:?}, expected \"TrajectoryRun\"",
@@ -158,7 +185,6 @@ impl RunFile {
                 file.kind
             )));
         }
-        check_spec(path, &file.spec)?;
         Ok(file)
     }
 
@@ -328,6 +354,39 @@ mod tests {
                 "{error}"
             );
         }
+    }
+
+    #[test]
+    fn a_misspelt_spec_field_is_refused_by_name_and_fields_outside_the_spec_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.yaml");
+        let file = |tools: &str| {
+            format!(
+                "apiVersion: trajectories.dev/v1alpha1\nkind: TrajectoryRun\n\
+                 metadata: {{name: r, uid: abc, resourceVersion: '7'}}\nstatus: {{phase: Running}}\n\
+                 spec:\n  dataset: {{path: d.jsonl}}\n  model: {{baseUrl: 'http://m/v1', name: m}}\n\
+                 tools: {tools}\n"
+            )
+            .replace("tools: ", "  tools: ")
+        };
+        std::fs::write(&path, file("{keepWorkspaces: true}")).unwrap();
+        let run = RunFile::read(&path).expect("an exported run file reads");
+        assert!(run.spec.tools.keep_workspaces);
+
+        std::fs::write(
+            &path,
+            file("{keepWorkspace: true, terminal: {timeoutSecs: 5}}"),
+        )
+        .unwrap();
+        let error = RunFile::read(&path).unwrap_err();
+        assert_eq!(error.exit_code(), exit::PERMANENT_CONFIG);
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "{}: unknown fields spec.tools.keepWorkspace, spec.tools.terminal.timeoutSecs",
+                path.display()
+            )
+        );
     }
 
     #[test]

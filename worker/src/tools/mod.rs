@@ -22,12 +22,15 @@
 
 mod args;
 pub mod browser;
+mod endpoint;
 pub mod file;
 pub mod http;
+pub mod image_gen;
 pub mod mcp;
 pub mod sandbox;
 pub mod terminal;
 mod text;
+pub mod vision;
 pub mod web;
 
 use std::borrow::Cow;
@@ -38,6 +41,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
+
+pub use endpoint::EndpointError;
 
 use crate::spec::ToolsSpec;
 use crate::toolsets;
@@ -282,11 +287,9 @@ impl Registry {
                 tools: file::tools(config),
             },
             backed_toolset(web::TOOLSET, web::tools(config)),
-            Toolset {
-                name: browser::TOOLSET.into(),
-                availability: Availability::Available,
-                tools: browser::tools(config, sessions),
-            },
+            backed_toolset(browser::TOOLSET, browser::tools(config, sessions)),
+            backed_toolset(vision::TOOLSET, vision::tools(config)),
+            backed_toolset(image_gen::TOOLSET, image_gen::tools(config)),
         ];
         toolsets.extend(
             toolsets::NOT_YET_SHIPPED

@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use base64::Engine as _;
 use nix::sys::signal::Signal;
 
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
-    FixedLatency, ScriptedServer, text_reply, tool_call_reply,
+    FixedLatency, ReceivedRequest, ScriptedServer, text_reply, tool_call_reply,
 };
 use trajectory_worker::contract::BatchSummary;
 use trajectory_worker::model::{ModelClient, ModelSettings};
@@ -20,7 +21,9 @@ use trajectory_worker::run::local::{LocalOptions, ProgressMode};
 use trajectory_worker::run::manifest::Manifest;
 use trajectory_worker::run::{RunError, RunFile, RunLocation};
 use trajectory_worker::storage::RecordsFile;
+use trajectory_worker::tools::browser::ConversationBrowser;
 use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
+use trajectory_worker::tools::{ToolContext, ToolLimits, Workspace};
 
 pub const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 
@@ -28,6 +31,17 @@ pub const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 /// it), with Landlock where the kernel has it.
 pub fn sandbox() -> Sandbox {
     Sandbox::local(LandlockMode::Auto)
+}
+
+/// The tool context of a conversation working in `workspace` (which must exist), with default
+/// limits and the sandbox above.
+pub fn tool_context(workspace: &Path) -> ToolContext {
+    ToolContext {
+        workspace: Workspace::new(workspace).expect("the workspace exists"),
+        limits: ToolLimits::default(),
+        sandbox: sandbox(),
+        browser: ConversationBrowser::default(),
+    }
 }
 
 /// Options of a `local` run of `fixture`'s run file, with line progress and the sandbox above.
@@ -399,6 +413,37 @@ impl Drop for Mount {
             .arg(&self.0)
             .status();
     }
+}
+
+/// The image of a chat request: its MIME type and decoded bytes.
+pub fn sent_image(request: &ReceivedRequest) -> (String, Vec<u8>) {
+    let part = &request.body["messages"][0]["content"][1];
+    assert_eq!(part["type"], "image_url", "{part}");
+    let url = part["image_url"]["url"].as_str().expect("a data URL");
+    let (head, data) = url.split_once(";base64,").expect("a base64 data URL");
+    let mime = head.strip_prefix("data:").expect("a data URL").to_owned();
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data)
+        .expect("valid base64");
+    (mime, bytes)
+}
+
+/// The `<tool_response>` payloads of the conversation's tool turns (one call per turn here).
+pub fn tool_responses(record: &Value) -> Vec<Value> {
+    record["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|turn| turn["from"] == "tool")
+        .map(|turn| {
+            let text = turn["value"].as_str().unwrap();
+            let payload = text
+                .strip_prefix("<tool_response>\n")
+                .and_then(|rest| rest.strip_suffix("\n</tool_response>"))
+                .unwrap_or_else(|| panic!("one tool response: {text}"));
+            serde_json::from_str(payload).unwrap()
+        })
+        .collect()
 }
 
 /// A `trajectory-executor serve` of a test's own, as in a generation pod's sandbox container:

@@ -12,8 +12,10 @@
 //! - `cdp.rs` sends protocol commands as JSON.
 //!
 //! Every failure (Chromium missing or dead, a page that hangs, a stale ref) is a tool error the
-//! model sees. `browser_vision` is not offered: it needs a vision model (the `vision` toolset's
-//! backend), which this toolset does not have.
+//! model sees. `browser_vision` (a screenshot of the page shown to a vision model) is offered
+//! only when `spec.tools.vision` is set too: it asks that model, through the `vision` toolset's
+//! [`Analyzer`]. Whether it is offered depends on the spec alone, so every record of a run has
+//! the same catalog.
 //!
 //! To add a browser tool: a variant of `Action` with its name, description and schema in
 //! [`tools`], its arguments read in `Action::parse`, and the work in `session.rs`.
@@ -34,7 +36,9 @@ use std::time::Duration;
 use serde_json::{Map, Value, json};
 
 use super::args::{non_empty_string_arg, optional_bool_arg, string_arg};
+use super::endpoint::EndpointError;
 use super::sandbox::Sandbox;
+use super::vision::Analyzer;
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::{BrowserSpec, ToolsSpec};
 use pool::Pool;
@@ -65,6 +69,10 @@ pub enum BrowserError {
     Script(String),
     #[error("no page is open; call browser_navigate first")]
     NoPage,
+    #[error("Failed to take screenshot: {0}")]
+    Screenshot(String),
+    #[error("Error during vision analysis: {0}")]
+    Vision(String),
 }
 
 /// The settings of `spec.tools.browser`, resolved.
@@ -98,20 +106,35 @@ pub struct ConversationBrowser {
 }
 
 /// The toolset's tools, in the reference's order, with Chromium in `sandbox` when given (a
-/// pod's sandbox container). Chromium is not started here (a run that is only planned never
-/// starts it) but by the first call.
-pub fn tools(config: &ToolsSpec, sandbox: Option<&Sandbox>) -> Vec<Arc<dyn Tool>> {
+/// pod's sandbox container); `browser_vision` only with `tools.vision` (whose endpoint failing
+/// to build, say for a key variable that is not set, makes the toolset unavailable rather than
+/// the tool absent). Chromium is not started here (a run that is only planned never starts it)
+/// but by the first call.
+pub fn tools(
+    config: &ToolsSpec,
+    sandbox: Option<&Sandbox>,
+) -> Result<Vec<Arc<dyn Tool>>, EndpointError> {
     let settings = config
         .browser
         .as_ref()
         .map_or_else(|| Settings::from(&BrowserSpec::default()), Settings::from);
-    tools_on(&Arc::new(Pool::new(settings, sandbox.cloned())))
+    let vision = config
+        .vision
+        .as_ref()
+        .map(Analyzer::new)
+        .transpose()?
+        .map(Arc::new);
+    Ok(tools_on(
+        &Arc::new(Pool::new(settings, sandbox.cloned())),
+        vision.as_ref(),
+    ))
 }
 
-/// The tools, on a given pool (tests look into it).
-fn tools_on(pool: &Arc<Pool>) -> Vec<Arc<dyn Tool>> {
+/// The tools, on a given pool (tests look into it), with `browser_vision` when given a model.
+fn tools_on(pool: &Arc<Pool>, vision: Option<&Arc<Analyzer>>) -> Vec<Arc<dyn Tool>> {
     Action::ALL
         .iter()
+        .filter(|&&action| action != Action::Vision || vision.is_some())
         .map(|&action| {
             let (name, description) = action.described();
             Arc::new(BrowserTool {
@@ -122,6 +145,7 @@ fn tools_on(pool: &Arc<Pool>) -> Vec<Arc<dyn Tool>> {
                 },
                 action,
                 pool: Arc::clone(pool),
+                vision: vision.cloned(),
             }) as Arc<dyn Tool>
         })
         .collect()
@@ -139,6 +163,7 @@ enum Action {
     Press,
     Close,
     GetImages,
+    Vision,
 }
 
 /// A call with its checked arguments.
@@ -160,11 +185,12 @@ enum PageCall {
     Back,
     Press(Key),
     GetImages,
+    Vision { question: String },
 }
 
 impl Action {
     /// Every tool, in the reference's order.
-    const ALL: [Self; 9] = [
+    const ALL: [Self; 10] = [
         Self::Navigate,
         Self::Snapshot,
         Self::Click,
@@ -174,6 +200,7 @@ impl Action {
         Self::Press,
         Self::Close,
         Self::GetImages,
+        Self::Vision,
     ];
 
     /// The tool's name and description, the reference's words.
@@ -214,6 +241,10 @@ impl Action {
             Self::GetImages => (
                 "browser_get_images",
                 "Get a list of all images on the current page with their URLs and alt text. Useful for finding images to analyze with the vision tool. Requires browser_navigate to be called first.",
+            ),
+            Self::Vision => (
+                "browser_vision",
+                "Take a screenshot of the current page and analyze it with vision AI. Use this when you need to visually understand what's on the page - especially useful for CAPTCHAs, visual verification challenges, complex layouts, or when the text snapshot doesn't capture important visual information. Requires browser_navigate to be called first.",
             ),
         }
     }
@@ -268,6 +299,16 @@ impl Action {
                 },
                 "required": ["key"],
             }),
+            Self::Vision => json!({
+                "type": "object",
+                "properties": {
+                    "question": {
+                        "type": "string",
+                        "description": "What you want to know about the page visually. Be specific about what you're looking for.",
+                    }
+                },
+                "required": ["question"],
+            }),
             Self::Back | Self::Close | Self::GetImages => {
                 json!({"type": "object", "properties": {}, "required": []})
             }
@@ -307,6 +348,9 @@ impl Action {
             Self::Back => PageCall::Back,
             Self::Press => PageCall::Press(Key::parse(non_empty_string_arg(args, "key")?)?),
             Self::GetImages => PageCall::GetImages,
+            Self::Vision => PageCall::Vision {
+                question: string_arg(args, "question")?.to_owned(),
+            },
         };
         Ok(Call::OnPage(on_page))
     }
@@ -360,6 +404,8 @@ struct BrowserTool {
     spec: ToolSpec,
     action: Action,
     pool: Arc<Pool>,
+    /// The vision model `browser_vision` asks (set on that tool only).
+    vision: Option<Arc<Analyzer>>,
 }
 
 impl fmt::Debug for BrowserTool {
@@ -382,7 +428,7 @@ impl Tool for BrowserTool {
                 Ok(call) => call,
                 Err(message) => return ToolOutcome::Err(message),
             };
-            match run(&self.pool, &ctx.browser, call).await {
+            match run(&self.pool, &ctx.browser, call, self.vision.as_deref()).await {
                 Ok(value) => ToolOutcome::Ok(value),
                 Err(err) => ToolOutcome::Err(err.to_string()),
             }
@@ -394,6 +440,7 @@ async fn run(
     pool: &Pool,
     browser: &ConversationBrowser,
     call: Call,
+    vision: Option<&Analyzer>,
 ) -> Result<Value, BrowserError> {
     let settings = pool.settings();
     // One call at a time per conversation: the page has one focus and one history.
@@ -436,5 +483,36 @@ async fn run(
             Ok(json!({"success": true, "pressed": key.given}))
         }
         PageCall::GetImages => session.images().await,
+        PageCall::Vision { question } => {
+            let screenshot = session
+                .screenshot()
+                .await
+                .map_err(|err| BrowserError::Screenshot(err.to_string()))?;
+            // The page is free for the conversation's next call while the model looks.
+            drop(slot);
+            let analyzer = vision.ok_or_else(|| {
+                BrowserError::Vision("no vision model is configured (tools.vision)".to_owned())
+            })?;
+            let analysis = analyzer
+                .analyze(
+                    &vision_prompt(&question),
+                    format!("data:image/png;base64,{screenshot}"),
+                )
+                .await
+                .map_err(BrowserError::Vision)?;
+            Ok(json!({"success": true, "analysis": analysis}))
+        }
     }
+}
+
+/// What `browser_vision` asks the model, in the reference's words.
+fn vision_prompt(question: &str) -> String {
+    format!(
+        "You are analyzing a screenshot of a web browser.\n\n\
+         User's question: {question}\n\n\
+         Provide a detailed and helpful answer based on what you see in the screenshot. \
+         If there are interactive elements, describe them. If there are verification challenges \
+         or CAPTCHAs, describe what type they are and what action might be needed. \
+         Focus on answering the user's specific question."
+    )
 }

@@ -151,6 +151,23 @@ impl Session {
         Ok(json!({"success": true, "snapshot": text, "element_count": self.refs.len()}))
     }
 
+    /// A PNG screenshot of the page's viewport, base64-encoded as the protocol sends it.
+    pub(super) async fn screenshot(&self) -> Result<String, BrowserError> {
+        let shot = cdp::page(
+            &self.page,
+            "Page.captureScreenshot",
+            json!({"format": "png"}),
+        )
+        .await?;
+        match shot.get("data").and_then(Value::as_str) {
+            Some(data) if !data.is_empty() => Ok(data.to_owned()),
+            _ => Err(BrowserError::Protocol {
+                method: "Page.captureScreenshot",
+                reason: "the answer holds no image data".to_owned(),
+            }),
+        }
+    }
+
     /// Clicks the middle of the element with real mouse events (so the page sees what a user's
     /// click does), or calls its `click()` if it has no box; waits for a load it causes.
     pub(super) async fn click(

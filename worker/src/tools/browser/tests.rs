@@ -117,7 +117,7 @@ impl Browser {
     fn new(spec: &BrowserSpec) -> Self {
         let pool = Arc::new(Pool::new(Settings::from(spec), None));
         Self {
-            tools: tools_on(&pool),
+            tools: tools_on(&pool, None),
             pool,
             dir: tempfile::tempdir().unwrap(),
         }
@@ -183,6 +183,25 @@ impl Browser {
             .unwrap();
         contexts.result.browser_context_ids.len()
     }
+}
+
+#[test]
+fn browser_vision_is_offered_exactly_when_a_vision_model_is_configured() {
+    let names = |tools: serde_json::Value| -> Vec<String> {
+        let tools: crate::spec::ToolsSpec = serde_json::from_value(tools).unwrap();
+        super::tools(&tools, None)
+            .unwrap()
+            .iter()
+            .map(|tool| tool.spec().name.clone())
+            .collect()
+    };
+    let without = names(json!({"browser": {}}));
+    assert_eq!(without.len(), 9);
+    assert!(!without.contains(&"browser_vision".to_owned()));
+    let with =
+        names(json!({"browser": {}, "vision": {"baseUrl": "http://vl:8000/v1", "model": "vl"}}));
+    assert_eq!(with.last().map(String::as_str), Some("browser_vision"));
+    assert_eq!(with[..9], without[..]);
 }
 
 /// The ref of the snapshot line that contains `needle` (`@e3`).

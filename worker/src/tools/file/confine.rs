@@ -20,7 +20,7 @@ use nix::libc;
 use crate::tools::{Workspace, WorkspaceError};
 
 /// Resolves a model-given path inside the workspace, with an error message the model can act on.
-pub(super) fn resolve(workspace: &Workspace, requested: &str) -> Result<PathBuf, String> {
+pub(crate) fn resolve(workspace: &Workspace, requested: &str) -> Result<PathBuf, String> {
     let path = workspace.resolve(requested).map_err(|err| match err {
         WorkspaceError::Absolute(_) => {
             format!("{err}; give a path relative to the workspace directory")
@@ -44,9 +44,29 @@ pub(super) fn resolve(workspace: &Workspace, requested: &str) -> Result<PathBuf,
     Ok(path)
 }
 
+/// Resolves a model-given path of a file to create or replace, and creates its parent
+/// directories inside the workspace (refusing directories replaced by symlinks meanwhile).
+pub(crate) fn prepare_file(workspace: &Workspace, requested: &str) -> Result<PathBuf, String> {
+    let path = resolve(workspace, requested)?;
+    let parent = match path.parent() {
+        Some(parent) if path != workspace.root() => parent,
+        _ => return Err(format!("{requested} is a directory, not a file")),
+    };
+    fs::create_dir_all(parent)
+        .map_err(|err| format!("cannot create the directories for {requested}: {err}"))?;
+    // The directories may have been replaced by symlinks since `resolve` looked at them.
+    let real_parent = parent
+        .canonicalize()
+        .map_err(|err| format!("cannot create the directories for {requested}: {err}"))?;
+    if !real_parent.starts_with(workspace.root()) {
+        return Err(WorkspaceError::Escapes(requested.to_owned()).to_string());
+    }
+    Ok(path)
+}
+
 /// Opens `path` without following a symlink in its last component and without blocking on a FIFO,
 /// then makes sure it is a regular file inside the workspace.
-pub(super) fn open_confined(
+pub(crate) fn open_confined(
     workspace: &Workspace,
     path: &Path,
     requested: &str,
@@ -66,7 +86,7 @@ pub(super) fn open_confined(
     Ok(file)
 }
 
-pub(super) fn open_nofollow(path: &Path, options: &mut OpenOptions) -> io::Result<File> {
+pub(crate) fn open_nofollow(path: &Path, options: &mut OpenOptions) -> io::Result<File> {
     options
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)
@@ -74,7 +94,7 @@ pub(super) fn open_nofollow(path: &Path, options: &mut OpenOptions) -> io::Resul
 
 /// Whether an open descriptor really lies inside the workspace, judged by the kernel's view of
 /// its path. Without `/proc` (not Linux) the earlier checks have to do.
-pub(super) fn opened_inside(file: &File, workspace: &Workspace) -> bool {
+pub(crate) fn opened_inside(file: &File, workspace: &Workspace) -> bool {
     match fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) {
         Ok(real) => real.starts_with(workspace.root()),
         Err(_) => true,
@@ -82,7 +102,7 @@ pub(super) fn opened_inside(file: &File, workspace: &Workspace) -> bool {
 }
 
 /// An I/O error as a message naming the path the model gave.
-pub(super) fn io_message(err: &io::Error, requested: &str) -> String {
+pub(crate) fn io_message(err: &io::Error, requested: &str) -> String {
     match err.kind() {
         io::ErrorKind::NotFound => format!("file not found: {requested}"),
         io::ErrorKind::IsADirectory => format!("{requested} is a directory, not a file"),

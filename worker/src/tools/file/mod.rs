@@ -12,7 +12,7 @@
 //! lines below, and register it with one line in [`tools`]. Its tests can use `fixture.rs`, a
 //! workspace with every kind of way out of it.
 
-mod confine;
+pub(crate) mod confine;
 #[cfg(test)]
 mod fixture;
 mod patch;

@@ -1,14 +1,14 @@
 //! `write_file`: creates a file or replaces its whole content.
 
-use std::fs::{self, OpenOptions};
+use std::fs::OpenOptions;
 use std::io::Write;
 
 use serde_json::{Map, Value, json};
 
-use super::confine::{open_confined, resolve};
+use super::confine::{open_confined, prepare_file};
 use super::{FileCall, file_path_parameter};
 use crate::tools::args::{non_empty_string_arg, string_arg};
-use crate::tools::{ToolLimits, Workspace, WorkspaceError};
+use crate::tools::{ToolLimits, Workspace};
 
 #[derive(Debug)]
 pub(super) struct WriteFileCall {
@@ -58,20 +58,7 @@ impl FileCall for WriteFileCall {
                 limits.max_write_bytes
             ));
         }
-        let path = resolve(workspace, requested)?;
-        let parent = match path.parent() {
-            Some(parent) if path != workspace.root() => parent,
-            _ => return Err(format!("{requested} is a directory, not a file")),
-        };
-        fs::create_dir_all(parent)
-            .map_err(|err| format!("cannot create the directories for {requested}: {err}"))?;
-        // The directories may have been replaced by symlinks since `resolve` looked at them.
-        let real_parent = parent
-            .canonicalize()
-            .map_err(|err| format!("cannot create the directories for {requested}: {err}"))?;
-        if !real_parent.starts_with(workspace.root()) {
-            return Err(WorkspaceError::Escapes(requested.to_owned()).to_string());
-        }
+        let path = prepare_file(workspace, requested)?;
         // Not truncated on open: truncation waits until the descriptor is known to be inside.
         let mut file = open_confined(
             workspace,

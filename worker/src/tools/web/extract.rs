@@ -11,7 +11,7 @@ use serde_json::{Map, Value, json};
 use url::Url;
 
 use super::super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
-use super::guard::{self, PublicOnly};
+use super::guard;
 use super::{WebError, error_chain, read_capped, reference_json};
 use crate::spec::WebExtractSpec;
 
@@ -50,31 +50,11 @@ struct Page {
 
 impl WebExtract {
     pub(super) fn new(limits: &WebExtractSpec) -> Result<Self, WebError> {
-        let max_redirects = limits.max_redirects as usize;
-        let allow_private = limits.allow_private_addresses;
-        let policy = reqwest::redirect::Policy::custom(move |attempt| {
-            if attempt.previous().contains(attempt.url()) {
-                let error = format!("redirect loop at {}", attempt.url());
-                return attempt.error(error);
-            }
-            if attempt.previous().len() > max_redirects {
-                let error = format!("more than {max_redirects} redirects");
-                return attempt.error(error);
-            }
-            if let Some(refusal) = guard::refusal(attempt.url(), allow_private) {
-                let error = format!("redirect to {}: {refusal}", attempt.url());
-                return attempt.error(error);
-            }
-            attempt.follow()
-        });
-        let mut builder = reqwest::Client::builder()
-            .timeout(Duration::from_secs(limits.timeout_seconds))
-            .connect_timeout(Duration::from_secs(limits.timeout_seconds.min(10)))
-            .redirect(policy)
-            .user_agent(concat!("trajectory-worker/", env!("CARGO_PKG_VERSION")));
-        if !allow_private {
-            builder = builder.dns_resolver(Arc::new(PublicOnly));
-        }
+        let builder = guard::guarded_client(
+            limits.max_redirects,
+            limits.allow_private_addresses,
+            Duration::from_secs(limits.timeout_seconds),
+        );
         Ok(Self {
             spec: ToolSpec {
                 name: "web_extract".to_owned(),

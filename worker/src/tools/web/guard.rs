@@ -12,10 +12,10 @@ use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 use url::{Host, Url};
 
 /// The reference's words for a refused address.
-pub(super) const BLOCKED: &str = "Blocked: URL targets a private or internal network address";
+pub(crate) const BLOCKED: &str = "Blocked: URL targets a private or internal network address";
 
 /// Why a URL may not be fetched, or `None`.
-pub(super) fn refusal(url: &Url, allow_private: bool) -> Option<String> {
+pub(crate) fn refusal(url: &Url, allow_private: bool) -> Option<String> {
     if !matches!(url.scheme(), "http" | "https") {
         return Some(format!(
             "only http:// and https:// URLs can be extracted, not {}:",
@@ -38,7 +38,7 @@ pub(super) fn refusal(url: &Url, allow_private: bool) -> Option<String> {
 
 /// Whether an address is reachable on the public internet (what `IpAddr::is_global`, still
 /// unstable, will say).
-pub(super) fn is_public(ip: IpAddr) -> bool {
+pub(crate) fn is_public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(ip) => is_public_v4(ip),
         IpAddr::V6(ip) => {
@@ -74,7 +74,7 @@ fn is_public_v4(ip: Ipv4Addr) -> bool {
 
 /// The system resolver, keeping only public addresses.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct PublicOnly;
+pub(crate) struct PublicOnly;
 
 impl Resolve for PublicOnly {
     fn resolve(&self, name: Name) -> Resolving {
@@ -90,6 +90,42 @@ impl Resolve for PublicOnly {
             let addrs: Addrs = Box::new(addrs.into_iter());
             Ok(addrs)
         })
+    }
+}
+
+/// A client builder that follows at most `max_redirects` redirects, refuses a redirect loop
+/// and — unless `allow_private` — a redirect to a non-public address, resolves names to public
+/// addresses only, and gives up on a request after `timeout`.
+pub(crate) fn guarded_client(
+    max_redirects: u32,
+    allow_private: bool,
+    timeout: std::time::Duration,
+) -> reqwest::ClientBuilder {
+    let max_redirects = max_redirects as usize;
+    let policy = reqwest::redirect::Policy::custom(move |attempt| {
+        if attempt.previous().contains(attempt.url()) {
+            let error = format!("redirect loop at {}", attempt.url());
+            return attempt.error(error);
+        }
+        if attempt.previous().len() > max_redirects {
+            let error = format!("more than {max_redirects} redirects");
+            return attempt.error(error);
+        }
+        if let Some(refusal) = refusal(attempt.url(), allow_private) {
+            let error = format!("redirect to {}: {refusal}", attempt.url());
+            return attempt.error(error);
+        }
+        attempt.follow()
+    });
+    let builder = reqwest::Client::builder()
+        .redirect(policy)
+        .timeout(timeout)
+        .connect_timeout(timeout.min(std::time::Duration::from_secs(10)))
+        .user_agent(concat!("trajectory-worker/", env!("CARGO_PKG_VERSION")));
+    if allow_private {
+        builder
+    } else {
+        builder.dns_resolver(std::sync::Arc::new(PublicOnly))
     }
 }
 

@@ -17,7 +17,7 @@
 //! ```
 
 mod extract;
-mod guard;
+pub(crate) mod guard;
 mod search;
 
 use std::sync::Arc;
@@ -52,14 +52,14 @@ pub fn tools(config: &ToolsSpec) -> Result<Vec<Arc<dyn Tool>>, WebError> {
 }
 
 /// Pretty JSON as the reference's `json.dumps(..., indent=2, ensure_ascii=False)` writes it.
-fn reference_json(value: &serde_json::Value) -> String {
+pub(crate) fn reference_json(value: &serde_json::Value) -> String {
     // Serialising a `Value` cannot fail: its keys are strings.
     serde_json::to_string_pretty(value).expect("a JSON value serialises")
 }
 
 /// An error with its causes, as the model is shown it (reqwest's top-level message alone is
 /// often just "error sending request").
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut message = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
@@ -74,7 +74,7 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 }
 
 /// Reads at most `limit` bytes of a response body; `true` when the body was longer.
-async fn read_capped(
+pub(crate) async fn read_capped(
     response: &mut reqwest::Response,
     limit: usize,
 ) -> Result<(Vec<u8>, bool), reqwest::Error> {
