@@ -12,7 +12,7 @@
 //!                                                        └─ bash -c <command> …
 //! ```
 //!
-//! One binary, three subcommands:
+//! One binary, four subcommands:
 //! - [`run`]: runs one command confined (cleared environment, no capabilities, Landlock, child
 //!   subreaper that kills and reaps every descendant). The worker starts it as a child in local
 //!   runs; in a pod, the server does.
@@ -20,6 +20,11 @@
 //!   the worker over a Unix socket ([`protocol`]), runs the command under [`run`] and streams its
 //!   output back. The worker container alone holds the API key and the data volume; the sandbox
 //!   container mounts only the workspaces, the socket and this binary.
+//! - [`session`]: one long-lived program (an MCP stdio server, Chromium) confined like a
+//!   command, with a private writable directory instead of a workspace; its standard streams
+//!   (and `DevTools` pipe) travel as frames over the connection it is given as standard input.
+//!   The worker starts it on a socket pair in local runs; in a pod, the server does, on the
+//!   worker's connection.
 //! - `install DIR`: copies this binary into `DIR` (the init container that puts it on the pod's
 //!   shared volume, for a task image that has no such binary).
 //!
@@ -30,6 +35,7 @@ mod limits;
 pub mod protocol;
 pub mod run;
 pub mod serve;
+pub mod session;
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -153,6 +159,7 @@ pub fn main(mut args: impl Iterator<Item = OsString>) -> i32 {
     match subcommand.as_ref().and_then(|name| name.to_str()) {
         Some(run::SUBCOMMAND) => run::main(args),
         Some(serve::SUBCOMMAND) => serve::main(args),
+        Some(session::SUBCOMMAND) => session::main(args),
         Some("install") => match args.next() {
             Some(dir) => report(install(Path::new(&dir)), "install"),
             None => report(Err("install needs a directory".to_owned()), "install"),
@@ -160,7 +167,7 @@ pub fn main(mut args: impl Iterator<Item = OsString>) -> i32 {
         _ => {
             let _ = writeln!(
                 std::io::stderr(),
-                "usage: {EXECUTOR_BINARY} run|serve|install … (see the trajectory_sandbox docs)"
+                "usage: {EXECUTOR_BINARY} run|session|serve|install … (see the trajectory_sandbox docs)"
             );
             2
         }

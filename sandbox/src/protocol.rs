@@ -1,13 +1,40 @@
 //! What the worker and the sandbox server say to each other over the Unix socket.
 //!
-//! One connection per command. The worker writes one [`Request`] as a JSON line; the server
-//! answers with frames — a kind byte, a big-endian `u32` length, the payload — of the command's
-//! output as it comes ([`OUTPUT`]), then one [`EXIT`] frame with the exit code (a big-endian
-//! `i32`: the shell's, `128 + N` for a signal N, or [`crate::REFUSED_EXIT`] with the reason in
-//! the output). The worker closing the connection early (a timeout, a cancelled conversation)
-//! asks the server to end the command and everything it started.
+//! One connection per command or session. The worker writes one request as a JSON line; the
+//! server answers with frames: a kind byte, a big-endian `u32` length, the payload.
+//!
+//! - **A command** (version 1, the only kind before sessions; its line is a bare [`Request`],
+//!   without a `version`): frames of the command's output as it comes ([`OUTPUT`]), then one
+//!   [`EXIT`] frame with the exit code (a big-endian `i32`: the shell's, `128 + N` for a signal
+//!   N, or [`crate::REFUSED_EXIT`] with the reason in the output).
+//! - **A session** (version 2: `{"version": 2, "request": {"session": {…}}}`, a
+//!   [`Versioned`] line): one long-lived program ([`SessionRequest`]: an MCP stdio server,
+//!   Chromium), confined like a command but with a private writable directory of its own
+//!   instead of a workspace. Then the connection carries frames both ways: [`STDIN`] from the
+//!   worker to the program's standard input, [`OUTPUT`] from its
+//!   standard output and [`STDERR`] from its standard error, and with `cdpPipe` its
+//!   `--remote-debugging-pipe` descriptors: [`CDP`] frames from the worker go to its fd 3, its
+//!   fd 4 comes back in [`CDP`] frames (bytes as written: NUL-delimited messages that a frame
+//!   may cut anywhere). When the program exits, [`EXIT`] ends the connection; a refused session
+//!   is a [`STDERR`] frame saying why, then [`EXIT`] with [`crate::REFUSED_EXIT`].
+//!
+//! The worker closing the connection early (a timeout, a cancelled conversation, a session no
+//! longer needed) asks the server to end the command or program and everything it started. A
+//! server older than sessions refuses a versioned line as a bad request (unknown field).
+
+use std::collections::BTreeMap;
 
 use crate::{LandlockMode, Limits};
+
+/// The newest protocol version this side speaks.
+pub const VERSION: u32 = 2;
+
+/// Frames of a session's standard input (worker to server).
+pub const STDIN: u8 = b'i';
+/// Frames of a session's standard error (server to worker).
+pub const STDERR: u8 = b'e';
+/// Frames of a session's `DevTools` pipe, both ways (fd 3 in, fd 4 out, for the program).
+pub const CDP: u8 = b'c';
 
 /// A frame of command output (stdout and stderr, interleaved as written).
 pub const OUTPUT: u8 = b'o';
@@ -40,6 +67,87 @@ pub struct Request {
     /// What the command may use; the defaults when left out.
     #[serde(default)]
     pub limits: Limits,
+}
+
+/// A request line of version 2 or later (a line without `version` is a version 1 [`Request`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Versioned {
+    pub version: u32,
+    pub request: Kind,
+}
+
+/// What a versioned line asks for.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum Kind {
+    Command(Request),
+    Session(SessionRequest),
+}
+
+/// A long-lived program to start, whose standard streams the connection then carries.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SessionRequest {
+    /// The program (looked up on `PATH`) and its arguments.
+    pub argv: Vec<String>,
+    /// Its environment besides `PATH`, `LANG`, `LC_ALL` and `TZ` (from the server) and `HOME`
+    /// and `TMPDIR` (its private directory); these win over those.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub landlock: LandlockMode,
+    /// What the program, with everything it starts, may use; its private directory counts as
+    /// the workspace. The defaults when left out.
+    #[serde(default)]
+    pub limits: Limits,
+    /// Give the program a `DevTools` pipe on fds 3 and 4 (Chromium's `--remote-debugging-pipe`).
+    #[serde(default)]
+    pub cdp_pipe: bool,
+}
+
+/// A request line, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Line {
+    Command(Request),
+    Session(SessionRequest),
+}
+
+impl Line {
+    /// Reads a request line of any version this side speaks.
+    pub fn parse(line: &[u8]) -> Result<Self, String> {
+        let value: serde_json::Value =
+            serde_json::from_slice(line).map_err(|err| format!("bad request: {err}"))?;
+        let Some(version) = value.get("version") else {
+            return serde_json::from_value(value)
+                .map(Self::Command)
+                .map_err(|err| format!("bad request: {err}"));
+        };
+        match version.as_u64() {
+            Some(2..=2) => {}
+            _ => {
+                return Err(format!(
+                    "protocol version {version} is not spoken here (versions 1 to {VERSION})"
+                ));
+            }
+        }
+        let versioned: Versioned =
+            serde_json::from_value(value).map_err(|err| format!("bad request: {err}"))?;
+        Ok(match versioned.request {
+            Kind::Command(request) => Self::Command(request),
+            Kind::Session(session) => Self::Session(session),
+        })
+    }
+}
+
+/// The request line (newline included) that starts `session`.
+pub fn session_line(session: &SessionRequest) -> Vec<u8> {
+    let mut line = serde_json::to_vec(&Versioned {
+        version: VERSION,
+        request: Kind::Session(session.clone()),
+    })
+    .expect("a session request serialises");
+    line.push(b'\n');
+    line
 }
 
 /// A frame's header.
@@ -88,5 +196,34 @@ mod tests {
             "limits":{"processes":3,"memoryBytes":4,"workspaceBytes":5}}"#;
         let request: Request = serde_json::from_str(line).unwrap();
         assert_eq!(request.limits.workspace_bytes, 5);
+    }
+
+    #[test]
+    fn version_1_and_2_lines_are_told_apart() {
+        let command = r#"{"workspace":"c1","command":"ls","landlock":"auto","graceMs":5}"#;
+        assert!(matches!(
+            Line::parse(command.as_bytes()),
+            Ok(Line::Command(_))
+        ));
+        let versioned = format!(r#"{{"version":2,"request":{{"command":{command}}}}}"#);
+        assert!(matches!(
+            Line::parse(versioned.as_bytes()),
+            Ok(Line::Command(_))
+        ));
+        let session = SessionRequest {
+            argv: vec!["cat".to_owned()],
+            env: BTreeMap::from([("A".to_owned(), "b".to_owned())]),
+            landlock: LandlockMode::Required,
+            limits: Limits::NONE,
+            cdp_pipe: true,
+        };
+        let line = session_line(&session);
+        assert_eq!(line.last(), Some(&b'\n'));
+        assert_eq!(Line::parse(&line), Ok(Line::Session(session)));
+        let future = r#"{"version":3,"request":{"teleport":{}}}"#;
+        let refused = Line::parse(future.as_bytes()).unwrap_err();
+        assert!(refused.contains("version 3"), "{refused}");
+        let unknown = r#"{"version":2,"request":{"session":{"argv":[],"landlock":"off","x":1}}}"#;
+        assert!(Line::parse(unknown.as_bytes()).is_err());
     }
 }

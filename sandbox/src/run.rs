@@ -75,7 +75,7 @@ use landlock::{
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{SigSet, Signal, kill, killpg};
-use nix::sys::signalfd::SignalFd;
+use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid, waitpid};
 use nix::unistd::{Pid, getppid};
 
@@ -114,21 +114,10 @@ pub fn command(
     command: &str,
 ) -> Command {
     let mut cmd = Command::new(executor);
-    cmd.arg(SUBCOMMAND)
-        .arg("--workspace")
-        .arg(workspace)
-        .arg("--landlock")
-        .arg(landlock.as_str())
-        .arg("--max-processes")
-        .arg(limits.processes.to_string())
-        .arg("--max-memory")
-        .arg(limits.memory_bytes.to_string())
-        .arg("--max-workspace")
-        .arg(limits.workspace_bytes.to_string())
-        .arg("--grace-ms")
+    cmd.arg(SUBCOMMAND).arg("--workspace").arg(workspace);
+    Confinement::push(landlock, limits, &mut cmd);
+    cmd.arg("--grace-ms")
         .arg(grace.as_millis().to_string())
-        .arg("--parent")
-        .arg(std::process::id().to_string())
         .arg("--")
         .arg(command)
         .current_dir(workspace)
@@ -139,7 +128,7 @@ pub fn command(
 }
 
 /// `PATH` (or [`DEFAULT_PATH`]) and [`PASSED_ENV`] of this process, onto `cmd`.
-fn pass_environment(cmd: &mut Command) {
+pub(crate) fn pass_environment(cmd: &mut Command) {
     cmd.env(
         "PATH",
         std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into()),
@@ -168,6 +157,90 @@ pub fn landlock_enforced(executor: &Path, workspace: &Path) -> std::io::Result<b
     Ok(status.success())
 }
 
+/// The flags of both executors (`run` and `session`): Landlock, the limits, the parent.
+#[derive(Debug)]
+pub(crate) struct Confinement {
+    pub(crate) landlock: LandlockMode,
+    pub(crate) limits: Limits,
+    pub(crate) parent: Option<Pid>,
+}
+
+impl Confinement {
+    /// Before any flag: Landlock where the kernel has it, and flags left out limit nothing.
+    pub(crate) fn new() -> Self {
+        Self {
+            landlock: LandlockMode::Auto,
+            limits: Limits::NONE,
+            parent: None,
+        }
+    }
+
+    /// The flags onto `cmd`, with this process as the parent.
+    pub(crate) fn push(landlock: LandlockMode, limits: Limits, cmd: &mut Command) {
+        cmd.arg("--landlock")
+            .arg(landlock.as_str())
+            .arg("--max-processes")
+            .arg(limits.processes.to_string())
+            .arg("--max-memory")
+            .arg(limits.memory_bytes.to_string())
+            .arg("--max-workspace")
+            .arg(limits.workspace_bytes.to_string())
+            .arg("--parent")
+            .arg(std::process::id().to_string());
+    }
+
+    /// Reads `args` up to `--`: each flag one of these, or one `own` takes (it returns false for
+    /// one it does not know), a flag's value read with the function it is given.
+    pub(crate) fn parse(
+        args: &mut impl Iterator<Item = OsString>,
+        mut own: impl FnMut(&str, &mut dyn FnMut() -> Result<OsString, String>) -> Result<bool, String>,
+    ) -> Result<Self, String> {
+        let mut confinement = Self::new();
+        loop {
+            let flag = args.next().ok_or("missing `--` and what to run")?;
+            let mut value = || {
+                args.next()
+                    .ok_or(format!("{} needs a value", flag.display()))
+            };
+            let name = flag.to_str();
+            if name == Some("--") {
+                return Ok(confinement);
+            }
+            if !(confinement.take(name, &mut value)? || own(name.unwrap_or_default(), &mut value)?)
+            {
+                return Err(format!("unknown argument {}", flag.display()));
+            }
+        }
+    }
+
+    /// Takes `flag` if it is one of these, its value from `value`; false if it is not.
+    fn take(
+        &mut self,
+        flag: Option<&str>,
+        value: impl FnOnce() -> Result<OsString, String>,
+    ) -> Result<bool, String> {
+        match flag {
+            Some("--landlock") => {
+                let text = value()?;
+                self.landlock = text
+                    .to_str()
+                    .and_then(LandlockMode::parse)
+                    .ok_or(format!("unknown --landlock {}", text.display()))?;
+            }
+            Some("--max-processes") => {
+                self.limits.processes = number("--max-processes", &value()?)?;
+            }
+            Some("--max-memory") => self.limits.memory_bytes = number("--max-memory", &value()?)?,
+            Some("--max-workspace") => {
+                self.limits.workspace_bytes = number("--max-workspace", &value()?)?;
+            }
+            Some("--parent") => self.parent = Some(Pid::from_raw(number("--parent", &value()?)?)),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
 /// The executor's arguments.
 #[derive(Debug)]
 struct ExecutorArgs {
@@ -182,52 +255,28 @@ struct ExecutorArgs {
 
 fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, String> {
     let mut workspace = None;
-    let mut landlock = LandlockMode::Auto;
-    // Flags left out limit nothing.
-    let mut limits = Limits::NONE;
     let mut grace = Duration::ZERO;
-    let mut parent = None;
-    loop {
-        let flag = args.next().ok_or("missing `-- <command>`")?;
-        let mut value = || {
-            args.next()
-                .ok_or(format!("{} needs a value", flag.display()))
-        };
-        match flag.to_str() {
-            Some("--workspace") => workspace = Some(PathBuf::from(value()?)),
-            Some("--landlock") => {
-                let text = value()?;
-                landlock = text
-                    .to_str()
-                    .and_then(LandlockMode::parse)
-                    .ok_or(format!("unknown --landlock {}", text.display()))?;
-            }
-            Some("--max-processes") => limits.processes = number("--max-processes", &value()?)?,
-            Some("--max-memory") => limits.memory_bytes = number("--max-memory", &value()?)?,
-            Some("--max-workspace") => {
-                limits.workspace_bytes = number("--max-workspace", &value()?)?;
-            }
-            Some("--grace-ms") => {
-                grace = Duration::from_millis(number("--grace-ms", &value()?)?);
-            }
-            Some("--parent") => parent = Some(Pid::from_raw(number("--parent", &value()?)?)),
-            Some("--") => break,
-            _ => return Err(format!("unknown argument {}", flag.display())),
+    let confinement = Confinement::parse(&mut args, |flag, value| {
+        match flag {
+            "--workspace" => workspace = Some(PathBuf::from(value()?)),
+            "--grace-ms" => grace = Duration::from_millis(number("--grace-ms", &value()?)?),
+            _ => return Ok(false),
         }
-    }
+        Ok(true)
+    })?;
     let command = args.next().ok_or("missing the command after `--`")?;
     Ok(ExecutorArgs {
         workspace: workspace.ok_or("missing --workspace")?,
-        landlock,
-        limits,
+        landlock: confinement.landlock,
+        limits: confinement.limits,
         grace,
-        parent: parent.ok_or("missing --parent")?,
+        parent: confinement.parent.ok_or("missing --parent")?,
         command,
     })
 }
 
 /// The number `text` given to `flag`.
-fn number<T: std::str::FromStr>(flag: &str, text: &OsStr) -> Result<T, String> {
+pub(crate) fn number<T: std::str::FromStr>(flag: &str, text: &OsStr) -> Result<T, String> {
     text.to_str()
         .and_then(|text| text.parse().ok())
         .ok_or(format!("bad {flag} {}", text.display()))
@@ -246,36 +295,54 @@ pub fn main(args: impl Iterator<Item = OsString>) -> i32 {
     }
 }
 
-fn execute(args: &ExecutorArgs) -> Result<i32, String> {
-    // The signals that end a command early arrive on a descriptor, not as handlers (which would
-    // need `unsafe`). The command starts with an empty mask: std resets it before exec.
-    let mut signals = SigSet::empty();
-    for signal in [
+/// Blocks `signals` in this thread (and so in every thread it starts later) and returns the
+/// descriptor they arrive on instead, closed on exec: handlers would need `unsafe`. Programs
+/// started later get an empty mask: std resets it before exec.
+pub(crate) fn signal_descriptor(signals: &[Signal]) -> Result<SignalFd, String> {
+    let mut set = SigSet::empty();
+    for signal in signals {
+        set.add(*signal);
+    }
+    set.thread_block()
+        .map_err(|err| format!("cannot block signals: {err}"))?;
+    SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC).map_err(|err| format!("no signalfd: {err}"))
+}
+
+/// What an executor does before it starts anything the model or a tool chose: the signals that
+/// end it early on a descriptor (returned), ending with `parent`, a child subreaper, no
+/// capabilities, Landlock with `writable` as the one writable directory, the rlimits; and the
+/// supervisor of `limits` over `writable` (returned).
+pub(crate) fn confine_executor(
+    parent: Pid,
+    writable: &Path,
+    landlock: LandlockMode,
+    limits: Limits,
+) -> Result<(SignalFd, Supervisor), String> {
+    let signal_fd = signal_descriptor(&[
         Signal::SIGCHLD,
         Signal::SIGTERM,
         Signal::SIGINT,
         Signal::SIGHUP,
-    ] {
-        signals.add(signal);
-    }
-    signals
-        .thread_block()
-        .map_err(|err| format!("cannot block signals: {err}"))?;
-    let signal_fd = SignalFd::new(&signals).map_err(|err| format!("no signalfd: {err}"))?;
+    ])?;
     // The worker's death must end the command too; if it died before this line, end now.
     nix::sys::prctl::set_pdeathsig(Signal::SIGTERM)
         .map_err(|err| format!("cannot set the parent-death signal: {err}"))?;
     // Re-parented means the worker died first. Compared with the worker's own pid, not with 1:
     // in a container the worker is PID 1 itself.
-    if getppid() != args.parent {
+    if getppid() != parent {
         return Err("the worker is gone".to_owned());
     }
     nix::sys::prctl::set_child_subreaper(true)
         .map_err(|err| format!("cannot become a child subreaper: {err}"))?;
     drop_privileges()?;
-    confine(&args.workspace, args.landlock)?;
-    apply_rlimits(&args.limits)?;
-    let mut supervisor = Supervisor::start(&args.workspace, args.limits);
+    confine(writable, landlock)?;
+    apply_rlimits(&limits)?;
+    Ok((signal_fd, Supervisor::start(writable, limits)))
+}
+
+fn execute(args: &ExecutorArgs) -> Result<i32, String> {
+    let (signal_fd, mut supervisor) =
+        confine_executor(args.parent, &args.workspace, args.landlock, args.limits)?;
 
     let shell = spawn_shell(&args.command, &args.workspace)
         .map_err(|err| format!("could not start the shell: {err}"))?;
@@ -352,7 +419,7 @@ fn execute(args: &ExecutorArgs) -> Result<i32, String> {
 /// does not close that hole on its own: its ptrace rule stops attaching and signalling, but here
 /// reading another process's `environ` or `maps` was still allowed. With no capabilities, root is
 /// an ordinary uid to the kernel's ptrace check, and the non-dumpable worker is refused.
-fn drop_privileges() -> Result<(), String> {
+pub(crate) fn drop_privileges() -> Result<(), String> {
     use caps::{CapSet, Capability};
     nix::sys::prctl::set_no_new_privs().map_err(|err| format!("cannot set no_new_privs: {err}"))?;
     // Only a process holding CAP_SETPCAP can shrink its bounding set; without it (any non-root
@@ -373,7 +440,7 @@ fn drop_privileges() -> Result<(), String> {
 }
 
 /// Applies the Landlock rules to this process (and so to everything it starts).
-fn confine(workspace: &Path, mode: LandlockMode) -> Result<(), String> {
+pub(crate) fn confine(workspace: &Path, mode: LandlockMode) -> Result<(), String> {
     if mode == LandlockMode::Off {
         return Ok(());
     }
@@ -449,7 +516,7 @@ const COMMAND_NICE: i32 = 19;
 /// Gives the shell, and so everything it starts, the lowest CPU priority. Set from here, just
 /// after the spawn (setting it between fork and exec would need `unsafe`): the shell has not yet
 /// read its command by then. A failure leaves the command at the executor's priority.
-fn lower_priority(shell: Pid) {
+pub(crate) fn lower_priority(shell: Pid) {
     if let Some(pid) = rustix::process::Pid::from_raw(shell.as_raw()) {
         let _ = rustix::process::setpriority_process(Some(pid), COMMAND_NICE);
     }
@@ -458,7 +525,7 @@ fn lower_priority(shell: Pid) {
 /// Where `program` is on this process's `PATH` (the one the shell gets): the first entry holding
 /// an executable file of that name, as `execvp` would pick. `program` itself when none does (the
 /// spawn then fails with `NotFound`).
-fn on_path(program: &str) -> PathBuf {
+pub(crate) fn on_path(program: &str) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let path = std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into());
     std::env::split_paths(&path)
@@ -480,7 +547,7 @@ fn on_path(program: &str) -> PathBuf {
 
 /// Reaps every child that has exited; returns the shell's exit code if it was among them (a
 /// signal N gives 128+N, the shell's own convention).
-fn reap_exited(shell: Pid) -> Option<i32> {
+pub(crate) fn reap_exited(shell: Pid) -> Option<i32> {
     let mut shell_code = None;
     loop {
         match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
@@ -520,7 +587,7 @@ fn has_children() -> bool {
 /// which stays reserved while the group has a member, even once the shell is reaped), then, as a
 /// killed process's children are re-parented to this subreaper, whatever left the group, until
 /// no child is left.
-fn kill_all_descendants(shell: Pid) {
+pub(crate) fn kill_all_descendants(shell: Pid) {
     let _ = killpg(shell, Signal::SIGKILL);
     while has_children() {
         for child in children() {
@@ -545,10 +612,11 @@ fn kill_all_descendants(shell: Pid) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn args(list: &[&str]) -> impl Iterator<Item = OsString> {
+    /// A command line's arguments, as the executor reads them.
+    pub(crate) fn args(list: &[&str]) -> impl Iterator<Item = OsString> + use<> {
         list.iter()
             .map(OsString::from)
             .collect::<Vec<_>>()

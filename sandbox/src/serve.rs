@@ -3,7 +3,10 @@
 //! It listens on a Unix socket on an emptyDir it shares with the worker container, and runs each
 //! command it is sent under its own [`crate::run`] executor in the conversation's workspace (a
 //! directory under `--workspace-root`, the workspace volume both containers mount), streaming the
-//! output back ([`crate::protocol`]). A thread per connection; the main thread owns the signals.
+//! output back ([`crate::protocol`]). A session (protocol version 2) gets a private directory
+//! of its own under `--session-root` (default: the temporary directory), removed when it ends,
+//! and an executor of its own ([`crate::session`]) that takes over the connection. A thread per
+//! connection; the main thread owns the signals.
 //!
 //! The server is the container's PID 1 (and a child subreaper, for when it is not), so every
 //! process whose parent dies is re-parented to it: it reaps them all (`waitpid(-1)`), and hands the
@@ -19,22 +22,24 @@
 
 use std::collections::HashMap;
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::AsFd;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::signal::{SigSet, Signal, kill, killpg};
+use nix::sys::signal::{Signal, kill, killpg};
 use nix::sys::signalfd::SignalFd;
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Pid, getpgid};
 
-use crate::protocol::{self, Request};
+use crate::protocol::{self, Line, Request, SessionRequest};
+use crate::session::write_frame;
 use crate::{REFUSED_EXIT, REFUSED_PREFIX};
 
 /// The subcommand.
@@ -57,11 +62,13 @@ const CONNECTION_STACK: usize = 256 * 1024;
 struct ServeArgs {
     socket: PathBuf,
     workspace_root: PathBuf,
+    session_root: PathBuf,
 }
 
 fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ServeArgs, String> {
     let mut socket = None;
     let mut workspace_root = None;
+    let mut session_root = std::env::temp_dir();
     while let Some(flag) = args.next() {
         let value = args
             .next()
@@ -69,12 +76,14 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ServeArgs, Str
         match flag.to_str() {
             Some("--socket") => socket = Some(PathBuf::from(value)),
             Some("--workspace-root") => workspace_root = Some(PathBuf::from(value)),
+            Some("--session-root") => session_root = PathBuf::from(value),
             _ => return Err(format!("unknown argument {}", flag.display())),
         }
     }
     Ok(ServeArgs {
         socket: socket.ok_or("missing --socket")?,
         workspace_root: workspace_root.ok_or("missing --workspace-root")?,
+        session_root,
     })
 }
 
@@ -112,15 +121,9 @@ fn signal_executor(executors: &Shared, pid: Pid, signal: Signal) {
 
 fn serve(args: &ServeArgs) -> Result<(), String> {
     // Blocked before any thread starts, so every thread inherits the mask and the signals reach
-    // only the descriptor below. Commands start with an empty mask: std resets it before exec.
-    let mut signals = SigSet::empty();
-    for signal in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT] {
-        signals.add(signal);
-    }
-    signals
-        .thread_block()
-        .map_err(|err| format!("cannot block signals: {err}"))?;
-    let signal_fd = SignalFd::new(&signals).map_err(|err| format!("no signalfd: {err}"))?;
+    // only the descriptor.
+    let signal_fd =
+        crate::run::signal_descriptor(&[Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT])?;
     // As PID 1 it is the reaper anyway; elsewhere (a test, a task image with an init of its own)
     // this keeps the orphans of a dead executor with the server, which kills them.
     nix::sys::prctl::set_child_subreaper(true)
@@ -141,12 +144,17 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
     let listener = UnixListener::bind(&args.socket)
         .map_err(|err| format!("cannot listen on {}: {err}", args.socket.display()))?;
 
+    let places = Places {
+        executor,
+        workspace_root,
+        session_root: args.session_root.clone(),
+    };
     let executors: Shared = Arc::default();
     {
         let executors = Arc::clone(&executors);
         std::thread::Builder::new()
             .name("accept".to_owned())
-            .spawn(move || accept(&listener, &executor, &workspace_root, &executors))
+            .spawn(move || accept(&listener, &places, &executors))
             .map_err(|err| format!("cannot start the accept thread: {err}"))?;
     }
     let _ = writeln!(
@@ -168,15 +176,22 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
     }
 }
 
-fn accept(listener: &UnixListener, executor: &Path, root: &Path, executors: &Shared) {
+/// Where the server finds its executor and puts workspaces and sessions.
+#[derive(Debug, Clone)]
+struct Places {
+    executor: PathBuf,
+    workspace_root: PathBuf,
+    session_root: PathBuf,
+}
+
+fn accept(listener: &UnixListener, places: &Places, executors: &Shared) {
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
-        let (executor, root, executors) =
-            (executor.to_owned(), root.to_owned(), Arc::clone(executors));
+        let (places, executors) = (places.clone(), Arc::clone(executors));
         let spawned = std::thread::Builder::new()
             .name("connection".to_owned())
             .stack_size(CONNECTION_STACK)
-            .spawn(move || connection(stream, &executor, &root, &executors));
+            .spawn(move || connection(stream, &places, &executors));
         if let Err(err) = spawned {
             // Out of threads: the worker sees its connection closed and reports a tool error.
             let _ = writeln!(std::io::stderr(), "cannot start a connection thread: {err}");
@@ -257,11 +272,17 @@ fn shut_down(signal_fd: &SignalFd, executors: &Shared) {
     }
 }
 
-/// One command, from its request to its exit frame.
-fn connection(mut stream: UnixStream, executor: &Path, root: &Path, executors: &Shared) {
-    let outcome = read_request(&stream).and_then(|request| {
-        let workspace = resolve_workspace(root, &request.workspace)?;
-        start(executor, &workspace, &request, executors)
+/// One command, from its request to its exit frame; or one session, handed to its executor.
+fn connection(mut stream: UnixStream, places: &Places, executors: &Shared) {
+    let line = read_line(&stream).and_then(|line| Line::parse(&line));
+    let request = match line {
+        Ok(Line::Session(request)) => return session(stream, places, &request, executors),
+        Ok(Line::Command(request)) => Ok(request),
+        Err(message) => Err(message),
+    };
+    let outcome = request.and_then(|request| {
+        let workspace = resolve_workspace(&places.workspace_root, &request.workspace)?;
+        start(&places.executor, &workspace, &request, executors)
     });
     let code = match outcome {
         Ok((pid, output, exited)) => relay(&mut stream, pid, &output, &exited, executors),
@@ -274,18 +295,105 @@ fn connection(mut stream: UnixStream, executor: &Path, root: &Path, executors: &
     let _ = write_frame(&mut stream, protocol::EXIT, &protocol::exit_payload(code));
 }
 
-fn read_request(stream: &UnixStream) -> Result<Request, String> {
+/// Reads the request line, and not a byte more: what follows a session's line is already the
+/// session's, and goes to its executor with the connection.
+fn read_line(stream: &UnixStream) -> Result<Vec<u8>, String> {
+    use nix::sys::socket::{MsgFlags, recv};
     stream
         .set_read_timeout(Some(REQUEST_TIMEOUT))
         .map_err(|err| format!("socket: {err}"))?;
     let mut line = Vec::new();
-    BufReader::new(stream.take(protocol::MAX_REQUEST_BYTES))
-        .read_until(b'\n', &mut line)
-        .map_err(|err| format!("cannot read the request: {err}"))?;
+    let mut peeked = vec![0_u8; 64 * 1024];
+    loop {
+        let n = recv(stream.as_raw_fd(), &mut peeked, MsgFlags::MSG_PEEK)
+            .map_err(|err| format!("cannot read the request: {err}"))?;
+        if n == 0 {
+            break;
+        }
+        let newline = peeked[..n].iter().position(|&byte| byte == b'\n');
+        let take = newline.map_or(n, |at| at + 1);
+        (&*stream)
+            .read_exact(&mut peeked[..take])
+            .map_err(|err| format!("cannot read the request: {err}"))?;
+        line.extend_from_slice(&peeked[..take]);
+        if newline.is_some() {
+            break;
+        }
+        if line.len() as u64 > protocol::MAX_REQUEST_BYTES {
+            return Err(format!(
+                "the request line is longer than {} bytes",
+                protocol::MAX_REQUEST_BYTES
+            ));
+        }
+    }
     stream
         .set_read_timeout(None)
         .map_err(|err| format!("socket: {err}"))?;
-    serde_json::from_slice(&line).map_err(|err| format!("bad request: {err}"))
+    Ok(line)
+}
+
+/// Session directories made by this server, for unique names.
+static SESSIONS: AtomicU64 = AtomicU64::new(0);
+
+/// Starts a session's executor on the connection, waits for it, removes its private directory.
+fn session(mut stream: UnixStream, places: &Places, request: &SessionRequest, executors: &Shared) {
+    use std::os::unix::fs::DirBuilderExt;
+    use std::os::unix::process::CommandExt;
+    let dir = places.session_root.join(format!(
+        "session-{}-{}",
+        std::process::id(),
+        SESSIONS.fetch_add(1, Ordering::Relaxed)
+    ));
+    let started = std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|err| format!("cannot create {}: {err}", dir.display()))
+        .and_then(|()| {
+            let connection = stream.try_clone().map_err(|err| format!("socket: {err}"))?;
+            let mut command = crate::session::command(&places.executor, &dir, request);
+            command
+                .stdin(std::process::Stdio::from(OwnedFd::from(connection)))
+                .process_group(0);
+            spawn_registered(command, executors)
+        });
+    match started {
+        Ok((_, exited)) => {
+            // The executor holds the connection now; this thread only waits to clean up.
+            drop(stream);
+            let _ = exited.recv();
+        }
+        Err(message) => {
+            let refusal = format!("{REFUSED_PREFIX}{message}\n");
+            let _ = write_frame(&mut stream, protocol::STDERR, refusal.as_bytes());
+            let _ = write_frame(
+                &mut stream,
+                protocol::EXIT,
+                &protocol::exit_payload(REFUSED_EXIT),
+            );
+        }
+    }
+    if dir.exists()
+        && let Err(err) = std::fs::remove_dir_all(&dir)
+    {
+        let _ = writeln!(std::io::stderr(), "cannot remove {}: {err}", dir.display());
+    }
+}
+
+/// Spawns an executor and registers it with the reaper; returns where its exit code arrives.
+/// The command's own copies of descriptors (pipe ends, the connection) close when it returns.
+fn spawn_registered(
+    mut command: std::process::Command,
+    executors: &Shared,
+) -> Result<(Pid, Receiver<i32>), String> {
+    let (sender, exited) = channel();
+    // Registered under the lock the reaper takes, so its exit cannot be reaped unseen.
+    let mut executors = lock(executors);
+    let child = command
+        .spawn()
+        .map_err(|err| format!("cannot start the executor: {err}"))?;
+    let pid = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+    executors.waiting.insert(pid, sender);
+    Ok((pid, exited))
 }
 
 /// The workspace directory a request names, which must be the root or lie under it, symlinks
@@ -328,17 +436,9 @@ fn start(
         .stdout(writer)
         .stderr(writer_for_stderr)
         .process_group(0);
-    let (sender, exited) = channel();
-    // Registered under the lock the reaper takes, so its exit cannot be reaped unseen.
-    let mut executors = lock(executors);
-    let child = command
-        .spawn()
-        .map_err(|err| format!("cannot start the executor: {err}"))?;
-    let pid = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
-    executors.waiting.insert(pid, sender);
-    // `command` still holds the pipe's write ends; they close with it, so the read end sees EOF
-    // when the executor and its command are gone.
-    drop(command);
+    // `command` holds the pipe's write ends; they close with it, so the read end sees EOF when
+    // the executor and its command are gone.
+    let (pid, exited) = spawn_registered(command, executors)?;
     Ok((pid, reader, exited))
 }
 
@@ -405,11 +505,6 @@ fn relay(
     }
     // The pipe is closed: the executor has ended or is ending.
     exited.recv().unwrap_or(REFUSED_EXIT)
-}
-
-fn write_frame(stream: &mut UnixStream, kind: u8, payload: &[u8]) -> std::io::Result<()> {
-    stream.write_all(&protocol::header(kind, payload.len()))?;
-    stream.write_all(payload)
 }
 
 #[cfg(test)]

@@ -323,8 +323,9 @@ pub struct McpServerSpec {
     /// and `stdio` is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub streamable_http: Option<McpHttpTransport>,
-    /// Start the server as a child process and talk to it over stdin/stdout (local runs; on a
-    /// cluster it must run inside the sandbox). Exactly one of `streamableHttp` and `stdio` is set.
+    /// Start the server as a program and talk to it over stdin/stdout: the worker's child in local
+    /// runs; on a cluster in the pod's sandbox container (the plan pod gets one too). Exactly one
+    /// of `streamableHttp` and `stdio` is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stdio: Option<McpStdioTransport>,
     /// Time limit of one tool call, in seconds; a call that takes longer is a tool error.
@@ -357,7 +358,9 @@ pub struct McpHttpTransport {
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct McpStdioTransport {
-    /// The program, found on `PATH` unless it is a path.
+    /// The program, found on `PATH` unless it is a path. On a cluster it runs in the pod's
+    /// sandbox container, confined like a terminal command: `spec.sandbox.image` must have it,
+    /// under a system directory (`/usr`, `/opt`, …).
     pub command: String,
     /// Its arguments.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -600,7 +603,9 @@ impl Default for WebExtractSpec {
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct BrowserSpec {
-    /// The Chromium executable (Debian's `chromium` package installs `/usr/bin/chromium`).
+    /// The Chromium executable (Debian's `chromium` package installs `/usr/bin/chromium`). On a
+    /// cluster Chromium runs in the generation pods' sandbox container: `spec.sandbox.image` must
+    /// have it there.
     #[serde(default = "default_chromium_path")]
     pub chromium_path: String,
     /// Time for Chromium to start and open its `DevTools` endpoint, in seconds.

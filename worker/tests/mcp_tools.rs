@@ -17,7 +17,8 @@ use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool
 use trajectory_worker::run::batch::shutdown_channel;
 use trajectory_worker::run::local::run_local;
 use trajectory_worker::spec::{McpServerSpec, ToolsSpec};
-use trajectory_worker::tools::mcp::McpServer;
+use trajectory_worker::tools::mcp::{McpServer, discover_all};
+use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
 use trajectory_worker::tools::{Registry, ToolContext, ToolLimits, ToolOutcome, Workspace};
 
 /// The install directory of the servers (installed on first use; warm, it takes milliseconds).
@@ -158,6 +159,93 @@ fn children_with(marker: &str) -> Vec<i32> {
         }
     }
     found
+}
+
+/// Pids of every process whose environment holds `marker`.
+fn processes_with(marker: &str) -> Vec<i32> {
+    common::processes_with_env(|var| String::from_utf8_lossy(var).contains(marker))
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// A `trajectory-executor serve` of the test's own, as a pod's sandbox container, and the
+/// sandbox that starts stdio servers in it. Landlock is off here: the servers are installed
+/// under the cache in the home directory, which Landlock keeps a session out of (in a pod they
+/// are in `spec.sandbox.image`'s system directories; `sandbox_sessions.rs` tests the rules).
+fn pod_sandbox() -> (common::SandboxServer, Sandbox, tempfile::TempDir) {
+    let root = tempfile::tempdir().unwrap();
+    let server = common::SandboxServer::start(root.path());
+    let sandbox = server.sandbox(LandlockMode::Off);
+    (server, sandbox, root)
+}
+
+#[tokio::test]
+async fn stdio_servers_run_in_the_sandbox_container_with_only_the_listed_environment() {
+    let (pod, sandbox, _root) = pod_sandbox();
+    let marker = format!("MCP_SANDBOX_MARKER_{}", std::process::id());
+    let server = McpServer::in_sandbox(
+        everything_stdio(json!({
+            "stdio": {"command": "node", "args": [everything_js(), "stdio"],
+                      "env": [{"name": &marker, "value": "1"}]},
+        })),
+        Some(sandbox),
+    );
+    let frozen = server
+        .discover()
+        .await
+        .expect("discovery through the sandbox");
+    assert!(frozen.tools.iter().any(|tool| tool.name == "echo"));
+    assert_eq!(
+        result_text(
+            &server
+                .call("echo", args(json!({"message": "inside"})))
+                .await
+        ),
+        "Echo: inside"
+    );
+    let text = result_text(&server.call("get-env", Map::new()).await);
+    assert!(text.contains(&marker), "{text}");
+    assert!(!text.contains("CARGO_MANIFEST_DIR"), "{text}");
+    // Its home is the session's private directory, made by the sandbox server.
+    let sessions = pod.sessions().display().to_string();
+    assert!(text.contains(&sessions), "{text}");
+    // Not a child of the worker: the sandbox server's executor started it.
+    assert!(children_with(&marker).is_empty());
+    let running = processes_with(&marker);
+    assert!(!running.is_empty());
+    server.close().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !processes_with(&marker).is_empty()
+        || std::fs::read_dir(pod.sessions()).unwrap().count() > 0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the server and its private directory outlived the session"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn discovery_goes_through_the_sandbox_and_a_command_missing_there_says_so() {
+    let (_pod, sandbox, _root) = pod_sandbox();
+    let frozen = discover_all(&[everything_stdio(json!({}))], Some(&sandbox))
+        .await
+        .expect("discovery");
+    assert!(frozen[0].tools.iter().any(|tool| tool.name == "get-sum"));
+    let missing = server(json!({
+        "name": "absent", "stdio": {"command": "no-such-mcp-server"},
+        "connectTimeoutSeconds": 20,
+    }));
+    let error = discover_all(&[missing], Some(&sandbox))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("absent") && error.contains("sandbox: cannot start no-such-mcp-server"),
+        "{error}"
+    );
 }
 
 #[tokio::test]
@@ -368,7 +456,7 @@ async fn garbage_instead_of_mcp_is_an_error_not_a_hang() {
 }
 
 #[tokio::test]
-async fn the_pypi_time_and_fetch_servers_answer_through_the_registry() {
+async fn the_pypi_time_and_fetch_servers_answer_through_the_registry_from_the_sandbox() {
     let page = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = page.local_addr().unwrap();
     tokio::spawn(async move {
@@ -392,7 +480,9 @@ async fn the_pypi_time_and_fetch_servers_answer_through_the_registry() {
          "connectTimeoutSeconds": 60},
     ]}))
     .unwrap();
-    let registry = Registry::builtin(&tools);
+    // As in a pod: the servers run in the sandbox container.
+    let (_pod, sandbox, _root) = pod_sandbox();
+    let registry = Registry::builtin_with(&tools, Some(&sandbox));
     let frozen = registry.discover_mcp().await.expect("discovery");
     let registry = registry.with_frozen_mcp(&frozen);
     let catalog = registry.catalog(&["time".to_owned(), "fetch".to_owned()]);

@@ -2,15 +2,18 @@
 //! so these are tests of the sandboxed path the worker takes. The escape attempts are in
 //! `sandbox_probes.rs`.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::SandboxServer;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use serde_json::{Value, json};
 use trajectory_worker::spec::ToolsSpec;
-use trajectory_worker::tools::sandbox::{LandlockMode, Limits, Sandbox, find_executor};
+use trajectory_worker::tools::sandbox::{LandlockMode, Limits, Sandbox};
 use trajectory_worker::tools::{Tool, ToolContext, ToolLimits, ToolOutcome, Workspace, terminal};
 
 /// Where a test's commands run: under an executor the test starts for each command, as in a local
@@ -42,7 +45,7 @@ macro_rules! in_both_places {
 /// A tool context, and the sandbox server it uses (stopped with it).
 struct TestContext {
     context: ToolContext,
-    _server: Option<Server>,
+    _server: Option<SandboxServer>,
 }
 
 impl std::ops::Deref for TestContext {
@@ -52,55 +55,12 @@ impl std::ops::Deref for TestContext {
     }
 }
 
-/// A `trajectory-executor serve` with `dir` as its workspace root, on a socket outside it.
-struct Server {
-    process: std::process::Child,
-    _socket_dir: tempfile::TempDir,
-}
-
-impl Server {
-    fn start(root: &Path) -> (Self, std::path::PathBuf) {
-        let socket_dir = tempfile::tempdir().unwrap();
-        let socket = socket_dir.path().join("executor.sock");
-        let process = std::process::Command::new(find_executor())
-            .args(["serve", "--socket"])
-            .arg(&socket)
-            .arg("--workspace-root")
-            .arg(root)
-            .env_clear()
-            .spawn()
-            .expect("starting trajectory-executor serve (built with the workspace's tests)");
-        let server = Self {
-            process,
-            _socket_dir: socket_dir,
-        };
-        // As the worker's start-up probe does: commands go out once the server listens.
-        let listening = std::time::Instant::now() + Duration::from_secs(10);
-        // (A connection that sends nothing is refused by the server as a bad request.)
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(
-                std::time::Instant::now() < listening,
-                "trajectory-executor serve did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        (server, socket)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
-    }
-}
-
 fn context(place: Where, dir: &Path, limits: ToolLimits) -> TestContext {
     let (sandbox, server) = match place {
         Where::Local => (Sandbox::local(LandlockMode::Auto), None),
         Where::Pod => {
-            let (server, socket) = Server::start(dir);
-            (Sandbox::pod(socket, LandlockMode::Auto), Some(server))
+            let server = SandboxServer::start(dir);
+            (server.sandbox(LandlockMode::Auto), Some(server))
         }
     };
     TestContext {
@@ -415,7 +375,7 @@ const TEST_LIMITS: Limits = Limits {
 struct Neighbours {
     offender: ToolContext,
     neighbour: ToolContext,
-    _server: Option<Server>,
+    _server: Option<SandboxServer>,
     _root: tempfile::TempDir,
 }
 
@@ -425,8 +385,8 @@ impl Neighbours {
         let (sandbox, server) = match place {
             Where::Local => (Sandbox::local(LandlockMode::Auto), None),
             Where::Pod => {
-                let (server, socket) = Server::start(root.path());
-                (Sandbox::pod(socket, LandlockMode::Auto), Some(server))
+                let server = SandboxServer::start(root.path());
+                (server.sandbox(LandlockMode::Auto), Some(server))
             }
         };
         let sandbox = sandbox.with_limits(TEST_LIMITS);

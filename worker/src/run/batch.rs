@@ -107,7 +107,8 @@ impl Engine {
         client: ModelClient,
     ) -> Result<Self, RunError> {
         crate::tools::http::check_values(&spec.tools).map_err(RunError::Spec)?;
-        let registry = Registry::builtin(&spec.tools);
+        let registry =
+            Registry::builtin_with(&spec.tools, Sandbox::for_sessions(&spec.sandbox).as_ref());
         let distribution = Distribution::resolve(&spec.distribution, &registry)
             .map_err(|err| RunError::Spec(err.to_string()))?;
         std::fs::create_dir_all(&workspace_root)

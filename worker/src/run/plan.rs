@@ -31,6 +31,7 @@ use crate::spec::RunSpec;
 use crate::storage::{Context, RunDir, StorageError, sync_dir, temp_path, write_atomic_with};
 use crate::tools::Registry;
 use crate::tools::mcp::{FrozenServer, discover_blocking};
+use crate::tools::sandbox::Sandbox;
 
 /// The dataset is read in blocks of this size: large reads, and large updates for the digests
 /// (BLAKE3 hashes many 1 KiB chunks at once only when it is given them at once).
@@ -521,7 +522,11 @@ fn frozen_or_discovered_mcp_tools(
 ) -> Result<Vec<crate::tools::mcp::FrozenServer>, RunError> {
     Ok(match Manifest::load(run_dir) {
         Ok(Some(existing)) if existing.spec_hash == spec_hash(spec) => existing.mcp_tools,
-        _ => discover_blocking(&spec.tools.mcp).map_err(|err| {
+        _ => discover_blocking(
+            &spec.tools.mcp,
+            Sandbox::for_sessions(&spec.sandbox).as_ref(),
+        )
+        .map_err(|err| {
             RunError::Spec(format!(
                 "{err}; check that the server is up and its spec.tools.mcp settings"
             ))

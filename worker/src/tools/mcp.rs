@@ -20,9 +20,17 @@
 //! errors and garbage are reported. The session is shared by every conversation of the process
 //! (the SDK multiplexes requests).
 //!
-//! A stdio server is a child of the worker in its own process group (killed whole with its
-//! session), with an environment of `PATH` plus what the spec lists: never the worker's own,
-//! which holds the model's API key. On a cluster a stdio server belongs inside the sandbox.
+//! A stdio server gets an environment of `PATH` plus what the spec lists: never the worker's
+//! own, which holds the model's API key. Where it runs:
+//! - in a pod (the worker has `TRAJ_SANDBOX_SOCKET`: a generation pod, or a plan pod of a run
+//!   with stdio servers), in the sandbox container, through a session of its executor
+//!   ([`Sandbox::start_session`]): confined like a command (no capabilities, Landlock with the
+//!   system read-only and a private directory of its own), beside neither the worker's secrets
+//!   nor its storage. Its stdin and stdout are the session's stream, its stderr is kept for
+//!   error messages, and closing the session ends it with everything it started;
+//! - locally, as a child of the worker in its own process group (killed whole with its
+//!   session). Not under the local executor: a server installed under the home directory (npx's
+//!   cache, a virtualenv) would be refused its own files by Landlock.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -41,6 +49,7 @@ use tokio::time::{Instant, timeout_at};
 use tracing::{info, warn};
 
 use super::http::{cut_text, resolve_value};
+use super::sandbox::{Sandbox, SessionEnd};
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::McpServerSpec;
 
@@ -84,6 +93,8 @@ type Session = RunningService<RoleClient, ()>;
 /// One declared server and the process's session with it (opened on first use).
 pub struct McpServer {
     spec: McpServerSpec,
+    /// Where a stdio server runs: in this sandbox's sessions, or (none) as the worker's child.
+    sandbox: Option<Sandbox>,
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
 }
 
@@ -107,9 +118,16 @@ pub fn offered_name(server: &str, tool: &str) -> String {
 }
 
 impl McpServer {
+    /// A server whose stdio program (if it is one) is a child of the worker.
     pub fn new(spec: McpServerSpec) -> Self {
+        Self::in_sandbox(spec, None)
+    }
+
+    /// A server whose stdio program runs in `sandbox`'s sessions (when given).
+    pub fn in_sandbox(spec: McpServerSpec, sandbox: Option<Sandbox>) -> Self {
         Self {
             spec,
+            sandbox,
             session: tokio::sync::Mutex::new(None),
         }
     }
@@ -174,7 +192,7 @@ impl McpServer {
         {
             return Ok(Arc::clone(session));
         }
-        let session = Arc::new(connect(&self.spec).await?);
+        let session = Arc::new(connect(&self.spec, self.sandbox.as_ref()).await?);
         info!(server = %self.spec.name, "MCP session opened");
         *current = Some(Arc::clone(&session));
         Ok(session)
@@ -259,8 +277,9 @@ impl McpServer {
     }
 }
 
-/// Opens a session: starts the stdio server, or connects to the HTTP one, and initialises it.
-async fn connect(spec: &McpServerSpec) -> Result<Session, String> {
+/// Opens a session: starts the stdio server (in `sandbox` when given), or connects to the HTTP
+/// one, and initialises it.
+async fn connect(spec: &McpServerSpec, sandbox: Option<&Sandbox>) -> Result<Session, String> {
     if let Some(http) = &spec.streamable_http {
         let mut headers = HashMap::new();
         for header in &http.headers {
@@ -291,6 +310,23 @@ async fn connect(spec: &McpServerSpec) -> Result<Session, String> {
     let Some(stdio) = &spec.stdio else {
         return Err("no transport is set (streamableHttp or stdio)".to_owned());
     };
+    if let Some(sandbox) = sandbox {
+        let mut env = std::collections::BTreeMap::new();
+        for variable in &stdio.env {
+            env.insert(variable.name.clone(), resolve_value(variable)?);
+        }
+        let argv = std::iter::once(stdio.command.clone())
+            .chain(stdio.args.iter().cloned())
+            .collect();
+        let session = sandbox
+            .start_session(&sandbox.session_request(argv, env))
+            .await
+            .map_err(|err| format!("cannot start {:?} in the sandbox: {err}", stdio.command))?;
+        let end = session.end.clone();
+        return ().serve(tokio::io::split(session.stdio))
+            .await
+            .map_err(|err| with_stderr(&err.to_string(), &end));
+    }
     let mut command = tokio::process::Command::new(&stdio.command);
     command.args(&stdio.args).env_clear().env(
         "PATH",
@@ -307,6 +343,17 @@ async fn connect(spec: &McpServerSpec) -> Result<Session, String> {
         .spawn()
         .map_err(|err| format!("cannot start {:?}: {err}", stdio.command))?;
     ().serve(transport).await.map_err(|err| err.to_string())
+}
+
+/// `message`, with why the sandboxed server ended if it did (its exit code and the end of its
+/// standard error: a missing program, a crash at start-up).
+fn with_stderr(message: &str, end: &SessionEnd) -> String {
+    let Some(ended) = end.ended() else {
+        return message.to_owned();
+    };
+    let stderr = end.stderr_tail();
+    let stderr = cut_chars(stderr.trim(), MAX_ERROR_CHARS);
+    format!("{message} (the server ended: {ended:?}; its stderr: {stderr:?})")
 }
 
 /// The tool response: hermes-agent's shape, cut to `max_bytes`.
@@ -386,11 +433,15 @@ fn cut_chars(text: &str, max: usize) -> String {
     }
 }
 
-/// Lists the tools of every server, each through a session of its own, closed afterwards.
-pub async fn discover_all(specs: &[McpServerSpec]) -> Result<Vec<FrozenServer>, McpError> {
+/// Lists the tools of every server, each through a session of its own (its stdio program in
+/// `sandbox`, when given), closed afterwards.
+pub async fn discover_all(
+    specs: &[McpServerSpec],
+    sandbox: Option<&Sandbox>,
+) -> Result<Vec<FrozenServer>, McpError> {
     let mut frozen = Vec::with_capacity(specs.len());
     for spec in specs {
-        let server = McpServer::new(spec.clone());
+        let server = McpServer::in_sandbox(spec.clone(), sandbox.cloned());
         let result = server.discover().await;
         server.close().await;
         let found = result?;
@@ -402,7 +453,10 @@ pub async fn discover_all(specs: &[McpServerSpec]) -> Result<Vec<FrozenServer>, 
 
 /// [`discover_all`] from synchronous code (the plan), on a runtime of its own in a thread of
 /// its own: the plan may run inside another runtime's blocking pool, or outside any.
-pub fn discover_blocking(specs: &[McpServerSpec]) -> Result<Vec<FrozenServer>, McpError> {
+pub fn discover_blocking(
+    specs: &[McpServerSpec],
+    sandbox: Option<&Sandbox>,
+) -> Result<Vec<FrozenServer>, McpError> {
     if specs.is_empty() {
         return Ok(Vec::new());
     }
@@ -418,7 +472,7 @@ pub fn discover_blocking(specs: &[McpServerSpec]) -> Result<Vec<FrozenServer>, M
                     .enable_all()
                     .build()
                     .map_err(|err| failed(format!("cannot start a runtime: {err}")))?;
-                runtime.block_on(discover_all(&specs))
+                runtime.block_on(discover_all(&specs, sandbox))
             })
             .join()
             .unwrap_or_else(|_| Err(failed("discovery panicked".to_owned())))

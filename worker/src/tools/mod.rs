@@ -266,8 +266,15 @@ fn backed_toolset<E: fmt::Display>(
 }
 
 impl Registry {
-    /// The built-in toolsets, configured from the run's `tools` spec.
+    /// The built-in toolsets, configured from the run's `tools` spec; their long-lived
+    /// programs (MCP stdio servers, Chromium) are the worker's children.
     pub fn builtin(config: &ToolsSpec) -> Self {
+        Self::builtin_with(config, None)
+    }
+
+    /// [`Registry::builtin`], with the long-lived programs started in `sessions` when given
+    /// (the pod's sandbox container: [`sandbox::Sandbox::for_sessions`]).
+    pub fn builtin_with(config: &ToolsSpec, sessions: Option<&sandbox::Sandbox>) -> Self {
         let mut toolsets = vec![
             Toolset {
                 name: terminal::TOOLSET.into(),
@@ -280,7 +287,7 @@ impl Registry {
                 tools: file::tools(config),
             },
             backed_toolset(web::TOOLSET, web::tools(config)),
-            backed_toolset(browser::TOOLSET, browser::tools(config)),
+            backed_toolset(browser::TOOLSET, browser::tools(config, sessions)),
             backed_toolset(vision::TOOLSET, vision::tools(config)),
             backed_toolset(image_gen::TOOLSET, image_gen::tools(config)),
         ];
@@ -296,7 +303,12 @@ impl Registry {
         let mcp_servers: Vec<Arc<mcp::McpServer>> = config
             .mcp
             .iter()
-            .map(|server| Arc::new(mcp::McpServer::new(server.clone())))
+            .map(|server| {
+                Arc::new(mcp::McpServer::in_sandbox(
+                    server.clone(),
+                    sessions.cloned(),
+                ))
+            })
             .collect();
         // An MCP toolset has its tools once the frozen list is known (`with_frozen_mcp`).
         toolsets.extend(mcp_servers.iter().map(|server| Toolset {

@@ -11,12 +11,19 @@
 //!   `trajectory-executor serve` the worker reaches over a Unix socket on a shared emptyDir. That
 //!   container has the run's task image and mounts the workspaces only: no API key, no data
 //!   volume, no other container's processes.
+//!
+//! Long-lived programs (MCP stdio servers, Chromium) run the same ways as sessions
+//! ([`Session`]): under the executor, in the sandbox container in a pod.
+
+mod session;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+pub use session::{Ended, Session, SessionEnd};
+use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
+pub use trajectory_sandbox::protocol::SessionRequest;
 use trajectory_sandbox::protocol::{self, Request};
 pub use trajectory_sandbox::{
     EXECUTOR_BINARY, LIMIT_EXIT, LandlockMode, Limits, REFUSED_EXIT, REFUSED_PREFIX,
@@ -70,6 +77,20 @@ impl Sandbox {
             landlock,
             limits: Limits::DEFAULT,
         }
+    }
+
+    /// Where the long-lived programs of a run's tools (MCP stdio servers, Chromium) run: the
+    /// pod's sandbox container, when the worker has its socket (the contract's
+    /// `TRAJ_SANDBOX_SOCKET`, as the operator sets it), confined as `spec` says; else none (as
+    /// the worker's children: local runs).
+    pub fn for_sessions(spec: &crate::spec::SandboxSpec) -> Option<Self> {
+        let socket = std::env::var_os(crate::contract::env::SANDBOX_SOCKET)?;
+        let landlock = match spec.landlock {
+            crate::spec::LandlockSetting::Auto => LandlockMode::Auto,
+            crate::spec::LandlockSetting::Required => LandlockMode::Required,
+            crate::spec::LandlockSetting::Off => LandlockMode::Off,
+        };
+        Some(Self::pod(PathBuf::from(socket), landlock).with_limits(spec.limits.into()))
     }
 
     /// The same sandbox with other limits on each command.
@@ -183,16 +204,12 @@ async fn send(
     stream.write_all(&line).await?;
     let mut payload = vec![0_u8; protocol::MAX_FRAME_BYTES];
     loop {
-        let mut header = [0_u8; protocol::HEADER_BYTES];
-        stream.read_exact(&mut header).await?;
-        let (kind, len) = protocol::parse_header(header);
-        if len > protocol::MAX_FRAME_BYTES {
+        let Some((kind, len)) = session::read_frame(&mut stream, &mut payload).await? else {
             return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("the sandbox sent a frame of {len} bytes"),
+                std::io::ErrorKind::UnexpectedEof,
+                "the sandbox closed the connection before the exit frame",
             ));
-        }
-        stream.read_exact(&mut payload[..len]).await?;
+        };
         match kind {
             protocol::OUTPUT => output(&payload[..len]),
             protocol::EXIT => {

@@ -445,3 +445,81 @@ pub fn tool_responses(record: &Value) -> Vec<Value> {
         })
         .collect()
 }
+
+/// A `trajectory-executor serve` of a test's own, as in a generation pod's sandbox container:
+/// `root` is its workspace root; its socket and its sessions' directories are in a temporary
+/// directory of its own. Killed when dropped.
+pub struct SandboxServer {
+    process: std::process::Child,
+    dir: tempfile::TempDir,
+}
+
+impl SandboxServer {
+    pub fn start(root: &Path) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("sessions")).unwrap();
+        let server = Self {
+            process: Command::new(trajectory_worker::tools::sandbox::find_executor())
+                .args(["serve", "--socket"])
+                .arg(dir.path().join("executor.sock"))
+                .arg("--workspace-root")
+                .arg(root)
+                .arg("--session-root")
+                .arg(dir.path().join("sessions"))
+                .env_clear()
+                .spawn()
+                .expect("starting trajectory-executor serve (built with the workspace's tests)"),
+            dir,
+        };
+        // As the worker's start-up probe does: requests go out once the server listens.
+        // (A connection that sends nothing is refused by the server as a bad request.)
+        let listening = std::time::Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(server.socket()).is_err() {
+            assert!(
+                std::time::Instant::now() < listening,
+                "trajectory-executor serve did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        server
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("executor.sock")
+    }
+
+    /// Where the sessions' private directories are made.
+    pub fn sessions(&self) -> PathBuf {
+        self.dir.path().join("sessions")
+    }
+
+    /// A sandbox that sends everything to this server.
+    pub fn sandbox(&self, landlock: LandlockMode) -> Sandbox {
+        Sandbox::pod(self.socket(), landlock)
+    }
+}
+
+impl Drop for SandboxServer {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// Every process whose environment has a variable `var` for which `matches` holds, with its
+/// pid and command line (arguments joined by spaces).
+pub fn processes_with_env(matches: impl Fn(&[u8]) -> bool) -> Vec<(i32, String)> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_string_lossy().parse::<i32>().ok()?;
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            if !environ.split(|&byte| byte == 0).any(&matches) {
+                return None;
+            }
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            Some((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")))
+        })
+        .collect()
+}

@@ -2,14 +2,21 @@
 //! only through a `secretKeyRef`, the plan `ConfigMap` and the storage volume mounted, and the
 //! restricted Pod Security Standard met.
 //!
-//! A generation pod also runs the model's terminal commands, never in the worker's container:
+//! A generation pod also runs the model's terminal commands, never in the worker's container, and
+//! the tools' long-lived programs (MCP stdio servers, Chromium) beside them:
 //!
 //! ```text
 //! init  install-executor   worker image: copies the static trajectory-executor to /sandbox/bin
 //! init  sandbox (sidecar)  the run's task image (spec.sandbox.image): trajectory-executor serve
-//!                          mounts: /sandbox/bin (ro), /sandbox/socket, /workspace — nothing else
-//! main  worker             API key, /data, plan; sends each command over /sandbox/socket
+//!                          mounts: /sandbox/bin (ro), /sandbox/socket, /workspace, /tmp (the
+//!                          sessions' private directories) — nothing else
+//! main  worker             API key, /data, plan; sends each command and session over
+//!                          /sandbox/socket
 //! ```
+//!
+//! A plan pod has the same sandbox when the run declares stdio MCP servers: the plan starts each
+//! one to list its tools, and it must run where the batches will run it, away from the worker's
+//! secrets and storage. Other plan pods, and merge pods, run nothing of the model's or a tool's.
 //!
 //! The sandbox is a native sidecar (an init container that restarts always), so it starts before
 //! the worker and is stopped when the worker has exited, and the Job counts the worker's exit
@@ -35,6 +42,7 @@ mod volumes {
     pub const TMP: &str = "tmp";
     pub const SANDBOX_BIN: &str = "sandbox-bin";
     pub const SANDBOX_SOCKET: &str = "sandbox-socket";
+    pub const SANDBOX_TMP: &str = "sandbox-tmp";
 }
 
 /// Container names of a generation pod besides [`CONTAINER`].
@@ -61,7 +69,7 @@ pub fn pod_spec(
     job_name: &str,
 ) -> PodSpec {
     let overrides = run.overrides.clone();
-    let sandboxed = runs_commands(component);
+    let sandboxed = has_sandbox(run, component);
     let empty_dir = |name: &str| Volume {
         name: name.to_owned(),
         empty_dir: Some(EmptyDirVolumeSource::default()),
@@ -113,6 +121,7 @@ pub fn pod_spec(
                         [
                             empty_dir(volumes::SANDBOX_BIN),
                             empty_dir(volumes::SANDBOX_SOCKET),
+                            empty_dir(volumes::SANDBOX_TMP),
                         ]
                     })
                     .into_iter()
@@ -124,9 +133,20 @@ pub fn pod_spec(
     }
 }
 
-/// Whether `component`'s pods run model-chosen commands: the generation pods.
-fn runs_commands(component: Component) -> bool {
-    matches!(component, Component::Generate { .. })
+/// Whether `component`'s pods have a sandbox container: the generation pods (the model's
+/// commands, MCP stdio servers, Chromium), and the plan pods of a run with stdio MCP servers
+/// (which the plan starts to list their tools).
+fn has_sandbox(run: &ValidatedRun<'_>, component: Component) -> bool {
+    match component {
+        Component::Generate { .. } => true,
+        Component::Plan { .. } => run
+            .spec
+            .tools
+            .mcp
+            .iter()
+            .any(|server| server.stdio.is_some()),
+        Component::Merge { .. } => false,
+    }
 }
 
 fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
@@ -185,11 +205,16 @@ fn sandbox_containers(run: &ValidatedRun<'_>, settings: &Settings) -> Vec<Contai
             socket,
             "--workspace-root".to_owned(),
             paths::WORKSPACE_ROOT.to_owned(),
+            "--session-root".to_owned(),
+            "/tmp".to_owned(),
         ]),
         volume_mounts: Some(vec![
             mount(volumes::SANDBOX_BIN, paths::SANDBOX_BIN_DIR, true),
             mount(volumes::SANDBOX_SOCKET, paths::SANDBOX_SOCKET_DIR, false),
             mount(volumes::WORKSPACE, paths::WORKSPACE_ROOT, false),
+            // The root filesystem is read-only: the sessions' private directories (an MCP
+            // server's home, Chromium's profile) are made here, on a volume of the sandbox's own.
+            mount(volumes::SANDBOX_TMP, "/tmp", false),
         ]),
         security_context: Some(restricted(Some(SANDBOX_USER))),
         // Its own, never the worker's: the OOM killer and the kubelet act on the container in
@@ -212,7 +237,7 @@ fn worker_container(
         mount(volumes::WORKSPACE, paths::WORKSPACE_ROOT, false),
         mount(volumes::TMP, "/tmp", false),
     ];
-    if runs_commands(component) {
+    if has_sandbox(run, component) {
         volume_mounts.push(mount(
             volumes::SANDBOX_SOCKET,
             paths::SANDBOX_SOCKET_DIR,
@@ -272,7 +297,7 @@ fn environment(run: &ValidatedRun<'_>, settings: &Settings, component: Component
         contract(env::WORKSPACE_ROOT, paths::WORKSPACE_ROOT),
         contract(env::LOG_FORMAT, &settings.worker_log_format),
     ]);
-    if runs_commands(component) {
+    if has_sandbox(run, component) {
         env_vars.push(contract(
             env::SANDBOX_SOCKET,
             &format!(

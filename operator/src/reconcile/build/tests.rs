@@ -374,7 +374,13 @@ fn every_pod_meets_the_restricted_pod_security_standard() {
         if pod.init_containers.is_some() {
             assert_eq!(
                 empty_dirs,
-                ["workspace", "tmp", "sandbox-bin", "sandbox-socket"]
+                [
+                    "workspace",
+                    "tmp",
+                    "sandbox-bin",
+                    "sandbox-socket",
+                    "sandbox-tmp"
+                ]
             );
         } else {
             assert_eq!(empty_dirs, ["workspace", "tmp"]);
@@ -448,7 +454,15 @@ fn generation_pods_run_commands_in_a_sandbox_sidecar_that_holds_no_secret_and_no
                 paths::WORKSPACE_ROOT.to_owned(),
                 false
             ),
+            ("sandbox-tmp".to_owned(), "/tmp".to_owned(), false),
         ]
+    );
+    let command = sandbox.command.as_ref().unwrap();
+    assert!(
+        command
+            .windows(2)
+            .any(|pair| pair == ["--session-root", "/tmp"]),
+        "the sessions' private directories go to the sandbox's own /tmp: {command:?}"
     );
     assert!(
         sandbox.env.is_none() && sandbox.env_from.is_none(),
@@ -497,7 +511,62 @@ fn the_sandbox_runs_the_task_image_in_generation_pods_only() {
     ] {
         assert!(pod(&job).init_containers.is_none());
         assert!(env_value(&job, env::SANDBOX_SOCKET).is_none());
+        assert!(
+            pod(&job)
+                .volumes
+                .iter()
+                .flatten()
+                .all(|v| !v.name.starts_with("sandbox-"))
+        );
     }
+}
+
+#[test]
+fn a_plan_pod_has_the_sandbox_when_the_run_declares_stdio_mcp_servers() {
+    let with_mcp = |servers: serde_json::Value| {
+        TrajectoryRun::test()
+            .with(|spec| {
+                spec.sandbox.image = Some("mcp-tools:1".into());
+                spec.tools = serde_json::from_value(json!({"mcp": servers})).unwrap();
+            })
+            .build()
+    };
+    let stdio = with_mcp(json!([
+        {"name": "http", "streamableHttp": {"url": "http://mcp.tools:8080/mcp"}},
+        {"name": "time", "stdio": {"command": "mcp-server-time"}},
+    ]));
+    let job = plan_job(&valid(&stdio), &settings(), 1, false);
+    let plan_pod = pod(&job);
+    let init = plan_pod
+        .init_containers
+        .as_ref()
+        .expect("a sandbox sidecar");
+    assert_eq!(init[1].name, pod_spec::containers::SANDBOX);
+    assert_eq!(init[1].image.as_deref(), Some("mcp-tools:1"));
+    let socket = env_value(&job, env::SANDBOX_SOCKET).and_then(|var| var.value.clone());
+    assert!(
+        init[1].command.as_ref().unwrap().contains(&socket.unwrap()),
+        "the plan's worker connects where the sidecar listens"
+    );
+    assert!(
+        plan_pod.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.name == "sandbox-socket")
+    );
+    // Its merge pod, and the plan pod of a run with HTTP servers only, have none.
+    assert!(
+        pod(&merge_job(&valid(&stdio), &settings(), 1, false))
+            .init_containers
+            .is_none()
+    );
+    let http = with_mcp(json!([
+        {"name": "http", "streamableHttp": {"url": "http://mcp.tools:8080/mcp"}},
+    ]));
+    let job = plan_job(&valid(&http), &settings(), 1, false);
+    assert!(pod(&job).init_containers.is_none());
+    assert!(env_value(&job, env::SANDBOX_SOCKET).is_none());
 }
 
 #[test]

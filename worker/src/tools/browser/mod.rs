@@ -1,8 +1,10 @@
 //! The `browser` toolset: the reference's `browser_*` tools (same names, descriptions,
 //! argument schemas and result shapes), driving a headless Chromium over the `DevTools` protocol.
 //!
-//! - `pool.rs` starts the worker's one Chromium on the first browser call (with an empty
-//!   environment, its profile in a temporary directory) and restarts it if it dies;
+//! - `pool.rs` starts the worker's one Chromium on the first browser call (in a pod, in the
+//!   sandbox container through an executor session on a `DevTools` pipe, which `bridge.rs` turns
+//!   into the WebSocket chromiumoxide connects to; locally as a child with an empty environment,
+//!   its profile in a temporary directory) and restarts it if it dies;
 //! - `session.rs` is one conversation's browser context and page, opened by the conversation's
 //!   first `browser_navigate` and disposed on `browser_close` or when the conversation ends
 //!   (its [`ConversationBrowser`] in the [`ToolContext`] is dropped);
@@ -18,6 +20,7 @@
 //! To add a browser tool: a variant of `Action` with its name, description and schema in
 //! [`tools`], its arguments read in `Action::parse`, and the work in `session.rs`.
 
+mod bridge;
 mod cdp;
 mod pool;
 mod session;
@@ -34,6 +37,7 @@ use serde_json::{Map, Value, json};
 
 use super::args::{non_empty_string_arg, optional_bool_arg, string_arg};
 use super::endpoint::EndpointError;
+use super::sandbox::Sandbox;
 use super::vision::Analyzer;
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::{BrowserSpec, ToolsSpec};
@@ -101,11 +105,15 @@ pub struct ConversationBrowser {
     session: tokio::sync::Mutex<Option<Session>>,
 }
 
-/// The toolset's tools, in the reference's order; `browser_vision` only with `tools.vision`
-/// (whose endpoint failing to build, say for a key variable that is not set, makes the toolset
-/// unavailable rather than the tool absent). Chromium is not started here (a run that is only
-/// planned never starts it) but by the first call.
-pub fn tools(config: &ToolsSpec) -> Result<Vec<Arc<dyn Tool>>, EndpointError> {
+/// The toolset's tools, in the reference's order, with Chromium in `sandbox` when given (a
+/// pod's sandbox container); `browser_vision` only with `tools.vision` (whose endpoint failing
+/// to build, say for a key variable that is not set, makes the toolset unavailable rather than
+/// the tool absent). Chromium is not started here (a run that is only planned never starts it)
+/// but by the first call.
+pub fn tools(
+    config: &ToolsSpec,
+    sandbox: Option<&Sandbox>,
+) -> Result<Vec<Arc<dyn Tool>>, EndpointError> {
     let settings = config
         .browser
         .as_ref()
@@ -116,7 +124,10 @@ pub fn tools(config: &ToolsSpec) -> Result<Vec<Arc<dyn Tool>>, EndpointError> {
         .map(Analyzer::new)
         .transpose()?
         .map(Arc::new);
-    Ok(tools_on(&Arc::new(Pool::new(settings)), vision.as_ref()))
+    Ok(tools_on(
+        &Arc::new(Pool::new(settings, sandbox.cloned())),
+        vision.as_ref(),
+    ))
 }
 
 /// The tools, on a given pool (tests look into it), with `browser_vision` when given a model.

@@ -115,7 +115,7 @@ struct Browser {
 
 impl Browser {
     fn new(spec: &BrowserSpec) -> Self {
-        let pool = Arc::new(Pool::new(Settings::from(spec)));
+        let pool = Arc::new(Pool::new(Settings::from(spec), None));
         Self {
             tools: tools_on(&pool, None),
             pool,
@@ -189,7 +189,7 @@ impl Browser {
 fn browser_vision_is_offered_exactly_when_a_vision_model_is_configured() {
     let names = |tools: serde_json::Value| -> Vec<String> {
         let tools: crate::spec::ToolsSpec = serde_json::from_value(tools).unwrap();
-        super::tools(&tools)
+        super::tools(&tools, None)
             .unwrap()
             .iter()
             .map(|tool| tool.spec().name.clone())
