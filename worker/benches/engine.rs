@@ -21,18 +21,18 @@
 //! Knobs (environment): `ENGINE_BENCH_LATENCY_MS` (100), `ENGINE_BENCH_CONCURRENCY`
 //! ("16,256,1000"), `ENGINE_BENCH_ROUNDS` (4), `ENGINE_BENCH_START` ("staggered,lockstep").
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Command, Stdio};
+mod common;
+
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use nix::sys::resource::{Resource, UsageWho, getrlimit, getrusage, setrlimit};
+use nix::sys::resource::{UsageWho, getrusage};
 use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
-use trajectory_testkit::scripted_server::{FixedLatency, MODEL, ScriptedServer};
+use trajectory_testkit::scripted_server::{MODEL, tool_call_reply};
 use trajectory_worker::agent::{AgentConfig, run_conversation};
 use trajectory_worker::model::{ModelClient, ModelSettings, RetryPolicy};
 use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
@@ -129,9 +129,9 @@ struct Engine {
 }
 
 fn main() -> anyhow::Result<()> {
-    let latency = Duration::from_millis(env_number("ENGINE_BENCH_LATENCY_MS", 100)?);
+    let latency = Duration::from_millis(common::env_number("ENGINE_BENCH_LATENCY_MS", 100)?);
     if std::env::var_os(SERVER_ENV).is_some() {
-        return serve(latency);
+        return common::serve(latency, tool_call_reply(TOOL, &json!({})));
     }
     let concurrencies: Vec<usize> = std::env::var("ENGINE_BENCH_CONCURRENCY")
         .unwrap_or_else(|_| "16,256,1000".into())
@@ -142,7 +142,7 @@ fn main() -> anyhow::Result<()> {
                 .context("ENGINE_BENCH_CONCURRENCY is a comma-separated list of numbers")
         })
         .collect::<Result<_, _>>()?;
-    let rounds = usize::try_from(env_number("ENGINE_BENCH_ROUNDS", 4)?)?;
+    let rounds = usize::try_from(common::env_number("ENGINE_BENCH_ROUNDS", 4)?)?;
     let starts: Vec<Start> = std::env::var("ENGINE_BENCH_START")
         .unwrap_or_else(|_| "staggered,lockstep".into())
         .split(',')
@@ -152,22 +152,12 @@ fn main() -> anyhow::Result<()> {
             other => bail!("ENGINE_BENCH_START lists `staggered` and `lockstep`, not {other:?}"),
         })
         .collect::<Result<_, _>>()?;
-    raise_open_files_limit(concurrencies.iter().copied().max().unwrap_or(0))?;
+    // A thousand connections need more descriptors than the usual soft limit of 1024; the server
+    // process inherits the raised limit.
+    let most = concurrencies.iter().copied().max().unwrap_or(0);
+    common::raise_open_files_limit(u64::try_from(most)? + 100)?;
 
-    let mut server = Command::new(std::env::current_exe()?)
-        .env(SERVER_ENV, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("cannot start the server process")?;
-    let mut base_url = String::new();
-    BufReader::new(server.stdout.take().context("server stdout is piped")?)
-        .read_line(&mut base_url)?;
-    let base_url = base_url.trim().to_owned();
-    ensure!(
-        base_url.starts_with("http://"),
-        "the server process printed {base_url:?}, not its URL"
-    );
+    let (mut server, base_url) = common::start_server_process(&[(SERVER_ENV, "1")])?;
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -313,15 +303,11 @@ fn report(rows: &[Row], latency: Duration, server_cpu: Cpu) {
     let ideal = |row: &Row| row.concurrency as f64 / (2.0 * latency.as_secs_f64());
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     // Other work on the machine competes for the same cores; say how much there was.
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "latency {} ms per call, 2 calls per conversation; client in this process, server in a child; \
          {cores} CPUs; load average at the end {}",
         latency.as_millis(),
-        load.split_whitespace()
-            .take(3)
-            .collect::<Vec<_>>()
-            .join(" "),
+        common::load_average(),
     );
     println!();
     println!(
@@ -356,39 +342,6 @@ fn report(rows: &[Row], latency: Duration, server_cpu: Cpu) {
     );
 }
 
-/// The server process: serve until the parent closes stdin.
-fn serve(latency: Duration) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let server = runtime.block_on(ScriptedServer::start_fixed_latency(FixedLatency::new(
-        latency, TOOL,
-    )));
-    let mut stdout = std::io::stdout();
-    writeln!(stdout, "{}", server.base_url())?;
-    stdout.flush()?;
-    // Returns at EOF, when the parent is done or died.
-    std::io::stdin().read_to_end(&mut Vec::new())?;
-    drop(server);
-    runtime.shutdown_background();
-    Ok(())
-}
-
-/// A thousand connections need more descriptors than the usual soft limit of 1024. The server
-/// process inherits the raised limit.
-fn raise_open_files_limit(concurrency: usize) -> anyhow::Result<()> {
-    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    if soft < hard {
-        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
-    }
-    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    let needed = u64::try_from(concurrency)? + 100;
-    if soft < needed {
-        bail!("the open-files limit is {soft}; concurrency {concurrency} needs about {needed}");
-    }
-    Ok(())
-}
-
 fn cpu_time(who: UsageWho) -> anyhow::Result<Cpu> {
     let usage = getrusage(who)?;
     let duration =
@@ -397,14 +350,4 @@ fn cpu_time(who: UsageWho) -> anyhow::Result<Cpu> {
         user: duration(usage.user_time())?,
         system: duration(usage.system_time())?,
     })
-}
-
-fn env_number(name: &str, default: u64) -> anyhow::Result<u64> {
-    match std::env::var(name) {
-        Ok(value) => value
-            .trim()
-            .parse()
-            .with_context(|| format!("{name} must be a number, got {value:?}")),
-        Err(_) => Ok(default),
-    }
 }

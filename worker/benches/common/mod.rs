@@ -1,4 +1,4 @@
-//! What the `run_modes` and `sandboxed_terminal` benches share: their knobs, the machine's load,
+//! What the `engine`, `run_modes` and `sandboxed_terminal` benches share: their knobs, the machine's load,
 //! the open-files limit, and the scripted server in a process of its own.
 
 use std::io::{BufRead, BufReader, Read, Write};
