@@ -18,6 +18,17 @@
 //!   may cut anywhere). When the program exits, [`EXIT`] ends the connection; a refused session
 //!   is a [`STDERR`] frame saying why, then [`EXIT`] with [`crate::REFUSED_EXIT`].
 //!
+//! - **Version 3** adds to sessions what a conversation's shell and its background jobs need:
+//!   [`SessionRequest::workspace`] (run in the conversation's workspace, writable, instead of a
+//!   private directory) and [`SessionRequest::cwd`] (where the program starts); a [`PID`] frame
+//!   from the server once the program runs; an empty [`STDIN`] frame, which closes the program's
+//!   standard input once what was sent before it is written; and an [`INTERRUPT`] frame, which
+//!   kills every process the program started but not the program itself (a foreground command
+//!   that ran out of time, while the shell that ran it lives on); and a [`CHECK`] frame, which
+//!   checks the limits at once (a command of the shell has ended: a file that `RLIMIT_FSIZE` cut
+//!   short leaves the workspace past its limit) and is answered by a [`CHECKED`] frame when
+//!   they hold, by the end of the program when they do not.
+//!
 //! The worker closing the connection early (a timeout, a cancelled conversation, a session no
 //! longer needed) asks the server to end the command or program and everything it started. A
 //! server older than sessions refuses a versioned line as a bad request (unknown field).
@@ -27,7 +38,7 @@ use std::collections::BTreeMap;
 use crate::{LandlockMode, Limits};
 
 /// The newest protocol version this side speaks.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 /// Frames of a session's standard input (worker to server).
 pub const STDIN: u8 = b'i';
@@ -35,6 +46,17 @@ pub const STDIN: u8 = b'i';
 pub const STDERR: u8 = b'e';
 /// Frames of a session's `DevTools` pipe, both ways (fd 3 in, fd 4 out, for the program).
 pub const CDP: u8 = b'c';
+
+/// The program's process id, once it runs (server to worker; a big-endian `i32`). The id is
+/// the sandbox's: in a pod, the sandbox container's process namespace, which the program's own
+/// commands see.
+pub const PID: u8 = b'p';
+/// Kill every descendant of the program, not the program (worker to server; empty payload).
+pub const INTERRUPT: u8 = b'k';
+/// Check the limits now (worker to server; empty payload).
+pub const CHECK: u8 = b'l';
+/// The limits held at a [`CHECK`] (server to worker; empty payload).
+pub const CHECKED: u8 = b'L';
 
 /// A frame of command output (stdout and stderr, interleaved as written).
 pub const OUTPUT: u8 = b'o';
@@ -103,6 +125,14 @@ pub struct SessionRequest {
     /// Give the program a `DevTools` pipe on fds 3 and 4 (Chromium's `--remote-debugging-pipe`).
     #[serde(default)]
     pub cdp_pipe: bool,
+    /// Run in this workspace (in a pod, a directory under the server's workspace root) instead
+    /// of a private directory: it is then the writable directory, `HOME` and `TMPDIR`, and it is
+    /// left in place when the session ends. Version 3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<String>,
+    /// Where the program starts; its writable directory when left out. Version 3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
 }
 
 /// A request line, parsed.
@@ -123,7 +153,7 @@ impl Line {
                 .map_err(|err| format!("bad request: {err}"));
         };
         match version.as_u64() {
-            Some(2..=2) => {}
+            Some(spoken) if (2..=u64::from(VERSION)).contains(&spoken) => {}
             _ => {
                 return Err(format!(
                     "protocol version {version} is not spoken here (versions 1 to {VERSION})"
@@ -168,7 +198,7 @@ pub fn exit_payload(code: i32) -> [u8; 4] {
     code.to_be_bytes()
 }
 
-/// Reads an [`EXIT`] payload back.
+/// Reads an [`EXIT`] or a [`PID`] payload back (both a big-endian `i32`).
 pub fn parse_exit(payload: &[u8]) -> Option<i32> {
     Some(i32::from_be_bytes(payload.try_into().ok()?))
 }
@@ -216,13 +246,17 @@ mod tests {
             landlock: LandlockMode::Required,
             limits: Limits::NONE,
             cdp_pipe: true,
+            workspace: Some("/w/c1".to_owned()),
+            cwd: None,
         };
         let line = session_line(&session);
+        let text = String::from_utf8(line.clone()).unwrap();
+        assert!(!text.contains("cwd"), "absent options are left out: {text}");
         assert_eq!(line.last(), Some(&b'\n'));
         assert_eq!(Line::parse(&line), Ok(Line::Session(session)));
-        let future = r#"{"version":3,"request":{"teleport":{}}}"#;
+        let future = r#"{"version":4,"request":{"teleport":{}}}"#;
         let refused = Line::parse(future.as_bytes()).unwrap_err();
-        assert!(refused.contains("version 3"), "{refused}");
+        assert!(refused.contains("version 4"), "{refused}");
         let unknown = r#"{"version":2,"request":{"session":{"argv":[],"landlock":"off","x":1}}}"#;
         assert!(Line::parse(unknown.as_bytes()).is_err());
     }

@@ -583,6 +583,64 @@ fn has_children() -> bool {
     ) != Err(Errno::ECHILD)
 }
 
+/// How many times [`kill_all_but`] lists and kills what is left: each round catches what forked
+/// while the last one listed; a process group that keeps forking faster is the process limit's.
+const INTERRUPT_ROUNDS: usize = 16;
+
+/// Kills every descendant of this executor except `program` itself: the program's children with
+/// everything under them, and whatever was re-parented here. The program (a conversation's
+/// shell) lives on and sees its foreground command killed; the zombies are reaped by their
+/// parents, or by this executor's `SIGCHLD` handling (which also takes the program's own exit,
+/// should it end meanwhile).
+pub(crate) fn kill_all_but(program: Pid) {
+    for _ in 0..INTERRUPT_ROUNDS {
+        let mut victims: Vec<Pid> = children()
+            .into_iter()
+            .filter(|child| *child != program)
+            .collect();
+        let mut parents = vec![program];
+        while let Some(parent) = parents.pop() {
+            let below = children_of(parent);
+            parents.extend(&below);
+            victims.extend(below);
+        }
+        victims.retain(|pid| !is_zombie(*pid));
+        if victims.is_empty() {
+            return;
+        }
+        for victim in victims {
+            let _ = kill(victim, Signal::SIGKILL);
+        }
+    }
+}
+
+/// The children of every thread of `pid`.
+fn children_of(pid: Pid) -> Vec<Pid> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|list| {
+            list.split_whitespace()
+                .filter_map(|child| child.parse().ok())
+                .map(Pid::from_raw)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Whether `pid` has exited and waits to be reaped (or is gone already).
+fn is_zombie(pid: Pid) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+        // The state follows the command name, which is in parentheses and may hold any byte.
+        stat.rfind(')')
+            .and_then(|end| stat[end + 1..].trim_start().chars().next())
+            .is_none_or(|state| state == 'Z' || state == 'X')
+    })
+}
+
 /// Kills every descendant and reaps it: first the shell's process group (`shell` is its id,
 /// which stays reserved while the group has a member, even once the shell is reaped), then, as a
 /// killed process's children are re-parented to this subreaper, whatever left the group, until

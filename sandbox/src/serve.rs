@@ -5,7 +5,8 @@
 //! directory under `--workspace-root`, the workspace volume both containers mount), streaming the
 //! output back ([`crate::protocol`]). A session (protocol version 2) gets a private directory
 //! of its own under `--session-root` (default: the temporary directory), removed when it ends,
-//! and an executor of its own ([`crate::session`]) that takes over the connection. A thread per
+//! or (version 3) the conversation's workspace it names, and an executor of its own
+//! ([`crate::session`]) that takes over the connection. A thread per
 //! connection; the main thread owns the signals.
 //!
 //! The server is the container's PID 1 (and a child subreaper, for when it is not), so every
@@ -335,33 +336,30 @@ fn read_line(stream: &UnixStream) -> Result<Vec<u8>, String> {
 /// Session directories made by this server, for unique names.
 static SESSIONS: AtomicU64 = AtomicU64::new(0);
 
-/// Starts a session's executor on the connection, waits for it, removes its private directory.
+/// Starts a session's executor on the connection and waits for it: in the conversation's
+/// workspace when the request names one, else in a private directory made for it and removed
+/// when it ends.
 fn session(mut stream: UnixStream, places: &Places, request: &SessionRequest, executors: &Shared) {
-    use std::os::unix::fs::DirBuilderExt;
     use std::os::unix::process::CommandExt;
-    let dir = places.session_root.join(format!(
-        "session-{}-{}",
-        std::process::id(),
-        SESSIONS.fetch_add(1, Ordering::Relaxed)
-    ));
-    let started = std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&dir)
-        .map_err(|err| format!("cannot create {}: {err}", dir.display()))
-        .and_then(|()| {
-            let connection = stream.try_clone().map_err(|err| format!("socket: {err}"))?;
-            let mut command = crate::session::command(&places.executor, &dir, request);
-            command
-                .stdin(std::process::Stdio::from(OwnedFd::from(connection)))
-                .process_group(0);
-            spawn_registered(command, executors)
-        });
+    let private = request.workspace.is_none().then(|| {
+        places.session_root.join(format!(
+            "session-{}-{}",
+            std::process::id(),
+            SESSIONS.fetch_add(1, Ordering::Relaxed)
+        ))
+    });
+    let started = session_dir(places, request, private.as_deref()).and_then(|dir| {
+        let connection = stream.try_clone().map_err(|err| format!("socket: {err}"))?;
+        let mut command = crate::session::command(&places.executor, &dir, request);
+        command
+            .stdin(std::process::Stdio::from(OwnedFd::from(connection)))
+            .process_group(0);
+        spawn_registered(command, executors)
+    });
     match started {
-        Ok((_, exited)) => {
-            // The executor holds the connection now; this thread only waits to clean up.
-            drop(stream);
-            let _ = exited.recv();
-        }
+        // The executor holds the connection now; this thread only watches for the worker's
+        // hang-up and waits to clean up.
+        Ok((pid, exited)) => watch_session(&stream, pid, &exited, executors),
         Err(message) => {
             let refusal = format!("{REFUSED_PREFIX}{message}\n");
             let _ = write_frame(&mut stream, protocol::STDERR, refusal.as_bytes());
@@ -372,10 +370,72 @@ fn session(mut stream: UnixStream, places: &Places, request: &SessionRequest, ex
             );
         }
     }
-    if dir.exists()
+    if let Some(dir) = private
+        && dir.exists()
         && let Err(err) = std::fs::remove_dir_all(&dir)
     {
         let _ = writeln!(std::io::stderr(), "cannot remove {}: {err}", dir.display());
+    }
+}
+
+/// How often a session's thread looks whether its executor has ended, while the worker is
+/// still connected.
+const SESSION_CHECK: Duration = Duration::from_secs(1);
+
+/// Waits for a session's executor to end. The executor ends its program when the worker hangs
+/// up; one that does not (stopped by its own program with `SIGSTOP`) is asked again, continued,
+/// and killed after [`CANCEL_GRACE`], as a command's executor is.
+fn watch_session(stream: &UnixStream, pid: Pid, exited: &Receiver<i32>, executors: &Shared) {
+    use rustix::event::{PollFd as HangUp, PollFlags as Events, Timespec};
+    use std::sync::mpsc::RecvTimeoutError;
+    loop {
+        match exited.try_recv() {
+            Err(std::sync::mpsc::TryRecvError::Empty) => {}
+            _ => return,
+        }
+        // nix has no `POLLRDHUP`: the worker shutting down its side is what is waited for.
+        let mut fds = [HangUp::new(stream, Events::RDHUP)];
+        let check = Timespec::try_from(SESSION_CHECK).unwrap_or_default();
+        match rustix::event::poll(&mut fds, Some(&check)) {
+            Ok(1..)
+                if fds[0]
+                    .revents()
+                    .intersects(Events::RDHUP | Events::HUP | Events::ERR) =>
+            {
+                break;
+            }
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            // Nothing to watch with: wait for the executor as before.
+            Err(_) => {
+                let _ = exited.recv();
+                return;
+            }
+        }
+    }
+    signal_executor(executors, pid, Signal::SIGTERM);
+    signal_executor(executors, pid, Signal::SIGCONT);
+    if let Err(RecvTimeoutError::Timeout) = exited.recv_timeout(CANCEL_GRACE) {
+        signal_executor(executors, pid, Signal::SIGKILL);
+        let _ = exited.recv();
+    }
+}
+
+/// The session's writable directory: the workspace it names (which must lie under the
+/// workspace root), or `private`, created here.
+fn session_dir(
+    places: &Places,
+    request: &SessionRequest,
+    private: Option<&Path>,
+) -> Result<PathBuf, String> {
+    use std::os::unix::fs::DirBuilderExt;
+    match (&request.workspace, private) {
+        (Some(workspace), _) => resolve_workspace(&places.workspace_root, workspace),
+        (None, Some(dir)) => std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(dir)
+            .map(|()| dir.to_owned())
+            .map_err(|err| format!("cannot create {}: {err}", dir.display())),
+        (None, None) => Err("a session needs a workspace or a private directory".to_owned()),
     }
 }
 

@@ -32,8 +32,8 @@ use nix::unistd::Pid;
 use crate::limits::Supervisor;
 use crate::protocol::{self, SessionRequest};
 use crate::run::{
-    Confinement, confine_executor, kill_all_descendants, lower_priority, on_path, pass_environment,
-    reap_exited,
+    Confinement, confine_executor, kill_all_but, kill_all_descendants, lower_priority, on_path,
+    pass_environment, reap_exited,
 };
 use crate::{LIMIT_EXIT, LandlockMode, Limits, REFUSED_EXIT, REFUSED_PREFIX};
 
@@ -55,6 +55,9 @@ pub fn command(executor: &Path, dir: &Path, request: &SessionRequest) -> Command
     if request.cdp_pipe {
         cmd.arg("--cdp-pipe");
     }
+    if let Some(cwd) = &request.cwd {
+        cmd.arg("--cwd").arg(cwd);
+    }
     cmd.arg("--")
         .args(&request.argv)
         .current_dir(dir)
@@ -73,15 +76,19 @@ struct SessionArgs {
     limits: Limits,
     parent: Pid,
     cdp_pipe: bool,
+    /// Where the program starts, when not in `dir`.
+    cwd: Option<PathBuf>,
     argv: Vec<OsString>,
 }
 
 fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<SessionArgs, String> {
     let mut dir = None;
     let mut cdp_pipe = false;
+    let mut cwd = None;
     let confinement = Confinement::parse(&mut args, |flag, value| {
         match flag {
             "--dir" => dir = Some(PathBuf::from(value()?)),
+            "--cwd" => cwd = Some(PathBuf::from(value()?)),
             "--cdp-pipe" => cdp_pipe = true,
             _ => return Ok(false),
         }
@@ -97,6 +104,7 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<SessionArgs, S
         limits: confinement.limits,
         parent: confinement.parent.ok_or("missing --parent")?,
         cdp_pipe,
+        cwd,
         argv: program,
     })
 }
@@ -132,6 +140,10 @@ pub fn main(args: impl Iterator<Item = OsString>) -> i32 {
 struct Pipes {
     stdin: Option<OwnedFd>,
     stdin_queue: Vec<u8>,
+    /// The caller closed the program's standard input: it closes once the queue is written.
+    stdin_closing: bool,
+    /// The caller asked for a check of the limits.
+    check_requested: bool,
     cdp_in: Option<OwnedFd>,
     cdp_queue: Vec<u8>,
     stdout: Option<OwnedFd>,
@@ -191,7 +203,9 @@ impl Relay {
         let (signal_fd, mut supervisor) =
             confine_executor(args.parent, &args.dir, args.landlock, args.limits)?;
 
-        let pipe = || nix::unistd::pipe().map_err(|err| format!("no pipe: {err}"));
+        // Close-on-exec: only the program's own ends, put on its descriptors, are inherited; a copy
+        // of the writing end of its standard input would keep it from ever seeing its end.
+        let pipe = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|err| format!("no pipe: {err}"));
         let (stdin_r, stdin_w) = pipe()?;
         let (stdout_r, stdout_w) = pipe()?;
         let (stderr_r, stderr_w) = pipe()?;
@@ -208,8 +222,9 @@ impl Relay {
             fcntl(fd, FcntlArg::F_SETFL(OFlag::O_NONBLOCK))
                 .map_err(|err| format!("fcntl: {err}"))?;
         }
-        std::env::set_current_dir(&args.dir)
-            .map_err(|err| format!("cannot enter {}: {err}", args.dir.display()))?;
+        let start_in = args.cwd.as_ref().unwrap_or(&args.dir);
+        std::env::set_current_dir(start_in)
+            .map_err(|err| format!("cannot enter {}: {err}", start_in.display()))?;
         let program = args.argv[0].to_str().map_or_else(
             || PathBuf::from(&args.argv[0]),
             |name| {
@@ -237,10 +252,13 @@ impl Relay {
         let pid = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
         lower_priority(pid);
         drop(child);
+        self.send(protocol::PID, &pid.as_raw().to_be_bytes());
         let (cdp_in, cdp_out) = cdp.map_or((None, None), |(w, r)| (Some(w), Some(r)));
         let mut pipes = Pipes {
             stdin: Some(stdin_w),
             stdin_queue: Vec::new(),
+            stdin_closing: false,
+            check_requested: false,
             cdp_in,
             cdp_queue: Vec::new(),
             stdout: Some(stdout_r),
@@ -317,7 +335,7 @@ impl Relay {
                 }
             }
             if listen_caller {
-                if ready[at] && !self.read_caller(pipes) {
+                if ready[at] && !self.read_caller(pid, pipes) {
                     self.caller_there = false;
                     break (None, None);
                 }
@@ -333,6 +351,14 @@ impl Relay {
             flush_inputs(pipes);
             if let Some(exceeded) = supervisor.check_if_due() {
                 break (None, Some(exceeded));
+            }
+            // The caller asks once it has read the end of a command, so everything the command
+            // wrote is already relayed.
+            if std::mem::take(&mut pipes.check_requested) {
+                if let Some(exceeded) = supervisor.check_at_end() {
+                    break (None, Some(exceeded));
+                }
+                self.send(protocol::CHECKED, &[]);
             }
         };
         kill_all_descendants(pid);
@@ -353,9 +379,10 @@ impl Relay {
         status.unwrap_or(128 + Signal::SIGKILL as i32)
     }
 
-    /// Reads what the caller sent and queues it for the program; false when the caller hung up
-    /// or sent something that is not a frame of a session.
-    fn read_caller(&mut self, pipes: &mut Pipes) -> bool {
+    /// Reads what the caller sent and queues it for the program (or, for an [`protocol::INTERRUPT`],
+    /// kills what `program` started); false when the caller hung up or sent something that is not
+    /// a frame of a session.
+    fn read_caller(&mut self, program: Pid, pipes: &mut Pipes) -> bool {
         let mut chunk = [0_u8; 16 * 1024];
         let n = match self.connection.read(&mut chunk) {
             Ok(0) | Err(_) => return false,
@@ -378,7 +405,10 @@ impl Relay {
                 .skip(protocol::HEADER_BYTES)
                 .collect();
             match kind {
+                protocol::STDIN if payload.is_empty() => pipes.stdin_closing = true,
                 protocol::STDIN => pipes.stdin_queue.extend_from_slice(&payload),
+                protocol::INTERRUPT => kill_all_but(program),
+                protocol::CHECK => pipes.check_requested = true,
                 protocol::CDP if pipes.cdp_in.is_some() => {
                     pipes.cdp_queue.extend_from_slice(&payload);
                 }
@@ -435,6 +465,9 @@ fn flush_inputs(pipes: &mut Pipes) {
     };
     flush(&mut pipes.stdin, &mut pipes.stdin_queue);
     flush(&mut pipes.cdp_in, &mut pipes.cdp_queue);
+    if pipes.stdin_closing && pipes.stdin_queue.is_empty() {
+        pipes.stdin = None;
+    }
 }
 
 /// Writes one frame (the caller's side of the socket is blocking: the worker always reads).
@@ -464,6 +497,8 @@ mod tests {
                 workspace_bytes: 9,
             },
             cdp_pipe: true,
+            workspace: None,
+            cwd: Some("/s/sub".to_owned()),
         };
         let cmd = command(Path::new("/bin/x"), Path::new("/s"), &request);
         let mut given = cmd.get_args().map(OsStr::to_owned);
@@ -473,6 +508,7 @@ mod tests {
         assert_eq!(parsed.landlock, LandlockMode::Required);
         assert_eq!(parsed.limits, request.limits);
         assert!(parsed.cdp_pipe);
+        assert_eq!(parsed.cwd.as_deref(), Some(Path::new("/s/sub")));
         assert_eq!(
             parsed.argv,
             [OsStr::new("chromium"), OsStr::new("--headless")]

@@ -214,6 +214,7 @@ fn engine(base_url: &str) -> anyhow::Result<Engine> {
             limits: ToolLimits::default(),
             sandbox: Sandbox::local(LandlockMode::Auto),
             browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+            terminal: trajectory_worker::tools::terminal::Terminal::default(),
         },
         config: AgentConfig {
             max_turns: 10,

@@ -1070,6 +1070,7 @@ async fn engine_path(
         limits: engine.limits.clone(),
         sandbox: Sandbox::local(LandlockMode::Auto),
         browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+        terminal: trajectory_worker::tools::terminal::Terminal::default(),
     });
     let completions = Arc::new(Mutex::new(Vec::with_capacity(texts.len())));
     let failed = Arc::new(AtomicBool::new(false));

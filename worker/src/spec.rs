@@ -751,10 +751,14 @@ pub enum ImageResponseFormat {
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct TerminalSpec {
-    /// Time limit of one command, in seconds; the command's whole process group is killed after it.
+    /// Time limit, in seconds, of a command that names none (hermes-agent's `TERMINAL_TIMEOUT`);
+    /// also the longest a `process` `wait` blocks. A command may name up to 600 seconds. Past
+    /// its time, everything the command started is killed and the model gets exit code 124 with
+    /// the output so far.
     #[serde(default = "default_command_timeout")]
     pub timeout_seconds: u64,
-    /// Bytes of output kept from one command.
+    /// Bytes of a command's output shown to the model: the first 40% and the last 60%, with a
+    /// notice of what was left out in between (hermes-agent shows 50,000 characters).
     #[serde(default = "default_max_output_bytes")]
     pub max_output_bytes: u64,
 }
@@ -934,10 +938,10 @@ fn default_prompt_timeout() -> u64 {
     1800
 }
 fn default_command_timeout() -> u64 {
-    60
+    180
 }
 fn default_max_output_bytes() -> u64 {
-    16 * 1024
+    50_000
 }
 fn default_mcp_call_timeout() -> u64 {
     60

@@ -129,6 +129,7 @@ impl Fixture {
             limits: ToolLimits::default(),
             sandbox: Sandbox::local(LandlockMode::Auto),
             browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+            terminal: trajectory_worker::tools::terminal::Terminal::default(),
         };
         let config = AgentConfig {
             max_turns: 5,

@@ -169,6 +169,7 @@ fn browser_in(
         limits: ToolLimits::default(),
         sandbox: sandbox.clone(),
         browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+        terminal: trajectory_worker::tools::terminal::Terminal::default(),
     };
     (registry.tools_for(&["browser".to_owned()]), ctx)
 }

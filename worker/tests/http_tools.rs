@@ -111,6 +111,7 @@ impl Fixture {
                 limits: ToolLimits::default(),
                 sandbox: common::sandbox(),
                 browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+                terminal: trajectory_worker::tools::terminal::Terminal::default(),
             },
             _dir: dir,
         }

@@ -501,6 +501,7 @@ async fn the_pypi_time_and_fetch_servers_answer_through_the_registry_from_the_sa
         limits: ToolLimits::default(),
         sandbox: common::sandbox(),
         browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+        terminal: trajectory_worker::tools::terminal::Terminal::default(),
     };
     let tools = registry.tools_for(&["time".to_owned(), "fetch".to_owned()]);
     let tool = |name: &str| Arc::clone(tools.iter().find(|tool| tool.spec().name == name).unwrap());

@@ -61,6 +61,7 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
         limits: ToolLimits::default(),
         sandbox: Sandbox::local(LandlockMode::Auto),
         browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+        terminal: trajectory_worker::tools::terminal::Terminal::default(),
     };
     let config = AgentConfig {
         max_turns: 2,

@@ -312,11 +312,11 @@ async fn the_server_speaks_versions_1_and_2_and_refuses_later_ones() {
     assert!(exchange(format!("{command}\n")).await.contains("v1\n"));
     let versioned = format!("{{\"version\":2,\"request\":{{\"command\":{command}}}}}\n");
     assert!(exchange(versioned).await.contains("v1\n"));
-    let future = exchange("{\"version\":3,\"request\":{}}\n".to_owned()).await;
-    assert!(future.contains("protocol version 3"), "{future}");
+    let future = exchange("{\"version\":4,\"request\":{}}\n".to_owned()).await;
+    assert!(future.contains("protocol version 4"), "{future}");
 }
 
-/// A session request serialises as the version 2 line the protocol documents.
+/// A session request serialises as the versioned line the protocol documents.
 #[test]
 fn a_session_line_is_versioned() {
     let request = SessionRequest {
@@ -325,10 +325,12 @@ fn a_session_line_is_versioned() {
         landlock: LandlockMode::Off,
         limits: Limits::NONE,
         cdp_pipe: false,
+        workspace: None,
+        cwd: None,
     };
     let line = trajectory_sandbox::protocol::session_line(&request);
     let value: serde_json::Value = serde_json::from_slice(&line).unwrap();
-    assert_eq!(value["version"], 2);
+    assert_eq!(value["version"], 3);
     assert_eq!(value["request"]["session"]["argv"][0], "cat");
 }
 

@@ -1,6 +1,8 @@
-//! The terminal tool end to end: each command runs under the real executor (`trajectory-executor`),
-//! so these are tests of the sandboxed path the worker takes. The escape attempts are in
-//! `sandbox_probes.rs`.
+//! The terminal toolset end to end: the conversation's shell and its background jobs run under
+//! the real executor (`trajectory-executor`), so these are tests of the sandboxed path the worker
+//! takes, locally and through a sandbox server as in a pod. The escape attempts are in
+//! `sandbox_probes.rs`, the comparison with the reference's recorded outputs in
+//! `terminal_golden.rs`.
 
 mod common;
 
@@ -69,6 +71,7 @@ fn context(place: Where, dir: &Path, limits: ToolLimits) -> TestContext {
             limits,
             sandbox,
             browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+            terminal: trajectory_worker::tools::terminal::Terminal::default(),
         },
         _server: server,
     }
@@ -83,6 +86,29 @@ async fn call(ctx: &ToolContext, args: Value) -> ToolOutcome {
         panic!("arguments must be an object")
     };
     tool().call(args, ctx).await
+}
+
+/// Calls the process tool.
+async fn process(ctx: &ToolContext, args: Value) -> Value {
+    let Value::Object(args) = args else {
+        panic!("arguments must be an object")
+    };
+    ok(terminal::tools(&ToolsSpec::default())
+        .remove(1)
+        .call(args, ctx)
+        .await)
+}
+
+/// Starts `command` as a background job; its session id.
+async fn start_job(ctx: &ToolContext, command: &str) -> String {
+    let started = ok(call(ctx, json!({"command": command, "background": true})).await);
+    assert_eq!(started["output"], "Background process started", "{started}");
+    assert_eq!(started["exit_code"], 0, "{started}");
+    assert!(
+        started["pid"].as_i64().is_some_and(|pid| pid > 0),
+        "{started}"
+    );
+    started["session_id"].as_str().unwrap().to_owned()
 }
 
 fn ok(outcome: ToolOutcome) -> Value {
@@ -142,7 +168,7 @@ async fn command_output_and_exit_code_are_returned(place: Where) {
     .await);
     assert_eq!(
         result,
-        json!({"output": "out\nerr\nagain\n", "exit_code": 0, "error": null})
+        json!({"output": "out\nerr\nagain", "exit_code": 0, "error": null})
     );
 }
 
@@ -152,19 +178,29 @@ async fn non_zero_exit_code_is_a_result_not_an_error(place: Where) {
     let outcome = call(&ctx, json!({"command": "echo failing; exit 3"})).await;
     assert_eq!(
         outcome,
-        ToolOutcome::Ok(json!({"output": "failing\n", "exit_code": 3, "error": null}))
+        ToolOutcome::Ok(json!({"output": "failing", "exit_code": 3, "error": null}))
     );
     assert_eq!(
         outcome.into_content(),
-        r#"{"output":"failing\n","exit_code":3,"error":null}"#
+        r#"{"output":"failing","exit_code":3,"error":null}"#
     );
+    // `exit` ended the shell; the next command gets a new one.
+    let again = ok(call(&ctx, json!({"command": "echo again"})).await);
+    assert_eq!(again["output"], "again");
 }
 
 async fn command_killed_by_a_signal_reports_128_plus_the_signal(place: Where) {
     let dir = tempfile::tempdir().unwrap();
     let ctx = context(place, dir.path(), ToolLimits::default());
+    let result = ok(call(&ctx, json!({"command": "sleep 30 & kill -9 $!; wait $!"})).await);
+    assert_eq!(result["exit_code"], 137);
+    // The shell itself killed: the result says so the same way, and the next call has a shell.
     let result = ok(call(&ctx, json!({"command": "kill -9 $$"})).await);
     assert_eq!(result["exit_code"], 137);
+    assert_eq!(
+        ok(call(&ctx, json!({"command": "echo up"})).await)["output"],
+        "up"
+    );
 }
 
 async fn command_runs_in_the_workspace_with_home_there_and_a_dumb_terminal(place: Where) {
@@ -176,7 +212,7 @@ async fn command_runs_in_the_workspace_with_home_there_and_a_dumb_terminal(place
     )
     .await);
     let root = ctx.workspace.root().display();
-    assert_eq!(result["output"], format!("{root}\n{root}\ndumb\n"));
+    assert_eq!(result["output"], format!("{root}\n{root}\ndumb"));
     assert!(dir.path().join("made").exists());
 }
 
@@ -194,17 +230,22 @@ async fn worker_environment_is_not_passed_to_commands(place: Where) {
 async fn stdin_is_empty(place: Where) {
     let dir = tempfile::tempdir().unwrap();
     let ctx = context(place, dir.path(), ToolLimits::default());
-    let result = ok(call(&ctx, json!({"command": "cat; echo done"})).await);
-    assert_eq!(result["output"], "done\n");
+    let result = ok(call(&ctx, json!({"command": "cat; read line; echo done $?"})).await);
+    assert_eq!(result["output"], "done 1");
 }
 
-async fn timeout_kills_the_whole_process_group(place: Where) {
+async fn a_timed_out_command_is_killed_and_the_shell_lives_on(place: Where) {
     let dir = tempfile::tempdir().unwrap();
     let limits = ToolLimits {
         command_timeout: Duration::from_secs(1),
         ..ToolLimits::default()
     };
     let ctx = context(place, dir.path(), limits);
+    ok(call(
+        &ctx,
+        json!({"command": "export KEPT=yes; mkdir -p sub; cd sub"}),
+    )
+    .await);
     let started = std::time::Instant::now();
     let result = ok(call(
         &ctx,
@@ -212,22 +253,50 @@ async fn timeout_kills_the_whole_process_group(place: Where) {
     )
     .await);
     assert!(started.elapsed() < Duration::from_secs(10));
+    // The reference's shape: exit code 124, the output so far and a note.
     assert_eq!(
         result,
-        json!({"output": "started\n", "exit_code": null, "error": "command timed out after 1s"})
+        json!({"output": "started\n\n[Command timed out after 1s]", "exit_code": 124, "error": null})
     );
-    assert_process_gone(read_pid(dir.path())).await;
+    assert_process_gone(read_pid(&dir.path().join("sub"))).await;
+    let after = ok(call(&ctx, json!({"command": "echo $KEPT; pwd"})).await);
+    let sub = ctx.workspace.root().join("sub");
+    assert_eq!(after["output"], format!("yes\n{}", sub.display()));
 }
 
-async fn requested_timeout_is_capped_by_the_limit(place: Where) {
+async fn a_shell_stuck_in_a_builtin_loop_is_restarted_in_its_directory(place: Where) {
     let dir = tempfile::tempdir().unwrap();
-    let limits = ToolLimits {
-        command_timeout: Duration::from_secs(1),
-        ..ToolLimits::default()
-    };
-    let ctx = context(place, dir.path(), limits);
-    let result = ok(call(&ctx, json!({"command": "sleep 30", "timeout": 1000})).await);
-    assert_eq!(result["error"], "command timed out after 1s");
+    let ctx = context(place, dir.path(), ToolLimits::default());
+    ok(call(&ctx, json!({"command": "export GONE=1; mkdir -p d; cd d"})).await);
+    let result = ok(call(
+        &ctx,
+        json!({"command": "echo looping; while :; do :; done", "timeout": 1}),
+    )
+    .await);
+    assert_eq!(result["exit_code"], 124, "{result}");
+    let output = result["output"].as_str().unwrap();
+    assert!(
+        output.starts_with("looping\n\n[Command timed out after 1s]"),
+        "{output}"
+    );
+    assert!(output.contains("restarted"), "{output}");
+    let after = ok(call(&ctx, json!({"command": "echo \"[$GONE]\"; pwd"})).await);
+    let d = ctx.workspace.root().join("d");
+    assert_eq!(after["output"], format!("[]\n{}", d.display()));
+}
+
+async fn a_timeout_above_the_foreground_maximum_is_refused(place: Where) {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(place, dir.path(), ToolLimits::default());
+    let outcome = call(&ctx, json!({"command": "sleep 30", "timeout": 601})).await;
+    assert_eq!(
+        outcome,
+        ToolOutcome::Err(
+            "Foreground timeout 601s exceeds the maximum of 600s. Use background=true for \
+             long-running commands."
+                .to_owned()
+        )
+    );
 }
 
 async fn shorter_requested_timeout_is_honoured(place: Where) {
@@ -235,49 +304,74 @@ async fn shorter_requested_timeout_is_honoured(place: Where) {
     let ctx = context(place, dir.path(), ToolLimits::default());
     let started = std::time::Instant::now();
     let result = ok(call(&ctx, json!({"command": "sleep 30", "timeout": "1"})).await);
-    assert_eq!(result["error"], "command timed out after 1s");
+    assert_eq!(result["output"], "[Command timed out after 1s]");
+    assert_eq!(result["exit_code"], 124);
     assert!(started.elapsed() < Duration::from_secs(10));
 }
 
-async fn dropping_the_call_kills_the_process_group(place: Where) {
+async fn closing_the_conversation_ends_everything_it_started(place: Where) {
     let dir = tempfile::tempdir().unwrap();
     let ctx = context(place, dir.path(), ToolLimits::default());
-    let tool = tool();
-    let Value::Object(args) = json!({"command": "sleep 30 & echo $! > pid; wait"}) else {
-        unreachable!()
-    };
-    let call = tool.call(args, &ctx);
-    let pid_file = dir.path().join("pid");
-    let cancelled = tokio::time::timeout(Duration::from_secs(5), async {
-        tokio::select! {
-            _ = call => panic!("the command should still be running"),
-            () = async {
-                while std::fs::read_to_string(&pid_file).map_or(true, |text| !text.ends_with('\n')) {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            } => {}
-        }
-    })
-    .await;
-    assert!(cancelled.is_ok(), "the pid file never appeared");
-    assert_process_gone(read_pid(dir.path())).await;
-}
-
-async fn background_process_does_not_outlive_the_command(place: Where) {
-    let dir = tempfile::tempdir().unwrap();
-    let ctx = context(place, dir.path(), ToolLimits::default());
-    let started = std::time::Instant::now();
+    // A job left running with `&`, one detached with setsid, and a background job.
     let result = ok(call(
         &ctx,
-        json!({"command": "sleep 30 & echo $! > pid; echo bye"}),
+        json!({"command": "sleep 300 & echo $! > pid; setsid sleep 300 & echo $! > pid2; echo ok"}),
+    )
+    .await);
+    assert_eq!(result["output"], "ok");
+    start_job(&ctx, "echo $$ > pid3; exec sleep 300").await;
+    let pid3 = dir.path().join("pid3");
+    while !pid3.exists() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for file in ["pid", "pid2", "pid3"] {
+        assert!(
+            !process_is_gone(read_pid_file(&dir.path().join(file))),
+            "{file}"
+        );
+    }
+    let closing = std::time::Instant::now();
+    ctx.close().await;
+    // Gone when close returns, not eventually: the workspace may be handed on right away.
+    for file in ["pid", "pid2", "pid3"] {
+        let pid = read_pid_file(&dir.path().join(file));
+        assert!(process_is_gone(pid), "{file}: {pid} still runs after close");
+    }
+    assert!(processes_in(dir.path()).is_empty());
+    assert!(closing.elapsed() < Duration::from_secs(10));
+}
+
+async fn dropping_the_conversation_ends_everything_it_started(place: Where) {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(place, dir.path(), ToolLimits::default());
+    ok(call(&ctx, json!({"command": "sleep 300 & echo $! > pid"})).await);
+    start_job(&ctx, "echo $$ > pid2; exec sleep 300").await;
+    let pid2 = dir.path().join("pid2");
+    while !pid2.exists() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(ctx);
+    assert_process_gone_within(read_pid(dir.path()), Duration::from_secs(5)).await;
+    assert_process_gone_within(read_pid_file(&pid2), Duration::from_secs(5)).await;
+}
+
+async fn a_job_left_running_with_an_ampersand_lives_until_the_conversation_ends(place: Where) {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(place, dir.path(), ToolLimits::default());
+    let result = ok(call(
+        &ctx,
+        json!({"command": "sleep 300 & echo $! > pid; echo bye"}),
     )
     .await);
     assert_eq!(
         result,
-        json!({"output": "bye\n", "exit_code": 0, "error": null})
+        json!({"output": "bye", "exit_code": 0, "error": null})
     );
-    assert!(started.elapsed() < Duration::from_secs(10));
-    assert_process_gone(read_pid(dir.path())).await;
+    let pid = read_pid(dir.path());
+    ok(call(&ctx, json!({"command": "true"})).await);
+    assert!(!process_is_gone(pid), "the job ended with its command");
+    ctx.close().await;
+    assert!(process_is_gone(pid));
 }
 
 /// A command that kills its own executor (the OOM killer's `SIGKILL`, or the command itself: they
@@ -289,17 +383,18 @@ async fn a_command_that_kills_its_executor_leaves_nothing_running_in_a_pod() {
     let dir = tempfile::tempdir().unwrap();
     let ctx = context(Where::Pod, dir.path(), ToolLimits::default());
     let started = std::time::Instant::now();
-    let result = ok(call(
+    let outcome = call(
         &ctx,
         json!({"command": "setsid sleep 30 >/dev/null 2>&1 & echo $! > pid; \
                            (sleep 30 & echo $! > pid2; wait) >/dev/null 2>&1 & echo $! > pid3; \
                            sleep 0.2; kill -9 $PPID; sleep 30"}),
     )
-    .await);
-    assert_eq!(
-        result["exit_code"], 137,
-        "the executor was killed: {result}"
-    );
+    .await;
+    // The executor held the connection: its death is the sandbox hanging up.
+    let ToolOutcome::Err(result) = outcome else {
+        panic!("the executor's death was not reported: {outcome:?}");
+    };
+    assert!(result.contains("closed the connection"), "{result}");
     assert!(started.elapsed() < Duration::from_secs(10), "{result}");
     for file in ["pid", "pid2", "pid3"] {
         assert_process_gone(read_pid_file(&dir.path().join(file))).await;
@@ -323,7 +418,11 @@ async fn a_command_that_stops_its_executor_is_ended_on_its_timeout_in_a_pod() {
                            while kill -STOP $PPID; do sleep 0.01; done"}),
     )
     .await);
-    assert_eq!(result["error"], "command timed out after 1s", "{result}");
+    assert_eq!(result["exit_code"], 124, "{result}");
+    assert!(
+        result["output"].as_str().unwrap().contains("restarted"),
+        "{result}"
+    );
     // The server's grace for the executor, and some.
     assert_process_gone_within(read_pid(dir.path()), Duration::from_secs(5)).await;
 }
@@ -331,7 +430,7 @@ async fn a_command_that_stops_its_executor_is_ended_on_its_timeout_in_a_pod() {
 async fn large_output_keeps_head_and_tail_within_the_cap(place: Where) {
     let dir = tempfile::tempdir().unwrap();
     let limits = ToolLimits {
-        max_output_bytes: 100,
+        max_output_bytes: 200,
         ..ToolLimits::default()
     };
     let ctx = context(place, dir.path(), limits);
@@ -340,10 +439,29 @@ async fn large_output_keeps_head_and_tail_within_the_cap(place: Where) {
     assert_eq!(result["exit_code"], 0);
     let output = result["output"].as_str().unwrap();
     assert!(output.starts_with("1\n2\n3\n"), "{output}");
-    assert!(output.ends_with("199999\n200000\n"), "{output}");
+    assert!(output.ends_with("199999\n200000"), "{output}");
     let total: usize = (1..=200_000).map(|n: u32| n.to_string().len() + 1).sum();
-    assert!(output.contains(&format!("\n... [{} bytes elided] ...\n", total - 100)));
-    assert!(output.len() < 200);
+    assert!(
+        output.contains(&format!(
+            " chars omitted out of {} total] ...\n\n",
+            group(total)
+        )),
+        "{output}"
+    );
+    assert!(output.len() <= 200, "{}", output.len());
+}
+
+/// `1234567` as `1,234,567`.
+fn group(number: usize) -> String {
+    let digits = number.to_string();
+    let mut grouped = String::new();
+    for (at, digit) in digits.chars().enumerate() {
+        if at > 0 && (digits.len() - at).is_multiple_of(3) {
+            grouped.push(',');
+        }
+        grouped.push(digit);
+    }
+    grouped
 }
 
 async fn missing_or_empty_command_is_an_error(place: Where) {
@@ -361,6 +479,262 @@ async fn missing_or_empty_command_is_an_error(place: Where) {
         call(&ctx, json!({"command": "true", "timeout": "soon"})).await,
         ToolOutcome::Err(message) if message.contains("timeout")
     ));
+}
+
+async fn cd_export_and_workdir_persist_between_calls(place: Where) {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(place, dir.path(), ToolLimits::default());
+    let root = ctx.workspace.root().to_owned();
+    let made = ok(call(
+        &ctx,
+        json!({"command": "mkdir -p sub/deeper && cd sub && export PROBE_VAR=kept && f() { echo fn; }"}),
+    )
+    .await);
+    assert_eq!(made, json!({"output": "", "exit_code": 0, "error": null}));
+    let seen = ok(call(&ctx, json!({"command": "pwd; echo VAR=$PROBE_VAR; f"})).await);
+    assert_eq!(
+        seen["output"],
+        format!("{}\nVAR=kept\nfn", root.join("sub").display())
+    );
+    // `workdir` is where this command runs, and (as the reference's) where the next ones do.
+    let deeper = root.join("sub/deeper");
+    let moved = ok(call(
+        &ctx,
+        json!({"command": "pwd", "workdir": deeper.display().to_string()}),
+    )
+    .await);
+    assert_eq!(moved["output"], deeper.display().to_string());
+    let stays = ok(call(&ctx, json!({"command": "pwd"})).await);
+    assert_eq!(stays["output"], deeper.display().to_string());
+    let blocked = ok(call(&ctx, json!({"command": "pwd", "workdir": "/tmp; rm -rf /"})).await);
+    assert_eq!(blocked["status"], "blocked");
+    assert_eq!(blocked["exit_code"], -1);
+}
+
+async fn the_file_tools_follow_the_terminals_directory(place: Where) {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(place, dir.path(), ToolLimits::default());
+    let file_tool = |name: &str| {
+        trajectory_worker::tools::file::tools(&ToolsSpec::default())
+            .into_iter()
+            .find(|tool| tool.spec().name == name)
+            .unwrap()
+    };
+    let file_call = |name: &'static str, args: Value| {
+        let tool = file_tool(name);
+        let Value::Object(args) = args else {
+            unreachable!()
+        };
+        let ctx = &ctx;
+        async move { tool.call(args, ctx).await }
+    };
+    ok(call(&ctx, json!({"command": "mkdir -p sub && cd sub"})).await);
+    ok(file_call("write_file", json!({"path": "rel.txt", "content": "x\n"})).await);
+    assert!(dir.path().join("sub/rel.txt").exists());
+    let listed = ok(call(
+        &ctx,
+        json!({"command": "ls rel.txt; cat ../rel.txt 2>&1 | head -c 0"}),
+    )
+    .await);
+    assert_eq!(listed["output"], "rel.txt");
+    let read = ok(file_call("read_file", json!({"path": "rel.txt"})).await);
+    assert!(read.to_string().contains('x'), "{read}");
+    // `..` may climb back to the workspace root, not past it.
+    ok(file_call("write_file", json!({"path": "../top.txt", "content": "t"})).await);
+    assert!(dir.path().join("top.txt").exists());
+    let escaped = file_call("read_file", json!({"path": "../../etc/passwd"})).await;
+    assert!(matches!(escaped, ToolOutcome::Err(_)), "{escaped:?}");
+    // Where the file tools cannot follow the shell, they say so rather than guess.
+    ok(call(&ctx, json!({"command": "cd /"})).await);
+    let ToolOutcome::Err(refused) = file_call("read_file", json!({"path": "rel.txt"})).await else {
+        panic!("a file tool followed the shell out of the workspace");
+    };
+    assert!(refused.contains("outside the workspace"), "{refused}");
+}
+
+async fn a_server_started_in_the_background_answers_a_later_call(place: Where) {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(place, dir.path(), ToolLimits::default());
+    std::fs::write(dir.path().join("index.html"), "served from the workspace\n").unwrap();
+    let id = start_job(
+        &ctx,
+        "exec /usr/bin/python3 -u -m http.server 0 --bind 127.0.0.1",
+    )
+    .await;
+    let port = wait_for_output(&ctx, &id, "port ")
+        .await
+        .split("port ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|port| port.parse::<u16>().ok())
+        .expect("the server printed its port");
+    let fetched = ok(call(
+        &ctx,
+        json!({"command": format!("curl -s http://127.0.0.1:{port}/index.html")}),
+    )
+    .await);
+    assert_eq!(fetched["output"], "served from the workspace", "{fetched}");
+    let polled = process(&ctx, json!({"action": "poll", "session_id": id})).await;
+    assert_eq!(polled["status"], "running", "{polled}");
+    let log = process(&ctx, json!({"action": "log", "session_id": id})).await;
+    assert!(
+        log["output"].as_str().unwrap().contains("GET /index.html"),
+        "{log}"
+    );
+    let killed = process(&ctx, json!({"action": "kill", "session_id": id})).await;
+    assert_eq!(killed["status"], "killed", "{killed}");
+    assert_eq!(killed["termination_source"], "process.kill");
+    let after = process(&ctx, json!({"action": "poll", "session_id": id})).await;
+    assert_eq!(after["status"], "exited", "{after}");
+    assert_eq!(after["exit_code"], -15, "{after}");
+    let refused = ok(call(
+        &ctx,
+        json!({"command": format!("curl -s -m 2 http://127.0.0.1:{port}/ || echo refused")}),
+    )
+    .await);
+    assert_eq!(refused["output"], "refused");
+}
+
+/// Polls the job until its output holds `needle`; its output then.
+async fn wait_for_output(ctx: &ToolContext, id: &str, needle: &str) -> String {
+    for _ in 0..200 {
+        let polled = process(ctx, json!({"action": "poll", "session_id": id})).await;
+        let preview = polled["output_preview"].as_str().unwrap_or("").to_owned();
+        if preview.contains(needle) {
+            return preview;
+        }
+        assert_eq!(polled["status"], "running", "{polled}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{needle:?} never appeared in the job's output");
+}
+
+async fn the_process_actions_behave_as_the_references(place: Where) {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(place, dir.path(), ToolLimits::default());
+    ok(call(
+        &ctx,
+        json!({"command": "export GREETING=hi; mkdir -p w; cd w"}),
+    )
+    .await);
+    // The job starts where the shell is, with what it exported.
+    let id = start_job(&ctx, "echo $GREETING from $(basename $PWD); exec cat").await;
+    let wrote = process(
+        &ctx,
+        json!({"action": "write", "session_id": id, "data": "hello "}),
+    )
+    .await;
+    assert_eq!(wrote, json!({"status": "ok", "bytes_written": 6}));
+    let submitted = process(
+        &ctx,
+        json!({"action": "submit", "session_id": id, "data": "world"}),
+    )
+    .await;
+    assert_eq!(submitted, json!({"status": "ok", "bytes_written": 6}));
+    wait_for_output(&ctx, &id, "hello world").await;
+    let waited = process(
+        &ctx,
+        json!({"action": "wait", "session_id": id, "timeout": 1}),
+    )
+    .await;
+    assert_eq!(waited["status"], "timeout", "{waited}");
+    assert_eq!(waited["timeout_note"], "Waited 1s, process still running");
+    let closed = process(&ctx, json!({"action": "close", "session_id": id})).await;
+    assert_eq!(closed, json!({"status": "ok", "message": "stdin closed"}));
+    let waited = process(
+        &ctx,
+        json!({"action": "wait", "session_id": id, "timeout": 999}),
+    )
+    .await;
+    assert_eq!(
+        waited,
+        json!({
+            "status": "exited",
+            "command": "echo $GREETING from $(basename $PWD); exec cat",
+            "exit_code": 0,
+            "completion_reason": "exited",
+            "termination_source": "",
+            "output": "hi from w\nhello world\n",
+            "timeout_note": "Requested wait of 999s was clamped to configured limit of 180s",
+        })
+    );
+    let log = process(
+        &ctx,
+        json!({"action": "log", "session_id": id, "offset": 1, "limit": 1}),
+    )
+    .await;
+    assert_eq!(log["output"], "hello world");
+    assert_eq!(log["total_lines"], 2);
+    assert_eq!(log["showing"], "1 lines");
+    let late = process(
+        &ctx,
+        json!({"action": "submit", "session_id": id, "data": "x"}),
+    )
+    .await;
+    assert_eq!(
+        late,
+        json!({"status": "already_exited", "error": "Process has already finished"})
+    );
+    let again = process(&ctx, json!({"action": "kill", "session_id": id})).await;
+    assert_eq!(again["status"], "already_exited", "{again}");
+    assert_eq!(again["exit_code"], 0);
+    // A unique prefix of four hex digits names the job too.
+    let prefix = &id[..9];
+    let polled = process(&ctx, json!({"action": "poll", "session_id": prefix})).await;
+    assert_eq!(polled["session_id"], id.as_str(), "{polled}");
+    let listed = process(&ctx, json!({"action": "list"})).await;
+    let entry = &listed["processes"][0];
+    assert_eq!(entry["session_id"], id.as_str(), "{listed}");
+    assert_eq!(entry["status"], "exited");
+    assert!(entry["cwd"].as_str().unwrap().ends_with("/w"), "{entry}");
+    let missing = process(
+        &ctx,
+        json!({"action": "poll", "session_id": "proc_000000000000"}),
+    )
+    .await;
+    assert_eq!(
+        missing,
+        json!({"status": "not_found", "error": "No process with ID proc_000000000000"})
+    );
+    let Value::Object(args) = json!({"action": "poll"}) else {
+        unreachable!()
+    };
+    let process_tool = terminal::tools(&ToolsSpec::default()).remove(1);
+    assert_eq!(
+        process_tool.call(args, &ctx).await,
+        ToolOutcome::Err("session_id is required for poll".to_owned())
+    );
+}
+
+async fn jobs_are_bounded_and_none_outlives_the_conversation(place: Where) {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(place, dir.path(), ToolLimits::default());
+    let mut pids = Vec::new();
+    for _ in 0..8 {
+        let started = ok(call(
+            &ctx,
+            json!({"command": "setsid sleep 300 & sleep 300", "background": true}),
+        )
+        .await);
+        pids.push(started["pid"].as_i64().unwrap());
+    }
+    let ninth = ok(call(&ctx, json!({"command": "sleep 1", "background": true})).await);
+    assert_eq!(ninth["exit_code"], -1, "{ninth}");
+    assert!(
+        ninth["error"].as_str().unwrap().contains("already running"),
+        "{ninth}"
+    );
+    ctx.close().await;
+    assert!(
+        processes_in(dir.path()).is_empty(),
+        "{:?}",
+        processes_in(dir.path())
+    );
+    if matches!(place, Where::Local) {
+        for pid in pids {
+            assert!(process_is_gone(i32::try_from(pid).unwrap()), "{pid}");
+        }
+    }
 }
 
 /// Small limits, so that the offenders below stay cheap on a shared test machine.
@@ -402,6 +776,7 @@ impl Neighbours {
                 },
                 sandbox: sandbox.clone(),
                 browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+                terminal: trajectory_worker::tools::terminal::Terminal::default(),
             }
         };
         Self {
@@ -430,7 +805,7 @@ impl Neighbours {
         let neighbour = ok(neighbour);
         assert_eq!(
             neighbour,
-            json!({"output": "20\ndone\n", "exit_code": 0, "error": null})
+            json!({"output": "20\ndone", "exit_code": 0, "error": null})
         );
         let (outcome, took) = offended;
         let ToolOutcome::Err(error) = outcome else {
@@ -527,14 +902,55 @@ async fn one_huge_file_stops_at_the_workspace_limit_and_can_be_deleted(place: Wh
         json!({"command": "ls; rm fill; echo room"}),
     )
     .await);
-    assert_eq!(cleaned["output"], "fill\nroom\n");
+    assert_eq!(cleaned["output"], "fill\nroom");
     let again = ok(call(
         &neighbours.offender,
         json!({"command": "head -c 1M /dev/zero > f; echo ok"}),
     )
     .await);
-    assert_eq!(again["output"], "ok\n");
+    assert_eq!(again["output"], "ok");
 }
+
+async fn a_runaway_job_is_stopped_at_its_limit_with_the_reason(place: Where) {
+    let neighbours = Neighbours::new(place);
+    let ctx = &neighbours.offender;
+    let flood = start_job(ctx, "yes flooding").await;
+    let bomb = start_job(
+        ctx,
+        "f(){ if [ $1 -lt 9 ]; then f $(($1+1)) & f $(($1+1)) & fi; sleep 300; }; f 0",
+    )
+    .await;
+    let hog = start_job(ctx, "head -c 2G /dev/zero | tail").await;
+    for (id, reason) in [
+        (&flood, "of output and was stopped"),
+        (&bomb, "process limit"),
+        (&hog, "memory limit"),
+    ] {
+        let waited = process(
+            ctx,
+            json!({"action": "wait", "session_id": id, "timeout": 30}),
+        )
+        .await;
+        assert_eq!(waited["status"], "exited", "{waited}");
+        assert_eq!(waited["termination_source"], "sandbox.limit", "{waited}");
+        let why = waited["stopped_reason"].as_str().unwrap_or_default();
+        assert!(why.contains(reason), "{id}: {waited}");
+    }
+    // The shell of the conversation is not the jobs': it still answers.
+    let alive = ok(call(ctx, json!({"command": "echo alive"})).await);
+    assert_eq!(alive["output"], "alive");
+    ctx.close().await;
+    assert!(processes_in(ctx.workspace.root()).is_empty());
+}
+
+in_both_places!(
+    a_runaway_job_is_stopped_at_its_limit_with_the_reason,
+    cd_export_and_workdir_persist_between_calls,
+    the_file_tools_follow_the_terminals_directory,
+    a_server_started_in_the_background_answers_a_later_call,
+    the_process_actions_behave_as_the_references,
+    jobs_are_bounded_and_none_outlives_the_conversation,
+);
 
 in_both_places!(
     fork_bomb_is_stopped_at_the_process_limit,
@@ -550,11 +966,13 @@ in_both_places!(
     command_runs_in_the_workspace_with_home_there_and_a_dumb_terminal,
     worker_environment_is_not_passed_to_commands,
     stdin_is_empty,
-    timeout_kills_the_whole_process_group,
-    requested_timeout_is_capped_by_the_limit,
+    a_timed_out_command_is_killed_and_the_shell_lives_on,
+    a_shell_stuck_in_a_builtin_loop_is_restarted_in_its_directory,
+    a_timeout_above_the_foreground_maximum_is_refused,
     shorter_requested_timeout_is_honoured,
-    dropping_the_call_kills_the_process_group,
-    background_process_does_not_outlive_the_command,
+    closing_the_conversation_ends_everything_it_started,
+    dropping_the_conversation_ends_everything_it_started,
+    a_job_left_running_with_an_ampersand_lives_until_the_conversation_ends,
     large_output_keeps_head_and_tail_within_the_cap,
     missing_or_empty_command_is_an_error,
 );

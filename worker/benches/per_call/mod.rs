@@ -113,5 +113,6 @@ pub fn tool_context(workspace: &Path) -> anyhow::Result<ToolContext> {
         limits: ToolLimits::default(),
         sandbox: Sandbox::new(env!("CARGO_BIN_EXE_trajectory-worker"), LandlockMode::Auto),
         browser: ConversationBrowser::default(),
+        terminal: trajectory_worker::tools::terminal::Terminal::default(),
     })
 }

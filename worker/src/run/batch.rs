@@ -1073,6 +1073,7 @@ async fn converse(
         limits: engine.limits.clone(),
         sandbox: engine.sandbox.clone(),
         browser: crate::tools::browser::ConversationBrowser::default(),
+        terminal: crate::tools::terminal::Terminal::default(),
     };
     let result = run_conversation(
         &engine.client,
@@ -1082,6 +1083,8 @@ async fn converse(
         &engine.agent,
     )
     .await;
+    // Nothing of the conversation may run on once its workspace is handed on or removed.
+    tool_context.close().await;
     let untouched = result
         .as_ref()
         .is_ok_and(|conversation| only_read_only_tools_ran(conversation, &offered.tools));

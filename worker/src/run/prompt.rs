@@ -60,21 +60,23 @@ pub async fn run_prompt(
         limits: engine.limits.clone(),
         sandbox: engine.sandbox.clone(),
         browser: crate::tools::browser::ConversationBrowser::default(),
+        terminal: crate::tools::terminal::Terminal::default(),
     };
     let started_at = chrono::Utc::now();
-    let conversation = run_conversation(&engine.client, &tools, &context, prompt, &engine.agent)
-        .await
-        .map_err(|err| {
-            if err.is_model_missing() {
-                RunError::ModelNotFound(err.to_string())
-            } else if err.is_permanent() {
-                RunError::ModelConfiguration(err.to_string())
-            } else if err.is_transient() {
-                RunError::ModelUnavailable(err.to_string())
-            } else {
-                RunError::Internal(err.to_string())
-            }
-        })?;
+    let conversation =
+        run_conversation(&engine.client, &tools, &context, prompt, &engine.agent).await;
+    context.close().await;
+    let conversation = conversation.map_err(|err| {
+        if err.is_model_missing() {
+            RunError::ModelNotFound(err.to_string())
+        } else if err.is_permanent() {
+            RunError::ModelConfiguration(err.to_string())
+        } else if err.is_transient() {
+            RunError::ModelUnavailable(err.to_string())
+        } else {
+            RunError::Internal(err.to_string())
+        }
+    })?;
     let source = Map::new();
     let record_context = RecordContext {
         id: "prompt-0-0",

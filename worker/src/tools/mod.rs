@@ -102,14 +102,47 @@ pub struct ToolContext {
     /// The conversation's browser context, opened by its first browser call and disposed with
     /// this context.
     pub browser: browser::ConversationBrowser,
+    /// The conversation's shell, background jobs and working directory; ended by
+    /// [`ToolContext::close`].
+    pub terminal: terminal::Terminal,
+}
+
+impl ToolContext {
+    /// A context for one conversation in `workspace`.
+    pub fn new(workspace: Workspace, limits: ToolLimits, sandbox: sandbox::Sandbox) -> Self {
+        Self {
+            workspace,
+            limits,
+            sandbox,
+            browser: browser::ConversationBrowser::default(),
+            terminal: terminal::Terminal::default(),
+        }
+    }
+
+    /// Ends what the conversation left running (its shell, its background jobs) and waits until
+    /// it is gone, so that nothing of it touches the workspace afterwards.
+    pub async fn close(&self) {
+        self.terminal.close().await;
+    }
+
+    /// The workspace as the file tools see it: relative paths start in the terminal's working
+    /// directory, as hermes-agent's file tools do.
+    pub fn file_workspace(&self) -> Result<Workspace, String> {
+        let base = terminal::file_base(&self.terminal, self.workspace.root())?;
+        Ok(Workspace {
+            root: self.workspace.root.clone(),
+            base,
+        })
+    }
 }
 
 /// Caps that keep a misbehaving model from producing unbounded work or output.
 #[derive(Debug, Clone)]
 pub struct ToolLimits {
-    /// Wall-clock limit of one terminal command; the whole process group is killed after it.
+    /// Wall-clock limit of a terminal command that names none (and the longest `process`
+    /// `wait`); what the command started is killed after it.
     pub command_timeout: std::time::Duration,
-    /// Bytes of stdout+stderr kept from one command (head and tail are kept, the middle elided).
+    /// Bytes of a command's output shown (head and tail are kept, the middle elided).
     pub max_output_bytes: usize,
     /// Lines returned by one `read_file` page.
     pub max_read_lines: usize,
@@ -122,8 +155,8 @@ pub struct ToolLimits {
 impl Default for ToolLimits {
     fn default() -> Self {
         Self {
-            command_timeout: std::time::Duration::from_secs(60),
-            max_output_bytes: 16 * 1024,
+            command_timeout: std::time::Duration::from_secs(180),
+            max_output_bytes: 50_000,
             max_read_lines: 500,
             max_write_bytes: 1024 * 1024,
             max_search_results: 100,
@@ -148,20 +181,26 @@ pub enum WorkspaceError {
 #[derive(Debug, Clone)]
 pub struct Workspace {
     root: PathBuf,
+    /// Where relative paths start, relative to `root` (the terminal's working directory).
+    base: PathBuf,
 }
 
 impl Workspace {
     /// Uses `root` (which must exist) as the workspace.
     pub fn new(root: impl Into<PathBuf>) -> std::io::Result<Self> {
         let root = root.into().canonicalize()?;
-        Ok(Self { root })
+        Ok(Self {
+            root,
+            base: PathBuf::new(),
+        })
     }
 
     pub fn root(&self) -> &Path {
         &self.root
     }
 
-    /// Maps a path the model gave (relative to the workspace) to a real path inside it.
+    /// Maps a path the model gave (relative to the directory relative paths start in) to a real
+    /// path inside the workspace.
     ///
     /// The path need not exist (so `write_file` can create it), but every existing ancestor is
     /// canonicalised, so a symlink anywhere along the way that points outside is refused.
@@ -170,7 +209,7 @@ impl Workspace {
         if relative.is_absolute() {
             return Err(WorkspaceError::Absolute(requested.to_owned()));
         }
-        let mut lexical = PathBuf::new();
+        let mut lexical = self.base.clone();
         for component in relative.components() {
             match component {
                 Component::Normal(part) => lexical.push(part),

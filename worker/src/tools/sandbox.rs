@@ -13,13 +13,16 @@
 //!   volume, no other container's processes.
 //!
 //! Long-lived programs (MCP stdio servers, Chromium) run the same ways as sessions
-//! ([`Session`]): under the executor, in the sandbox container in a pod.
+//! ([`Session`]): under the executor, in the sandbox container in a pod. So do a conversation's
+//! shell and its background jobs ([`Program`]), in the conversation's workspace.
 
+mod program;
 mod session;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub use program::{OutputLog, OutputSink, Program, ProgramState};
 pub use session::{Ended, Session, SessionEnd};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;

@@ -41,6 +41,7 @@ pub fn tool_context(workspace: &Path) -> ToolContext {
         limits: ToolLimits::default(),
         sandbox: sandbox(),
         browser: ConversationBrowser::default(),
+        terminal: trajectory_worker::tools::terminal::Terminal::default(),
     }
 }
 

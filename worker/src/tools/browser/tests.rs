@@ -129,6 +129,7 @@ impl Browser {
             limits: ToolLimits::default(),
             sandbox: Sandbox::local(LandlockMode::Auto),
             browser: super::ConversationBrowser::default(),
+            terminal: crate::tools::terminal::Terminal::default(),
         }
     }
 

@@ -45,6 +45,7 @@ impl Fixture {
                 // The file tools run in the worker; no executor is started.
                 sandbox: Sandbox::local(LandlockMode::Auto),
                 browser: crate::tools::browser::ConversationBrowser::default(),
+                terminal: crate::tools::terminal::Terminal::default(),
             },
             outside: outside.canonicalize().unwrap(),
             _parent: parent,

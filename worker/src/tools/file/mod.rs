@@ -110,9 +110,13 @@ impl<Call: FileCall> Tool for FileTool<Call> {
     }
 
     fn call<'a>(&'a self, args: Map<String, Value>, ctx: &'a ToolContext) -> ToolFuture<'a> {
-        let workspace = ctx.workspace.clone();
+        let workspace = ctx.file_workspace();
         let limits = ctx.limits.clone();
         Box::pin(async move {
+            let workspace = match workspace {
+                Ok(workspace) => workspace,
+                Err(message) => return ToolOutcome::Err(message),
+            };
             let call = match Call::parse(&args) {
                 Ok(call) => call,
                 Err(message) => return ToolOutcome::Err(message),

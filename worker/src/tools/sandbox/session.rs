@@ -90,35 +90,56 @@ impl Sandbox {
             landlock: self.landlock,
             limits: self.limits,
             cdp_pipe: false,
+            workspace: None,
+            cwd: None,
         }
     }
 
     /// Starts `request`'s program: in the sandbox container (a pod), or under an executor of the
     /// worker's own, with a private directory removed when it ends (local).
     pub async fn start_session(&self, request: &SessionRequest) -> std::io::Result<Session> {
-        let stream = match &self.place {
+        let stream = self.connect_session(request).await?;
+        Ok(attach(stream, request.cdp_pipe))
+    }
+
+    /// The connection of a new session running `request`: to the sandbox container's server
+    /// (a pod), or to an executor of the worker's own (local).
+    pub(super) async fn connect_session(
+        &self,
+        request: &SessionRequest,
+    ) -> std::io::Result<UnixStream> {
+        match &self.place {
             Place::Pod { socket } => {
                 let mut stream = connect_waiting(socket, SOCKET_WAIT).await?;
                 stream.write_all(&protocol::session_line(request)).await?;
-                stream
+                Ok(stream)
             }
-            Place::Local { executor } => start_local(executor, request)?,
-        };
-        Ok(attach(stream, request.cdp_pipe))
+            Place::Local { executor } => start_local(executor, request),
+        }
     }
 }
 
-/// Starts the executor here, on one end of a socket pair; returns the other.
+/// Starts the executor here, on one end of a socket pair; returns the other. A session without
+/// a workspace gets a private directory, removed when the executor has ended.
 fn start_local(executor: &Path, request: &SessionRequest) -> std::io::Result<UnixStream> {
-    let dir = tempfile::Builder::new()
-        .prefix("trajectory-session-")
-        .tempdir()?;
+    let private = if request.workspace.is_none() {
+        Some(
+            tempfile::Builder::new()
+                .prefix("trajectory-session-")
+                .tempdir()?,
+        )
+    } else {
+        None
+    };
+    let dir = match (&request.workspace, &private) {
+        (Some(workspace), _) => std::path::PathBuf::from(workspace),
+        (None, Some(private)) => private.path().to_owned(),
+        (None, None) => unreachable!("a private directory is made when there is no workspace"),
+    };
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
     ours.set_nonblocking(true)?;
     let mut command = tokio::process::Command::from(trajectory_sandbox::session::command(
-        executor,
-        dir.path(),
-        request,
+        executor, &dir, request,
     ));
     command
         .stdin(std::process::Stdio::from(std::os::fd::OwnedFd::from(
@@ -134,7 +155,7 @@ fn start_local(executor: &Path, request: &SessionRequest) -> std::io::Result<Uni
     // The executor ends when the connection closes; its private directory goes after it.
     tokio::spawn(async move {
         let _ = child.wait().await;
-        drop(dir);
+        drop(private);
     });
     UnixStream::from_std(ours)
 }
@@ -250,6 +271,8 @@ async fn demux(
             protocol::EXIT => {
                 break protocol::parse_exit(bytes).map_or(Ended::Lost, Ended::Exited);
             }
+            // These programs are reached through their streams only.
+            protocol::PID => {}
             _ => break Ended::Lost,
         }
     };
