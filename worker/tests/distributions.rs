@@ -21,7 +21,8 @@ use trajectory_testkit::scripted_server::{
 };
 use trajectory_worker::run::local::run_local;
 use trajectory_worker::spec::RunSpec;
-use trajectory_worker::toolsets::{BUILTIN_DISTRIBUTIONS, distribution_violations};
+use trajectory_worker::toolsets::BUILTIN_DISTRIBUTIONS;
+use trajectory_worker::validate::distribution_violations;
 use web_servers::Searx;
 
 /// The page the probes extract and browse.

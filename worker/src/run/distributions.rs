@@ -1,7 +1,7 @@
 //! `distributions`: the built-in distributions, the toolsets each one draws, and what each toolset
 //! needs configured; given a run file, which distributions that file can serve and what it lacks.
 //!
-//! The verdicts come from the same checks that refuse a run ([`crate::toolsets`]), so the listing
+//! The verdicts come from the same checks that refuse a run ([`crate::validate`]), so the listing
 //! cannot promise a distribution that validation would then refuse.
 
 use std::fmt::Write as _;
@@ -9,9 +9,8 @@ use std::path::Path;
 
 use super::{RunError, RunFile};
 use crate::spec::{DistributionSpec, RunSpec, ToolsSpec};
-use crate::toolsets::{
-    BUILTIN_DISTRIBUTIONS, NOT_YET_SHIPPED, SHIPPED, distribution_violations, missing_backend,
-};
+use crate::toolsets::{BUILTIN_DISTRIBUTIONS, NOT_YET_SHIPPED, SHIPPED, missing_backend};
+use crate::validate::distribution_violations;
 
 /// Prints the listing, checked against `run_file` when one is given; fails, naming the fields,
 /// when that file's own distribution cannot run.
