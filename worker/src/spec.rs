@@ -31,7 +31,8 @@ pub struct RunSpec {
     #[serde(default = "default_concurrency")]
     pub concurrency: u32,
     /// Toolset distribution: the name of a built-in distribution, or an inline map of toolset
-    /// name to inclusion probability in percent (each toolset drawn independently per prompt).
+    /// name to inclusion probability in percent (each toolset drawn independently per prompt). A
+    /// key may group toolsets with `+` (`browser+search`): one draw offers all of them.
     #[serde(default)]
     pub distribution: DistributionSpec,
     /// Seed of toolset sampling. The toolsets of a prompt are a pure function of
@@ -99,7 +100,9 @@ pub struct DatasetSpec {
 pub enum DistributionSpec {
     /// One of the built-in distribution names (e.g. `terminal_only`, `development`).
     Named(String),
-    /// Toolset name → inclusion probability in percent (0–100).
+    /// Toolset name, or toolsets joined by `+` that one draw offers together
+    /// (`browser+search`), → inclusion probability in percent (0–100). Entries are drawn in the
+    /// map's (alphabetical) order, which is the order of `toolsets_used`.
     Inline(BTreeMap<String, f64>),
 }
 

@@ -1,67 +1,69 @@
-//! Whether a spec's distribution can be served by this build: a known name, known toolsets, and
-//! the backend of every toolset it can draw configured.
+//! Whether a spec's distribution can be served by this build: a known name, known toolsets (each
+//! member of a group entry among them), and the backend of every toolset it can draw configured.
 
 use super::SpecViolation;
 use crate::spec::{DistributionSpec, ToolsSpec};
-use crate::toolsets::{BUILTIN_DISTRIBUTIONS, NOT_YET_SHIPPED, SHIPPED, missing_backend};
+use crate::toolsets::{
+    BUILTIN_DISTRIBUTIONS, BuiltinDistribution, NOT_YET_SHIPPED, SHIPPED, entry_members,
+    missing_backend,
+};
 
 /// Every way `spec` names a distribution this build cannot serve: an unknown name, an unknown
 /// toolset, or a toolset it does not ship (or whose backend `tools` does not configure) drawn
 /// with a probability above 0; toolsets the spec declares itself (MCP servers and HTTP toolsets,
-/// `spec.tools`) may be named by an inline distribution too. Each violation names
-/// `spec.distribution` (or the inline toolset's own field, or the missing backend setting).
+/// `spec.tools`) may be named by an inline distribution too. The members of a group entry
+/// (`browser+search`) are checked one by one. Each violation names `spec.distribution` (or the
+/// inline entry's own field, or the missing backend setting).
 pub fn distribution_violations(spec: &DistributionSpec, tools: &ToolsSpec) -> Vec<SpecViolation> {
     let declared: Vec<&str> = tools.declared_toolsets().collect();
     let violation = |field: String, message: String| SpecViolation { field, message };
-    let (name, toolsets): (&str, Vec<(&str, f64)>) = match spec {
+    let (name, entries): (&str, Vec<(&str, f64)>) = match spec {
         DistributionSpec::Named(name) => {
-            let Some((_, _, toolsets)) = BUILTIN_DISTRIBUTIONS.iter().find(|(n, ..)| n == name)
-            else {
-                let known: Vec<&str> = BUILTIN_DISTRIBUTIONS
-                    .iter()
-                    .map(|(name, ..)| *name)
-                    .collect();
+            let Some(builtin) = BuiltinDistribution::named(name) else {
+                let known: Vec<&str> = BUILTIN_DISTRIBUTIONS.iter().map(|d| d.name).collect();
                 return vec![violation(
                     "spec.distribution".to_owned(),
                     format!("unknown distribution {name:?}; known: {}", known.join(", ")),
                 )];
             };
-            (name, toolsets.to_vec())
+            (name, builtin.entries.to_vec())
         }
         DistributionSpec::Inline(map) => (
             "inline",
             map.iter()
-                .map(|(toolset, percent)| (toolset.as_str(), *percent))
+                .map(|(entry, percent)| (entry.as_str(), *percent))
                 .collect(),
         ),
     };
     let mut violations = Vec::new();
-    for (toolset, percent) in toolsets {
-        if let Some((_, hint)) = NOT_YET_SHIPPED.iter().find(|(n, _)| *n == toolset) {
-            if percent > 0.0 {
+    for (entry, percent) in entries {
+        for toolset in entry_members(entry) {
+            if let Some((_, hint)) = NOT_YET_SHIPPED.iter().find(|(n, _)| *n == toolset) {
+                if percent > 0.0 {
+                    violations.push(violation(
+                        "spec.distribution".to_owned(),
+                        format!(
+                            "{name:?} can draw toolset {toolset:?} ({percent}%), which is not available: {hint}"
+                        ),
+                    ));
+                }
+            } else if let Some(field) = missing_backend(toolset, tools).filter(|_| percent > 0.0) {
                 violations.push(violation(
-                    "spec.distribution".to_owned(),
-                    format!(
-                        "{name:?} can draw toolset {toolset:?} ({percent}%), which is not available: {hint}"
-                    ),
+                    field.to_owned(),
+                    format!("required because distribution {name:?} draws toolset {toolset}"),
+                ));
+            } else if !SHIPPED.contains(&toolset) && !declared.contains(&toolset) {
+                let known: Vec<&str> = SHIPPED
+                    .iter()
+                    .copied()
+                    .chain(NOT_YET_SHIPPED.iter().map(|(name, _)| *name))
+                    .chain(declared.iter().copied())
+                    .collect();
+                violations.push(violation(
+                    format!("spec.distribution.{entry}"),
+                    format!("unknown toolset {toolset:?}; known: {}", known.join(", ")),
                 ));
             }
-        } else if let Some(field) = missing_backend(toolset, tools).filter(|_| percent > 0.0) {
-            violations.push(violation(
-                field.to_owned(),
-                format!("required because distribution {name:?} draws toolset {toolset}"),
-            ));
-        } else if !SHIPPED.contains(&toolset) && !declared.contains(&toolset) {
-            let known: Vec<&str> = SHIPPED
-                .iter()
-                .copied()
-                .chain(NOT_YET_SHIPPED.iter().map(|(name, _)| *name))
-                .chain(declared.iter().copied())
-                .collect();
-            violations.push(violation(
-                format!("spec.distribution.{toolset}"),
-                format!("unknown toolset {toolset:?}; known: {}", known.join(", ")),
-            ));
         }
     }
     violations
@@ -103,8 +105,9 @@ mod tests {
         }))
         .unwrap();
         assert!(NOT_YET_SHIPPED.is_empty());
-        for (name, ..) in BUILTIN_DISTRIBUTIONS {
-            let spec = DistributionSpec::Named((*name).to_owned());
+        for builtin in BUILTIN_DISTRIBUTIONS {
+            let name = builtin.name;
+            let spec = DistributionSpec::Named(name.to_owned());
             assert_eq!(distribution_violations(&spec, &tools), [], "{name}");
         }
         assert_eq!(missing_backend("vision", &tools), None);
@@ -161,7 +164,7 @@ mod tests {
         assert_eq!(
             messages(&inline),
             [
-                "spec.distribution.termnal: unknown toolset \"termnal\"; known: terminal, file, web, browser, vision, image_gen"
+                "spec.distribution.termnal: unknown toolset \"termnal\"; known: terminal, file, web, search, browser, vision, image_gen"
             ]
         );
         // A toolset this build does not ship, or whose backend is missing, may be named at 0%.
@@ -174,5 +177,33 @@ mod tests {
             .into(),
         );
         assert!(messages(&off).is_empty());
+    }
+
+    #[test]
+    fn each_member_of_a_group_entry_is_checked_and_a_bad_one_names_the_group() {
+        assert_eq!(
+            messages(&DistributionSpec::Named("browser_tasks".into())),
+            [
+                "spec.tools.browser: required because distribution \"browser_tasks\" draws toolset browser",
+                "spec.tools.web.search: required because distribution \"browser_tasks\" draws toolset search",
+                "spec.tools.vision: required because distribution \"browser_tasks\" draws toolset vision",
+            ]
+        );
+        let inline = DistributionSpec::Inline(
+            [
+                ("terminal+file".to_owned(), 80.0),
+                ("terminal+fiel".to_owned(), 20.0),
+            ]
+            .into(),
+        );
+        let violations = distribution_violations(&inline, &ToolsSpec::default());
+        assert_eq!(violations.len(), 1, "{violations:?}");
+        assert_eq!(violations[0].field, "spec.distribution.terminal+fiel");
+        assert!(
+            violations[0]
+                .message
+                .starts_with("unknown toolset \"fiel\"; known: terminal, file"),
+            "{violations:?}"
+        );
     }
 }

@@ -235,10 +235,10 @@ impl RunSpec {
                 "distribution",
                 "an inline distribution needs a toolset".to_owned(),
             );
-            for (toolset, percent) in map {
+            for (entry, percent) in map {
                 violations.check(
                     (0.0..=100.0).contains(percent),
-                    &format!("distribution.{toolset}"),
+                    &format!("distribution.{entry}"),
                     format!("percent must be between 0 and 100, got {percent}"),
                 );
             }
