@@ -349,7 +349,20 @@ mod tests {
             .map(|i| balanced.sample(42, i, 0).join("+"))
             .collect();
         assert_eq!(draws, PINNED_DRAWS);
+        // A group is drawn once, on its entry's name.
+        let grouped = entries(&[("web+file", 50.0), ("terminal", 50.0)]);
+        let draws: Vec<_> = (0..6).map(|i| grouped.sample(42, i, 0).join(" ")).collect();
+        assert_eq!(draws, PINNED_GROUP_DRAWS);
     }
+
+    const PINNED_GROUP_DRAWS: [&str; 6] = [
+        "terminal",
+        "web file terminal",
+        "terminal",
+        "web file",
+        "web file",
+        "web file",
+    ];
 
     const PINNED_DRAWS: [&str; 6] = [
         "file+terminal",
