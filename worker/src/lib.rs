@@ -42,13 +42,15 @@
 //!
 //! Dependencies between these modules point one way, so each reads knowing only what is below
 //! it: [`spec`] and [`template`] import nothing of the crate, [`toolsets`] names the spec's types,
-//! [`contract`] carries a spec, and [`validate`], above them all, checks a spec against the
-//! toolsets and templates; the engine's modules may use any of them, and none of them the engine.
+//! [`contract`] carries a spec, and [`validate`] sits above the spec, the toolsets and the
+//! templates it checks a spec against; the engine's modules may use any of them, none of them
+//! the engine.
 //!
 //! ```text
-//!  validate ──┬──► toolsets ──► spec ◄── contract
-//!             ├──► template
-//!             └──────────────► spec
+//!  validate ──► toolsets ──► spec ◄── contract
+//!     │  │                    ▲
+//!     │  └──► template        │
+//!     └───────────────────────┘
 //! ```
 
 pub mod contract;
