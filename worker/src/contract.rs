@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::spec::RunSpec;
+use crate::spec::{NamedValue, RunSpec, SecretKeyRef, ToolsSpec};
 
 /// Environment variables, named in one place for the operator (which writes pod specs) and the
 /// worker (which reads them).
@@ -37,6 +37,54 @@ pub mod env {
     pub const EXECUTOR: &str = "TRAJ_EXECUTOR";
     /// The Unix socket of the sandbox container's executor (generation pods).
     pub const SANDBOX_SOCKET: &str = "TRAJ_SANDBOX_SOCKET";
+}
+
+/// Every Secret key a tool setting of `tools` refers to, with the environment variable the
+/// worker reads it from: the operator puts exactly these into the worker container (never into the
+/// sandbox container, where the model's commands run).
+pub fn secret_env(tools: &ToolsSpec) -> Vec<(String, &SecretKeyRef)> {
+    fn named(values: &[NamedValue]) -> impl Iterator<Item = &SecretKeyRef> {
+        values
+            .iter()
+            .filter_map(|value| value.value_from.as_ref()?.secret_key_ref.as_ref())
+    }
+    let mut refs: Vec<&SecretKeyRef> = Vec::new();
+    for server in &tools.mcp {
+        if let Some(http) = &server.streamable_http {
+            refs.extend(named(&http.headers));
+        }
+        if let Some(stdio) = &server.stdio {
+            refs.extend(named(&stdio.env));
+        }
+    }
+    for group in &tools.http {
+        for tool in &group.tools {
+            refs.extend(named(&tool.headers));
+        }
+    }
+    let vision_key = tools.vision.as_ref().and_then(|v| v.api_key.as_ref());
+    let image_key = tools.image_gen.as_ref().and_then(|i| i.api_key.as_ref());
+    refs.extend(
+        vision_key
+            .into_iter()
+            .chain(image_key)
+            .filter_map(|source| source.secret_key_ref.as_ref()),
+    );
+    let mut vars: Vec<(String, &SecretKeyRef)> = refs
+        .into_iter()
+        .map(|secret| (secret.env_var(), secret))
+        .collect();
+    if let Some(secret) = tools
+        .web
+        .search
+        .as_ref()
+        .and_then(|search| search.api_key_secret_ref.as_ref())
+    {
+        vars.push((env::WEB_SEARCH_API_KEY.to_owned(), secret));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    vars.retain(|(name, _)| seen.insert(name.clone()));
+    vars
 }
 
 /// Paths inside a worker pod.
@@ -500,6 +548,27 @@ pub fn termination_message<T: Serialize>(summary: &T) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_secret_keys_of_tool_settings_reach_the_worker_once_each() {
+        let tools: ToolsSpec = serde_json::from_value(serde_json::json!({
+            "web": {"search": {"url": "http://searx:8080",
+                               "apiKeySecretRef": {"name": "search", "key": "key"}}},
+            "vision": {"baseUrl": "http://vllm-vl:8000/v1", "model": "vl",
+                       "apiKey": {"secretKeyRef": {"name": "vl-key", "key": "token"}}},
+            "imageGen": {"baseUrl": "http://images:8000/v1", "model": "img",
+                         "apiKey": {"secretKeyRef": {"name": "vl-key", "key": "token"}}},
+        }))
+        .unwrap();
+        let names: Vec<String> = secret_env(&tools)
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        assert_eq!(
+            names,
+            ["TRAJ_SECRET_VL_KEY__TOKEN", env::WEB_SEARCH_API_KEY]
+        );
+    }
 
     #[test]
     fn ranges_round_trip_in_kubernetes_format() {

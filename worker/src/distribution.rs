@@ -1,23 +1,25 @@
 //! Toolset distributions: which toolsets a prompt's agent is offered.
 //!
-//! The reference's semantics, made reproducible: every toolset of a distribution is drawn
+//! The reference's semantics, made reproducible: every entry of a distribution is drawn
 //! independently with its probability (a Bernoulli trial, not a weighted choice; the percentages
-//! need not sum to 100), and when none is drawn the most probable one is taken. The draws are a
-//! pure function of `(seed, prompt_index, sample, toolset)`, so the same run gives the same
-//! toolsets on every machine and every retry.
+//! need not sum to 100); an entry is a toolset or a group such as `browser+search`, whose one draw
+//! enables all its members; when nothing is drawn the most probable entry (the first on ties) is
+//! taken, all its members. The draws are a pure function of `(seed, prompt_index, sample, entry)`,
+//! so the same run gives the same toolsets on every machine and every retry.
 
 use std::collections::BTreeMap;
 
 use crate::spec::DistributionSpec;
 use crate::tools::{Availability, Registry};
-use crate::toolsets::BUILTIN_DISTRIBUTIONS as BUILTIN;
+use crate::toolsets::{BUILTIN_DISTRIBUTIONS, BuiltinDistribution, entry_members};
 
-/// A distribution: toolsets with inclusion probabilities in percent, in declaration order.
+/// A distribution: entries (toolsets or groups of them) with inclusion probabilities in percent,
+/// in declaration order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Distribution {
     pub name: String,
     pub description: String,
-    pub toolsets: Vec<(String, f64)>,
+    pub entries: Vec<(String, f64)>,
 }
 
 /// Why a distribution cannot be used; each names the field and value at fault.
@@ -25,10 +27,15 @@ pub struct Distribution {
 pub enum DistributionError {
     #[error("spec.distribution: unknown distribution {0:?}; known: {1}")]
     UnknownName(String, String),
-    #[error("spec.distribution.{0}: unknown toolset {0:?}; known: {1}")]
-    UnknownToolset(String, String),
-    #[error("spec.distribution.{toolset}: percent must be between 0 and 100, got {percent}")]
-    Percent { toolset: String, percent: f64 },
+    /// `entry` is the toolset itself, or the group naming it.
+    #[error("spec.distribution.{entry}: unknown toolset {toolset:?}; known: {known}")]
+    UnknownToolset {
+        entry: String,
+        toolset: String,
+        known: String,
+    },
+    #[error("spec.distribution.{entry}: percent must be between 0 and 100, got {percent}")]
+    Percent { entry: String, percent: f64 },
     #[error(
         "spec.distribution: {distribution:?} can draw toolset {toolset:?} ({percent}%), which is not available: {hint}"
     )]
@@ -44,17 +51,24 @@ pub enum DistributionError {
 
 /// Every built-in distribution, in the reference's order.
 pub fn builtin() -> Vec<Distribution> {
-    BUILTIN
+    BUILTIN_DISTRIBUTIONS
         .iter()
-        .map(|(name, description, toolsets)| Distribution {
-            name: (*name).to_owned(),
-            description: (*description).to_owned(),
-            toolsets: toolsets
-                .iter()
-                .map(|(toolset, percent)| ((*toolset).to_owned(), *percent))
-                .collect(),
-        })
+        .map(Distribution::from)
         .collect()
+}
+
+impl From<&BuiltinDistribution> for Distribution {
+    fn from(builtin: &BuiltinDistribution) -> Self {
+        Self {
+            name: builtin.name.to_owned(),
+            description: builtin.description.to_owned(),
+            entries: builtin
+                .entries
+                .iter()
+                .map(|(entry, percent)| ((*entry).to_owned(), *percent))
+                .collect(),
+        }
+    }
 }
 
 impl Distribution {
@@ -64,42 +78,44 @@ impl Distribution {
         registry: &Registry,
     ) -> Result<Self, DistributionError> {
         let distribution = match spec {
-            DistributionSpec::Named(name) => builtin()
-                .into_iter()
-                .find(|d| &d.name == name)
+            DistributionSpec::Named(name) => BuiltinDistribution::named(name)
+                .map(Self::from)
                 .ok_or_else(|| {
-                    let known: Vec<_> = BUILTIN.iter().map(|(name, ..)| *name).collect();
+                    let known: Vec<_> = BUILTIN_DISTRIBUTIONS.iter().map(|d| d.name).collect();
                     DistributionError::UnknownName(name.clone(), known.join(", "))
                 })?,
             DistributionSpec::Inline(map) => Self::inline(map),
         };
         let known: Vec<_> = registry.toolset_names().collect();
-        for (toolset, percent) in &distribution.toolsets {
+        for (entry, percent) in &distribution.entries {
             if !(0.0..=100.0).contains(percent) {
                 return Err(DistributionError::Percent {
-                    toolset: toolset.clone(),
+                    entry: entry.clone(),
                     percent: *percent,
                 });
             }
-            let Some(entry) = registry.toolset(toolset) else {
-                return Err(DistributionError::UnknownToolset(
-                    toolset.clone(),
-                    known.join(", "),
-                ));
-            };
-            if let Availability::Unavailable(hint) = &entry.availability
-                && *percent > 0.0
-            {
-                return Err(DistributionError::Unavailable {
-                    distribution: distribution.name.clone(),
-                    toolset: toolset.clone(),
-                    percent: *percent,
-                    hint: hint.clone(),
-                });
+            for toolset in entry_members(entry) {
+                let Some(registered) = registry.toolset(toolset) else {
+                    return Err(DistributionError::UnknownToolset {
+                        entry: entry.clone(),
+                        toolset: toolset.to_owned(),
+                        known: known.join(", "),
+                    });
+                };
+                if let Availability::Unavailable(hint) = &registered.availability
+                    && *percent > 0.0
+                {
+                    return Err(DistributionError::Unavailable {
+                        distribution: distribution.name.clone(),
+                        toolset: toolset.to_owned(),
+                        percent: *percent,
+                        hint: hint.clone(),
+                    });
+                }
             }
         }
         if distribution
-            .toolsets
+            .entries
             .iter()
             .all(|(_, percent)| *percent <= 0.0)
         {
@@ -108,56 +124,72 @@ impl Distribution {
         Ok(distribution)
     }
 
+    /// An inline distribution's entries come in the map's (alphabetical) order.
     fn inline(map: &BTreeMap<String, f64>) -> Self {
         Self {
             name: "inline".to_owned(),
             description: "Inline distribution from the spec".to_owned(),
-            toolsets: map
+            entries: map
                 .iter()
-                .map(|(toolset, percent)| (toolset.clone(), *percent))
+                .map(|(entry, percent)| (entry.clone(), *percent))
                 .collect(),
         }
     }
 
-    /// Every toolset this distribution can draw (probability above 0), in declaration order.
+    /// Every toolset this distribution can draw (its entry's probability above 0), in
+    /// declaration order, each once.
     pub fn possible_toolsets(&self) -> Vec<String> {
-        self.toolsets
-            .iter()
-            .filter(|(_, percent)| *percent > 0.0)
-            .map(|(toolset, _)| toolset.clone())
-            .collect()
+        members_once(
+            self.entries
+                .iter()
+                .filter(|(_, percent)| *percent > 0.0)
+                .map(|(entry, _)| entry.as_str()),
+        )
     }
 
-    /// The toolsets of one (prompt, sample): independent draws, falling back to the most probable
-    /// toolset (the first on ties) when none is drawn.
+    /// The toolsets of one (prompt, sample): independent draws per entry, falling back to the
+    /// most probable entry (the first on ties) when none is drawn; each toolset once, in
+    /// declaration order, a group's members in the group's order.
     pub fn sample(&self, seed: u64, prompt_index: u64, sample: u32) -> Vec<String> {
-        let mut chosen: Vec<String> = self
-            .toolsets
+        let drawn: Vec<&str> = self
+            .entries
             .iter()
-            .filter(|(toolset, percent)| {
-                unit_draw(seed, prompt_index, sample, toolset) * 100.0 < *percent
+            .filter(|(entry, percent)| {
+                unit_draw(seed, prompt_index, sample, entry) * 100.0 < *percent
             })
-            .map(|(toolset, _)| toolset.clone())
+            .map(|(entry, _)| entry.as_str())
             .collect();
-        if chosen.is_empty() {
-            let mut best: Option<&(String, f64)> = None;
-            for entry in &self.toolsets {
-                if best.is_none_or(|(_, percent)| entry.1 > *percent) {
-                    best = Some(entry);
-                }
-            }
-            chosen.extend(best.map(|(toolset, _)| toolset.clone()));
+        if !drawn.is_empty() {
+            return members_once(drawn);
         }
-        chosen
+        let mut most_probable: Option<&(String, f64)> = None;
+        for entry in &self.entries {
+            if most_probable.is_none_or(|(_, percent)| entry.1 > *percent) {
+                most_probable = Some(entry);
+            }
+        }
+        members_once(most_probable.map(|(entry, _)| entry.as_str()))
     }
 }
 
+/// The members of `entries`, in order, each once (two entries may share a toolset).
+fn members_once<'a>(entries: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let mut toolsets: Vec<String> = Vec::new();
+    for toolset in entries.into_iter().flat_map(entry_members) {
+        if !toolsets.iter().any(|seen| seen == toolset) {
+            toolsets.push(toolset.to_owned());
+        }
+    }
+    toolsets
+}
+
 /// A uniform draw in [0, 1) from the inputs alone. `SplitMix64`'s finaliser over the seed, the
-/// prompt, the sample and an FNV-1a hash of the toolset name: stable across platforms and
-/// releases, which a library RNG's stream does not promise.
-fn unit_draw(seed: u64, prompt_index: u64, sample: u32, toolset: &str) -> f64 {
+/// prompt, the sample and an FNV-1a hash of the entry's name (a toolset's own name, or the group's
+/// such as `browser+search`): stable across platforms and releases, which a library RNG's stream
+/// does not promise.
+fn unit_draw(seed: u64, prompt_index: u64, sample: u32, entry: &str) -> f64 {
     let mut name_hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in toolset.bytes() {
+    for byte in entry.bytes() {
         name_hash ^= u64::from(byte);
         name_hash = name_hash.wrapping_mul(0x0100_0000_01b3);
     }
@@ -196,7 +228,7 @@ mod tests {
         assert!(
             builtin()
                 .iter()
-                .all(|d| d.toolsets.iter().all(|(t, _)| t != "moa"))
+                .all(|d| d.entries.iter().all(|(t, _)| t != "moa"))
         );
     }
 
@@ -247,6 +279,66 @@ mod tests {
         assert!(fallbacks >= 199, "{fallbacks}");
     }
 
+    fn entries(entries: &[(&str, f64)]) -> Distribution {
+        Distribution {
+            name: "test".to_owned(),
+            description: String::new(),
+            entries: entries
+                .iter()
+                .map(|(entry, percent)| ((*entry).to_owned(), *percent))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn one_draw_offers_every_member_of_a_group_or_none() {
+        let browser_tasks = builtin()
+            .into_iter()
+            .find(|d| d.name == "browser_tasks")
+            .unwrap();
+        let mut with_browser = 0;
+        for prompt in 0..2000 {
+            let toolsets = browser_tasks.sample(7, prompt, 0);
+            let browser = toolsets.iter().any(|t| t == "browser");
+            let search = toolsets.iter().any(|t| t == "search");
+            assert_eq!(browser, search, "prompt {prompt}: {toolsets:?}");
+            with_browser += usize::from(browser);
+        }
+        // 97% drawn, plus the fallback when nothing is: about 1,940 of 2,000.
+        assert!((1900..=1980).contains(&with_browser), "{with_browser}");
+    }
+
+    #[test]
+    fn toolsets_follow_declaration_order_with_a_group_in_its_own_order_each_once() {
+        let all = entries(&[
+            ("terminal", 100.0),
+            ("browser+search", 100.0),
+            ("file", 100.0),
+            ("search+web", 100.0),
+        ]);
+        assert_eq!(
+            all.sample(1, 0, 0),
+            ["terminal", "browser", "search", "file", "web"]
+        );
+        assert_eq!(
+            all.possible_toolsets(),
+            ["terminal", "browser", "search", "file", "web"]
+        );
+    }
+
+    #[test]
+    fn the_fallback_is_the_most_probable_entry_the_first_on_ties_with_all_its_members() {
+        let tied = entries(&[
+            ("vision", 0.001),
+            ("browser+search", 0.002),
+            ("terminal", 0.002),
+        ]);
+        let fallbacks = (0..200)
+            .filter(|i| tied.sample(1, *i, 0) == ["browser", "search"])
+            .count();
+        assert!(fallbacks >= 199, "{fallbacks}");
+    }
+
     #[test]
     fn known_draws_are_stable_across_releases() {
         // Pinned values: changing the hash silently changes every run's toolsets.
@@ -257,7 +349,20 @@ mod tests {
             .map(|i| balanced.sample(42, i, 0).join("+"))
             .collect();
         assert_eq!(draws, PINNED_DRAWS);
+        // A group is drawn once, on its entry's name.
+        let grouped = entries(&[("web+file", 50.0), ("terminal", 50.0)]);
+        let draws: Vec<_> = (0..6).map(|i| grouped.sample(42, i, 0).join(" ")).collect();
+        assert_eq!(draws, PINNED_GROUP_DRAWS);
     }
+
+    const PINNED_GROUP_DRAWS: [&str; 6] = [
+        "terminal",
+        "web file terminal",
+        "terminal",
+        "web file",
+        "web file",
+        "web file",
+    ];
 
     const PINNED_DRAWS: [&str; 6] = [
         "file+terminal",

@@ -15,9 +15,9 @@
 //!
 //! - [`contract`]: what the operator and the worker agree on: the run plan a pod receives, mount
 //!   paths and environment, exit codes, and the summaries of the termination message.
-//! - [`spec`]: the `TrajectoryRun` spec a user writes, and its validation; [`toolsets`]: the
-//!   toolsets and built-in distributions it may name; [`declared`]: the MCP servers and HTTP
-//!   tools it may declare.
+//! - [`spec`]: the `TrajectoryRun` spec a user writes; [`toolsets`]: the toolsets and built-in
+//!   distributions it may name; [`template`]: the template language of the HTTP tools it may
+//!   declare; [`validate`]: what the schema cannot check about it, each violation naming its field.
 //! - [`cli`]: the command line; each subcommand runs one mode of [`run`].
 //! - [`run`]: the run modes: [`run::plan`] checks the dataset and lays out the batches,
 //!   [`run::batch`] runs one batch's conversations and appends their records to files of its
@@ -35,14 +35,29 @@
 //!   `ShareGPT` format, a discarded or a failed record); [`pyjson`] writes JSON as Python does.
 //! - [`storage`]: the run's directory on shared storage, and its crash-safe writes.
 //!
-//! [`spec`], [`declared`] and [`contract`] are the contract with the operator and build with serde alone
-//! (`default-features = false`); everything else sits behind the `engine` feature. The scripted
-//! model server the tests and benchmarks talk to is the `trajectory-testkit` crate.
+//! [`spec`], [`toolsets`], [`template`], [`validate`] and [`contract`] are the contract with the
+//! operator and build with serde alone (`default-features = false`); everything else sits behind
+//! the `engine` feature. The scripted model server the tests and benchmarks talk to is the
+//! `trajectory-testkit` crate.
+//!
+//! Dependencies between these modules point one way, so each reads knowing only what is below
+//! it: [`spec`] and [`template`] import nothing of the crate, [`toolsets`] names the spec's types,
+//! [`contract`] carries a spec, and [`validate`] sits above the spec, the toolsets and the
+//! templates it checks a spec against; the engine's modules may use any of them, none of them
+//! the engine.
+//!
+//! ```text
+//!  validate ──► toolsets ──► spec ◄── contract
+//!     │  │                    ▲
+//!     │  └──► template        │
+//!     └───────────────────────┘
+//! ```
 
 pub mod contract;
-pub mod declared;
 pub mod spec;
+pub mod template;
 pub mod toolsets;
+pub mod validate;
 
 #[cfg(feature = "engine")]
 pub mod agent;

@@ -1,11 +1,13 @@
 //! Every built-in distribution, with its backends configured, passes validation and runs: a
 //! `local` run of each against the scripted model, whose conversations call one tool (two for
 //! `web` and `browser`) of every toolset they were offered, on the real backends: Debian's searx
-//! over the `python3-doc` pages and those pages served over HTTP (`web`), Debian's headless
+//! over the `python3-doc` pages and those pages served over HTTP (`web`, and `search`, which
+//! `browser_tasks` draws with `browser` as one entry), Debian's headless
 //! Chromium (`browser`), real processes and files in the workspace (`terminal`, `file`), and the
 //! scripted server's multimodal and Images endpoints for `vision` and `image_gen`, for which no
 //! model ships here (docs/tools/vision.md), with the docs' real PNG logo as the image. Every record must be valid, every call a success,
-//! and the model must have been asked exactly as often as the offered toolsets imply.
+//! and the model must have been asked exactly as often as the offered toolsets imply (a tool two
+//! offered toolsets share, `web_search`, once); the members of a grouped entry come together.
 
 mod common;
 mod local_servers;
@@ -21,7 +23,8 @@ use trajectory_testkit::scripted_server::{
 };
 use trajectory_worker::run::local::run_local;
 use trajectory_worker::spec::RunSpec;
-use trajectory_worker::toolsets::{BUILTIN_DISTRIBUTIONS, distribution_violations};
+use trajectory_worker::toolsets::{BUILTIN_DISTRIBUTIONS, entry_members};
+use trajectory_worker::validate::distribution_violations;
 use web_servers::Searx;
 
 /// The page the probes extract and browse.
@@ -46,6 +49,7 @@ fn probes(docs: &DocsServer) -> Vec<(&'static str, &'static str, Value)> {
         ),
         ("web", "web_search", json!({"query": "subprocess"})),
         ("web", "web_extract", json!({"urls": [docs.url(PAGE)]})),
+        ("search", "web_search", json!({"query": "subprocess"})),
         (
             "browser",
             "browser_navigate",
@@ -122,7 +126,8 @@ async fn every_builtin_distribution_validates_and_runs_on_real_backends() {
     assert_eq!(BUILTIN_DISTRIBUTIONS.len(), 17);
 
     let mut exercised = BTreeSet::new();
-    for (name, _, toolsets) in BUILTIN_DISTRIBUTIONS {
+    for distribution in BUILTIN_DISTRIBUTIONS {
+        let name = distribution.name;
         let fixture = RunFixture::new(&model.base_url(), PROMPTS)
             .with("/distribution", json!(name))
             .with("/tools", tools.clone())
@@ -144,10 +149,11 @@ async fn every_builtin_distribution_validates_and_runs_on_real_backends() {
         assert_eq!(records.len(), PROMPTS, "{name}");
         assert!(fixture.lines("failures.jsonl").is_empty(), "{name}");
 
-        let drawable: BTreeSet<&str> = toolsets
+        let drawable: BTreeSet<&str> = distribution
+            .entries
             .iter()
             .filter(|(_, percent)| *percent > 0.0)
-            .map(|(toolset, _)| *toolset)
+            .flat_map(|(entry, _)| entry_members(entry))
             .collect();
         let catalog: BTreeSet<&str> = probes
             .iter()
@@ -158,11 +164,21 @@ async fn every_builtin_distribution_validates_and_runs_on_real_backends() {
         let mut stats_keys = None;
         for record in &records {
             let used = check_record(name, record, &probes, &drawable);
-            expected_requests += 1 + probes
+            expected_requests += 1 + called_probes(&probes, &used)
                 .iter()
-                .filter(|(toolset, ..)| used.contains(*toolset))
                 .map(|(toolset, ..)| 1 + usize::from(matches!(*toolset, "vision" | "image_gen")))
                 .sum::<usize>();
+            for (entry, _) in distribution.entries {
+                let members: Vec<&str> = entry_members(entry).collect();
+                let offered = members
+                    .iter()
+                    .filter(|toolset| used.contains(*toolset))
+                    .count();
+                assert!(
+                    offered == 0 || offered == members.len(),
+                    "{name}: {entry} is one draw, but {used:?} holds only some of it"
+                );
+            }
             exercised.extend(used);
             let keys: BTreeSet<String> = record["tool_stats"]
                 .as_object()
@@ -221,14 +237,8 @@ fn check_record<'a>(
         !used.is_empty() && used.iter().all(|toolset| drawable.contains(toolset)),
         "{distribution}: drew {used:?} of {drawable:?}"
     );
-    let mut expected_tool_turns = 0;
-    let mut used_probes = BTreeSet::new();
-    for (toolset, tool, _) in probes {
-        if !used.contains(toolset) {
-            continue;
-        }
-        used_probes.insert(*toolset);
-        expected_tool_turns += 1;
+    let called = called_probes(probes, &used);
+    for (_, tool, _) in &called {
         assert_eq!(
             record["tool_stats"][tool],
             json!({"count": 1, "success": 1, "failure": 0}),
@@ -236,6 +246,7 @@ fn check_record<'a>(
             serde_json::to_string_pretty(turns).unwrap()
         );
     }
+    let expected_tool_turns = called.len();
     assert_eq!(
         roles.iter().filter(|role| **role == "tool").count(),
         expected_tool_turns,
@@ -247,5 +258,22 @@ fn check_record<'a>(
         calls, expected_tool_turns as u64,
         "{distribution}: {stats:?}"
     );
-    used_probes
+    probes
+        .iter()
+        .map(|(toolset, ..)| *toolset)
+        .filter(|toolset| used.contains(toolset))
+        .collect()
+}
+
+/// The probes the model calls in a conversation offered `used`: the first probe of each tool
+/// those toolsets offer (`web` and `search` share `web_search`, called once).
+fn called_probes<'p, 'a>(
+    probes: &'p [(&'a str, &'a str, Value)],
+    used: &BTreeSet<&str>,
+) -> Vec<&'p (&'a str, &'a str, Value)> {
+    let mut tools = BTreeSet::new();
+    probes
+        .iter()
+        .filter(|(toolset, tool, _)| used.contains(toolset) && tools.insert(*tool))
+        .collect()
 }

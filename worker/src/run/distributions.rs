@@ -1,7 +1,7 @@
 //! `distributions`: the built-in distributions, the toolsets each one draws, and what each toolset
 //! needs configured; given a run file, which distributions that file can serve and what it lacks.
 //!
-//! The verdicts come from the same checks that refuse a run ([`crate::toolsets`]), so the listing
+//! The verdicts come from the same checks that refuse a run ([`crate::validate`]), so the listing
 //! cannot promise a distribution that validation would then refuse.
 
 use std::fmt::Write as _;
@@ -10,8 +10,9 @@ use std::path::Path;
 use super::{RunError, RunFile};
 use crate::spec::{DistributionSpec, RunSpec, ToolsSpec};
 use crate::toolsets::{
-    BUILTIN_DISTRIBUTIONS, NOT_YET_SHIPPED, SHIPPED, distribution_violations, missing_backend,
+    BUILTIN_DISTRIBUTIONS, NOT_YET_SHIPPED, SHIPPED, entry_members, missing_backend,
 };
+use crate::validate::distribution_violations;
 
 /// Prints the listing, checked against `run_file` when one is given; fails, naming the fields,
 /// when that file's own distribution cannot run.
@@ -91,7 +92,8 @@ impl ToolsetStatus {
 }
 
 /// The listing `trajectory-worker distributions [RUN_FILE]` prints: every built-in distribution
-/// with its toolsets by falling probability, each with its status. With a run file, each
+/// with its entries (toolsets, or groups drawn as one) by falling probability, each with its
+/// status. With a run file, each
 /// distribution is marked `ready` or with what the file lacks, and the file's own distribution
 /// (named or inline) comes first with the messages validation would give.
 pub fn report(run: Option<(&str, &RunSpec)>) -> String {
@@ -117,14 +119,16 @@ pub fn report(run: Option<(&str, &RunSpec)>) -> String {
         }
         let _ = writeln!(out);
     }
-    for (name, description, toolsets) in BUILTIN_DISTRIBUTIONS {
+    for distribution in BUILTIN_DISTRIBUTIONS {
         let verdict = match tools {
             None => String::new(),
             Some(tools) => {
-                let lacking: Vec<String> = toolsets
+                let lacking: Vec<String> = distribution
+                    .entries
                     .iter()
                     .filter(|(_, percent)| *percent > 0.0)
-                    .map(|(toolset, _)| (toolset, ToolsetStatus::of(toolset, Some(tools))))
+                    .flat_map(|(entry, _)| entry_members(entry))
+                    .map(|toolset| (toolset, ToolsetStatus::of(toolset, Some(tools))))
                     .filter(|(_, status)| !status.is_usable())
                     .map(|(toolset, status)| match status {
                         ToolsetStatus::Missing(field) => field.to_owned(),
@@ -139,18 +143,38 @@ pub fn report(run: Option<(&str, &RunSpec)>) -> String {
                 }
             }
         };
-        let _ = writeln!(out, "{name:<16} {description}{verdict}");
-        write_toolsets(&mut out, toolsets, tools);
+        let _ = writeln!(
+            out,
+            "{:<16} {}{verdict}",
+            distribution.name, distribution.description
+        );
+        write_toolsets(&mut out, distribution.entries, tools);
     }
     out
 }
 
-fn write_toolsets(out: &mut String, toolsets: &[(&str, f64)], tools: Option<&ToolsSpec>) {
-    let mut toolsets = toolsets.to_vec();
-    toolsets.sort_by(|a, b| b.1.total_cmp(&a.1));
-    for (toolset, percent) in toolsets {
-        let status = ToolsetStatus::of(toolset, tools).describe();
-        let _ = writeln!(out, "    • {toolset:<15}: {percent:>5}% chance  {status}");
+/// One line per entry, by falling probability (as the reference prints them); a group's line
+/// gives each member's status.
+fn write_toolsets(out: &mut String, entries: &[(&str, f64)], tools: Option<&ToolsSpec>) {
+    let mut entries = entries.to_vec();
+    entries.sort_by(|a, b| b.1.total_cmp(&a.1));
+    for (entry, percent) in entries {
+        let members: Vec<&str> = entry_members(entry).collect();
+        let status = if let [toolset] = members.as_slice() {
+            ToolsetStatus::of(toolset, tools).describe()
+        } else {
+            let statuses: Vec<String> = members
+                .iter()
+                .map(|toolset| {
+                    format!(
+                        "{toolset}: {}",
+                        ToolsetStatus::of(toolset, tools).describe()
+                    )
+                })
+                .collect();
+            statuses.join("; ")
+        };
+        let _ = writeln!(out, "    • {entry:<15}: {percent:>5}% chance  {status}");
     }
 }
 
@@ -197,6 +221,27 @@ mod tests {
                 .count(),
             BUILTIN_DISTRIBUTIONS.len(),
             "one heading line per distribution: {listing}"
+        );
+    }
+
+    #[test]
+    fn a_group_entry_is_listed_once_with_each_members_status() {
+        let listing = report(None);
+        assert!(
+            listing.contains(
+                "• browser+search :    97% chance  browser: needs spec.tools.browser; search: needs spec.tools.web.search"
+            ),
+            "{listing}"
+        );
+        let spec = spec(&format!("{MODEL}tools: {{browser: {{}}}}\n"));
+        let listing = report(Some(("run.yaml", &spec)));
+        let browser_tasks = listing
+            .lines()
+            .find(|line| line.starts_with("browser_tasks "))
+            .unwrap();
+        assert!(
+            browser_tasks.ends_with("[lacks spec.tools.web.search, spec.tools.vision]"),
+            "{listing}"
         );
     }
 

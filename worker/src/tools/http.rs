@@ -1,6 +1,6 @@
 //! Declared HTTP tools (`spec.tools.http`): a team's own service as a tool, without an MCP
 //! server. Each tool is a name, a description and a JSON schema the model sees, and a request
-//! template: method, URL, JSON body and headers ([`crate::declared`] checks them when the spec is
+//! template: method, URL, JSON body and headers ([`crate::validate`] checks them when the spec is
 //! validated).
 //!
 //! A call substitutes the arguments into the templates (percent-encoded in the URL, with their
@@ -18,8 +18,8 @@ use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 use serde_json::{Map, Value, json};
 
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
-use crate::declared::{Segment, parse_template};
 use crate::spec::{HttpMethod, HttpToolSpec, HttpToolsetSpec, NamedValue};
+use crate::template::{Segment, parse_template};
 
 /// What stays unencoded in a substituted URL argument: RFC 3986's unreserved characters. `/`,
 /// `?`, `&`, `#` and `=` are encoded, so an argument cannot add path segments or query

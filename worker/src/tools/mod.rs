@@ -326,6 +326,7 @@ impl Registry {
                 tools: file::tools(config),
             },
             backed_toolset(web::TOOLSET, web::tools(config)),
+            backed_toolset(web::SEARCH_TOOLSET, web::search_tools(config)),
             backed_toolset(browser::TOOLSET, browser::tools(config, sessions)),
             backed_toolset(vision::TOOLSET, vision::tools(config)),
             backed_toolset(image_gen::TOOLSET, image_gen::tools(config)),
@@ -492,6 +493,48 @@ mod tests {
         assert_eq!(
             ToolOutcome::Ok(serde_json::json!({"a": 1})).into_content(),
             r#"{"a":1}"#
+        );
+    }
+
+    #[test]
+    fn the_registry_serves_every_shipped_toolset_in_catalog_order() {
+        let registry = Registry::builtin(&ToolsSpec::default());
+        let names: Vec<&str> = registry.toolset_names().collect();
+        assert_eq!(names, toolsets::SHIPPED);
+    }
+
+    #[test]
+    fn search_offers_web_search_alone_and_the_browser_does_not_offer_it() {
+        let config: ToolsSpec = serde_json::from_value(serde_json::json!({
+            "web": {"search": {"url": "http://127.0.0.1:1"}},
+            "browser": {},
+        }))
+        .unwrap();
+        let registry = Registry::builtin(&config);
+        let names = |toolset: &str| registry.catalog(&[toolset.to_owned()]);
+        assert_eq!(names(web::SEARCH_TOOLSET), ["web_search"]);
+        assert_eq!(names(web::TOOLSET), ["web_search", "web_extract"]);
+        assert!(!names(browser::TOOLSET).is_empty());
+        assert!(
+            !names(browser::TOOLSET)
+                .iter()
+                .any(|tool| tool == "web_search"),
+            "{:?}",
+            names(browser::TOOLSET)
+        );
+        // Drawn together, `web_search` is offered once.
+        assert_eq!(
+            registry.catalog(&["search".to_owned(), "web".to_owned()]),
+            ["web_search", "web_extract"]
+        );
+        let without_backend = Registry::builtin(&ToolsSpec::default());
+        assert_eq!(
+            without_backend
+                .toolset(web::SEARCH_TOOLSET)
+                .map(|toolset| &toolset.availability),
+            Some(&Availability::Unavailable(
+                "spec.tools.web.search is not set: configure a search backend".to_owned()
+            ))
         );
     }
 }

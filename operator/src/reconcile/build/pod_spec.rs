@@ -28,7 +28,7 @@ use k8s_openapi::api::core::v1::{
     PodSecurityContext, PodSpec, SeccompProfile, SecretKeySelector, SecurityContext, Volume,
     VolumeMount,
 };
-use trajectory_worker::contract::{env, paths};
+use trajectory_worker::contract::{env, paths, secret_env};
 use trajectory_worker::spec::SecretKeyRef;
 
 use crate::reconcile::children::{CONTAINER, Component};
@@ -324,9 +324,7 @@ fn environment(run: &ValidatedRun<'_>, settings: &Settings, component: Component
     }
     // The tools' backend keys (web search, MCP and HTTP tool headers): the worker's alone.
     env_vars.extend(
-        run.spec
-            .tools
-            .secret_env()
+        secret_env(&run.spec.tools)
             .into_iter()
             .map(|(name, key)| secret(name, key)),
     );

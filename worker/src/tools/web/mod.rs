@@ -1,6 +1,7 @@
 //! The `web` toolset: `web_search` (through the search backend of `spec.tools.web.search`) and
 //! `web_extract` (the worker fetches each page itself, takes its main text by Readability and
-//! writes it as Markdown).
+//! writes it as Markdown); and the `search` toolset, `web_search` alone, as the reference's (its
+//! `browser_tasks` draws it with `browser`, which does not carry `web_search`).
 //!
 //! Names, argument schemas, descriptions and result shapes are hermes-agent's
 //! (`tools/web_tools.py`), so that trajectories of both mix in one training set: a search answers
@@ -26,6 +27,8 @@ use super::Tool;
 use crate::spec::ToolsSpec;
 
 pub const TOOLSET: &str = "web";
+/// The toolset of `web_search` alone.
+pub const SEARCH_TOOLSET: &str = "search";
 
 /// Why the toolset cannot be built from a run's settings (the run is refused before it starts).
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +52,12 @@ pub fn tools(config: &ToolsSpec) -> Result<Vec<Arc<dyn Tool>>, WebError> {
         Arc::new(search::WebSearch::new(search)?),
         Arc::new(extract::WebExtract::new(&config.web.extract)?),
     ])
+}
+
+/// The `search` toolset's one tool, `web_search`, on the same backend as `web`'s.
+pub fn search_tools(config: &ToolsSpec) -> Result<Vec<Arc<dyn Tool>>, WebError> {
+    let search = config.web.search.as_ref().ok_or(WebError::NotConfigured)?;
+    Ok(vec![Arc::new(search::WebSearch::new(search)?)])
 }
 
 /// Pretty JSON as the reference's `json.dumps(..., indent=2, ensure_ascii=False)` writes it.

@@ -1,64 +1,15 @@
 //! The tools a spec declares itself, MCP servers (`spec.tools.mcp`) and HTTP tools
-//! (`spec.tools.http`): their validation, and the template language of HTTP tools.
-//!
-//! Serde-only, like [`crate::spec`], so that the operator refuses a bad declaration before any
-//! pod starts, in the words the worker would use. The engine's tools ([`crate::tools`]) parse the
-//! same templates with [`parse_template`].
+//! (`spec.tools.http`): names that clash with nothing, one transport, credentials never inline,
+//! templates that name declared arguments.
 
 use std::collections::BTreeSet;
 
 use serde_json::Value;
 
-use crate::spec::{HttpToolSpec, McpServerSpec, NamedValue, SpecViolation, ToolsSpec};
-
-/// One piece of a template: literal text, or a `{name}` placeholder.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Segment<'a> {
-    Literal(&'a str),
-    Placeholder(&'a str),
-}
-
-/// Splits `text` at its placeholders: `{` + a name of letters, digits and `_` (not starting
-/// with a digit) + `}`. Any other brace is literal text, so JSON-looking text needs no escaping.
-pub fn parse_template(text: &str) -> Vec<Segment<'_>> {
-    let mut segments = Vec::new();
-    let mut literal_start = 0;
-    let mut position = 0;
-    let bytes = text.as_bytes();
-    while let Some(offset) = text[position..].find('{') {
-        let open = position + offset;
-        let name_start = open + 1;
-        let name_len = bytes[name_start..]
-            .iter()
-            .take_while(|b| b.is_ascii_alphanumeric() || **b == b'_')
-            .count();
-        let close = name_start + name_len;
-        if name_len > 0 && !bytes[name_start].is_ascii_digit() && bytes.get(close) == Some(&b'}') {
-            if literal_start < open {
-                segments.push(Segment::Literal(&text[literal_start..open]));
-            }
-            segments.push(Segment::Placeholder(&text[name_start..close]));
-            literal_start = close + 1;
-            position = close + 1;
-        } else {
-            position = name_start;
-        }
-    }
-    if literal_start < text.len() {
-        segments.push(Segment::Literal(&text[literal_start..]));
-    }
-    segments
-}
-
-/// The placeholders of a template, in order.
-pub fn placeholders(text: &str) -> impl Iterator<Item = &str> {
-    parse_template(text)
-        .into_iter()
-        .filter_map(|segment| match segment {
-            Segment::Placeholder(name) => Some(name),
-            Segment::Literal(_) => None,
-        })
-}
+use super::SpecViolation;
+use crate::spec::{HttpToolSpec, McpServerSpec, NamedValue, ToolsSpec};
+use crate::template::placeholders;
+use crate::toolsets::{NOT_YET_SHIPPED, SHIPPED};
 
 /// Every placeholder in the string values of a JSON body template.
 fn body_placeholders<'a>(body: &'a Value, out: &mut Vec<&'a str>) {
@@ -252,14 +203,10 @@ pub fn declared_tool_violations(tools: &ToolsSpec) -> Vec<SpecViolation> {
     let mut check = Check {
         violations: &mut violations,
     };
-    let builtin: BTreeSet<&str> = crate::toolsets::SHIPPED
+    let builtin: BTreeSet<&str> = SHIPPED
         .iter()
         .copied()
-        .chain(
-            crate::toolsets::NOT_YET_SHIPPED
-                .iter()
-                .map(|(name, _)| *name),
-        )
+        .chain(NOT_YET_SHIPPED.iter().map(|(name, _)| *name))
         .collect();
     let mut toolsets = BTreeSet::new();
     let mut toolset_name = |check: &mut Check, name: &str, field: String| {
@@ -322,25 +269,6 @@ mod tests {
     }
 
     #[test]
-    fn templates_split_at_placeholders_and_keep_other_braces() {
-        assert_eq!(
-            parse_template("/a/{id}?q={q}&x={not valid}{}{1x}"),
-            [
-                Segment::Literal("/a/"),
-                Segment::Placeholder("id"),
-                Segment::Literal("?q="),
-                Segment::Placeholder("q"),
-                Segment::Literal("&x={not valid}{}{1x}"),
-            ]
-        );
-        assert_eq!(
-            parse_template("{a}{b}"),
-            [Segment::Placeholder("a"), Segment::Placeholder("b")]
-        );
-        assert_eq!(parse_template(""), []);
-    }
-
-    #[test]
     fn a_template_naming_an_undeclared_argument_is_refused() {
         let spec = tools(serde_json::json!({"http": [{"toolset": "team", "tools": [{
             "name": "lookup",
@@ -391,14 +319,5 @@ mod tests {
                 "spec.tools.http[1].tools",
             ]
         );
-    }
-
-    #[test]
-    fn secrets_come_from_the_environment_named_after_their_secret() {
-        let secret = crate::spec::SecretKeyRef {
-            name: "team-api".into(),
-            key: "token.v1".into(),
-        };
-        assert_eq!(secret.env_var(), "TRAJ_SECRET_TEAM_API__TOKEN_V1");
     }
 }

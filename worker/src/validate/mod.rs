@@ -1,0 +1,492 @@
+//! What the schema cannot express about a `TrajectoryRun` spec, checked: bounds, paths, the
+//! backends a distribution needs ([`distribution_violations`]) and the MCP servers and HTTP tools
+//! a spec declares ([`declared_tool_violations`]). Every violation names its field.
+//!
+//! It sits above the types it checks ([`crate::spec`]) and the data it checks them against
+//! ([`crate::toolsets`], [`crate::template`]), and builds with serde alone like them, so that the
+//! operator refuses a bad spec before any pod starts, in the words the worker would use.
+
+mod declared;
+mod distribution;
+
+pub use declared::{declared_tool_violations, is_valid_name};
+pub use distribution::distribution_violations;
+
+use crate::spec::{
+    BrowserSpec, DistributionSpec, ImageGenSpec, RunSpec, ValueSource, VisionSpec, WebSearchBackend,
+};
+
+/// A spec value that is out of bounds, named by its field path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecViolation {
+    /// Field path, e.g. `spec.batchSize`.
+    pub field: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for SpecViolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+/// The violations [`RunSpec::validate`] has found so far, in the order it checks the fields.
+#[derive(Debug, Default)]
+struct Violations(Vec<SpecViolation>);
+
+impl Violations {
+    /// Records `message` against `spec.<field>` unless `ok`.
+    fn check(&mut self, ok: bool, field: &str, message: String) {
+        if !ok {
+            self.0.push(SpecViolation {
+                field: format!("spec.{field}"),
+                message,
+            });
+        }
+    }
+}
+
+impl RunSpec {
+    /// Checks bounds that the types alone do not; returns every violation, each naming its field.
+    pub fn validate(&self) -> Vec<SpecViolation> {
+        let mut violations = Violations::default();
+        self.check_dataset_and_sizes(&mut violations);
+        self.check_model(&mut violations);
+        self.check_agent_and_tools(&mut violations);
+        self.check_storage_and_distribution(&mut violations);
+        violations.0
+    }
+
+    fn check_dataset_and_sizes(&self, violations: &mut Violations) {
+        violations.check(
+            is_relative_clean_path(&self.dataset.path),
+            "dataset.path",
+            format!(
+                "{:?} must be a relative path inside the storage volume, without `..`",
+                self.dataset.path
+            ),
+        );
+        violations.check(
+            !self.dataset.prompt_field.is_empty(),
+            "dataset.promptField",
+            "must not be empty".to_owned(),
+        );
+        violations.check(
+            self.batch_size >= 1,
+            "batchSize",
+            format!("must be at least 1, got {}", self.batch_size),
+        );
+        violations.check(
+            self.workers >= 1,
+            "workers",
+            format!("must be at least 1, got {}", self.workers),
+        );
+        violations.check(
+            (1..=10_000).contains(&self.concurrency),
+            "concurrency",
+            format!("must be between 1 and 10000, got {}", self.concurrency),
+        );
+        violations.check(
+            self.samples_per_prompt >= 1,
+            "samplesPerPrompt",
+            format!("must be at least 1, got {}", self.samples_per_prompt),
+        );
+    }
+
+    fn check_model(&self, violations: &mut Violations) {
+        violations.check(
+            self.model.base_url.starts_with("http://")
+                || self.model.base_url.starts_with("https://"),
+            "model.baseUrl",
+            format!(
+                "{:?} must be an http:// or https:// URL",
+                self.model.base_url
+            ),
+        );
+        violations.check(
+            !self.model.name.is_empty(),
+            "model.name",
+            "must not be empty".to_owned(),
+        );
+        violations.check(
+            self.model.max_attempts >= 1,
+            "model.maxAttempts",
+            format!("must be at least 1, got {}", self.model.max_attempts),
+        );
+        violations.check(
+            self.model.request_timeout_seconds >= 1,
+            "model.requestTimeoutSeconds",
+            "must be at least 1".to_owned(),
+        );
+        if let Some(temperature) = self.model.temperature {
+            violations.check(
+                (0.0..=2.0).contains(&temperature),
+                "model.temperature",
+                format!("must be between 0 and 2, got {temperature}"),
+            );
+        }
+        if let Some(extra) = &self.model.extra_body {
+            violations.check(
+                extra.is_object(),
+                "model.extraBody",
+                "must be a JSON object".to_owned(),
+            );
+        }
+    }
+
+    fn check_agent_and_tools(&self, violations: &mut Violations) {
+        violations.check(
+            self.agent.max_turns >= 1,
+            "agent.maxTurns",
+            "must be at least 1".to_owned(),
+        );
+        violations.check(
+            self.agent.prompt_timeout_seconds >= 1,
+            "agent.promptTimeoutSeconds",
+            "must be at least 1".to_owned(),
+        );
+        violations.check(
+            self.tools.terminal.timeout_seconds >= 1,
+            "tools.terminal.timeoutSeconds",
+            "must be at least 1".to_owned(),
+        );
+        self.check_web(violations);
+        if let Some(browser) = &self.tools.browser {
+            check_browser(browser, violations);
+        }
+        if let Some(vision) = &self.tools.vision {
+            check_vision(vision, violations);
+        }
+        if let Some(image_gen) = &self.tools.image_gen {
+            check_image_gen(image_gen, violations);
+        }
+    }
+
+    fn check_web(&self, violations: &mut Violations) {
+        let web = &self.tools.web;
+        if let Some(search) = &web.search {
+            violations.check(
+                search.url.starts_with("http://") || search.url.starts_with("https://"),
+                "tools.web.search.url",
+                format!("{:?} must be an http:// or https:// URL", search.url),
+            );
+            violations.check(
+                search.backend != WebSearchBackend::Json || search.url.contains("{query}"),
+                "tools.web.search.url",
+                "a `json` backend's URL template must contain {query}".to_owned(),
+            );
+            violations.check(
+                search.timeout_seconds >= 1,
+                "tools.web.search.timeoutSeconds",
+                "must be at least 1".to_owned(),
+            );
+            violations.check(
+                (1..=20).contains(&search.max_results),
+                "tools.web.search.maxResults",
+                format!("must be between 1 and 20, got {}", search.max_results),
+            );
+            for (field, pointer) in [
+                ("resultsPointer", &search.results_pointer),
+                ("titlePointer", &search.title_pointer),
+                ("urlPointer", &search.url_pointer),
+                ("snippetPointer", &search.snippet_pointer),
+            ] {
+                violations.check(
+                    pointer.is_empty() || pointer.starts_with('/'),
+                    &format!("tools.web.search.{field}"),
+                    format!("{pointer:?} must be a JSON pointer: empty or starting with /"),
+                );
+            }
+        }
+        violations.check(
+            web.extract.timeout_seconds >= 1,
+            "tools.web.extract.timeoutSeconds",
+            "must be at least 1".to_owned(),
+        );
+        violations.check(
+            web.extract.max_page_bytes >= 1024,
+            "tools.web.extract.maxPageBytes",
+            "must be at least 1024".to_owned(),
+        );
+        violations.check(
+            web.extract.max_chars >= 100,
+            "tools.web.extract.maxChars",
+            "must be at least 100".to_owned(),
+        );
+    }
+
+    fn check_storage_and_distribution(&self, violations: &mut Violations) {
+        if let Some(output) = &self.storage.output_path {
+            violations.check(
+                is_relative_clean_path(output),
+                "storage.outputPath",
+                format!(
+                    "{output:?} must be a relative path inside the storage volume, without `..`"
+                ),
+            );
+        }
+        violations
+            .0
+            .extend(distribution_violations(&self.distribution, &self.tools));
+        violations.0.extend(declared_tool_violations(&self.tools));
+        if let DistributionSpec::Inline(map) = &self.distribution {
+            violations.check(
+                !map.is_empty(),
+                "distribution",
+                "an inline distribution needs a toolset".to_owned(),
+            );
+            for (entry, percent) in map {
+                violations.check(
+                    (0.0..=100.0).contains(percent),
+                    &format!("distribution.{entry}"),
+                    format!("percent must be between 0 and 100, got {percent}"),
+                );
+            }
+        }
+    }
+}
+
+fn check_browser(browser: &BrowserSpec, violations: &mut Violations) {
+    violations.check(
+        browser.chromium_path.starts_with('/'),
+        "tools.browser.chromiumPath",
+        format!(
+            "{:?} must be an absolute path (Chromium starts with an empty environment, without PATH)",
+            browser.chromium_path
+        ),
+    );
+    violations.check(
+        browser.launch_timeout_seconds >= 1,
+        "tools.browser.launchTimeoutSeconds",
+        "must be at least 1".to_owned(),
+    );
+    violations.check(
+        browser.navigation_timeout_seconds >= 1,
+        "tools.browser.navigationTimeoutSeconds",
+        "must be at least 1".to_owned(),
+    );
+    violations.check(
+        browser.snapshot_max_chars >= 100,
+        "tools.browser.snapshotMaxChars",
+        format!("must be at least 100, got {}", browser.snapshot_max_chars),
+    );
+    for scheme in &browser.allowed_schemes {
+        violations.check(
+            !scheme.is_empty()
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "+-.".contains(c)),
+            "tools.browser.allowedSchemes",
+            format!("{scheme:?} must be a lower-case URL scheme without `:` (e.g. \"https\")"),
+        );
+    }
+}
+
+/// The settings every model endpoint of a tool has: an http(s) base URL, a model, a well-formed
+/// key source and a time limit.
+fn check_endpoint(
+    field: &str,
+    (base_url, model, api_key, timeout): (&str, &str, Option<&ValueSource>, u64),
+    violations: &mut Violations,
+) {
+    violations.check(
+        base_url.starts_with("http://") || base_url.starts_with("https://"),
+        &format!("{field}.baseUrl"),
+        format!("{base_url:?} must be an http:// or https:// URL"),
+    );
+    violations.check(
+        !model.is_empty(),
+        &format!("{field}.model"),
+        "must not be empty".to_owned(),
+    );
+    violations.check(
+        api_key.is_none_or(ValueSource::is_well_formed),
+        &format!("{field}.apiKey"),
+        "set exactly one of `env` (a variable name) and `secretKeyRef` (name and key)".to_owned(),
+    );
+    violations.check(
+        timeout >= 1,
+        &format!("{field}.timeoutSeconds"),
+        "must be at least 1".to_owned(),
+    );
+}
+
+fn check_vision(vision: &VisionSpec, violations: &mut Violations) {
+    let endpoint = (
+        vision.base_url.as_str(),
+        vision.model.as_str(),
+        vision.api_key.as_ref(),
+        vision.timeout_seconds,
+    );
+    check_endpoint("tools.vision", endpoint, violations);
+    violations.check(
+        vision.max_tokens >= 1,
+        "tools.vision.maxTokens",
+        "must be at least 1".to_owned(),
+    );
+    violations.check(
+        vision.max_image_bytes >= 1024,
+        "tools.vision.maxImageBytes",
+        "must be at least 1024".to_owned(),
+    );
+    violations.check(
+        vision.download_timeout_seconds >= 1,
+        "tools.vision.downloadTimeoutSeconds",
+        "must be at least 1".to_owned(),
+    );
+}
+
+fn check_image_gen(image_gen: &ImageGenSpec, violations: &mut Violations) {
+    let endpoint = (
+        image_gen.base_url.as_str(),
+        image_gen.model.as_str(),
+        image_gen.api_key.as_ref(),
+        image_gen.timeout_seconds,
+    );
+    check_endpoint("tools.imageGen", endpoint, violations);
+    violations.check(
+        image_gen.max_image_bytes >= 1024,
+        "tools.imageGen.maxImageBytes",
+        "must be at least 1024".to_owned(),
+    );
+    let sizes = &image_gen.sizes;
+    for (name, size) in [
+        ("landscape", &sizes.landscape),
+        ("square", &sizes.square),
+        ("portrait", &sizes.portrait),
+    ] {
+        violations.check(
+            !size.trim().is_empty(),
+            &format!("tools.imageGen.sizes.{name}"),
+            "must not be empty (e.g. \"1024x1024\")".to_owned(),
+        );
+    }
+    if let Some(extra) = &image_gen.extra_body {
+        violations.check(
+            extra.is_object(),
+            "tools.imageGen.extraBody",
+            "must be a JSON object".to_owned(),
+        );
+    }
+}
+
+/// True for a non-empty relative path with no `..`, root or empty components.
+pub fn is_relative_clean_path(path: &str) -> bool {
+    !path.is_empty()
+        && !path.starts_with('/')
+        && path.split('/').all(|part| !part.is_empty() && part != "..")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::SecretKeyRef;
+
+    fn minimal() -> RunSpec {
+        serde_json::from_value(serde_json::json!({
+            "dataset": {"path": "data/p.jsonl"},
+            "model": {"baseUrl": "http://127.0.0.1:1/v1", "name": "m"},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_minimal_spec_is_valid() {
+        assert!(minimal().validate().is_empty());
+    }
+
+    #[test]
+    fn violations_name_their_field() {
+        let mut spec = minimal();
+        spec.dataset.path = "../etc/passwd".into();
+        spec.batch_size = 0;
+        spec.model.base_url = "ftp://x".into();
+        spec.distribution = DistributionSpec::Inline([("terminal".to_owned(), 120.0)].into());
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.dataset.path",
+                "spec.batchSize",
+                "spec.model.baseUrl",
+                "spec.distribution.terminal"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_browser_distribution_needs_the_browser_section_and_its_bounds_hold() {
+        let mut spec = minimal();
+        spec.distribution = DistributionSpec::Named("browser_only".into());
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(fields, ["spec.tools.browser"]);
+        spec.tools.browser = Some(BrowserSpec::default());
+        assert!(spec.validate().is_empty());
+        spec.tools.browser = Some(BrowserSpec {
+            chromium_path: "chromium".into(),
+            snapshot_max_chars: 10,
+            allowed_schemes: vec!["https:".into()],
+            ..BrowserSpec::default()
+        });
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.tools.browser.chromiumPath",
+                "spec.tools.browser.snapshotMaxChars",
+                "spec.tools.browser.allowedSchemes"
+            ]
+        );
+    }
+
+    #[test]
+    fn vision_and_image_endpoints_are_checked() {
+        let mut spec = minimal();
+        spec.distribution = DistributionSpec::Named("creative".into());
+        spec.tools = serde_json::from_value(serde_json::json!({
+            "web": {"search": {"url": "http://searxng:8080"}},
+            "vision": {"baseUrl": "http://vllm-vl:8000/v1", "model": "vl",
+                       "apiKey": {"secretKeyRef": {"name": "vl-key", "key": "token"}}},
+            "imageGen": {"baseUrl": "http://images:8000/v1", "model": "img",
+                         "apiKey": {"env": "IMAGES_KEY"}},
+        }))
+        .unwrap();
+        assert_eq!(spec.validate(), []);
+
+        let vision = spec.tools.vision.as_mut().unwrap();
+        vision.base_url = "vllm-vl:8000".into();
+        vision.api_key = Some(ValueSource {
+            env: Some("A".into()),
+            secret_key_ref: Some(SecretKeyRef {
+                name: "n".into(),
+                key: "k".into(),
+            }),
+        });
+        vision.max_image_bytes = 10;
+        let image_gen = spec.tools.image_gen.as_mut().unwrap();
+        image_gen.model = String::new();
+        image_gen.sizes.square = String::new();
+        image_gen.extra_body = Some(serde_json::json!([1]));
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.tools.vision.baseUrl",
+                "spec.tools.vision.apiKey",
+                "spec.tools.vision.maxImageBytes",
+                "spec.tools.imageGen.model",
+                "spec.tools.imageGen.sizes.square",
+                "spec.tools.imageGen.extraBody",
+            ]
+        );
+    }
+
+    #[test]
+    fn clean_paths() {
+        assert!(is_relative_clean_path("a/b.jsonl"));
+        assert!(!is_relative_clean_path("/a"));
+        assert!(!is_relative_clean_path("a/../b"));
+        assert!(!is_relative_clean_path("a//b"));
+        assert!(!is_relative_clean_path(""));
+    }
+}
