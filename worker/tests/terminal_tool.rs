@@ -511,6 +511,15 @@ async fn cd_export_and_workdir_persist_between_calls(place: Where) {
     assert_eq!(blocked["exit_code"], -1);
 }
 
+async fn a_command_that_redirects_the_shell_does_not_silence_the_next(place: Where) {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context(place, dir.path(), ToolLimits::default());
+    let hidden = ok(call(&ctx, json!({"command": "exec >log 2>&1; echo hidden"})).await);
+    assert_eq!(hidden, json!({"output": "", "exit_code": 0, "error": null}));
+    let seen = ok(call(&ctx, json!({"command": "echo seen; cat log"})).await);
+    assert_eq!(seen["output"], "seen\nhidden");
+}
+
 async fn the_file_tools_follow_the_terminals_directory(place: Where) {
     let dir = tempfile::tempdir().unwrap();
     let ctx = context(place, dir.path(), ToolLimits::default());
@@ -946,6 +955,7 @@ async fn a_runaway_job_is_stopped_at_its_limit_with_the_reason(place: Where) {
 in_both_places!(
     a_runaway_job_is_stopped_at_its_limit_with_the_reason,
     cd_export_and_workdir_persist_between_calls,
+    a_command_that_redirects_the_shell_does_not_silence_the_next,
     the_file_tools_follow_the_terminals_directory,
     a_server_started_in_the_background_answers_a_later_call,
     the_process_actions_behave_as_the_references,

@@ -182,10 +182,9 @@ impl Terminal {
             }
         };
         let root = ctx.workspace.root();
-        let cwd = workdir.map_or_else(
-            || self.cwd().unwrap_or_else(|| root.to_owned()),
-            PathBuf::from,
-        );
+        let here = self.cwd().unwrap_or_else(|| root.to_owned());
+        // As `cd` would take it: a relative `workdir` starts where the shell is.
+        let cwd = workdir.map_or_else(|| here.clone(), |dir| here.join(dir));
         self.jobs
             .start(
                 &ctx.sandbox,

@@ -100,8 +100,14 @@ impl Shell {
             cwd: Some(cwd.display().to_string()),
         };
         let program = Program::start(sandbox, &request, IDLE_LOG, 0).await?;
-        // The shell's own messages (a syntax error in the script) go where the commands' do.
-        program.write(b"exec 2>&1\n").await?;
+        // The shell's own messages (a syntax error in the script) go where the commands' do; the
+        // markers go to a copy of the output of their own, so that a command that sends the
+        // shell's output elsewhere (`exec >log`) does not lose them.
+        let init = match flavour {
+            Flavour::Bash => "exec 2>&1 19>&1\n",
+            Flavour::Posix => "exec 2>&1 9>&1\n",
+        };
+        program.write(init.as_bytes()).await?;
         Ok(Self { program, flavour })
     }
 
@@ -248,9 +254,15 @@ impl Shell {
         };
         // A workdir the reference's check let through has no quote in it.
         let enter = workdir.map_or_else(String::new, |dir| format!("cd -- '{dir}' && "));
+        let markers = match self.flavour {
+            Flavour::Bash => 19,
+            Flavour::Posix => 9,
+        };
+        // Each command starts with the session's output as its own, whatever an earlier one did
+        // to the shell's (`exec >log`), as each of the reference's commands is a new process.
         format!(
-            "{read}{enter}eval \"$__traj_command\" </dev/null\n__traj_status=$?\nunset __traj_command\n\
-             printf '\\n__TRAJ_%s_END %d %s\\n' '{nonce}' \"$__traj_status\" \"$PWD\"\n\
+            "{read}{enter}eval \"$__traj_command\" </dev/null >&{markers} 2>&{markers}\n__traj_status=$?\nunset __traj_command\n\
+             printf '\\n__TRAJ_%s_END %d %s\\n' '{nonce}' \"$__traj_status\" \"$PWD\" >&{markers}\n\
              unset __traj_status\n"
         )
     }
