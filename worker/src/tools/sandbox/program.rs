@@ -19,8 +19,8 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::watch;
 use trajectory_sandbox::protocol::{self, SessionRequest};
 
-use super::Sandbox;
 use super::session::{Ended, read_frame};
+use super::{REFUSED_PREFIX, Sandbox};
 
 /// Bytes of the executor's own messages (a limit's reason, a refusal) kept.
 const STDERR_TAIL: usize = 4096;
@@ -106,9 +106,14 @@ pub struct ProgramState {
 }
 
 impl ProgramState {
-    /// The executor's messages, as text.
-    pub fn stderr(&self) -> String {
-        String::from_utf8_lossy(&self.stderr).into_owned()
+    /// Why the executor refused or stopped the program: its last message, without the
+    /// [`REFUSED_PREFIX`] it starts with.
+    pub fn sandbox_reason(&self) -> Option<String> {
+        String::from_utf8_lossy(&self.stderr)
+            .lines()
+            .rev()
+            .find_map(|line| line.strip_prefix(REFUSED_PREFIX))
+            .map(str::to_owned)
     }
 }
 

@@ -22,7 +22,7 @@ use trajectory_sandbox::protocol::SessionRequest;
 
 use super::output::strip_ansi;
 use super::shell::{Flavour, STOP_WAIT};
-use crate::tools::sandbox::{Ended, LIMIT_EXIT, Program, REFUSED_EXIT, REFUSED_PREFIX, Sandbox};
+use crate::tools::sandbox::{Ended, LIMIT_EXIT, Program, REFUSED_EXIT, Sandbox};
 
 /// Jobs of one conversation running at once.
 pub(super) const MAX_RUNNING: usize = 8;
@@ -246,13 +246,9 @@ async fn wait_for_pid(program: &Program) -> Result<i32, String> {
                     return Ok(pid);
                 }
                 if state.ended.is_some() {
-                    let said = state.stderr();
-                    let reason = said
-                        .lines()
-                        .rev()
-                        .find_map(|line| line.strip_prefix(REFUSED_PREFIX))
-                        .unwrap_or("the sandbox ended it before it ran");
-                    return Err(reason.to_owned());
+                    return Err(state
+                        .sandbox_reason()
+                        .unwrap_or_else(|| "the sandbox ended it before it ran".to_owned()));
                 }
             }
             if changed.changed().await.is_err() {
@@ -306,12 +302,7 @@ impl Job {
                 stopped: None,
             },
             Some(ended) => {
-                let said = state.stderr();
-                let limit = said
-                    .lines()
-                    .rev()
-                    .find_map(|line| line.strip_prefix(REFUSED_PREFIX))
-                    .map(str::to_owned);
+                let limit = state.sandbox_reason();
                 let stopped = if over_output {
                     Some(format!(
                         "the process wrote more than {} of output and was stopped",

@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use trajectory_sandbox::protocol::SessionRequest;
 
 use super::output::OutputBuffer;
-use crate::tools::sandbox::{Ended, LIMIT_EXIT, Program, REFUSED_EXIT, REFUSED_PREFIX, Sandbox};
+use crate::tools::sandbox::{Ended, LIMIT_EXIT, Program, REFUSED_EXIT, Sandbox};
 
 /// How long a timed-out command's processes have to die (and the shell to print its marker)
 /// once the executor killed them; past it, the shell itself is stuck (a loop of builtins) and is
@@ -219,13 +219,7 @@ impl Shell {
     /// The shell ended before the marker: what it wrote, and how it ended.
     async fn ended_early(&self) -> CommandEnd {
         let ended = self.program.wait(STOP_WAIT).await;
-        let state = self.program.state();
-        let reason = state.stderr();
-        let reason = reason
-            .lines()
-            .rev()
-            .find_map(|line| line.strip_prefix(REFUSED_PREFIX))
-            .map(str::to_owned);
+        let reason = self.program.state().sandbox_reason();
         match ended {
             Some(Ended::Exited(REFUSED_EXIT)) => CommandEnd::NotStarted(
                 reason.unwrap_or_else(|| "the sandbox refused the shell".to_owned()),
