@@ -585,6 +585,8 @@ async fn a_server_started_in_the_background_answers_a_later_call(place: Where) {
     assert_eq!(fetched["output"], "served from the workspace", "{fetched}");
     let polled = process(&ctx, json!({"action": "poll", "session_id": id})).await;
     assert_eq!(polled["status"], "running", "{polled}");
+    // The server logs a request after answering it.
+    wait_for_output(&ctx, &id, "GET /index.html").await;
     let log = process(&ctx, json!({"action": "log", "session_id": id})).await;
     assert!(
         log["output"].as_str().unwrap().contains("GET /index.html"),
