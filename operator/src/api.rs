@@ -105,7 +105,7 @@ pub struct TrajectoryRunStatus {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxStatus {
-    /// `Enforced`: Landlock confines each command to its conversation's workspace.
+    /// `Enforced`: Landlock confines each conversation's shell and jobs to its workspace.
     /// `NotEnforced`: the node's kernel (or the container runtime's seccomp profile) does not
     /// let Landlock work, and commands ran with the other layers only (`spec.sandbox.landlock:
     /// required` refuses to run so). `Off`: `spec.sandbox.landlock` is `off`.

@@ -747,10 +747,11 @@ pub struct SandboxSpec {
     /// with the reason). `off`: not used. A local run's `--landlock` flag overrides it.
     #[serde(default)]
     pub landlock: LandlockSetting,
-    /// What one terminal command, with every process it starts, may use. Past a limit the
-    /// command and all its processes are stopped, and the model gets a tool error naming the
-    /// limit; the worker and the other conversations go on. Checked by the tool executor every
-    /// 10 to 100 ms, locally and in pods.
+    /// What a conversation's shell (its foreground commands and the jobs they leave running
+    /// with `&`) may use, and each of its background jobs. Past a limit the shell or the job is
+    /// stopped with everything it started, and the model gets a tool error (a job's result, its
+    /// `stopped_reason`) naming the limit; the worker and the other conversations go on. Checked
+    /// by the tool executor every 10 to 100 ms and at each command's end, locally and in pods.
     #[serde(default)]
     pub limits: SandboxLimits,
     /// Resources of the generation pods' sandbox container (cluster only), as a container's
@@ -773,13 +774,13 @@ pub struct SandboxLimits {
     #[serde(default = "default_sandbox_processes")]
     pub processes: u64,
     /// Bytes of resident memory (anonymous and shared, not the page cache), summed over the
-    /// command's processes. No single process may map more than twice this: an allocation
-    /// beyond it fails in the program itself.
+    /// shell's (or the job's) processes. No single process may map more than twice this: an
+    /// allocation beyond it fails in the program itself.
     #[serde(default = "default_sandbox_memory_bytes")]
     pub memory_bytes: u64,
     /// Bytes the conversation's workspace may hold on disk. No single file may grow beyond it.
-    /// A workspace already past it (an earlier command's files) stops only the commands that
-    /// make it grow, so the model can still delete files.
+    /// A workspace already past it when a shell starts (an earlier shell's files) stops only
+    /// what makes it grow, so the model can still delete files.
     #[serde(default = "default_sandbox_workspace_bytes")]
     pub workspace_bytes: u64,
 }

@@ -295,3 +295,230 @@ fn assert_valid_record(record: &Value) {
         assert!(record.get(key).is_some(), "record has {key}");
     }
 }
+
+/// The terminal toolset end to end on the real model: a `local` run of the `terminal_only`
+/// distribution (the `terminal` and `file` toolsets), its commands run by the conversation's shell under the real executor. The
+/// record must be valid, its system turn must offer `terminal` and `process` with our schemas,
+/// and every terminal or process call's result must have one of the reference's shapes (hermes-agent 0.19.0,
+/// `golden/hermes-0.19.0/`); what the model runs is its own choice and is not asserted.
+///
+/// As in the web test above, `spec.model.extraBody` makes the small model call `terminal`
+/// (`tool_choice`, a grammar in llama.cpp): unasked, it seldom calls a tool at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_model_uses_the_terminal_and_its_results_have_the_references_shapes() {
+    let tools_spec = serde_json::json!({"terminal": {"timeoutSeconds": 30}});
+    let fixture = common::RunFixture::with_lines(
+        &model_server(),
+        &[serde_json::json!({
+            "prompt": "Make a directory named work, change into it, and print the working directory."
+        })
+        .to_string()],
+    )
+    .with("/distribution", serde_json::json!("terminal_only"))
+    .with("/concurrency", serde_json::json!(1))
+    .with(
+        "/model",
+        serde_json::json!({
+            "baseUrl": model_server(), "name": model_name(), "maxTokens": 128,
+            "temperature": 0.0, "requestTimeoutSeconds": 300,
+            "extraBody": {"tool_choice": {"type": "function", "function": {"name": "terminal"}}},
+        }),
+    )
+    .with(
+        "/agent",
+        serde_json::json!({"maxTurns": 3, "promptTimeoutSeconds": 900}),
+    )
+    .with("/tools", tools_spec.clone());
+    let report = run_local(&common::local_options(&fixture), &common::no_shutdown())
+        .await
+        .expect("the run finishes");
+    assert_eq!(
+        report.merge.trajectories,
+        1,
+        "{:?}",
+        fixture.lines("failures.jsonl")
+    );
+
+    let record = &fixture.lines("trajectories.jsonl")[0];
+    assert_valid_record(record);
+    // `terminal_only` is the reference's: the terminal and the file tools.
+    assert_eq!(
+        record["toolsets_used"],
+        serde_json::json!(["terminal", "file"])
+    );
+    let turns = record["conversations"].as_array().unwrap();
+    let pretty = || serde_json::to_string_pretty(turns).unwrap();
+
+    // The system turn offers `terminal` and `process` first, exactly as the toolset builds them
+    // for this spec (the file tools follow).
+    let system = turns[0]["value"].as_str().unwrap();
+    let listed = system
+        .split_once("<tools>\n")
+        .and_then(|(_, rest)| rest.split_once("\n</tools>"))
+        .map(|(tools, _)| tools)
+        .expect("a <tools> block");
+    let listed: Value = serde_json::from_str(listed).expect("the tools are JSON");
+    let spec: ToolsSpec = serde_json::from_value(tools_spec).unwrap();
+    let ours: Vec<Value> = trajectory_worker::tools::terminal::tools(&spec)
+        .iter()
+        .map(|tool| {
+            let spec = tool.spec();
+            serde_json::json!({
+                "name": spec.name, "description": spec.description,
+                "parameters": spec.parameters, "required": null,
+            })
+        })
+        .collect();
+    assert_eq!(listed.as_array().unwrap()[..2], ours[..]);
+
+    // Every tool result has the reference's shape for its tool.
+    let mut results = 0;
+    for turn in turns.iter().filter(|turn| turn["from"] == "tool") {
+        let value = turn["value"].as_str().unwrap();
+        for response in value.split("<tool_response>\n").skip(1) {
+            let payload = response
+                .split_once("\n</tool_response>")
+                .map(|(payload, _)| payload)
+                .expect("a closed tool response");
+            let payload: Value = serde_json::from_str(payload).expect("a JSON tool response");
+            let name = payload["name"].as_str().unwrap();
+            if matches!(name, "terminal" | "process") {
+                assert_reference_shape(name, &payload["content"]);
+                results += 1;
+            }
+        }
+    }
+    assert!(results > 0, "the model called the terminal: {}", pretty());
+    assert!(
+        record["tool_stats"]["terminal"]["count"].as_u64() > Some(0),
+        "{}",
+        record["tool_stats"]
+    );
+}
+
+/// Whether `content`, the result of `tool`, has one of the shapes hermes-agent 0.19.0's tool
+/// returns: the keys of one of them (the optional ones aside), with their types.
+fn assert_reference_shape(tool: &str, content: &Value) {
+    use serde_json::Value::{Array, Null, Number, String as Text};
+    let Value::Object(map) = content else {
+        panic!("{tool}: a result is an object: {content}");
+    };
+    let has = |key: &str, check: fn(&Value) -> bool| map.get(key).is_some_and(check);
+    let text: fn(&Value) -> bool = |v| matches!(v, Text(_));
+    let int: fn(&Value) -> bool = |v| matches!(v, Number(n) if n.is_i64());
+    let text_or_null: fn(&Value) -> bool = |v| matches!(v, Text(_) | Null);
+    let int_or_null: fn(&Value) -> bool = |v| matches!(v, Number(_) | Null);
+    let keys: std::collections::BTreeSet<&str> = map.keys().map(String::as_str).collect();
+    let shapes = reference_shapes(tool);
+    let fits = shapes.iter().any(|(required, optional)| {
+        required.iter().all(|key| keys.contains(key))
+            && keys
+                .iter()
+                .all(|key| required.contains(key) || optional.contains(key))
+    });
+    assert!(fits, "{tool}: not one of the reference's shapes: {content}");
+    // The types of the keys that are there.
+    for (key, check) in [
+        ("output", text),
+        ("error", text_or_null),
+        ("exit_code", int_or_null),
+        ("session_id", text),
+        ("pid", int),
+        ("status", text),
+        ("command", text),
+        ("uptime_seconds", int),
+        ("output_preview", text),
+        ("total_lines", int),
+        ("showing", text),
+        ("bytes_written", int),
+        ("exit_code_meaning", text),
+    ] {
+        if map.contains_key(key) {
+            assert!(
+                has(key, check),
+                "{tool}: {key} has the wrong type: {content}"
+            );
+        }
+    }
+    if let Some(processes) = map.get("processes") {
+        assert!(matches!(processes, Array(_)), "{content}");
+    }
+    if tool == "terminal" && map.contains_key("output") {
+        assert!(has("exit_code", int), "{content}");
+    }
+}
+
+/// The shapes of hermes-agent 0.19.0's results of `tool`: each shape's keys, then its optional
+/// ones.
+fn reference_shapes(tool: &str) -> &'static [(&'static [&'static str], &'static [&'static str])] {
+    match tool {
+        "terminal" => &[
+            // A foreground command (blocked ones add `status`).
+            (
+                &["output", "exit_code", "error"],
+                &["exit_code_meaning", "status"],
+            ),
+            // A background start.
+            (&["output", "session_id", "pid", "exit_code", "error"], &[]),
+            // A refusal (bad arguments, a timeout over the maximum).
+            (&["error"], &[]),
+        ],
+        "process" => &[
+            (&["processes"], &[]),
+            (&["error"], &[]),
+            (&["status", "error"], &[]),
+            (
+                &[
+                    "session_id",
+                    "command",
+                    "status",
+                    "pid",
+                    "uptime_seconds",
+                    "output_preview",
+                ],
+                &[
+                    "exit_code",
+                    "completion_reason",
+                    "termination_source",
+                    "stopped_reason",
+                ],
+            ),
+            (
+                &[
+                    "session_id",
+                    "command",
+                    "status",
+                    "output",
+                    "total_lines",
+                    "showing",
+                ],
+                &[],
+            ),
+            (
+                &[
+                    "status",
+                    "command",
+                    "exit_code",
+                    "completion_reason",
+                    "termination_source",
+                    "output",
+                ],
+                &["timeout_note", "stopped_reason"],
+            ),
+            (&["status", "command", "output", "timeout_note"], &[]),
+            (
+                &[
+                    "status",
+                    "session_id",
+                    "completion_reason",
+                    "termination_source",
+                    "output",
+                ],
+                &[],
+            ),
+            (&["status", "bytes_written"], &[]),
+            (&["status", "message"], &[]),
+        ],
+        other => panic!("the terminal_only distribution offers no {other}"),
+    }
+}

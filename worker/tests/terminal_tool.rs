@@ -184,9 +184,16 @@ async fn non_zero_exit_code_is_a_result_not_an_error(place: Where) {
         outcome.into_content(),
         r#"{"output":"failing","exit_code":3,"error":null}"#
     );
-    // `exit` ended the shell; the next command gets a new one.
+    // `exit` ended the shell; the next command gets a new one, and is told so.
     let again = ok(call(&ctx, json!({"command": "echo again"})).await);
-    assert_eq!(again["output"], "again");
+    let again = again["output"].as_str().unwrap();
+    assert!(
+        again.starts_with("[The shell ended in an earlier command"),
+        "{again}"
+    );
+    assert!(again.ends_with("]\nagain"), "{again}");
+    let quiet = ok(call(&ctx, json!({"command": "echo quiet"})).await);
+    assert_eq!(quiet["output"], "quiet");
 }
 
 async fn command_killed_by_a_signal_reports_128_plus_the_signal(place: Where) {
@@ -197,10 +204,8 @@ async fn command_killed_by_a_signal_reports_128_plus_the_signal(place: Where) {
     // The shell itself killed: the result says so the same way, and the next call has a shell.
     let result = ok(call(&ctx, json!({"command": "kill -9 $$"})).await);
     assert_eq!(result["exit_code"], 137);
-    assert_eq!(
-        ok(call(&ctx, json!({"command": "echo up"})).await)["output"],
-        "up"
-    );
+    let up = ok(call(&ctx, json!({"command": "echo up"})).await);
+    assert!(up["output"].as_str().unwrap().ends_with("]\nup"), "{up}");
 }
 
 async fn command_runs_in_the_workspace_with_home_there_and_a_dumb_terminal(place: Where) {
@@ -906,14 +911,16 @@ async fn one_huge_file_stops_at_the_workspace_limit_and_can_be_deleted(place: Wh
         .await;
     let fill = neighbours.offender.workspace.root().join("fill");
     assert_eq!(std::fs::metadata(&fill).unwrap().len(), (64 << 20) + 1);
-    // The workspace is past its limit, but a command that does not grow it runs, so the model
-    // can make room.
+    // The workspace is past its limit, but a command that does not grow it runs (in a new shell,
+    // which it is told), so the model can make room.
     let cleaned = ok(call(
         &neighbours.offender,
         json!({"command": "ls; rm fill; echo room"}),
     )
     .await);
-    assert_eq!(cleaned["output"], "fill\nroom");
+    let cleaned = cleaned["output"].as_str().unwrap();
+    assert!(cleaned.starts_with("[The shell ended"), "{cleaned}");
+    assert!(cleaned.ends_with("]\nfill\nroom"), "{cleaned}");
     let again = ok(call(
         &neighbours.offender,
         json!({"command": "head -c 1M /dev/zero > f; echo ok"}),

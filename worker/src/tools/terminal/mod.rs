@@ -58,7 +58,15 @@ struct ShellSlot {
     shell: Option<Shell>,
     /// The sandbox has no `bash`: shells are `sh`.
     posix: bool,
+    /// The last shell ended in a call that did not say so (`exit`, a limit): the next command's
+    /// output tells the model that its shell's state was reset.
+    ended_unannounced: bool,
 }
+
+/// What the first command in a new shell shows when the last one ended with an earlier call.
+const SHELL_RESET_NOTE: &str = "[The shell ended in an earlier command (exit, or a sandbox limit) \
+     and this one ran in a new shell in the same directory: exported variables, functions and \
+     aliases were reset]";
 
 impl Terminal {
     /// The shell's working directory, as it last reported it (`None` before any command).
@@ -129,10 +137,18 @@ impl Terminal {
             let (end, kept) = shell
                 .run(command, workdir, timeout, ctx.limits.max_output_bytes)
                 .await;
+            let announce = !matches!(end, CommandEnd::NotStarted(_))
+                && std::mem::take(&mut slot.ended_unannounced);
+            let with_note = |output: String| match (announce, output.is_empty()) {
+                (false, _) => output,
+                (true, true) => SHELL_RESET_NOTE.to_owned(),
+                (true, false) => format!("{SHELL_RESET_NOTE}\n{output}"),
+            };
             match end {
                 CommandEnd::Finished { exit_code, cwd } => {
                     self.set_cwd(cwd);
-                    return ToolOutcome::Ok(finished(command, &kept.render(""), exit_code));
+                    let output = with_note(kept.render(""));
+                    return ToolOutcome::Ok(finished(command, &output, exit_code));
                 }
                 CommandEnd::TimedOut { shell_lost } => {
                     if shell_lost {
@@ -146,14 +162,15 @@ impl Terminal {
                         );
                     }
                     return ToolOutcome::Ok(json!({
-                        "output": kept.render(&note),
+                        "output": with_note(kept.render(&note)),
                         "exit_code": 124,
                         "error": null,
                     }));
                 }
                 CommandEnd::ShellEnded { exit_code, reason } => {
                     slot.shell = None;
-                    let output = kept.render("");
+                    slot.ended_unannounced = true;
+                    let output = with_note(kept.render(""));
                     return match reason {
                         Some(reason) => ToolOutcome::Err(limit_error(&output, &reason)),
                         None => ToolOutcome::Ok(finished(command, &output, exit_code)),

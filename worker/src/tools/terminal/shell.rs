@@ -104,7 +104,9 @@ impl Shell {
         // markers go to a copy of the output of their own, so that a command that sends the
         // shell's output elsewhere (`exec >log`) does not lose them.
         let init = match flavour {
-            Flavour::Bash => "exec 2>&1 19>&1\n",
+            // `cd` resolves symbolic links, so that the directory reported (and followed by the
+            // file tools) is the real one, as the reference's `pwd -P` is.
+            Flavour::Bash => "exec 2>&1 19>&1\nset -o physical\n",
             Flavour::Posix => "exec 2>&1 9>&1\n",
         };
         program.write(init.as_bytes()).await?;
@@ -246,16 +248,23 @@ impl Shell {
                 format!("__traj_command=$(cat <<'{delimiter}'\n{command}\n{delimiter}\n)\n")
             }
         };
-        // A workdir the reference's check let through has no quote in it.
-        let enter = workdir.map_or_else(String::new, |dir| format!("cd -- '{dir}' && "));
         let markers = match self.flavour {
             Flavour::Bash => 19,
             Flavour::Posix => 9,
         };
         // Each command starts with the session's output as its own, whatever an earlier one did
         // to the shell's (`exec >log`), as each of the reference's commands is a new process.
+        let run = format!(
+            "eval \"$__traj_command\" </dev/null >&{markers} 2>&{markers}\n__traj_status=$?\n"
+        );
+        // A workdir the reference's check let through has no quote in it. One that cannot be
+        // entered is exit code 126 and the command is not run, as the reference's
+        // `builtin cd -- DIR || exit 126`.
+        let run = workdir.map_or(run.clone(), |dir| {
+            format!("if cd -- '{dir}'; then\n{run}else\n__traj_status=126\nfi\n")
+        });
         format!(
-            "{read}{enter}eval \"$__traj_command\" </dev/null >&{markers} 2>&{markers}\n__traj_status=$?\nunset __traj_command\n\
+            "{read}{run}unset __traj_command\n\
              printf '\\n__TRAJ_%s_END %d %s\\n' '{nonce}' \"$__traj_status\" \"$PWD\" >&{markers}\n\
              unset __traj_status\n"
         )
