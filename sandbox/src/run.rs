@@ -360,10 +360,7 @@ fn execute(args: &ExecutorArgs) -> Result<i32, String> {
             .min();
         let timeout = match wake {
             None => PollTimeout::NONE,
-            Some(at) => {
-                let left = at.saturating_duration_since(Instant::now());
-                PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
-            }
+            Some(at) => poll_timeout_until(at),
         };
         let mut fds = [PollFd::new(
             std::os::fd::AsFd::as_fd(&signal_fd),
@@ -614,8 +611,19 @@ pub(crate) fn kill_all_but(program: Pid) {
     }
 }
 
+/// How long `poll` may wait to wake at `at`: rounded up to the millisecond, since a wait rounded
+/// down to zero with less than a millisecond left would spin on `poll` until the time comes.
+pub(crate) fn poll_timeout_until(at: Instant) -> PollTimeout {
+    let left = at.saturating_duration_since(Instant::now());
+    let millis = left.as_micros().div_ceil(1000);
+    i32::try_from(millis)
+        .ok()
+        .and_then(|millis| PollTimeout::try_from(millis).ok())
+        .unwrap_or(PollTimeout::MAX)
+}
+
 /// The children of every thread of `pid`.
-fn children_of(pid: Pid) -> Vec<Pid> {
+pub(crate) fn children_of(pid: Pid) -> Vec<Pid> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return Vec::new();
     };

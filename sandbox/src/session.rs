@@ -20,7 +20,6 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Instant;
 
 use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, OFlag, fcntl};
@@ -32,8 +31,8 @@ use nix::unistd::Pid;
 use crate::limits::Supervisor;
 use crate::protocol::{self, SessionRequest};
 use crate::run::{
-    Confinement, confine_executor, kill_all_but, kill_all_descendants, lower_priority, on_path,
-    pass_environment, reap_exited,
+    Confinement, children_of, confine_executor, kill_all_but, kill_all_descendants, lower_priority,
+    on_path, pass_environment, poll_timeout_until, reap_exited,
 };
 use crate::{LIMIT_EXIT, LandlockMode, Limits, REFUSED_EXIT, REFUSED_PREFIX};
 
@@ -153,6 +152,11 @@ struct Pipes {
 
 struct Relay {
     connection: UnixStream,
+    /// The caller asks for the limit checks at the end of each command (a shell's): between
+    /// commands the periodic checks pause.
+    caller_checks: bool,
+    /// A command was sent and its check not yet asked for.
+    command_running: bool,
     /// False once the caller hung up (or a write to it failed): nothing more is sent.
     caller_there: bool,
     /// Bytes read from the connection that do not yet make a whole frame.
@@ -163,6 +167,8 @@ impl Relay {
     fn new(connection: UnixStream) -> Self {
         Self {
             connection,
+            caller_checks: false,
+            command_running: false,
             caller_there: true,
             incoming: Vec::new(),
         }
@@ -278,10 +284,14 @@ impl Relay {
     ) -> i32 {
         let mut buf = vec![0_u8; protocol::MAX_FRAME_BYTES];
         let (status, exceeded) = loop {
-            let timeout = supervisor.next_check().map_or(PollTimeout::NONE, |at| {
-                let left = at.saturating_duration_since(Instant::now());
-                PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
-            });
+            // A shell between commands, with nothing of its own running, uses nothing that grows:
+            // no periodic check while it waits for the next command (its caller asks for one at
+            // each command's end).
+            let idle = self.caller_checks && !self.command_running && children_of(pid).is_empty();
+            let timeout = match supervisor.next_check() {
+                Some(at) if !idle => poll_timeout_until(at),
+                _ => PollTimeout::NONE,
+            };
             let queued = pipes.stdin_queue.len() + pipes.cdp_queue.len();
             let mut fds = vec![PollFd::new(signal_fd.as_fd(), PollFlags::POLLIN)];
             let listen_caller = self.caller_there && queued < MAX_QUEUED_BYTES;
@@ -355,6 +365,7 @@ impl Relay {
             // The caller asks once it has read the end of a command, so everything the command
             // wrote is already relayed.
             if std::mem::take(&mut pipes.check_requested) {
+                self.command_running = false;
                 if let Some(exceeded) = supervisor.check_at_end() {
                     break (None, Some(exceeded));
                 }
@@ -406,9 +417,15 @@ impl Relay {
                 .collect();
             match kind {
                 protocol::STDIN if payload.is_empty() => pipes.stdin_closing = true,
-                protocol::STDIN => pipes.stdin_queue.extend_from_slice(&payload),
+                protocol::STDIN => {
+                    self.command_running = true;
+                    pipes.stdin_queue.extend_from_slice(&payload);
+                }
                 protocol::INTERRUPT => kill_all_but(program),
-                protocol::CHECK => pipes.check_requested = true,
+                protocol::CHECK => {
+                    self.caller_checks = true;
+                    pipes.check_requested = true;
+                }
                 protocol::CDP if pipes.cdp_in.is_some() => {
                     pipes.cdp_queue.extend_from_slice(&payload);
                 }
