@@ -114,12 +114,24 @@ impl Setup {
         concurrency: usize,
         extra: Value,
     ) {
+        self.create_one_batch_at(name, &self.model_url(model), prompts, concurrency, extra)
+            .await;
+    }
+
+    /// [`Setup::create_one_batch`] against the model at `model_url`.
+    async fn create_one_batch_at(
+        &self,
+        name: &str,
+        model_url: &str,
+        prompts: usize,
+        concurrency: usize,
+        extra: Value,
+    ) {
         let mut keys = json!({"batchSize": prompts, "workers": 1, "concurrency": concurrency});
         for (key, value) in extra.as_object().into_iter().flatten() {
             keys[key] = value.clone();
         }
-        self.create_scripted(name, &self.model_url(model), prompts, &keys)
-            .await;
+        self.create_scripted(name, model_url, prompts, &keys).await;
     }
 
     /// Waits until run `name` is finished; panics with its status and pods after `timeout`.
@@ -166,11 +178,18 @@ impl Setup {
         prompts: usize,
         model: &ScriptedServer,
     ) -> Vec<String> {
+        self.succeeded_in_one_pod(name, prompts).await;
+        assert_two_requests_per_conversation(model, prompts);
+        tool_turns(&self.storage.run_dir(self.ns(), name))
+    }
+
+    /// Waits until run `name` of `prompts` prompts, all in one batch, has succeeded in one pod
+    /// (so that its conversations shared one sandbox container), with one record per prompt.
+    async fn succeeded_in_one_pod(&self, name: &str, prompts: usize) {
         let run = self.finished(name, Duration::from_secs(300)).await;
         assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
         let (indexes, failed) = self.prompt_indexes(name);
         assert_eq!((indexes, failed), ((0..prompts as u64).collect(), 0));
-        assert_two_requests_per_conversation(model, prompts);
         let pods = self
             .pods
             .list(&kube::api::ListParams::default().labels(&format!("job-name={name}-gen-1")))
@@ -178,7 +197,6 @@ impl Setup {
             .expect("list the generation Job's pods")
             .items;
         assert_eq!(pods.len(), 1, "{:#?}", pod_summary(&self.pods).await);
-        tool_turns(&self.storage.run_dir(self.ns(), name))
     }
 
     /// The first pod of index 0 of the generation Job, once it is running and has written `records`
@@ -534,13 +552,16 @@ echo "running=$(grep -a -l "${m}[1-5]" /proc/[0-9]*/cmdline 2>/dev/null | wc -l)
 /// Nothing a command starts outlives its conversation in a real pod: three conversations, one
 /// after the other in the sandbox container of one batch pod, each start processes meant to
 /// survive (`setsid`, `nohup`, a double fork, a daemon), and each later one finds none of the
-/// earlier ones' processes left, and no zombie. The second one also kills its own executor
-/// (`SIGKILL`, as the OOM killer would), leaving its processes to the sandbox server. Two model
+/// earlier ones' processes left, and no zombie. The second one also kills its own executor, the
+/// one of its conversation's shell (`SIGKILL`, as the OOM killer would), leaving its processes to
+/// the sandbox server; its tool result is then the error of a sandbox that hung up. Two model
 /// requests per conversation: no record is missing and none was redone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nothing_a_command_starts_outlives_its_conversation_in_a_real_pod() {
     let setup = Setup::new("pods-orphans").await;
-    let kills_its_executor = format!("{ORPHANS_PROBE}\nkill -KILL $PPID; sleep 30");
+    // The session's executor relays the command's output: what is still in its pipe when it
+    // dies is lost, so the probe's last line is given a moment to get through first.
+    let kills_its_executor = format!("{ORPHANS_PROBE}\nsleep 1; kill -KILL $PPID; sleep 30");
     let model = model_replying([
         terminal_call(ORPHANS_PROBE),
         text_reply("done"),
@@ -574,6 +595,9 @@ async fn nothing_a_command_starts_outlives_its_conversation_in_a_real_pod() {
             "zombies in the sandbox container: {turn}"
         );
     }
+    // The command that killed its executor killed its conversation's shell session with it: the
+    // sandbox hung up, a tool error (with the output so far, checked above) where the executor of
+    // one command used to report 137.
     let mut codes: Vec<Option<i64>> = turns
         .iter()
         .map(|turn| tool_result(turn)["exit_code"].as_i64())
@@ -581,9 +605,21 @@ async fn nothing_a_command_starts_outlives_its_conversation_in_a_real_pod() {
     codes.sort_unstable();
     assert_eq!(
         codes,
-        [Some(0), Some(0), Some(137)],
+        [None, Some(0), Some(0)],
         "one command killed its executor"
     );
+    let errors: Vec<&str> = turns
+        .iter()
+        .filter_map(|turn| tool_result(turn)["error"].as_str().map(str::to_owned))
+        .map(|error| {
+            if error.contains("closed the connection") {
+                "lost"
+            } else {
+                "other"
+            }
+        })
+        .collect();
+    assert_eq!(errors, ["lost"], "{turns:#?}");
 }
 
 /// A memory hog and a disk filler, each in its own conversation in the sandbox container of one
@@ -623,7 +659,396 @@ async fn a_memory_hog_and_a_disk_filler_stop_only_their_own_conversation_in_a_re
         .unwrap_or_else(|| panic!("no tool turn without an error: {turns:#?}"));
     assert_eq!(
         neighbour,
-        json!({"output": "20\n", "exit_code": 0, "error": null}),
+        json!({"output": "20", "exit_code": 0, "error": null}),
+        "the neighbour did its work as if alone"
+    );
+}
+
+/// What a conversation has seen when it asks the model: the number of its prompt (`task number
+/// N`) and its tool results so far, in order.
+struct Seen {
+    task: u64,
+    results: Vec<Value>,
+}
+
+impl Seen {
+    fn of(body: &Value) -> Self {
+        let messages = body["messages"].as_array().cloned().unwrap_or_default();
+        let task = messages
+            .iter()
+            .find(|m| m["role"] == "user")
+            .and_then(|m| m["content"].as_str())
+            .and_then(|prompt| prompt.strip_prefix("task number "))
+            .and_then(|number| number.trim().parse().ok())
+            .unwrap_or(u64::MAX);
+        let results = messages
+            .iter()
+            .filter(|m| m["role"] == "tool")
+            .map(|m| {
+                let content = m["content"].as_str().unwrap_or_default();
+                serde_json::from_str(content).unwrap_or_else(|_| json!(content))
+            })
+            .collect();
+        Self { task, results }
+    }
+
+    /// The `session_id` of the background job tool result `index` started.
+    fn job(&self, index: usize) -> &str {
+        self.results
+            .get(index)
+            .and_then(|result| result["session_id"].as_str())
+            .unwrap_or("no-such-job")
+    }
+}
+
+/// A scripted model whose every reply is `script` of what the conversation asking has seen, and
+/// the URL the pods reach it at: the server listens on loopback, and a relay on every address
+/// passes the pods' connections on to it.
+async fn model_scripting(
+    setup: &Setup,
+    script: impl Fn(&Seen) -> Value + Send + Sync + 'static,
+) -> (ScriptedServer, String) {
+    let model =
+        ScriptedServer::start_responding(move |body| Step::ok(script(&Seen::of(body)))).await;
+    let target = model.address();
+    let relay = tokio::net::TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0))
+        .await
+        .expect("bind the model's relay");
+    let port = relay.local_addr().expect("the relay's address").port();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = relay.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    (model, format!("http://{}:{port}/v1", setup.node.ip))
+}
+
+/// A model reply calling `terminal` to start `command` as a background job.
+fn background_call(command: &str) -> Value {
+    tool_call_reply(
+        "terminal",
+        &json!({ "command": command, "background": true }),
+    )
+}
+
+/// A model reply calling `process` with `arguments`.
+fn process_call(arguments: &Value) -> Value {
+    tool_call_reply("process", arguments)
+}
+
+/// The tool results of every record run `run_dir` wrote, by prompt number, in call order.
+fn results_by_task(run_dir: &Path) -> std::collections::BTreeMap<u64, Vec<Value>> {
+    jsonl_lines(&run_dir.join("trajectories.jsonl"))
+        .iter()
+        .map(|record| {
+            let results = record["conversations"]
+                .as_array()
+                .expect("conversations")
+                .iter()
+                .filter(|t| t["from"] == "tool")
+                .map(|t| tool_result(t["value"].as_str().unwrap_or_default()))
+                .collect();
+            (check_record(record), results)
+        })
+        .collect()
+}
+
+/// The spec keys of a scripted run whose conversations take several turns.
+fn long_conversations(extra: &Value) -> Value {
+    let mut keys = json!({"agent": {"maxTurns": 12, "promptTimeoutSeconds": 180}});
+    for (key, value) in extra.as_object().into_iter().flatten() {
+        keys[key] = value.clone();
+    }
+    keys
+}
+
+/// The port of the probe's HTTP server in the sandbox container (the pod's own network
+/// namespace: nothing else listens there).
+const SERVER_PORT: u16 = 18765;
+
+/// The terminal keeps its state between the calls of a conversation in a real pod, as the
+/// reference's does: a `cd` and an `export` in one call are there in the next, and an HTTP server
+/// started as a background job in one call answers a later one, from the directory it was
+/// started in. When the conversation ends, so does the server: the next conversation in the same
+/// sandbox container finds no process of it and nothing listening on its port. Five model
+/// requests for the first conversation, two for the second, one record each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn state_and_a_background_server_last_the_conversation_and_end_with_it_in_a_real_pod() {
+    let setup = Setup::new("pods-state").await;
+    // `curl` is not in the image: Python fetches, retrying until the server listens.
+    let fetch = format!(
+        "python3 -c 'import time, urllib.request\n\
+         for _ in range(150):\n    \
+             try:\n        \
+                 print(urllib.request.urlopen(\"http://127.0.0.1:{SERVER_PORT}/index.html\").read().decode()); break\n    \
+             except OSError: time.sleep(0.1)'"
+    );
+    // The marker is put together at run time, so that only the server's command line holds it.
+    let after = format!(
+        "echo \"left=[$(grep -a -l '{}[{}]' /proc/[0-9]*/cmdline 2>/dev/null | tr '\\n' ' ')]\"\n\
+         echo \"zombies=[$(grep -l '^[0-9]* ([^)]*) Z' /proc/[0-9]*/stat 2>/dev/null | tr '\\n' ' ')]\"\n\
+         python3 -c 'import socket; print(\"connect\", socket.socket().connect_ex((\"127.0.0.1\", {SERVER_PORT})))'",
+        SERVER_PORT / 10,
+        SERVER_PORT % 10
+    );
+    let first = [
+        terminal_call(
+            "mkdir -p sub && cd sub && export PROBE_VAR=kept && echo served-from-sub > index.html",
+        ),
+        terminal_call("pwd; echo VAR=$PROBE_VAR"),
+        background_call(&format!(
+            "exec python3 -m http.server {SERVER_PORT} --bind 127.0.0.1"
+        )),
+        terminal_call(&fetch),
+    ];
+    let (model, url) = model_scripting(&setup, move |seen| match (seen.task, seen.results.len()) {
+        (0, turn) if turn < first.len() => first[turn].clone(),
+        (1, 0) => terminal_call(&after),
+        _ => text_reply("done"),
+    })
+    .await;
+    setup
+        .create_one_batch_at("state", &url, 2, 1, long_conversations(&json!({})))
+        .await;
+    setup.succeeded_in_one_pod("state", 2).await;
+    assert_eq!(model.request_count(), 5 + 2, "no turn lost or redone");
+    let results = results_by_task(&setup.storage.run_dir(setup.ns(), "state"));
+    let first = &results[&0];
+    assert_eq!(first.len(), 4, "{first:#?}");
+    assert_eq!(first[0]["exit_code"], 0, "{first:#?}");
+    let state = first[1]["output"].as_str().unwrap_or_default();
+    assert!(
+        state.ends_with("/sub\nVAR=kept"),
+        "cd and export persist: {first:#?}"
+    );
+    assert_eq!(
+        first[2]["output"], "Background process started",
+        "{first:#?}"
+    );
+    assert!(first[2]["session_id"].is_string(), "{first:#?}");
+    assert_eq!(
+        first[3]["output"], "served-from-sub",
+        "the server answered a later call: {first:#?}"
+    );
+    let second = &results[&1];
+    let probe = second[0]["output"].as_str().unwrap_or_default();
+    assert!(
+        probe.contains("left=[]"),
+        "the server outlived its conversation: {probe}"
+    );
+    assert!(probe.contains("zombies=[]"), "{probe}");
+    assert!(
+        probe.contains("connect 111"),
+        "something still listens: {probe}"
+    );
+}
+
+/// The secret and the token of the neighbour conversation in the spying probe.
+const NEIGHBOUR_SECRET: &str = "neighbour-private-7c21";
+const NEIGHBOUR_TOKEN: &str = "tok-5f3a9c08";
+
+/// What the attacking conversation's background job runs in the sandbox container: the would-be
+/// survivors of [`ORPHANS_PROBE`] (`setsid`, `nohup`, a double fork, `setsid -f`, a daemon);
+/// writes outside its workspace; and, once the neighbour's job (`sleep 987951`) is there, reads
+/// of the neighbour's environment, working directory, memory and workspace, a write into its
+/// output and a `SIGKILL`.
+const ATTACK_JOB: &str = r#"m=98790
+setsid sleep ${m}1 &
+nohup sleep ${m}2 >/dev/null 2>&1 &
+( (sleep ${m}3 &) & )
+setsid -f sleep ${m}4
+python3 -c 'import os, sys
+if os.fork(): sys.exit()
+os.setsid()
+if os.fork(): sys.exit()
+os.chdir("/")
+os.closerange(0, 3)
+os.execvp("sleep", ["sleep", sys.argv[1]])' ${m}5
+for f in ../planted /tmp/planted /planted /sandbox/planted /dev/shm/planted; do
+  (echo x > $f) 2>/dev/null && echo "wrote=$f"
+done
+n=
+for i in $(seq 600); do
+  n=$(grep -a -l '98795[1]' /proc/[0-9]*/cmdline 2>/dev/null | head -n 1 | cut -d/ -f3)
+  [ -n "$n" ] && break
+  sleep 0.1
+done
+echo "neighbour=[$n]"
+echo "environ=[$(tr '\0' ' ' < /proc/$n/environ 2>&1)]"
+echo "cwd=[$(ls /proc/$n/cwd/ 2>&1)]"
+echo "secret=[$(cat /proc/$n/cwd/secret.txt 2>&1)]"
+echo "mem=[$(head -c 16 /proc/$n/mem 2>&1 | od -c | head -n 1)]"
+echo "siblings=[$(cat ../*/secret.txt 2>&1)]"
+echo "fd=[$( (echo injected > /proc/$n/fd/1) 2>&1; echo $?)]"
+echo "signal=[$(kill -KILL $n 2>&1; echo $?)]"
+sleep 1
+echo "running=$(grep -a -l "${m}[1-5]" /proc/[0-9]*/cmdline 2>/dev/null | wc -l)"
+echo attack-done"#;
+
+/// Background jobs that try to outlive, escape or spy on a neighbour fail in a real pod: three
+/// conversations in the sandbox container of one pod, two at a time. The attacker's job starts
+/// would-be survivors, writes outside its workspace and, while the neighbour's own job runs,
+/// reads the neighbour's environment, directory, memory and files, writes into its output and
+/// kills it. None of it works: the neighbour's secret and token appear in none of the
+/// attacker's results, the neighbour's job runs on with its output untouched and its workspace
+/// holds only its own file; and the third conversation, after the attacker's, finds none of its
+/// survivors and no zombie. Every turn once (3 + 5 + 2 model requests), one record each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn background_jobs_that_try_to_outlive_escape_or_spy_fail_in_a_real_pod() {
+    let setup = Setup::new("pods-jobs").await;
+    let attacker_done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = std::sync::Arc::clone(&attacker_done);
+    let (model, url) = model_scripting(&setup, move |seen| {
+        use std::sync::atomic::Ordering::SeqCst;
+        match (seen.task, seen.results.len()) {
+            (0, 0) => background_call(ATTACK_JOB),
+            (0, 1) => process_call(
+                &json!({"action": "wait", "session_id": seen.job(0), "timeout": 120}),
+            ),
+            (0, _) => {
+                done.store(true, SeqCst);
+                text_reply("done")
+            }
+            (1, 0) => terminal_call(&format!(
+                "echo {NEIGHBOUR_SECRET} > secret.txt && export NEIGHBOUR_TOKEN={NEIGHBOUR_TOKEN} && echo ready"
+            )),
+            (1, 1) => background_call("exec sleep 987951"),
+            // Long enough for the attacker's job, which waits for this one's.
+            (1, 2) => terminal_call("sleep 25; ls; cat secret.txt; echo token=$NEIGHBOUR_TOKEN"),
+            (1, 3) => process_call(&json!({"action": "poll", "session_id": seen.job(1)})),
+            (2, 0) => {
+                assert!(done.load(SeqCst), "the third conversation started before the attacker's ended");
+                terminal_call(ORPHANS_PROBE)
+            }
+            _ => text_reply("done"),
+        }
+    })
+    .await;
+    setup
+        .create_one_batch_at("jobs", &url, 3, 2, long_conversations(&json!({})))
+        .await;
+    setup.succeeded_in_one_pod("jobs", 3).await;
+    assert!(attacker_done.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(model.request_count(), 3 + 5 + 2, "no turn lost or redone");
+    let results = results_by_task(&setup.storage.run_dir(setup.ns(), "jobs"));
+
+    let attacker = &results[&0];
+    assert_eq!(attacker.len(), 2, "{attacker:#?}");
+    let waited = &attacker[1];
+    assert_eq!(waited["status"], "exited", "{waited:#}");
+    let attack = waited["output"].as_str().unwrap_or_default();
+    eprintln!("the attacker's job:\n{attack}");
+    assert!(attack.contains("attack-done"), "{attack}");
+    assert!(
+        !attack.contains("neighbour=[]"),
+        "the attacker's job never saw the neighbour's: {attack}"
+    );
+    assert!(
+        attack.contains("running=5"),
+        "every would-be survivor started: {attack}"
+    );
+    assert!(
+        !attack.contains("wrote="),
+        "a write outside the workspace: {attack}"
+    );
+    for secret in [NEIGHBOUR_SECRET, NEIGHBOUR_TOKEN] {
+        assert!(
+            !attacker
+                .iter()
+                .any(|result| result.to_string().contains(secret)),
+            "the attacker saw the neighbour's {secret}: {attack}"
+        );
+    }
+    assert!(
+        attack.contains("signal=[") && !attack.contains("signal=[0]"),
+        "{attack}"
+    );
+
+    let neighbour = &results[&1];
+    assert_eq!(neighbour.len(), 4, "{neighbour:#?}");
+    assert_eq!(
+        neighbour[2]["output"],
+        format!("secret.txt\n{NEIGHBOUR_SECRET}\ntoken={NEIGHBOUR_TOKEN}"),
+        "the neighbour's workspace holds its own file only: {neighbour:#?}"
+    );
+    let polled = &neighbour[3];
+    assert_eq!(
+        polled["status"], "running",
+        "the neighbour's job was killed: {polled:#}"
+    );
+    assert_eq!(
+        polled["output_preview"], "",
+        "written into the neighbour's output: {polled:#}"
+    );
+
+    let after = results[&2][0]["output"].as_str().unwrap_or_default();
+    assert!(
+        after.contains("left=[]"),
+        "the attacker's processes outlived it: {after}"
+    );
+    assert!(after.contains("zombies=[]"), "{after}");
+    assert!(after.contains("running=5"), "{after}");
+}
+
+/// A runaway background job is stopped at its limit in a real pod, with the reason in what the
+/// process tool says of it, and a neighbour conversation running at the same time in the same
+/// sandbox container does its work as if alone: an output flood, a fork bomb and a memory hog,
+/// each a job of one conversation. The conversation's shell answers afterwards and nothing of
+/// the fork bomb is left. Every turn once (8 + 2 model requests), one record each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_runaway_background_job_is_stopped_at_its_limit_in_a_real_pod() {
+    let setup = Setup::new("pods-runaway").await;
+    let jobs = [
+        "yes flooding",
+        "f(){ if [ $1 -lt 9 ]; then f $(($1+1)) & f $(($1+1)) & fi; sleep 987961; }; f 0",
+        "head -c 2G /dev/zero | tail",
+    ];
+    let neighbour = "for i in $(seq 20); do echo $i > n$i; sleep 0.1; done; cat n* | wc -l";
+    let (model, url) = model_scripting(&setup, move |seen| match (seen.task, seen.results.len()) {
+        (0, turn @ 0..3) => background_call(jobs[turn]),
+        (0, turn @ 3..6) => process_call(
+            &json!({"action": "wait", "session_id": seen.job(turn - 3), "timeout": 120}),
+        ),
+        (0, 6) => terminal_call(
+            "echo \"alive bombs=$(grep -a -l '98796[1]' /proc/[0-9]*/cmdline 2>/dev/null | wc -l)\"",
+        ),
+        (1, 0) => terminal_call(neighbour),
+        _ => text_reply("done"),
+    })
+    .await;
+    let limits = json!({"limits": {"processes": 64, "memoryBytes": 128 << 20}});
+    setup
+        .create_one_batch_at(
+            "runaway",
+            &url,
+            2,
+            2,
+            long_conversations(&json!({"sandbox": limits})),
+        )
+        .await;
+    setup.succeeded_in_one_pod("runaway", 2).await;
+    assert_eq!(model.request_count(), 8 + 2, "no turn lost or redone");
+    let results = results_by_task(&setup.storage.run_dir(setup.ns(), "runaway"));
+    let runaway = &results[&0];
+    assert_eq!(runaway.len(), 7, "{runaway:#?}");
+    for (waited, reason) in runaway[3..6].iter().zip([
+        "of output and was stopped",
+        "the sandbox's process limit (64 processes",
+        "the sandbox's memory limit (128 MiB",
+    ]) {
+        assert_eq!(waited["status"], "exited", "{waited:#}");
+        assert_eq!(waited["termination_source"], "sandbox.limit", "{waited:#}");
+        let why = waited["stopped_reason"].as_str().unwrap_or_default();
+        assert!(why.contains(reason), "{reason:?}: {waited:#}");
+    }
+    assert_eq!(runaway[6]["output"], "alive bombs=0", "{runaway:#?}");
+    assert_eq!(
+        results[&1][0],
+        json!({"output": "20", "exit_code": 0, "error": null}),
         "the neighbour did its work as if alone"
     );
 }

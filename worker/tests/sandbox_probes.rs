@@ -11,6 +11,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, OnceLock};
 
 use common::{RunFixture, WORKER, wait};
 use serde_json::{Value, json};
@@ -294,11 +295,7 @@ fn assert_layers_beside_landlock_hold(probe: &Probe) {
         "{}",
         probe.output(0)
     );
-    assert!(
-        probe.output(1).ends_with("scanned\n"),
-        "{}",
-        probe.output(1)
-    );
+    assert!(probe.output(1).ends_with("scanned"), "{}", probe.output(1));
     let env = probe.output(2);
     assert!(env.contains("TERM=dumb") && env.contains("PATH="), "{env}");
     assert!(!env.contains(env::MODEL_API_KEY), "{env}");
@@ -408,7 +405,7 @@ async fn as_a_non_root_uid_the_non_dumpable_worker_alone_keeps_its_environment_a
     let probe = Probe::run_as("off", Some(NOBODY)).await;
     assert_eq!(
         probe.output(11),
-        format!("{NOBODY}\n"),
+        format!("{NOBODY}"),
         "the commands ran as nobody"
     );
     assert!(
@@ -495,7 +492,7 @@ async fn a_fork_bomb_a_memory_hog_and_a_disk_filler_stop_only_their_own_conversa
     assert!(
         results
             .iter()
-            .any(|content| content == r#"{"output":"20\n","exit_code":0,"error":null}"#),
+            .any(|content| content == r#"{"output":"20","exit_code":0,"error":null}"#),
         "the ordinary conversation: {results:#?}"
     );
     // Every conversation went on after its tool result, to its final answer.
@@ -503,4 +500,286 @@ async fn a_fork_bomb_a_memory_hog_and_a_disk_filler_stop_only_their_own_conversa
     assert_eq!(records.len(), 4, "{records:#?}");
     let left = processes_with("987801");
     assert!(left.is_empty(), "processes outlived the run: {left:?}");
+}
+
+/// The markers (`sleep` durations) of the background-job probe's would-be survivors, and of the
+/// neighbour's job.
+const JOB_SURVIVORS: &str = "98791";
+const NEIGHBOUR_JOB: &str = "987921";
+
+/// What the neighbour of the background-job probe keeps to itself.
+const NEIGHBOUR_SECRET: &str = "neighbour-private-3e9d";
+const NEIGHBOUR_TOKEN: &str = "tok-81b7c2e4";
+
+/// The attacking conversation's background job: would-be survivors (`setsid`, `nohup`, a double
+/// fork, `setsid -f`, a daemon: Debian's `python3`, which Landlock lets run); reads and writes outside its workspace (the dataset, a planted
+/// sibling's workspace, the key file, `/tmp`) and of the worker's environment; and, once the
+/// neighbour conversation's job runs, reads of its environment, directory, memory and files, a
+/// write into its output and a `SIGKILL`.
+fn attack_job(dataset: &Path, sibling: &Path, key_file: &Path, planted: &Path) -> String {
+    format!(
+        r#"m={JOB_SURVIVORS}
+setsid sleep ${{m}}1 &
+nohup sleep ${{m}}2 >/dev/null 2>&1 &
+( (sleep ${{m}}3 &) & )
+setsid -f sleep ${{m}}4
+/usr/bin/python3 -c 'import os, sys
+if os.fork(): sys.exit()
+os.setsid()
+if os.fork(): sys.exit()
+os.chdir("/")
+os.closerange(0, 3)
+os.execvp("sleep", ["sleep", sys.argv[1]])' ${{m}}5
+{WORKER_PID}
+echo "worker_environ=[$(tr '\0' ' ' < /proc/$W/environ 2>&1)]"
+echo "dataset=[$(cat {dataset} 2>&1)]"
+(echo hacked >> {dataset}) 2>/dev/null && echo wrote=dataset
+echo "sibling=[$(cat {sibling}/notes.txt 2>&1)]"
+(echo overwritten > {sibling}/notes.txt) 2>/dev/null && echo wrote=sibling
+echo "key=[$(cat {key_file} 2>&1)]"
+(echo x > {planted}) 2>/dev/null && echo wrote=outside
+n=
+for i in $(seq 600); do
+  n=$(grep -a -l '{}[{}]' /proc/[0-9]*/cmdline 2>/dev/null | head -n 1 | cut -d/ -f3)
+  [ -n "$n" ] && break
+  sleep 0.1
+done
+echo "neighbour=[$n]"
+echo "environ=[$(tr '\0' ' ' < /proc/$n/environ 2>&1)]"
+echo "cwd=[$(ls /proc/$n/cwd/ 2>&1)]"
+echo "secret=[$(cat /proc/$n/cwd/secret.txt 2>&1)]"
+echo "mem=[$(head -c 16 /proc/$n/mem 2>&1 | od -c | head -n 1)]"
+echo "siblings=[$(cat ../*/secret.txt 2>&1)]"
+echo "fd=[$( (echo injected > /proc/$n/fd/1) 2>&1; echo $?)]"
+echo "signal=[$(kill -KILL $n 2>&1; echo $?)]"
+sleep 1
+echo "running=$(grep -a -l "${{m}}[1-5]" /proc/[0-9]*/cmdline 2>/dev/null | wc -l)"
+echo attack-done"#,
+        &NEIGHBOUR_JOB[..5],
+        &NEIGHBOUR_JOB[5..],
+        dataset = dataset.display(),
+        sibling = sibling.display(),
+        key_file = key_file.display(),
+        planted = planted.display(),
+    )
+}
+
+/// The tool results of the conversation of prompt `task`, in call order, from what it last sent
+/// the model.
+fn results_of(server: &ScriptedServer, task: u64) -> Vec<Value> {
+    let prompt = format!("task number {task}");
+    server
+        .requests()
+        .iter()
+        .rfind(|request| {
+            request.body["messages"]
+                .as_array()
+                .is_some_and(|m| m.iter().any(|m| m["content"] == prompt.as_str()))
+        })
+        .map(|request| {
+            request.body["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|message| message["role"] == "tool")
+                .map(|message| serde_json::from_str(message["content"].as_str().unwrap()).unwrap())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Which prompt a request is of, and how many tool results it carries.
+fn turn_of(body: &Value) -> (u64, usize) {
+    let messages = body["messages"].as_array().cloned().unwrap_or_default();
+    let task = messages
+        .iter()
+        .find(|m| m["role"] == "user")
+        .and_then(|m| m["content"].as_str())
+        .and_then(|prompt| prompt.strip_prefix("task number "))
+        .and_then(|number| number.trim().parse().ok())
+        .unwrap_or(u64::MAX);
+    let tools = messages.iter().filter(|m| m["role"] == "tool").count();
+    (task, tools)
+}
+
+/// The `session_id` a background job's start returned, in the tool result `index` of the
+/// conversation whose request is `body`.
+fn job_of(body: &Value, index: usize) -> String {
+    body["messages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|m| m["role"] == "tool")
+        .nth(index)
+        .and_then(|m| serde_json::from_str::<Value>(m["content"].as_str()?).ok())
+        .and_then(|result| result["session_id"].as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+fn call(name: &str, arguments: &Value) -> Value {
+    tool_calls_reply(&[(name, Value::String(arguments.to_string()))])
+}
+
+/// The attacker's results (its job's start, then its `wait`): every attempt ran, and none
+/// succeeded.
+fn assert_the_attack_failed(attacker: &[Value]) {
+    assert_eq!(attacker.len(), 2, "{attacker:#?}");
+    let attack = attacker[1]["output"].as_str().unwrap_or_default();
+    eprintln!("the attacker's job:\n{attack}");
+    assert_eq!(attacker[1]["status"], "exited", "{:#}", attacker[1]);
+    assert!(attack.contains("attack-done"), "{attack}");
+    assert!(
+        attack.contains("running=5"),
+        "every would-be survivor started: {attack}"
+    );
+    assert!(
+        !attack.contains("neighbour=[]"),
+        "never saw the neighbour's job: {attack}"
+    );
+    assert!(!attack.contains("wrote="), "{attack}");
+    assert!(
+        attack.contains("worker_environ=[") && attack.contains("Permission denied"),
+        "{attack}"
+    );
+    assert!(
+        !attack.contains("task number"),
+        "the dataset was read: {attack}"
+    );
+    assert!(!attack.contains("sibling-private"), "{attack}");
+    assert!(!attack.contains("signal=[0]"), "{attack}");
+    for secret in [KEY, NEIGHBOUR_SECRET, NEIGHBOUR_TOKEN] {
+        assert!(
+            !attacker
+                .iter()
+                .any(|result| result.to_string().contains(secret)),
+            "the attacker saw {secret}: {attack}"
+        );
+    }
+}
+
+/// The model of the background-job probe: the attacker (prompt 0) starts `attack` as a job and
+/// waits for it; the neighbour (prompt 1) writes its secret, exports its token, starts its own
+/// job, works for a while, then polls its job.
+async fn spying_model(attack: Arc<OnceLock<String>>) -> ScriptedServer {
+    ScriptedServer::start_responding(move |body| {
+        Step::ok(match turn_of(body) {
+            (0, 0) => call(
+                "terminal",
+                &json!({"command": attack.get().unwrap(), "background": true}),
+            ),
+            (0, 1) => call(
+                "process",
+                &json!({"action": "wait", "session_id": job_of(body, 0), "timeout": 120}),
+            ),
+            (1, 0) => call(
+                "terminal",
+                &json!({"command": format!(
+                    "echo {NEIGHBOUR_SECRET} > secret.txt && export NEIGHBOUR_TOKEN={NEIGHBOUR_TOKEN}"
+                )}),
+            ),
+            (1, 1) => call(
+                "terminal",
+                &json!({"command": format!("exec sleep {NEIGHBOUR_JOB}"), "background": true}),
+            ),
+            // Long enough for the attacker's job, which waits for this one's.
+            (1, 2) => call(
+                "terminal",
+                &json!({"command": "sleep 15; ls; cat secret.txt; echo token=$NEIGHBOUR_TOKEN"}),
+            ),
+            (1, 3) => call(
+                "process",
+                &json!({"action": "poll", "session_id": job_of(body, 1)}),
+            ),
+            _ => text_reply("done"),
+        })
+    })
+    .await
+}
+
+/// Background jobs, through the real worker under Landlock, that try to outlive their
+/// conversation, escape its workspace or spy on a neighbour conversation running at the same
+/// time: none succeeds. Judged from the outside: the key is nowhere, the dataset, the planted
+/// sibling's notes and the neighbour's files are as they were, nothing was written outside the
+/// workspace, the neighbour's job ran on untouched, and once the run has ended no process of
+/// either conversation is left on the machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_jobs_that_try_to_outlive_escape_or_spy_fail_under_landlock() {
+    let secrets = tempfile::tempdir().unwrap();
+    let key_file = secrets.path().join("api-key");
+    std::fs::write(&key_file, KEY).unwrap();
+    let planted = secrets.path().join("planted");
+    let attack: Arc<OnceLock<String>> = Arc::default();
+    let server = spying_model(Arc::clone(&attack)).await;
+    let fixture = RunFixture::new(&server.base_url(), 2)
+        .with("/concurrency", json!(2))
+        .with(
+            "/agent",
+            json!({"maxTurns": 12, "promptTimeoutSeconds": 180}),
+        );
+    let sibling = fixture.workspaces().join("conversation-sibling");
+    std::fs::create_dir_all(&sibling).unwrap();
+    std::fs::write(sibling.join("notes.txt"), "sibling-private\n").unwrap();
+    let dataset_before = std::fs::read_to_string(fixture.dataset()).unwrap();
+    attack
+        .set(attack_job(
+            &fixture.dataset(),
+            &sibling,
+            &key_file,
+            &planted,
+        ))
+        .unwrap();
+    let child = local_run(Command::new(WORKER), &fixture)
+        .arg("--landlock")
+        .arg("required")
+        .env(env::MODEL_API_KEY, KEY)
+        .env(env::MODEL_API_KEY_FILE, &key_file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the worker binary starts");
+    let output = tokio::time::timeout(std::time::Duration::from_secs(180), wait(child))
+        .await
+        .expect("the run ends within three minutes");
+    let worker_output = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "the run failed:\n{worker_output}");
+    assert_eq!(server.request_count(), 3 + 5, "no turn lost or redone");
+    assert_eq!(fixture.lines("trajectories.jsonl").len(), 2);
+
+    // Nothing outlived the conversations: not the would-be survivors, not the neighbour's job.
+    let left: Vec<String> = (1..=5)
+        .map(|n| format!("{JOB_SURVIVORS}{n}"))
+        .chain([NEIGHBOUR_JOB.to_owned()])
+        .flat_map(|marker| processes_with(&marker))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "processes outlived the conversation: {left:?}"
+    );
+
+    assert_the_attack_failed(&results_of(&server, 0));
+    assert!(!worker_output.contains(KEY), "{worker_output}");
+    assert_eq!(
+        std::fs::read_to_string(fixture.dataset()).unwrap(),
+        dataset_before
+    );
+    assert_eq!(
+        std::fs::read_to_string(sibling.join("notes.txt")).unwrap(),
+        "sibling-private\n"
+    );
+    assert!(!planted.exists(), "written outside the workspace");
+
+    // The neighbour's files, token and job are as it left them.
+    let neighbour = results_of(&server, 1);
+    assert_eq!(neighbour.len(), 4, "{neighbour:#?}");
+    assert_eq!(
+        neighbour[2]["output"],
+        format!("secret.txt\n{NEIGHBOUR_SECRET}\ntoken={NEIGHBOUR_TOKEN}"),
+        "{neighbour:#?}"
+    );
+    assert_eq!(neighbour[3]["status"], "running", "{:#}", neighbour[3]);
+    assert_eq!(neighbour[3]["output_preview"], "", "{:#}", neighbour[3]);
 }
