@@ -210,23 +210,31 @@ impl Program {
     /// Has the executor check the limits now; true when they hold (false: the program was
     /// stopped, its end says why, or the connection is gone).
     pub async fn check_limits(&self) -> bool {
-        let mut changed = self.watch();
         let before = self.state().checks_passed;
         if self.send(protocol::CHECK, &[]).await.is_err() {
             return false;
         }
+        self.until(|state| {
+            if state.checks_passed > before {
+                Some(true)
+            } else {
+                state.ended.map(|_| false)
+            }
+        })
+        .await
+        .unwrap_or(false)
+    }
+
+    /// Waits until `seen` finds what it looks for in the state (checked now and at every change);
+    /// `None` when the reader task ended without it.
+    pub async fn until<T>(&self, mut seen: impl FnMut(&ProgramState) -> Option<T>) -> Option<T> {
+        let mut changed = self.watch();
         loop {
-            {
-                let state = self.state();
-                if state.checks_passed > before {
-                    return true;
-                }
-                if state.ended.is_some() {
-                    return false;
-                }
+            if let Some(found) = seen(&self.state()) {
+                return Some(found);
             }
             if changed.changed().await.is_err() {
-                return false;
+                return seen(&self.state());
             }
         }
     }
@@ -247,34 +255,19 @@ impl Program {
 
     /// Waits until the program has ended, at most `wait`; returns its end if it came.
     pub async fn wait(&self, wait: Duration) -> Option<Ended> {
-        let mut changed = self.watch();
-        let ended = tokio::time::timeout(wait, async {
-            loop {
-                if let Some(ended) = self.state().ended {
-                    return ended;
-                }
-                if changed.changed().await.is_err() {
-                    return self.state().ended.unwrap_or(Ended::Lost);
-                }
-            }
-        })
-        .await;
-        ended.ok()
+        // The reader task notes an end before it goes, so `until` finds one.
+        tokio::time::timeout(wait, self.until(|state| state.ended))
+            .await
+            .ok()
+            .map(|ended| ended.unwrap_or(Ended::Lost))
     }
 
     /// Ends the program with everything it started, and waits (at most `wait`) until the
     /// executor is gone, and so all of it.
     pub async fn stop(&self, wait: Duration) {
         self.writer.lock().await.take();
-        let mut changed = self.watch();
-        let _ = tokio::time::timeout(wait, async {
-            while !self.state().gone {
-                if changed.changed().await.is_err() {
-                    return;
-                }
-            }
-        })
-        .await;
+        let gone = self.until(|state| state.gone.then_some(()));
+        let _ = tokio::time::timeout(wait, gone).await;
     }
 }
 

@@ -237,27 +237,18 @@ fn start_failed(reason: &str) -> Value {
 
 /// The job's pid, or why it did not start.
 async fn wait_for_pid(program: &Program) -> Result<i32, String> {
-    let mut changed = program.watch();
-    let waited = tokio::time::timeout(START_WAIT, async {
-        loop {
-            {
-                let state = program.state();
-                if let Some(pid) = state.pid {
-                    return Ok(pid);
-                }
-                if state.ended.is_some() {
-                    return Err(state
-                        .sandbox_reason()
-                        .unwrap_or_else(|| "the sandbox ended it before it ran".to_owned()));
-                }
-            }
-            if changed.changed().await.is_err() {
-                return Err("the sandbox closed the connection".to_owned());
-            }
-        }
-    })
-    .await;
-    waited.unwrap_or_else(|_| Err("the sandbox did not start it in time".to_owned()))
+    let started = program.until(|state| match (state.pid, state.ended) {
+        (Some(pid), _) => Some(Ok(pid)),
+        (None, Some(_)) => Some(Err(state
+            .sandbox_reason()
+            .unwrap_or_else(|| "the sandbox ended it before it ran".to_owned()))),
+        (None, None) => None,
+    });
+    match tokio::time::timeout(START_WAIT, started).await {
+        Ok(Some(started)) => started,
+        Ok(None) => Err("the sandbox closed the connection".to_owned()),
+        Err(_) => Err("the sandbox did not start it in time".to_owned()),
+    }
 }
 
 /// Past [`MAX_TRACKED`], the oldest finished jobs are forgotten.
