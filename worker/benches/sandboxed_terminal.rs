@@ -261,13 +261,7 @@ fn serve_calls(latency: Duration, tool: Tool, calls: usize) -> anyhow::Result<()
         let reply = replies.get(results).unwrap_or(&answer).clone();
         Step::Delay(latency, Box::new(Step::ok(reply)))
     }));
-    let mut stdout = std::io::stdout();
-    writeln!(stdout, "{}", server.base_url())?;
-    stdout.flush()?;
-    std::io::stdin().read_to_end(&mut Vec::new())?;
-    drop(server);
-    runtime.shutdown_background();
-    Ok(())
+    common::serve_until_stdin_closes(server, runtime)
 }
 
 /// The release executor next to the release worker (or `TERMINAL_BENCH_EXECUTOR`); a missing one

@@ -78,6 +78,15 @@ pub fn serve(latency: Duration, tool_call: Value) -> anyhow::Result<()> {
         tool_call,
         final_answer: text_reply("done"),
     }));
+    serve_until_stdin_closes(server, runtime)
+}
+
+/// The server process's life: prints the server's address for the bench, serves until the bench
+/// closes the standard input, then stops.
+pub fn serve_until_stdin_closes(
+    server: ScriptedServer,
+    runtime: tokio::runtime::Runtime,
+) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout();
     writeln!(stdout, "{}", server.base_url())?;
     stdout.flush()?;
