@@ -12,8 +12,11 @@ cd "${REPO_ROOT}"
 
 run_file="${1:-examples/quickstart/run.yaml}"
 echo "==> building trajectory-worker and its tool executor, trajectory-executor (release)" >&2
-cargo build --release --quiet -p trajectory-worker -p trajectory-sandbox
+cargo build --release --quiet -p trajectory-worker
 worker="${CARGO_TARGET_DIR}/release/trajectory-worker"
+# The executor static against musl, as in the pods: each conversation's shell starts cheaper.
+TRAJ_EXECUTOR="$(scripts/executor/build.sh)"
+export TRAJ_EXECUTOR
 
 echo "==> starting the local model server (first run installs it: about 5 minutes)" >&2
 # shellcheck disable=SC2016 # expanded by the inner shell, after with-model-server.sh exported it

@@ -15,7 +15,7 @@
 //! every other descendant and reaps them.
 
 use std::ffi::OsString;
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -487,14 +487,27 @@ fn flush_inputs(pipes: &mut Pipes) {
     }
 }
 
-/// Writes one frame (the caller's side of the socket is blocking: the worker always reads).
+/// Writes one frame (the caller's side of the socket is blocking: the worker always reads), in
+/// one system call when the socket takes it whole: most frames are a few bytes.
 pub(crate) fn write_frame(
     stream: &mut UnixStream,
     kind: u8,
     payload: &[u8],
 ) -> std::io::Result<()> {
-    stream.write_all(&protocol::header(kind, payload.len()))?;
-    stream.write_all(payload)
+    let header = protocol::header(kind, payload.len());
+    let written = loop {
+        match stream.write_vectored(&[IoSlice::new(&header), IoSlice::new(payload)]) {
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            written => break written?,
+        }
+    };
+    if let Some(of_payload) = written.checked_sub(header.len()) {
+        stream.write_all(&payload[of_payload..])
+    } else {
+        stream.write_all(&header[written..])?;
+        stream.write_all(payload)
+    }
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@
 # TRAJ_IMAGE_REGISTRY says otherwise: the Helm chart's default image references.
 #
 # Caches (outside the clone): release builds in ~/.cache/trajectory-operator/cargo-target-images,
-# the static trajectory-executor in .../cargo-target-executor,
+# the static (musl) trajectory-executor in .../cargo-target-executor (scripts/executor/build.sh),
 # the Debian root filesystem keyed by images/worker/* and the .deb files in .../images/.
 # Runs as root (mmdebstrap's root mode; verify.sh runs the images with runc); mmdebstrap can
 # also work unprivileged in its unshare mode. Installs umoci, skopeo, mmdebstrap and binutils with
@@ -79,8 +79,6 @@ case "$(uname -m)" in
   *) die "unsupported machine $(uname -m)" ;;
 esac
 TRIPLET="$(uname -m)-linux-gnu"
-RUST_TRIPLE="$(uname -m)-unknown-linux-gnu"
-EXECUTOR_TARGET_DIR="${TRAJ_EXECUTOR_CARGO_TARGET_DIR:-${TRAJ_CACHE_DIR}/cargo-target-executor}"
 
 step "tools: umoci, skopeo, mmdebstrap, readelf"
 need_commands umoci:umoci skopeo:skopeo mmdebstrap:mmdebstrap readelf:binutils
@@ -106,19 +104,9 @@ fi
 binary_path() { echo "${BUILD_TARGET_DIR}/${profile/test/debug}/trajectory-$1"; }
 
 if [[ " ${images[*]} " == *" worker "* ]]; then
-  step "static trajectory-executor (every profile; ${EXECUTOR_TARGET_DIR})"
-  # The tool executor runs inside the run's task image, whatever libc that has: linked static
-  # (glibc's static-pie; it resolves no names, so glibc's static NSS caveat does not apply). Its
-  # own target directory, because RUSTFLAGS would otherwise invalidate every other build; small
-  # and quick (a few crates), so always optimised.
-  env -u SOURCE_DATE_EPOCH CARGO_TARGET_DIR="${EXECUTOR_TARGET_DIR}" \
-    RUSTFLAGS="-C target-feature=+crt-static" \
-    cargo build --release --locked --quiet -p trajectory-sandbox --bin trajectory-executor \
-    --target "${RUST_TRIPLE}"
-  executor_binary="${EXECUTOR_TARGET_DIR}/${RUST_TRIPLE}/release/trajectory-executor"
-  if readelf -l "${executor_binary}" | grep -q 'program interpreter'; then
-    die "${executor_binary} is not statically linked"
-  fi
+  step "static trajectory-executor (musl; scripts/executor/build.sh)"
+  # The tool executor runs inside the run's task image, whatever libc that has.
+  executor_binary="$(scripts/executor/build.sh)"
 fi
 
 step "Debian root filesystem (mmdebstrap, cached)"

@@ -3,7 +3,7 @@
 //! conversation, against a fixed-latency server.
 //!
 //! ```text
-//! cargo build --release -p trajectory-sandbox -p trajectory-worker   # the executor: this bench does not build it
+//! cargo build --release -p trajectory-worker
 //! cargo bench -p trajectory-worker --bench sandboxed_terminal
 //! ```
 //!
@@ -12,9 +12,9 @@
 //! capabilities, `no_new_privs`, a child subreaper, a cleared environment), started at the
 //! conversation's first terminal call and stopped at its end. Each command goes to the shell's
 //! standard input as a small script ending in a marker line, and is followed by a limit check (a
-//! round trip to the executor). The executor is the release `trajectory-executor` next to the
-//! release `trajectory-worker` (cargo's `target/release/`); a bench of the worker package does
-//! not build it, and **the bench fails if it is missing** rather than measure something else.
+//! round trip to the executor). The executor is the one users run: the static musl build that
+//! `scripts/quickstart.sh` and the pods use, which this bench builds with
+//! `scripts/executor/build.sh` (or `TERMINAL_BENCH_EXECUTOR`).
 //!
 //! For each C (in flight; `concurrency: C`, one batch, one worker) and each number of commands N,
 //! the run has 7·C prompts. The scripted server (this bench re-executed, so its CPU is not the
@@ -39,8 +39,9 @@
 //!   takes the mean child CPU (`RUSAGE_CHILDREN`) per shell. **Beyond the command's own** =
 //!   client CPU per conversation − that mean; target ≤ 0.001 s.
 //! - **the shell with the worker's scripts**, for the breakdown of "beyond": the same shells fed
-//!   `exec 2>&1` and N scripts as the worker writes them (the command in a here-document, `eval`,
-//!   the marker line); what it costs more than the command's own is the shell's share of the
+//!   the worker's own start script and N command scripts (`trajectory_worker::tools::terminal`'s
+//!   `start_script` and `command_script`: the command in a here-document, `eval`, the marker
+//!   line); what it costs more than the command's own is the shell's share of the
 //!   worker's protocol, the rest of "beyond" is the executor's and the worker's.
 //!
 //! With `TERMINAL_BENCH_BASELINE=1` (the default) each C is also run with the `file` toolset's
@@ -51,8 +52,8 @@
 //! (`1,5`: terminal commands per conversation, one row each), `TERMINAL_BENCH_LATENCY_MS` (1000),
 //! `TERMINAL_BENCH_ROUNDS` (7, prompts per C), `TERMINAL_BENCH_BASELINE` (1),
 //! `TERMINAL_BENCH_KEEP` (0; 1 keeps each run's directory), `TERMINAL_BENCH_DIR` (the system temp
-//! dir), `TERMINAL_BENCH_EXECUTOR` (another executor binary, e.g. the static one that
-//! `scripts/images/build.sh` builds for pods).
+//! dir), `TERMINAL_BENCH_EXECUTOR` (another executor binary, e.g. cargo's dynamic one beside the
+//! worker).
 
 mod common;
 
@@ -64,7 +65,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use common::{env_number, load_average, raise_open_files_limit, start_server_process};
 use nix::sys::resource::{UsageWho, getrusage};
 use nix::sys::time::{TimeVal, TimeValLike};
@@ -74,7 +75,7 @@ use trajectory_testkit::scripted_server::{
 };
 use trajectory_worker::run::{RunFile, RunLocation};
 use trajectory_worker::storage::RunDir;
-use trajectory_worker::tools::sandbox::EXECUTOR_BINARY;
+use trajectory_worker::tools::terminal::{Flavour, command_script, start_script};
 
 const SERVER_ENV: &str = "TERMINAL_BENCH_SERVER";
 const TOOL_ENV: &str = "TERMINAL_BENCH_SERVER_TOOL";
@@ -264,20 +265,22 @@ fn serve_calls(latency: Duration, tool: Tool, calls: usize) -> anyhow::Result<()
     common::serve_until_stdin_closes(server, runtime)
 }
 
-/// The release executor next to the release worker (or `TERMINAL_BENCH_EXECUTOR`); a missing one
-/// fails the bench.
+/// The executor users run: the static musl build of `scripts/executor/build.sh`, which the pods
+/// and `scripts/quickstart.sh` use (built, or found built, by that script), or
+/// `TERMINAL_BENCH_EXECUTOR`; a missing one fails the bench.
 fn executor() -> anyhow::Result<PathBuf> {
-    let executor = std::env::var_os("TERMINAL_BENCH_EXECUTOR").map_or_else(
-        || Path::new(WORKER).with_file_name(EXECUTOR_BINARY),
-        PathBuf::from,
-    );
-    if !executor.is_file() {
-        bail!(
-            "{} is missing: build it first with `cargo build --release -p trajectory-sandbox` \
-             (a bench of the worker package does not build the executor)",
-            executor.display()
-        );
-    }
+    let executor = if let Some(path) = std::env::var_os("TERMINAL_BENCH_EXECUTOR") {
+        PathBuf::from(path)
+    } else {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/executor/build.sh");
+        let built = Command::new(&script)
+            .stderr(Stdio::inherit())
+            .output()
+            .with_context(|| format!("cannot run {}", script.display()))?;
+        ensure!(built.status.success(), "{} failed", script.display());
+        PathBuf::from(String::from_utf8(built.stdout)?.trim())
+    };
+    ensure!(executor.is_file(), "{} is missing", executor.display());
     Ok(executor)
 }
 
@@ -536,27 +539,20 @@ fn own_cost(workspace: &Path, tool: Tool) -> anyhow::Result<OwnCost> {
         });
     };
     let plain = "true\n".repeat(commands);
-    let mut scripted = String::from("exec 2>&1\n");
+    let mut scripted = start_script(Flavour::Bash, &nonce());
     for _ in 0..commands {
-        scripted.push_str(&worker_script("true"));
+        scripted.push_str(&command_script(Flavour::Bash, &nonce(), "true", None));
     }
     Ok(OwnCost {
         own: shell_cost(workspace, plain.as_bytes(), 0)?,
-        scripted: shell_cost(workspace, scripted.as_bytes(), commands)?,
+        // The start script's ready marker, then one per command.
+        scripted: shell_cost(workspace, scripted.as_bytes(), commands + 1)?,
     })
 }
 
-/// The script the worker writes to the shell for one command (`worker/src/tools/terminal/shell.rs`,
-/// bash, no `workdir`), with a fresh nonce.
-fn worker_script(command: &str) -> String {
-    let nonce = format!("{:032x}", rand::random::<u128>());
-    let delimiter = format!("__TRAJ_{nonce}_EOF");
-    format!(
-        "IFS= read -r -d '' __traj_command <<'{delimiter}'\n{command}\n{delimiter}\n\
-         eval \"$__traj_command\" </dev/null\n__traj_status=$?\nunset __traj_command\n\
-         printf '\\n__TRAJ_%s_END %d %s\\n' '{nonce}' \"$__traj_status\" \"$PWD\"\n\
-         unset __traj_status\n"
-    )
+/// A fresh marker nonce, as the worker makes one per command.
+fn nonce() -> String {
+    format!("{:032x}", rand::random::<u128>())
 }
 
 /// Mean child CPU seconds of one `bash --noprofile --norc`, spawned as the executor spawns the

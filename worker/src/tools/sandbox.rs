@@ -205,7 +205,7 @@ async fn send(
     let mut line = serde_json::to_vec(request)?;
     line.push(b'\n');
     stream.write_all(&line).await?;
-    let mut payload = vec![0_u8; protocol::MAX_FRAME_BYTES];
+    let mut payload = Vec::new();
     loop {
         let Some((kind, len)) = session::read_frame(&mut stream, &mut payload).await? else {
             return Err(std::io::Error::new(

@@ -14,7 +14,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::watch;
 use trajectory_sandbox::protocol::{self, SessionRequest};
@@ -24,6 +24,9 @@ use super::{REFUSED_PREFIX, Sandbox};
 
 /// Bytes of the executor's own messages (a limit's reason, a refusal) kept.
 const STDERR_TAIL: usize = 4096;
+
+/// Bytes read from the executor at once.
+const FRAME_BUFFER: usize = 8 * 1024;
 
 /// The last bytes a program wrote, within a fixed size, and how many it wrote in all.
 #[derive(Debug)]
@@ -274,14 +277,17 @@ impl Program {
 /// The reader task: every frame of the executor into `state`, until the connection's end (the
 /// exit frame comes first, then the executor closes its side as it exits).
 async fn read_frames(
-    mut socket: OwnedReadHalf,
+    socket: OwnedReadHalf,
     state: Arc<Mutex<ProgramState>>,
     notify: watch::Sender<u64>,
     // Weak: dropping the [`Program`] must close the connection, whatever this task does.
     writer: Weak<tokio::sync::Mutex<Option<OwnedWriteHalf>>>,
     output_limit: u64,
 ) {
-    let mut payload = vec![0_u8; protocol::MAX_FRAME_BYTES];
+    // Buffered: the executor's frames come in bursts (output, then the marker; a check's answer),
+    // each a header and a payload, read here in one system call rather than two per frame.
+    let mut socket = BufReader::with_capacity(FRAME_BUFFER, socket);
+    let mut payload = Vec::new();
     loop {
         let Ok(Some((kind, len))) = read_frame(&mut socket, &mut payload).await else {
             break;

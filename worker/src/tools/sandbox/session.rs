@@ -246,7 +246,7 @@ async fn demux(
     stderr: Arc<Mutex<Vec<u8>>>,
     exit: watch::Sender<Option<Ended>>,
 ) {
-    let mut payload = vec![0_u8; protocol::MAX_FRAME_BYTES];
+    let mut payload = Vec::new();
     let ended = loop {
         let Ok(Some((kind, len))) = read_frame(&mut socket, &mut payload).await else {
             break Ended::Lost;
@@ -286,7 +286,7 @@ async fn demux(
 /// One frame into `payload`: its kind and length; `None` at the end of the connection.
 pub(super) async fn read_frame(
     socket: &mut (impl AsyncRead + Unpin),
-    payload: &mut [u8],
+    payload: &mut Vec<u8>,
 ) -> std::io::Result<Option<(u8, usize)>> {
     let mut header = [0_u8; protocol::HEADER_BYTES];
     match socket.read_exact(&mut header).await {
@@ -300,6 +300,11 @@ pub(super) async fn read_frame(
             std::io::ErrorKind::InvalidData,
             format!("the sandbox sent a frame of {len} bytes"),
         ));
+    }
+    // Grown to the longest frame seen, not to the longest possible: most frames are a few bytes
+    // (a marker, a pid), and a short-lived program should not zero 64 KiB for them.
+    if payload.len() < len {
+        payload.resize(len, 0);
     }
     socket.read_exact(&mut payload[..len]).await?;
     Ok(Some((kind, len)))

@@ -15,6 +15,8 @@ mod jobs;
 mod output;
 mod shell;
 
+pub use shell::{Flavour, command_script, start_script};
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -25,7 +27,7 @@ use super::args::{optional_bool_arg, optional_string_arg, optional_u64_arg, stri
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::ToolsSpec;
 use jobs::{JobStart, Jobs};
-use shell::{CommandEnd, Flavour, Shell};
+use shell::{CommandEnd, Shell};
 
 pub const TOOLSET: &str = "terminal";
 

@@ -20,7 +20,8 @@
 //! conversation) ends the read early.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use rand::Rng;
@@ -41,9 +42,35 @@ pub(super) const STOP_WAIT: Duration = Duration::from_secs(5);
 /// Output kept while nobody reads it: between commands, what a job left running with `&` writes.
 const IDLE_LOG: usize = 256 * 1024;
 
+/// How long a started shell may take to answer its start-up script: its start is milliseconds,
+/// on a machine busy enough seconds.
+const START_WAIT: Duration = Duration::from_secs(30);
+
+/// The shell function, defined at the shell's start, that ends each command: it prints the
+/// marker line with the command's exit code (its first argument) and the directory.
+const END_FUNCTION: &str = "__traj_end";
+
+/// A new random marker nonce.
+fn new_nonce() -> String {
+    format!("{:032x}", rand::rng().random::<u128>())
+}
+
+/// The marker that starts the line ending the command of `nonce`.
+fn marker(nonce: &str) -> String {
+    format!("\n__TRAJ_{nonce}_END ")
+}
+
+/// Shell starts in progress at once, in this process: as many as it has cores, in turn.
+fn starts() -> &'static tokio::sync::Semaphore {
+    static STARTS: OnceLock<tokio::sync::Semaphore> = OnceLock::new();
+    STARTS.get_or_init(|| {
+        tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(1, usize::from))
+    })
+}
+
 /// Which shell runs, and so how a command is read into a variable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Flavour {
+pub enum Flavour {
     /// `read -d ''` reads the here-document without a process.
     Bash,
     /// POSIX `sh`: a command substitution with `cat`.
@@ -75,7 +102,8 @@ pub(super) struct Shell {
 }
 
 impl Shell {
-    /// Starts a shell of `flavour` in `workspace`, in the directory `cwd`.
+    /// Starts a shell of `flavour` in `workspace`, in the directory `cwd`, and waits until it
+    /// is ready for commands (or has ended: the first command then says why).
     pub(super) async fn start(
         sandbox: &Sandbox,
         workspace: &Path,
@@ -99,18 +127,41 @@ impl Shell {
             workspace: Some(workspace.display().to_string()),
             cwd: Some(cwd.display().to_string()),
         };
+        // Starting is CPU work (the executor's start and confinement, the shell's own start) that
+        // nothing else waits on; started all at once, as a batch's conversations do, they would
+        // share the cores and all be ready late together.
+        let _start = starts().acquire().await;
         let program = Program::start(sandbox, &request, IDLE_LOG, 0).await?;
-        // The shell's own messages (a syntax error in the script) go where the commands' do; the
-        // markers go to a copy of the output of their own, so that a command that sends the
-        // shell's output elsewhere (`exec >log`) does not lose them.
-        let init = match flavour {
-            // `cd` resolves symbolic links, so that the directory reported (and followed by the
-            // file tools) is the real one, as the reference's `pwd -P` is.
-            Flavour::Bash => "exec 2>&1 19>&1\nset -o physical\n",
-            Flavour::Posix => "exec 2>&1 9>&1\n",
-        };
-        program.write(init.as_bytes()).await?;
-        Ok(Self { program, flavour })
+        let shell = Self { program, flavour };
+        let nonce = new_nonce();
+        let mut scan = MarkerScan::new(marker(&nonce).into_bytes());
+        // What the shell writes before it is ready (nothing, unless its start fails) is dropped
+        // with the marker: no command asked for it.
+        let mut discarded = OutputBuffer::new(0);
+        let ready = Arc::new(AtomicBool::new(false));
+        let seen = Arc::clone(&ready);
+        shell.program.divert(Some(Box::new(move |bytes| {
+            if scan.feed(bytes, &mut discarded).is_some() {
+                seen.store(true, Ordering::Release);
+            }
+        })));
+        shell
+            .program
+            .write(start_script(flavour, &nonce).as_bytes())
+            .await?;
+        let until_ready = shell
+            .program
+            .until(|state| (ready.load(Ordering::Acquire) || state.ended.is_some()).then_some(()));
+        let answered = tokio::time::timeout(START_WAIT, until_ready).await.is_ok();
+        shell.program.divert(None);
+        if !answered {
+            shell.stop().await;
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the shell was not ready within {} s", START_WAIT.as_secs()),
+            ));
+        }
+        Ok(shell)
     }
 
     pub(super) fn flavour(&self) -> Flavour {
@@ -127,10 +178,9 @@ impl Shell {
         timeout: Duration,
         budget: usize,
     ) -> (CommandEnd, OutputBuffer) {
-        let nonce = format!("{:032x}", rand::rng().random::<u128>());
-        let marker = format!("\n__TRAJ_{nonce}_END ");
+        let nonce = new_nonce();
         let read = Arc::new(Mutex::new(CommandRead {
-            scan: MarkerScan::new(marker.into_bytes()),
+            scan: MarkerScan::new(marker(&nonce).into_bytes()),
             kept: OutputBuffer::new(budget),
             end: None,
         }));
@@ -163,7 +213,7 @@ impl Shell {
         timeout: Duration,
     ) -> CommandEnd {
         let mut watch = self.program.watch();
-        let script = self.script(nonce, command, workdir);
+        let script = command_script(self.flavour, nonce, command, workdir);
         if self.program.write(script.as_bytes()).await.is_err() {
             return self.ended_early().await;
         }
@@ -237,39 +287,6 @@ impl Shell {
         }
     }
 
-    /// The script that runs one command and reports how it ended.
-    fn script(&self, nonce: &str, command: &str, workdir: Option<&str>) -> String {
-        let delimiter = format!("__TRAJ_{nonce}_EOF");
-        let read = match self.flavour {
-            Flavour::Bash => format!(
-                "IFS= read -r -d '' __traj_command <<'{delimiter}'\n{command}\n{delimiter}\n"
-            ),
-            Flavour::Posix => {
-                format!("__traj_command=$(cat <<'{delimiter}'\n{command}\n{delimiter}\n)\n")
-            }
-        };
-        let markers = match self.flavour {
-            Flavour::Bash => 19,
-            Flavour::Posix => 9,
-        };
-        // Each command starts with the session's output as its own, whatever an earlier one did
-        // to the shell's (`exec >log`), as each of the reference's commands is a new process.
-        let run = format!(
-            "eval \"$__traj_command\" </dev/null >&{markers} 2>&{markers}\n__traj_status=$?\n"
-        );
-        // A workdir the reference's check let through has no quote in it. One that cannot be
-        // entered is exit code 126 and the command is not run, as the reference's
-        // `builtin cd -- DIR || exit 126`.
-        let run = workdir.map_or(run.clone(), |dir| {
-            format!("if cd -- '{dir}'; then\n{run}else\n__traj_status=126\nfi\n")
-        });
-        format!(
-            "{read}{run}unset __traj_command\n\
-             printf '\\n__TRAJ_%s_END %d %s\\n' '{nonce}' \"$__traj_status\" \"$PWD\" >&{markers}\n\
-             unset __traj_status\n"
-        )
-    }
-
     /// The shell's exported variables, as a script that sets them again (`export -p`), for a
     /// background job to start from; `None` when the shell does not answer in time.
     pub(super) async fn exported(&self) -> Option<String> {
@@ -285,6 +302,63 @@ impl Shell {
     /// Ends the shell with everything it started, waiting until it is gone.
     pub(super) async fn stop(&self) {
         self.program.stop(STOP_WAIT).await;
+    }
+}
+
+/// The script a shell of `flavour` starts with: its own messages (a syntax error in a script)
+/// go where the commands' do; the markers go to a copy of the output of their own, so that a
+/// command that sends the shell's output elsewhere (`exec >log`) does not lose them; the
+/// function that ends each command (defined once: the shell reads its input a byte at a time);
+/// and the ready marker of `nonce`. Public for the terminal benchmark, which measures its cost.
+pub fn start_script(flavour: Flavour, nonce: &str) -> String {
+    let (redirect, markers) = match flavour {
+        // `cd` resolves symbolic links, so that the directory reported (and followed by the
+        // file tools) is the real one, as the reference's `pwd -P` is.
+        Flavour::Bash => ("exec 2>&1 19>&1\nset -o physical\n", 19),
+        Flavour::Posix => ("exec 2>&1 9>&1\n", 9),
+    };
+    format!(
+        "{redirect}{END_FUNCTION}() {{ unset __traj_command; \
+         printf '\\n__TRAJ_%s_END %d %s\\n' \"$2\" \"$1\" \"$PWD\" >&{markers}; }}\n\
+         {END_FUNCTION} 0 {nonce}\n"
+    )
+}
+
+/// The script that runs `command` (in `workdir` first, when given) in a shell of `flavour` and
+/// ends with the marker of `nonce`. Public for the terminal benchmark.
+pub fn command_script(
+    flavour: Flavour,
+    nonce: &str,
+    command: &str,
+    workdir: Option<&str>,
+) -> String {
+    let delimiter = format!("__TRAJ_{nonce}_EOF");
+    let read = match flavour {
+        Flavour::Bash => {
+            format!("IFS= read -r -d '' __traj_command <<'{delimiter}'\n{command}\n{delimiter}\n")
+        }
+        Flavour::Posix => {
+            format!("__traj_command=$(cat <<'{delimiter}'\n{command}\n{delimiter}\n)\n")
+        }
+    };
+    let markers = match flavour {
+        Flavour::Bash => 19,
+        Flavour::Posix => 9,
+    };
+    // Each command starts with the session's output as its own, whatever an earlier one did
+    // to the shell's (`exec >log`), as each of the reference's commands is a new process.
+    let run = format!(
+        "eval \"$__traj_command\" </dev/null >&{markers} 2>&{markers}\n\
+         {END_FUNCTION} $? {nonce}\n"
+    );
+    // A workdir the reference's check let through has no quote in it. One that cannot be
+    // entered is exit code 126 and the command is not run, as the reference's
+    // `builtin cd -- DIR || exit 126`.
+    match workdir {
+        Some(dir) => {
+            format!("{read}if cd -- '{dir}'; then\n{run}else\n{END_FUNCTION} 126 {nonce}\nfi\n")
+        }
+        None => format!("{read}{run}"),
     }
 }
 
