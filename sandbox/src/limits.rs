@@ -167,6 +167,15 @@ impl Supervisor {
         }
     }
 
+    /// Starts the checks' schedule again, as for a new command: the first check
+    /// [`FIRST_CHECK`] from now.
+    pub(crate) fn restart_checks(&mut self) {
+        if self.next_check.is_some() {
+            self.interval = FIRST_CHECK;
+            self.next_check = Some(Instant::now() + FIRST_CHECK);
+        }
+    }
+
     /// When the next check is due.
     pub(crate) fn next_check(&self) -> Option<Instant> {
         self.next_check

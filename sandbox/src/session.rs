@@ -143,6 +143,8 @@ struct Pipes {
     stdin_closing: bool,
     /// The caller asked for a check of the limits.
     check_requested: bool,
+    /// A command came after the caller's last check (the shell was idle).
+    command_started: bool,
     cdp_in: Option<OwnedFd>,
     cdp_queue: Vec<u8>,
     stdout: Option<OwnedFd>,
@@ -265,6 +267,7 @@ impl Relay {
             stdin_queue: Vec::new(),
             stdin_closing: false,
             check_requested: false,
+            command_started: false,
             cdp_in,
             cdp_queue: Vec::new(),
             stdout: Some(stdout_r),
@@ -359,7 +362,10 @@ impl Relay {
             }
             // Writable inputs (or ones whose reader is gone: the write below says which).
             flush_inputs(pipes);
-            if let Some(exceeded) = supervisor.check_if_due() {
+            if std::mem::take(&mut pipes.command_started) {
+                // Most commands are over before their first check, as with one executor each.
+                supervisor.restart_checks();
+            } else if !idle && let Some(exceeded) = supervisor.check_if_due() {
                 break (None, Some(exceeded));
             }
             // The caller asks once it has read the end of a command, so everything the command
@@ -418,6 +424,7 @@ impl Relay {
             match kind {
                 protocol::STDIN if payload.is_empty() => pipes.stdin_closing = true,
                 protocol::STDIN => {
+                    pipes.command_started |= self.caller_checks && !self.command_running;
                     self.command_running = true;
                     pipes.stdin_queue.extend_from_slice(&payload);
                 }

@@ -852,7 +852,20 @@ fn processes_in(dir: &Path) -> Vec<String> {
 const QUICKLY: Duration = Duration::from_secs(20);
 
 async fn fork_bomb_is_stopped_at_the_process_limit(place: Where) {
+    stop_a_fork_bomb(&Neighbours::new(place)).await;
+}
+
+/// Nothing is checked while the shell waits for the model; the next command is watched from its
+/// first byte as the first was.
+async fn a_fork_bomb_after_the_shell_waited_is_stopped(place: Where) {
     let neighbours = Neighbours::new(place);
+    let first = ok(call(&neighbours.offender, json!({"command": "echo first"})).await);
+    assert_eq!(first["output"], "first");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_a_fork_bomb(&neighbours).await;
+}
+
+async fn stop_a_fork_bomb(neighbours: &Neighbours) {
     // A fork bomb bounded, as a safety net, at depth 9 (at most 1,023 shells): it passes the
     // limit of 64 long before.
     let bomb = "f(){ if [ $1 -lt 9 ]; then f $(($1+1)) & f $(($1+1)) & fi; sleep 300; }; f 0";
@@ -862,6 +875,41 @@ async fn fork_bomb_is_stopped_at_the_process_limit(place: Where) {
             "the command exceeded the sandbox's process limit (64 processes",
         )
         .await;
+}
+
+/// A shell that waits with a job of its own running (left with `&`) is still watched: the job
+/// growing past the memory limit between two calls stops the shell, and the next call is told.
+async fn a_job_left_with_an_ampersand_is_watched_while_the_shell_waits(place: Where) {
+    let neighbours = Neighbours::new(place);
+    let ctx = &neighbours.offender;
+    let started = ok(call(
+        ctx,
+        json!({"command": "(sleep 0.3; head -c 2G /dev/zero | tail) >/dev/null 2>&1 &"}),
+    )
+    .await);
+    assert_eq!(started["exit_code"], 0, "{started}");
+    let until = std::time::Instant::now() + QUICKLY;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    while !processes_in(ctx.workspace.root()).is_empty() {
+        assert!(
+            std::time::Instant::now() < until,
+            "the job was not stopped while the shell waited"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The next command runs, in a new shell, and says why the old one is gone.
+    let next = ok(call(ctx, json!({"command": "echo next"})).await);
+    let next = next["output"].as_str().unwrap();
+    assert!(
+        next.starts_with(
+            "[The shell was stopped after the last call: the command exceeded the sandbox's \
+             memory limit (256 MiB"
+        ),
+        "{next}"
+    );
+    assert!(next.ends_with("were reset]\nnext"), "{next}");
+    let again = ok(call(ctx, json!({"command": "echo again"})).await);
+    assert_eq!(again["output"], "again");
 }
 
 async fn memory_hog_is_stopped_at_the_memory_limit(place: Where) {
@@ -973,6 +1021,8 @@ in_both_places!(
 
 in_both_places!(
     fork_bomb_is_stopped_at_the_process_limit,
+    a_fork_bomb_after_the_shell_waited_is_stopped,
+    a_job_left_with_an_ampersand_is_watched_while_the_shell_waits,
     memory_hog_is_stopped_at_the_memory_limit,
     disk_filler_is_stopped_at_the_workspace_limit,
     one_huge_file_stops_at_the_workspace_limit_and_can_be_deleted,

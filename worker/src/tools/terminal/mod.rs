@@ -63,6 +63,9 @@ struct ShellSlot {
     /// The last shell ended in a call that did not say so (`exit`, a limit): the next command's
     /// output tells the model that its shell's state was reset.
     ended_unannounced: bool,
+    /// The last shell was stopped between calls (a job it left running with `&` went past a
+    /// limit): the sandbox's reason, for the next command's output.
+    stopped_between_calls: Option<String>,
 }
 
 /// What the first command in a new shell shows when the last one ended with an earlier call.
@@ -135,16 +138,31 @@ impl Terminal {
                 Ok(shell) => shell,
                 Err(message) => return ToolOutcome::Err(message),
             };
+            if let Some(reason) = shell.stopped_while_waiting() {
+                slot.shell = None;
+                slot.stopped_between_calls = Some(reason);
+                continue;
+            }
             let flavour = shell.flavour();
             let (end, kept) = shell
                 .run(command, workdir, timeout, ctx.limits.max_output_bytes)
                 .await;
-            let announce = !matches!(end, CommandEnd::NotStarted(_))
-                && std::mem::take(&mut slot.ended_unannounced);
-            let with_note = |output: String| match (announce, output.is_empty()) {
-                (false, _) => output,
-                (true, true) => SHELL_RESET_NOTE.to_owned(),
-                (true, false) => format!("{SHELL_RESET_NOTE}\n{output}"),
+            let note = if matches!(end, CommandEnd::NotStarted(_)) {
+                None
+            } else if let Some(reason) = slot.stopped_between_calls.take() {
+                slot.ended_unannounced = false;
+                Some(format!(
+                    "[The shell was stopped after the last call: {reason}. This command ran in a \
+                     new shell in the same directory: exported variables, functions and aliases \
+                     were reset]"
+                ))
+            } else {
+                std::mem::take(&mut slot.ended_unannounced).then(|| SHELL_RESET_NOTE.to_owned())
+            };
+            let with_note = |output: String| match (note.as_deref(), output.is_empty()) {
+                (None, _) => output,
+                (Some(note), true) => note.to_owned(),
+                (Some(note), false) => format!("{note}\n{output}"),
             };
             match end {
                 CommandEnd::Finished { exit_code, cwd } => {

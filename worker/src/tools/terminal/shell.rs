@@ -161,7 +161,22 @@ impl Shell {
                 format!("the shell was not ready within {} s", START_WAIT.as_secs()),
             ));
         }
+        // The start-up script was not a command: a check now tells the executor that the shell
+        // waits for one, so that it does not watch the idle shell until the first command ends.
+        // (A check that fails has stopped the shell; the first command says why.)
+        shell.program.check_limits().await;
         Ok(shell)
+    }
+
+    /// The sandbox's reason, when it stopped the shell while it waited for a command (what a
+    /// job left running with `&` did); `None` while the shell runs (or ended otherwise: the
+    /// next command finds out how).
+    pub(super) fn stopped_while_waiting(&self) -> Option<String> {
+        let state = self.program.state();
+        match state.ended {
+            Some(Ended::Exited(LIMIT_EXIT)) => state.sandbox_reason(),
+            _ => None,
+        }
     }
 
     pub(super) fn flavour(&self) -> Flavour {
