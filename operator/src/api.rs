@@ -216,6 +216,10 @@ pub struct OutputStatus {
     pub trajectories: u64,
     /// Size of `trajectories.jsonl` in bytes.
     pub bytes: u64,
+    /// The run's report page (`report.html`: statistics, plots and a conversation browser),
+    /// relative to the storage volume.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub report: String,
 }
 
 /// Condition types of a `TrajectoryRun`.

@@ -126,6 +126,14 @@ async fn a_run_goes_from_plan_through_an_indexed_job_and_merge_to_succeeded() {
         &scratch.storage().join(format!("runs/{ns}/e2e")),
         output.bytes,
     );
+    // The report page's place, where the merge pod wrote it.
+    assert_eq!(output.report, format!("runs/{ns}/e2e/report.html"));
+    let report = std::fs::read_to_string(scratch.storage().join(&output.report))
+        .expect("the merge wrote the report");
+    assert!(
+        report.contains("\"records\":10"),
+        "the report is not this run's"
+    );
     // 10 conversations of two model calls each.
     assert_eq!(model.request_count(), 20);
 

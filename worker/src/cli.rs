@@ -69,6 +69,12 @@ pub enum Command {
     },
     /// Merge the batches into trajectories.jsonl, failures.jsonl and statistics.json.
     Merge(RunArgs),
+    /// Write `report.html` (the page to read a run in) from a merged run's outputs, and print its
+    /// path. Merge writes it too; this makes it again, e.g. for a run merged by an older worker.
+    Report {
+        /// The run's output directory (where `statistics.json` and `trajectories.jsonl` are).
+        run_dir: PathBuf,
+    },
     /// Run one prompt end to end and print its record.
     Prompt {
         /// The `TrajectoryRun` YAML whose model and tools to use.
@@ -335,32 +341,19 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             no_progress_bar,
             base_url,
         } => {
-            let sandbox = workspaces.sandbox(&RunFile::load(&run_file)?.spec.sandbox);
-            workspaces.check_sandbox(&sandbox).await?;
-            let options = LocalOptions {
+            local_command(
                 run_file,
                 storage,
+                &workspaces,
+                no_progress_bar,
                 base_url,
-                workspace_root: workspaces.root(),
-                sandbox,
-                progress: if no_progress_bar {
-                    ProgressMode::Lines
-                } else {
-                    ProgressMode::Auto
-                },
-            };
-            let report = run_local(&options, shutdown).await?;
-            print!("{}", render_report(&report));
-            Ok(())
+                shutdown,
+            )
+            .await
         }
         Command::Plan(args) => {
             let result = match args.location() {
-                Ok(location) => {
-                    tokio::task::spawn_blocking(move || plan::plan_for_operator(&location))
-                        .await
-                        .map_err(|err| RunError::Internal(err.to_string()))
-                        .and_then(|result| result)
-                }
+                Ok(location) => blocking(move || plan::plan_for_operator(&location)).await,
                 Err(error) => Err(error),
             };
             args.report(&result);
@@ -380,10 +373,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
         }
         Command::Merge(args) => {
             let result = match args.location() {
-                Ok(location) => tokio::task::spawn_blocking(move || merge::merge(&location))
-                    .await
-                    .map_err(|err| RunError::Internal(err.to_string()))
-                    .and_then(|result| result),
+                Ok(location) => blocking(move || merge::merge(&location)).await,
                 Err(error) => Err(error),
             };
             args.report(&result);
@@ -415,7 +405,51 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
         Command::Distributions { run_file } => {
             crate::run::distributions::print(run_file.as_deref())
         }
+        Command::Report { run_dir } => {
+            let path =
+                blocking(move || merge::rewrite_report(&crate::storage::RunDir::new(run_dir)))
+                    .await?;
+            println!("{}", path.display());
+            Ok(())
+        }
     }
+}
+
+/// Runs blocking file work off the async runtime's threads.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, RunError> + Send + 'static,
+) -> Result<T, RunError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|err| RunError::Internal(err.to_string()))
+        .and_then(|result| result)
+}
+
+async fn local_command(
+    run_file: PathBuf,
+    storage: Option<PathBuf>,
+    workspaces: &WorkspaceArgs,
+    no_progress_bar: bool,
+    base_url: Option<String>,
+    shutdown: &Shutdown,
+) -> Result<(), RunError> {
+    let sandbox = workspaces.sandbox(&RunFile::load(&run_file)?.spec.sandbox);
+    workspaces.check_sandbox(&sandbox).await?;
+    let options = LocalOptions {
+        run_file,
+        storage,
+        base_url,
+        workspace_root: workspaces.root(),
+        sandbox,
+        progress: if no_progress_bar {
+            ProgressMode::Lines
+        } else {
+            ProgressMode::Auto
+        },
+    };
+    let report = run_local(&options, shutdown).await?;
+    print!("{}", render_report(&report));
+    Ok(())
 }
 
 async fn batch_command(

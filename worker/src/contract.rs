@@ -107,6 +107,8 @@ pub mod paths {
     pub const SANDBOX_SOCKET_FILE: &str = "executor.sock";
     /// Where the init container puts the executor binary for the sandbox container (an emptyDir).
     pub const SANDBOX_BIN_DIR: &str = "/sandbox/bin";
+    /// The run's report page, in its output directory, written by merge.
+    pub const REPORT_FILE: &str = "report.html";
 }
 
 /// Process exit codes. Anything not listed is transient: the Job retries the index.

@@ -10,7 +10,7 @@
 //!                     batches/batch-NNNNNN/w-<writer>.jsonl (+ batch-NNNNNN.done)
 //!                                    │
 //!                                    ▼
-//!                     merge ──► trajectories.jsonl, failures.jsonl, statistics.json
+//!                     merge ──► trajectories.jsonl, failures.jsonl, statistics.json, report.html
 //! ```
 //!
 //! - [`contract`]: what the operator and the worker agree on: the run plan a pod receives, mount
@@ -34,6 +34,8 @@
 //! - [`hermes`]: how a record is rendered: every line a batch writes (a trajectory in the Hermes /
 //!   `ShareGPT` format, a discarded or a failed record); [`pyjson`] writes JSON as Python does.
 //! - [`storage`]: the run's directory on shared storage, and its crash-safe writes.
+//! - [`report`]: `report.html`, the page a person reads a run in, from merge's pass over the
+//!   records or from the merged outputs.
 //!
 //! [`spec`], [`toolsets`], [`template`], [`validate`] and [`contract`] are the contract with the
 //! operator and build with serde alone (`default-features = false`); everything else sits behind
@@ -75,6 +77,8 @@ pub mod json_scan;
 pub mod model;
 #[cfg(feature = "engine")]
 pub mod pyjson;
+#[cfg(feature = "engine")]
+pub mod report;
 #[cfg(feature = "engine")]
 pub mod run;
 #[cfg(feature = "engine")]

@@ -625,6 +625,11 @@ fn merged(run: &ValidatedRun<'_>, merge: &MergeSummary) -> Merged {
             path: run.output_path.clone(),
             trajectories: merge.trajectories,
             bytes: merge.bytes,
+            report: format!(
+                "{}/{}",
+                run.output_path.trim_end_matches('/'),
+                trajectory_worker::contract::paths::REPORT_FILE
+            ),
         },
     }
 }

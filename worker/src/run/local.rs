@@ -348,5 +348,10 @@ pub fn render_report(report: &LocalReport) -> String {
         "  statistics:   {}",
         report.run_dir.join("statistics.json").display()
     );
+    let _ = writeln!(
+        out,
+        "  report:       {} (open it in a browser)",
+        report.run_dir.join(crate::report::FILE_NAME).display()
+    );
     out
 }

@@ -21,6 +21,7 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::io::BufRead as _;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
@@ -32,6 +33,7 @@ use super::manifest::Manifest;
 use super::{RunError, RunLocation};
 use crate::contract::{MergeSummary, compact_ranges, format_ranges};
 use crate::json_scan;
+use crate::report;
 use crate::storage::{
     Context, RunDir, StorageError, read_files_lines_into, read_whole_lines, sync_dir, temp_path,
     write_atomic, write_lines,
@@ -64,6 +66,11 @@ struct RecordView<'a> {
     /// Pairs a trajectory with its `OpenAI`-form line.
     #[serde(default, borrow)]
     finished_at: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    toolsets_used: Vec<Cow<'a, str>>,
+    /// A discarded record's filter.
+    #[serde(default, borrow)]
+    filter: Option<Cow<'a, str>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -96,6 +103,48 @@ struct ReasoningView {
     turns_with_reasoning: u64,
 }
 
+/// Writes `report.html` again from a merged run's outputs (`statistics.json`,
+/// `trajectories.jsonl`, `failures.jsonl`), counting their records as merge counted them:
+/// what `trajectory-worker report` does. Returns the report's path.
+pub fn rewrite_report(run_dir: &RunDir) -> Result<PathBuf, RunError> {
+    let path = run_dir.statistics();
+    let text = std::fs::read(&path).at("read", &path)?;
+    let statistics: serde_json::Value = serde_json::from_slice(&text).map_err(|err| {
+        RunError::OutputMismatch(format!(
+            "{}: not a merged run's statistics: {err}",
+            path.display()
+        ))
+    })?;
+    let mut totals = Totals::default();
+    for file in [run_dir.trajectories(), run_dir.failures()] {
+        let Some(mut reader) = open_output(&file)? else {
+            continue;
+        };
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            if reader.read_until(b'\n', &mut line).at("read", &file)? == 0 {
+                break;
+            }
+            // Merge wrote these lines after checking them; one that does not parse now is
+            // skipped, as merge skips one.
+            if let Ok(view) = serde_json::from_slice::<RecordView<'_>>(&line) {
+                totals.add(&view, &line);
+            }
+        }
+    }
+    Ok(report::write(run_dir, &statistics, totals.report)?)
+}
+
+/// A merged output for reading; `None` when the run has none.
+fn open_output(path: &Path) -> Result<Option<std::io::BufReader<File>>, RunError> {
+    match File::open(path) {
+        Ok(file) => Ok(Some(std::io::BufReader::with_capacity(1 << 20, file))),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(err) => Err(StorageError::new("open", path, err).into()),
+    }
+}
+
 /// Running totals for `statistics.json`.
 #[derive(Debug, Default)]
 struct Totals {
@@ -113,6 +162,8 @@ struct Totals {
     completion_tokens: u64,
     reasoning_tokens: u64,
     durations: Vec<u64>,
+    /// What `report.html` shows beyond the statistics.
+    report: report::Collector,
 }
 
 impl Totals {
@@ -139,9 +190,28 @@ impl Totals {
         self.completion_tokens += other.completion_tokens;
         self.reasoning_tokens += other.reasoning_tokens;
         self.durations.extend(other.durations);
+        self.report.absorb(other.report);
     }
 
-    fn add(&mut self, view: &RecordView<'_>) {
+    /// Counts a kept record; `line` is its whole line.
+    fn add(&mut self, view: &RecordView<'_>, line: &[u8]) {
+        let facts = report::RecordFacts {
+            prompt_index: view.prompt_index,
+            sample: view.sample,
+            outcome: report::Outcome::of(
+                view.status.as_deref(),
+                (view.completed, view.partial),
+                view.filter.as_deref(),
+                view.error_class.as_deref(),
+            ),
+            api_calls: view.api_calls,
+            tokens: view.usage.prompt_tokens + view.usage.completion_tokens,
+            duration_ms: view.duration_ms,
+            tool_calls: view.tool_stats.values().map(|tool| tool.count).sum(),
+            tool_failures: view.tool_stats.values().map(|tool| tool.failure).sum(),
+        };
+        self.report
+            .add(&facts, view.toolsets_used.iter().map(AsRef::as_ref), line);
         match view.status.as_deref() {
             None => {
                 self.succeeded += 1;
@@ -522,7 +592,7 @@ fn sort_batch(
     let mut openai_kept = Vec::new();
     for (prompt_index, sample, rank, position) in order {
         let (view, start, end, file) = &views[position];
-        totals.add(view);
+        totals.add(view, &read.data[*start..*end]);
         kept.push((*start, *end, rank == 0));
         if openai && rank == 0 {
             let index = match &mut openai_lines[*file] {
@@ -717,6 +787,7 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
     let statistics_json = serde_json::to_vec_pretty(&statistics)
         .map_err(|err| RunError::Internal(err.to_string()))?;
     write_atomic(&run_dir.statistics(), &statistics_json)?;
+    report::write(&run_dir, &statistics, std::mem::take(&mut totals.report))?;
     // Last, so that a trajectories file on storage always comes with its statistics.
     let bytes = trajectories.finish()?;
     sync_dir(run_dir.root())?;

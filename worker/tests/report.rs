@@ -1,0 +1,331 @@
+//! `report.html` of a real local run, opened in headless Chromium (Debian's, which the test suite
+//! installs): the page loads nothing and logs nothing, every figure it draws is the run's, its
+//! filters and search narrow the list, and one conversation opens with its tool calls. A
+//! screenshot is kept in cargo's test temp dir (`report/report.png`).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{RunFixture, local_options, no_shutdown};
+use regex::Regex;
+use serde_json::{Value, json};
+use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
+use trajectory_worker::report::Histogram;
+use trajectory_worker::run::local::run_local;
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+
+/// A word only one conversation's tool call and output contain.
+const NEEDLE: &str = "needle-xyzzy";
+
+/// Six prompts, one at a time: two that call the terminal and answer, one the server refuses
+/// (a failed record), one that calls tools until it runs out of turns, and two that answer at
+/// once.
+async fn run_with_every_outcome() -> (ScriptedServer, RunFixture) {
+    let call = |command: &str| Step::ok(tool_call_reply("terminal", &json!({"command": command})));
+    let script = vec![
+        call("echo alpha"),
+        Step::ok(text_reply("done")),
+        call(&format!("echo {NEEDLE}")),
+        Step::ok(text_reply("done")),
+        Step::error(
+            400,
+            "context_length_exceeded",
+            "maximum context length is 10 tokens",
+        ),
+        call("echo one"),
+        call("echo two"),
+        call("echo three"),
+    ];
+    let server = ScriptedServer::start_with_default(script, Step::ok(text_reply("done"))).await;
+    let fixture = RunFixture::new(&server.base_url(), 6)
+        .with("/batchSize", json!(6))
+        .with("/concurrency", json!(1));
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect("the run finishes");
+    (server, fixture)
+}
+
+/// The DOM of `page#fragment` once its scripts ran in headless Chromium; checks that the page logged nothing (errors,
+/// CSP violations and uncaught exceptions are console messages) and asked the network for
+/// nothing: Chromium's net log holds every request, and a page's carry its origin (`file://`)
+/// in their isolation key, unlike the browser's own background requests.
+fn load(page: &Path, fragment: &str, profile: &Path) -> String {
+    let net_log = profile.join("net-log.json");
+    let output = chromium(profile)
+        .arg(format!("--log-net-log={}", net_log.display()))
+        .args([
+            "--dump-dom",
+            &format!("file://{}#{fragment}", page.display()),
+        ])
+        .output()
+        .unwrap_or_else(|err| {
+            panic!("{CHROMIUM} cannot run ({err}): scripts/browser/install.sh installs it")
+        });
+    let log = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "chromium: {log}");
+    let console: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains(":CONSOLE"))
+        .collect();
+    assert_eq!(console, Vec::<&str>::new(), "the page logged (#{fragment})");
+    assert_eq!(
+        page_requests(&net_log),
+        Vec::<String>::new(),
+        "the page asked the network (#{fragment})"
+    );
+    String::from_utf8(output.stdout).expect("the DOM is UTF-8")
+}
+
+/// The URLs the page (not the browser) requested, from Chromium's net log.
+fn page_requests(net_log: &Path) -> Vec<String> {
+    let log: Value = serde_json::from_slice(&std::fs::read(net_log).expect("the net log"))
+        .expect("the net log is JSON");
+    let start_job = &log["constants"]["logEventTypes"]["URL_REQUEST_START_JOB"];
+    assert!(
+        start_job.is_u64(),
+        "no URL_REQUEST_START_JOB in the net log"
+    );
+    log["events"]
+        .as_array()
+        .expect("net log events")
+        .iter()
+        .filter(|event| &event["type"] == start_job)
+        .filter(|event| {
+            event["params"]["network_isolation_key"]
+                .as_str()
+                .is_some_and(|key| key.starts_with("file://"))
+        })
+        .map(|event| event["params"]["url"].to_string())
+        .collect()
+}
+
+fn chromium(profile: &Path) -> Command {
+    let mut command = Command::new(CHROMIUM);
+    command.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        // Nothing of the browser's own in the background (updates, sync, components).
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-default-apps",
+        "--enable-logging=stderr",
+        "--v=0",
+        &format!("--user-data-dir={}", profile.display()),
+    ]);
+    command
+}
+
+/// `data-NAME="…"` of the first element with `data-KEY="VALUE"`.
+fn attribute(dom: &str, key: &str, value: &str, name: &str) -> String {
+    let element = Regex::new(&format!(
+        r#"<[a-z]+ [^>]*data-{key}="{}"[^>]*>"#,
+        regex::escape(value)
+    ))
+    .unwrap();
+    let tag = element
+        .find(dom)
+        .unwrap_or_else(|| {
+            let present: Vec<&str> = Regex::new(&format!(r#"data-{key}="[^"]*""#))
+                .unwrap()
+                .find_iter(dom)
+                .map(|found| found.as_str())
+                .collect();
+            panic!("no element with data-{key}={value:?}, only {present:?}")
+        })
+        .as_str();
+    Regex::new(&format!(r#"data-{name}="([^"]*)""#))
+        .unwrap()
+        .captures(tag)
+        .unwrap_or_else(|| panic!("{tag} has no data-{name}"))[1]
+        .to_owned()
+}
+
+/// The counts of the bars of the histogram `id`.
+fn bars(dom: &str, id: &str) -> Vec<u64> {
+    let start = dom
+        .find(&format!(r#"id="{id}""#))
+        .unwrap_or_else(|| panic!("no {id}"));
+    let svg = &dom[start..start + dom[start..].find("</svg>").unwrap()];
+    Regex::new(r#"<rect [^>]*data-count="(\d+)""#)
+        .unwrap()
+        .captures_iter(svg)
+        .map(|bar| bar[1].parse().unwrap())
+        .collect()
+}
+
+fn listed(dom: &str) -> usize {
+    dom.matches("<tr data-id=").count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_report_of_a_run_shows_its_numbers_and_its_conversations_in_chromium() {
+    let (_server, fixture) = run_with_every_outcome().await;
+    let page = fixture.out().join("report.html");
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    let counts = &statistics["counts"];
+    assert_eq!(
+        (
+            counts["succeeded"].as_u64(),
+            counts["failed"].as_u64(),
+            counts["completed"].as_u64()
+        ),
+        (Some(5), Some(1), Some(4)),
+        "{statistics}"
+    );
+    let html = std::fs::read_to_string(&page).expect("merge wrote report.html");
+    assert!(html.contains("Content-Security-Policy\" content=\"default-src 'none'"));
+
+    let profile = tempfile::tempdir().unwrap();
+    let dom = load(&page, "", profile.path());
+    assert_figures_are_the_runs(&dom, &statistics, &fixture);
+    assert_eq!(listed(&dom), 6, "every record of a small run is listed");
+
+    // Filters and search narrow the list; the state is in the address's fragment.
+    for (fragment, expected) in [
+        ("outcome=out+of+turns", 1),
+        ("outcome=failed%3A+context_length", 1),
+        ("tool=terminal", 3),
+        (&format!("q={NEEDLE}"), 1),
+    ] {
+        assert_eq!(
+            listed(&load(&page, fragment, profile.path())),
+            expected,
+            "#{fragment}"
+        );
+    }
+
+    // One conversation opens with its tool call.
+    let needle_record = fixture
+        .lines("trajectories.jsonl")
+        .into_iter()
+        .find(|record| record.to_string().contains(NEEDLE))
+        .expect("the needle's trajectory");
+    let id = needle_record["id"].as_str().unwrap();
+    let opened = load(&page, &format!("q={NEEDLE}&open={id}"), profile.path());
+    assert!(
+        opened.contains(&format!(r#"id="open-conversation" data-id="{id}""#)),
+        "not opened"
+    );
+    assert!(
+        opened.contains(r#"class="tool-call" data-name="terminal""#),
+        "no tool call shown"
+    );
+    assert!(opened.contains(&format!("echo {NEEDLE}")));
+
+    take_screenshot(&page, &format!("open={id}"), profile.path());
+}
+
+/// Every figure the page draws is the run's: its cards, the bars of its plots, its tools,
+/// failure reasons and toolset combinations, against `statistics.json` and the trajectories.
+fn assert_figures_are_the_runs(dom: &str, statistics: &Value, fixture: &RunFixture) {
+    let counts = &statistics["counts"];
+    for (stat, value) in [
+        ("records", &counts["records"]),
+        ("succeeded", &counts["succeeded"]),
+        ("completed", &counts["completed"]),
+        ("partial", &counts["partial"]),
+        ("out_of_turns", &json!(1)),
+        ("failed", &counts["failed"]),
+        ("tokens_total", &statistics["tokens"]["total"]),
+    ] {
+        assert_eq!(
+            attribute(dom, "stat", stat, "value"),
+            value.to_string(),
+            "{stat}"
+        );
+    }
+    let trajectories = counts["succeeded"].as_u64().unwrap();
+    for plot in ["plot-turns", "plot-tokens", "plot-duration"] {
+        assert_eq!(bars(dom, plot).iter().sum::<u64>(), trajectories, "{plot}");
+    }
+    // The bars are the trajectories' own turns, bucket by bucket.
+    let mut turns = std::collections::BTreeMap::<u64, u64>::new();
+    for record in fixture.lines("trajectories.jsonl") {
+        let bucket = Histogram::bucket_of(record["api_calls"].as_u64().unwrap());
+        *turns.entry(bucket).or_default() += 1;
+    }
+    assert!(turns.len() > 1, "{turns:?}");
+    assert_eq!(
+        bars(dom, "plot-turns"),
+        turns.into_values().collect::<Vec<_>>()
+    );
+    let terminal = &statistics["tool_statistics"]["terminal"];
+    assert_eq!(
+        attribute(dom, "tool", "terminal", "calls"),
+        terminal["count"].to_string()
+    );
+    assert_eq!(
+        attribute(dom, "tool", "terminal", "errors"),
+        terminal["failure"].to_string()
+    );
+    assert_eq!(
+        attribute(dom, "reason", "failed: context_length", "records"),
+        "1"
+    );
+    assert_eq!(
+        attribute(dom, "combo", "terminal+file", "conversations"),
+        "5"
+    );
+}
+
+/// A screenshot of `page#fragment`, kept in cargo's test temp dir.
+fn take_screenshot(page: &Path, fragment: &str, profile: &Path) {
+    let shot = screenshot_path();
+    let output = chromium(profile)
+        .args([
+            "--hide-scrollbars",
+            "--window-size=1400,1700",
+            &format!("--screenshot={}", shot.display()),
+            &format!("file://{}#{fragment}", page.display()),
+        ])
+        .output()
+        .unwrap();
+    assert_succeeded(&output);
+    let png = std::fs::read(&shot).unwrap();
+    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
+    eprintln!("screenshot: {}", shot.display());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_report_command_writes_the_same_page_from_the_outputs() {
+    let (_server, fixture) = run_with_every_outcome().await;
+    let page = fixture.out().join("report.html");
+    let merged = std::fs::read_to_string(&page).unwrap();
+    std::fs::remove_file(&page).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_trajectory-worker"))
+        .arg("report")
+        .arg(fixture.out())
+        .output()
+        .unwrap();
+    assert_succeeded(&output);
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        page.display().to_string()
+    );
+    // The same records, histograms and sample: only the page's place in time could differ, and
+    // it comes from statistics.json, which both read.
+    assert_eq!(std::fs::read_to_string(&page).unwrap(), merged);
+}
+
+fn assert_succeeded(output: &std::process::Output) {
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn screenshot_path() -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("report");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("report.png")
+}
