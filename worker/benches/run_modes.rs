@@ -30,7 +30,13 @@
 //!   between the 2·C-th and the (N − C)-th completion; the target is D ÷ A ≥ 0.95, and D ÷ C shows
 //!   whether the durable writes hold the batch back.
 //!
-//! Knobs (environment): `RUN_MODES_BENCH_PARTS` ("merge,plan,local"), `RUN_MODES_BENCH_MERGE_MIB`
+//! - **report**: what `report.html` costs: every merge above is also run without its report (the
+//!   merge as it was before reports), alternating; then a run of a million small records is
+//!   merged with and without its report, `trajectory-worker report` writes its report again, and
+//!   headless Chromium loads it (the page records when it was drawn and laid out).
+//!
+//! Knobs (environment): `RUN_MODES_BENCH_PARTS` ("merge,report,plan,local"),
+//! `RUN_MODES_BENCH_REPORT_RECORDS` (1000000), `RUN_MODES_BENCH_MERGE_MIB`
 //! (1024), `RUN_MODES_BENCH_PLAN_MIB` (1024), `RUN_MODES_BENCH_REPEATS` (3), `RUN_MODES_BENCH_COLD`
 //! (1; 0 skips the cold-cache runs), `RUN_MODES_BENCH_DIR` (the system temp dir; the data and a
 //! copy of it must fit), `RUN_MODES_BENCH_LATENCY_MS` (50), `RUN_MODES_BENCH_CONCURRENCY` (256),
@@ -90,6 +96,7 @@ struct Knobs {
     latency: Duration,
     concurrency: usize,
     prompts: usize,
+    report_records: u64,
     keep: bool,
 }
 
@@ -97,7 +104,7 @@ impl Knobs {
     fn from_env() -> anyhow::Result<Self> {
         Ok(Self {
             parts: std::env::var("RUN_MODES_BENCH_PARTS")
-                .unwrap_or_else(|_| "merge,plan,local".into())
+                .unwrap_or_else(|_| "merge,report,plan,local".into())
                 .split(',')
                 .map(|part| part.trim().to_owned())
                 .collect(),
@@ -110,6 +117,7 @@ impl Knobs {
             latency: Duration::from_millis(env_number("RUN_MODES_BENCH_LATENCY_MS", 50)?),
             concurrency: usize::try_from(env_number("RUN_MODES_BENCH_CONCURRENCY", 256)?)?,
             prompts: usize::try_from(env_number("RUN_MODES_BENCH_PROMPTS", 10_000)?)?,
+            report_records: env_number("RUN_MODES_BENCH_REPORT_RECORDS", 1_000_000)?,
             keep: env_number("RUN_MODES_BENCH_KEEP", 0)? != 0,
         })
     }
@@ -146,6 +154,12 @@ fn main() -> anyhow::Result<()> {
         merge_bench(&root.path().join("merge"), &knobs, cold)?;
         if !knobs.keep {
             fs::remove_dir_all(root.path().join("merge"))?;
+        }
+    }
+    if knobs.wants("report") {
+        report_bench(&root.path().join("report"), &knobs)?;
+        if !knobs.keep {
+            fs::remove_dir_all(root.path().join("report"))?;
         }
     }
     if knobs.wants("plan") {
@@ -315,9 +329,10 @@ fn cpu_time() -> anyhow::Result<Duration> {
 // ---------------------------------------------------------------------------------------------
 // merge
 
-/// Trajectory records of several shapes (1-3 tool rounds, tool outputs of 0.3-9 KB), rendered
-/// once; each generated record is one of them with its own index, id, prompt and timestamp.
-fn record_templates(rng: &mut Rng) -> Vec<Map<String, Value>> {
+/// Trajectory records of several shapes (1-3 tool rounds, tool outputs of 0.3-9 KB, texts and
+/// outputs divided by `shrink`), rendered once; each generated record is one of them with its own
+/// index, id, prompt and timestamp.
+fn record_templates(rng: &mut Rng, shrink: usize) -> Vec<Map<String, Value>> {
     let registry = Registry::builtin(&ToolsSpec::default());
     let toolsets = ["file".to_owned()];
     let tools: Vec<_> = registry
@@ -336,7 +351,7 @@ fn record_templates(rng: &mut Rng) -> Vec<Map<String, Value>> {
         .into_iter()
         .enumerate()
     {
-        let mut messages = vec![Message::User(text(rng, 200))];
+        let mut messages = vec![Message::User(text(rng, 200 / shrink))];
         let rounds = 1 + shape % 3;
         for round in 0..rounds {
             let id = format!("call_{round}");
@@ -348,9 +363,9 @@ fn record_templates(rng: &mut Rng) -> Vec<Map<String, Value>> {
             );
             call.arguments = parse_arguments(&arguments);
             messages.push(Message::Assistant(AssistantMessage {
-                content: text(rng, 120),
+                content: text(rng, 120 / shrink),
                 reasoning: Some(Reasoning {
-                    text: text(rng, 400),
+                    text: text(rng, 400 / shrink),
                     shape: ReasoningShape::ReasoningContent,
                 }),
                 tool_calls: vec![call],
@@ -358,14 +373,14 @@ fn record_templates(rng: &mut Rng) -> Vec<Map<String, Value>> {
             messages.push(Message::Tool(ToolMessage {
                 tool_call_id: id,
                 name: "read_file".into(),
-                content: json!({"content": text(rng, output / rounds), "total_lines": 40})
+                content: json!({"content": text(rng, output / rounds / shrink), "total_lines": 40})
                     .to_string(),
             }));
         }
         messages.push(Message::Assistant(AssistantMessage {
-            content: text(rng, 600),
+            content: text(rng, 600 / shrink),
             reasoning: Some(Reasoning {
-                text: text(rng, 300),
+                text: text(rng, 300 / shrink),
                 shape: ReasoningShape::ReasoningContent,
             }),
             tool_calls: vec![],
@@ -447,7 +462,9 @@ fn record_line(
         record.insert("id".into(), id.into());
         record.insert("duration_ms".into(), (800 + rng.below(5000)).into());
         if let Some(Value::Array(turns)) = record.get_mut("conversations") {
-            turns[1]["value"] = Value::String(format!("Task {prompt_index}: {}", text(rng, 200)));
+            let length = turns[1]["value"].as_str().map_or(0, str::len);
+            turns[1]["value"] =
+                Value::String(format!("Task {prompt_index}: {}", text(rng, length)));
         }
         if let Some(metadata) = record.get_mut("metadata") {
             metadata["batch_num"] = batch.into();
@@ -461,6 +478,8 @@ fn record_line(
 #[derive(Debug, Default)]
 struct MergeTimes {
     merge: Vec<Duration>,
+    /// Merge as it was before reports: no report gathered or written.
+    without_report: Vec<Duration>,
     cat: Vec<Duration>,
     cat_fsync: Vec<Duration>,
 }
@@ -533,6 +552,30 @@ fn print_merge_table(warm: &MergeTimes, cold: &MergeTimes) {
             list(&times.cat_fsync),
         );
     }
+    print_report_cost(warm, cold);
+}
+
+/// What writing `report.html` adds to a merge: merge against merge without the report.
+fn print_report_cost(warm: &MergeTimes, cold: &MergeTimes) {
+    println!(
+        "\n| page cache | merge s | merge without report s | report adds | runs (merge; without) |"
+    );
+    println!("|---|---:|---:|---:|---|");
+    for (label, times) in [("warm", warm), ("cold", cold)] {
+        if times.merge.is_empty() || times.without_report.is_empty() {
+            continue;
+        }
+        let (with, without) = (median(&times.merge), median(&times.without_report));
+        println!(
+            "| {label} | {} | {} | **{:+.1} %** | {}; {} |",
+            seconds(with),
+            seconds(without),
+            (with.as_secs_f64() / without.as_secs_f64() - 1.0) * 100.0,
+            list(&times.merge),
+            list(&times.without_report),
+        );
+    }
+    println!("target: the report adds at most 5 % to the merge");
 }
 
 /// The merge benchmark's run: `prompts` prompts in batches of `batch_size`, planned.
@@ -564,21 +607,35 @@ fn plan_merge_run(
     Ok((location, manifest))
 }
 
-fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
+/// A planned run whose batches are all done: its location, its records' bytes and the counts of
+/// trajectories, discarded and failed records.
+struct MergeRun {
+    location: RunLocation,
+    batch_bytes: u64,
+    counts: [u64; 3],
+}
+
+/// Generates a run of about `bytes` of records shaped like `templates` (all its batches done),
+/// or of `records` records when given, in batches of 100; prints what it made.
+fn generate_merge_run(
+    dir: &Path,
+    rng: &mut Rng,
+    templates: &[Map<String, Value>],
+    size: RunSize,
+) -> anyhow::Result<MergeRun> {
     const BATCH_SIZE: u64 = 100;
     fs::create_dir_all(dir.join("datasets"))?;
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let templates = record_templates(&mut rng);
     let sample: Vec<usize> = (0..200)
-        .map(|index| record_line(&mut rng, &templates, index, 0).1.len() + 1)
+        .map(|index| record_line(rng, templates, index, 0).1.len() + 1)
         .collect();
     let average = sample.iter().sum::<usize>() / sample.len();
-    let prompts = (knobs.merge_bytes / average as u64).max(BATCH_SIZE);
-
+    let prompts = match size {
+        RunSize::Bytes(bytes) => (bytes / average as u64).max(BATCH_SIZE),
+        RunSize::Records(records) => records,
+    };
     let generating = Instant::now();
     let (location, manifest) = plan_merge_run(dir, prompts, BATCH_SIZE)?;
-    let run_dir = location.run_dir();
-    let (batch_bytes, counts) = write_batch_files(&run_dir, &manifest, &mut rng, &templates)?;
+    let (batch_bytes, counts) = write_batch_files(&location.run_dir(), &manifest, rng, templates)?;
     println!(
         "\n## merge: {} batch files of {BATCH_SIZE} records, {:.0} MiB ({} records: {} trajectories, \
          {} discarded, {} failed; mean {} bytes), generated in {:.0} s",
@@ -591,12 +648,36 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         average,
         generating.elapsed().as_secs_f64()
     );
+    Ok(MergeRun {
+        location,
+        batch_bytes,
+        counts,
+    })
+}
+
+/// How big a generated run is.
+#[derive(Debug, Clone, Copy)]
+enum RunSize {
+    Bytes(u64),
+    Records(u64),
+}
+
+fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let templates = record_templates(&mut rng, 1);
+    let MergeRun {
+        location,
+        batch_bytes,
+        counts,
+    } = generate_merge_run(dir, &mut rng, &templates, RunSize::Bytes(knobs.merge_bytes))?;
+    let run_dir = location.run_dir();
 
     let cat_out = run_dir.root().join("cat.jsonl");
     let outputs = [
         run_dir.trajectories(),
         run_dir.failures(),
         run_dir.statistics(),
+        run_dir.root().join("report.html"),
         cat_out.clone(),
     ];
     let clean = || -> anyhow::Result<()> {
@@ -616,7 +697,7 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
     let mut check = None;
     let mut measure = |times: &mut MergeTimes, cache_cold: bool| -> anyhow::Result<()> {
         for round in 0..knobs.repeats {
-            for step in 0..2 {
+            for step in 0..3 {
                 clean()?;
                 if cache_cold {
                     drop_caches()?;
@@ -629,21 +710,29 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
                             .current_dir(run_dir.root()),
                     )?;
                 }
-                if (round + step) % 2 == 0 {
-                    let started = Instant::now();
-                    let summary = merge::merge(&location)?;
-                    times.merge.push(started.elapsed());
-                    check = Some(summary);
-                } else {
-                    let (elapsed, _) = run_timed(&mut cat)?;
-                    let started = Instant::now();
-                    File::open(&cat_out)?.sync_all()?;
-                    times.cat.push(elapsed);
-                    times.cat_fsync.push(elapsed + started.elapsed());
-                    ensure!(
-                        fs::metadata(&cat_out)?.len() == batch_bytes,
-                        "cat wrote the wrong size"
-                    );
+                match (round + step) % 3 {
+                    0 => {
+                        let started = Instant::now();
+                        let summary = merge::merge(&location)?;
+                        times.merge.push(started.elapsed());
+                        check = Some(summary);
+                    }
+                    1 => {
+                        let started = Instant::now();
+                        merge::merge_without_report(&location)?;
+                        times.without_report.push(started.elapsed());
+                    }
+                    _ => {
+                        let (elapsed, _) = run_timed(&mut cat)?;
+                        let started = Instant::now();
+                        File::open(&cat_out)?.sync_all()?;
+                        times.cat.push(elapsed);
+                        times.cat_fsync.push(elapsed + started.elapsed());
+                        ensure!(
+                            fs::metadata(&cat_out)?.len() == batch_bytes,
+                            "cat wrote the wrong size"
+                        );
+                    }
                 }
             }
         }
@@ -670,7 +759,167 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         "target: merge ÷ cat ≤ 2; median of {} runs each",
         knobs.repeats
     );
+    // The report of these large records is the largest a page gets: its sample fills the budget.
+    merge::merge(&location)?;
+    print_opening(&run_dir.root().join("report.html"), dir, knobs.repeats)
+}
+
+// ---------------------------------------------------------------------------------------------
+// report
+
+/// Chromium, as the test suite installs it (scripts/browser/install.sh).
+const CHROMIUM: &str = "/usr/bin/chromium";
+
+/// A run of `RUN_MODES_BENCH_REPORT_RECORDS` small records (the merge's shapes with texts an
+/// eighth as long and a system prompt of one line, about 1.5 KB): what the report adds to its merge, the report's size, the time
+/// `trajectory-worker report` takes to write it again, and how long Chromium takes to load and
+/// draw it.
+fn report_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mut templates = record_templates(&mut rng, 8);
+    for template in &mut templates {
+        if let Some(Value::Array(turns)) = template.get_mut("conversations") {
+            turns[0]["value"] = "You are a function calling AI model.".into();
+        }
+    }
+    let MergeRun {
+        location, counts, ..
+    } = generate_merge_run(
+        dir,
+        &mut rng,
+        &templates,
+        RunSize::Records(knobs.report_records),
+    )?;
+    let run_dir = location.run_dir();
+    let report = run_dir.root().join("report.html");
+    let outputs = [
+        run_dir.trajectories(),
+        run_dir.failures(),
+        run_dir.statistics(),
+        report.clone(),
+    ];
+    let mut times = MergeTimes::default();
+    for round in 0..knobs.repeats {
+        for step in 0..2 {
+            for path in &outputs {
+                match fs::remove_file(path) {
+                    Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(err.into());
+                    }
+                    _ => {}
+                }
+            }
+            sync()?;
+            run_timed(
+                Command::new("sh")
+                    .arg("-c")
+                    .arg("cat batches/*/*.jsonl >/dev/null")
+                    .current_dir(run_dir.root()),
+            )?;
+            let started = Instant::now();
+            let summary = if (round + step) % 2 == 0 {
+                let summary = merge::merge(&location)?;
+                times.merge.push(started.elapsed());
+                summary
+            } else {
+                let summary = merge::merge_without_report(&location)?;
+                times.without_report.push(started.elapsed());
+                summary
+            };
+            ensure!(
+                [summary.trajectories, summary.discarded, summary.failed] == counts,
+                "merge kept the wrong records: {summary:?}"
+            );
+        }
+    }
+    print_report_cost(&times, &MergeTimes::default());
+
+    // `trajectory-worker report`, the release binary: reads the outputs back and writes the page.
+    let mut rewrites = Vec::new();
+    for _ in 0..knobs.repeats {
+        let (elapsed, _) = run_timed(Command::new(WORKER).arg("report").arg(run_dir.root()))?;
+        rewrites.push(elapsed);
+    }
+    let size = fs::metadata(&report)?.len();
+    println!(
+        "\nreport.html of {} records: {:.2} MiB; `trajectory-worker report` {} s (runs {})",
+        knobs.report_records,
+        size as f64 / MIB as f64,
+        seconds(median(&rewrites)),
+        list(&rewrites)
+    );
+
+    print_opening(&report, dir, knobs.repeats)
+}
+
+/// How long headless Chromium takes to load and draw `report` (median of `repeats`), against a
+/// blank page.
+fn print_opening(report: &Path, dir: &Path, repeats: usize) -> anyhow::Result<()> {
+    let profile = tempfile::tempdir()?;
+    let blank = dir.join("blank.html");
+    fs::write(&blank, "<!doctype html><title>blank</title>")?;
+    let mut opens = Vec::new();
+    let mut blanks = Vec::new();
+    for _ in 0..repeats {
+        blanks.push(open_in_chromium(&blank, profile.path())?.0);
+        opens.push(open_in_chromium(report, profile.path())?);
+    }
+    let drawn: Vec<Duration> = opens
+        .iter()
+        .map(|(_, drawn)| drawn.context("the report did not say when it was drawn"))
+        .collect::<anyhow::Result<_>>()?;
+    let process: Vec<Duration> = opens.iter().map(|(process, _)| *process).collect();
+    println!(
+        "Chromium: the report ({:.2} MiB) loaded, drawn and laid out **{} s** after navigation began \
+         (runs {}); the whole headless process {} s against {} s for a blank page (runs {}; {})",
+        fs::metadata(report)?.len() as f64 / MIB as f64,
+        seconds(median(&drawn)),
+        list(&drawn),
+        seconds(median(&process)),
+        seconds(median(&blanks)),
+        list(&process),
+        list(&blanks)
+    );
+    println!("target: the page opens in under 2 s");
     Ok(())
+}
+
+/// Loads `page` in headless Chromium (`--dump-dom`, which returns once the page has loaded);
+/// returns how long the process ran and when the page says it was drawn (`data-drawn-ms`).
+fn open_in_chromium(page: &Path, profile: &Path) -> anyhow::Result<(Duration, Option<Duration>)> {
+    let started = Instant::now();
+    let output = Command::new(CHROMIUM)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-default-apps",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .arg("--dump-dom")
+        .arg(format!("file://{}", page.display()))
+        .stderr(Stdio::null())
+        .output()
+        .with_context(|| {
+            format!("cannot run {CHROMIUM}: scripts/browser/install.sh installs it")
+        })?;
+    let elapsed = started.elapsed();
+    ensure!(
+        output.status.success(),
+        "chromium failed on {}",
+        page.display()
+    );
+    let dom = String::from_utf8_lossy(&output.stdout);
+    let drawn = dom
+        .split_once("data-drawn-ms=\"")
+        .and_then(|(_, rest)| rest.split_once('"'))
+        .and_then(|(ms, _)| ms.parse().ok())
+        .map(Duration::from_millis);
+    Ok((elapsed, drawn))
 }
 
 // ---------------------------------------------------------------------------------------------

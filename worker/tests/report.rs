@@ -12,7 +12,9 @@ use common::{RunFixture, local_options, no_shutdown};
 use regex::Regex;
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
-use trajectory_worker::report::Histogram;
+use trajectory_worker::report::{
+    Collector, Histogram, Outcome, PER_STRATUM, RecordFacts, SAMPLE_BYTES, render,
+};
 use trajectory_worker::run::local::run_local;
 
 const CHROMIUM: &str = "/usr/bin/chromium";
@@ -328,4 +330,106 @@ fn screenshot_path() -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("report");
     std::fs::create_dir_all(&dir).unwrap();
     dir.join("report.png")
+}
+
+/// A report of a synthetic run of a million records (94 % completed, 2 % out of turns, 2 %
+/// discarded, 2 % failed, with 2-5 KB conversations): gathered as merge gathers it, its page
+/// stays within the sample's budget, shows every outcome, and opens in Chromium with the run's
+/// counts. Its size and the time to gather and write it are printed; docs/benchmarks.md has the
+/// figures of the release build on a real merged run.
+#[test]
+fn the_report_of_a_million_records_stays_small_and_opens() {
+    const RECORDS: u64 = 1_000_000;
+    let started = std::time::Instant::now();
+    let mut collected = Collector::default();
+    // A JSON string's content, 48 bytes with escapes and a non-ASCII character.
+    let unit = r#"a line of output with \"quotes\" and \u00fc ok\n"#;
+    for index in 0..RECORDS {
+        let (status, outcome) = match index % 50 {
+            0 => (
+                r#""status":"failed","error_class":"timeout","#,
+                Outcome::Failed { class: "timeout" },
+            ),
+            1 => (
+                r#""status":"discarded","filter":"require_reasoning","#,
+                Outcome::Discarded {
+                    filter: "require_reasoning",
+                },
+            ),
+            2 => (
+                "",
+                Outcome::Trajectory {
+                    completed: false,
+                    partial: false,
+                },
+            ),
+            _ => (
+                "",
+                Outcome::Trajectory {
+                    completed: true,
+                    partial: false,
+                },
+            ),
+        };
+        let api_calls = 1 + index % 7;
+        let line = format!(
+            r#"{{"prompt_index":{index},"sample":0,"id":"r-{index}",{status}"api_calls":{api_calls},"conversations":[{{"from":"system","value":"You are a function calling AI model."}},{{"from":"human","value":"Task {index}"}},{{"from":"gpt","value":"<tool_call>\n{{\"name\": \"terminal\", \"arguments\": {{\"command\": \"ls\"}}}}\n</tool_call>"}},{{"from":"tool","value":"{}"}},{{"from":"gpt","value":"done"}}],"toolsets_used":["terminal","file"]}}"#,
+            unit.repeat(usize::try_from(index % 3).unwrap() * 20 + 20)
+        );
+        let facts = RecordFacts {
+            prompt_index: index,
+            sample: 0,
+            outcome,
+            api_calls,
+            tokens: 500 + index % 5000,
+            duration_ms: 300 + index % 60_000,
+            tool_calls: api_calls - 1,
+            tool_failures: u64::from(index % 10 == 0),
+        };
+        collected.add(&facts, ["terminal", "file"], line.as_bytes());
+    }
+    let gathered = started.elapsed();
+    let statistics = json!({
+        "run_name": "a-million",
+        "counts": {"records": RECORDS, "succeeded": RECORDS / 50 * 48, "discarded": RECORDS / 50, "failed": RECORDS / 50},
+    });
+    let started = std::time::Instant::now();
+    let page = render(&statistics, collected);
+    let rendered = started.elapsed();
+    eprintln!(
+        "report of {RECORDS} records: {:.2} MiB; gathered in {gathered:?}, written in {rendered:?} (this build's)",
+        page.len() as f64 / f64::from(1 << 20)
+    );
+    assert!(
+        page.len() < SAMPLE_BYTES + (1 << 20),
+        "{} bytes",
+        page.len()
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("report.html");
+    std::fs::write(&path, &page).unwrap();
+    let dom = load(&path, "", dir.path());
+    assert_eq!(
+        attribute(&dom, "stat", "records", "value"),
+        RECORDS.to_string()
+    );
+    assert_eq!(
+        bars(&dom, "plot-turns").iter().sum::<u64>(),
+        RECORDS / 50 * 48
+    );
+    // Every outcome is in the sample, as many of each as the budget allows.
+    for outcome in [
+        "completed",
+        "out of turns",
+        "discarded: require_reasoning",
+        "failed: timeout",
+    ] {
+        let shown = listed(&load(
+            &path,
+            &format!("outcome={}", outcome.replace(' ', "+").replace(':', "%3A")),
+            dir.path(),
+        ));
+        assert!((1..=PER_STRATUM).contains(&shown), "{outcome}: {shown}");
+    }
 }

@@ -49,14 +49,28 @@ impl<'a> Outcome<'a> {
     /// The sample's stratum and the page's outcome filter: `completed`, `partial`,
     /// `out of turns`, `discarded: FILTER` or `failed: CLASS`.
     pub fn stratum(self) -> String {
+        let mut stratum = String::new();
+        self.write_stratum(&mut stratum);
+        stratum
+    }
+
+    /// [`Self::stratum`] into `out`, which is cleared first (a buffer reused for every record).
+    fn write_stratum(self, out: &mut String) {
+        out.clear();
         match self {
             Self::Trajectory {
                 completed: true, ..
-            } => "completed".to_owned(),
-            Self::Trajectory { partial: true, .. } => "partial".to_owned(),
-            Self::Trajectory { .. } => "out of turns".to_owned(),
-            Self::Discarded { filter } => format!("discarded: {filter}"),
-            Self::Failed { class } => format!("failed: {class}"),
+            } => out.push_str("completed"),
+            Self::Trajectory { partial: true, .. } => out.push_str("partial"),
+            Self::Trajectory { .. } => out.push_str("out of turns"),
+            Self::Discarded { filter } => {
+                out.push_str("discarded: ");
+                out.push_str(filter);
+            }
+            Self::Failed { class } => {
+                out.push_str("failed: ");
+                out.push_str(class);
+            }
         }
     }
 }
@@ -152,6 +166,9 @@ pub struct Collector {
     /// Records of each stratum, and the kept sample of each (the [`PER_STRATUM`] smallest ranks,
     /// as a max-heap).
     strata: BTreeMap<String, (u64, BinaryHeap<Sampled>)>,
+    /// A key built for each record (its combination, its stratum): allocated once, and copied
+    /// into a map only the first time the map sees it.
+    key: String,
 }
 
 impl Collector {
@@ -168,7 +185,8 @@ impl Collector {
                 self.turns.add(facts.api_calls);
                 self.tokens.add(facts.tokens);
                 self.duration_ms.add(facts.duration_ms);
-                let mut combo = String::new();
+                let combo = &mut self.key;
+                combo.clear();
                 for toolset in toolsets {
                     if !combo.is_empty() {
                         combo.push('+');
@@ -178,7 +196,7 @@ impl Collector {
                 if combo.is_empty() {
                     combo.push_str("(none)");
                 }
-                let counts = self.combos.entry(combo).or_default();
+                let counts = entry(&mut self.combos, combo);
                 counts.conversations += 1;
                 counts.tool_calls += facts.tool_calls;
                 counts.tool_failures += facts.tool_failures;
@@ -189,7 +207,8 @@ impl Collector {
             Outcome::Failed { .. } => {}
         }
         let rank = sample_rank(facts.prompt_index, facts.sample);
-        let (seen, kept) = self.strata.entry(facts.outcome.stratum()).or_default();
+        facts.outcome.write_stratum(&mut self.key);
+        let (seen, kept) = entry(&mut self.strata, &self.key);
         *seen += 1;
         if kept.len() < PER_STRATUM {
             kept.push(Sampled {
@@ -242,6 +261,14 @@ impl Collector {
             })
             .collect()
     }
+}
+
+/// The value of `key` in `map`, inserted (default) with a copy of `key` if it is not there.
+fn entry<'m, V: Default>(map: &'m mut BTreeMap<String, V>, key: &str) -> &'m mut V {
+    if !map.contains_key(key) {
+        map.insert(key.to_owned(), V::default());
+    }
+    map.get_mut(key).expect("inserted above")
 }
 
 /// A record's rank in the sample: a fixed mix of its key (splitmix64), so the sample is the same

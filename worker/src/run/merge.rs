@@ -115,7 +115,7 @@ pub fn rewrite_report(run_dir: &RunDir) -> Result<PathBuf, RunError> {
             path.display()
         ))
     })?;
-    let mut totals = Totals::default();
+    let mut totals = Totals::new(true);
     for file in [run_dir.trajectories(), run_dir.failures()] {
         let Some(mut reader) = open_output(&file)? else {
             continue;
@@ -133,7 +133,11 @@ pub fn rewrite_report(run_dir: &RunDir) -> Result<PathBuf, RunError> {
             }
         }
     }
-    Ok(report::write(run_dir, &statistics, totals.report)?)
+    Ok(report::write(
+        run_dir,
+        &statistics,
+        totals.report.unwrap_or_default(),
+    )?)
 }
 
 /// A merged output for reading; `None` when the run has none.
@@ -162,11 +166,18 @@ struct Totals {
     completion_tokens: u64,
     reasoning_tokens: u64,
     durations: Vec<u64>,
-    /// What `report.html` shows beyond the statistics.
-    report: report::Collector,
+    /// What `report.html` shows beyond the statistics (`None`: no report is written).
+    report: Option<report::Collector>,
 }
 
 impl Totals {
+    fn new(report: bool) -> Self {
+        Self {
+            report: report.then(report::Collector::default),
+            ..Self::default()
+        }
+    }
+
     /// Adds another reader's totals.
     fn absorb(&mut self, other: Self) {
         self.succeeded += other.succeeded;
@@ -190,28 +201,31 @@ impl Totals {
         self.completion_tokens += other.completion_tokens;
         self.reasoning_tokens += other.reasoning_tokens;
         self.durations.extend(other.durations);
-        self.report.absorb(other.report);
+        if let (Some(report), Some(other)) = (self.report.as_mut(), other.report) {
+            report.absorb(other);
+        }
     }
 
     /// Counts a kept record; `line` is its whole line.
     fn add(&mut self, view: &RecordView<'_>, line: &[u8]) {
-        let facts = report::RecordFacts {
-            prompt_index: view.prompt_index,
-            sample: view.sample,
-            outcome: report::Outcome::of(
-                view.status.as_deref(),
-                (view.completed, view.partial),
-                view.filter.as_deref(),
-                view.error_class.as_deref(),
-            ),
-            api_calls: view.api_calls,
-            tokens: view.usage.prompt_tokens + view.usage.completion_tokens,
-            duration_ms: view.duration_ms,
-            tool_calls: view.tool_stats.values().map(|tool| tool.count).sum(),
-            tool_failures: view.tool_stats.values().map(|tool| tool.failure).sum(),
-        };
-        self.report
-            .add(&facts, view.toolsets_used.iter().map(AsRef::as_ref), line);
+        if let Some(collected) = self.report.as_mut() {
+            let facts = report::RecordFacts {
+                prompt_index: view.prompt_index,
+                sample: view.sample,
+                outcome: report::Outcome::of(
+                    view.status.as_deref(),
+                    (view.completed, view.partial),
+                    view.filter.as_deref(),
+                    view.error_class.as_deref(),
+                ),
+                api_calls: view.api_calls,
+                tokens: view.usage.prompt_tokens + view.usage.completion_tokens,
+                duration_ms: view.duration_ms,
+                tool_calls: view.tool_stats.values().map(|tool| tool.count).sum(),
+                tool_failures: view.tool_stats.values().map(|tool| tool.failure).sum(),
+            };
+            collected.add(&facts, view.toolsets_used.iter().map(AsRef::as_ref), line);
+        }
         match view.status.as_deref() {
             None => {
                 self.succeeded += 1;
@@ -627,10 +641,11 @@ fn sort_batches(
     run_dir: &RunDir,
     batches: impl Iterator<Item = (u32, Option<ExpectedKeys>)>,
     openai: bool,
+    report: bool,
     to_writer: &mpsc::SyncSender<Result<SortedBatch, RunError>>,
     written: &mpsc::Receiver<Vec<u8>>,
 ) -> (Totals, u64) {
-    let mut totals = Totals::default();
+    let mut totals = Totals::new(report);
     let mut skipped_lines = 0u64;
     for batch in batches {
         let buffer = written.try_recv().unwrap_or_default();
@@ -694,6 +709,39 @@ impl Outputs {
     }
 }
 
+impl Outputs {
+    /// Makes the outputs durable and puts them in place with `statistics.json`, and writes the
+    /// report of `collected`, if any; returns the bytes of `trajectories.jsonl`. The report is
+    /// drawn and written while the outputs are synced: the end of a merge waits for the disk, and
+    /// the report then costs no time of its own.
+    fn finish(
+        self,
+        run_dir: &RunDir,
+        statistics: &serde_json::Value,
+        collected: Option<report::Collector>,
+    ) -> Result<u64, RunError> {
+        let statistics_json = serde_json::to_vec_pretty(statistics)
+            .map_err(|err| RunError::Internal(err.to_string()))?;
+        std::thread::scope(|scope| {
+            let report = collected
+                .map(|collected| scope.spawn(|| report::write(run_dir, statistics, collected)));
+            self.failures.finish()?;
+            if let Some(out) = self.openai {
+                out.finish()?;
+            }
+            write_atomic(&run_dir.statistics(), &statistics_json)?;
+            // Last, so that a trajectories file on storage always comes with its statistics.
+            let bytes = self.trajectories.finish()?;
+            if let Some(report) = report {
+                report
+                    .join()
+                    .map_err(|_| RunError::Internal("the report thread panicked".into()))??;
+            }
+            Ok(bytes)
+        })
+    }
+}
+
 /// Reader threads: each reads, validates and sorts every `READERS`-th batch. Validating the
 /// records is most of a merge's work, so it is spread over two threads while this one writes.
 const READERS: u32 = 2;
@@ -701,9 +749,20 @@ const READERS: u32 = 2;
 /// Batches each reader sorts ahead of the one being written.
 const BATCHES_AHEAD: usize = 1;
 
-/// Merges every batch of the run. Reader threads read, validate and sort the next batches while
-/// this one writes the current one.
+/// Merges every batch of the run, and writes its report. Reader threads read, validate and sort
+/// the next batches while this one writes the current one.
 pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
+    merge_with(location, true)
+}
+
+/// A merge that gathers and writes no report: what merge cost before reports, for the
+/// benchmark that measures what the report adds (`benches/run_modes.rs`).
+#[doc(hidden)]
+pub fn merge_without_report(location: &RunLocation) -> Result<MergeSummary, RunError> {
+    merge_with(location, false)
+}
+
+fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunError> {
     let run_dir = location.run_dir();
     let manifest = Manifest::require(&run_dir)?;
     let openai = location.plan.spec.openai_format;
@@ -736,10 +795,9 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
                         .then(|| ExpectedKeys::of(manifest, batch));
                     (batch, expected)
                 });
-            readers
-                .push(scope.spawn(move || {
-                    sort_batches(reader_dir, batches, openai, &to_writer, &written)
-                }));
+            readers.push(scope.spawn(move || {
+                sort_batches(reader_dir, batches, openai, report, &to_writer, &written)
+            }));
         }
         let lost = || RunError::Internal("a merge reader thread stopped".into());
         for batch in 0..batch_count {
@@ -756,7 +814,7 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
             // A reader that has stopped takes no buffers.
             let _ = recycle[(batch % READERS) as usize].send(sorted.data);
         }
-        let mut totals = Totals::default();
+        let mut totals = Totals::new(report);
         let mut skipped_lines = 0;
         for reader in readers {
             let (part, skipped) = reader.join().map_err(|_| lost())?;
@@ -774,22 +832,8 @@ pub fn merge(location: &RunLocation) -> Result<MergeSummary, RunError> {
         return Err(error);
     }
 
-    let Outputs {
-        trajectories,
-        failures,
-        openai: openai_out,
-    } = outputs;
-    failures.finish()?;
-    if let Some(out) = openai_out {
-        out.finish()?;
-    }
     let statistics = statistics(location, &manifest, &mut totals, &missing);
-    let statistics_json = serde_json::to_vec_pretty(&statistics)
-        .map_err(|err| RunError::Internal(err.to_string()))?;
-    write_atomic(&run_dir.statistics(), &statistics_json)?;
-    report::write(&run_dir, &statistics, std::mem::take(&mut totals.report))?;
-    // Last, so that a trajectories file on storage always comes with its statistics.
-    let bytes = trajectories.finish()?;
+    let bytes = outputs.finish(&run_dir, &statistics, totals.report.take())?;
     sync_dir(run_dir.root())?;
     if !missing.is_empty() {
         warn!(missing = %format_ranges(&compact_ranges(missing.iter().copied())), "merged with batches not done");
