@@ -3,5 +3,7 @@
 //!
 //! - [`scripted_server`]: an OpenAI-compatible model server that answers from a script, or with a
 //!   fixed latency for benchmarks.
+//! - [`chromium`]: headless Chromium, as the tests and benchmarks that open the run report start it.
 
+pub mod chromium;
 pub mod scripted_server;

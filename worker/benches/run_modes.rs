@@ -63,6 +63,7 @@ use nix::sys::resource::{UsageWho, getrusage};
 use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
+use trajectory_testkit::chromium::CHROMIUM;
 use trajectory_testkit::scripted_server::{MODEL, tool_call_reply};
 use trajectory_worker::agent::{Conversation, run_conversation};
 use trajectory_worker::hermes::{RecordContext, timestamp, trajectory_record};
@@ -655,6 +656,40 @@ fn generate_merge_run(
     })
 }
 
+/// What a merge writes in `run_dir`.
+fn merge_outputs(run_dir: &RunDir) -> [PathBuf; 4] {
+    [
+        run_dir.trajectories(),
+        run_dir.failures(),
+        run_dir.statistics(),
+        run_dir.root().join("report.html"),
+    ]
+}
+
+/// Removes `paths` (those that are there), then syncs, so that no run pays for another's
+/// writeback.
+fn remove_files(paths: &[PathBuf]) -> anyhow::Result<()> {
+    for path in paths {
+        match fs::remove_file(path) {
+            Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(err.into()),
+            _ => {}
+        }
+    }
+    sync()?;
+    Ok(())
+}
+
+/// Reads every batch file once, so that a merge finds them in the page cache.
+fn warm_page_cache(run_dir: &RunDir) -> anyhow::Result<()> {
+    run_timed(
+        Command::new("sh")
+            .arg("-c")
+            .arg("cat batches/*/*.jsonl >/dev/null")
+            .current_dir(run_dir.root()),
+    )?;
+    Ok(())
+}
+
 /// How big a generated run is.
 #[derive(Debug, Clone, Copy)]
 enum RunSize {
@@ -673,23 +708,9 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
     let run_dir = location.run_dir();
 
     let cat_out = run_dir.root().join("cat.jsonl");
-    let outputs = [
-        run_dir.trajectories(),
-        run_dir.failures(),
-        run_dir.statistics(),
-        run_dir.root().join("report.html"),
-        cat_out.clone(),
-    ];
-    let clean = || -> anyhow::Result<()> {
-        for path in &outputs {
-            match fs::remove_file(path) {
-                Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(err.into()),
-                _ => {}
-            }
-        }
-        sync()?;
-        Ok(())
-    };
+    let mut outputs = merge_outputs(&run_dir).to_vec();
+    outputs.push(cat_out.clone());
+    let clean = || remove_files(&outputs);
     let mut cat = Command::new("sh");
     cat.arg("-c")
         .arg("cat batches/*/*.jsonl > cat.jsonl")
@@ -702,13 +723,7 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
                 if cache_cold {
                     drop_caches()?;
                 } else {
-                    // Warm: every batch file is in the page cache.
-                    run_timed(
-                        Command::new("sh")
-                            .arg("-c")
-                            .arg("cat batches/*/*.jsonl >/dev/null")
-                            .current_dir(run_dir.root()),
-                    )?;
+                    warm_page_cache(&run_dir)?;
                 }
                 match (round + step) % 3 {
                     0 => {
@@ -767,9 +782,6 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
 // ---------------------------------------------------------------------------------------------
 // report
 
-/// Chromium, as the test suite installs it (scripts/browser/install.sh).
-const CHROMIUM: &str = "/usr/bin/chromium";
-
 /// A run of `RUN_MODES_BENCH_REPORT_RECORDS` small records (the merge's shapes with texts an
 /// eighth as long and a system prompt of one line, about 1.5 KB): what the report adds to its merge, the report's size, the time
 /// `trajectory-worker report` takes to write it again, and how long Chromium takes to load and
@@ -792,30 +804,12 @@ fn report_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
     )?;
     let run_dir = location.run_dir();
     let report = run_dir.root().join("report.html");
-    let outputs = [
-        run_dir.trajectories(),
-        run_dir.failures(),
-        run_dir.statistics(),
-        report.clone(),
-    ];
+    let outputs = merge_outputs(&run_dir);
     let mut times = MergeTimes::default();
     for round in 0..knobs.repeats {
         for step in 0..2 {
-            for path in &outputs {
-                match fs::remove_file(path) {
-                    Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
-                        return Err(err.into());
-                    }
-                    _ => {}
-                }
-            }
-            sync()?;
-            run_timed(
-                Command::new("sh")
-                    .arg("-c")
-                    .arg("cat batches/*/*.jsonl >/dev/null")
-                    .current_dir(run_dir.root()),
-            )?;
+            remove_files(&outputs)?;
+            warm_page_cache(&run_dir)?;
             let started = Instant::now();
             let summary = if (round + step) % 2 == 0 {
                 let summary = merge::merge(&location)?;
@@ -888,18 +882,7 @@ fn print_opening(report: &Path, dir: &Path, repeats: usize) -> anyhow::Result<()
 /// returns how long the process ran and when the page says it was drawn (`data-drawn-ms`).
 fn open_in_chromium(page: &Path, profile: &Path) -> anyhow::Result<(Duration, Option<Duration>)> {
     let started = Instant::now();
-    let output = Command::new(CHROMIUM)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--disable-default-apps",
-        ])
-        .arg(format!("--user-data-dir={}", profile.display()))
+    let output = trajectory_testkit::chromium::headless(profile)
         .arg("--dump-dom")
         .arg(format!("file://{}", page.display()))
         .stderr(Stdio::null())

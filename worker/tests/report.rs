@@ -11,13 +11,12 @@ use std::process::Command;
 use common::{RunFixture, local_options, no_shutdown};
 use regex::Regex;
 use serde_json::{Value, json};
+use trajectory_testkit::chromium::{CHROMIUM, headless};
 use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
 use trajectory_worker::report::{
     Collector, Histogram, Outcome, PER_STRATUM, RecordFacts, SAMPLE_BYTES, render,
 };
 use trajectory_worker::run::local::run_local;
-
-const CHROMIUM: &str = "/usr/bin/chromium";
 
 /// A word only one conversation's tool call and output contain.
 const NEEDLE: &str = "needle-xyzzy";
@@ -57,7 +56,7 @@ async fn run_with_every_outcome() -> (ScriptedServer, RunFixture) {
 /// in their isolation key, unlike the browser's own background requests.
 fn load(page: &Path, fragment: &str, profile: &Path) -> String {
     let net_log = profile.join("net-log.json");
-    let output = chromium(profile)
+    let output = headless(profile)
         .arg(format!("--log-net-log={}", net_log.display()))
         .args([
             "--dump-dom",
@@ -103,25 +102,6 @@ fn page_requests(net_log: &Path) -> Vec<String> {
         })
         .map(|event| event["params"]["url"].to_string())
         .collect()
-}
-
-fn chromium(profile: &Path) -> Command {
-    let mut command = Command::new(CHROMIUM);
-    command.args([
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        // Nothing of the browser's own in the background (updates, sync, components).
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-default-apps",
-        "--enable-logging=stderr",
-        "--v=0",
-        &format!("--user-data-dir={}", profile.display()),
-    ]);
-    command
 }
 
 /// `data-NAME="…"` of the first element with `data-KEY="VALUE"`.
@@ -282,7 +262,7 @@ fn assert_figures_are_the_runs(dom: &str, statistics: &Value, fixture: &RunFixtu
 /// A screenshot of `page#fragment`, kept in cargo's test temp dir.
 fn take_screenshot(page: &Path, fragment: &str, profile: &Path) {
     let shot = screenshot_path();
-    let output = chromium(profile)
+    let output = headless(profile)
         .args([
             "--hide-scrollbars",
             "--window-size=1400,1700",
