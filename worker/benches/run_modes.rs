@@ -35,7 +35,9 @@
 //!   merged with and without its report, `trajectory-worker report` writes its report again, and
 //!   headless Chromium loads it (the page records when it was drawn and laid out).
 //!
-//! Knobs (environment): `RUN_MODES_BENCH_PARTS` ("merge,report,plan,local"),
+//!   `largest` opens the largest page a report can be, its sample at its budget.
+//!
+//! Knobs (environment): `RUN_MODES_BENCH_PARTS` ("merge,report,largest,plan,local"),
 //! `RUN_MODES_BENCH_REPORT_RECORDS` (1000000), `RUN_MODES_BENCH_MERGE_MIB`
 //! (1024), `RUN_MODES_BENCH_PLAN_MIB` (1024), `RUN_MODES_BENCH_REPEATS` (3), `RUN_MODES_BENCH_COLD`
 //! (1; 0 skips the cold-cache runs), `RUN_MODES_BENCH_DIR` (the system temp dir; the data and a
@@ -71,6 +73,7 @@ use trajectory_worker::model::types::{parse_arguments, tool_call};
 use trajectory_worker::model::{
     AssistantMessage, Message, Reasoning, ReasoningShape, ToolMessage, Usage,
 };
+use trajectory_worker::report;
 use trajectory_worker::run::batch::{Engine, run_batch, shutdown_channel};
 use trajectory_worker::run::{RunFile, RunLocation, merge, plan};
 use trajectory_worker::spec::ToolsSpec;
@@ -105,7 +108,7 @@ impl Knobs {
     fn from_env() -> anyhow::Result<Self> {
         Ok(Self {
             parts: std::env::var("RUN_MODES_BENCH_PARTS")
-                .unwrap_or_else(|_| "merge,report,plan,local".into())
+                .unwrap_or_else(|_| "merge,report,largest,plan,local".into())
                 .split(',')
                 .map(|part| part.trim().to_owned())
                 .collect(),
@@ -162,6 +165,10 @@ fn main() -> anyhow::Result<()> {
         if !knobs.keep {
             fs::remove_dir_all(root.path().join("report"))?;
         }
+    }
+    if knobs.wants("largest") {
+        fs::create_dir_all(root.path().join("largest"))?;
+        largest_report_bench(&root.path().join("largest"), &knobs)?;
     }
     if knobs.wants("plan") {
         plan_bench(&root.path().join("plan"), &knobs, cold)?;
@@ -774,7 +781,7 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
         "target: merge ÷ cat ≤ 2; median of {} runs each",
         knobs.repeats
     );
-    // The report of these large records is the largest a page gets: its sample fills the budget.
+    // This run's report, as a user of a 1 GiB run opens it.
     merge::merge(&location)?;
     print_opening(&run_dir.root().join("report.html"), dir, knobs.repeats)
 }
@@ -844,6 +851,48 @@ fn report_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
     );
 
     print_opening(&report, dir, knobs.repeats)
+}
+
+/// The largest page a report can be: forty outcomes (failure classes) of long conversations, so
+/// that the sample fills its whole budget ([`report::SAMPLE_BYTES`]); how long Chromium takes to
+/// load and draw it.
+fn largest_report_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
+    let mut rng = Rng(0x6a09_e667_f3bc_c908);
+    let mut collected = report::Collector::default();
+    let classes: Vec<String> = (0..40).map(|class| format!("class_{class}")).collect();
+    for prompt_index in 0..40 * report::PER_STRATUM as u64 {
+        let class = &classes[usize::try_from(prompt_index % 40)?];
+        let turns: Vec<Value> = (0..6)
+            .map(|turn| {
+                let from = ["human", "gpt", "tool"][turn % 3];
+                json!({"from": from, "value": text(&mut rng, 3_000)})
+            })
+            .collect();
+        let line = json!({
+            "prompt_index": prompt_index, "sample": 0, "id": format!("r-{prompt_index}"),
+            "status": "failed", "error_class": class, "error": text(&mut rng, 500),
+            "conversations": turns,
+        })
+        .to_string();
+        let facts = report::RecordFacts {
+            prompt_index,
+            sample: 0,
+            outcome: report::Outcome::Failed { class },
+            api_calls: 3,
+            tokens: 2_000,
+            duration_ms: 5_000,
+            tool_calls: 2,
+            tool_failures: 0,
+        };
+        collected.add(&facts, ["terminal"], line.as_bytes());
+    }
+    let page = dir.join("report.html");
+    fs::write(
+        &page,
+        report::render(&json!({"run_name": "largest"}), collected),
+    )?;
+    println!("\n## the largest report");
+    print_opening(&page, dir, knobs.repeats)
 }
 
 /// How long headless Chromium takes to load and draw `report` (median of `repeats`), against a
