@@ -669,7 +669,7 @@ fn merge_outputs(run_dir: &RunDir) -> [PathBuf; 4] {
         run_dir.trajectories(),
         run_dir.failures(),
         run_dir.statistics(),
-        run_dir.root().join("report.html"),
+        run_dir.report(),
     ]
 }
 
@@ -783,7 +783,7 @@ fn merge_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
     );
     // This run's report, as a user of a 1 GiB run opens it.
     merge::merge(&location)?;
-    print_opening(&run_dir.root().join("report.html"), dir, knobs.repeats)
+    print_opening(&run_dir.report(), dir, knobs.repeats)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -810,7 +810,7 @@ fn report_bench(dir: &Path, knobs: &Knobs) -> anyhow::Result<()> {
         RunSize::Records(knobs.report_records),
     )?;
     let run_dir = location.run_dir();
-    let report = run_dir.root().join("report.html");
+    let report = run_dir.report();
     let outputs = merge_outputs(&run_dir);
     let mut times = MergeTimes::default();
     for round in 0..knobs.repeats {

@@ -207,6 +207,10 @@ impl RunDir {
     pub fn statistics(&self) -> PathBuf {
         self.root.join("statistics.json")
     }
+    /// The run's `report.html`, beside its trajectories.
+    pub fn report(&self) -> PathBuf {
+        self.root.join(crate::contract::paths::REPORT_FILE)
+    }
     /// Files a plan leaves for the generation pods (its pending lists).
     pub fn plan_dir(&self) -> PathBuf {
         self.root.join(PLAN_DIR)

@@ -21,9 +21,6 @@ pub use collect::{Collector, Histogram, Outcome, PER_STRATUM, RecordFacts};
 
 use crate::storage::{RunDir, StorageError, write_atomic};
 
-/// The report's file name, beside `trajectories.jsonl`.
-pub const FILE_NAME: &str = crate::contract::paths::REPORT_FILE;
-
 /// Bytes of sampled records the page embeds at most.
 pub const SAMPLE_BYTES: usize = 8 << 20;
 
@@ -39,7 +36,7 @@ pub fn write(
     statistics: &Value,
     collected: Collector,
 ) -> Result<PathBuf, StorageError> {
-    let path = run_dir.root().join(FILE_NAME);
+    let path = run_dir.report();
     write_atomic(&path, render(statistics, collected).as_bytes())?;
     Ok(path)
 }

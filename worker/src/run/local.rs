@@ -351,7 +351,10 @@ pub fn render_report(report: &LocalReport) -> String {
     let _ = writeln!(
         out,
         "  report:       {} (open it in a browser)",
-        report.run_dir.join(crate::report::FILE_NAME).display()
+        report
+            .run_dir
+            .join(crate::contract::paths::REPORT_FILE)
+            .display()
     );
     out
 }
