@@ -110,6 +110,9 @@ fi
 # It must not inherit fd 8 (it would hold the state dir's lock for its whole life).
 # The environment is cleared: the server's settings are pydantic-settings, which would also read
 # ambient variables such as API_KEY, PORT, HOST, MODEL, SEED or CONFIG_FILE.
+# --interrupt_requests False: by default the server ends a streamed answer early ("[DONE]" in the
+# middle of it) as soon as another request waits for the model, so that parallel workers or tests
+# streaming from one server would get each other's answers cut short; with it they queue instead.
 start_server() {
 	: >"${MS_LOG_FILE}"
 	env -i PATH="${PATH}" HOME="${HOME}" LANG=C.UTF-8 TMPDIR="${TMPDIR:-/tmp}" \
@@ -118,6 +121,7 @@ start_server() {
 		--model "${MODEL}" \
 		--model_alias "${MODEL_SERVER_MODEL_ALIAS}" \
 		--chat_format chatml-function-calling \
+		--interrupt_requests False \
 		--host "${HOST}" --port "$1" \
 		--n_ctx "${N_CTX}" --n_threads "${THREADS}" --n_threads_batch "${THREADS}" \
 		</dev/null >>"${MS_LOG_FILE}" 2>&1 8>&- &

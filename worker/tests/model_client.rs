@@ -302,6 +302,28 @@ async fn streaming_produces_the_same_completion_as_non_streaming() {
     }
 }
 
+/// A test double for one edge case: a stream that ends (with `[DONE]`) before its
+/// `finish_reason`, as llama-cpp-python's does when another request waits. Half an answer is not
+/// the model's answer: the call is retried and the whole one kept.
+#[tokio::test]
+async fn a_stream_cut_short_is_retried_not_recorded() {
+    let reply = text_reply("A whole answer, not half of one.");
+    let cut: Vec<Value> = sse_events(&reply)
+        .into_iter()
+        .take_while(|event| event["choices"][0]["finish_reason"].is_null())
+        .collect();
+    assert!(!cut.is_empty() && cut.len() < sse_events(&reply).len());
+    let server = ScriptedServer::start([Step::Sse(cut), Step::Sse(sse_events(&reply))]).await;
+    let mut settings = server.settings();
+    settings.stream = true;
+    let completion = call(&client(settings)).await.unwrap();
+    assert_eq!(
+        completion.message.content,
+        "A whole answer, not half of one."
+    );
+    assert_eq!(server.request_count(), 2);
+}
+
 #[tokio::test]
 async fn api_key_is_sent_as_bearer_and_never_shown_in_an_error() {
     const KEY: &str = "sk-test-0123456789-very-secret";

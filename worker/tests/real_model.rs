@@ -522,3 +522,49 @@ fn reference_shapes(tool: &str) -> &'static [(&'static [&'static str], &'static 
         other => panic!("the terminal_only distribution offers no {other}"),
     }
 }
+
+/// Workers share one model server, so their streamed answers overlap. llama-cpp-python by default
+/// ends a stream early (a `[DONE]` with no `finish_reason`) as soon as another request waits; the
+/// test's server is started with `--interrupt_requests False`, and the client refuses a stream cut
+/// short. Two streams at once, no retry: both must come back whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_streamed_answers_at_once_both_arrive_whole() {
+    let client = ModelClient::new(ModelSettings {
+        base_url: model_server(),
+        model: model_name(),
+        api_key: None,
+        max_tokens: Some(48),
+        temperature: Some(0.0),
+        reasoning_fields: serde_json::Map::new(),
+        extra_body: serde_json::Map::new(),
+        request_timeout: std::time::Duration::from_secs(300),
+        stream: true,
+        retry: RetryPolicy {
+            max_attempts: 1,
+            ..RetryPolicy::default()
+        },
+    })
+    .unwrap();
+    let ask = |topic: &str| {
+        client.request_body(
+            None,
+            &[Message::User(format!(
+                "Write three sentences about {topic}."
+            ))],
+            None,
+        )
+    };
+    let (first, second) = (ask("rivers"), ask("mountains"));
+    let (first, second) = tokio::join!(client.complete(&first, 0), client.complete(&second, 0));
+    for (topic, completion) in [("rivers", first), ("mountains", second)] {
+        let completion = completion.unwrap_or_else(|err| panic!("the answer on {topic}: {err}"));
+        assert!(
+            completion.finish_reason.is_some(),
+            "the answer on {topic} ends with a finish_reason: {completion:?}"
+        );
+        assert!(
+            !completion.message.content.is_empty(),
+            "the answer on {topic} has text: {completion:?}"
+        );
+    }
+}

@@ -98,6 +98,15 @@ impl Accumulator {
         if !self.saw_choice {
             return Err(ParseFailure::EmptyChoices);
         }
+        // Every OpenAI-compatible server ends a whole answer with a finish_reason; a stream that
+        // stops without one was cut short (llama-cpp-python ends a stream early when another
+        // request waits, unless started with `--interrupt_requests False`), and keeping it would
+        // record half an answer as the model's.
+        if self.finish_reason.is_none() {
+            return Err(ParseFailure::Malformed(
+                "the stream ended without a finish_reason: the answer was cut short".to_owned(),
+            ));
+        }
         let mut message = Map::new();
         message.insert("content".into(), self.content.into());
         if !self.reasoning.is_empty() {
@@ -193,6 +202,20 @@ mod tests {
         );
         assert_eq!(completion.finish_reason.as_deref(), Some("tool_calls"));
         assert_eq!(completion.usage.completion_tokens, 4);
+    }
+
+    #[test]
+    fn a_stream_cut_short_before_its_finish_reason_is_malformed() {
+        let mut accumulator = Accumulator::default();
+        accumulator
+            .apply(
+                &json!({"choices": [{"delta": {"content": "Half an ans"}, "finish_reason": null}]}),
+            )
+            .unwrap();
+        assert!(matches!(
+            accumulator.finish(0),
+            Err(ParseFailure::Malformed(message)) if message.contains("cut short")
+        ));
     }
 
     #[test]
