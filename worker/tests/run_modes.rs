@@ -822,6 +822,82 @@ async fn a_second_local_run_on_the_same_directory_is_refused_with_a_clear_messag
     assert_eq!(fixture.lines("trajectories.jsonl").len(), 3);
 }
 
+/// A row naming its own image needs that image's filesystem (a SWE-style repository at
+/// `/testbed`); a local run has no container to give it, so the run is refused at plan time,
+/// naming the rows and images, before any request and without writing anything, even for rows
+/// naming the run's `spec.sandbox.image` (a local run does not use it). Without those fields the
+/// same command then runs in the same output directory: nothing of the refused plan stands in
+/// its way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_run_refuses_rows_with_an_image_of_their_own_before_anything_runs() {
+    let server = terminal_server(Duration::ZERO).await;
+    let row = |i: usize, extra: Value| {
+        let mut row = json!({"prompt": format!("task number {i}")});
+        row.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        row
+    };
+    let extras = [
+        json!({}),
+        json!({"image": "sweb.eval.x86_64.django__django-11333", "cwd": "/testbed"}),
+        json!({"cwd": "/srv"}),
+        json!({"docker_image": "alexgshaw/fix-git:20251031"}),
+        json!({}),
+        json!({"image": "task:latest", "docker_image": "ignored/when-image-is-set"}),
+    ];
+    let rows: Vec<Value> = extras
+        .iter()
+        .enumerate()
+        .map(|(i, extra)| row(i, extra.clone()))
+        .collect();
+    let lines: Vec<String> = rows.iter().map(Value::to_string).collect();
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/sandbox", json!({"image": "task:latest"}));
+
+    let error = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap_err();
+    assert!(matches!(error, RunError::NeedsContainers(_)), "{error}");
+    assert_eq!(error.exit_code(), exit::PERMANENT_CONFIG);
+    let message = error.to_string();
+    for expected in [
+        "prompts.jsonl",
+        "3 rows name a container image",
+        "lines 2, 4, 6;",
+        "`sweb.eval.x86_64.django__django-11333`",
+        "`alexgshaw/fix-git:20251031`",
+        "`task:latest`",
+        "Remove the `image` and `docker_image` fields of those rows",
+    ] {
+        assert!(message.contains(expected), "{expected:?} in: {message}");
+    }
+    assert!(!message.contains("ignored/when-image-is-set"), "{message}");
+    assert_eq!(server.request_count(), 0, "no prompt ran");
+    // Only the lock a local run holds while it runs.
+    let written: Vec<_> = std::fs::read_dir(fixture.out())
+        .map(|entries| entries.map(|entry| entry.unwrap().file_name()).collect())
+        .unwrap_or_default();
+    assert_eq!(written, [".lock"], "nothing written");
+
+    let without_images: Vec<String> = rows
+        .iter()
+        .map(|row| {
+            let mut row = row.clone();
+            let fields = row.as_object_mut().unwrap();
+            fields.remove("image");
+            fields.remove("docker_image");
+            row.to_string()
+        })
+        .collect();
+    std::fs::write(fixture.dataset(), without_images.join("\n") + "\n").unwrap();
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    assert_eq!(report.merge.trajectories, 6);
+    assert_eq!(report.plan.images_not_honoured, None);
+}
+
 #[test]
 fn a_missing_api_key_file_or_variable_is_refused_before_any_request() {
     let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1)

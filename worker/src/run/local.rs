@@ -86,9 +86,10 @@ pub async fn run_local(
         LockError::Storage(error) => error.into(),
     })?;
     let plan_location = location.clone();
-    let (manifest, plan_summary) = tokio::task::spawn_blocking(move || plan::plan(&plan_location))
-        .await
-        .map_err(|err| RunError::Internal(err.to_string()))??;
+    let (manifest, plan_summary) =
+        tokio::task::spawn_blocking(move || plan::plan_in(&plan_location, plan::Environment::Host))
+            .await
+            .map_err(|err| RunError::Internal(err.to_string()))??;
     let run_dir = location.run_dir();
     eprintln!(
         "planned {}: {} prompts ({} invalid lines), {} batches, {} already done",

@@ -42,6 +42,10 @@ pub enum RunError {
     /// The output directory belongs to another dataset or spec.
     #[error("{0}")]
     OutputMismatch(String),
+    /// Rows name a container image of their own, and the run has no container to honour it
+    /// (a local run); the message names the rows.
+    #[error("{0}")]
+    NeedsContainers(String),
     /// The batch's input is not what the plan recorded.
     #[error("bad batch input: {0}")]
     BadBatchInput(String),
@@ -76,6 +80,7 @@ impl RunError {
             Self::Spec(_)
             | Self::InvalidDataset(_)
             | Self::OutputMismatch(_)
+            | Self::NeedsContainers(_)
             | Self::ModelConfiguration(_)
             | Self::ModelNotFound(_)
             | Self::StorageMissing(_)
@@ -107,6 +112,7 @@ impl RunError {
             Self::Spec(_) => "InvalidSpec",
             Self::InvalidDataset(_) => "InvalidDataset",
             Self::OutputMismatch(_) => "OutputMismatch",
+            Self::NeedsContainers(_) => "NeedsContainers",
             Self::BadBatchInput(_) => "BadBatchInput",
             Self::IncompleteBatch(_) => "IncompleteBatch",
             Self::ModelConfiguration(_) => "ModelUnauthorized",

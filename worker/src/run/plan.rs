@@ -90,6 +90,7 @@ struct Layout<'a> {
     invalid_out: BufWriter<File>,
     invalid_temp: &'a Path,
     /// The run's task image (`spec.sandbox.image`); rows naming another one are not honoured.
+    /// `None` on the host, where no row's image is.
     task_image: Option<&'a str>,
     images_not_honoured: ImagesNotHonoured,
 }
@@ -256,6 +257,7 @@ impl<'a> ReadAhead<'a> {
 fn scan(
     file: &File,
     spec: &RunSpec,
+    environment: Environment,
     dataset_path: &Path,
     invalid_out: BufWriter<File>,
     invalid_temp: &Path,
@@ -275,7 +277,10 @@ fn scan(
         valid_end: 0,
         invalid_out,
         invalid_temp,
-        task_image: spec.sandbox.image.as_deref(),
+        task_image: match environment {
+            Environment::TaskImage => spec.sandbox.image.as_deref(),
+            Environment::Host => None,
+        },
         images_not_honoured: ImagesNotHonoured::default(),
     };
     let mut read_ahead = ReadAhead::new(file);
@@ -408,17 +413,33 @@ fn run_manifest(
     }
 }
 
-/// Validates the dataset and writes `manifest.json` and `invalid.jsonl`.
+/// Where a run's prompts are carried out, which decides what a row's own image (`image` /
+/// `docker_image`) means to its plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Environment {
+    /// Pods whose tools run in the run's task image (`spec.sandbox.image`): rows naming another
+    /// image are listed and warned about, and run in the task image.
+    TaskImage,
+    /// This machine, outside any container (`trajectory-worker local`): a row naming an image
+    /// would run in the wrong environment, so the plan refuses the run, naming the rows, before
+    /// it writes anything.
+    Host,
+}
+
+/// Validates the dataset and writes `manifest.json` and `invalid.jsonl`, for a run in pods of its
+/// task image ([`Environment::TaskImage`]).
 pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError> {
+    plan_in(location, Environment::TaskImage)
+}
+
+/// [`plan`] for a run carried out in `environment`.
+pub fn plan_in(
+    location: &RunLocation,
+    environment: Environment,
+) -> Result<(Manifest, PlanSummary), RunError> {
     let spec = &location.plan.spec;
-    let registry = Registry::builtin(&spec.tools);
-    let distribution = Distribution::resolve(&spec.distribution, &registry)
-        .map_err(|err| RunError::Spec(err.to_string()))?;
     let run_dir = location.run_dir();
-    let mcp_tools = frozen_or_discovered_mcp_tools(&run_dir, spec)?;
-    let catalog = registry
-        .with_frozen_mcp(&mcp_tools)
-        .catalog(&distribution.possible_toolsets());
+    let (catalog, mcp_tools) = tool_catalog(spec, &run_dir)?;
     let dataset_path = location.dataset_path();
     let file = File::open(&dataset_path).map_err(|err| {
         RunError::InvalidDataset(format!(
@@ -442,7 +463,14 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         bytes,
         invalid_out,
         images_not_honoured,
-    } = match scan(&file, spec, &dataset_path, invalid_out, &invalid_temp) {
+    } = match scan(
+        &file,
+        spec,
+        environment,
+        &dataset_path,
+        invalid_out,
+        &invalid_temp,
+    ) {
         Ok(scanned) => scanned,
         Err(error) => {
             let _ = std::fs::remove_file(&invalid_temp);
@@ -467,11 +495,10 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
         let _ = std::fs::remove_file(&invalid_temp);
         Err(error)
     };
-    if prompts == 0 {
-        return fail(RunError::InvalidDataset(format!(
-            "{} has no valid prompt ({lines} lines, {invalid} invalid)",
-            dataset_path.display()
-        )));
+    if let Err(error) =
+        refuse_what_cannot_run(&dataset, &dataset_path, environment, &images_not_honoured)
+    {
+        return fail(error);
     }
     let manifest = match run_manifest(location, dataset, catalog, mcp_tools, batches) {
         Ok(manifest) => manifest,
@@ -513,6 +540,21 @@ pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError>
     Ok((manifest, summary))
 }
 
+/// The names of every tool the run's distribution can offer, and its MCP servers' tools.
+fn tool_catalog(
+    spec: &RunSpec,
+    run_dir: &RunDir,
+) -> Result<(Vec<String>, Vec<FrozenServer>), RunError> {
+    let registry = Registry::builtin(&spec.tools);
+    let distribution = Distribution::resolve(&spec.distribution, &registry)
+        .map_err(|err| RunError::Spec(err.to_string()))?;
+    let mcp_tools = frozen_or_discovered_mcp_tools(run_dir, spec)?;
+    let catalog = registry
+        .with_frozen_mcp(&mcp_tools)
+        .catalog(&distribution.possible_toolsets());
+    Ok((catalog, mcp_tools))
+}
+
 /// The run's MCP tools. They are listed once, by the first plan of a run; a plan run again (a
 /// resumed or re-created run) keeps what the manifest froze, so every record sees the same tools.
 /// A manifest of another run is refused later; its frozen tools are not used.
@@ -532,6 +574,65 @@ fn frozen_or_discovered_mcp_tools(
             ))
         })?,
     })
+}
+
+/// A dataset the run cannot carry out: no valid prompt, or rows that need a container on the host.
+fn refuse_what_cannot_run(
+    dataset: &DatasetInfo,
+    dataset_path: &Path,
+    environment: Environment,
+    images_not_honoured: &ImagesNotHonoured,
+) -> Result<(), RunError> {
+    if dataset.prompts == 0 {
+        return Err(RunError::InvalidDataset(format!(
+            "{} has no valid prompt ({} lines, {} invalid)",
+            dataset_path.display(),
+            dataset.lines,
+            dataset.invalid
+        )));
+    }
+    if environment == Environment::Host && images_not_honoured.rows > 0 {
+        return Err(RunError::NeedsContainers(rows_with_images_on_the_host(
+            dataset_path,
+            images_not_honoured,
+        )));
+    }
+    Ok(())
+}
+
+/// Why a run on this machine refuses rows that name an image: which, and what to do instead.
+fn rows_with_images_on_the_host(dataset: &Path, listed: &ImagesNotHonoured) -> String {
+    let listed_lines = listed.first_lines.len() as u64;
+    let lines = listed
+        .first_lines
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let more = if listed.rows > listed_lines {
+        format!(" and {} more", listed.rows - listed_lines)
+    } else {
+        String::new()
+    };
+    let images = listed
+        .first_images
+        .iter()
+        .map(|image| format!("`{image}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (rows, name, line) = if listed.rows == 1 {
+        ("1 row".to_owned(), "names", "line")
+    } else {
+        (format!("{} rows", listed.rows), "name", "lines")
+    };
+    format!(
+        "{}: {rows} {name} a container image of its own (`image`/`docker_image`; {line} \
+         {lines}{more}; {images}), but `trajectory-worker local` runs every prompt on this machine, \
+         outside any container, where a task's image (its repository, its tools, its working \
+         directory) is not there; nothing was run or written. Remove the `image` and \
+         `docker_image` fields of those rows to run them here",
+        dataset.display(),
+    )
 }
 
 fn warn_images_not_honoured(listed: &ImagesNotHonoured, spec: &RunSpec) {
@@ -693,6 +794,43 @@ mod tests {
         })
         .unwrap();
         assert_eq!(plain.images_not_honoured, None);
+    }
+
+    /// On the host every row with an image is refused, however many: the first ten lines are
+    /// named with the count of the rest, and no manifest or `invalid.jsonl` is left behind.
+    #[test]
+    fn a_plan_on_the_host_refuses_rows_with_images_naming_the_first_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut lines: Vec<String> = (0..12)
+            .map(|i| format!(r#"{{"prompt": "p{i}", "docker_image": "task/{}"}}"#, i % 7))
+            .collect();
+        lines.insert(0, r#"{"prompt": "no image"}"#.to_owned());
+        lines.push("not json".to_owned());
+        std::fs::write(dir.path().join("data.jsonl"), lines.join("\n") + "\n").unwrap();
+        let location = location(dir.path(), None);
+        let error = plan_in(&location, Environment::Host).unwrap_err();
+        let message = error.to_string();
+        assert!(matches!(error, RunError::NeedsContainers(_)), "{message}");
+        assert!(
+            message.contains("12 rows name a container image of its own"),
+            "{message}"
+        );
+        assert!(
+            message.contains("lines 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 and 2 more;"),
+            "{message}"
+        );
+        assert!(
+            message.contains("`task/0`, `task/1`, `task/2`, `task/3`, `task/4`)"),
+            "{message}"
+        );
+        let run_dir = location.run_dir();
+        assert!(!run_dir.manifest().exists() && !run_dir.invalid().exists());
+        let (_, summary) = plan(&location).unwrap();
+        assert_eq!(
+            summary.images_not_honoured.unwrap().rows,
+            12,
+            "a cluster plan lists them"
+        );
     }
 
     /// A resume of a million batches, 40 % done at random: about 240,000 done ranges, which no
