@@ -44,6 +44,9 @@ export TRAJ_NODE_IMAGES="${images_dir}/trajectory-worker-test.tar ${images_dir}/
 step "control plane and kubelet: build (cached)"
 scripts/cluster/build.sh --real-node
 
+step "image registry: crane (cached)"
+scripts/registry/build.sh
+
 step "helm: build (cached)"
 TRAJ_HELM="$(scripts/helm/build.sh --print-path)"
 # tests/tests/chart.rs renders the chart with it.

@@ -127,8 +127,18 @@ stop_processes() {
 		kill -KILL "${pids[@]}" 2>/dev/null || true
 		sleep 0.5
 	fi
-	# Left-overs of a killed run without pid files: a kubelet or containerd started with our config.
-	mapfile -t pids < <(pids_matching "${NODE}/kubelet/config.yaml"; pids_matching "${NODE}/containerd/config.toml")
+	pid="$(recorded_pid registry)"
+	if [[ -n "${pid}" ]]; then
+		say "stopping the image registry (pid ${pid})"
+		stop_pids 5 "${pid}"
+	fi
+	# Left-overs of a killed run without pid files: a kubelet, containerd or registry started with our
+	# config or state.
+	mapfile -t pids < <(
+		pids_matching "${NODE}/kubelet/config.yaml"
+		pids_matching "${NODE}/containerd/config.toml"
+		pids_matching "--disk ${NODE}/registry"
+	)
 	if [[ ${#pids[@]} -gt 0 ]]; then
 		say "stopping left-over node process(es): ${pids[*]}"
 		stop_pids 5 "${pids[@]}"

@@ -205,6 +205,26 @@ start_containerd() {
 
 ctr_ok() { ctr --address "${SOCK}" version >/dev/null 2>&1; }
 
+# An image registry on loopback that the node pulls from over plain HTTP (containerd's CRI takes
+# http:// for a registry on 127.0.0.1 or localhost), holding the tests' task images
+# (scripts/registry/task-images.sh): go-containerregistry's `crane registry serve`, storing blobs in
+# node/registry. Sets REGISTRY (127.0.0.1:<port>, the port the kernel gave it).
+start_registry() {
+	local crane
+	crane="$("${CLUSTER_SCRIPTS_DIR}/../registry/build.sh" --print-path)"
+	mkdir -p "${NODE}/registry"
+	log "starting the image registry"
+	setsid "${crane}" registry serve --address 127.0.0.1:0 --disk "${NODE}/registry" \
+		>"${LOGS}/registry.log" 2>&1 </dev/null &
+	echo "$!" >"${PIDS}/registry.pid"
+	wait_ready "the image registry" 30 registry registry_port
+	REGISTRY="127.0.0.1:$(registry_port)"
+	TRAJ_CRANE="${crane}" "${CLUSTER_SCRIPTS_DIR}/../registry/task-images.sh" "${REGISTRY}" ||
+		die "pushing the task images to ${REGISTRY} failed"
+}
+
+registry_port() { sed -n 's/.*serving on port \([0-9][0-9]*\)$/\1/p' "${LOGS}/registry.log" | grep .; }
+
 # wait_ready WHAT TIMEOUT_S PIDNAME CMD...: poll CMD; fail early, with the log's tail, if PIDNAME died.
 wait_ready() {
 	local what="$1" timeout="$2" name="$3"
@@ -394,6 +414,7 @@ if [[ "${NETWORK_ONLY}" == 1 ]]; then
 	exit 0
 fi
 make_cgroups
+start_registry
 start_containerd
 import_images
 make_kubelet_pki
@@ -402,6 +423,7 @@ cat >"${NODE}/env" <<EOF
 export TRAJ_CLUSTER_REAL_NODE=${NAME}
 export TRAJ_CLUSTER_NODE_HOST_IP=${GATEWAY}
 export TRAJ_CLUSTER_NODE_CONTAINERD=${SOCK}
+export TRAJ_CLUSTER_REGISTRY=${REGISTRY}
 EOF
 log "real node ${NAME} Ready in $((SECONDS - START)) s: pods reach the host at ${GATEWAY}; images" \
-	"${NODE_BUSYBOX_IMAGE}, ${NODE_PAUSE_IMAGE}; taint trajectory.dev/real-node=true:NoSchedule"
+	"${NODE_BUSYBOX_IMAGE}, ${NODE_PAUSE_IMAGE}; registry ${REGISTRY}; taint trajectory.dev/real-node=true:NoSchedule"

@@ -102,6 +102,28 @@ fn proof_pod(name: &str, shared: &Path, host_url: &str, loopback_url: &str) -> P
          if timeout 5 wget -q -O- {loopback_url}; then echo 'reached the host loopback'; exit 3; fi\n\
          echo 'the host loopback is not reachable from the pod'\n"
     );
+    pod_on_the_real_node(
+        name,
+        &json!({
+            "name": "proof",
+            "image": cluster_setting("NODE_BUSYBOX_IMAGE"),
+            "imagePullPolicy": "IfNotPresent",
+            "command": ["/bin/sh", "-c", script],
+            "volumeMounts": [{ "name": "shared", "mountPath": "/shared" }]
+        }),
+        &json!([{
+            "name": "shared",
+            "hostPath": { "path": shared.to_str().expect("utf-8 path"), "type": "Directory" }
+        }]),
+    )
+}
+
+/// A pod of one container that runs once on the real node (tolerating its taint).
+fn pod_on_the_real_node(
+    name: &str,
+    container: &serde_json::Value,
+    volumes: &serde_json::Value,
+) -> Pod {
     serde_json::from_value(json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -109,20 +131,12 @@ fn proof_pod(name: &str, shared: &Path, host_url: &str, loopback_url: &str) -> P
         "spec": {
             "restartPolicy": "Never",
             "automountServiceAccountToken": false,
+            "enableServiceLinks": false,
             "nodeSelector": { "type": "real" },
             "tolerations": [{ "key": TAINT_KEY, "operator": "Exists", "effect": "NoSchedule" }],
             "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": "proof",
-                "image": cluster_setting("NODE_BUSYBOX_IMAGE"),
-                "imagePullPolicy": "IfNotPresent",
-                "command": ["/bin/sh", "-c", script],
-                "volumeMounts": [{ "name": "shared", "mountPath": "/shared" }]
-            }],
-            "volumes": [{
-                "name": "shared",
-                "hostPath": { "path": shared.to_str().expect("utf-8 path"), "type": "Directory" }
-            }]
+            "containers": [container],
+            "volumes": volumes,
         }
     }))
     .expect("pod manifest")
@@ -231,4 +245,158 @@ async fn a_pod_that_does_not_tolerate_the_taint_stays_on_the_kwok_nodes() {
         "an untolerating pod landed on the tainted real node"
     );
     assert!(bound.starts_with("kwok-node-"), "scheduled on {bound}");
+}
+
+/// The registry the real node pulls from (`scripts/cluster/node-up.sh` starts it and pushes the task
+/// images of `scripts/registry/task-images.sh` into it).
+fn registry() -> String {
+    std::env::var("TRAJ_CLUSTER_REGISTRY")
+        .unwrap_or_else(|_| panic!("TRAJ_CLUSTER_REGISTRY is not set: {HOW_TO_RUN}"))
+}
+
+/// A pod on the real node running `command` in `image`, pulled from its registry every time
+/// (`Always`), in the image's own working directory.
+fn task_pod(name: &str, image: &str, command: &[&str]) -> Pod {
+    pod_on_the_real_node(
+        name,
+        &json!({
+            "name": "task",
+            "image": image,
+            "imagePullPolicy": "Always",
+            "command": command,
+        }),
+        &json!([]),
+    )
+}
+
+/// The messages of the Events of the pod `name` with `reason`.
+async fn event_messages(client: &kube::Client, ns: &str, name: &str, reason: &str) -> Vec<String> {
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(client.clone(), ns);
+    let selector = format!("involvedObject.name={name},reason={reason}");
+    events
+        .list(&kube::api::ListParams::default().fields(&selector))
+        .await
+        .expect("list events")
+        .items
+        .into_iter()
+        .filter_map(|event| event.message)
+        .collect()
+}
+
+/// Task images as datasets name them: pushed to a real registry without Docker (glibc with bash,
+/// busybox, one without a shell) and pulled by the node over the network. Each pod sees its own
+/// image's marker file and starts in its image's working directory; an image without a shell cannot
+/// start a shell; an image that is not in the registry is an image pull error naming it.
+#[tokio::test]
+async fn task_images_are_pulled_from_a_registry_and_start_in_their_own_working_directory() {
+    let client = client().await;
+    let node = real_node(&client, HOW_TO_RUN).await;
+    let registry = registry();
+    let ns = TestNamespace::create(&client, "task-images").await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns.name());
+    let glibc = format!("{registry}/tasks/glibc:1");
+    let busybox = format!("{registry}/tasks/busybox:1");
+    let noshell = format!("{registry}/tasks/noshell:1");
+    let missing = format!("{registry}/tasks/missing:1");
+    for image in [&glibc, &busybox, &noshell] {
+        assert!(
+            !node.images.contains(image),
+            "{image} is on the node before any pod asked for it: {:?}",
+            node.images
+        );
+    }
+    let report = "echo marker=$(cat /task/marker) pwd=$(pwd) files=$(ls | head -n 1)";
+    for (name, image, shell) in [
+        ("glibc", &glibc, "/bin/bash"),
+        ("busybox", &busybox, "/bin/sh"),
+    ] {
+        pods.create(
+            &PostParams::default(),
+            &task_pod(name, image, &[shell, "-c", report]),
+        )
+        .await
+        .expect("create a task pod");
+    }
+    pods.create(
+        &PostParams::default(),
+        &task_pod("noshell", &noshell, &["/bin/sh", "-c", "true"]),
+    )
+    .await
+    .expect("create the pod without a shell");
+    pods.create(
+        &PostParams::default(),
+        &task_pod("missing", &missing, &["/bin/sh"]),
+    )
+    .await
+    .expect("create the pod of a missing image");
+
+    for (name, image, expected) in [
+        ("glibc", &glibc, "marker=glibc pwd=/testbed files=README.md"),
+        ("busybox", &busybox, "marker=busybox pwd=/work files="),
+    ] {
+        let pod = ended(&pods, name, &["Succeeded", "Failed"]).await;
+        let logs = pods.logs(name, &LogParams::default()).await.expect("logs");
+        assert_eq!(
+            phase(&pod),
+            "Succeeded",
+            "{name}: {logs}\n{:#?}",
+            pod.status
+        );
+        assert_eq!(logs.trim(), expected, "{name}");
+        let pulled = event_messages(&client, ns.name(), name, "Pulled").await;
+        assert!(
+            pulled.iter().any(|message| {
+                message.contains("Successfully pulled") && message.contains(image.as_str())
+            }),
+            "{name}: the kubelet pulled {image}: {pulled:?}"
+        );
+    }
+
+    let terminated = first_container_state(ended(&pods, "noshell", &["Failed"]).await)
+        .and_then(|state| state.terminated)
+        .expect("the container without a shell terminated");
+    assert!(
+        terminated
+            .message
+            .as_deref()
+            .unwrap_or("")
+            .contains("/bin/sh"),
+        "{terminated:?}"
+    );
+
+    let waiting = wait_until(
+        "the pod of a missing image to fail its pull",
+        Duration::from_secs(60),
+        || async {
+            let waiting = first_container_state(pods.get("missing").await.ok()?)?.waiting?;
+            matches!(
+                waiting.reason.as_deref(),
+                Some("ErrImagePull" | "ImagePullBackOff")
+            )
+            .then_some(waiting)
+        },
+    )
+    .await;
+    assert!(
+        waiting.message.as_deref().unwrap_or("").contains(&missing),
+        "{waiting:?}"
+    );
+}
+
+/// The pod `name` once its phase is one of `phases`.
+async fn ended(pods: &Api<Pod>, name: &str, phases: &[&str]) -> Pod {
+    wait_until(
+        &format!("the pod {name} to end {phases:?}"),
+        Duration::from_secs(120),
+        || async {
+            let pod = pods.get(name).await.ok()?;
+            phases.contains(&phase(&pod)).then_some(pod)
+        },
+    )
+    .await
+}
+
+/// The state of a pod's first container.
+fn first_container_state(pod: Pod) -> Option<k8s_openapi::api::core::v1::ContainerState> {
+    pod.status?.container_statuses?.into_iter().next()?.state
 }
