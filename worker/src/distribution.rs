@@ -380,15 +380,35 @@ mod tests {
             prop_assert_eq!(d.sample(seed, prompt, sample), d.sample(seed, prompt, sample));
             prop_assert!(!d.sample(seed, prompt, sample).is_empty());
         }
+    }
 
-        #[test]
-        fn inclusion_rates_match_the_percentages(seed: u64, percent in 5.0f64..95.0) {
-            let d = Distribution::resolve(&inline(&[("file", percent), ("terminal", 100.0)]), &registry()).unwrap();
-            let n = 4000u32;
-            let hits = (0..u64::from(n)).filter(|i| d.sample(seed, *i, 0).iter().any(|t| t == "file")).count();
-            let rate = hits as f64 / f64::from(n) * 100.0;
-            // Binomial standard deviation is at most 0.8 points at n = 4000; allow 4 of them.
-            prop_assert!((rate - percent).abs() < 3.2, "rate {} for {}%", rate, percent);
+    /// Each toolset is drawn at its percentage. The draws are a pure function of (seed, prompt,
+    /// sample), so the seeds and percentages are fixed and the test gives the same answer every
+    /// run. It was a property test of random seeds within four standard deviations: now and then
+    /// one of its 256 cases a run fell past them by chance (seed 6650797371240038464 at 50.929 %:
+    /// 4.08), and from then on it failed every run, as proptest replays a failure first.
+    #[test]
+    fn inclusion_rates_match_the_percentages() {
+        const PROMPTS: u32 = 4000;
+        for seed in [0, 1, 7, 42, 1_000_003, 6_650_797_371_240_038_464, u64::MAX] {
+            for percent in [5.0, 12.5, 25.0, 37.5, 50.0, 50.929, 62.5, 75.0, 87.5, 95.0] {
+                let d = Distribution::resolve(
+                    &inline(&[("file", percent), ("terminal", 100.0)]),
+                    &registry(),
+                )
+                .unwrap();
+                let hits = (0..u64::from(PROMPTS))
+                    .filter(|i| d.sample(seed, *i, 0).iter().any(|t| t == "file"))
+                    .count();
+                let rate = f64::from(u32::try_from(hits).unwrap()) / f64::from(PROMPTS) * 100.0;
+                // Within five binomial standard deviations of its percentage (at most 4 points).
+                let deviation = (percent * (100.0 - percent) / f64::from(PROMPTS)).sqrt();
+                assert!(
+                    (rate - percent).abs() < 5.0 * deviation,
+                    "seed {seed}: rate {rate} for {percent}% (5 sd = {})",
+                    5.0 * deviation
+                );
+            }
         }
     }
 }
