@@ -840,7 +840,15 @@ impl Neighbours {
         let ToolOutcome::Err(error) = outcome else {
             panic!("the offending command was not stopped: {outcome:?}");
         };
-        let left = processes_in(self.offender.workspace.root());
+        // The stopped command's processes may still be on their way out when the error arrives
+        // (the executor sends it, then exits; a hog's pages take a moment to be freed): gone
+        // within seconds, not left running.
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        let mut left = processes_in(self.offender.workspace.root());
+        while !left.is_empty() && std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            left = processes_in(self.offender.workspace.root());
+        }
         assert!(left.is_empty(), "processes left running: {left:?}");
         eprintln!("stopped after {took:?}: {error}");
         assert!(error.starts_with(reason), "{error}");
