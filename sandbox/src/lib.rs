@@ -39,7 +39,7 @@ pub mod session;
 
 use std::ffi::OsString;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The executor binary's file name.
 pub const EXECUTOR_BINARY: &str = "trajectory-executor";
@@ -97,6 +97,22 @@ impl std::fmt::Display for LandlockMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
+}
+
+/// What a command may read of the filesystem besides its own directory and the system's
+/// (`/usr`, `/etc`, ...; `run` lists them).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ImageFiles {
+    /// Nothing more: on a machine that is not a container of the task's image, the rest is
+    /// someone else's (a user's home, other checkouts).
+    #[default]
+    Hidden,
+    /// Every top-level directory of the container's image too (a task's repository at
+    /// `/testbed`, its tools), read-only, but these (the conversations' workspaces, the
+    /// sessions' directories, the executor's own) and `/run` and `/var`, where Kubernetes mounts
+    /// tokens and Secrets. Only for `serve` in a container of the task image, whose files are the
+    /// task's.
+    ReadableExcept(Vec<PathBuf>),
 }
 
 /// What one command, with everything it starts, may use ([`run`] says how each is enforced). Zero

@@ -81,7 +81,8 @@ use nix::unistd::{Pid, getppid};
 
 use crate::limits::{Supervisor, apply_rlimits};
 use crate::{
-    DEFAULT_PATH, LIMIT_EXIT, LandlockMode, Limits, PASSED_ENV, REFUSED_EXIT, REFUSED_PREFIX,
+    DEFAULT_PATH, ImageFiles, LIMIT_EXIT, LandlockMode, Limits, PASSED_ENV, REFUSED_EXIT,
+    REFUSED_PREFIX,
 };
 
 /// The subcommand that runs one command confined.
@@ -98,6 +99,10 @@ const SYSTEM_READ_ONLY: [&str; 12] = [
     "/sys", "/dev",
 ];
 
+/// Top-level directories never readable through [`ImageFiles::ReadableExcept`]: Kubernetes
+/// mounts a pod's `ServiceAccount` token and Secrets under them.
+const NEVER_READABLE: [&str; 2] = ["/run", "/var"];
+
 /// Devices a command may write (and read).
 const WRITABLE_DEVICES: [&str; 4] = ["/dev/null", "/dev/zero", "/dev/full", "/dev/tty"];
 
@@ -110,12 +115,13 @@ pub fn command(
     workspace: &Path,
     landlock: LandlockMode,
     limits: Limits,
+    image_files: &ImageFiles,
     grace: Duration,
     command: &str,
 ) -> Command {
     let mut cmd = Command::new(executor);
     cmd.arg(SUBCOMMAND).arg("--workspace").arg(workspace);
-    Confinement::push(landlock, limits, &mut cmd);
+    Confinement::push(landlock, limits, image_files, &mut cmd);
     cmd.arg("--grace-ms")
         .arg(grace.as_millis().to_string())
         .arg("--")
@@ -148,6 +154,7 @@ pub fn landlock_enforced(executor: &Path, workspace: &Path) -> std::io::Result<b
         workspace,
         LandlockMode::Required,
         Limits::NONE,
+        &ImageFiles::Hidden,
         Duration::ZERO,
         "true",
     )
@@ -162,6 +169,7 @@ pub fn landlock_enforced(executor: &Path, workspace: &Path) -> std::io::Result<b
 pub(crate) struct Confinement {
     pub(crate) landlock: LandlockMode,
     pub(crate) limits: Limits,
+    pub(crate) image_files: ImageFiles,
     pub(crate) parent: Option<Pid>,
 }
 
@@ -171,12 +179,22 @@ impl Confinement {
         Self {
             landlock: LandlockMode::Auto,
             limits: Limits::NONE,
+            image_files: ImageFiles::Hidden,
             parent: None,
         }
     }
 
     /// The flags onto `cmd`, with this process as the parent.
-    pub(crate) fn push(landlock: LandlockMode, limits: Limits, cmd: &mut Command) {
+    pub(crate) fn push(
+        landlock: LandlockMode,
+        limits: Limits,
+        image_files: &ImageFiles,
+        cmd: &mut Command,
+    ) {
+        if let ImageFiles::ReadableExcept(private) = image_files {
+            cmd.arg("--image-readable-except")
+                .arg(std::env::join_paths(private).unwrap_or_default());
+        }
         cmd.arg("--landlock")
             .arg(landlock.as_str())
             .arg("--max-processes")
@@ -235,6 +253,10 @@ impl Confinement {
                 self.limits.workspace_bytes = number("--max-workspace", &value()?)?;
             }
             Some("--parent") => self.parent = Some(Pid::from_raw(number("--parent", &value()?)?)),
+            Some("--image-readable-except") => {
+                self.image_files =
+                    ImageFiles::ReadableExcept(std::env::split_paths(&value()?).collect());
+            }
             _ => return Ok(false),
         }
         Ok(true)
@@ -245,8 +267,7 @@ impl Confinement {
 #[derive(Debug)]
 struct ExecutorArgs {
     workspace: PathBuf,
-    landlock: LandlockMode,
-    limits: Limits,
+    confinement: Confinement,
     grace: Duration,
     /// The worker's pid: while it lives, it is the executor's parent.
     parent: Pid,
@@ -265,12 +286,12 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ExecutorArgs, 
         Ok(true)
     })?;
     let command = args.next().ok_or("missing the command after `--`")?;
+    let parent = confinement.parent.ok_or("missing --parent")?;
     Ok(ExecutorArgs {
         workspace: workspace.ok_or("missing --workspace")?,
-        landlock: confinement.landlock,
-        limits: confinement.limits,
+        confinement,
         grace,
-        parent: confinement.parent.ok_or("missing --parent")?,
+        parent,
         command,
     })
 }
@@ -315,9 +336,9 @@ pub(crate) fn signal_descriptor(signals: &[Signal]) -> Result<SignalFd, String> 
 pub(crate) fn confine_executor(
     parent: Pid,
     writable: &Path,
-    landlock: LandlockMode,
-    limits: Limits,
+    confinement: &Confinement,
 ) -> Result<(SignalFd, Supervisor), String> {
+    let limits = confinement.limits;
     let signal_fd = signal_descriptor(&[
         Signal::SIGCHLD,
         Signal::SIGTERM,
@@ -335,14 +356,14 @@ pub(crate) fn confine_executor(
     nix::sys::prctl::set_child_subreaper(true)
         .map_err(|err| format!("cannot become a child subreaper: {err}"))?;
     drop_privileges()?;
-    confine(writable, landlock)?;
+    confine(writable, confinement.landlock, &confinement.image_files)?;
     apply_rlimits(&limits)?;
     Ok((signal_fd, Supervisor::start(writable, limits)))
 }
 
 fn execute(args: &ExecutorArgs) -> Result<i32, String> {
     let (signal_fd, mut supervisor) =
-        confine_executor(args.parent, &args.workspace, args.landlock, args.limits)?;
+        confine_executor(args.parent, &args.workspace, &args.confinement)?;
 
     let shell = spawn_shell(&args.command, &args.workspace)
         .map_err(|err| format!("could not start the shell: {err}"))?;
@@ -437,11 +458,16 @@ pub(crate) fn drop_privileges() -> Result<(), String> {
 }
 
 /// Applies the Landlock rules to this process (and so to everything it starts).
-pub(crate) fn confine(workspace: &Path, mode: LandlockMode) -> Result<(), String> {
+pub(crate) fn confine(
+    workspace: &Path,
+    mode: LandlockMode,
+    image_files: &ImageFiles,
+) -> Result<(), String> {
     if mode == LandlockMode::Off {
         return Ok(());
     }
-    let status = landlock_rules(workspace).map_err(|err| format!("Landlock: {err}"))?;
+    let status = landlock_rules(workspace, &readable_image_dirs(image_files))
+        .map_err(|err| format!("Landlock: {err}"))?;
     match (status, mode) {
         (RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced, _)
         | (RulesetStatus::NotEnforced, LandlockMode::Auto) => Ok(()),
@@ -453,7 +479,33 @@ pub(crate) fn confine(workspace: &Path, mode: LandlockMode) -> Result<(), String
     }
 }
 
-fn landlock_rules(workspace: &Path) -> Result<RulesetStatus, landlock::RulesetError> {
+/// The top-level entries of `/` that [`ImageFiles`] makes readable: none, or all but the private
+/// ones and [`NEVER_READABLE`].
+fn readable_image_dirs(image_files: &ImageFiles) -> Vec<PathBuf> {
+    let ImageFiles::ReadableExcept(private) = image_files else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir("/") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+        .filter(|path| {
+            !private.iter().any(|private| top_level(private) == *path)
+                && !NEVER_READABLE.iter().any(|never| Path::new(never) == path)
+        })
+        .collect()
+}
+
+/// `/a` of `/a/b/c`.
+fn top_level(path: &Path) -> PathBuf {
+    path.components().take(2).collect()
+}
+
+fn landlock_rules(
+    workspace: &Path,
+    image_dirs: &[PathBuf],
+) -> Result<RulesetStatus, landlock::RulesetError> {
     let abi = LANDLOCK_ABI;
     let read = AccessFs::from_read(abi);
     let all = AccessFs::from_all(abi);
@@ -463,6 +515,7 @@ fn landlock_rules(workspace: &Path) -> Result<RulesetStatus, landlock::RulesetEr
         .scope(Scope::from_all(abi))?
         .create()?
         .add_rules(path_beneath_rules(SYSTEM_READ_ONLY, read))?
+        .add_rules(path_beneath_rules(image_dirs, read))?
         .add_rules(path_beneath_rules(
             WRITABLE_DEVICES,
             AccessFs::from_file(abi),
@@ -700,6 +753,7 @@ pub(crate) mod tests {
                 memory_bytes: 8,
                 workspace_bytes: 9,
             },
+            &ImageFiles::ReadableExcept(vec!["/workspace".into(), "/tmp/sessions".into()]),
             Duration::from_millis(500),
             "echo hi",
         );
@@ -707,11 +761,15 @@ pub(crate) mod tests {
         assert_eq!(given.next().unwrap(), SUBCOMMAND);
         let parsed = parse_args(given).unwrap();
         assert_eq!(parsed.workspace, Path::new("/w"));
-        assert_eq!(parsed.landlock, LandlockMode::Required);
+        assert_eq!(parsed.confinement.landlock, LandlockMode::Required);
         assert_eq!(parsed.grace, Duration::from_millis(500));
-        assert_eq!(parsed.limits.processes, 7);
-        assert_eq!(parsed.limits.memory_bytes, 8);
-        assert_eq!(parsed.limits.workspace_bytes, 9);
+        assert_eq!(parsed.confinement.limits.processes, 7);
+        assert_eq!(parsed.confinement.limits.memory_bytes, 8);
+        assert_eq!(parsed.confinement.limits.workspace_bytes, 9);
+        assert_eq!(
+            parsed.confinement.image_files,
+            ImageFiles::ReadableExcept(vec!["/workspace".into(), "/tmp/sessions".into()])
+        );
         let worker = i32::try_from(std::process::id()).unwrap();
         assert_eq!(parsed.parent, Pid::from_raw(worker));
         assert_eq!(parsed.command, "echo hi");

@@ -41,7 +41,7 @@ use nix::unistd::{Pid, getpgid};
 
 use crate::protocol::{self, Line, Request, SessionRequest};
 use crate::session::write_frame;
-use crate::{REFUSED_EXIT, REFUSED_PREFIX};
+use crate::{ImageFiles, REFUSED_EXIT, REFUSED_PREFIX};
 
 /// The subcommand.
 pub const SUBCOMMAND: &str = "serve";
@@ -64,13 +64,20 @@ struct ServeArgs {
     socket: PathBuf,
     workspace_root: PathBuf,
     session_root: PathBuf,
+    /// `--image-readable`: the container's image is the task's, and its files are readable.
+    image_readable: bool,
 }
 
 fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ServeArgs, String> {
     let mut socket = None;
     let mut workspace_root = None;
     let mut session_root = std::env::temp_dir();
+    let mut image_readable = false;
     while let Some(flag) = args.next() {
+        if flag == "--image-readable" {
+            image_readable = true;
+            continue;
+        }
         let value = args
             .next()
             .ok_or(format!("{} needs a value", flag.display()))?;
@@ -85,6 +92,7 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ServeArgs, Str
         socket: socket.ok_or("missing --socket")?,
         workspace_root: workspace_root.ok_or("missing --workspace-root")?,
         session_root,
+        image_readable,
     })
 }
 
@@ -145,10 +153,22 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
     let listener = UnixListener::bind(&args.socket)
         .map_err(|err| format!("cannot listen on {}: {err}", args.socket.display()))?;
 
+    // The workspaces, the sessions' directories and the executor's own stay private.
+    let image_files = if args.image_readable {
+        ImageFiles::ReadableExcept(vec![
+            workspace_root.clone(),
+            args.session_root.clone(),
+            executor.clone(),
+            args.socket.clone(),
+        ])
+    } else {
+        ImageFiles::Hidden
+    };
     let places = Places {
         executor,
         workspace_root,
         session_root: args.session_root.clone(),
+        image_files,
     };
     let executors: Shared = Arc::default();
     {
@@ -183,6 +203,7 @@ struct Places {
     executor: PathBuf,
     workspace_root: PathBuf,
     session_root: PathBuf,
+    image_files: ImageFiles,
 }
 
 fn accept(listener: &UnixListener, places: &Places, executors: &Shared) {
@@ -283,7 +304,7 @@ fn connection(mut stream: UnixStream, places: &Places, executors: &Shared) {
     };
     let outcome = request.and_then(|request| {
         let workspace = resolve_workspace(&places.workspace_root, &request.workspace)?;
-        start(&places.executor, &workspace, &request, executors)
+        start(places, &workspace, &request, executors)
     });
     let code = match outcome {
         Ok((pid, output, exited)) => relay(&mut stream, pid, &output, &exited, executors),
@@ -350,7 +371,8 @@ fn session(mut stream: UnixStream, places: &Places, request: &SessionRequest, ex
     });
     let started = session_dir(places, request, private.as_deref()).and_then(|dir| {
         let connection = stream.try_clone().map_err(|err| format!("socket: {err}"))?;
-        let mut command = crate::session::command(&places.executor, &dir, request);
+        let mut command =
+            crate::session::command(&places.executor, &dir, request, &places.image_files);
         command
             .stdin(std::process::Stdio::from(OwnedFd::from(connection)))
             .process_group(0);
@@ -474,7 +496,7 @@ fn resolve_workspace(root: &Path, requested: &str) -> Result<PathBuf, String> {
 /// Starts the command's executor with its output on a pipe; returns its pid, the pipe's read end
 /// and where its exit code will arrive.
 fn start(
-    executor: &Path,
+    places: &Places,
     workspace: &Path,
     request: &Request,
     executors: &Shared,
@@ -485,10 +507,11 @@ fn start(
         .try_clone()
         .map_err(|err| format!("no pipe: {err}"))?;
     let mut command = crate::run::command(
-        executor,
+        &places.executor,
         workspace,
         request.landlock,
         request.limits,
+        &places.image_files,
         Duration::from_millis(request.grace_ms),
         &request.command,
     );

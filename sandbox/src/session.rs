@@ -34,7 +34,7 @@ use crate::run::{
     Confinement, children_of, confine_executor, kill_all_but, kill_all_descendants, lower_priority,
     on_path, pass_environment, poll_timeout_until, reap_exited,
 };
-use crate::{LIMIT_EXIT, LandlockMode, Limits, REFUSED_EXIT, REFUSED_PREFIX};
+use crate::{ImageFiles, LIMIT_EXIT, REFUSED_EXIT, REFUSED_PREFIX};
 
 /// The subcommand.
 pub const SUBCOMMAND: &str = "session";
@@ -47,10 +47,15 @@ const MAX_QUEUED_BYTES: usize = 1 << 20;
 /// directory. Its environment: `PATH` and [`crate::PASSED_ENV`] of this process, `HOME` and
 /// `TMPDIR` set to `dir`, then the request's variables. The caller sets the standard input to
 /// the connection (and may set a process group); the executor's own output goes nowhere.
-pub fn command(executor: &Path, dir: &Path, request: &SessionRequest) -> Command {
+pub fn command(
+    executor: &Path,
+    dir: &Path,
+    request: &SessionRequest,
+    image_files: &ImageFiles,
+) -> Command {
     let mut cmd = Command::new(executor);
     cmd.arg(SUBCOMMAND).arg("--dir").arg(dir);
-    Confinement::push(request.landlock, request.limits, &mut cmd);
+    Confinement::push(request.landlock, request.limits, image_files, &mut cmd);
     if request.cdp_pipe {
         cmd.arg("--cdp-pipe");
     }
@@ -71,8 +76,7 @@ pub fn command(executor: &Path, dir: &Path, request: &SessionRequest) -> Command
 #[derive(Debug)]
 struct SessionArgs {
     dir: PathBuf,
-    landlock: LandlockMode,
-    limits: Limits,
+    confinement: Confinement,
     parent: Pid,
     cdp_pipe: bool,
     /// Where the program starts, when not in `dir`.
@@ -97,11 +101,11 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<SessionArgs, S
     if program.is_empty() {
         return Err("missing the program after `--`".to_owned());
     }
+    let parent = confinement.parent.ok_or("missing --parent")?;
     Ok(SessionArgs {
         dir: dir.ok_or("missing --dir")?,
-        landlock: confinement.landlock,
-        limits: confinement.limits,
-        parent: confinement.parent.ok_or("missing --parent")?,
+        confinement,
+        parent,
         cdp_pipe,
         cwd,
         argv: program,
@@ -209,7 +213,7 @@ impl Relay {
             None
         };
         let (signal_fd, mut supervisor) =
-            confine_executor(args.parent, &args.dir, args.landlock, args.limits)?;
+            confine_executor(args.parent, &args.dir, &args.confinement)?;
 
         // Close-on-exec: only the program's own ends, put on its descriptors, are inherited; a copy
         // of the writing end of its standard input would keep it from ever seeing its end.
@@ -520,6 +524,7 @@ pub(crate) fn write_frame(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{LandlockMode, Limits};
     use std::ffi::OsStr;
 
     #[test]
@@ -537,13 +542,15 @@ mod tests {
             workspace: None,
             cwd: Some("/s/sub".to_owned()),
         };
-        let cmd = command(Path::new("/bin/x"), Path::new("/s"), &request);
+        let image_files = ImageFiles::ReadableExcept(vec!["/workspace".into(), "/tmp".into()]);
+        let cmd = command(Path::new("/bin/x"), Path::new("/s"), &request, &image_files);
         let mut given = cmd.get_args().map(OsStr::to_owned);
         assert_eq!(given.next().unwrap(), SUBCOMMAND);
         let parsed = parse_args(given).unwrap();
         assert_eq!(parsed.dir, Path::new("/s"));
-        assert_eq!(parsed.landlock, LandlockMode::Required);
-        assert_eq!(parsed.limits, request.limits);
+        assert_eq!(parsed.confinement.landlock, LandlockMode::Required);
+        assert_eq!(parsed.confinement.limits, request.limits);
+        assert_eq!(parsed.confinement.image_files, image_files);
         assert!(parsed.cdp_pipe);
         assert_eq!(parsed.cwd.as_deref(), Some(Path::new("/s/sub")));
         assert_eq!(

@@ -491,6 +491,56 @@ async fn a_batch_pod_runs_as_its_spec_says_and_logs_its_progress() {
     assert!(logs.contains("batch done"), "logs:\n{logs}");
 }
 
+/// The run's task image (`spec.sandbox.image`) as a dataset's images come: from a registry the node
+/// pulls over the network (`scripts/registry/task-images.sh`), not imported. The executor, copied
+/// in by the init container, serves the terminal in a glibc image and in a busybox one, where the
+/// command reads the image's own files; in an image without a shell the call is a tool error
+/// naming the missing shell, the conversation goes on, and the run succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_task_image_from_a_registry_runs_the_terminal_and_one_without_a_shell_is_a_tool_error() {
+    let setup = Setup::new("pods-task-image").await;
+    let registry = std::env::var("TRAJ_CLUSTER_REGISTRY").unwrap_or_else(|_| {
+        panic!(
+            "TRAJ_CLUSTER_REGISTRY is not set: {}",
+            trajectory_tests::real_pods::HOW_TO_RUN
+        )
+    });
+    let model = scripted_model(Duration::from_millis(5), "echo marker=$(cat /task/marker)").await;
+    let images = ["glibc", "busybox", "noshell"];
+    for image in images {
+        let spec = json!({
+            "batchSize": 1, "workers": 1, "concurrency": 1,
+            "sandbox": {"image": format!("{registry}/tasks/{image}:1")},
+        });
+        setup
+            .create_scripted(image, &setup.model_url(&model), 1, &spec)
+            .await;
+    }
+    for image in images {
+        let run = setup.finished(image, Duration::from_secs(300)).await;
+        assert_eq!(
+            phase_of(&run),
+            Some(Phase::Succeeded),
+            "{image}: {:#?}",
+            run.status
+        );
+        let turn = only_tool_turn(&setup.storage.run_dir(setup.ns(), image));
+        let content = tool_result(&turn).to_string();
+        if image == "noshell" {
+            assert!(
+                content.contains("this environment has no shell") && !content.contains("marker="),
+                "{image}: a tool error naming the missing shell: {turn}"
+            );
+        } else {
+            assert!(
+                content.contains(&format!("marker={image}")),
+                "{image}: {turn}"
+            );
+        }
+    }
+    assert_two_requests_per_conversation(&model, images.len());
+}
+
 /// A command that forks past the run's process limit, in the sandbox container of a real pod, is
 /// stopped with a tool error naming the limit, and its conversation and the run go on to the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

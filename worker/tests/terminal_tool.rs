@@ -1068,3 +1068,65 @@ in_both_places!(
     missing_or_empty_command_is_an_error,
 );
 
+/// A directory at the top of the filesystem, as a task image's repository is (`/testbed`),
+/// holding `README.md`; removed on drop.
+struct TopLevelDir(std::path::PathBuf);
+
+impl TopLevelDir {
+    fn create() -> Self {
+        let dir =
+            std::path::PathBuf::from(format!("/trajectory-image-probe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory at / (the tests run as root)");
+        std::fs::write(dir.join("README.md"), "the task's repository\n").unwrap();
+        Self(dir)
+    }
+}
+
+impl Drop for TopLevelDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// In a container of a task image (`serve --image-readable`) the image's own files are the
+/// task's: a command reads them (under Landlock, required), while the other conversations'
+/// workspaces, the sessions' directories, `/run` and `/var` stay out of its reach. Without the
+/// flag, as on a laptop, the same files are hidden.
+#[tokio::test]
+async fn in_a_task_image_its_files_are_readable_and_the_other_conversations_are_not() {
+    let image_dir = TopLevelDir::create();
+    let root = tempfile::tempdir().unwrap();
+    for name in ["mine", "neighbour"] {
+        std::fs::create_dir(root.path().join(name)).unwrap();
+    }
+    std::fs::write(root.path().join("neighbour/secret.txt"), "theirs").unwrap();
+    let probe = format!(
+        "cat {}/README.md 2>&1; cat {}/neighbour/secret.txt 2>&1; ls /var 2>&1 | head -n 1",
+        image_dir.0.display(),
+        root.path().display()
+    );
+    for (server, readable) in [
+        (SandboxServer::start_in_task_image(root.path()), true),
+        (SandboxServer::start(root.path()), false),
+    ] {
+        let context = ToolContext {
+            workspace: Workspace::new(root.path().join("mine")).unwrap(),
+            limits: ToolLimits::default(),
+            sandbox: server.sandbox(LandlockMode::Required),
+            browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+            terminal: trajectory_worker::tools::terminal::Terminal::default(),
+        };
+        let ToolOutcome::Ok(result) = call(&context, json!({"command": probe})).await else {
+            panic!("the probe ran");
+        };
+        let output = result["output"].as_str().unwrap_or_default().to_owned();
+        assert_eq!(
+            output.contains("the task's repository"),
+            readable,
+            "image files readable: {readable}: {output}"
+        );
+        assert!(!output.contains("theirs"), "{output}");
+        let denied = output.matches("Permission denied").count();
+        assert_eq!(denied, if readable { 2 } else { 3 }, "{output}");
+    }
+}

@@ -113,6 +113,7 @@ impl Sandbox {
                     workspace_root,
                     LandlockMode::Required,
                     Limits::NONE,
+                    &trajectory_sandbox::ImageFiles::Hidden,
                     Duration::ZERO,
                     "true",
                 ))

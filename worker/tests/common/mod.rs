@@ -457,6 +457,15 @@ pub struct SandboxServer {
 
 impl SandboxServer {
     pub fn start(root: &Path) -> Self {
+        Self::start_with(root, &[])
+    }
+
+    /// As in a container of a task image: its files are readable (`--image-readable`).
+    pub fn start_in_task_image(root: &Path) -> Self {
+        Self::start_with(root, &["--image-readable"])
+    }
+
+    fn start_with(root: &Path, flags: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("sessions")).unwrap();
         let server = Self {
@@ -467,6 +476,7 @@ impl SandboxServer {
                 .arg(root)
                 .arg("--session-root")
                 .arg(dir.path().join("sessions"))
+                .args(flags)
                 .env_clear()
                 .spawn()
                 .expect("starting trajectory-executor serve (built with the workspace's tests)"),

@@ -192,22 +192,27 @@ fn sandbox_containers(run: &ValidatedRun<'_>, settings: &Settings) -> Vec<Contai
         security_context: Some(restricted(None)),
         ..Container::default()
     };
+    let mut serve = vec![
+        format!("{}/trajectory-executor", paths::SANDBOX_BIN_DIR),
+        "serve".to_owned(),
+        "--socket".to_owned(),
+        socket,
+        "--workspace-root".to_owned(),
+        paths::WORKSPACE_ROOT.to_owned(),
+        "--session-root".to_owned(),
+        "/tmp".to_owned(),
+    ];
+    // A task image's files are the task's (a repository at /testbed): its commands read them.
+    if run.spec.sandbox.image.is_some() {
+        serve.push("--image-readable".to_owned());
+    }
     let sandbox = Container {
         name: containers::SANDBOX.to_owned(),
         image: Some(run.spec.sandbox.image.clone().unwrap_or(worker_image)),
         image_pull_policy: run.overrides.image_pull_policy.clone(),
         // A native sidecar: started before the worker, stopped after it.
         restart_policy: Some("Always".to_owned()),
-        command: Some(vec![
-            format!("{}/trajectory-executor", paths::SANDBOX_BIN_DIR),
-            "serve".to_owned(),
-            "--socket".to_owned(),
-            socket,
-            "--workspace-root".to_owned(),
-            paths::WORKSPACE_ROOT.to_owned(),
-            "--session-root".to_owned(),
-            "/tmp".to_owned(),
-        ]),
+        command: Some(serve),
         volume_mounts: Some(vec![
             mount(volumes::SANDBOX_BIN, paths::SANDBOX_BIN_DIR, true),
             mount(volumes::SANDBOX_SOCKET, paths::SANDBOX_SOCKET_DIR, false),

@@ -503,6 +503,19 @@ fn the_sandbox_runs_the_task_image_in_generation_pods_only() {
     let task_init = pod(&task_job).init_containers.as_ref().unwrap();
     assert_eq!(task_init[1].image.as_deref(), Some("python:3.12-slim"));
     assert_eq!(task_init[0].image, pod(&task_job).containers[0].image);
+    // Its files are the task's; the worker image's are not the model's business.
+    let serves_image = |init: &[k8s_openapi::api::core::v1::Container]| {
+        init[1]
+            .command
+            .iter()
+            .flatten()
+            .any(|arg| arg == "--image-readable")
+    };
+    assert!(serves_image(task_init));
+    let default_job = gen_job(&run, 1, &[0], false);
+    assert!(!serves_image(
+        pod(&default_job).init_containers.as_ref().unwrap()
+    ));
 
     // Plan and merge pods run no command of the model's: no sandbox.
     for job in [

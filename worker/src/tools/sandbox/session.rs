@@ -139,7 +139,10 @@ fn start_local(executor: &Path, request: &SessionRequest) -> std::io::Result<Uni
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
     ours.set_nonblocking(true)?;
     let mut command = tokio::process::Command::from(trajectory_sandbox::session::command(
-        executor, &dir, request,
+        executor,
+        &dir,
+        request,
+        &trajectory_sandbox::ImageFiles::Hidden,
     ));
     command
         .stdin(std::process::Stdio::from(std::os::fd::OwnedFd::from(

@@ -198,9 +198,16 @@ impl Terminal {
                 }
                 CommandEnd::NotStarted(reason) => {
                     slot.shell = None;
-                    if flavour == Flavour::Bash && reason.contains("cannot start") {
-                        slot.posix = true;
-                        continue;
+                    if reason.contains("cannot start") {
+                        if flavour == Flavour::Bash {
+                            slot.posix = true;
+                            continue;
+                        }
+                        // A task image without a shell (distroless, a bare binary): say so.
+                        return ToolOutcome::Err(format!(
+                            "the command was not run: this environment has no shell (neither \
+                             bash nor sh: {reason})"
+                        ));
                     }
                     return ToolOutcome::Err(format!("the command was not run: {reason}"));
                 }
