@@ -191,9 +191,11 @@ impl Confinement {
         image_files: &ImageFiles,
         cmd: &mut Command,
     ) {
-        if let ImageFiles::ReadableExcept(private) = image_files {
-            cmd.arg("--image-readable-except")
-                .arg(std::env::join_paths(private).unwrap_or_default());
+        // A list that cannot be written down (a ':' in a path) leaves the image hidden: closed.
+        if let ImageFiles::ReadableExcept(private) = image_files
+            && let Ok(private) = std::env::join_paths(private)
+        {
+            cmd.arg("--image-readable-except").arg(private);
         }
         cmd.arg("--landlock")
             .arg(landlock.as_str())
@@ -254,8 +256,15 @@ impl Confinement {
             }
             Some("--parent") => self.parent = Some(Pid::from_raw(number("--parent", &value()?)?)),
             Some("--image-readable-except") => {
-                self.image_files =
-                    ImageFiles::ReadableExcept(std::env::split_paths(&value()?).collect());
+                let private: Vec<PathBuf> = std::env::split_paths(&value()?).collect();
+                // Each must name the top-level directory it keeps private.
+                if private
+                    .iter()
+                    .any(|path| !path.is_absolute() || path.parent().is_none())
+                {
+                    return Err("--image-readable-except takes absolute paths below /".to_owned());
+                }
+                self.image_files = ImageFiles::ReadableExcept(private);
             }
             _ => return Ok(false),
         }
@@ -773,6 +782,39 @@ pub(crate) mod tests {
         let worker = i32::try_from(std::process::id()).unwrap();
         assert_eq!(parsed.parent, Pid::from_raw(worker));
         assert_eq!(parsed.command, "echo hi");
+    }
+
+    #[test]
+    fn a_readable_image_keeps_its_private_top_level_directories_and_run_and_var() {
+        let private =
+            ImageFiles::ReadableExcept(vec!["/workspace/c1".into(), "/tmp/sessions".into()]);
+        let readable = readable_image_dirs(&private);
+        let at_root: Vec<PathBuf> = std::fs::read_dir("/")
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .filter(|path| {
+                !["/tmp", "/workspace", "/run", "/var"].contains(&path.to_str().unwrap())
+            })
+            .collect();
+        assert_eq!(readable.len(), at_root.len(), "{readable:?}");
+        assert!(at_root.iter().all(|path| readable.contains(path)));
+        assert!(readable_image_dirs(&ImageFiles::Hidden).is_empty());
+        let with = |private: &str| {
+            parse_args(args(&[
+                "--workspace",
+                "/w",
+                "--parent",
+                "1",
+                "--image-readable-except",
+                private,
+                "--",
+                "true",
+            ]))
+        };
+        assert!(with("/workspace:/tmp").is_ok());
+        for bad in ["", "relative", "/", "/workspace:"] {
+            assert!(with(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
