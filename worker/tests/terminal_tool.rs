@@ -903,12 +903,16 @@ async fn stop_a_fork_bomb(neighbours: &Neighbours) {
 async fn a_job_left_with_an_ampersand_is_watched_while_the_shell_waits(place: Where) {
     let neighbours = Neighbours::new(place);
     let ctx = &neighbours.offender;
+    // The job starts hogging once the test says so, after the call has returned: a fixed delay
+    // was once shorter than the call itself on a loaded machine.
     let started = ok(call(
         ctx,
-        json!({"command": "(sleep 0.3; head -c 2G /dev/zero | tail) >/dev/null 2>&1 &"}),
+        json!({"command": "(while [ ! -e go ]; do sleep 0.05; done; \
+                            head -c 2G /dev/zero | tail) >/dev/null 2>&1 &"}),
     )
     .await);
     assert_eq!(started["exit_code"], 0, "{started}");
+    std::fs::write(ctx.workspace.root().join("go"), "").unwrap();
     let until = std::time::Instant::now() + QUICKLY;
     tokio::time::sleep(Duration::from_millis(500)).await;
     while !processes_in(ctx.workspace.root()).is_empty() {
