@@ -37,6 +37,14 @@ pub const OPERATOR_IMAGE: &str = "trajectory.local/trajectory-operator:test";
 /// The uid and gid both images run as.
 pub const NONROOT: u32 = 65532;
 
+/// The registry the real node pulls task images from (`scripts/cluster/node-up.sh` starts it and
+/// pushes `scripts/registry/task-images.sh`'s images into it). Panics, saying `how_to_run`, when
+/// the cluster has none.
+pub fn registry(how_to_run: &str) -> String {
+    std::env::var("TRAJ_CLUSTER_REGISTRY")
+        .unwrap_or_else(|_| panic!("TRAJ_CLUSTER_REGISTRY is not set: {how_to_run}"))
+}
+
 /// The Ready node labelled `type=real`.
 #[derive(Debug, Clone)]
 pub struct RealNode {

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{LogParams, PostParams};
 use serde_json::json;
-use trajectory_tests::real_pods::{RealNode, TAINT_KEY, real_node};
+use trajectory_tests::real_pods::{RealNode, TAINT_KEY, real_node, registry};
 use trajectory_tests::{TestNamespace, client, unique_name, wait_until};
 
 const HOW_TO_RUN: &str = "run the tests with a real node: `scripts/cluster/with-cluster.sh \
@@ -247,13 +247,6 @@ async fn a_pod_that_does_not_tolerate_the_taint_stays_on_the_kwok_nodes() {
     assert!(bound.starts_with("kwok-node-"), "scheduled on {bound}");
 }
 
-/// The registry the real node pulls from (`scripts/cluster/node-up.sh` starts it and pushes the task
-/// images of `scripts/registry/task-images.sh` into it).
-fn registry() -> String {
-    std::env::var("TRAJ_CLUSTER_REGISTRY")
-        .unwrap_or_else(|_| panic!("TRAJ_CLUSTER_REGISTRY is not set: {HOW_TO_RUN}"))
-}
-
 /// A pod on the real node running `command` in `image`, pulled from its registry every time
 /// (`Always`), in the image's own working directory.
 fn task_pod(name: &str, image: &str, command: &[&str]) -> Pod {
@@ -291,7 +284,7 @@ async fn event_messages(client: &kube::Client, ns: &str, name: &str, reason: &st
 async fn task_images_are_pulled_from_a_registry_and_start_in_their_own_working_directory() {
     let client = client().await;
     let node = real_node(&client, HOW_TO_RUN).await;
-    let registry = registry();
+    let registry = registry(HOW_TO_RUN);
     let ns = TestNamespace::create(&client, "task-images").await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns.name());
     let glibc = format!("{registry}/tasks/glibc:1");

@@ -499,12 +499,7 @@ async fn a_batch_pod_runs_as_its_spec_says_and_logs_its_progress() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_task_image_from_a_registry_runs_the_terminal_and_one_without_a_shell_is_a_tool_error() {
     let setup = Setup::new("pods-task-image").await;
-    let registry = std::env::var("TRAJ_CLUSTER_REGISTRY").unwrap_or_else(|_| {
-        panic!(
-            "TRAJ_CLUSTER_REGISTRY is not set: {}",
-            trajectory_tests::real_pods::HOW_TO_RUN
-        )
-    });
+    let registry = trajectory_tests::real_pods::registry(trajectory_tests::real_pods::HOW_TO_RUN);
     let model = scripted_model(Duration::from_millis(5), "echo marker=$(cat /task/marker)").await;
     let images = ["glibc", "busybox", "noshell"];
     for image in images {

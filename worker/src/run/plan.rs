@@ -620,13 +620,13 @@ fn rows_with_images_on_the_host(dataset: &Path, listed: &ImagesNotHonoured) -> S
         .map(|image| format!("`{image}`"))
         .collect::<Vec<_>>()
         .join(", ");
-    let (rows, name, line) = if listed.rows == 1 {
-        ("1 row".to_owned(), "names", "line")
+    let (rows, name, own, line) = if listed.rows == 1 {
+        ("1 row".to_owned(), "names", "its", "line")
     } else {
-        (format!("{} rows", listed.rows), "name", "lines")
+        (format!("{} rows", listed.rows), "name", "their", "lines")
     };
     format!(
-        "{}: {rows} {name} a container image of its own (`image`/`docker_image`; {line} \
+        "{}: {rows} {name} a container image of {own} own (`image`/`docker_image`; {line} \
          {lines}{more}; {images}), but `trajectory-worker local` runs every prompt on this machine, \
          outside any container, where a task's image (its repository, its tools, its working \
          directory) is not there; nothing was run or written. Remove the `image` and \
@@ -812,7 +812,7 @@ mod tests {
         let message = error.to_string();
         assert!(matches!(error, RunError::NeedsContainers(_)), "{message}");
         assert!(
-            message.contains("12 rows name a container image of its own"),
+            message.contains("12 rows name a container image of their own"),
             "{message}"
         );
         assert!(
