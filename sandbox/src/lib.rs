@@ -113,6 +113,29 @@ pub enum ImageFiles {
     /// tokens and Secrets. Only for `serve` in a container of the task image, whose files are the
     /// task's.
     ReadableExcept(Vec<PathBuf>),
+    /// Every top-level directory of the container's image, readable and writable, but these (the
+    /// executor's own, its socket's) and `/run` and `/var`. Only for `serve --task`, in a task
+    /// container: a container of the row's image that serves one conversation and ends with it,
+    /// so its filesystem is that conversation's to change (a repository at `/testbed` to fix),
+    /// and the container, not the directory, is the confinement. Commands keep the container's
+    /// environment (the image's `PATH`, `HOME`, a conda environment): a task container holds no
+    /// secret.
+    WritableExcept(Vec<PathBuf>),
+}
+
+impl ImageFiles {
+    /// The private paths of [`ImageFiles::ReadableExcept`] or [`ImageFiles::WritableExcept`].
+    pub fn private(&self) -> &[PathBuf] {
+        match self {
+            Self::Hidden => &[],
+            Self::ReadableExcept(private) | Self::WritableExcept(private) => private,
+        }
+    }
+
+    /// Whether this is a task container's ([`ImageFiles::WritableExcept`]).
+    pub fn is_task_container(&self) -> bool {
+        matches!(self, Self::WritableExcept(_))
+    }
 }
 
 /// What one command, with everything it starts, may use ([`run`] says how each is enforced). Zero

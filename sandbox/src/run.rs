@@ -127,9 +127,12 @@ pub fn command(
         .arg("--")
         .arg(command)
         .current_dir(workspace)
-        .env_clear()
         .stdin(Stdio::null());
-    pass_environment(&mut cmd);
+    // A task container's environment is its image's, and holds no secret: commands keep it.
+    if !image_files.is_task_container() {
+        cmd.env_clear();
+        pass_environment(&mut cmd);
+    }
     cmd
 }
 
@@ -192,10 +195,15 @@ impl Confinement {
         cmd: &mut Command,
     ) {
         // A list that cannot be written down (a ':' in a path) leaves the image hidden: closed.
-        if let ImageFiles::ReadableExcept(private) = image_files
-            && let Ok(private) = std::env::join_paths(private)
+        let flag = match image_files {
+            ImageFiles::Hidden => None,
+            ImageFiles::ReadableExcept(_) => Some("--image-readable-except"),
+            ImageFiles::WritableExcept(_) => Some("--image-writable-except"),
+        };
+        if let Some(flag) = flag
+            && let Ok(private) = std::env::join_paths(image_files.private())
         {
-            cmd.arg("--image-readable-except").arg(private);
+            cmd.arg(flag).arg(private);
         }
         cmd.arg("--landlock")
             .arg(landlock.as_str())
@@ -255,16 +263,20 @@ impl Confinement {
                 self.limits.workspace_bytes = number("--max-workspace", &value()?)?;
             }
             Some("--parent") => self.parent = Some(Pid::from_raw(number("--parent", &value()?)?)),
-            Some("--image-readable-except") => {
+            Some(flag @ ("--image-readable-except" | "--image-writable-except")) => {
                 let private: Vec<PathBuf> = std::env::split_paths(&value()?).collect();
                 // Each must name the top-level directory it keeps private.
                 if private
                     .iter()
                     .any(|path| !path.is_absolute() || path.parent().is_none())
                 {
-                    return Err("--image-readable-except takes absolute paths below /".to_owned());
+                    return Err(format!("{flag} takes absolute paths below /"));
                 }
-                self.image_files = ImageFiles::ReadableExcept(private);
+                self.image_files = if flag == "--image-readable-except" {
+                    ImageFiles::ReadableExcept(private)
+                } else {
+                    ImageFiles::WritableExcept(private)
+                };
             }
             _ => return Ok(false),
         }
@@ -374,8 +386,12 @@ fn execute(args: &ExecutorArgs) -> Result<i32, String> {
     let (signal_fd, mut supervisor) =
         confine_executor(args.parent, &args.workspace, &args.confinement)?;
 
-    let shell = spawn_shell(&args.command, &args.workspace)
-        .map_err(|err| format!("could not start the shell: {err}"))?;
+    let shell = spawn_shell(
+        &args.command,
+        &args.workspace,
+        args.confinement.image_files.is_task_container(),
+    )
+    .map_err(|err| format!("could not start the shell: {err}"))?;
     let shell_pid = Pid::from_raw(i32::try_from(shell.id()).unwrap_or(i32::MAX));
     lower_priority(shell_pid);
     // The child handle is not waited through std: every child is reaped below with waitpid.
@@ -475,8 +491,8 @@ pub(crate) fn confine(
     if mode == LandlockMode::Off {
         return Ok(());
     }
-    let status = landlock_rules(workspace, &readable_image_dirs(image_files))
-        .map_err(|err| format!("Landlock: {err}"))?;
+    let status =
+        landlock_rules(workspace, image_files).map_err(|err| format!("Landlock: {err}"))?;
     match (status, mode) {
         (RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced, _)
         | (RulesetStatus::NotEnforced, LandlockMode::Auto) => Ok(()),
@@ -488,12 +504,13 @@ pub(crate) fn confine(
     }
 }
 
-/// The top-level entries of `/` that [`ImageFiles`] makes readable: none, or all but the private
-/// ones and [`NEVER_READABLE`].
+/// The top-level entries of `/` that [`ImageFiles`] opens (to read, or in a task container to
+/// write too): none, or all but the private ones and [`NEVER_READABLE`].
 fn readable_image_dirs(image_files: &ImageFiles) -> Vec<PathBuf> {
-    let ImageFiles::ReadableExcept(private) = image_files else {
+    let private = image_files.private();
+    if matches!(image_files, ImageFiles::Hidden) {
         return Vec::new();
-    };
+    }
     let Ok(entries) = std::fs::read_dir("/") else {
         return Vec::new();
     };
@@ -511,32 +528,44 @@ fn top_level(path: &Path) -> PathBuf {
     path.components().take(2).collect()
 }
 
+/// Read-only system paths, writable devices, and `workspace` writable; the image's top-level
+/// directories as [`ImageFiles`] opens them. In a task container those are writable, and the
+/// workspace (a directory in them, or `/` itself for an image without a working directory) adds
+/// nothing: a rule on `/` would open the private directories too.
 fn landlock_rules(
     workspace: &Path,
-    image_dirs: &[PathBuf],
+    image_files: &ImageFiles,
 ) -> Result<RulesetStatus, landlock::RulesetError> {
     let abi = LANDLOCK_ABI;
     let read = AccessFs::from_read(abi);
     let all = AccessFs::from_all(abi);
+    let (image_access, workspace_rule) = if image_files.is_task_container() {
+        (all, None)
+    } else {
+        (read, Some(workspace))
+    };
     let status = Ruleset::default()
         .set_compatibility(CompatLevel::BestEffort)
         .handle_access(all)?
         .scope(Scope::from_all(abi))?
         .create()?
         .add_rules(path_beneath_rules(SYSTEM_READ_ONLY, read))?
-        .add_rules(path_beneath_rules(image_dirs, read))?
+        .add_rules(path_beneath_rules(
+            readable_image_dirs(image_files),
+            image_access,
+        ))?
         .add_rules(path_beneath_rules(
             WRITABLE_DEVICES,
             AccessFs::from_file(abi),
         ))?
-        .add_rules(path_beneath_rules([workspace], all))?
+        .add_rules(path_beneath_rules(workspace_rule, all))?
         .restrict_self()?;
     Ok(status.ruleset)
 }
 
 /// Starts the shell in the workspace, with the executor's standard streams and an environment of
 /// its own: `HOME` and `TMPDIR` are the workspace, `TERM=dumb`, and what [`pass_environment`]
-/// passes. `bash`, or `sh` where bash is missing. The shell leads a process group of its own,
+/// passes (in a task container, the container's environment and `TERM=dumb`). `bash`, or `sh` where bash is missing. The shell leads a process group of its own,
 /// which its pipelines and background jobs join: one `killpg` ends them all at once, forks in
 /// flight included (a fork bomb outpaces killing its members one by one).
 ///
@@ -545,20 +574,25 @@ fn landlock_rules(
 /// change to that glibc's `posix_spawn` cannot be told about (a static build), std forks the
 /// executor and tries each `PATH` entry with `execve`; like this it spawns with `posix_spawn`
 /// (`vfork`: no page tables copied) and one `execve` (issue 13, the terminal's CPU per command).
-fn spawn_shell(command: &OsStr, workspace: &Path) -> std::io::Result<std::process::Child> {
+fn spawn_shell(
+    command: &OsStr,
+    workspace: &Path,
+    task_container: bool,
+) -> std::io::Result<std::process::Child> {
     use std::os::unix::process::CommandExt;
     std::env::set_current_dir(workspace)?;
     let spawn = |shell: &str| {
         let mut cmd = Command::new(on_path(shell));
         cmd.arg0(shell).process_group(0);
-        cmd.arg("-c")
-            .arg(command)
-            .env_clear()
-            .env("HOME", workspace)
-            .env("TMPDIR", workspace)
-            .env("TERM", "dumb");
-        pass_environment(&mut cmd);
-        cmd.spawn()
+        cmd.arg("-c").arg(command);
+        // In a task container the image's environment stays (`command` kept it).
+        if !task_container {
+            cmd.env_clear()
+                .env("HOME", workspace)
+                .env("TMPDIR", workspace);
+            pass_environment(&mut cmd);
+        }
+        cmd.env("TERM", "dumb").spawn()
     };
     match spawn("bash") {
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => spawn("sh"),

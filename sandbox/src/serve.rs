@@ -66,6 +66,10 @@ struct ServeArgs {
     session_root: PathBuf,
     /// `--image-readable`: the container's image is the task's, and its files are readable.
     image_readable: bool,
+    /// `--task`: a task container, one conversation's: its image's files are writable, a
+    /// workspace is any directory of them (the empty name: where the server started, the
+    /// image's working directory), and commands keep the container's environment.
+    task: bool,
 }
 
 fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ServeArgs, String> {
@@ -73,9 +77,14 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ServeArgs, Str
     let mut workspace_root = None;
     let mut session_root = std::env::temp_dir();
     let mut image_readable = false;
+    let mut task = false;
     while let Some(flag) = args.next() {
         if flag == "--image-readable" {
             image_readable = true;
+            continue;
+        }
+        if flag == "--task" {
+            task = true;
             continue;
         }
         let value = args
@@ -88,11 +97,18 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<ServeArgs, Str
             _ => return Err(format!("unknown argument {}", flag.display())),
         }
     }
+    let workspace_root = match (workspace_root, task) {
+        (Some(root), _) => root,
+        // A task container's workspaces are its image's directories.
+        (None, true) => PathBuf::from("/"),
+        (None, false) => return Err("missing --workspace-root".to_owned()),
+    };
     Ok(ServeArgs {
         socket: socket.ok_or("missing --socket")?,
-        workspace_root: workspace_root.ok_or("missing --workspace-root")?,
+        workspace_root,
         session_root,
         image_readable,
+        task,
     })
 }
 
@@ -154,7 +170,9 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         .map_err(|err| format!("cannot listen on {}: {err}", args.socket.display()))?;
 
     // The workspaces, the sessions' directories and the executor's own stay private.
-    let image_files = if args.image_readable {
+    let image_files = if args.task {
+        ImageFiles::WritableExcept(vec![executor.clone(), args.socket.clone()])
+    } else if args.image_readable {
         ImageFiles::ReadableExcept(vec![
             workspace_root.clone(),
             args.session_root.clone(),
@@ -164,11 +182,14 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
     } else {
         ImageFiles::Hidden
     };
+    let start_dir =
+        std::env::current_dir().map_err(|err| format!("no working directory: {err}"))?;
     let places = Places {
         executor,
         workspace_root,
         session_root: args.session_root.clone(),
         image_files,
+        start_dir,
     };
     let executors: Shared = Arc::default();
     {
@@ -204,6 +225,40 @@ struct Places {
     workspace_root: PathBuf,
     session_root: PathBuf,
     image_files: ImageFiles,
+    /// Where the server started: in a task container, the image's working directory, which a
+    /// workspace of the empty name is.
+    start_dir: PathBuf,
+}
+
+impl Places {
+    /// The directory a request's `workspace` names: one under the workspace root; in a task
+    /// container, any directory but the private ones, and the empty name is the start directory.
+    fn workspace(&self, requested: &str) -> Result<PathBuf, String> {
+        if !self.image_files.is_task_container() {
+            return resolve_workspace(&self.workspace_root, requested);
+        }
+        let requested = if requested.is_empty() {
+            self.start_dir.as_path()
+        } else {
+            Path::new(requested)
+        };
+        let workspace = requested
+            .canonicalize()
+            .map_err(|err| format!("cannot work in {}: {err}", requested.display()))?;
+        let private = self
+            .image_files
+            .private()
+            .iter()
+            .filter_map(|path| path.components().nth(1))
+            .any(|top| workspace.components().nth(1) == Some(top));
+        if private || !workspace.is_dir() {
+            return Err(format!(
+                "cannot work in {}: not a directory of the task's image",
+                requested.display()
+            ));
+        }
+        Ok(workspace)
+    }
 }
 
 fn accept(listener: &UnixListener, places: &Places, executors: &Shared) {
@@ -303,7 +358,7 @@ fn connection(mut stream: UnixStream, places: &Places, executors: &Shared) {
         Err(message) => Err(message),
     };
     let outcome = request.and_then(|request| {
-        let workspace = resolve_workspace(&places.workspace_root, &request.workspace)?;
+        let workspace = places.workspace(&request.workspace)?;
         start(places, &workspace, &request, executors)
     });
     let code = match outcome {
@@ -451,7 +506,7 @@ fn session_dir(
 ) -> Result<PathBuf, String> {
     use std::os::unix::fs::DirBuilderExt;
     match (&request.workspace, private) {
-        (Some(workspace), _) => resolve_workspace(&places.workspace_root, workspace),
+        (Some(workspace), _) => places.workspace(workspace),
         (None, Some(dir)) => std::fs::DirBuilder::new()
             .mode(0o700)
             .create(dir)

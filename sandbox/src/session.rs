@@ -45,7 +45,8 @@ const MAX_QUEUED_BYTES: usize = 1 << 20;
 
 /// The command line of an executor running `request`'s program with `dir` as its private
 /// directory. Its environment: `PATH` and [`crate::PASSED_ENV`] of this process, `HOME` and
-/// `TMPDIR` set to `dir`, then the request's variables. The caller sets the standard input to
+/// `TMPDIR` set to `dir`, then the request's variables (in a task container, this process's
+/// whole environment, then the request's variables). The caller sets the standard input to
 /// the connection (and may set a process group); the executor's own output goes nowhere.
 pub fn command(
     executor: &Path,
@@ -65,11 +66,15 @@ pub fn command(
     cmd.arg("--")
         .args(&request.argv)
         .current_dir(dir)
-        .env_clear()
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    pass_environment(&mut cmd);
-    cmd.env("HOME", dir).env("TMPDIR", dir).envs(&request.env);
+    // A task container's environment is its image's, and holds no secret: the program keeps it.
+    if !image_files.is_task_container() {
+        cmd.env_clear();
+        pass_environment(&mut cmd);
+        cmd.env("HOME", dir).env("TMPDIR", dir);
+    }
+    cmd.envs(&request.env);
     cmd
 }
 

@@ -131,6 +131,11 @@ pub struct WorkspaceArgs {
     /// instead of starting an executor here (the generation pods).
     #[arg(long, env = env::SANDBOX_SOCKET, conflicts_with = "executor")]
     pub sandbox_socket: Option<PathBuf>,
+    /// Run each conversation's terminal in a task container of its row's image: conversation *k*
+    /// of the batch through the socket `slot-<k>/executor.sock` under this directory (the
+    /// generation pods of a run whose rows name images).
+    #[arg(long, env = env::TASK_SOCKETS, requires = "sandbox_socket")]
+    pub task_sockets: Option<PathBuf>,
 }
 
 fn parse_landlock(text: &str) -> Result<LandlockMode, String> {
@@ -476,6 +481,7 @@ async fn batch_command(
     let manifest = Manifest::require(&location.run_dir())?;
     let mut engine = Engine::new(&location.plan.spec, workspaces.root())?;
     engine.sandbox = sandbox;
+    engine.task_sockets.clone_from(&workspaces.task_sockets);
     let mut summary = run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await?;
     summary.landlock = Some(landlock);
     Ok(summary)

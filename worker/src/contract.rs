@@ -37,6 +37,10 @@ pub mod env {
     pub const EXECUTOR: &str = "TRAJ_EXECUTOR";
     /// The Unix socket of the sandbox container's executor (generation pods).
     pub const SANDBOX_SOCKET: &str = "TRAJ_SANDBOX_SOCKET";
+    /// The directory of the task containers' sockets (generation pods of a run whose rows name
+    /// their own images): conversation *k* of the batch runs its commands through
+    /// [`super::paths::task_socket`]`(dir, k)`.
+    pub const TASK_SOCKETS: &str = "TRAJ_TASK_SOCKETS";
 }
 
 /// Every Secret key a tool setting of `tools` refers to, with the environment variable the
@@ -109,6 +113,15 @@ pub mod paths {
     pub const SANDBOX_BIN_DIR: &str = "/sandbox/bin";
     /// The run's report page, in its output directory, written by merge.
     pub const REPORT_FILE: &str = "report.html";
+    /// Where the worker finds the task containers' sockets, one directory (an emptyDir shared
+    /// with that task container alone) a conversation slot.
+    pub const TASK_SOCKETS_DIR: &str = "/sandbox/tasks";
+
+    /// The socket of task container `slot` under `dir` ([`TASK_SOCKETS_DIR`] in a pod): its
+    /// directory `slot-<slot>`, which the task container mounts at [`SANDBOX_SOCKET_DIR`].
+    pub fn task_socket(dir: &std::path::Path, slot: u64) -> std::path::PathBuf {
+        dir.join(format!("slot-{slot}")).join(SANDBOX_SOCKET_FILE)
+    }
 }
 
 /// Process exit codes. Anything not listed is transient: the Job retries the index.

@@ -413,6 +413,14 @@ pub fn probe_image(
         }))
 }
 
+/// Where a row's conversation starts in its image: its `cwd`, when that is a non-empty string.
+pub fn row_cwd(source: &Map<String, Value>) -> Option<String> {
+    match source.get("cwd") {
+        Some(Value::String(cwd)) if !cwd.is_empty() => Some(cwd.clone()),
+        _ => None,
+    }
+}
+
 /// The [`IMAGE_FIELDS`] of a row.
 #[derive(serde::Deserialize)]
 struct Images {

@@ -1078,8 +1078,12 @@ struct TopLevelDir(std::path::PathBuf);
 
 impl TopLevelDir {
     fn create() -> Self {
-        let dir =
-            std::path::PathBuf::from(format!("/trajectory-image-probe-{}", std::process::id()));
+        static MADE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let dir = std::path::PathBuf::from(format!(
+            "/trajectory-image-probe-{}-{}",
+            std::process::id(),
+            MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
         std::fs::create_dir_all(&dir).expect("a directory at / (the tests run as root)");
         std::fs::write(dir.join("README.md"), "the task's repository\n").unwrap();
         Self(dir)
@@ -1133,4 +1137,63 @@ async fn in_a_task_image_its_files_are_readable_and_the_other_conversations_are_
         let denied = output.matches("Permission denied").count();
         assert_eq!(denied, if readable { 2 } else { 3 }, "{output}");
     }
+}
+
+/// A task container (`serve --task`) is one conversation's container of its row's image: the
+/// shell starts in the image's working directory (or the row's `cwd`), with the image's
+/// environment, and may change the image's files, Landlock required; the executor's own
+/// directories stay out of reach, and the file tools say that they cannot follow.
+#[tokio::test]
+async fn in_a_task_container_commands_start_in_its_directory_and_change_its_files() {
+    let image_dir = TopLevelDir::create();
+    std::fs::create_dir(image_dir.0.join("src")).unwrap();
+    let server =
+        SandboxServer::start_task_container(&image_dir.0, &[("IMAGE_VAR", "from-the-image")]);
+    let socket_dir = server.socket().parent().unwrap().to_owned();
+    let scratch = tempfile::tempdir().unwrap();
+    for (cwd, expected) in [
+        (None, image_dir.0.clone()),
+        (
+            Some(image_dir.0.join("src").display().to_string()),
+            image_dir.0.join("src"),
+        ),
+    ] {
+        let context = ToolContext {
+            workspace: Workspace::new(scratch.path()).unwrap(),
+            limits: ToolLimits::default(),
+            sandbox: server
+                .sandbox(LandlockMode::Required)
+                .in_task_container(server.socket(), cwd),
+            browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+            terminal: trajectory_worker::tools::terminal::Terminal::default(),
+        };
+        let probe = format!(
+            "pwd; echo \"var=$IMAGE_VAR\"; echo fixed >> {readme}; ls {socket_dir} 2>&1 | head -n 1",
+            readme = image_dir.0.join("README.md").display(),
+            socket_dir = socket_dir.display(),
+        );
+        let result = ok(call(&context, json!({"command": probe})).await);
+        let output = result["output"].as_str().unwrap_or_default().to_owned();
+        let mut lines = output.lines();
+        assert_eq!(lines.next(), Some(expected.to_str().unwrap()), "{output}");
+        assert_eq!(lines.next(), Some("var=from-the-image"), "{output}");
+        assert!(
+            lines
+                .next()
+                .is_some_and(|line| line.contains("Permission denied")),
+            "the socket's directory is private: {output}"
+        );
+        // The shell keeps its directory between calls, as anywhere.
+        let again = ok(call(&context, json!({"command": "cd /; pwd"})).await);
+        assert_eq!(again["output"], "/", "{again}");
+        let after = ok(call(&context, json!({"command": "pwd"})).await);
+        assert_eq!(after["output"], "/", "{after}");
+        let refusal = context.file_workspace().expect_err("file tools refuse");
+        assert!(refusal.contains("terminal"), "{refusal}");
+        context.close().await;
+    }
+    assert_eq!(
+        std::fs::read_to_string(image_dir.0.join("README.md")).unwrap(),
+        "the task's repository\nfixed\nfixed\n"
+    );
 }

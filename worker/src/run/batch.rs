@@ -77,6 +77,9 @@ pub struct Engine {
     /// How terminal commands are confined: by default this binary as the executor, Landlock
     /// where the kernel has it.
     pub sandbox: Sandbox,
+    /// Set in a pod whose task containers run the rows' images: the directory of their sockets
+    /// ([`crate::contract::paths::task_socket`]), one container a conversation of the batch.
+    pub task_sockets: Option<PathBuf>,
     pub require_reasoning: bool,
     pub openai_format: bool,
     pub seed: u64,
@@ -131,6 +134,7 @@ impl Engine {
             workspace_root,
             keep_workspaces: spec.tools.keep_workspaces,
             sandbox: Sandbox::local(LandlockMode::Auto),
+            task_sockets: None,
             require_reasoning: spec.filters.require_reasoning,
             openai_format: spec.openai_format,
             seed: spec.seed,
@@ -1001,7 +1005,19 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
             return Item::Stop(StorageError::new("creating a workspace in", root, err).into());
         }
     };
-    let result = converse(shared, &offered, &row.prompt, lent)
+    let sandbox = match &engine.task_sockets {
+        // One task container a conversation: the slot is the conversation's place in the batch.
+        Some(dir) => {
+            let slot = (prompt_index - shared.first_prompt) * u64::from(engine.samples_per_prompt)
+                + u64::from(sample);
+            engine.sandbox.clone().in_task_container(
+                crate::contract::paths::task_socket(dir, slot),
+                crate::dataset::row_cwd(&row.source),
+            )
+        }
+        None => engine.sandbox.clone(),
+    };
+    let result = converse(shared, &offered, &row.prompt, lent, sandbox)
         .instrument(info_span!("conversation", prompt_index, sample))
         .await;
     let finished_at = chrono::Utc::now();
@@ -1061,6 +1077,7 @@ async fn converse(
     offered: &Offered,
     prompt: &str,
     lent: WorkspaceDir,
+    sandbox: Sandbox,
 ) -> Result<Conversation, ConversationError> {
     let engine = &shared.engine;
     let WorkspaceDir {
@@ -1071,7 +1088,7 @@ async fn converse(
     let tool_context = ToolContext {
         workspace,
         limits: engine.limits.clone(),
-        sandbox: engine.sandbox.clone(),
+        sandbox,
         browser: crate::tools::browser::ConversationBrowser::default(),
         terminal: crate::tools::terminal::Terminal::default(),
     };

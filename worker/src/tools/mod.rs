@@ -128,6 +128,13 @@ impl ToolContext {
     /// The workspace as the file tools see it: relative paths start in the terminal's working
     /// directory, as hermes-agent's file tools do.
     pub fn file_workspace(&self) -> Result<Workspace, String> {
+        if self.sandbox.task.is_some() {
+            return Err(
+                "the file tools do not reach the files of this task's container image; \
+                 read and change them with the terminal (cat, sed, a heredoc)"
+                    .to_owned(),
+            );
+        }
         let base = terminal::file_base(&self.terminal, self.workspace.root())?;
         Ok(Workspace {
             root: self.workspace.root.clone(),

@@ -43,6 +43,22 @@ pub struct Sandbox {
     pub landlock: LandlockMode,
     /// What each command may use ([`Limits::DEFAULT`] unless set).
     pub limits: Limits,
+    /// Set when the executor serves one conversation in a container of its row's image (a task
+    /// container): its commands work in that image's directories, not in a workspace.
+    pub task: Option<TaskDir>,
+}
+
+/// Where a conversation in a task container starts: the row's `cwd`, or (`None`) the image's own
+/// working directory, which only the executor in the container knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskDir(pub Option<String>);
+
+impl TaskDir {
+    /// The workspace a request names: the directory, or the empty name the task container's
+    /// executor reads as its start directory.
+    pub fn workspace(&self) -> &str {
+        self.0.as_deref().unwrap_or("")
+    }
 }
 
 /// Where the executor is.
@@ -63,6 +79,7 @@ impl Sandbox {
             },
             landlock,
             limits: Limits::DEFAULT,
+            task: None,
         }
     }
 
@@ -79,6 +96,25 @@ impl Sandbox {
             },
             landlock,
             limits: Limits::DEFAULT,
+            task: None,
+        }
+    }
+
+    /// The task container of one conversation whose `trajectory-executor serve --task` listens on
+    /// `socket`, starting in `cwd` (`None`: the image's working directory). Its commands get no
+    /// workspace limit: the container's ephemeral storage is theirs, and the kubelet limits it.
+    #[must_use]
+    pub fn in_task_container(self, socket: impl Into<PathBuf>, cwd: Option<String>) -> Self {
+        Self {
+            place: Place::Pod {
+                socket: socket.into(),
+            },
+            limits: Limits {
+                workspace_bytes: 0,
+                ..self.limits
+            },
+            task: Some(TaskDir(cwd)),
+            ..self
         }
     }
 

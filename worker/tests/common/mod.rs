@@ -468,16 +468,47 @@ impl SandboxServer {
     fn start_with(root: &Path, flags: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("sessions")).unwrap();
+        let mut command = Command::new(trajectory_worker::tools::sandbox::find_executor());
+        command
+            .arg("--workspace-root")
+            .arg(root)
+            .arg("--session-root")
+            .arg(dir.path().join("sessions"))
+            .args(flags)
+            .env_clear();
+        Self::spawn(dir, command)
+    }
+
+    /// As a task container's (`serve --task`): started in `start_dir` (the image's working
+    /// directory) with the environment `env` (the image's).
+    pub fn start_task_container(start_dir: &Path, env: &[(&str, &str)]) -> Self {
+        let mut command = Command::new(trajectory_worker::tools::sandbox::find_executor());
+        command
+            .arg("--task")
+            .current_dir(start_dir)
+            .env_clear()
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .envs(env.iter().copied());
+        Self::spawn(tempfile::tempdir().unwrap(), command)
+    }
+
+    /// Starts `command` (the executor, with the flags besides `serve --socket`) listening in `dir`.
+    fn spawn(dir: tempfile::TempDir, command: Command) -> Self {
+        let mut args: Vec<std::ffi::OsString> = vec!["serve".into(), "--socket".into()];
+        args.push(dir.path().join("executor.sock").into());
+        args.extend(command.get_args().map(std::ffi::OsStr::to_owned));
+        let mut full = Command::new(command.get_program());
+        full.args(args).env_clear();
+        for (name, value) in command.get_envs() {
+            if let Some(value) = value {
+                full.env(name, value);
+            }
+        }
+        if let Some(start) = command.get_current_dir() {
+            full.current_dir(start);
+        }
         let server = Self {
-            process: Command::new(trajectory_worker::tools::sandbox::find_executor())
-                .args(["serve", "--socket"])
-                .arg(dir.path().join("executor.sock"))
-                .arg("--workspace-root")
-                .arg(root)
-                .arg("--session-root")
-                .arg(dir.path().join("sessions"))
-                .args(flags)
-                .env_clear()
+            process: full
                 .spawn()
                 .expect("starting trajectory-executor serve (built with the workspace's tests)"),
             dir,

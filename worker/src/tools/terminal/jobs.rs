@@ -105,7 +105,7 @@ impl Jobs {
             limits: sandbox.limits,
             cdp_pipe: false,
             workspace: Some(start.workspace.to_owned()),
-            cwd: Some(start.cwd.to_owned()),
+            cwd: start.cwd.map(|cwd| cwd.display().to_string()),
         };
         let program = match Program::start(sandbox, &request, LOG_BYTES, OUTPUT_LIMIT).await {
             Ok(program) => program,
@@ -119,7 +119,10 @@ impl Jobs {
         let job = Arc::new(Job {
             id: id.clone(),
             command: start.command.to_owned(),
-            cwd: start.cwd.to_owned(),
+            cwd: start.cwd.map_or_else(
+                || start.workspace.to_owned(),
+                |cwd| cwd.display().to_string(),
+            ),
             started: Instant::now(),
             started_at: chrono::Local::now().format("%Y-%m-%dT%H:%M:%S").to_string(),
             program,
@@ -208,7 +211,8 @@ impl Jobs {
 pub(super) struct JobStart<'a> {
     pub(super) command: &'a str,
     pub(super) workspace: &'a str,
-    pub(super) cwd: &'a str,
+    /// `None`: the workspace itself.
+    pub(super) cwd: Option<&'a std::path::Path>,
     /// `export -p` of the shell: sets its exported variables again.
     pub(super) exported: &'a str,
     pub(super) flavour: Flavour,

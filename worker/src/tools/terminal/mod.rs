@@ -82,6 +82,32 @@ impl Terminal {
             .clone()
     }
 
+    /// The workspace the executor is asked for, and the directory to start in (`workdir`, as
+    /// `cd` would take it, relative to where the shell is): the conversation's workspace and the
+    /// shell's last directory while it still exists; in a task container, the row's directory
+    /// (or the image's) and the shell's last directory in the container, or none before the
+    /// first command (the executor starts in the workspace).
+    fn start_place(&self, ctx: &ToolContext, workdir: Option<&str>) -> (String, Option<PathBuf>) {
+        let here = if let Some(task) = &ctx.sandbox.task {
+            (task.workspace().to_owned(), self.cwd())
+        } else {
+            let root = ctx.workspace.root();
+            let cwd = self
+                .cwd()
+                .filter(|cwd| cwd.is_dir())
+                .unwrap_or_else(|| root.to_owned());
+            (root.display().to_string(), Some(cwd))
+        };
+        match (here, workdir) {
+            ((workspace, Some(cwd)), Some(dir)) => (workspace, Some(cwd.join(dir))),
+            ((workspace, None), Some(dir)) => {
+                let base = PathBuf::from(&workspace);
+                (workspace, Some(base.join(dir)))
+            }
+            (here, None) => here,
+        }
+    }
+
     fn set_cwd(&self, cwd: PathBuf) {
         *self.cwd.lock().unwrap_or_else(PoisonError::into_inner) = Some(cwd);
     }
@@ -111,12 +137,8 @@ impl Terminal {
             } else {
                 Flavour::Bash
             };
-            let root = ctx.workspace.root();
-            let cwd = self
-                .cwd()
-                .filter(|cwd| cwd.is_dir())
-                .unwrap_or_else(|| root.to_owned());
-            let shell = Shell::start(&ctx.sandbox, root, &cwd, flavour)
+            let (workspace, cwd) = self.start_place(ctx, None);
+            let shell = Shell::start(&ctx.sandbox, &workspace, cwd.as_deref(), flavour)
                 .await
                 .map_err(|err| format!("could not start the shell: {err}"))?;
             slot.shell = Some(shell);
@@ -225,17 +247,14 @@ impl Terminal {
                 Err(message) => return json!({"output": "", "exit_code": -1, "error": message}),
             }
         };
-        let root = ctx.workspace.root();
-        let here = self.cwd().unwrap_or_else(|| root.to_owned());
-        // As `cd` would take it: a relative `workdir` starts where the shell is.
-        let cwd = workdir.map_or_else(|| here.clone(), |dir| here.join(dir));
+        let (workspace, cwd) = self.start_place(ctx, workdir);
         self.jobs
             .start(
                 &ctx.sandbox,
                 JobStart {
                     command,
-                    workspace: &root.display().to_string(),
-                    cwd: &cwd.display().to_string(),
+                    workspace: &workspace,
+                    cwd: cwd.as_deref(),
                     exported: exported.as_deref().unwrap_or(""),
                     flavour,
                 },

@@ -102,12 +102,13 @@ pub(super) struct Shell {
 }
 
 impl Shell {
-    /// Starts a shell of `flavour` in `workspace`, in the directory `cwd`, and waits until it
-    /// is ready for commands (or has ended: the first command then says why).
+    /// Starts a shell of `flavour` in `workspace`, in the directory `cwd` (`None`: the
+    /// workspace), and waits until it is ready for commands (or has ended: the first command
+    /// then says why).
     pub(super) async fn start(
         sandbox: &Sandbox,
-        workspace: &Path,
-        cwd: &Path,
+        workspace: &str,
+        cwd: Option<&Path>,
         flavour: Flavour,
     ) -> std::io::Result<Self> {
         let argv = match flavour {
@@ -124,8 +125,8 @@ impl Shell {
             landlock: sandbox.landlock,
             limits: sandbox.limits,
             cdp_pipe: false,
-            workspace: Some(workspace.display().to_string()),
-            cwd: Some(cwd.display().to_string()),
+            workspace: Some(workspace.to_owned()),
+            cwd: cwd.map(|cwd| cwd.display().to_string()),
         };
         // Starting is CPU work (the executor's start and confinement, the shell's own start) that
         // nothing else waits on; started all at once, as a batch's conversations do, they would
