@@ -468,7 +468,7 @@ impl SandboxServer {
     fn start_with(root: &Path, flags: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("sessions")).unwrap();
-        let mut command = Command::new(trajectory_worker::tools::sandbox::find_executor());
+        let mut command = Self::command(&dir);
         command
             .arg("--workspace-root")
             .arg(root)
@@ -476,39 +476,36 @@ impl SandboxServer {
             .arg(dir.path().join("sessions"))
             .args(flags)
             .env_clear();
-        Self::spawn(dir, command)
+        Self::spawn(dir, &mut command)
     }
 
     /// As a task container's (`serve --task`): started in `start_dir` (the image's working
     /// directory) with the environment `env` (the image's).
     pub fn start_task_container(start_dir: &Path, env: &[(&str, &str)]) -> Self {
-        let mut command = Command::new(trajectory_worker::tools::sandbox::find_executor());
+        let dir = tempfile::tempdir().unwrap();
+        let mut command = Self::command(&dir);
         command
             .arg("--task")
             .current_dir(start_dir)
             .env_clear()
             .env("PATH", "/usr/local/bin:/usr/bin:/bin")
             .envs(env.iter().copied());
-        Self::spawn(tempfile::tempdir().unwrap(), command)
+        Self::spawn(dir, &mut command)
     }
 
-    /// Starts `command` (the executor, with the flags besides `serve --socket`) listening in `dir`.
-    fn spawn(dir: tempfile::TempDir, command: Command) -> Self {
-        let mut args: Vec<std::ffi::OsString> = vec!["serve".into(), "--socket".into()];
-        args.push(dir.path().join("executor.sock").into());
-        args.extend(command.get_args().map(std::ffi::OsStr::to_owned));
-        let mut full = Command::new(command.get_program());
-        full.args(args).env_clear();
-        for (name, value) in command.get_envs() {
-            if let Some(value) = value {
-                full.env(name, value);
-            }
-        }
-        if let Some(start) = command.get_current_dir() {
-            full.current_dir(start);
-        }
+    /// `trajectory-executor serve` listening in `dir`, before its other flags.
+    fn command(dir: &tempfile::TempDir) -> Command {
+        let mut command = Command::new(trajectory_worker::tools::sandbox::find_executor());
+        command
+            .args(["serve", "--socket"])
+            .arg(dir.path().join("executor.sock"));
+        command
+    }
+
+    /// Starts `command` and waits until it listens in `dir`.
+    fn spawn(dir: tempfile::TempDir, command: &mut Command) -> Self {
         let server = Self {
-            process: full
+            process: command
                 .spawn()
                 .expect("starting trajectory-executor serve (built with the workspace's tests)"),
             dir,
