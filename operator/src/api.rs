@@ -161,11 +161,6 @@ pub struct PromptCounts {
     pub failed: u64,
     /// Dataset lines refused by the plan (listed in `invalid.jsonl`).
     pub invalid: u64,
-    /// Valid prompts that name a sandbox image of their own (`image` / `docker_image`) other
-    /// than the run's `spec.sandbox.image`: they run in the run's image all the same (the plan
-    /// pod's log and summary list the first lines).
-    #[serde(default)]
-    pub images_not_honoured: u64,
 }
 
 /// Batch counts.

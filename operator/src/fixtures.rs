@@ -243,7 +243,7 @@ impl ObservedFixture {
                 spec_hash: "blake3:y".into(),
                 done_truncated: false,
                 pending_list: None,
-                images_not_honoured: None,
+                images: None,
             }),
             ..Observed::default()
         })

@@ -182,23 +182,48 @@ pub struct RunPlan {
     pub pending_list: Option<String>,
 }
 
-/// The rows whose own sandbox image a run does not honour.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// The batches of a run that run in containers of one image: the batches of the rows that name
+/// it (`image`, else `docker_image`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct ImagesNotHonoured {
-    /// How many.
-    pub rows: u64,
-    /// The dataset line numbers (from 1) of the first of them.
-    pub first_lines: Vec<u64>,
-    /// The first distinct images they name.
-    pub first_images: Vec<String>,
+pub struct ImageGroup {
+    /// The image, as the rows name it (the operator applies the run's registry rewrite).
+    pub image: String,
+    /// Its batches not done at plan time, in the ids the generation Jobs work (batch ids, or
+    /// slots of the plan's pending list when it wrote one), as ranges ([`format_ranges`]).
+    pub ids: String,
 }
 
-impl ImagesNotHonoured {
-    /// Line numbers listed: enough to find the rows, small enough for a termination message.
-    pub const LISTED_LINES: usize = 10;
-    /// Distinct images listed.
-    pub const LISTED_IMAGES: usize = 5;
+/// The images of the batches a plan found not done, grouped: one generation Job each. Batches of
+/// rows that name no image are in no group.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ImagePlan {
+    /// How many groups there are (distinct images of pending batches).
+    pub groups: u32,
+    /// The first groups, in the order the dataset first names their images: all of them, unless
+    /// [`ImagePlan::index`] is set.
+    pub listed: Vec<ImageGroup>,
+    /// Set when not every group fits the termination message: the path, relative to the run's
+    /// output directory, of the file holding them all, one [`ImageGroup`] a line
+    /// (`plan/images-<16 hex digits>.jsonl`, new on every plan).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<String>,
+}
+
+/// The most task containers (conversations) a generation pod of rows naming an image holds: each
+/// is a container of the row's image, started with the pod and idle once its conversation ended.
+pub const MAX_TASK_CONTAINERS: u32 = 16;
+
+/// Prompts in a batch of rows naming an image: `batchSize`, but no more than leave each of their
+/// `samples` conversations a task container of its own ([`MAX_TASK_CONTAINERS`]), and at least 1.
+pub fn task_batch_prompts(batch_size: u32, samples: u32) -> u32 {
+    (MAX_TASK_CONTAINERS / samples.max(1)).clamp(1, batch_size.max(1))
+}
+
+/// Task containers in a generation pod of rows naming an image: one a conversation of its batch.
+pub fn task_slots(batch_size: u32, samples: u32) -> u32 {
+    task_batch_prompts(batch_size, samples) * samples.max(1)
 }
 
 /// Kubernetes refuses an Indexed Job with `backoffLimitPerIndex` and more completions than this;
@@ -346,12 +371,10 @@ pub struct PlanSummary {
     /// works slots of it ([`RunPlan::pending_list`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_list: Option<String>,
-    /// Valid rows that name a sandbox image of their own (the reference's `image` or
-    /// `docker_image`) other than the run's task image: every prompt of a run runs in the run's
-    /// image (`spec.sandbox.image`), so these are listed rather than silently run elsewhere. The
-    /// fields stay in each record's `source`.
+    /// Set when rows name container images of their own: the pending batches grouped by image
+    /// ([`ImagePlan`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub images_not_honoured: Option<ImagesNotHonoured>,
+    pub images: Option<ImagePlan>,
 }
 
 /// Each range serialises to at least `{"first":0,"last":0}`: no summary of `limit` bytes holds
@@ -392,6 +415,44 @@ impl PlanSummary {
             }
         }
         self.done = all[..fits].to_vec();
+        self
+    }
+}
+
+impl PlanSummary {
+    /// The summary with the image groups `groups` ([`PlanSummary::images`]; none when empty), as
+    /// many as fit in `limit` bytes with the rest of it. When not all fit, [`ImagePlan::index`]
+    /// is `index`, the file the caller writes every group to before it reports the summary. Call
+    /// it after [`PlanSummary::fitting`], which decides what the ids are.
+    #[must_use]
+    pub fn with_images(mut self, groups: Vec<ImageGroup>, limit: usize, index: &str) -> Self {
+        if groups.is_empty() {
+            return self;
+        }
+        let count = u32::try_from(groups.len()).unwrap_or(u32::MAX);
+        self.images = Some(ImagePlan {
+            groups: count,
+            listed: groups,
+            index: None,
+        });
+        if serialised_within(&self, limit) {
+            return self;
+        }
+        let images = self.images.as_mut().expect("set above");
+        let all = std::mem::take(&mut images.listed);
+        images.index = Some(index.to_owned());
+        // The longest prefix that fits, by bisection: the size grows with the prefix.
+        let (mut fits, mut too_long) = (0, all.len() + 1);
+        while too_long - fits > 1 {
+            let middle = fits + (too_long - fits) / 2;
+            self.images.as_mut().expect("set above").listed = all[..middle].to_vec();
+            if serialised_within(&self, limit) {
+                fits = middle;
+            } else {
+                too_long = middle;
+            }
+        }
+        self.images.as_mut().expect("set above").listed = all[..fits].to_vec();
         self
     }
 }
@@ -716,7 +777,7 @@ mod tests {
             done_count: 500_000,
             done_truncated: false,
             pending_list: None,
-            images_not_honoured: None,
+            images: None,
         };
         // Every other batch done: 500,000 ranges, far beyond 4 KiB.
         let gaps: Vec<BatchRange> = (0..500_000)

@@ -13,6 +13,7 @@
 //!   trajectories.jsonl          merged output in dataset order
 //!   failures.jsonl              failed and discarded prompts
 //!   statistics.json             counts, tools, reasoning, tokens, latency
+//!   plan/images-<16 hex>.jsonl    the image groups, when a plan's summary could not list them all
 //!   plan/pending-<16 hex>.ranges  the batches not done, when a plan's summary could not list
 //!                               the done ones (one file per such plan, never rewritten)
 //! ```
@@ -222,6 +223,13 @@ impl RunDir {
     pub fn new_pending_list_name() -> String {
         let unique: u64 = rand::random();
         format!("{PLAN_DIR}/pending-{unique:016x}.ranges")
+    }
+
+    /// A name for a new plan's image index (every image group, when they do not all fit the
+    /// plan's summary), relative to the run directory: `plan/images-<16 random hex digits>.jsonl`.
+    pub fn new_image_index_name() -> String {
+        let unique: u64 = rand::random();
+        format!("{PLAN_DIR}/images-{unique:016x}.jsonl")
     }
 
     /// Removes the completion markers of `batches` (a marker already gone is fine), then makes the

@@ -895,7 +895,7 @@ async fn a_local_run_refuses_rows_with_an_image_of_their_own_before_anything_run
         .await
         .unwrap();
     assert_eq!(report.merge.trajectories, 6);
-    assert_eq!(report.plan.images_not_honoured, None);
+    assert_eq!(report.plan.images, None);
 }
 
 #[test]

@@ -310,7 +310,6 @@ fn generate(
     tally.planned = Some(Planned {
         total: plan.prompts,
         invalid: plan.invalid,
-        images_not_honoured: plan.images_not_honoured.as_ref().map(|listed| listed.rows),
     });
 
     let pending = ids.pending(&done)?;
@@ -659,8 +658,7 @@ fn recorded_plan(status: Option<&TrajectoryRunStatus>) -> Option<PlanSummary> {
         spec_hash: String::new(),
         done_truncated: pending_list.is_some(),
         pending_list,
-        // The status keeps the count alone; it is shown as it is.
-        images_not_honoured: None,
+        images: None,
     })
 }
 

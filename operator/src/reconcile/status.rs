@@ -135,8 +135,6 @@ pub struct Tally {
 pub struct Planned {
     pub total: u64,
     pub invalid: u64,
-    /// `None` when the plan's summary is known only from the status (which keeps the count).
-    pub images_not_honoured: Option<u64>,
 }
 
 /// What the merge wrote.
@@ -267,9 +265,6 @@ fn record_tally(status: &mut TrajectoryRunStatus, tally: &Tally) {
         let prompts = status.prompts.get_or_insert_with(PromptCounts::default);
         prompts.total = planned.total;
         prompts.invalid = planned.invalid;
-        if let Some(rows) = planned.images_not_honoured {
-            prompts.images_not_honoured = rows;
-        }
     }
     if let Some(attempt) = tally.attempt {
         status.attempt = Some(attempt);

@@ -30,6 +30,21 @@ pub struct Manifest {
     /// Per batch: the byte range of its lines in the dataset (a batch checks the bytes against
     /// the dataset's segment digests).
     pub batches: Vec<BatchLayout>,
+    /// The container images the rows name (`image`, else `docker_image`), each once, in the
+    /// order the dataset first names them. Empty when no row names one; then every batch holds
+    /// `batchSize` prompts (the last one may be short), and the two lists below are empty too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<String>,
+    /// Per batch, when rows name images: its image, as a position in [`Manifest::images`] from
+    /// 1, or 0 for rows that name none. A batch holds rows of one image only: it is cut where
+    /// the image changes, and holds at most [`crate::contract::task_batch_prompts`] prompts of
+    /// an image (each conversation gets a container of its own in the batch's pod).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub batch_images: Vec<u32>,
+    /// Per batch, when rows name images: the prompt index of its first prompt (batches are no
+    /// longer all `batchSize` prompts long).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub first_prompts: Vec<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -117,16 +132,35 @@ impl Manifest {
 
     /// Prompt index of a batch's first prompt.
     pub fn first_prompt(&self, batch: u32) -> u64 {
-        u64::from(batch) * u64::from(self.batch_size)
+        match self.first_prompts.get(batch as usize) {
+            Some(first) => *first,
+            None if self.first_prompts.is_empty() => u64::from(batch) * u64::from(self.batch_size),
+            // Past the last batch.
+            None => self.dataset.prompts,
+        }
     }
 
-    /// Prompts in a batch (the last one may be short).
+    /// Prompts in a batch (the last one may be short; with images, any may be).
     pub fn prompts_in(&self, batch: u32) -> u64 {
         let first = self.first_prompt(batch);
-        self.dataset
-            .prompts
+        if self.first_prompts.is_empty() {
+            return self
+                .dataset
+                .prompts
+                .saturating_sub(first)
+                .min(u64::from(self.batch_size));
+        }
+        self.first_prompt(batch.saturating_add(1))
+            .min(self.dataset.prompts)
             .saturating_sub(first)
-            .min(u64::from(self.batch_size))
+    }
+
+    /// The container image a batch's rows name, if they name one.
+    pub fn image_of(&self, batch: u32) -> Option<&str> {
+        let position = *self.batch_images.get(batch as usize)?;
+        self.images
+            .get((position as usize).checked_sub(1)?)
+            .map(String::as_str)
     }
 
     pub fn batch_count(&self) -> u32 {

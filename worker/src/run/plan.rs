@@ -6,6 +6,7 @@
 //! `invalid.jsonl`; two validators check the lines of alternate blocks, a few blocks behind the
 //! reader. Memory is a handful of blocks, whatever the size of the dataset.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -13,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
 use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
-use tracing::{info, warn};
+use tracing::info;
 
 use super::manifest::{
     BatchLayout, DatasetInfo, MANIFEST_VERSION, Manifest, RunIdentity, spec_hash,
@@ -21,7 +22,8 @@ use super::manifest::{
 use super::segments::{SEGMENT_BYTES, SegmentHasher};
 use super::{RunError, RunLocation};
 use crate::contract::{
-    BatchRange, ImagesNotHonoured, PlanSummary, Ranges, TERMINATION_MESSAGE_LIMIT, compact_ranges,
+    BatchRange, ImageGroup, PlanSummary, Ranges, TERMINATION_MESSAGE_LIMIT, compact_ranges,
+    format_ranges, task_batch_prompts,
 };
 use crate::dataset::{
     Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe, probe_image, without_bom,
@@ -80,6 +82,8 @@ fn check_block(block: &Block, prompt_field: &str, skip: bool) -> Vec<Checked> {
 struct Layout<'a> {
     max_samples: u64,
     batch_size: u64,
+    /// Prompts in a batch of rows naming an image ([`task_batch_prompts`]).
+    task_batch_size: u64,
     batches: Vec<BatchLayout>,
     lines: u64,
     prompts: u64,
@@ -87,28 +91,104 @@ struct Layout<'a> {
     bytes: u64,
     batch_start: u64,
     valid_end: u64,
+    /// Prompts in the batch being laid out.
+    in_batch: u64,
+    /// The image of the batch being laid out (a position in `images` from 1; 0: none).
+    batch_image: u32,
     invalid_out: BufWriter<File>,
     invalid_temp: &'a Path,
-    /// The run's task image (`spec.sandbox.image`); rows naming another one are not honoured.
-    /// `None` on the host, where no row's image is.
-    task_image: Option<&'a str>,
-    images_not_honoured: ImagesNotHonoured,
+    /// The images rows name, each once, in order, with their positions from 1.
+    images: Vec<String>,
+    image_positions: HashMap<String, u32>,
+    /// Per batch, once a row named an image (empty before): its image and first prompt.
+    batch_images: Vec<u32>,
+    first_prompts: Vec<u64>,
+    rows_with_images: RowsWithImages,
+}
+
+impl<'a> Layout<'a> {
+    fn new(spec: &RunSpec, invalid_out: BufWriter<File>, invalid_temp: &'a Path) -> Self {
+        Self {
+            max_samples: spec.dataset.max_samples.unwrap_or(u64::MAX),
+            batch_size: u64::from(spec.batch_size),
+            batches: Vec::new(),
+            lines: 0,
+            prompts: 0,
+            invalid: 0,
+            bytes: 0,
+            batch_start: 0,
+            valid_end: 0,
+            in_batch: 0,
+            batch_image: 0,
+            task_batch_size: u64::from(task_batch_prompts(
+                spec.batch_size,
+                spec.samples_per_prompt,
+            )),
+            invalid_out,
+            invalid_temp,
+            images: Vec::new(),
+            image_positions: HashMap::new(),
+            batch_images: Vec::new(),
+            first_prompts: Vec::new(),
+            rows_with_images: RowsWithImages::default(),
+        }
+    }
 }
 
 impl Layout<'_> {
-    /// Counts a valid row whose own image the run will not use.
-    fn note_image(&mut self, image: Option<&String>) {
-        if let Some(image) = image.filter(|image| Some(image.as_str()) != self.task_image) {
-            let listed = &mut self.images_not_honoured;
-            listed.rows += 1;
-            if listed.first_lines.len() < ImagesNotHonoured::LISTED_LINES {
-                listed.first_lines.push(self.lines);
+    /// The position from 1 of the image a valid row names (0: none), noted for the host's
+    /// refusal. The first image turns the layout into one of image-homogeneous batches, whose
+    /// images and first prompts are listed from then on (the batches before are all full).
+    fn note_image(&mut self, image: Option<&String>) -> u32 {
+        let Some(image) = image else {
+            return 0;
+        };
+        let listed = &mut self.rows_with_images;
+        listed.rows += 1;
+        if listed.first_lines.len() < RowsWithImages::LISTED_LINES {
+            listed.first_lines.push(self.lines);
+        }
+        if listed.first_images.len() < RowsWithImages::LISTED_IMAGES
+            && !listed.first_images.contains(image)
+        {
+            listed.first_images.push(image.clone());
+        }
+        if self.images.is_empty() {
+            let batches = self.batches.len() as u64;
+            self.batch_images = vec![0; self.batches.len()];
+            self.first_prompts = (0..batches).map(|b| b * self.batch_size).collect();
+        }
+        if let Some(position) = self.image_positions.get(image) {
+            return *position;
+        }
+        self.images.push(image.clone());
+        let position = u32::try_from(self.images.len()).unwrap_or(u32::MAX);
+        self.image_positions.insert(image.clone(), position);
+        position
+    }
+
+    /// Lays out one valid row starting at `start`, of the image at `image` (0: none).
+    fn add_prompt(&mut self, start: u64, image: u32) {
+        if self.in_batch > 0 && image != self.batch_image {
+            self.end_batch();
+        }
+        if self.in_batch == 0 {
+            self.batch_start = start;
+            self.batch_image = image;
+            if !self.images.is_empty() {
+                self.first_prompts.push(self.prompts);
             }
-            if listed.first_images.len() < ImagesNotHonoured::LISTED_IMAGES
-                && !listed.first_images.contains(image)
-            {
-                listed.first_images.push(image.clone());
-            }
+        }
+        self.prompts += 1;
+        self.in_batch += 1;
+        self.valid_end = self.bytes;
+        let full = if image == 0 {
+            self.batch_size
+        } else {
+            self.task_batch_size
+        };
+        if self.in_batch == full {
+            self.end_batch();
         }
     }
 
@@ -136,6 +216,10 @@ impl Layout<'_> {
     fn end_batch(&mut self) {
         self.batches
             .push(BatchLayout(self.batch_start, self.valid_end));
+        if !self.images.is_empty() {
+            self.batch_images.push(self.batch_image);
+        }
+        self.in_batch = 0;
     }
 
     /// Lays out one block's lines, with the validator's verdicts.
@@ -168,15 +252,8 @@ impl Layout<'_> {
             match &line.result {
                 _ if self.prompts >= self.max_samples => {}
                 Some(Ok(image)) => {
-                    self.note_image(image.as_ref());
-                    if self.prompts.is_multiple_of(self.batch_size) {
-                        self.batch_start = offset + position as u64;
-                    }
-                    self.prompts += 1;
-                    self.valid_end = self.bytes;
-                    if self.prompts.is_multiple_of(self.batch_size) {
-                        self.end_batch();
-                    }
+                    let image = self.note_image(image.as_ref());
+                    self.add_prompt(offset + position as u64, image);
                 }
                 Some(Err(rejection)) => {
                     let end = if data[next - 1] == b'\n' {
@@ -210,7 +287,27 @@ struct Scanned {
     invalid: u64,
     bytes: u64,
     invalid_out: BufWriter<File>,
-    images_not_honoured: ImagesNotHonoured,
+    images: Vec<String>,
+    batch_images: Vec<u32>,
+    first_prompts: Vec<u64>,
+    rows_with_images: RowsWithImages,
+}
+
+/// The rows that name a container image of their own: how many, and the first of them.
+#[derive(Debug, Clone, Default)]
+struct RowsWithImages {
+    rows: u64,
+    /// The dataset line numbers (from 1) of the first of them.
+    first_lines: Vec<u64>,
+    /// The first distinct images they name.
+    first_images: Vec<String>,
+}
+
+impl RowsWithImages {
+    /// Line numbers listed: enough to find the rows.
+    const LISTED_LINES: usize = 10;
+    /// Distinct images listed.
+    const LISTED_IMAGES: usize = 5;
 }
 
 /// Keeps the disk busy ahead of the reader when the file is not in the page cache: the reader
@@ -257,7 +354,6 @@ impl<'a> ReadAhead<'a> {
 fn scan(
     file: &File,
     spec: &RunSpec,
-    environment: Environment,
     dataset_path: &Path,
     invalid_out: BufWriter<File>,
     invalid_temp: &Path,
@@ -265,24 +361,7 @@ fn scan(
     let read_error = |err: std::io::Error| {
         RunError::InvalidDataset(format!("cannot read {}: {err}", dataset_path.display()))
     };
-    let mut layout = Layout {
-        max_samples: spec.dataset.max_samples.unwrap_or(u64::MAX),
-        batch_size: u64::from(spec.batch_size),
-        batches: Vec::new(),
-        lines: 0,
-        prompts: 0,
-        invalid: 0,
-        bytes: 0,
-        batch_start: 0,
-        valid_end: 0,
-        invalid_out,
-        invalid_temp,
-        task_image: match environment {
-            Environment::TaskImage => spec.sandbox.image.as_deref(),
-            Environment::Host => None,
-        },
-        images_not_honoured: ImagesNotHonoured::default(),
-    };
+    let mut layout = Layout::new(spec, invalid_out, invalid_temp);
     let mut read_ahead = ReadAhead::new(file);
     let mut blocks = LineBlocks::new(file, BLOCK_BYTES, MAX_LINE_BYTES);
     let mut segments = SegmentHasher::new();
@@ -349,7 +428,7 @@ fn scan(
         drop(to_validators);
         Ok::<(), RunError>(())
     })?;
-    if !layout.prompts.is_multiple_of(layout.batch_size) {
+    if layout.in_batch > 0 {
         layout.end_batch();
     }
     let (digest, segment_digests) = segments.finish();
@@ -362,18 +441,30 @@ fn scan(
         invalid: layout.invalid,
         bytes: layout.bytes,
         invalid_out: layout.invalid_out,
-        images_not_honoured: layout.images_not_honoured,
+        images: layout.images,
+        batch_images: layout.batch_images,
+        first_prompts: layout.first_prompts,
+        rows_with_images: layout.rows_with_images,
     })
 }
 
+/// The batches as the plan laid them out, with their images ([`Manifest::images`]).
+struct ImageLayout {
+    batches: Vec<BatchLayout>,
+    images: Vec<String>,
+    batch_images: Vec<u32>,
+    first_prompts: Vec<u64>,
+}
+
 /// The manifest already on storage, if this run wrote it (a manifest of another dataset or spec is
-/// an error), or a new one.
+/// an error, and so is one that laid the batches out otherwise: a worker of before rows' images
+/// were honoured), or a new one.
 fn run_manifest(
     location: &RunLocation,
     dataset: DatasetInfo,
     catalog: Vec<String>,
     mcp_tools: Vec<FrozenServer>,
-    batches: Vec<BatchLayout>,
+    layout: ImageLayout,
 ) -> Result<Manifest, RunError> {
     let spec = &location.plan.spec;
     let run_dir = location.run_dir();
@@ -392,6 +483,14 @@ fn run_manifest(
                     spec_hash
                 )));
             }
+            if existing.batches != layout.batches || existing.batch_images != layout.batch_images {
+                return Err(RunError::OutputMismatch(format!(
+                    "output directory {} holds batches laid out by an earlier version, before the \
+                     rows' own images (`image`, `docker_image`) were honoured; use another \
+                     spec.storage.outputPath to run the dataset again",
+                    run_dir.root().display()
+                )));
+            }
             Ok(existing)
         }
         None => Ok(Manifest {
@@ -408,7 +507,10 @@ fn run_manifest(
             samples_per_prompt: spec.samples_per_prompt,
             tool_catalog: catalog,
             mcp_tools,
-            batches,
+            batches: layout.batches,
+            images: layout.images,
+            batch_images: layout.batch_images,
+            first_prompts: layout.first_prompts,
         }),
     }
 }
@@ -417,19 +519,19 @@ fn run_manifest(
 /// `docker_image`) means to its plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Environment {
-    /// Pods whose tools run in the run's task image (`spec.sandbox.image`): rows naming another
-    /// image are listed and warned about, and run in the task image.
-    TaskImage,
+    /// Pods: the batches of rows naming an image run in pods with a container of that image for
+    /// each conversation (the plan's summary groups them by image, [`ImagePlan`]).
+    Pods,
     /// This machine, outside any container (`trajectory-worker local`): a row naming an image
     /// would run in the wrong environment, so the plan refuses the run, naming the rows, before
     /// it writes anything.
     Host,
 }
 
-/// Validates the dataset and writes `manifest.json` and `invalid.jsonl`, for a run in pods of its
-/// task image ([`Environment::TaskImage`]).
+/// Validates the dataset and writes `manifest.json` and `invalid.jsonl`, for a run in pods
+/// ([`Environment::Pods`]).
 pub fn plan(location: &RunLocation) -> Result<(Manifest, PlanSummary), RunError> {
-    plan_in(location, Environment::TaskImage)
+    plan_in(location, Environment::Pods)
 }
 
 /// [`plan`] for a run carried out in `environment`.
@@ -462,15 +564,11 @@ pub fn plan_in(
         invalid,
         bytes,
         invalid_out,
-        images_not_honoured,
-    } = match scan(
-        &file,
-        spec,
-        environment,
-        &dataset_path,
-        invalid_out,
-        &invalid_temp,
-    ) {
+        images,
+        batch_images,
+        first_prompts,
+        rows_with_images,
+    } = match scan(&file, spec, &dataset_path, invalid_out, &invalid_temp) {
         Ok(scanned) => scanned,
         Err(error) => {
             let _ = std::fs::remove_file(&invalid_temp);
@@ -496,11 +594,17 @@ pub fn plan_in(
         Err(error)
     };
     if let Err(error) =
-        refuse_what_cannot_run(&dataset, &dataset_path, environment, &images_not_honoured)
+        refuse_what_cannot_run(&dataset, &dataset_path, environment, &rows_with_images)
     {
         return fail(error);
     }
-    let manifest = match run_manifest(location, dataset, catalog, mcp_tools, batches) {
+    let layout = ImageLayout {
+        batches,
+        images,
+        batch_images,
+        first_prompts,
+    };
+    let manifest = match run_manifest(location, dataset, catalog, mcp_tools, layout) {
         Ok(manifest) => manifest,
         Err(error) => return fail(error),
     };
@@ -525,15 +629,13 @@ pub fn plan_in(
         spec_hash: manifest.spec_hash.clone(),
         done_truncated: false,
         pending_list: None,
-        images_not_honoured: (images_not_honoured.rows > 0).then_some(images_not_honoured),
+        images: None,
     };
-    if let Some(listed) = &summary.images_not_honoured {
-        warn_images_not_honoured(listed, spec);
-    }
     info!(
         prompts = summary.prompts,
         invalid = summary.invalid,
         batches = summary.batches,
+        images = manifest.images.len(),
         "planned {}",
         run_dir.root().display()
     );
@@ -581,7 +683,7 @@ fn refuse_what_cannot_run(
     dataset: &DatasetInfo,
     dataset_path: &Path,
     environment: Environment,
-    images_not_honoured: &ImagesNotHonoured,
+    rows_with_images: &RowsWithImages,
 ) -> Result<(), RunError> {
     if dataset.prompts == 0 {
         return Err(RunError::InvalidDataset(format!(
@@ -591,17 +693,17 @@ fn refuse_what_cannot_run(
             dataset.invalid
         )));
     }
-    if environment == Environment::Host && images_not_honoured.rows > 0 {
+    if environment == Environment::Host && rows_with_images.rows > 0 {
         return Err(RunError::NeedsContainers(rows_with_images_on_the_host(
             dataset_path,
-            images_not_honoured,
+            rows_with_images,
         )));
     }
     Ok(())
 }
 
 /// Why a run on this machine refuses rows that name an image: which, and what to do instead.
-fn rows_with_images_on_the_host(dataset: &Path, listed: &ImagesNotHonoured) -> String {
+fn rows_with_images_on_the_host(dataset: &Path, listed: &RowsWithImages) -> String {
     let listed_lines = listed.first_lines.len() as u64;
     let lines = listed
         .first_lines
@@ -635,23 +737,17 @@ fn rows_with_images_on_the_host(dataset: &Path, listed: &ImagesNotHonoured) -> S
     )
 }
 
-fn warn_images_not_honoured(listed: &ImagesNotHonoured, spec: &RunSpec) {
-    warn!(
-        rows = listed.rows,
-        lines = ?listed.first_lines,
-        images = ?listed.first_images,
-        task_image = spec.sandbox.image.as_deref().unwrap_or("the worker image"),
-        "rows name a sandbox image of their own (`image`/`docker_image`): not honoured, every \
-         prompt runs in the run's task image (spec.sandbox.image)"
-    );
-}
-
 /// `plan` as a pod runs it for the operator: [`plan`], then its summary fitted to the termination
 /// message ([`PlanSummary::fitting`]). When the done ranges do not fit, the batches not done are
 /// first written to a new pending list on storage, which the summary names.
 pub fn plan_for_operator(location: &RunLocation) -> Result<PlanSummary, RunError> {
-    let (_, summary) = plan(location)?;
-    hand_off(&location.run_dir(), summary, TERMINATION_MESSAGE_LIMIT)
+    let (manifest, summary) = plan(location)?;
+    hand_off(
+        &location.run_dir(),
+        BatchImages::of(&manifest),
+        summary,
+        TERMINATION_MESSAGE_LIMIT,
+    )
 }
 
 /// Fits `summary` into `limit` bytes, writing the pending list it then names before returning it.
@@ -661,12 +757,41 @@ pub fn plan_for_operator(location: &RunLocation) -> Result<PlanSummary, RunError
 /// list is at most a few MB (a million batches, every other one done: 7 MB), written only by a
 /// plan that finds its done set scattered, which happens once per re-created run or lost status.
 /// They go with the run's output directory.
-fn hand_off(run_dir: &RunDir, summary: PlanSummary, limit: usize) -> Result<PlanSummary, RunError> {
+fn hand_off(
+    run_dir: &RunDir,
+    images: BatchImages<'_>,
+    summary: PlanSummary,
+    limit: usize,
+) -> Result<PlanSummary, RunError> {
     // Computed before `fitting` cuts `done`; a few ranges unless the done set is scattered.
     let pending = not_done(summary.batches, &summary.done);
     let name = RunDir::new_pending_list_name();
     let summary = summary.fitting(limit, &name);
-    if summary.pending_list.is_some() {
+    let slots = summary.pending_list.is_some();
+    let groups = image_groups(images, &pending, slots);
+    let index = RunDir::new_image_index_name();
+    let summary = summary.with_images(groups.clone(), limit, &index);
+    if summary
+        .images
+        .as_ref()
+        .is_some_and(|images| images.index.is_some())
+    {
+        let path = run_dir.root().join(&index);
+        write_atomic_with(&path, |out| {
+            for group in &groups {
+                serde_json::to_writer(&mut *out, group)?;
+                out.write_all(b"\n")?;
+            }
+            Ok(())
+        })?;
+        sync_dir(run_dir.root())?;
+        info!(
+            groups = groups.len(),
+            "the image groups do not fit the summary: wrote them to {}",
+            path.display()
+        );
+    }
+    if slots {
         let path = run_dir.root().join(&name);
         write_atomic_with(&path, |out| writeln!(out, "{}", Ranges(&pending)))?;
         // `plan/` may be new: its entry in the run directory must be durable too.
@@ -679,6 +804,48 @@ fn hand_off(run_dir: &RunDir, summary: PlanSummary, limit: usize) -> Result<Plan
         );
     }
     Ok(summary)
+}
+
+/// The images of a manifest's batches ([`Manifest::images`], [`Manifest::batch_images`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct BatchImages<'a> {
+    images: &'a [String],
+    of_batch: &'a [u32],
+}
+
+impl<'a> BatchImages<'a> {
+    fn of(manifest: &'a Manifest) -> Self {
+        Self {
+            images: &manifest.images,
+            of_batch: &manifest.batch_images,
+        }
+    }
+}
+
+/// The pending batches of rows naming an image, grouped by image in the order the dataset first
+/// names them: batch ids, or (`slots`) their positions in the pending list.
+fn image_groups(images: BatchImages<'_>, pending: &[BatchRange], slots: bool) -> Vec<ImageGroup> {
+    if images.images.is_empty() {
+        return Vec::new();
+    }
+    let mut ids: Vec<Vec<u32>> = vec![Vec::new(); images.images.len()];
+    let batches = pending.iter().flat_map(|range| range.first..=range.last);
+    for (slot, batch) in (0_u32..).zip(batches) {
+        let position = images.of_batch.get(batch as usize).copied().unwrap_or(0);
+        if let Some(group) = (position as usize).checked_sub(1) {
+            ids[group].push(if slots { slot } else { batch });
+        }
+    }
+    images
+        .images
+        .iter()
+        .zip(ids)
+        .filter(|(_, ids)| !ids.is_empty())
+        .map(|(image, ids)| ImageGroup {
+            image: image.clone(),
+            ids: format_ranges(&compact_ranges(ids)),
+        })
+        .collect()
 }
 
 /// The ranges of `0..batches` not in `done` (ascending, disjoint ranges).
@@ -754,11 +921,12 @@ mod tests {
         }
     }
 
-    /// Rows naming a sandbox image of their own other than the run's are listed in the summary
-    /// (`image` winning over `docker_image`), on the fast path and the full check alike; rows in
-    /// the run's own image and rows without one are not.
+    /// Rows naming an image of their own (`image` winning over `docker_image`, read on the fast
+    /// path and the full check alike) get batches of their image alone: a batch is cut where the
+    /// image changes, and the summary groups the batches by image, in the order the dataset first
+    /// names them. A row whose image is not a string names none.
     #[test]
-    fn rows_whose_own_image_is_not_the_runs_are_listed_in_the_summary() {
+    fn rows_naming_images_get_batches_of_one_image_grouped_in_the_summary() {
         let dir = tempfile::tempdir().unwrap();
         let lines = [
             r#"{"prompt": "a", "image": "python:3.12"}"#,
@@ -769,31 +937,115 @@ mod tests {
             // An escape sends the row through the full check, which reads its image too.
             r#"{"prompt": "fA", "image": "python:3.12"}"#,
             r#"{"prompt": "g", "image": 7}"#,
+            r#"{"prompt": "h"}"#,
         ];
         std::fs::write(dir.path().join("data.jsonl"), lines.join("\n") + "\n").unwrap();
-        let mut location = location(dir.path(), None);
-        location.plan.spec.sandbox.image = Some("task:latest".into());
-        let (_, summary) = plan(&location).unwrap();
-        let listed = summary.images_not_honoured.expect("listed");
-        assert_eq!(listed.rows, 4);
-        assert_eq!(listed.first_lines, [1, 3, 4, 6]);
+        let location = location(dir.path(), None);
+        let (manifest, summary) = plan(&location).unwrap();
+        assert_eq!(summary.prompts, 8);
         assert_eq!(
-            listed.first_images,
-            ["python:3.12", "swe/task-1", "repo:main"]
+            manifest.images,
+            ["python:3.12", "swe/task-1", "repo:main", "task:latest"]
         );
-        assert_eq!(summary.prompts, 7, "listed rows still run");
-
-        location.plan.spec.sandbox.image = None;
-        std::fs::write(dir.path().join("data.jsonl"), "{\"prompt\": \"x\"}\n").unwrap();
-        let (_, plain) = plan(&RunLocation {
-            plan: crate::contract::RunPlan {
-                output_path: "out-plain".into(),
-                ..location.plan.clone()
-            },
-            ..location
-        })
+        assert_eq!(manifest.batch_images, [1, 0, 2, 3, 4, 1, 0]);
+        assert_eq!(manifest.first_prompts, [0, 1, 2, 3, 4, 5, 6]);
+        assert_eq!(manifest.prompts_in(6), 2, "g and h: no image, one batch");
+        assert_eq!(manifest.image_of(5), Some("python:3.12"));
+        assert_eq!(manifest.image_of(6), None);
+        let handed = hand_off(
+            &location.run_dir(),
+            BatchImages::of(&manifest),
+            summary,
+            4096,
+        )
         .unwrap();
-        assert_eq!(plain.images_not_honoured, None);
+        let images = handed.images.expect("grouped");
+        assert_eq!(images.groups, 4);
+        assert_eq!(images.index, None);
+        let groups: Vec<(&str, &str)> = images
+            .listed
+            .iter()
+            .map(|group| (group.image.as_str(), group.ids.as_str()))
+            .collect();
+        assert_eq!(
+            groups,
+            [
+                ("python:3.12", "0,5"),
+                ("swe/task-1", "2"),
+                ("repo:main", "3"),
+                ("task:latest", "4")
+            ]
+        );
+    }
+
+    /// A batch of an image holds at most as many prompts as leave each conversation a task
+    /// container of its own (16 in all: 5 prompts of 3 samples), and rows without an image
+    /// after them get batches of `batchSize` again; a dataset naming no image keeps the plain
+    /// layout, without the lists.
+    #[test]
+    fn a_batch_of_an_image_holds_no_more_conversations_than_a_pod_has_task_containers() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut lines: Vec<String> = (0..12)
+            .map(|i| format!(r#"{{"prompt": "p{i}", "image": "task/one"}}"#))
+            .collect();
+        lines.extend((0..9).map(|i| format!(r#"{{"prompt": "q{i}"}}"#)));
+        std::fs::write(dir.path().join("data.jsonl"), lines.join("\n") + "\n").unwrap();
+        let mut location = location(dir.path(), None);
+        location.plan.spec.samples_per_prompt = 3;
+        let (manifest, _) = plan(&location).unwrap();
+        assert_eq!(manifest.first_prompts, [0, 5, 10, 12, 19]);
+        assert_eq!(manifest.batch_images, [1, 1, 1, 0, 0]);
+        let sizes: Vec<u64> = (0..5).map(|b| manifest.prompts_in(b)).collect();
+        assert_eq!(sizes, [5, 5, 2, 7, 2]);
+
+        std::fs::write(
+            dir.path().join("plain.jsonl"),
+            "{\"prompt\": \"x\"}\n".repeat(9),
+        )
+        .unwrap();
+        location.plan.spec.dataset.path = "plain.jsonl".into();
+        location.plan.output_path = "out-plain".into();
+        let (plain, summary) = plan(&location).unwrap();
+        assert!(plain.images.is_empty() && plain.batch_images.is_empty());
+        assert!(plain.first_prompts.is_empty());
+        assert_eq!((plain.batch_count(), plain.prompts_in(1)), (2, 2));
+        assert_eq!(summary.images, None);
+    }
+
+    /// Groups beyond what the termination message holds are all written to the plan's image
+    /// index on storage; the summary lists the first of them and names the file.
+    #[test]
+    fn image_groups_that_do_not_fit_the_summary_are_handed_off_in_an_index_on_storage() {
+        let dir = tempfile::tempdir().unwrap();
+        let lines: Vec<String> = (0..300)
+            .map(|i| {
+                format!(r#"{{"prompt": "p{i}", "image": "registry.example/swe/task-{i:04}:v1"}}"#)
+            })
+            .collect();
+        std::fs::write(dir.path().join("data.jsonl"), lines.join("\n") + "\n").unwrap();
+        let location = location(dir.path(), None);
+        let (manifest, summary) = plan(&location).unwrap();
+        let handed = hand_off(
+            &location.run_dir(),
+            BatchImages::of(&manifest),
+            summary,
+            4096,
+        )
+        .unwrap();
+        assert!(serde_json::to_string(&handed).unwrap().len() <= 4096);
+        let images = handed.images.expect("grouped");
+        assert_eq!(images.groups, 300);
+        assert!(!images.listed.is_empty() && images.listed.len() < 300);
+        let index = images.index.expect("an index on storage");
+        let written = std::fs::read_to_string(location.run_dir().root().join(index)).unwrap();
+        let all: Vec<ImageGroup> = written
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect();
+        assert_eq!(all.len(), 300);
+        assert_eq!(all[..images.listed.len()], images.listed[..]);
+        assert_eq!(all[299].image, "registry.example/swe/task-0299:v1");
+        assert_eq!(all[299].ids, "299");
     }
 
     /// On the host every row with an image is refused, however many: the first ten lines are
@@ -825,12 +1077,8 @@ mod tests {
         );
         let run_dir = location.run_dir();
         assert!(!run_dir.manifest().exists() && !run_dir.invalid().exists());
-        let (_, summary) = plan(&location).unwrap();
-        assert_eq!(
-            summary.images_not_honoured.unwrap().rows,
-            12,
-            "a cluster plan lists them"
-        );
+        let (manifest, _) = plan(&location).unwrap();
+        assert_eq!(manifest.images.len(), 7, "a plan for pods runs them");
     }
 
     /// A resume of a million batches, 40 % done at random: about 240,000 done ranges, which no
@@ -853,7 +1101,7 @@ mod tests {
             spec_hash: format!("blake3:{}", "1".repeat(64)),
             done_truncated: false,
             pending_list: None,
-            images_not_honoured: None,
+            images: None,
         };
         assert!(
             summary.done.len() > 200_000,
@@ -864,7 +1112,13 @@ mod tests {
         let run_dir = RunDir::new(dir.path().join("out"));
 
         let started = std::time::Instant::now();
-        let fitted = hand_off(&run_dir, summary.clone(), TERMINATION_MESSAGE_LIMIT).unwrap();
+        let fitted = hand_off(
+            &run_dir,
+            BatchImages::default(),
+            summary.clone(),
+            TERMINATION_MESSAGE_LIMIT,
+        )
+        .unwrap();
         let took = started.elapsed();
 
         let message = crate::contract::termination_message(&fitted);
@@ -916,7 +1170,13 @@ mod tests {
         assert!(took < std::time::Duration::from_secs(30), "{took:?}");
 
         // A plan run again writes a list of its own and leaves the earlier one for its pods.
-        let again = hand_off(&run_dir, summary, TERMINATION_MESSAGE_LIMIT).unwrap();
+        let again = hand_off(
+            &run_dir,
+            BatchImages::default(),
+            summary,
+            TERMINATION_MESSAGE_LIMIT,
+        )
+        .unwrap();
         let other = again.pending_list.expect("a pending list");
         assert_ne!(other, list);
         assert_eq!(
@@ -940,9 +1200,15 @@ mod tests {
             spec_hash: String::new(),
             done_truncated: false,
             pending_list: None,
-            images_not_honoured: None,
+            images: None,
         };
-        let fitted = hand_off(&run_dir, summary.clone(), TERMINATION_MESSAGE_LIMIT).unwrap();
+        let fitted = hand_off(
+            &run_dir,
+            BatchImages::default(),
+            summary.clone(),
+            TERMINATION_MESSAGE_LIMIT,
+        )
+        .unwrap();
         assert_eq!(fitted, summary);
         assert!(!run_dir.plan_dir().exists());
     }
