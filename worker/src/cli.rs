@@ -136,6 +136,10 @@ pub struct WorkspaceArgs {
     /// generation pods of a run whose rows name images).
     #[arg(long, env = env::TASK_SOCKETS, requires = "sandbox_socket")]
     pub task_sockets: Option<PathBuf>,
+    /// The batch's rows name an image that could not be pulled (this says which, and why):
+    /// record each conversation failed with reason `image_unavailable`, without a model request.
+    #[arg(long, env = env::IMAGE_UNAVAILABLE, conflicts_with = "task_sockets")]
+    pub image_unavailable: Option<String>,
 }
 
 fn parse_landlock(text: &str) -> Result<LandlockMode, String> {
@@ -482,6 +486,9 @@ async fn batch_command(
     let mut engine = Engine::new(&location.plan.spec, workspaces.root())?;
     engine.sandbox = sandbox;
     engine.task_sockets.clone_from(&workspaces.task_sockets);
+    engine
+        .image_unavailable
+        .clone_from(&workspaces.image_unavailable);
     let mut summary = run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await?;
     summary.landlock = Some(landlock);
     Ok(summary)

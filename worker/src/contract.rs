@@ -41,6 +41,9 @@ pub mod env {
     /// their own images): conversation *k* of the batch runs its commands through
     /// [`super::paths::task_socket`]`(dir, k)`.
     pub const TASK_SOCKETS: &str = "TRAJ_TASK_SOCKETS";
+    /// Set by the operator on the pods of rows whose image could not be pulled: the image and
+    /// the node's message. The batch records each conversation failed, `image_unavailable`.
+    pub const IMAGE_UNAVAILABLE: &str = "TRAJ_IMAGE_UNAVAILABLE";
 }
 
 /// Every Secret key a tool setting of `tools` refers to, with the environment variable the

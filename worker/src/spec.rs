@@ -731,7 +731,7 @@ impl Default for TerminalSpec {
 /// Where the model's terminal commands run, and how they are confined. Every command runs under
 /// the tool executor, confined to its conversation's workspace; on a cluster, in a sandbox
 /// container of the generation pod that holds no secret and no shared storage.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxSpec {
@@ -762,6 +762,62 @@ pub struct SandboxSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
     pub resources: Option<Value>,
+    /// Registry prefixes to replace in the images the dataset's rows name (`image`, else
+    /// `docker_image`), for a mirror: `{from: "docker.io/", to: "mirror.internal:5000/"}` pulls
+    /// `docker.io/swebench/x:latest` as `mirror.internal:5000/swebench/x:latest`. The longest
+    /// matching `from` wins; an image no entry matches is pulled as the row names it. Records
+    /// keep the row's own fields. Cluster only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_rewrite: Vec<ImageRewrite>,
+    /// How long a task container's image may keep failing to pull (`ErrImagePull`,
+    /// `ImagePullBackOff`) before its rows are recorded as failed with reason
+    /// `image_unavailable`. A pull that is slow but progressing never counts; an image the
+    /// registry says does not exist or may not be read, or a malformed reference, counts at once.
+    #[serde(default = "default_image_unavailable_after_seconds")]
+    pub image_unavailable_after_seconds: u64,
+}
+
+/// One prefix of [`SandboxSpec::image_rewrite`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ImageRewrite {
+    /// The prefix an image name starts with (`docker.io/`, `ghcr.io/org/`).
+    pub from: String,
+    /// What replaces it.
+    pub to: String,
+}
+
+impl Default for SandboxSpec {
+    fn default() -> Self {
+        Self {
+            image: None,
+            landlock: LandlockSetting::default(),
+            limits: SandboxLimits::default(),
+            resources: None,
+            image_rewrite: Vec::new(),
+            image_unavailable_after_seconds: default_image_unavailable_after_seconds(),
+        }
+    }
+}
+
+impl SandboxSpec {
+    /// `image` as the generation pods pull it: the longest [`SandboxSpec::image_rewrite`]
+    /// prefix that matches, replaced.
+    pub fn rewritten_image(&self, image: &str) -> String {
+        self.image_rewrite
+            .iter()
+            .filter(|rewrite| image.starts_with(&rewrite.from))
+            .max_by_key(|rewrite| rewrite.from.len())
+            .map_or_else(
+                || image.to_owned(),
+                |rewrite| format!("{}{}", rewrite.to, &image[rewrite.from.len()..]),
+            )
+    }
+}
+
+fn default_image_unavailable_after_seconds() -> u64 {
+    300
 }
 
 /// Limits on one terminal command and everything it starts (see [`SandboxSpec::limits`]). Zero

@@ -80,6 +80,9 @@ pub struct Engine {
     /// Set in a pod whose task containers run the rows' images: the directory of their sockets
     /// ([`crate::contract::paths::task_socket`]), one container a conversation of the batch.
     pub task_sockets: Option<PathBuf>,
+    /// Set in a pod of rows whose image could not be pulled: why. Each of its conversations is
+    /// recorded failed (`image_unavailable`) without a model request.
+    pub image_unavailable: Option<String>,
     pub require_reasoning: bool,
     pub openai_format: bool,
     pub seed: u64,
@@ -135,6 +138,7 @@ impl Engine {
             keep_workspaces: spec.tools.keep_workspaces,
             sandbox: Sandbox::local(LandlockMode::Auto),
             task_sockets: None,
+            image_unavailable: None,
             require_reasoning: spec.filters.require_reasoning,
             openai_format: spec.openai_format,
             seed: spec.seed,
@@ -979,6 +983,9 @@ fn write_lines(
     Ok(())
 }
 
+/// The failure class of a conversation whose row's image could not be pulled.
+pub const IMAGE_UNAVAILABLE: &str = "image_unavailable";
+
 /// Runs one (prompt, sample) and renders its record line.
 async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     let (engine, context) = (&shared.engine, &shared.context);
@@ -991,12 +998,19 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
         sample,
         batch: context.batch,
     };
+    let started_at = chrono::Utc::now();
+    if let Some(message) = &engine.image_unavailable {
+        let failure = Failure {
+            class: IMAGE_UNAVAILABLE,
+            message,
+        };
+        return failed_item(&identity, failure, started_at);
+    }
     let offered = shared.offered(
         &engine
             .distribution
             .sample(engine.seed, prompt_index, sample),
     );
-    let started_at = chrono::Utc::now();
     let lent = match shared.workspace(prompt_index, sample).await {
         Ok(lent) => lent,
         // Not the prompt's fault: every conversation needs a workspace.
