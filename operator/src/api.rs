@@ -99,6 +99,37 @@ pub struct TrajectoryRunStatus {
     /// How the model's commands were confined, as the first generation pod that finished saw it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sandbox: Option<SandboxStatus>,
+    /// The container images the dataset's rows name (`image`, else `docker_image`), when they
+    /// name any: each image's batches run in task containers of it, one a conversation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images: Option<ImageStatus>,
+}
+
+/// The images of the rows' own task containers.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImageStatus {
+    /// Distinct images of the batches the round's plan found pending.
+    pub total: u32,
+    /// Images pulled and run: some batch of theirs is done.
+    pub pulled: u32,
+    /// Images that could not be pulled: every conversation of their rows is recorded failed with
+    /// reason `image_unavailable`, without a model request.
+    pub unavailable: u32,
+    /// The first of them (up to 10), with the node's message.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unavailable_images: Vec<UnavailableImage>,
+}
+
+/// An image that could not be pulled.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct UnavailableImage {
+    /// The image, as the rows name it.
+    pub image: String,
+    /// The image as pulled (after `spec.sandbox.imageRewrite`), the waiting reason and the
+    /// node's message.
+    pub message: String,
 }
 
 /// How the model's commands are confined where they run.

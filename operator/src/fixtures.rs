@@ -6,11 +6,13 @@ use k8s_openapi::api::batch::v1::{Job, JobCondition, JobStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
 use serde_json::json;
-use trajectory_worker::contract::{BatchRange, MergeSummary, PlanSummary, WorkerFailure, exit};
+use trajectory_worker::contract::{
+    BatchRange, ImageGroup, ImagePlan, MergeSummary, PlanSummary, WorkerFailure, exit,
+};
 use trajectory_worker::spec::RunSpec;
 
 use crate::api::{TrajectoryRun, TrajectoryRunSpec, TrajectoryRunStatus};
-use crate::reconcile::children::{Component, labels};
+use crate::reconcile::children::{Component, annotations, labels, unavailable_job_name};
 use crate::reconcile::observe::{Observed, ObservedAttempt};
 
 /// The time every fixture's "now" is.
@@ -174,6 +176,28 @@ impl JobFixture {
         self
     }
 
+    /// A Job of rows naming `image`.
+    pub fn image(mut self, image: &str) -> Self {
+        self.job
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(annotations::IMAGE.to_owned(), image.to_owned());
+        self
+    }
+
+    /// The Job recording its rows' image unavailable, for `why`.
+    pub fn unavailable(mut self, why: &str) -> Self {
+        let name = self.job.metadata.name.clone().unwrap_or_default();
+        self.job.metadata.name = Some(unavailable_job_name(&name));
+        self.job
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(annotations::IMAGE_UNAVAILABLE.to_owned(), why.to_owned());
+        self
+    }
+
     fn status(&mut self) -> &mut JobStatus {
         self.job.status.get_or_insert_with(JobStatus::default)
     }
@@ -286,6 +310,42 @@ impl ObservedFixture {
             summary.done_truncated = true;
             summary.pending_list = Some(list.to_owned());
         }
+        self
+    }
+
+    /// The plan grouped its pending batches by image: `(image, id ranges)`, all listed.
+    pub fn images(mut self, groups: &[(&str, &str)]) -> Self {
+        let listed: Vec<ImageGroup> = groups
+            .iter()
+            .map(|(image, ids)| ImageGroup {
+                image: (*image).to_owned(),
+                ids: (*ids).to_owned(),
+            })
+            .collect();
+        if let Some(summary) = &mut self.0.plan_summary {
+            summary.images = Some(ImagePlan {
+                groups: u32::try_from(listed.len()).unwrap_or(u32::MAX),
+                listed,
+                index: None,
+            });
+        }
+        self
+    }
+
+    /// The operator kept the plan's image groups in its `ConfigMap`.
+    pub fn image_index_kept(mut self) -> Self {
+        self.0.image_index = self
+            .0
+            .plan_summary
+            .as_ref()
+            .and_then(|summary| summary.images.as_ref())
+            .map(|images| images.listed.clone());
+        self
+    }
+
+    /// The pods of the running Job `job` cannot pull its image, for `why`.
+    pub fn unpullable(mut self, job: &str, why: &str) -> Self {
+        self.0.unpullable.insert(job.to_owned(), why.to_owned());
         self
     }
 

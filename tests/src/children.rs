@@ -3,7 +3,7 @@
 
 use k8s_openapi::api::batch::v1::Job;
 use trajectory_operator::reconcile::build;
-use trajectory_operator::reconcile::decide::{Pending, Shard};
+use trajectory_operator::reconcile::decide::{Pending, Shard, Tasks};
 use trajectory_operator::reconcile::validate::ValidatedRun;
 use trajectory_operator::settings::Settings;
 
@@ -17,6 +17,7 @@ pub fn jobs_of_every_stage(run: &ValidatedRun<'_>, settings: &Settings) -> Vec<J
         pending: Pending::new(vec![0, 1, 2]).expect("three batches"),
         exists: false,
         parallelism: run.spec.workers,
+        tasks: Tasks::Sandbox,
     };
     vec![
         build::plan_job(run, settings, 1, false),

@@ -11,7 +11,7 @@ use serde_json::json;
 use trajectory_operator::api::{TrajectoryRun, TrajectoryRunSpec};
 use trajectory_operator::reconcile::build;
 use trajectory_operator::reconcile::children::Component;
-use trajectory_operator::reconcile::decide::{Pending, Shard};
+use trajectory_operator::reconcile::decide::{Pending, Shard, Tasks};
 use trajectory_operator::reconcile::validate::{Validation, validate};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::{TestNamespace, client};
@@ -75,6 +75,7 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
                 pending: pending.clone(),
                 exists: false,
                 parallelism: run.spec.run.workers,
+                tasks: Tasks::Sandbox,
             },
         ),
         build::merge_job(&valid, &settings, 1, false),

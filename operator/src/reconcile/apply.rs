@@ -7,7 +7,7 @@
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube::api::{Patch, PatchParams};
+use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 
@@ -55,6 +55,27 @@ pub async fn apply(
             }
             let patch = Patch::Merge(json!({ "spec": spec }));
             jobs.patch(&name, &PatchParams::default(), &patch).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Deletes the Jobs `names` with their pods (in the background) and their plan `ConfigMap`s; one
+/// already gone is fine.
+pub async fn delete(client: &Client, namespace: &str, names: &[String]) -> Result<(), kube::Error> {
+    let jobs: Api<Job> = Api::namespaced(client.clone(), namespace);
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    for name in names {
+        for result in [
+            jobs.delete(name, &DeleteParams::background())
+                .await
+                .map(drop),
+            maps.delete(name, &DeleteParams::default()).await.map(drop),
+        ] {
+            match result {
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                other => other?,
+            }
         }
     }
     Ok(())

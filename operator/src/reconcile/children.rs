@@ -38,6 +38,27 @@ pub mod labels {
     pub const KUEUE_QUEUE: &str = "kueue.x-k8s.io/queue-name";
 }
 
+/// Annotations of generation Jobs of rows that name an image.
+pub mod annotations {
+    /// The image, as the rows name it.
+    pub const IMAGE: &str = "trajectories.dev/image";
+    /// Set on the Job that records the rows of an image that could not be pulled: why.
+    pub const IMAGE_UNAVAILABLE: &str = "trajectories.dev/image-unavailable";
+}
+
+/// The name of the Job recording as unavailable the rows of the generation Job `job`.
+pub fn unavailable_job_name(job: &str) -> String {
+    format!("{job}-na")
+}
+
+/// The `ConfigMap` in which the operator keeps the image groups of a round's plan, once read.
+pub fn image_index_name(run: &str, round: u32) -> String {
+    match round {
+        ..=1 => format!("{run}-images"),
+        round => format!("{run}-images-{round}"),
+    }
+}
+
 /// Value of `app.kubernetes.io/managed-by`, and the server-side apply field manager.
 pub const MANAGER: &str = "trajectory-operator";
 

@@ -93,6 +93,9 @@ async fn pipeline(run: &TrajectoryRun, ctx: &Context) -> Result<Action, Error> {
     apply::apply(&ctx.client, &namespace, &observed, &desired.children)
         .await
         .map_err(Error::apply(run))?;
+    apply::delete(&ctx.client, &namespace, &desired.delete)
+        .await
+        .map_err(Error::apply(run))?;
     write_paced(ctx, run, &desired.status).await
 }
 
@@ -100,6 +103,8 @@ async fn pipeline(run: &TrajectoryRun, ctx: &Context) -> Result<Action, Error> {
 #[derive(Debug, Clone, Default)]
 pub struct Desired {
     pub children: Children,
+    /// Jobs to delete, with their pods and plan `ConfigMap`s.
+    pub delete: Vec<String>,
     pub status: TrajectoryRunStatus,
 }
 
@@ -121,6 +126,7 @@ pub fn desired_state(
     };
     Ok(Desired {
         children,
+        delete: decision.delete.clone(),
         status: status::desired(run, &decision.outcome, &decision.tally, now),
     })
 }
@@ -182,6 +188,7 @@ async fn write_status(
     let events = [
         status::transition_event(before, status),
         status::sandbox_event(run.status.as_ref(), status),
+        status::image_event(run.status.as_ref(), status),
     ];
     for event in events.into_iter().flatten() {
         if let Err(error) = ctx.recorder.publish(&event, &run.object_ref(&())).await {

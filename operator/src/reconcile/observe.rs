@@ -7,7 +7,7 @@
 //! the attempt's pending list here ([`attempt_batches`], pure), so that what decide reads is
 //! already in batch ids; a Job whose indexes cannot be read is a permanent error.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
@@ -15,11 +15,11 @@ use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use serde::de::DeserializeOwned;
 use trajectory_worker::contract::{
-    self, BatchSummary, LandlockStatus, MergeSummary, PlanSummary, RunPlan, WorkerFailure, exit,
-    paths,
+    self, BatchSummary, ImageGroup, LandlockStatus, MergeSummary, PlanSummary, RunPlan,
+    WorkerFailure, exit, paths,
 };
 
-use super::children::{CONTAINER, Component, labels};
+use super::children::{CONTAINER, Component, annotations, image_index_name, labels};
 use crate::api::TrajectoryRun;
 
 /// What the controller read about a run's children.
@@ -41,6 +41,13 @@ pub struct Observed {
     /// Whether Landlock confined the commands, from the first generation pod that finished; read
     /// only while the run's status does not show it yet.
     pub landlock: Option<LandlockStatus>,
+    /// The image groups of the round's plan, as the operator keeps them in its `ConfigMap`
+    /// ([`super::children::image_index_name`]) once it read them.
+    pub image_index: Option<Vec<ImageGroup>>,
+    /// The running generation Jobs of rows naming an image whose image cannot be pulled (by Job
+    /// name): why, as the node said, once it counts as unavailable
+    /// ([`trajectory_worker::spec::SandboxSpec::image_unavailable_after_seconds`]).
+    pub unpullable: BTreeMap<String, String>,
 }
 
 impl Default for Observed {
@@ -56,6 +63,8 @@ impl Default for Observed {
             plan_failure: None,
             merge_failure: None,
             landlock: None,
+            image_index: None,
+            unpullable: BTreeMap::new(),
         }
     }
 }
@@ -76,6 +85,10 @@ pub struct ObservedAttempt {
     /// What a failed pod of the Job reported, once the Job failed (the one that stopped on a
     /// configuration error first).
     pub failure: Option<WorkerFailure>,
+    /// The image its rows name, for a Job of rows that name one.
+    pub image: Option<String>,
+    /// Set on the Job recording those rows as unavailable: why the image could not be pulled.
+    pub unavailable: Option<String>,
 }
 
 /// Batches an attempt finished and gave up on, as batch ids (or slots, with a pending list).
@@ -238,7 +251,131 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
     if let Some(job) = &observed.merge_job {
         observed.merge_failure = failure_if_failed(&pods, job).await?;
     }
+    observed.image_index = image_index(&maps, &image_index_name(&name, round)).await?;
+    observed.unpullable = unpullable(&pods, &name, run, &observed.attempts).await?;
     Ok(observed)
+}
+
+/// The image groups the operator keeps for a round, one JSON [`ImageGroup`] a line.
+async fn image_index(
+    maps: &Api<ConfigMap>,
+    name: &str,
+) -> Result<Option<Vec<ImageGroup>>, ObserveError> {
+    let Some(text) = maps
+        .get_opt(name)
+        .await?
+        .and_then(|map| map.data?.remove(IMAGE_INDEX_KEY))
+    else {
+        return Ok(None);
+    };
+    text.lines()
+        .map(serde_json::from_str)
+        .collect::<Result<Vec<ImageGroup>, _>>()
+        .map(Some)
+        .map_err(|err| ObserveError::UnreadablePlan {
+            map: name.to_owned(),
+            reason: err.to_string(),
+        })
+}
+
+/// The key of the image index `ConfigMap` holding the groups.
+pub const IMAGE_INDEX_KEY: &str = "groups.jsonl";
+
+/// The running generation Jobs of rows naming an image whose pods cannot pull it, with why; one
+/// list of the run's generation pods, only while such Jobs run.
+async fn unpullable(
+    pods: &Api<Pod>,
+    run_name: &str,
+    run: &TrajectoryRun,
+    attempts: &[ObservedAttempt],
+) -> Result<BTreeMap<String, String>, kube::Error> {
+    let running: BTreeSet<String> = attempts
+        .iter()
+        .filter(|attempt| attempt.image.is_some() && attempt.unavailable.is_none())
+        .filter(|attempt| JobState::of(&attempt.job) == JobState::Running)
+        .map(|attempt| attempt.job.name_any())
+        .collect();
+    if running.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let selector = format!(
+        "{}={run_name},{}={}",
+        labels::RUN,
+        labels::COMPONENT,
+        Component::generation(1).label()
+    );
+    let grace =
+        std::time::Duration::from_secs(run.spec.run.sandbox.image_unavailable_after_seconds);
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let mut found = BTreeMap::new();
+    for pod in pods
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+    {
+        let Some(job) = pod
+            .labels()
+            .get(JOB_NAME_LABEL)
+            .filter(|job| running.contains(*job))
+        else {
+            continue;
+        };
+        if let Some(why) = pull_failure(&pod, grace, now) {
+            found.entry(job.clone()).or_insert(why);
+        }
+    }
+    Ok(found)
+}
+
+/// The label the Job controller puts on a Job's pods.
+const JOB_NAME_LABEL: &str = "batch.kubernetes.io/job-name";
+
+/// Why `pod`'s task containers cannot pull their image, once that counts as unavailable: at once
+/// for a reference the runtime cannot parse or a registry that says the image does not exist or
+/// may not be read; after `grace` since the pod was created for other pull errors (a registry
+/// that is down, a rate limit). A pull in progress is not an error.
+pub fn pull_failure(
+    pod: &Pod,
+    grace: std::time::Duration,
+    now: k8s_openapi::jiff::Timestamp,
+) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    let waiting = status
+        .init_container_statuses
+        .iter()
+        .flatten()
+        .chain(status.container_statuses.iter().flatten())
+        .filter_map(|container| {
+            let waiting = container.state.as_ref()?.waiting.as_ref()?;
+            Some((container, waiting))
+        })
+        .find(|(_, waiting)| {
+            matches!(
+                waiting.reason.as_deref(),
+                Some(
+                    "ErrImagePull" | "ImagePullBackOff" | "InvalidImageName" | "ErrImageNeverPull"
+                )
+            )
+        });
+    let (container, waiting) = waiting?;
+    let reason = waiting.reason.as_deref().unwrap_or_default();
+    let message = waiting.message.as_deref().unwrap_or_default();
+    let lowered = message.to_lowercase();
+    let cannot_heal = matches!(reason, "InvalidImageName" | "ErrImageNeverPull")
+        || [
+            "not found",
+            "manifest unknown",
+            "unauthorized",
+            "denied",
+            "forbidden",
+            "invalid reference",
+        ]
+        .iter()
+        .any(|sign| lowered.contains(sign));
+    let created = pod.metadata.creation_timestamp.as_ref().map(|time| time.0);
+    let waited = created.map(|created| now.duration_since(created).unsigned_abs());
+    let too_long = waited.is_some_and(|waited| waited >= grace);
+    (cannot_heal || too_long).then(|| format!("{} ({reason}): {message}", container.image.as_str()))
 }
 
 /// Whether Landlock confined the commands, as the summary of a succeeded generation pod says: one
@@ -293,6 +430,11 @@ impl ObservedAttempt {
         Ok(Self {
             attempt,
             shard,
+            image: job.annotations().get(annotations::IMAGE).cloned(),
+            unavailable: job
+                .annotations()
+                .get(annotations::IMAGE_UNAVAILABLE)
+                .cloned(),
             job,
             pending,
             pending_list: None,
@@ -474,6 +616,83 @@ mod tests {
         assert!(error.to_string().contains("index 2"), "{error}");
         let error = attempt_batches(&job_with(Some("x"), None), &[1, 2]).unwrap_err();
         assert_eq!(error.label(), "BadIndexes");
+    }
+
+    /// A pod whose task container waits on its image, created `age` before now.
+    fn waiting_pod(reason: &str, message: &str, age: std::time::Duration) -> Pod {
+        use k8s_openapi::api::core::v1::{
+            ContainerState, ContainerStateWaiting, ContainerStatus, PodStatus,
+        };
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let created = now - k8s_openapi::jiff::SignedDuration::try_from(age).unwrap();
+        Pod {
+            metadata: kube::api::ObjectMeta {
+                creation_timestamp: Some(Time(created)),
+                ..Default::default()
+            },
+            status: Some(PodStatus {
+                init_container_statuses: Some(vec![ContainerStatus {
+                    name: "task-0".into(),
+                    image: "registry.local/swe/a:1".into(),
+                    state: Some(ContainerState {
+                        waiting: Some(ContainerStateWaiting {
+                            reason: Some(reason.into()),
+                            message: Some(message.into()),
+                        }),
+                        ..ContainerState::default()
+                    }),
+                    ..ContainerStatus::default()
+                }]),
+                ..PodStatus::default()
+            }),
+            ..Pod::default()
+        }
+    }
+
+    /// An image the registry says is missing or forbidden, or a malformed reference, is
+    /// unavailable at once; another pull error only after the grace; a pull in progress never.
+    #[test]
+    fn a_pull_failure_counts_at_once_when_it_cannot_heal_and_after_the_grace_otherwise() {
+        let grace = std::time::Duration::from_secs(300);
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let second = std::time::Duration::from_secs(1);
+        let at_once = [
+            (
+                "ErrImagePull",
+                "failed to resolve reference: registry.local/swe/a:1: not found",
+            ),
+            (
+                "ImagePullBackOff",
+                "Back-off pulling image: manifest unknown",
+            ),
+            (
+                "ErrImagePull",
+                "pull access denied, repository does not exist",
+            ),
+            ("InvalidImageName", "Failed to apply default image tag"),
+        ];
+        for (reason, message) in at_once {
+            let why = pull_failure(&waiting_pod(reason, message, second), grace, now)
+                .unwrap_or_else(|| panic!("{reason}: {message}"));
+            assert!(why.starts_with("registry.local/swe/a:1 ("), "{why}");
+            assert!(why.contains(message), "{why}");
+        }
+        let refused = "dial tcp 10.0.0.1:5000: connect: connection refused";
+        assert_eq!(
+            pull_failure(&waiting_pod("ErrImagePull", refused, second), grace, now),
+            None
+        );
+        assert!(
+            pull_failure(
+                &waiting_pod("ErrImagePull", refused, grace + second),
+                grace,
+                now
+            )
+            .is_some()
+        );
+        let pulling = waiting_pod("PodInitializing", "", grace * 10);
+        assert_eq!(pull_failure(&pulling, grace, now), None);
     }
 
     #[test]

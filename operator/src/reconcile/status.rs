@@ -17,8 +17,8 @@ use kube::runtime::events::{Event, EventType};
 use trajectory_worker::contract::LandlockStatus;
 
 use crate::api::{
-    BatchCounts, ConditionType, OutputStatus, Phase, PromptCounts, SandboxStatus, TrajectoryRun,
-    TrajectoryRunStatus,
+    BatchCounts, ConditionType, ImageStatus, OutputStatus, Phase, PromptCounts, SandboxStatus,
+    TrajectoryRun, TrajectoryRunStatus, UnavailableImage,
 };
 
 /// Condition reasons (`PascalCase`, as Kubernetes conventions ask).
@@ -128,6 +128,18 @@ pub struct Tally {
     pub merged: Option<Merged>,
     /// Whether Landlock confined the commands (see [`crate::api::SandboxStatus`]).
     pub landlock: Option<LandlockStatus>,
+    /// The rows' images, when they name any.
+    pub images: Option<ImageTally>,
+}
+
+/// The rows' images as the generation stage found them (see [`crate::api::ImageStatus`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ImageTally {
+    pub total: u32,
+    pub pulled: u32,
+    pub unavailable_count: u32,
+    /// The first unavailable images with why, by image.
+    pub unavailable: Vec<(String, String)>,
 }
 
 /// Prompt counts of the plan.
@@ -268,6 +280,21 @@ fn record_tally(status: &mut TrajectoryRunStatus, tally: &Tally) {
     }
     if let Some(attempt) = tally.attempt {
         status.attempt = Some(attempt);
+    }
+    if let Some(images) = &tally.images {
+        status.images = Some(ImageStatus {
+            total: images.total,
+            pulled: images.pulled,
+            unavailable: images.unavailable_count,
+            unavailable_images: images
+                .unavailable
+                .iter()
+                .map(|(image, message)| UnavailableImage {
+                    image: image.clone(),
+                    message: message.clone(),
+                })
+                .collect(),
+        });
     }
     if let Some(landlock) = tally.landlock {
         status.sandbox = Some(SandboxStatus {
@@ -426,6 +453,52 @@ pub fn sandbox_event(
         action: "Reconcile".to_owned(),
         secondary: None,
     })
+}
+
+/// The Warning naming the images that could not be pulled, when `status` first lists them
+/// (`before` is the status the run had): once each.
+pub fn image_event(
+    before: Option<&TrajectoryRunStatus>,
+    status: &TrajectoryRunStatus,
+) -> Option<Event> {
+    let listed = |status: Option<&TrajectoryRunStatus>| -> Vec<UnavailableImage> {
+        status
+            .and_then(|status| status.images.as_ref())
+            .map(|images| images.unavailable_images.clone())
+            .unwrap_or_default()
+    };
+    let known = listed(before);
+    let new: Vec<String> = listed(Some(status))
+        .into_iter()
+        .filter(|image| !known.iter().any(|known| known.image == image.image))
+        .map(|image| format!("{}: {}", image.image, image.message))
+        .collect();
+    if new.is_empty() {
+        return None;
+    }
+    Some(Event {
+        type_: EventType::Warning,
+        reason: "ImageUnavailable".to_owned(),
+        note: Some(truncate_note(&format!(
+            "could not pull {}; their rows are recorded failed (image_unavailable)",
+            new.join("; ")
+        ))),
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    })
+}
+
+/// Kubernetes refuses an Event note over 1 KiB.
+fn truncate_note(note: &str) -> String {
+    const NOTE_LIMIT: usize = 1024;
+    if note.len() <= NOTE_LIMIT {
+        return note.to_owned();
+    }
+    let mut end = NOTE_LIMIT - 3;
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &note[..end])
 }
 
 /// Whether to write a run's status now.

@@ -4,8 +4,11 @@
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 
-use super::{asserted_suspend, failure_policy, job_shell, to_i32};
-use crate::reconcile::decide::Shard;
+use std::collections::BTreeMap;
+
+use super::{asserted_suspend, failure_policy, job_shell, job_shell_named, to_i32};
+use crate::reconcile::children::annotations;
+use crate::reconcile::decide::{Shard, Tasks};
 use crate::reconcile::validate::ValidatedRun;
 use crate::settings::Settings;
 
@@ -16,7 +19,22 @@ use crate::settings::Settings;
 pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard) -> Job {
     let spec = run.spec;
     let pending = &shard.pending;
-    let mut job = job_shell(run, settings, shard.component());
+    let component = shard.component();
+    let mut job = match &shard.tasks {
+        Tasks::Sandbox => job_shell(run, settings, component),
+        tasks => job_shell_named(run, settings, component, &shard.job_name(run), tasks),
+    };
+    let annotations = match &shard.tasks {
+        Tasks::Sandbox => BTreeMap::new(),
+        Tasks::Image(image) => BTreeMap::from([(annotations::IMAGE.to_owned(), image.clone())]),
+        Tasks::Unavailable { image, why } => BTreeMap::from([
+            (annotations::IMAGE.to_owned(), image.clone()),
+            (annotations::IMAGE_UNAVAILABLE.to_owned(), why.clone()),
+        ]),
+    };
+    if !annotations.is_empty() {
+        job.metadata.annotations = Some(annotations);
+    }
     job.spec = Some(JobSpec {
         completion_mode: Some("Indexed".to_owned()),
         completions: Some(to_i32(pending.count())),

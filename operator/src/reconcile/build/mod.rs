@@ -21,14 +21,16 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{ConfigMap, PodTemplateSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use trajectory_worker::contract::ImageGroup;
 use trajectory_worker::spec::RunSpec;
 
 pub use self::generation_job::generation_job;
 pub use self::merge_job::merge_job;
 pub use self::plan_config_map::plan_config_map;
 pub use self::plan_job::plan_job;
-use super::children::{Component, MANAGER, labels};
-use super::decide::Child;
+use super::children::{Component, MANAGER, image_index_name, labels};
+use super::decide::{Child, Tasks};
+use super::observe::IMAGE_INDEX_KEY;
 use super::validate::ValidatedRun;
 use crate::settings::Settings;
 
@@ -49,11 +51,20 @@ pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -
                 (!exists).then(|| plan_config_map(run, Component::Plan { round: *round }, None)),
                 plan_job(run, settings, *round, *exists),
             ),
-            Child::Generation(shard) => (
-                (!shard.exists)
-                    .then(|| plan_config_map(run, shard.component(), Some(&shard.pending))),
-                generation_job(run, settings, shard),
-            ),
+            Child::ImageIndex { round, groups } => {
+                children.config_maps.push(image_index(run, *round, groups));
+                continue;
+            }
+            Child::Generation(shard) => {
+                let job = generation_job(run, settings, shard);
+                // Named like its Job, which a Job recording unavailable rows is not by default.
+                let map = (!shard.exists).then(|| {
+                    let mut map = plan_config_map(run, shard.component(), Some(&shard.pending));
+                    map.metadata.name.clone_from(&job.metadata.name);
+                    map
+                });
+                (map, job)
+            }
             Child::Merge { round, exists } => (
                 (!exists).then(|| plan_config_map(run, Component::Merge { round: *round }, None)),
                 merge_job(run, settings, *round, *exists),
@@ -63,6 +74,24 @@ pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -
         children.jobs.push(job);
     }
     children
+}
+
+/// The operator's copy of the image groups of `round`'s plan, one JSON group a line.
+fn image_index(run: &ValidatedRun<'_>, round: u32, groups: &[ImageGroup]) -> ConfigMap {
+    let text: String = groups
+        .iter()
+        .filter_map(|group| serde_json::to_string(group).ok())
+        .map(|line| line + "\n")
+        .collect();
+    ConfigMap {
+        metadata: metadata(
+            run,
+            &image_index_name(&run.name, round),
+            labels(run, Component::Plan { round }),
+        ),
+        data: Some(BTreeMap::from([(IMAGE_INDEX_KEY.to_owned(), text)])),
+        ..ConfigMap::default()
+    }
 }
 
 /// The labels of every child serving `component`, and of its pods.
@@ -100,7 +129,24 @@ fn metadata(run: &ValidatedRun<'_>, name: &str, labels: BTreeMap<String, String>
 
 /// A Job with metadata and pod template filled; the caller sets the Job-level spec fields.
 fn job_shell(run: &ValidatedRun<'_>, settings: &Settings, component: Component) -> Job {
-    let name = run.child_name(component);
+    job_shell_named(
+        run,
+        settings,
+        component,
+        &run.child_name(component),
+        &Tasks::Sandbox,
+    )
+}
+
+/// [`job_shell`] of the Job `name`, its conversations' commands running as `tasks` says.
+fn job_shell_named(
+    run: &ValidatedRun<'_>,
+    settings: &Settings,
+    component: Component,
+    name: &str,
+    tasks: &Tasks,
+) -> Job {
+    let name = name.to_owned();
     let pod_labels = labels(run, component);
     let mut job_labels = pod_labels.clone();
     // Always applied, also once Kueue admitted the Job: dropping it from the applied
@@ -113,7 +159,7 @@ fn job_shell(run: &ValidatedRun<'_>, settings: &Settings, component: Component) 
             labels: Some(pod_labels),
             ..ObjectMeta::default()
         }),
-        spec: Some(pod_spec::pod_spec(run, settings, component, &name)),
+        spec: Some(pod_spec::pod_spec(run, settings, component, &name, tasks)),
     };
     Job {
         metadata: metadata(run, &name, job_labels),

@@ -28,10 +28,12 @@ use k8s_openapi::api::core::v1::{
     PodSecurityContext, PodSpec, SeccompProfile, SecretKeySelector, SecurityContext, Volume,
     VolumeMount,
 };
-use trajectory_worker::contract::{env, paths, secret_env};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use trajectory_worker::contract::{env, paths, secret_env, task_slots};
 use trajectory_worker::spec::SecretKeyRef;
 
 use crate::reconcile::children::{CONTAINER, Component};
+use crate::reconcile::decide::Tasks;
 use crate::reconcile::validate::{DATA_VOLUME, ValidatedRun};
 use crate::settings::Settings;
 
@@ -61,15 +63,28 @@ const WORKER_GROUP: i64 = 65532;
 /// can create and remove files in the workspaces, and never root.
 const SANDBOX_USER: i64 = 65532;
 
-/// The pod of the Job `job_name` serving `component`.
+/// The pod of the Job `job_name` serving `component`, its conversations' commands running as
+/// `tasks` says.
 pub fn pod_spec(
     run: &ValidatedRun<'_>,
     settings: &Settings,
     component: Component,
     job_name: &str,
+    tasks: &Tasks,
 ) -> PodSpec {
     let overrides = run.overrides.clone();
-    let sandboxed = has_sandbox(run, component);
+    let sandboxed = has_sandbox(run, component, tasks);
+    let slots = match tasks {
+        Tasks::Image(_) => task_slots(run.spec.batch_size, run.spec.samples_per_prompt),
+        Tasks::Sandbox | Tasks::Unavailable { .. } => 0,
+    };
+    let mut init_containers = Vec::new();
+    if sandboxed {
+        init_containers.extend(sandbox_containers(run, settings));
+    }
+    if let Tasks::Image(image) = tasks {
+        init_containers.extend(task_containers(run, image, slots));
+    }
     let empty_dir = |name: &str| Volume {
         name: name.to_owned(),
         empty_dir: Some(EmptyDirVolumeSource::default()),
@@ -98,8 +113,11 @@ pub fn pod_spec(
             seccomp_profile: Some(runtime_default()),
             ..PodSecurityContext::default()
         }),
-        init_containers: sandboxed.then(|| sandbox_containers(run, settings)),
-        containers: vec![worker_container(run, settings, component)],
+        init_containers: (!init_containers.is_empty()).then_some(init_containers),
+        containers: vec![worker_container(run, settings, component, tasks, slots)],
+        // The task containers hand their environment to the model's commands: nothing of the
+        // namespace's Services goes into it.
+        enable_service_links: (slots > 0).then_some(false),
         volumes: Some(
             [
                 Volume {
@@ -127,18 +145,80 @@ pub fn pod_spec(
                     .into_iter()
                     .flatten(),
             )
+            .chain((0..slots).map(|slot| Volume {
+                name: task_volume(slot),
+                empty_dir: Some(EmptyDirVolumeSource {
+                    medium: Some("Memory".to_owned()),
+                    size_limit: Some(Quantity("1Mi".to_owned())),
+                }),
+                ..Volume::default()
+            }))
             .collect(),
         ),
         ..PodSpec::default()
     }
 }
 
+/// The volume holding task container `slot`'s socket, shared with the worker alone.
+fn task_volume(slot: u32) -> String {
+    format!("task-{slot}")
+}
+
+/// One task container a conversation slot, of `image` (after the run's registry rewrite): a fresh
+/// filesystem of the row's image for each conversation, its executor (`serve --task`) the
+/// container's first process, its socket on a volume of its own that the worker mounts as
+/// `slot-<slot>`. Native sidecars, so they start before the worker and are stopped after it.
+///
+/// Unlike the run's sandbox container, a task container runs as its image's user (task images
+/// such as SWE-bench's are root's, their repository root's to change) with a writable root
+/// filesystem: the container is the conversation's, and ends with the pod. Privilege escalation
+/// stays off and every capability is dropped; the executor drops them for the commands as well.
+fn task_containers(run: &ValidatedRun<'_>, image: &str, slots: u32) -> Vec<Container> {
+    let image = run.spec.sandbox.rewritten_image(image);
+    (0..slots)
+        .map(|slot| Container {
+            name: format!("task-{slot}"),
+            image: Some(image.clone()),
+            image_pull_policy: Some("IfNotPresent".to_owned()),
+            restart_policy: Some("Always".to_owned()),
+            command: Some(vec![
+                format!("{}/trajectory-executor", paths::SANDBOX_BIN_DIR),
+                "serve".to_owned(),
+                "--task".to_owned(),
+                "--socket".to_owned(),
+                format!(
+                    "{}/{}",
+                    paths::SANDBOX_SOCKET_DIR,
+                    paths::SANDBOX_SOCKET_FILE
+                ),
+            ]),
+            volume_mounts: Some(vec![
+                mount(volumes::SANDBOX_BIN, paths::SANDBOX_BIN_DIR, true),
+                mount(&task_volume(slot), paths::SANDBOX_SOCKET_DIR, false),
+            ]),
+            security_context: Some(SecurityContext {
+                run_as_non_root: Some(false),
+                allow_privilege_escalation: Some(false),
+                capabilities: Some(Capabilities {
+                    drop: Some(vec!["ALL".to_owned()]),
+                    add: None,
+                }),
+                seccomp_profile: Some(runtime_default()),
+                ..SecurityContext::default()
+            }),
+            resources: run.sandbox_resources.clone(),
+            ..Container::default()
+        })
+        .collect()
+}
+
 /// Whether `component`'s pods have a sandbox container: the generation pods (the model's
 /// commands, MCP stdio servers, Chromium), and the plan pods of a run with stdio MCP servers
 /// (which the plan starts to list their tools).
-fn has_sandbox(run: &ValidatedRun<'_>, component: Component) -> bool {
+fn has_sandbox(run: &ValidatedRun<'_>, component: Component, tasks: &Tasks) -> bool {
     match component {
-        Component::Generate { .. } => true,
+        // A pod recording its rows' image unavailable runs nothing of theirs.
+        Component::Generate { .. } => !matches!(tasks, Tasks::Unavailable { .. }),
         Component::Plan { .. } => run
             .spec
             .tools
@@ -234,6 +314,8 @@ fn worker_container(
     run: &ValidatedRun<'_>,
     settings: &Settings,
     component: Component,
+    tasks: &Tasks,
+    slots: u32,
 ) -> Container {
     let overrides = &run.overrides;
     let mut volume_mounts = vec![
@@ -242,20 +324,27 @@ fn worker_container(
         mount(volumes::WORKSPACE, paths::WORKSPACE_ROOT, false),
         mount(volumes::TMP, "/tmp", false),
     ];
-    if has_sandbox(run, component) {
+    if has_sandbox(run, component, tasks) {
         volume_mounts.push(mount(
             volumes::SANDBOX_SOCKET,
             paths::SANDBOX_SOCKET_DIR,
             false,
         ));
     }
+    volume_mounts.extend((0..slots).map(|slot| {
+        mount(
+            &task_volume(slot),
+            &format!("{}/slot-{slot}", paths::TASK_SOCKETS_DIR),
+            false,
+        )
+    }));
     Container {
         name: CONTAINER.to_owned(),
         image: Some(worker_image(run, settings)),
         image_pull_policy: overrides.image_pull_policy.clone(),
         command: Some(vec!["trajectory-worker".to_owned()]),
         args: Some(vec![component.command().to_owned()]),
-        env: Some(environment(run, settings, component)),
+        env: Some(environment(run, settings, component, tasks)),
         resources: overrides.resources.clone(),
         volume_mounts: Some(volume_mounts),
         termination_message_path: Some(paths::TERMINATION_LOG.to_owned()),
@@ -285,7 +374,12 @@ fn restricted(user: Option<i64>) -> SecurityContext {
 
 /// The user's extra environment, then the worker contract's variables (which win), then the API
 /// key from its Secret.
-fn environment(run: &ValidatedRun<'_>, settings: &Settings, component: Component) -> Vec<EnvVar> {
+fn environment(
+    run: &ValidatedRun<'_>,
+    settings: &Settings,
+    component: Component,
+    tasks: &Tasks,
+) -> Vec<EnvVar> {
     let contract = |name: &str, value: &str| EnvVar {
         name: name.to_owned(),
         value: Some(value.to_owned()),
@@ -302,7 +396,7 @@ fn environment(run: &ValidatedRun<'_>, settings: &Settings, component: Component
         contract(env::WORKSPACE_ROOT, paths::WORKSPACE_ROOT),
         contract(env::LOG_FORMAT, &settings.worker_log_format),
     ]);
-    if has_sandbox(run, component) {
+    if has_sandbox(run, component, tasks) {
         env_vars.push(contract(
             env::SANDBOX_SOCKET,
             &format!(
@@ -311,6 +405,14 @@ fn environment(run: &ValidatedRun<'_>, settings: &Settings, component: Component
                 paths::SANDBOX_SOCKET_FILE
             ),
         ));
+    }
+    match tasks {
+        Tasks::Sandbox => {}
+        Tasks::Image(_) => env_vars.push(contract(env::TASK_SOCKETS, paths::TASK_SOCKETS_DIR)),
+        Tasks::Unavailable { image, why } => env_vars.push(contract(
+            env::IMAGE_UNAVAILABLE,
+            &format!("the image {image} could not be pulled: {why}"),
+        )),
     }
     let secret = |name: String, secret: &SecretKeyRef| EnvVar {
         name,

@@ -7,7 +7,7 @@ use trajectory_worker::contract::{RunPlan, env, exit, paths};
 
 use super::*;
 use crate::api::TrajectoryRun;
-use crate::reconcile::decide::{Pending, Shard};
+use crate::reconcile::decide::{Pending, Shard, Tasks};
 use crate::reconcile::validate::{Validation, validate};
 
 /// (pending list given, batches expected in the plan).
@@ -32,6 +32,7 @@ fn gen_job(run: &TrajectoryRun, attempt: u32, batches: &[u32], exists: bool) -> 
         pending: pending(batches),
         exists,
         parallelism: run.spec.run.workers,
+        tasks: Tasks::Sandbox,
     };
     generation_job(&valid(run), &settings(), &shard)
 }
@@ -96,6 +97,7 @@ fn children_are_built_for_what_the_decision_wants() {
             pending: pending(&[1, 4]),
             exists: false,
             parallelism: 1,
+            tasks: Tasks::Sandbox,
         }),
         Child::Merge {
             round: 1,

@@ -22,9 +22,11 @@
 use std::collections::BTreeSet;
 
 use trajectory_worker::contract::{
-    MAX_JOB_COMPLETIONS, MergeSummary, PlanSummary, WorkerFailure, compact_ranges, format_ranges,
-    parse_ranges,
+    ImageGroup, MAX_JOB_COMPLETIONS, MergeSummary, PlanSummary, WorkerFailure, compact_ranges,
+    format_ranges, parse_ranges,
 };
+
+use self::images::Work;
 
 use super::children::{
     ATTEMPTS_PER_ROUND, Component, MAX_NAME_LENGTH, MAX_ROUNDS, first_attempt_of,
@@ -34,11 +36,17 @@ use super::status::{Merged, Outcome, Planned, Reason, Tally};
 use super::validate::ValidatedRun;
 use crate::api::{BatchCounts, OutputStatus, PendingListStatus, Phase, TrajectoryRunStatus};
 
+pub mod images;
+
 /// What the run should have now, before it is built into objects.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
     /// The children to apply (none once the run is finished).
     pub children: Vec<Child>,
+    /// Jobs to delete, by name, with their pods and plan `ConfigMap`s: finished Jobs of rows
+    /// naming an image whose batches the status records, and Jobs whose pods cannot pull their
+    /// image (a Job recording the rows unavailable replaces them).
+    pub delete: Vec<String>,
     pub outcome: Outcome,
     pub tally: Tally,
 }
@@ -49,6 +57,7 @@ impl Decision {
     pub fn refused(message: String) -> Self {
         Self {
             children: Vec::new(),
+            delete: Vec::new(),
             outcome: Outcome::Failed(Reason::InvalidSpec, message),
             tally: Tally::default(),
         }
@@ -58,9 +67,33 @@ impl Decision {
 /// A child Job the run should have; a Job that does not exist yet comes with its plan `ConfigMap`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Child {
-    Plan { round: u32, exists: bool },
+    Plan {
+        round: u32,
+        exists: bool,
+    },
+    /// The operator's copy of the image groups of the round's plan.
+    ImageIndex {
+        round: u32,
+        groups: Vec<ImageGroup>,
+    },
     Generation(Shard),
-    Merge { round: u32, exists: bool },
+    Merge {
+        round: u32,
+        exists: bool,
+    },
+}
+
+/// Where a generation Job's conversations run their commands.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Tasks {
+    /// The pod's sandbox container, in the run's image: rows naming no image.
+    #[default]
+    Sandbox,
+    /// A task container of this image (as the rows name it) for each conversation of a batch.
+    Image(String),
+    /// The rows' image could not be pulled (why, as the node said): the pod records each of their
+    /// conversations failed, `image_unavailable`.
+    Unavailable { image: String, why: String },
 }
 
 /// One generation Job of an attempt: an attempt of more than [`MAX_JOB_COMPLETIONS`] batches runs
@@ -75,6 +108,7 @@ pub struct Shard {
     /// Its share of the run's `workers`: split over the attempt's unfinished Jobs, so that the run
     /// has `workers` pods at once however many Jobs it takes.
     pub parallelism: u32,
+    pub tasks: Tasks,
 }
 
 impl Shard {
@@ -82,6 +116,15 @@ impl Shard {
         Component::Generate {
             attempt: self.attempt,
             shard: self.shard,
+        }
+    }
+
+    /// Its Job's name: the component's, with a suffix for a Job recording unavailable rows.
+    pub fn job_name(&self, run: &ValidatedRun<'_>) -> String {
+        let name = run.child_name(self.component());
+        match self.tasks {
+            Tasks::Unavailable { .. } => super::children::unavailable_job_name(&name),
+            Tasks::Sandbox | Tasks::Image(_) => name,
         }
     }
 }
@@ -207,14 +250,15 @@ impl<'a> IdSpace<'a> {
 
 /// The decision: plan, then generation attempts, then merge.
 pub fn decide(run: &ValidatedRun<'_>, observed: &Observed) -> Decision {
-    let mut children = Vec::new();
+    let mut work = Work::default();
     let mut tally = Tally {
         landlock: observed.landlock,
         ..Tally::default()
     };
-    let outcome = stages(run, observed, &mut tally, &mut children);
+    let outcome = stages(run, observed, &mut tally, &mut work);
     Decision {
-        children,
+        children: work.children,
+        delete: work.delete,
         outcome,
         tally,
     }
@@ -225,8 +269,9 @@ fn stages(
     run: &ValidatedRun<'_>,
     observed: &Observed,
     tally: &mut Tally,
-    children: &mut Vec<Child>,
+    work: &mut Work,
 ) -> Outcome {
+    let children = &mut work.children;
     if let Some(outcome) = plan(observed, children) {
         return outcome;
     }
@@ -236,10 +281,55 @@ fn stages(
             "the plan Job completed without a summary in its termination message".into(),
         );
     };
-    if let Some(outcome) = generate(run, observed, &plan, tally, children) {
+    let generated = match image_groups(observed, &plan) {
+        Groups::None => generate(run, observed, &plan, tally, children),
+        Groups::Read(groups) => {
+            // Kept by the operator: the plan pod that reported them may be gone by the time
+            // the last image's turn comes.
+            if observed.image_index.is_none() {
+                work.children.push(Child::ImageIndex {
+                    round: observed.round,
+                    groups: groups.clone(),
+                });
+            }
+            images::generate(run, observed, &plan, &groups, tally, work)
+        }
+        Groups::Unread(outcome) => Some(outcome),
+    };
+    if let Some(outcome) = generated {
         return outcome;
     }
-    merge(run, observed, tally, children)
+    merge(run, observed, tally, &mut work.children)
+}
+
+/// The image groups of the round's plan, as far as the operator has them.
+enum Groups {
+    /// No row names an image.
+    None,
+    Read(Vec<ImageGroup>),
+    /// They cannot be had (yet): what the run does meanwhile.
+    Unread(Outcome),
+}
+
+/// The groups from the operator's own copy, or from the plan's summary when it lists them all.
+fn image_groups(observed: &Observed, plan: &PlanSummary) -> Groups {
+    if let Some(groups) = &observed.image_index {
+        return Groups::Read(groups.clone());
+    }
+    match &plan.images {
+        None => Groups::None,
+        Some(images) if images.index.is_none() => Groups::Read(images.listed.clone()),
+        Some(images) => Groups::Unread(Outcome::Failed(
+            Reason::PlanFailed,
+            format!(
+                "the dataset names {} images, more than the plan's summary lists ({}); reading \
+                 the rest from {} is not supported yet",
+                images.groups,
+                images.listed.len(),
+                images.index.as_deref().unwrap_or_default()
+            ),
+        )),
+    }
 }
 
 /// The plan stage's outcome while it is not done; `None` once the plan Job completed.
@@ -429,6 +519,7 @@ fn running_shards(run: &ValidatedRun<'_>, shards: &[&ObservedAttempt]) -> Vec<Ch
                 pending: Pending::of(observed.pending.clone(), observed.pending_list.clone())?,
                 exists: true,
                 parallelism,
+                tasks: Tasks::Sandbox,
             }))
         })
         .collect()
@@ -540,6 +631,7 @@ fn start_attempt(
             pending: slice,
             exists: false,
             parallelism,
+            tasks: Tasks::Sandbox,
         }));
     }
     Outcome::Working(Phase::Running, message)

@@ -1,0 +1,647 @@
+//! Generation of a run whose rows name container images of their own: one Job per image a
+//! generation attempt, admitted through a window, and cleaned up once its batches are recorded.
+//!
+//! The plan groups the pending batches by image ([`ImageGroup`]); the batches of rows naming none
+//! stay together. Each of these, cut at [`MAX_JOB_COMPLETIONS`], is a [`Piece`]: its shard number
+//! is its place in that list, the same in every attempt, so that the Job of piece *p* in attempt
+//! *a* is always `<run>-gen-<a>-<p>`. An Indexed Job's pod template cannot vary its image by
+//! index, which is why there is one Job per image; one image's batches in one Job also let a
+//! node pull the image once for all of them.
+//!
+//! ```text
+//!  piece: waiting ──(window has room)──► Job running ──► complete ──(batches in status)──► deleted
+//!                                            │ pods cannot pull the image
+//!                                            ▼
+//!                      deleted, and a `-na` Job records its rows failed (image_unavailable)
+//! ```
+//!
+//! The window: at most `workers` Jobs run at once, pieces starting in order as others finish, the
+//! workers split over the running ones. The attempt ends when no piece waits and no Job runs;
+//! what failed is retried by the next attempt, as in a run without images.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use trajectory_worker::contract::{ImageGroup, MAX_JOB_COMPLETIONS, PlanSummary, parse_ranges};
+
+use super::{
+    AfterAttempt, Child, IdSpace, Pending, Shard, Tasks, after_attempt, attempt_state,
+    batch_counts, failure_of, progress, to_usize, too_many_failed, worker_shares,
+};
+use crate::api::Phase;
+use crate::reconcile::children::{
+    Component, MAX_NAME_LENGTH, first_attempt_of, round_of_attempt, unavailable_job_name,
+};
+use crate::reconcile::observe::{JobState, Observed, ObservedAttempt};
+use crate::reconcile::status::{ImageTally, Outcome, Planned, Reason, Tally};
+use crate::reconcile::validate::ValidatedRun;
+
+/// Unavailable images the status lists by name (it counts them all).
+pub const LISTED_UNAVAILABLE: usize = 10;
+
+/// A share of the generation work that one Job per attempt does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    pub shard: u32,
+    /// The image its rows name; `None` for the rows that name none.
+    pub image: Option<String>,
+    /// Its ids (batch ids, or slots of the plan's pending list), ascending.
+    pub ids: Vec<u32>,
+}
+
+/// The run's pieces: the rows naming no image first, then each image group in the plan's order.
+pub fn pieces(
+    ids: IdSpace<'_>,
+    plan: &PlanSummary,
+    groups: &[ImageGroup],
+) -> Result<Vec<Piece>, String> {
+    let mut grouped = Vec::with_capacity(groups.len());
+    let mut in_groups = BTreeSet::new();
+    for group in groups {
+        let group_ids = parse_ranges(&group.ids)
+            .map_err(|reason| format!("image group {}: {reason}", group.image))?;
+        in_groups.extend(group_ids.iter().copied());
+        grouped.push((Some(group.image.clone()), group_ids));
+    }
+    let done = ids.done_by_the_plan(plan);
+    let upper = match ids {
+        IdSpace::Batches { total } => total,
+        IdSpace::Slots { slots, .. } => slots,
+    };
+    let imageless: Vec<u32> = (0..upper)
+        .filter(|id| !done.contains(id) && !in_groups.contains(id))
+        .collect();
+    let size = to_usize(MAX_JOB_COMPLETIONS);
+    let mut pieces = Vec::new();
+    for (image, ids) in std::iter::once((None, imageless)).chain(grouped) {
+        for chunk in ids.chunks(size) {
+            pieces.push(Piece {
+                shard: u32::try_from(pieces.len()).unwrap_or(u32::MAX),
+                image: image.clone(),
+                ids: chunk.to_vec(),
+            });
+        }
+    }
+    Ok(pieces)
+}
+
+/// Where a piece stands in the current attempt.
+enum PieceState<'a> {
+    /// Every batch of it is done.
+    Finished,
+    /// It has batches left and no Job in this attempt yet.
+    Waiting(Vec<u32>),
+    /// Its Job in this attempt (the one recording it unavailable, when there is one).
+    Job(&'a ObservedAttempt),
+}
+
+/// The generation stage of a run whose plan grouped its batches by image; `None` when the run goes
+/// on to merge.
+pub fn generate(
+    run: &ValidatedRun<'_>,
+    observed: &Observed,
+    plan: &PlanSummary,
+    groups: &[ImageGroup],
+    tally: &mut Tally,
+    decision: &mut Work,
+) -> Option<Outcome> {
+    let ids = IdSpace::of(plan);
+    let total = plan.batches;
+    let pieces = match pieces(ids, plan, groups) {
+        Ok(pieces) => pieces,
+        Err(reason) => {
+            return Some(Outcome::Failed(
+                Reason::PlanFailed,
+                format!("the plan's image groups cannot be read: {reason}"),
+            ));
+        }
+    };
+    let recorded = recorded_this_round(run, observed.round, ids);
+    let mut done = ids.done_by_the_plan(plan);
+    done.extend(recorded.iter().copied());
+    let mut failed = BTreeSet::new();
+    for attempt in &observed.attempts {
+        done.extend(attempt.batches.completed.iter().copied());
+        failed.extend(attempt.batches.failed.iter().copied());
+    }
+    let done_count = ids.done_count(&done);
+    tally.batches = Some(batch_counts(total, ids, &done, &failed));
+    tally.progress = Some(progress(done_count, total));
+    tally.planned = Some(Planned {
+        total: plan.prompts,
+        invalid: plan.invalid,
+    });
+    tally.images = Some(image_tally(groups, &pieces, &done, observed));
+    decision
+        .delete
+        .extend(finished_jobs(observed, &recorded, ids));
+
+    let pending = ids.pending(&done)?;
+    let attempt = observed
+        .attempts
+        .iter()
+        .map(|a| a.attempt)
+        .max()
+        .unwrap_or_else(|| first_attempt_of(observed.round));
+    tally.attempt = Some(attempt);
+    if let Some(refusal) = names_too_long(run, attempt, &pieces) {
+        return Some(refusal);
+    }
+    let jobs: Vec<&ObservedAttempt> = observed
+        .attempts
+        .iter()
+        .filter(|a| a.attempt == attempt)
+        .collect();
+    if let Some(outcome) = too_many_failed(run, &jobs, &done) {
+        return Some(outcome);
+    }
+    let states: Vec<(&Piece, PieceState)> = pieces
+        .iter()
+        .map(|piece| (piece, piece_state(piece, &jobs, &done)))
+        .collect();
+    let working = states.iter().any(|(_, state)| match state {
+        PieceState::Waiting(_) => true,
+        PieceState::Job(job) => JobState::of(&job.job) == JobState::Running,
+        PieceState::Finished => false,
+    });
+    let state = attempt_state(&jobs);
+    let decisive = matches!(&state, JobState::Failed { reason, .. }
+        if reason == "PodFailurePolicy" || reason == "MaxFailedIndexesExceeded");
+    let list = pending.list().map(str::to_owned);
+    if working && !decisive {
+        window(run, attempt, &states, (observed, list.as_deref()), decision);
+        let message = format!("attempt {attempt}: {done_count} of {total} batches done");
+        return Some(Outcome::Working(Phase::Running, message));
+    }
+    let attempt_of_round = (attempt + 1).saturating_sub(first_attempt_of(observed.round));
+    match after_attempt(run, attempt_of_round, (&state, failure_of(&jobs)), &pending) {
+        AfterAttempt::Fail(outcome) => Some(outcome),
+        AfterAttempt::Merge => None,
+        AfterAttempt::Next => {
+            let next = attempt + 1;
+            tally.attempt = Some(next);
+            let waiting: Vec<(&Piece, PieceState)> = pieces
+                .iter()
+                .map(|piece| (piece, piece_state(piece, &[], &done)))
+                .collect();
+            window(run, next, &waiting, (observed, list.as_deref()), decision);
+            let message = format!("attempt {next}: {} batches to generate", pending.count());
+            Some(Outcome::Working(Phase::Running, message))
+        }
+    }
+}
+
+/// What the generation stage adds to the decision besides its outcome: children to apply, Jobs to
+/// delete.
+#[derive(Debug, Default)]
+pub struct Work {
+    pub children: Vec<Child>,
+    pub delete: Vec<String>,
+}
+
+fn piece_state<'a>(
+    piece: &Piece,
+    jobs: &[&'a ObservedAttempt],
+    done: &BTreeSet<u32>,
+) -> PieceState<'a> {
+    let of_piece = jobs.iter().filter(|job| job.shard == piece.shard);
+    // The Job recording the rows unavailable replaces the one whose pods could not pull.
+    if let Some(job) = of_piece
+        .clone()
+        .find(|job| job.unavailable.is_some())
+        .or_else(|| of_piece.clone().next())
+    {
+        return PieceState::Job(job);
+    }
+    let left: Vec<u32> = piece
+        .ids
+        .iter()
+        .copied()
+        .filter(|id| !done.contains(id))
+        .collect();
+    if left.is_empty() {
+        PieceState::Finished
+    } else {
+        PieceState::Waiting(left)
+    }
+}
+
+/// The attempt's running Jobs kept with their share of the workers, and waiting pieces started
+/// while fewer than `workers` Jobs run; a Job whose pods cannot pull its image is replaced by the
+/// one recording its rows unavailable.
+fn window(
+    run: &ValidatedRun<'_>,
+    attempt: u32,
+    states: &[(&Piece, PieceState)],
+    (observed, list): (&Observed, Option<&str>),
+    work: &mut Work,
+) {
+    let workers = to_usize(run.spec.workers).max(1);
+    let mut live: Vec<Shard> = Vec::new();
+    for (piece, state) in states {
+        let PieceState::Job(job) = state else {
+            continue;
+        };
+        if JobState::of(&job.job) != JobState::Running {
+            continue;
+        }
+        let pending = Pending::of(job.pending.clone(), job.pending_list.clone());
+        let Some(pending) = pending else { continue };
+        let name = job.job.metadata.name.clone().unwrap_or_default();
+        match (&job.unavailable, observed.unpullable.get(&name)) {
+            (None, Some(why)) => {
+                work.delete.push(name);
+                live.push(Shard {
+                    attempt,
+                    shard: piece.shard,
+                    pending,
+                    exists: false,
+                    parallelism: 0,
+                    tasks: Tasks::Unavailable {
+                        image: piece.image.clone().unwrap_or_default(),
+                        why: why.clone(),
+                    },
+                });
+            }
+            (unavailable, _) => live.push(Shard {
+                attempt,
+                shard: piece.shard,
+                pending,
+                exists: true,
+                parallelism: 0,
+                tasks: match (unavailable, &job.image) {
+                    (Some(why), image) => Tasks::Unavailable {
+                        image: image.clone().unwrap_or_default(),
+                        why: why.clone(),
+                    },
+                    (None, Some(image)) => Tasks::Image(image.clone()),
+                    (None, None) => Tasks::Sandbox,
+                },
+            }),
+        }
+    }
+    for (piece, state) in states {
+        if live.len() >= workers {
+            break;
+        }
+        let PieceState::Waiting(left) = state else {
+            continue;
+        };
+        let Some(pending) = Pending::of(left.clone(), list.map(str::to_owned)) else {
+            continue;
+        };
+        live.push(Shard {
+            attempt,
+            shard: piece.shard,
+            pending,
+            exists: false,
+            parallelism: 0,
+            tasks: piece.image.clone().map_or(Tasks::Sandbox, Tasks::Image),
+        });
+    }
+    let shares = worker_shares(run.spec.workers, live.len());
+    for (mut shard, share) in live.into_iter().zip(shares) {
+        shard.parallelism = share.min(shard.pending.count()).max(1);
+        work.children.push(Child::Generation(shard));
+    }
+}
+
+/// The batches the run's status recorded done in this round: Jobs that finished are deleted once
+/// the status holds their batches, and their batches are known from it afterwards. Only batch
+/// ids are recorded (a plan's pending list makes the status count, not list, them), and only
+/// a status of this round counts: a later round plans the batches its merge found incomplete.
+fn recorded_this_round(run: &ValidatedRun<'_>, round: u32, ids: IdSpace<'_>) -> BTreeSet<u32> {
+    let IdSpace::Batches { .. } = ids else {
+        return BTreeSet::new();
+    };
+    let Some(status) = run.status() else {
+        return BTreeSet::new();
+    };
+    if status
+        .attempt
+        .is_none_or(|attempt| round_of_attempt(attempt) != round)
+    {
+        return BTreeSet::new();
+    }
+    status
+        .batches
+        .as_ref()
+        .and_then(|batches| parse_ranges(&batches.completed).ok())
+        .unwrap_or_default()
+        .into_iter()
+        .collect()
+}
+
+/// Complete Jobs of this round, but those recording unavailable images, whose every batch the
+/// status already records: nothing more is read from them, and they go with their pods.
+fn finished_jobs<'a>(
+    observed: &'a Observed,
+    recorded: &'a BTreeSet<u32>,
+    ids: IdSpace<'_>,
+) -> impl Iterator<Item = String> + 'a {
+    let listed = matches!(ids, IdSpace::Batches { .. });
+    observed
+        .attempts
+        .iter()
+        .filter(move |job| listed && job.unavailable.is_none())
+        .filter(|job| JobState::of(&job.job) == JobState::Complete)
+        .filter(|job| job.pending.iter().all(|id| recorded.contains(id)))
+        .filter_map(|job| job.job.metadata.name.clone())
+}
+
+/// The run's images: how many, how many pulled (some batch of theirs is done by a Job of their
+/// image), which could not be.
+fn image_tally(
+    groups: &[ImageGroup],
+    pieces: &[Piece],
+    done: &BTreeSet<u32>,
+    observed: &Observed,
+) -> ImageTally {
+    let mut unavailable: BTreeMap<String, String> = BTreeMap::new();
+    for job in &observed.attempts {
+        if let (Some(why), Some(image)) = (&job.unavailable, &job.image) {
+            unavailable
+                .entry(image.clone())
+                .or_insert_with(|| why.clone());
+        }
+    }
+    let pulled: BTreeSet<&str> = pieces
+        .iter()
+        .filter_map(|piece| Some((piece.image.as_deref()?, &piece.ids)))
+        .filter(|(image, ids)| {
+            !unavailable.contains_key(*image) && ids.iter().any(|id| done.contains(id))
+        })
+        .map(|(image, _)| image)
+        .collect();
+    ImageTally {
+        total: u32::try_from(groups.len()).unwrap_or(u32::MAX),
+        pulled: u32::try_from(pulled.len()).unwrap_or(u32::MAX),
+        unavailable_count: u32::try_from(unavailable.len()).unwrap_or(u32::MAX),
+        unavailable: unavailable.into_iter().take(LISTED_UNAVAILABLE).collect(),
+    }
+}
+
+/// A refusal when the name of the attempt's last Job (its `-na` one) would not fit.
+fn names_too_long(run: &ValidatedRun<'_>, attempt: u32, pieces: &[Piece]) -> Option<Outcome> {
+    let last = u32::try_from(pieces.len().saturating_sub(1)).unwrap_or(u32::MAX);
+    let longest = unavailable_job_name(
+        &Component::Generate {
+            attempt,
+            shard: last,
+        }
+        .child_name(&run.name),
+    );
+    (longest.len() > MAX_NAME_LENGTH).then(|| {
+        Outcome::Failed(
+            Reason::InvalidSpec,
+            format!(
+                "the run name {:?} is too long for the {} Jobs its images take: Job {longest:?} \
+                 would exceed {MAX_NAME_LENGTH} characters; use a shorter name",
+                run.name,
+                pieces.len()
+            ),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::batch::v1::Job;
+    use k8s_openapi::api::core::v1::PodSpec;
+    use trajectory_worker::contract::{RunPlan, env, paths, task_slots};
+    use trajectory_worker::spec::ImageRewrite;
+
+    use crate::api::{BatchCounts, TrajectoryRun, TrajectoryRunStatus};
+    use crate::fixtures::{JobFixture, ObservedFixture, now};
+    use crate::reconcile::observe::Observed;
+    use crate::reconcile::{Desired, desired_state};
+    use crate::settings::Settings;
+
+    /// `r`, two workers, rows' `docker.io/` images pulled from a mirror.
+    fn run(status: Option<TrajectoryRunStatus>) -> TrajectoryRun {
+        TrajectoryRun::test()
+            .named("r")
+            .namespace("ns")
+            .uid("uid-1")
+            .with(|spec| {
+                spec.workers = 2;
+                spec.sandbox.image_rewrite = vec![ImageRewrite {
+                    from: "docker.io/".into(),
+                    to: "mirror.local:5000/".into(),
+                }];
+            })
+            .with_status(status)
+            .build()
+    }
+
+    fn decide(observed: &Observed, status: Option<TrajectoryRunStatus>) -> Desired {
+        desired_state(&run(status), observed, &Settings::default(), &now()).unwrap()
+    }
+
+    /// Six batches: 0 and 4 name no image, 1-2 `docker.io/swe/a:1`, 3 `swe/b`, 5 `swe/c`.
+    fn planned() -> ObservedFixture {
+        ObservedFixture::planned(6).images(&[
+            ("docker.io/swe/a:1", "1-2"),
+            ("swe/b", "3"),
+            ("swe/c", "5"),
+        ])
+    }
+
+    fn job<'a>(desired: &'a Desired, name: &str) -> &'a Job {
+        desired
+            .children
+            .jobs
+            .iter()
+            .find(|job| job.metadata.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no Job {name}"))
+    }
+
+    fn names(desired: &Desired) -> Vec<&str> {
+        desired
+            .children
+            .jobs
+            .iter()
+            .filter_map(|job| job.metadata.name.as_deref())
+            .collect()
+    }
+
+    fn pod(job: &Job) -> &PodSpec {
+        job.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
+    }
+
+    fn env_of(job: &Job, name: &str) -> Option<String> {
+        pod(job).containers[0]
+            .env
+            .iter()
+            .flatten()
+            .find(|var| var.name == name)
+            .and_then(|var| var.value.clone())
+    }
+
+    fn batches_of(desired: &Desired, name: &str) -> Vec<u32> {
+        let map = desired
+            .children
+            .config_maps
+            .iter()
+            .find(|map| map.metadata.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no ConfigMap {name}"));
+        let plan: RunPlan =
+            serde_json::from_str(&map.data.as_ref().unwrap()[paths::PLAN_FILE]).unwrap();
+        plan.pending_list().unwrap().unwrap_or_default()
+    }
+
+    /// The rows naming no image first, then one Job per image, no more Jobs at once than
+    /// workers: each image's Job runs a task container of the (rewritten) image per
+    /// conversation slot, beside the run's sandbox; the groups are kept in a `ConfigMap`.
+    #[test]
+    fn each_image_gets_a_job_of_task_containers_and_no_more_jobs_run_than_workers() {
+        let desired = decide(&planned().build(), None);
+        assert_eq!(names(&desired), ["r-gen-1", "r-gen-1-1"]);
+        assert!(
+            desired
+                .children
+                .config_maps
+                .iter()
+                .any(|map| map.metadata.name.as_deref() == Some("r-images")),
+            "the groups are kept"
+        );
+        assert_eq!(batches_of(&desired, "r-gen-1"), [0, 4]);
+        assert_eq!(batches_of(&desired, "r-gen-1-1"), [1, 2]);
+        let plain = job(&desired, "r-gen-1");
+        assert_eq!(env_of(plain, env::TASK_SOCKETS), None);
+        let of_image = job(&desired, "r-gen-1-1");
+        let annotations = of_image.metadata.annotations.as_ref().unwrap();
+        assert_eq!(annotations["trajectories.dev/image"], "docker.io/swe/a:1");
+        assert_eq!(
+            env_of(of_image, env::TASK_SOCKETS).as_deref(),
+            Some(paths::TASK_SOCKETS_DIR)
+        );
+        let tasks: Vec<_> = pod(of_image)
+            .init_containers
+            .iter()
+            .flatten()
+            .filter(|c| c.name.starts_with("task-"))
+            .collect();
+        let run = run(None);
+        let slots = task_slots(run.spec.run.batch_size, run.spec.run.samples_per_prompt);
+        assert_eq!(tasks.len(), slots as usize);
+        assert!(
+            tasks
+                .iter()
+                .all(|c| c.image.as_deref() == Some("mirror.local:5000/swe/a:1"))
+        );
+        assert!(
+            tasks
+                .iter()
+                .all(|c| c.restart_policy.as_deref() == Some("Always"))
+        );
+        let images = desired.status.images.as_ref().unwrap();
+        assert_eq!((images.total, images.pulled, images.unavailable), (3, 0, 0));
+    }
+
+    /// As Jobs complete, the next images start in their place; a complete Job is deleted once
+    /// the status records its batches, and its batches stay done.
+    #[test]
+    fn finished_jobs_make_room_for_the_next_images_and_go_once_recorded() {
+        let observed = planned()
+            .image_index_kept()
+            .attempt(
+                JobFixture::generation(1).complete().completed("0-1"),
+                &[0, 4],
+            )
+            .attempt(
+                JobFixture::generation(1)
+                    .shard(1)
+                    .image("docker.io/swe/a:1"),
+                &[1, 2],
+            )
+            .build();
+        let desired = decide(&observed, None);
+        assert_eq!(names(&desired), ["r-gen-1-1", "r-gen-1-2"]);
+        assert_eq!(batches_of(&desired, "r-gen-1-2"), [3]);
+        assert!(desired.delete.is_empty(), "not recorded yet");
+        assert_eq!(desired.status.batches.as_ref().unwrap().completed, "0,4");
+
+        let recorded = TrajectoryRunStatus {
+            attempt: Some(1),
+            batches: Some(BatchCounts {
+                total: 6,
+                completed: "0,4".into(),
+                completed_count: 2,
+                ..BatchCounts::default()
+            }),
+            ..TrajectoryRunStatus::default()
+        };
+        let desired = decide(&observed, Some(recorded.clone()));
+        assert_eq!(desired.delete, ["coding-v1-gen-1"]);
+        // The Job gone, its batches still count as done, from the status.
+        let gone = planned()
+            .image_index_kept()
+            .attempt(
+                JobFixture::generation(1)
+                    .shard(1)
+                    .image("docker.io/swe/a:1"),
+                &[1, 2],
+            )
+            .build();
+        let desired = decide(&gone, Some(recorded));
+        assert_eq!(names(&desired), ["r-gen-1-1", "r-gen-1-2"]);
+        assert_eq!(desired.status.batches.as_ref().unwrap().completed, "0,4");
+        assert_eq!(desired.status.images.as_ref().unwrap().pulled, 0);
+    }
+
+    /// A Job whose pods cannot pull its image is deleted, and one recording its rows failed
+    /// (`image_unavailable`, no task container, no sandbox) takes its place; the status then
+    /// lists the image, and an Event names it once.
+    #[test]
+    fn an_image_that_cannot_be_pulled_has_its_rows_recorded_unavailable() {
+        let why = "mirror.local:5000/swe/a:1 (ErrImagePull): manifest unknown";
+        let running = || {
+            planned()
+                .image_index_kept()
+                .attempt(JobFixture::generation(1), &[0, 4])
+        };
+        let observed = running()
+            .attempt(
+                JobFixture::generation(1)
+                    .shard(1)
+                    .image("docker.io/swe/a:1"),
+                &[1, 2],
+            )
+            .unpullable("coding-v1-gen-1-1", why)
+            .build();
+        let desired = decide(&observed, None);
+        assert_eq!(desired.delete, ["coding-v1-gen-1-1"]);
+        assert_eq!(names(&desired), ["r-gen-1", "r-gen-1-1-na"]);
+        let recording = job(&desired, "r-gen-1-1-na");
+        let message = env_of(recording, env::IMAGE_UNAVAILABLE).unwrap();
+        assert!(message.contains("docker.io/swe/a:1") && message.contains("manifest unknown"));
+        assert_eq!(env_of(recording, env::TASK_SOCKETS), None);
+        assert!(
+            pod(recording).init_containers.is_none(),
+            "nothing of the rows runs"
+        );
+        assert_eq!(batches_of(&desired, "r-gen-1-1-na"), [1, 2]);
+
+        let recorded = running()
+            .attempt(
+                JobFixture::generation(1)
+                    .shard(1)
+                    .image("docker.io/swe/a:1")
+                    .unavailable(why),
+                &[1, 2],
+            )
+            .build();
+        let desired = decide(&recorded, None);
+        assert!(desired.delete.is_empty());
+        // Re-asserted (named from the run, as the fixtures' Jobs are not).
+        assert_eq!(names(&desired), ["r-gen-1", "r-gen-1-1-na"]);
+        let images = desired.status.images.as_ref().unwrap();
+        assert_eq!(images.unavailable, 1);
+        assert_eq!(images.unavailable_images[0].image, "docker.io/swe/a:1");
+        let event = crate::reconcile::status::image_event(None, &desired.status).unwrap();
+        assert!(event.note.unwrap().contains("docker.io/swe/a:1"));
+        assert!(
+            crate::reconcile::status::image_event(Some(&desired.status), &desired.status).is_none()
+        );
+    }
+}
