@@ -103,6 +103,10 @@ const SYSTEM_READ_ONLY: [&str; 12] = [
 /// mounts a pod's `ServiceAccount` token and Secrets under them.
 const NEVER_READABLE: [&str; 2] = ["/run", "/var"];
 
+/// The kernel's interfaces: read as system paths, never opened for writing as an image's files
+/// are in a task container.
+const KERNEL_INTERFACES: [&str; 3] = ["/proc", "/sys", "/dev"];
+
 /// Devices a command may write (and read).
 const WRITABLE_DEVICES: [&str; 4] = ["/dev/null", "/dev/zero", "/dev/full", "/dev/tty"];
 
@@ -517,8 +521,12 @@ fn readable_image_dirs(image_files: &ImageFiles) -> Vec<PathBuf> {
     entries
         .filter_map(|entry| entry.ok().map(|entry| entry.path()))
         .filter(|path| {
-            !private.iter().any(|private| top_level(private) == *path)
-                && !NEVER_READABLE.iter().any(|never| Path::new(never) == path)
+            let kernel = image_files.is_task_container()
+                && KERNEL_INTERFACES
+                    .iter()
+                    .any(|kernel| Path::new(kernel) == path);
+            let never = NEVER_READABLE.iter().any(|never| Path::new(never) == path);
+            !(kernel || never || private.iter().any(|private| top_level(private) == *path))
         })
         .collect()
 }

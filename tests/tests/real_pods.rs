@@ -14,10 +14,11 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{EvictParams, LogParams, PostParams};
+use kube::api::{EvictParams, ListParams, LogParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use trajectory_operator::api::{Phase, TrajectoryRun};
+use trajectory_operator::reconcile::observe::JobState;
 use trajectory_operator::settings::Settings;
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
@@ -534,6 +535,196 @@ async fn a_task_image_from_a_registry_runs_the_terminal_and_one_without_a_shell_
         }
     }
     assert_two_requests_per_conversation(&model, images.len());
+}
+
+/// What each conversation of the task-image run runs: which image and directory it is in, what an
+/// earlier conversation could have left in that directory, and which `sleep 97531` processes
+/// run; then it leaves a file there and a background job behind.
+const TASK_PROBE: &str = "echo \"marker=$(cat /task/marker 2>/dev/null) pwd=$(pwd) \
+left=$(cat left-by-earlier 2>/dev/null || echo none) \
+jobs=$(grep -l 9753[1] /proc/[0-9]*/cmdline 2>/dev/null | wc -l)\"; \
+echo here > left-by-earlier; sleep 97531 &";
+
+/// A dataset row of the task-image run: its image and `cwd`, and the marker and directory its
+/// conversation should find (empty for a row whose commands find none).
+type ImageRow = (
+    Option<String>,
+    Option<&'static str>,
+    &'static str,
+    &'static str,
+);
+
+/// A run whose rows name their own images, pulled by the real node from a registry: 14 rows over
+/// the glibc, busybox and shell-less task images, one missing image and none. Every conversation
+/// runs in a fresh container of its row's image, in its `cwd` or the image's working directory,
+/// and finds nothing an earlier conversation of the same image left (no file, no process); the
+/// shell-less image's calls are tool errors; the missing image's rows are recorded failed
+/// (`image_unavailable`, naming the image) without a model request, and the run goes on. Two model
+/// requests per conversation that ran; never more image Jobs running than workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rows_naming_images_run_in_fresh_task_containers_and_a_missing_image_is_recorded_unavailable()
+ {
+    let setup = Setup::new("pods-row-images").await;
+    let registry = trajectory_tests::real_pods::registry(trajectory_tests::real_pods::HOW_TO_RUN);
+    let image = |name: &str| Some(format!("{registry}/tasks/{name}:1"));
+    let rows: Vec<ImageRow> = vec![
+        (image("glibc"), None, "glibc", "/testbed"),
+        (image("glibc"), None, "glibc", "/testbed"),
+        (image("glibc"), Some("/"), "glibc", "/"),
+        (image("glibc"), None, "glibc", "/testbed"),
+        (image("glibc"), Some("/task"), "glibc", "/task"),
+        (image("busybox"), None, "busybox", "/work"),
+        (image("busybox"), Some("/task"), "busybox", "/task"),
+        (image("busybox"), None, "busybox", "/work"),
+        (image("noshell"), None, "", ""),
+        (image("noshell"), None, "", ""),
+        (image("missing"), None, "", ""),
+        (image("missing"), None, "", ""),
+        (None, None, "", ""),
+        (image("glibc"), None, "glibc", "/testbed"),
+    ];
+    write_image_rows(&setup, &rows);
+    let model = scripted_model(Duration::from_millis(5), TASK_PROBE).await;
+    let spec = json!({
+        "dataset": {"path": "datasets/rows.jsonl"},
+        "batchSize": 2, "workers": 2, "concurrency": 2,
+        "sandbox": {"imageUnavailableAfterSeconds": 60},
+    });
+    setup
+        .create_scripted("images", &setup.model_url(&model), 0, &spec)
+        .await;
+    let (run, most_running) = finished_counting_jobs(&setup, "images").await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    assert!(
+        most_running <= 2,
+        "{most_running} generation Jobs ran at once"
+    );
+    let images = run
+        .status
+        .as_ref()
+        .unwrap()
+        .images
+        .clone()
+        .expect("status.images");
+    assert_eq!(
+        (images.total, images.pulled, images.unavailable),
+        (4, 3, 1),
+        "{images:?}"
+    );
+    assert_eq!(
+        Some(images.unavailable_images[0].image.clone()),
+        image("missing")
+    );
+
+    let dir = setup.storage.run_dir(setup.ns(), "images");
+    check_image_records(&dir, &rows);
+    let failures = jsonl_lines(&dir.join("failures.jsonl"));
+    let unavailable: Vec<u64> = failures
+        .iter()
+        .filter(|f| f["error_class"] == "image_unavailable")
+        .map(|f| f["prompt_index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(unavailable, [10, 11], "{failures:#?}");
+    let missing = image("missing").unwrap();
+    assert!(
+        failures[0]["error"].as_str().unwrap().contains(&missing),
+        "{failures:#?}"
+    );
+    // The missing image's prompts never reached the model; the others twice each.
+    for request in model.requests() {
+        let text = request.body.to_string();
+        assert!(
+            !text.contains("row 10") && !text.contains("row 11"),
+            "{text}"
+        );
+    }
+    assert_two_requests_per_conversation(&model, 12);
+}
+
+/// Writes `rows` as `datasets/rows.jsonl` (prompts `row <i>`, the image in `image` or
+/// `docker_image` by turns: both of the reference's field names).
+fn write_image_rows(setup: &Setup, rows: &[ImageRow]) {
+    let lines: Vec<String> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, (image, cwd, _, _))| {
+            let mut row = json!({"prompt": format!("row {i}")});
+            if let Some(image) = image {
+                let field = if i % 2 == 0 { "image" } else { "docker_image" };
+                row[field] = json!(image);
+            }
+            if let Some(cwd) = cwd {
+                row["cwd"] = json!(cwd);
+            }
+            row.to_string()
+        })
+        .collect();
+    let dataset = tempfile::tempdir().unwrap();
+    let file = dataset.path().join("rows.jsonl");
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    setup.storage.add_dataset(&file);
+}
+
+/// Run `name` once finished, and the most generation Jobs seen running at once meanwhile.
+async fn finished_counting_jobs(setup: &Setup, name: &str) -> (TrajectoryRun, usize) {
+    let jobs: Api<Job> = Api::namespaced(setup.client.clone(), setup.ns());
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut most_running = 0;
+    loop {
+        let listed = jobs
+            .list(&ListParams::default().labels("app.kubernetes.io/component=generate"))
+            .await
+            .unwrap();
+        let running = listed
+            .items
+            .iter()
+            .filter(|job| matches!(JobState::of(job), JobState::Running))
+            .count();
+        most_running = most_running.max(running);
+        let run = setup.runs.get(name).await.unwrap();
+        if phase_of(&run).is_some_and(Phase::is_finished) {
+            return (run, most_running);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not finished: {:#?}; pods {:#?}",
+            run.status,
+            pod_summary(&setup.pods).await
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Each trajectory of the task-image run found its own image and directory, fresh; the rows of
+/// the shell-less image got the tool error, the row naming no image ran in the sandbox.
+fn check_image_records(dir: &Path, rows: &[ImageRow]) {
+    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
+    assert_eq!(records.len(), 12, "every row but the missing image's");
+    for record in &records {
+        let index = usize::try_from(record["prompt_index"].as_u64().unwrap()).unwrap();
+        let (image, _, marker, pwd) = &rows[index];
+        let turn = record["conversations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["from"] == "tool")
+            .unwrap_or_else(|| panic!("a tool turn: {record}"))["value"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let content = tool_result(&turn).to_string();
+        match image.as_deref() {
+            None => assert!(content.contains("marker= "), "row {index}: {content}"),
+            Some(name) if name.ends_with("noshell:1") => assert!(
+                content.contains("this environment has no shell"),
+                "row {index}: {content}"
+            ),
+            Some(_) => assert!(
+                content.contains(&format!("marker={marker} pwd={pwd} left=none jobs=0")),
+                "row {index}: a fresh {marker} container in {pwd}: {content}"
+            ),
+        }
+    }
 }
 
 /// A command that forks past the run's process limit, in the sandbox container of a real pod, is
