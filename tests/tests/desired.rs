@@ -113,3 +113,93 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
         .await
         .expect("the API server accepts the plan ConfigMap");
 }
+
+/// A namespace enforcing the Pod Security Standard `level`.
+async fn namespace_enforcing(client: &kube::Client, prefix: &str, level: &str) -> TestNamespace {
+    let namespace = TestNamespace::create(client, prefix).await;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .patch(
+            namespace.name(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {
+                "pod-security.kubernetes.io/enforce": level,
+                "pod-security.kubernetes.io/enforce-version": "latest",
+            }}})),
+        )
+        .await
+        .expect("label the namespace");
+    namespace
+}
+
+/// The pod of `job`, created as a dry run in `namespace`.
+async fn dry_run_pod(client: &kube::Client, namespace: &str, job: &Job) -> kube::Result<Pod> {
+    let template = job.spec.as_ref().expect("a Job spec").template.clone();
+    let pod = Pod {
+        metadata: ObjectMeta {
+            name: Some(format!("{}-probe", job.name_any())),
+            ..template.metadata.unwrap_or_default()
+        },
+        spec: template.spec,
+        status: None,
+    };
+    let dry_run = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    Api::<Pod>::namespaced(client.clone(), namespace)
+        .create(&dry_run, &pod)
+        .await
+}
+
+/// Task containers run as their image's user (root in SWE-style images) with a writable root
+/// filesystem: a pod of them passes the baseline standard and not the restricted one, as
+/// `docs/task-environments.md` says; the pod recording an unavailable image's rows runs nothing
+/// of theirs and passes the restricted standard.
+#[tokio::test]
+async fn task_container_pods_need_the_baseline_standard_and_the_unavailable_ones_do_not() {
+    let client = client().await;
+    let restricted = namespace_enforcing(&client, "desired-tasks-restricted", "restricted").await;
+    let baseline = namespace_enforcing(&client, "desired-tasks-baseline", "baseline").await;
+    let job_of = |namespace: &str, tasks: Tasks| {
+        let run = stored_run(namespace);
+        let Ok(Validation::Valid(valid)) = validate(&run) else {
+            panic!("the run is valid");
+        };
+        build::generation_job(
+            &valid,
+            &Settings::default(),
+            &Shard {
+                attempt: 1,
+                shard: 1,
+                pending: Pending::new(vec![1, 2]).expect("two batches"),
+                exists: false,
+                parallelism: 1,
+                tasks,
+            },
+        )
+    };
+    let image = || Tasks::Image("registry.local/swe/task:1".to_owned());
+    let refused = dry_run_pod(
+        &client,
+        restricted.name(),
+        &job_of(restricted.name(), image()),
+    )
+    .await
+    .expect_err("restricted refuses task containers");
+    assert!(refused.to_string().contains("runAsNonRoot"), "{refused}");
+    dry_run_pod(&client, baseline.name(), &job_of(baseline.name(), image()))
+        .await
+        .unwrap_or_else(|e| panic!("baseline accepts task containers: {e}"));
+    let unavailable = Tasks::Unavailable {
+        image: "registry.local/swe/task:1".to_owned(),
+        why: "manifest unknown".to_owned(),
+    };
+    dry_run_pod(
+        &client,
+        restricted.name(),
+        &job_of(restricted.name(), unavailable),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("restricted accepts the unavailable rows' pod: {e}"));
+}
