@@ -7,7 +7,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
 use serde_json::json;
 use trajectory_worker::contract::{
-    BatchRange, ImageGroup, ImagePlan, MergeSummary, PlanSummary, WorkerFailure, exit,
+    BatchRange, ImageGroup, ImagePage, ImagePlan, MergeSummary, PlanSummary, WorkerFailure, exit,
 };
 use trajectory_worker::spec::RunSpec;
 
@@ -154,6 +154,11 @@ impl JobFixture {
 
     pub fn merge() -> Self {
         Self::of(Component::Merge { round: 1 })
+    }
+
+    /// The Job reporting the pages of the first round's image index.
+    pub fn image_pages() -> Self {
+        Self::of(Component::ImagePages { round: 1 })
     }
 
     /// The merge Job of a later round.
@@ -327,8 +332,32 @@ impl ObservedFixture {
                 groups: u32::try_from(listed.len()).unwrap_or(u32::MAX),
                 listed,
                 index: None,
+                pages: 0,
             });
         }
+        self
+    }
+
+    /// The plan's summary lists none of its image groups: they are in `pages` pages of the
+    /// index `index` on storage.
+    pub fn images_in_pages(mut self, index: &str, pages: u32) -> Self {
+        if let Some(images) = self
+            .0
+            .plan_summary
+            .as_mut()
+            .and_then(|summary| summary.images.as_mut())
+        {
+            images.listed.clear();
+            images.index = Some(index.to_owned());
+            images.pages = pages;
+        }
+        self
+    }
+
+    /// The Job reporting the image index's pages, and the pages its pods reported.
+    pub fn image_pages(mut self, job: JobFixture, pages: Vec<ImagePage>) -> Self {
+        self.0.image_pages_job = Some(job.build());
+        self.0.image_pages = pages;
         self
     }
 

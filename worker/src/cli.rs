@@ -69,6 +69,18 @@ pub enum Command {
     },
     /// Merge the batches into trajectories.jsonl, failures.jsonl and statistics.json.
     Merge(RunArgs),
+    /// Report one page of the plan's image index (when the plan's summary could not list every
+    /// image group) to the operator, as this pod's termination message.
+    ImagePage {
+        #[command(flatten)]
+        run: RunArgs,
+        /// The page (the Job completion index).
+        #[arg(long, env = env::JOB_COMPLETION_INDEX)]
+        page: u32,
+        /// The index, relative to the run's directory (the plan summary's `images.index`).
+        #[arg(long, env = env::IMAGE_INDEX)]
+        index: String,
+    },
     /// Write `report.html` (the page to read a run in) from a merged run's outputs, and print its
     /// path. Merge writes it too; this makes it again, e.g. for a run merged by an older worker.
     Report {
@@ -376,6 +388,15 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             workspaces,
         } => {
             let result = batch_command(&run, index, batch, &workspaces, shutdown).await;
+            run.report(&result);
+            println!("{}", termination_message(&result?));
+            Ok(())
+        }
+        Command::ImagePage { run, page, index } => {
+            let result = match run.location() {
+                Ok(location) => crate::run::plan::image_page(&location, &index, page),
+                Err(error) => Err(error),
+            };
             run.report(&result);
             println!("{}", termination_message(&result?));
             Ok(())

@@ -44,6 +44,9 @@ pub mod env {
     /// Set by the operator on the pods of rows whose image could not be pulled: the image and
     /// the node's message. The batch records each conversation failed, `image_unavailable`.
     pub const IMAGE_UNAVAILABLE: &str = "TRAJ_IMAGE_UNAVAILABLE";
+    /// The plan's image index (relative to the run's directory) whose page
+    /// `JOB_COMPLETION_INDEX` an `image-page` pod reports.
+    pub const IMAGE_INDEX: &str = "TRAJ_IMAGE_INDEX";
 }
 
 /// Every Secret key a tool setting of `tools` refers to, with the environment variable the
@@ -208,10 +211,117 @@ pub struct ImagePlan {
     /// [`ImagePlan::index`] is set.
     pub listed: Vec<ImageGroup>,
     /// Set when not every group fits the termination message: the path, relative to the run's
-    /// output directory, of the file holding them all, one [`ImageGroup`] a line
-    /// (`plan/images-<16 hex digits>.jsonl`, new on every plan).
+    /// output directory, of the directory holding them all in [`ImagePlan::pages`] pages
+    /// (`plan/images-<16 hex digits>`, new on every plan; [`image_page_path`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<String>,
+    /// How many pages the index has, each an [`ImagePage`] that fits a termination message.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pages: u32,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+fn is_zero(value: &u32) -> bool {
+    *value == 0
+}
+
+/// One page of a plan's image index, as `trajectory-worker image-page` reports it to the
+/// operator: groups in the plan's order. A group too large for one page is cut at range
+/// boundaries into parts of the same image on consecutive pages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ImagePage {
+    pub page: u32,
+    pub groups: Vec<ImageGroup>,
+}
+
+/// The file of page `page` of the image index `index` (both relative to the run's directory).
+pub fn image_page_path(index: &str, page: u32) -> String {
+    format!("{index}/page-{page}.json")
+}
+
+/// `groups` packed into pages of at most `limit` bytes of JSON each, in order.
+pub fn image_pages(groups: &[ImageGroup], limit: usize) -> Vec<ImagePage> {
+    let mut pages = Vec::new();
+    let mut current = ImagePage {
+        page: 0,
+        groups: Vec::new(),
+    };
+    let mut queue: std::collections::VecDeque<ImageGroup> = groups.iter().cloned().collect();
+    while let Some(group) = queue.pop_front() {
+        current.groups.push(group);
+        if serialised_within(&current, limit) {
+            continue;
+        }
+        let group = current.groups.pop().expect("pushed above");
+        if !current.groups.is_empty() {
+            // The next page: the group goes first there.
+            queue.push_front(group);
+            let page = current.page + 1;
+            pages.push(std::mem::replace(
+                &mut current,
+                ImagePage {
+                    page,
+                    groups: Vec::new(),
+                },
+            ));
+            continue;
+        }
+        // Alone and still too large: the most of its ranges that fit, the rest on.
+        let ranges: Vec<&str> = group.ids.split(',').collect();
+        let (mut fits, mut too_long) = (0, ranges.len());
+        while too_long - fits > 1 {
+            let middle = fits + (too_long - fits) / 2;
+            current.groups = vec![ImageGroup {
+                image: group.image.clone(),
+                ids: ranges[..middle].join(","),
+            }];
+            if serialised_within(&current, limit) {
+                fits = middle;
+            } else {
+                too_long = middle;
+            }
+        }
+        let fits = fits.max(1);
+        current.groups = vec![ImageGroup {
+            image: group.image.clone(),
+            ids: ranges[..fits].join(","),
+        }];
+        if fits < ranges.len() {
+            queue.push_front(ImageGroup {
+                image: group.image.clone(),
+                ids: ranges[fits..].join(","),
+            });
+        }
+        let page = current.page + 1;
+        pages.push(std::mem::replace(
+            &mut current,
+            ImagePage {
+                page,
+                groups: Vec::new(),
+            },
+        ));
+    }
+    if !current.groups.is_empty() {
+        pages.push(current);
+    }
+    pages
+}
+
+/// Pages read back into the groups they were cut from: parts of one image on consecutive pages
+/// joined again.
+pub fn groups_of_pages(pages: &[ImagePage]) -> Vec<ImageGroup> {
+    let mut groups: Vec<ImageGroup> = Vec::new();
+    for group in pages.iter().flat_map(|page| &page.groups) {
+        match groups.last_mut() {
+            Some(last) if last.image == group.image => {
+                last.ids.push(',');
+                last.ids.push_str(&group.ids);
+            }
+            _ => groups.push(group.clone()),
+        }
+    }
+    groups
 }
 
 /// The most task containers (conversations) a generation pod of rows naming an image holds: each
@@ -425,8 +535,9 @@ impl PlanSummary {
 impl PlanSummary {
     /// The summary with the image groups `groups` ([`PlanSummary::images`]; none when empty), as
     /// many as fit in `limit` bytes with the rest of it. When not all fit, [`ImagePlan::index`]
-    /// is `index`, the file the caller writes every group to before it reports the summary. Call
-    /// it after [`PlanSummary::fitting`], which decides what the ids are.
+    /// is `index`, the directory the caller writes every group to in pages before it reports the
+    /// summary, and [`ImagePlan::pages`] is for the caller to set. Call it after
+    /// [`PlanSummary::fitting`], which decides what the ids are.
     #[must_use]
     pub fn with_images(mut self, groups: Vec<ImageGroup>, limit: usize, index: &str) -> Self {
         if groups.is_empty() {
@@ -437,6 +548,7 @@ impl PlanSummary {
             groups: count,
             listed: groups,
             index: None,
+            pages: 0,
         });
         if serialised_within(&self, limit) {
             return self;
@@ -444,6 +556,8 @@ impl PlanSummary {
         let images = self.images.as_mut().expect("set above");
         let all = std::mem::take(&mut images.listed);
         images.index = Some(index.to_owned());
+        // Fitted with the widest count: the caller sets the real one, no wider.
+        images.pages = u32::MAX;
         // The longest prefix that fits, by bisection: the size grows with the prefix.
         let (mut fits, mut too_long) = (0, all.len() + 1);
         while too_long - fits > 1 {
@@ -843,5 +957,34 @@ mod tests {
         .unwrap();
         assert_eq!(plan.batch_ranges, None);
         assert_eq!(plan.batch_for_index(1), Some(5));
+    }
+
+    /// Pages hold at most the termination message's bytes, number themselves in order, and read
+    /// back into the groups they were cut from: a group of scattered batches too large for one
+    /// page goes over several, cut at range boundaries.
+    #[test]
+    fn image_groups_are_paged_within_the_limit_and_read_back_whole() {
+        let group = |image: &str, ids: String| ImageGroup {
+            image: image.to_owned(),
+            ids,
+        };
+        let scattered: Vec<String> = (0..3000_u32).step_by(2).map(|id| id.to_string()).collect();
+        let groups = vec![
+            group("registry.example/swe/a:1", "0-9".into()),
+            group("registry.example/swe/scattered:1", scattered.join(",")),
+            group("registry.example/swe/b:1", "3001".into()),
+        ];
+        let pages = image_pages(&groups, TERMINATION_MESSAGE_LIMIT);
+        assert!(pages.len() > 2, "{} pages", pages.len());
+        for (number, page) in (0_u32..).zip(&pages) {
+            assert_eq!(page.page, number);
+            let bytes = serde_json::to_string(page).unwrap().len();
+            assert!(
+                bytes <= TERMINATION_MESSAGE_LIMIT,
+                "page {number}: {bytes} bytes"
+            );
+        }
+        assert_eq!(groups_of_pages(&pages), groups);
+        assert!(image_pages(&[], TERMINATION_MESSAGE_LIMIT).is_empty());
     }
 }

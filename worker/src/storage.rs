@@ -13,7 +13,8 @@
 //!   trajectories.jsonl          merged output in dataset order
 //!   failures.jsonl              failed and discarded prompts
 //!   statistics.json             counts, tools, reasoning, tokens, latency
-//!   plan/images-<16 hex>.jsonl    the image groups, when a plan's summary could not list them all
+//!   plan/images-<16 hex>/page-<n>.json  the image groups, when a plan's summary could not list
+//!                                 them all, a page each termination message holds
 //!   plan/pending-<16 hex>.ranges  the batches not done, when a plan's summary could not list
 //!                               the done ones (one file per such plan, never rewritten)
 //! ```
@@ -225,11 +226,12 @@ impl RunDir {
         format!("{PLAN_DIR}/pending-{unique:016x}.ranges")
     }
 
-    /// A name for a new plan's image index (every image group, when they do not all fit the
-    /// plan's summary), relative to the run directory: `plan/images-<16 random hex digits>.jsonl`.
+    /// A name for a new plan's image index (every image group in pages, when they do not all
+    /// fit the plan's summary), relative to the run directory: the directory
+    /// `plan/images-<16 random hex digits>`.
     pub fn new_image_index_name() -> String {
         let unique: u64 = rand::random();
-        format!("{PLAN_DIR}/images-{unique:016x}.jsonl")
+        format!("{PLAN_DIR}/images-{unique:016x}")
     }
 
     /// Removes the completion markers of `batches` (a marker already gone is fine), then makes the

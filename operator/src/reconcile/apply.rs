@@ -35,6 +35,7 @@ pub async fn apply(
         .iter()
         .chain(observed.attempts.iter().map(|attempt| &attempt.job))
         .chain(observed.merge_job.iter())
+        .chain(observed.image_pages_job.iter())
         .collect();
     for job in &desired.jobs {
         let name = job.name_any();

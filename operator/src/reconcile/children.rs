@@ -76,6 +76,10 @@ pub enum Component {
     Generate { attempt: u32, shard: u32 },
     /// `trajectory-worker merge`; once per round.
     Merge { round: u32 },
+    /// `trajectory-worker image-page`: an Indexed Job reporting the pages of a plan's image index
+    /// (when its summary could not list every image group), one per index; once per round, and
+    /// only then.
+    ImagePages { round: u32 },
 }
 
 impl Component {
@@ -85,13 +89,14 @@ impl Component {
             Self::Plan { .. } => "plan",
             Self::Generate { .. } => "generate",
             Self::Merge { .. } => "merge",
+            Self::ImagePages { .. } => "image-pages",
         }
     }
 
     /// The round the child belongs to.
     pub fn round(self) -> u32 {
         match self {
-            Self::Plan { round } | Self::Merge { round } => round,
+            Self::Plan { round } | Self::Merge { round } | Self::ImagePages { round } => round,
             Self::Generate { attempt, .. } => round_of_attempt(attempt),
         }
     }
@@ -102,6 +107,7 @@ impl Component {
             Self::Plan { .. } => "plan",
             Self::Generate { .. } => "batch",
             Self::Merge { .. } => "merge",
+            Self::ImagePages { .. } => "image-page",
         }
     }
 
@@ -122,6 +128,8 @@ impl Component {
             Self::Generate { attempt, shard } => format!("{run}-gen-{attempt}-{shard}"),
             Self::Merge { round: ..=1 } => format!("{run}-merge"),
             Self::Merge { round } => format!("{run}-merge-{round}"),
+            Self::ImagePages { round: ..=1 } => format!("{run}-img"),
+            Self::ImagePages { round } => format!("{run}-img-{round}"),
         }
     }
 }
@@ -178,6 +186,7 @@ mod tests {
                 shard: 9,
             },
             Component::Merge { round: MAX_ROUNDS },
+            Component::ImagePages { round: MAX_ROUNDS },
         ];
         for component in children {
             assert!(component.child_name(&longest).len() <= MAX_NAME_LENGTH);

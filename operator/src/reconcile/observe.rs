@@ -15,7 +15,7 @@ use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use serde::de::DeserializeOwned;
 use trajectory_worker::contract::{
-    self, BatchSummary, ImageGroup, LandlockStatus, MergeSummary, PlanSummary, RunPlan,
+    self, BatchSummary, ImageGroup, ImagePage, LandlockStatus, MergeSummary, PlanSummary, RunPlan,
     WorkerFailure, exit, paths,
 };
 
@@ -41,6 +41,10 @@ pub struct Observed {
     /// Whether Landlock confined the commands, from the first generation pod that finished; read
     /// only while the run's status does not show it yet.
     pub landlock: Option<LandlockStatus>,
+    /// The Job reporting the pages of the round's plan's image index, when it has one.
+    pub image_pages_job: Option<Job>,
+    /// The pages its succeeded pods reported, once it completed.
+    pub image_pages: Vec<ImagePage>,
     /// The image groups of the round's plan, as the operator keeps them in its `ConfigMap`
     /// ([`super::children::image_index_name`]) once it read them.
     pub image_index: Option<Vec<ImageGroup>>,
@@ -63,6 +67,8 @@ impl Default for Observed {
             plan_failure: None,
             merge_failure: None,
             landlock: None,
+            image_pages_job: None,
+            image_pages: Vec::new(),
             image_index: None,
             unpullable: BTreeMap::new(),
         }
@@ -212,6 +218,9 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
             Some(component) if component == Component::Merge { round }.label() => {
                 observed.merge_job = Some(job);
             }
+            Some(component) if component == Component::ImagePages { round }.label() => {
+                observed.image_pages_job = Some(job);
+            }
             _ => {
                 let Some(attempt) = labels.get(labels::ATTEMPT).and_then(|a| a.parse().ok()) else {
                     continue;
@@ -252,6 +261,21 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
         observed.merge_failure = failure_if_failed(&pods, job).await?;
     }
     observed.image_index = image_index(&maps, &image_index_name(&name, round)).await?;
+    if let Some(job) = observed
+        .image_pages_job
+        .as_ref()
+        .filter(|job| JobState::of(job) == JobState::Complete && observed.image_index.is_none())
+    {
+        let mut pages: Vec<ImagePage> =
+            termination_messages(&pods, &job.name_any(), Some("Succeeded"))
+                .await?
+                .iter()
+                .filter_map(|message| serde_json::from_str(message).ok())
+                .collect();
+        pages.sort_by_key(|page| page.page);
+        pages.dedup_by_key(|page| page.page);
+        observed.image_pages = pages;
+    }
     observed.unpullable = unpullable(&pods, &name, run, &observed.attempts).await?;
     Ok(observed)
 }

@@ -22,8 +22,8 @@ use super::manifest::{
 use super::segments::{SEGMENT_BYTES, SegmentHasher};
 use super::{RunError, RunLocation};
 use crate::contract::{
-    BatchRange, ImageGroup, PlanSummary, Ranges, TERMINATION_MESSAGE_LIMIT, compact_ranges,
-    format_ranges, task_batch_prompts,
+    BatchRange, ImageGroup, ImagePage, PlanSummary, Ranges, TERMINATION_MESSAGE_LIMIT,
+    compact_ranges, format_ranges, image_page_path, image_pages, task_batch_prompts,
 };
 use crate::dataset::{
     Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe, probe_image, without_bom,
@@ -770,25 +770,29 @@ fn hand_off(
     let slots = summary.pending_list.is_some();
     let groups = image_groups(images, &pending, slots);
     let index = RunDir::new_image_index_name();
-    let summary = summary.with_images(groups.clone(), limit, &index);
-    if summary
+    let mut summary = summary.with_images(groups.clone(), limit, &index);
+    if let Some(images) = summary
         .images
-        .as_ref()
-        .is_some_and(|images| images.index.is_some())
+        .as_mut()
+        .filter(|images| images.index.is_some())
     {
-        let path = run_dir.root().join(&index);
-        write_atomic_with(&path, |out| {
-            for group in &groups {
-                serde_json::to_writer(&mut *out, group)?;
-                out.write_all(b"\n")?;
-            }
-            Ok(())
-        })?;
-        sync_dir(run_dir.root())?;
+        let dir = run_dir.root().join(&index);
+        std::fs::create_dir_all(&dir).at("creating", &dir)?;
+        let pages = image_pages(&groups, TERMINATION_MESSAGE_LIMIT);
+        for page in &pages {
+            let path = run_dir.root().join(image_page_path(&index, page.page));
+            write_atomic_with(&path, |out| {
+                serde_json::to_writer(out, page).map_err(std::io::Error::from)
+            })?;
+        }
+        sync_dir(&dir)?;
+        sync_dir(&run_dir.plan_dir())?;
+        images.pages = u32::try_from(pages.len()).unwrap_or(u32::MAX);
         info!(
             groups = groups.len(),
-            "the image groups do not fit the summary: wrote them to {}",
-            path.display()
+            pages = pages.len(),
+            "the image groups do not fit the summary: wrote them to {} in pages",
+            dir.display()
         );
     }
     if slots {
@@ -804,6 +808,33 @@ fn hand_off(
         );
     }
     Ok(summary)
+}
+
+/// Page `page` of the image index `index` a plan wrote into the run's directory, read back and
+/// checked for the operator (`trajectory-worker image-page`).
+pub fn image_page(location: &RunLocation, index: &str, page: u32) -> Result<ImagePage, RunError> {
+    let relative = image_page_path(index, page);
+    if relative.split('/').any(|part| part == "..") || relative.starts_with('/') {
+        return Err(RunError::Spec(format!(
+            "the image index {index} is not in the run's directory"
+        )));
+    }
+    let path = location.run_dir().root().join(&relative);
+    let text = std::fs::read_to_string(&path).at("reading", &path)?;
+    let read: ImagePage = serde_json::from_str(&text).map_err(|err| {
+        RunError::BadBatchInput(format!(
+            "{}: not a page of an image index: {err}",
+            path.display()
+        ))
+    })?;
+    if read.page != page {
+        return Err(RunError::BadBatchInput(format!(
+            "{} holds page {}, not {page}",
+            path.display(),
+            read.page
+        )));
+    }
+    Ok(read)
 }
 
 /// The images of a manifest's batches ([`Manifest::images`], [`Manifest::batch_images`]).
@@ -1037,11 +1068,22 @@ mod tests {
         assert_eq!(images.groups, 300);
         assert!(!images.listed.is_empty() && images.listed.len() < 300);
         let index = images.index.expect("an index on storage");
-        let written = std::fs::read_to_string(location.run_dir().root().join(index)).unwrap();
-        let all: Vec<ImageGroup> = written
-            .lines()
-            .map(|line| serde_json::from_str(line).unwrap())
+        let pages: Vec<crate::contract::ImagePage> = (0..images.pages)
+            .map(|page| {
+                let path = location
+                    .run_dir()
+                    .root()
+                    .join(image_page_path(&index, page));
+                let text = std::fs::read_to_string(path).unwrap();
+                assert!(text.len() <= 4096, "page {page}: {} bytes", text.len());
+                serde_json::from_str(&text).unwrap()
+            })
             .collect();
+        assert!(pages.len() > 1);
+        assert_eq!(image_page(&location, &index, 1).unwrap(), pages[1]);
+        assert!(image_page(&location, &index, images.pages).is_err());
+        assert!(image_page(&location, "../elsewhere", 0).is_err());
+        let all = crate::contract::groups_of_pages(&pages);
         assert_eq!(all.len(), 300);
         assert_eq!(all[..images.listed.len()], images.listed[..]);
         assert_eq!(all[299].image, "registry.example/swe/task-0299:v1");

@@ -11,6 +11,7 @@
 
 pub mod failure_policy;
 pub mod generation_job;
+pub mod image_pages_job;
 pub mod merge_job;
 pub mod plan_config_map;
 pub mod plan_job;
@@ -55,6 +56,16 @@ pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -
                 children.config_maps.push(image_index(run, *round, groups));
                 continue;
             }
+            Child::ImagePages {
+                round,
+                index,
+                pages,
+                exists,
+            } => (
+                (!exists)
+                    .then(|| plan_config_map(run, Component::ImagePages { round: *round }, None)),
+                image_pages_job::image_pages_job(run, settings, (*round, index, *pages), *exists),
+            ),
             Child::Generation(shard) => {
                 let job = generation_job(run, settings, shard);
                 // Named like its Job, which a Job recording unavailable rows is not by default.

@@ -225,7 +225,7 @@ fn has_sandbox(run: &ValidatedRun<'_>, component: Component, tasks: &Tasks) -> b
             .mcp
             .iter()
             .any(|server| server.stdio.is_some()),
-        Component::Merge { .. } => false,
+        Component::Merge { .. } | Component::ImagePages { .. } => false,
     }
 }
 

@@ -644,4 +644,80 @@ mod tests {
             crate::reconcile::status::image_event(Some(&desired.status), &desired.status).is_none()
         );
     }
+
+    /// Groups the plan's summary could not list are read from its index on storage by a Job of
+    /// one pod a page; once they are all in, the operator keeps them (groups cut over two pages
+    /// joined again), starts the images' Jobs, and deletes the pages' Job.
+    #[test]
+    fn groups_beyond_the_summary_are_read_in_pages_then_kept() {
+        let in_pages = || planned().images_in_pages("plan/images-00000000000000ab", 2);
+        let desired = decide(&in_pages().build(), None);
+        assert_eq!(names(&desired), ["r-img"]);
+        let reader = job(&desired, "r-img");
+        let spec = reader.spec.as_ref().unwrap();
+        assert_eq!(
+            (spec.completions, spec.completion_mode.as_deref()),
+            (Some(2), Some("Indexed"))
+        );
+        assert_eq!(
+            env_of(reader, env::IMAGE_INDEX).as_deref(),
+            Some("plan/images-00000000000000ab")
+        );
+        assert_eq!(
+            pod(reader).containers[0].args.as_ref().unwrap(),
+            &["image-page"]
+        );
+        assert_eq!(desired.status.phase, Some(crate::api::Phase::Planning));
+
+        let group = |image: &str, ids: &str| trajectory_worker::contract::ImageGroup {
+            image: image.to_owned(),
+            ids: ids.to_owned(),
+        };
+        let pages = vec![
+            trajectory_worker::contract::ImagePage {
+                page: 0,
+                groups: vec![group("docker.io/swe/a:1", "1")],
+            },
+            trajectory_worker::contract::ImagePage {
+                page: 1,
+                groups: vec![group("docker.io/swe/a:1", "2"), group("swe/b", "3")],
+            },
+        ];
+        let read = in_pages()
+            .image_pages(JobFixture::image_pages().complete(), pages.clone())
+            .build();
+        let desired = decide(&read, None);
+        assert_eq!(names(&desired), ["r-gen-1", "r-gen-1-1"]);
+        assert_eq!(
+            batches_of(&desired, "r-gen-1-1"),
+            [1, 2],
+            "the two parts joined"
+        );
+        assert_eq!(
+            batches_of(&desired, "r-gen-1"),
+            [0, 4, 5],
+            "batch 5 is in no group read"
+        );
+        let kept = desired
+            .children
+            .config_maps
+            .iter()
+            .find(|map| map.metadata.name.as_deref() == Some("r-images"))
+            .expect("the groups are kept");
+        assert_eq!(
+            kept.data.as_ref().unwrap()["groups.jsonl"].lines().count(),
+            2
+        );
+
+        // A page missing (its pod gone): the Job goes, to be made again.
+        let missing = in_pages()
+            .image_pages(JobFixture::image_pages().complete(), pages[..1].to_vec())
+            .build();
+        assert_eq!(decide(&missing, None).delete, ["coding-v1-img"]);
+        let mut kept = in_pages()
+            .image_pages(JobFixture::image_pages().complete(), pages)
+            .build();
+        kept.image_index = Some(vec![group("docker.io/swe/a:1", "1,2"), group("swe/b", "3")]);
+        assert_eq!(decide(&kept, None).delete, ["coding-v1-img"]);
+    }
 }

@@ -23,7 +23,7 @@ use std::collections::BTreeSet;
 
 use trajectory_worker::contract::{
     ImageGroup, MAX_JOB_COMPLETIONS, MergeSummary, PlanSummary, WorkerFailure, compact_ranges,
-    format_ranges, parse_ranges,
+    format_ranges, groups_of_pages, parse_ranges,
 };
 
 use self::images::Work;
@@ -75,6 +75,13 @@ pub enum Child {
     ImageIndex {
         round: u32,
         groups: Vec<ImageGroup>,
+    },
+    /// The Job reporting the `pages` pages of the plan's image index `index`.
+    ImagePages {
+        round: u32,
+        index: String,
+        pages: u32,
+        exists: bool,
     },
     Generation(Shard),
     Merge {
@@ -271,8 +278,7 @@ fn stages(
     tally: &mut Tally,
     work: &mut Work,
 ) -> Outcome {
-    let children = &mut work.children;
-    if let Some(outcome) = plan(observed, children) {
+    if let Some(outcome) = plan(observed, &mut work.children) {
         return outcome;
     }
     let Some(plan) = plan_summary(run, observed) else {
@@ -281,8 +287,8 @@ fn stages(
             "the plan Job completed without a summary in its termination message".into(),
         );
     };
-    let generated = match image_groups(observed, &plan) {
-        Groups::None => generate(run, observed, &plan, tally, children),
+    let generated = match image_groups(observed, &plan, work) {
+        Groups::None => generate(run, observed, &plan, tally, &mut work.children),
         Groups::Read(groups) => {
             // Kept by the operator: the plan pod that reported them may be gone by the time
             // the last image's turn comes.
@@ -311,24 +317,80 @@ enum Groups {
     Unread(Outcome),
 }
 
-/// The groups from the operator's own copy, or from the plan's summary when it lists them all.
-fn image_groups(observed: &Observed, plan: &PlanSummary) -> Groups {
+/// The most bytes of image groups the operator keeps in its `ConfigMap` (the API server refuses
+/// one of more than 1 MiB).
+const MAX_IMAGE_INDEX_BYTES: usize = 900 * 1024;
+
+/// The groups from the operator's own copy, or from the plan's summary when it lists them all, or
+/// from the pages of the plan's image index, which a Job of the round reports when the summary
+/// could not list them all (deleted once the operator keeps them).
+fn image_groups(observed: &Observed, plan: &PlanSummary, work: &mut Work) -> Groups {
+    let round = observed.round;
     if let Some(groups) = &observed.image_index {
+        if let Some(job) = &observed.image_pages_job {
+            work.delete.extend(job.metadata.name.clone());
+        }
         return Groups::Read(groups.clone());
     }
-    match &plan.images {
-        None => Groups::None,
-        Some(images) if images.index.is_none() => Groups::Read(images.listed.clone()),
-        Some(images) => Groups::Unread(Outcome::Failed(
-            Reason::PlanFailed,
+    let Some(images) = &plan.images else {
+        return Groups::None;
+    };
+    let Some(index) = &images.index else {
+        return Groups::Read(images.listed.clone());
+    };
+    let reading = || {
+        Groups::Unread(Outcome::Working(
+            Phase::Planning,
             format!(
-                "the dataset names {} images, more than the plan's summary lists ({}); reading \
-                 the rest from {} is not supported yet",
-                images.groups,
-                images.listed.len(),
-                images.index.as_deref().unwrap_or_default()
+                "reading the plan's {} image groups ({} pages)",
+                images.groups, images.pages
             ),
+        ))
+    };
+    let pages_job = |exists| Child::ImagePages {
+        round,
+        index: index.clone(),
+        pages: images.pages,
+        exists,
+    };
+    let Some(job) = &observed.image_pages_job else {
+        work.children.push(pages_job(false));
+        return reading();
+    };
+    match JobState::of(job) {
+        JobState::Running => {
+            work.children.push(pages_job(true));
+            reading()
+        }
+        JobState::Failed { message, .. } => Groups::Unread(Outcome::Failed(
+            Reason::PlanFailed,
+            format!("reading the plan's image index {index} failed: {message}"),
         )),
+        JobState::Complete => {
+            let read: BTreeSet<u32> = observed.image_pages.iter().map(|page| page.page).collect();
+            if read.len() < to_usize(images.pages) {
+                // Pods gone before their pages were kept (a node scaled down): read them again.
+                work.delete.extend(job.metadata.name.clone());
+                return reading();
+            }
+            let groups = groups_of_pages(&observed.image_pages);
+            let bytes: usize = groups
+                .iter()
+                .map(|g| g.image.len() + g.ids.len() + 24)
+                .sum();
+            if bytes > MAX_IMAGE_INDEX_BYTES {
+                return Groups::Unread(Outcome::Failed(
+                    Reason::PlanFailed,
+                    format!(
+                        "the dataset names {} images, more than the operator keeps ({} KiB of \
+                         image groups at most); split the dataset into runs",
+                        images.groups,
+                        MAX_IMAGE_INDEX_BYTES / 1024
+                    ),
+                ));
+            }
+            Groups::Read(groups)
+        }
     }
 }
 
