@@ -1,4 +1,5 @@
-//! `trajectory-executor serve`: the sandbox container's entry point.
+//! `trajectory-executor serve`: the sandbox container's entry point (and, with `--task`, a task
+//! container's: one conversation in a container of its row's image).
 //!
 //! It listens on a Unix socket on an emptyDir it shares with the worker container, and runs each
 //! command it is sent under its own [`crate::run`] executor in the conversation's workspace (a
@@ -168,6 +169,13 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
     }
     let listener = UnixListener::bind(&args.socket)
         .map_err(|err| format!("cannot listen on {}: {err}", args.socket.display()))?;
+    if args.task {
+        // A task container runs as its image's user (root, often), the worker as its own: the
+        // socket's volume is shared with the worker alone, and the worker must be able to connect.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&args.socket, std::fs::Permissions::from_mode(0o666))
+            .map_err(|err| format!("cannot open {} to the worker: {err}", args.socket.display()))?;
+    }
 
     // The workspaces, the sessions' directories and the executor's own stay private.
     let image_files = if args.task {

@@ -43,7 +43,7 @@ use tracing::{debug, info, instrument, warn};
 
 use self::build::Children;
 pub use self::context::Context;
-use self::decide::Decision;
+use self::decide::{Child, Decision, Tasks};
 pub use self::error::{Error, Stage};
 use self::observe::Observed;
 use self::status::StatusWrite;
@@ -90,14 +90,27 @@ async fn pipeline(run: &TrajectoryRun, ctx: &Context) -> Result<Action, Error> {
     let desired =
         desired_state(run, &observed, &ctx.settings, &now()).map_err(Error::validate(run))?;
     let namespace = run.namespace().unwrap_or_default();
-    apply::apply(&ctx.client, &namespace, &observed, &desired.children)
-        .await
-        .map_err(Error::apply(run))?;
+    // Deletions first: a Job whose pods cannot pull is gone before the one recording its rows
+    // is created, so that no more Jobs run at once than the window allows.
     apply::delete(&ctx.client, &namespace, &desired.delete)
         .await
         .map_err(Error::apply(run))?;
-    write_paced(ctx, run, &desired.status).await
+    apply::apply(&ctx.client, &namespace, &observed, &desired.children)
+        .await
+        .map_err(Error::apply(run))?;
+    let action = write_paced(ctx, run, &desired.status).await?;
+    // Pods are not watched: a pull that fails shows in a pod's status alone, so a run with image
+    // Jobs running looks again after a while.
+    Ok(
+        match (desired.watch_pulls, action == Action::await_change()) {
+            (true, true) => Action::requeue(PULL_CHECK_INTERVAL),
+            _ => action,
+        },
+    )
 }
+
+/// How often a run whose rows' images are being pulled looks at its pods.
+const PULL_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Everything the run should have now: its children and its status.
 #[derive(Debug, Clone, Default)]
@@ -105,6 +118,8 @@ pub struct Desired {
     pub children: Children,
     /// Jobs to delete, with their pods and plan `ConfigMap`s.
     pub delete: Vec<String>,
+    /// Jobs of rows naming an image run: their pods are looked at again after a while.
+    pub watch_pulls: bool,
     pub status: TrajectoryRunStatus,
 }
 
@@ -127,6 +142,9 @@ pub fn desired_state(
     Ok(Desired {
         children,
         delete: decision.delete.clone(),
+        watch_pulls: decision.children.iter().any(|child| {
+            matches!(child, Child::Generation(shard) if matches!(shard.tasks, Tasks::Image(_)))
+        }),
         status: status::desired(run, &decision.outcome, &decision.tally, now),
     })
 }
