@@ -429,7 +429,7 @@ impl Kubelet {
         // A pod is played once the run's status shows its stage (the controller writes the status
         // right after creating the Job; this keeps the test from outrunning it).
         let stage_phase = match mode.as_str() {
-            "plan" => Phase::Planning,
+            "plan" | "image-page" => Phase::Planning,
             "batch" => Phase::Running,
             _ => Phase::Merging,
         };
@@ -458,8 +458,26 @@ impl Kubelet {
         let (exit_code, message) = if let Some(code) = crash {
             (code, String::new())
         } else {
-            self.run_worker(&played.mode, &plan_path, index, &pod_dir.join("workspace"))
-                .await
+            let env_var = |name: &str| {
+                container
+                    .env
+                    .iter()
+                    .flatten()
+                    .find(|var| var.name == name)
+                    .and_then(|var| var.value.clone())
+            };
+            let pod_env = PodEnv {
+                image_index: env_var(env::IMAGE_INDEX),
+                image_unavailable: env_var(env::IMAGE_UNAVAILABLE),
+            };
+            self.run_worker_in(
+                &played.mode,
+                &plan_path,
+                index,
+                &pod_dir.join("workspace"),
+                &pod_env,
+            )
+            .await
         };
         self.played.lock().expect("not poisoned").push(Played {
             exit_code,
@@ -677,6 +695,19 @@ impl Kubelet {
         index: Option<u32>,
         workspace: &Path,
     ) -> (i32, String) {
+        self.run_worker_in(mode, plan_path, index, workspace, &PodEnv::default())
+            .await
+    }
+
+    /// [`Kubelet::run_worker`] with what the pod's environment adds.
+    pub async fn run_worker_in(
+        &self,
+        mode: &str,
+        plan_path: &Path,
+        index: Option<u32>,
+        workspace: &Path,
+        pod_env: &PodEnv,
+    ) -> (i32, String) {
         fn report<T: serde::Serialize>(result: Result<T, RunError>) -> (i32, String) {
             match result {
                 Ok(summary) => (exit::OK, termination_message(&summary)),
@@ -710,6 +741,11 @@ impl Kubelet {
                     .await
                     .expect("the merge step does not panic"),
             ),
+            "image-page" => report(plan::image_page(
+                &location,
+                pod_env.image_index.as_deref().unwrap_or_default(),
+                index.unwrap_or_default(),
+            )),
             "batch" => {
                 let result = async {
                     let index =
@@ -718,6 +754,9 @@ impl Kubelet {
                     let manifest = Manifest::require(&location.run_dir())?;
                     let mut engine = Engine::new(&location.plan.spec, workspace.to_path_buf())?;
                     engine.sandbox = Sandbox::local(LandlockMode::Auto);
+                    engine
+                        .image_unavailable
+                        .clone_from(&pod_env.image_unavailable);
                     let (_trigger, shutdown) = shutdown_channel();
                     run_batch(&engine, &location, &manifest, batch, &shutdown, &|_| {}).await
                 }
@@ -759,6 +798,15 @@ impl Kubelet {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+}
+
+/// What a pod's environment tells its worker step beyond the plan (the operator sets it).
+#[derive(Debug, Clone, Default)]
+pub struct PodEnv {
+    /// `TRAJ_IMAGE_INDEX`: the image index whose page an `image-page` pod reports.
+    pub image_index: Option<String>,
+    /// `TRAJ_IMAGE_UNAVAILABLE`: the batch's rows' image could not be pulled.
+    pub image_unavailable: Option<String>,
 }
 
 /// The container's end reported through the pod's `status` subresource, as a kubelet does:

@@ -35,6 +35,7 @@ use tokio::sync::oneshot;
 use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::leader::LeaseConfig;
 use trajectory_operator::reconcile::children::labels;
+use trajectory_operator::reconcile::observe::JobState;
 use trajectory_operator::service::{self, Exit};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::e2e::{
@@ -1604,4 +1605,157 @@ async fn a_resume_of_a_million_batches_forty_percent_done_at_random_plans_only_t
     let counts = status.batches.expect("batch counts");
     assert_eq!(counts.pending_list.map(|l| l.batches), Some(600_000));
     assert!(counts.completed_count >= DONE, "{}", counts.completed_count);
+}
+
+/// Writes `rows` rows over `images` images (row *i* names image `i / (rows / images)`, under a
+/// long registry name, as SWE-style datasets' are) to `datasets/images.jsonl` on the storage.
+fn write_image_dataset(storage: &Path, rows: usize, images: usize) {
+    let per_image = rows / images;
+    let lines: Vec<String> = (0..rows)
+        .map(|row| {
+            json!({
+                "prompt": format!("prompt {row}"),
+                "image": format!(
+                    "registry.example.internal:5000/swebench/sweb.eval.x86_64.task_{:05}:latest",
+                    row / per_image
+                ),
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::create_dir_all(storage.join("datasets")).expect("the datasets directory");
+    std::fs::write(
+        storage.join("datasets/images.jsonl"),
+        lines.join("\n") + "\n",
+    )
+    .expect("the dataset");
+}
+
+/// Counts the generation Jobs that have not finished, and the run's pods, every 100 ms until
+/// stopped: the most of each seen at once.
+fn count_live_children(
+    client: &kube::Client,
+    namespace: &str,
+) -> (oneshot::Sender<()>, tokio::task::JoinHandle<(usize, usize)>) {
+    let (jobs, pods): (Api<Job>, Api<Pod>) = (
+        Api::namespaced(client.clone(), namespace),
+        Api::namespaced(client.clone(), namespace),
+    );
+    let (stop, mut stopped) = oneshot::channel::<()>();
+    let counting = tokio::spawn(async move {
+        let (mut most_jobs, mut most_pods) = (0, 0);
+        let generate = ListParams::default().labels("app.kubernetes.io/component=generate");
+        loop {
+            if let Ok(listed) = jobs.list(&generate).await {
+                let live = listed
+                    .items
+                    .iter()
+                    .filter(|job| JobState::of(job) == JobState::Running)
+                    .count();
+                most_jobs = most_jobs.max(live);
+            }
+            if let Ok(listed) = pods.list(&generate).await {
+                most_pods = most_pods.max(listed.items.len());
+            }
+            tokio::select! {
+                _ = &mut stopped => return (most_jobs, most_pods),
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    });
+    (stop, counting)
+}
+
+/// A run of 400 rows over 100 images (more than the plan's summary lists, so the groups are read
+/// in pages): one Job per image, never more running at once than workers, each deleted once the
+/// status records its batch, and every prompt written once. The pages' Job goes too; the groups
+/// stay in the operator's `ConfigMap`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_over_many_images_keeps_its_jobs_within_the_window_and_cleans_them_up() {
+    let setup = Setup::without_controller("e2e-images").await;
+    let (rows, images, workers) = (400, 100, 6);
+    write_image_dataset(&setup.scratch.storage(), rows, images);
+    let _controller = start_controller_in(&setup.client, setup.ns());
+    setup
+        .create(
+            "images",
+            &json!({
+                "dataset": {"path": "datasets/images.jsonl"},
+                "batchSize": 4, "workers": workers, "concurrency": 4,
+            }),
+        )
+        .await;
+    let (stop, counting) = count_live_children(&setup.client, setup.ns());
+    let kubelet = Kubelet::new(&setup.client, setup.ns(), "images", &setup.scratch);
+    let run = kubelet
+        .serve_until("the run to end", Duration::from_secs(600), |run| {
+            matches!(phase_of(run), Some(Phase::Succeeded | Phase::Failed))
+        })
+        .await;
+    let _ = stop.send(());
+    let (most_jobs, most_pods) = counting.await.expect("the counter");
+    let status = run.status.clone().expect("a status");
+    assert_eq!(status.phase, Some(Phase::Succeeded), "{status:#?}");
+    let image_status = status.images.clone().expect("status.images");
+    assert_eq!((image_status.total, image_status.pulled), (100, 100));
+    assert!(
+        most_jobs <= workers,
+        "{most_jobs} generation Jobs ran at once"
+    );
+    assert!(
+        most_pods <= 2 * workers,
+        "{most_pods} generation pods at once"
+    );
+    let played = kubelet.played();
+    assert!(
+        played.iter().any(|p| p.mode == "image-page"),
+        "the groups were read in pages"
+    );
+    let batches: Vec<u32> = played.iter().filter_map(|p| p.batch).collect();
+    assert_eq!(
+        batches.len(),
+        100,
+        "each image's batch ran once: {batches:?}"
+    );
+    let dir = setup
+        .scratch
+        .storage()
+        .join(format!("runs/{}/images", setup.ns()));
+    let written = jsonl(&dir.join("trajectories.jsonl"));
+    assert_eq!(written.len(), rows);
+    // The finished Jobs go once the status records their batches; the pages' Job once the groups
+    // are kept.
+    let jobs = setup.jobs();
+    wait_until(
+        "the generation Jobs deleted",
+        Duration::from_secs(60),
+        || async {
+            let left = jobs.list(&ListParams::default()).await.expect("list Jobs");
+            left.items
+                .iter()
+                .all(|job| {
+                    let component = job
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(labels::COMPONENT));
+                    !matches!(
+                        component.map(String::as_str),
+                        Some("generate" | "image-pages")
+                    )
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    let maps: Api<ConfigMap> = Api::namespaced(setup.client.clone(), setup.ns());
+    let kept = maps
+        .get("images-images")
+        .await
+        .expect("the kept image groups");
+    assert_eq!(
+        kept.data.expect("data")["groups.jsonl"].lines().count(),
+        images
+    );
+    eprintln!("most generation Jobs running at once: {most_jobs}; most pods: {most_pods}");
 }
