@@ -436,8 +436,10 @@ impl Kubelet {
         if phase != Some(stage_phase) {
             return false;
         }
+        // Only a batch pod's completion index maps to a batch (an image-page pod's is a page).
         let batch = load_plan(&plan_path)
             .ok()
+            .filter(|_| mode == "batch")
             .and_then(|plan| index.and_then(|i| self.batch_of(&plan, i)));
         if batch.is_some_and(|batch| self.hold.contains(&batch)) {
             return false;

@@ -665,12 +665,27 @@ fn write_image_rows(setup: &Setup, rows: &[ImageRow]) {
     setup.storage.add_dataset(&file);
 }
 
-/// Run `name` once finished, and the most generation Jobs seen running at once meanwhile.
+/// Run `name` once finished, and the most generation Jobs seen running at once meanwhile. Prints
+/// how long each generation pod of a task image took from its creation to its worker's start
+/// (its task containers started one after the other, the image pulled or cached), the first pod
+/// of each image apart from the later ones (`docs/benchmarks.md`).
 async fn finished_counting_jobs(setup: &Setup, name: &str) -> (TrajectoryRun, usize) {
     let jobs: Api<Job> = Api::namespaced(setup.client.clone(), setup.ns());
     let deadline = Instant::now() + Duration::from_secs(600);
     let mut most_running = 0;
+    let mut startups = std::collections::BTreeMap::<String, (String, f64)>::new();
     loop {
+        for pod in setup
+            .pods
+            .list(&ListParams::default().labels("app.kubernetes.io/component=generate"))
+            .await
+            .unwrap()
+            .items
+        {
+            if let Some((image, seconds)) = task_pod_startup(&pod) {
+                startups.entry(pod.name_any()).or_insert((image, seconds));
+            }
+        }
         let listed = jobs
             .list(&ListParams::default().labels("app.kubernetes.io/component=generate"))
             .await
@@ -683,6 +698,7 @@ async fn finished_counting_jobs(setup: &Setup, name: &str) -> (TrajectoryRun, us
         most_running = most_running.max(running);
         let run = setup.runs.get(name).await.unwrap();
         if phase_of(&run).is_some_and(Phase::is_finished) {
+            print_startups(&startups);
             return (run, most_running);
         }
         assert!(
@@ -693,6 +709,54 @@ async fn finished_counting_jobs(setup: &Setup, name: &str) -> (TrajectoryRun, us
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// The image of a generation pod's task containers and the seconds from the pod's creation to
+/// its worker container's start, once it started.
+fn task_pod_startup(pod: &Pod) -> Option<(String, f64)> {
+    let image = pod
+        .spec
+        .as_ref()?
+        .init_containers
+        .iter()
+        .flatten()
+        .find(|c| c.name == "task-0")?
+        .image
+        .clone()?;
+    let created = pod.metadata.creation_timestamp.as_ref()?.0;
+    let started = pod
+        .status
+        .as_ref()?
+        .container_statuses
+        .iter()
+        .flatten()
+        .find(|c| c.name == "worker")?
+        .state
+        .as_ref()?
+        .running
+        .as_ref()?
+        .started_at
+        .as_ref()?
+        .0;
+    Some((image, started.duration_since(created).as_secs_f64()))
+}
+
+/// Prints the pods' start-up times: the first pod of each image (a pull, unless the node had it)
+/// and the later ones (cached).
+fn print_startups(startups: &std::collections::BTreeMap<String, (String, f64)>) {
+    // Keyed by pod name: an image's pods in completion-index order, its first one first.
+    let mut seen = BTreeSet::new();
+    let (mut first, mut later) = (Vec::new(), Vec::new());
+    for (image, seconds) in startups.values() {
+        if seen.insert(image.clone()) {
+            first.push(*seconds);
+        } else {
+            later.push(*seconds);
+        }
+    }
+    eprintln!(
+        "task pods, creation to worker start (s): first of an image {first:.1?}; later {later:.1?}"
+    );
 }
 
 /// Each trajectory of the task-image run found its own image and directory, fresh; the rows of
