@@ -641,6 +641,74 @@ async fn rows_naming_images_run_in_fresh_task_containers_and_a_missing_image_is_
     assert_two_requests_per_conversation(&model, 12);
 }
 
+/// A pod of task containers whose worker is killed (SIGKILL) mid-batch is replaced by its Job's
+/// retry, and the batch's conversations start over in fresh containers of their image: nothing the
+/// killed pod's conversations wrote into the image is there. Two requests for the killed
+/// conversations, four for their new runs, no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_task_image_pod_killed_mid_batch_restarts_its_conversations_in_fresh_containers() {
+    let setup = Setup::new("pods-task-kill").await;
+    let registry = trajectory_tests::real_pods::registry(trajectory_tests::real_pods::HOW_TO_RUN);
+    let glibc = Some(format!("{registry}/tasks/glibc:1"));
+    write_image_rows(
+        &setup,
+        &[
+            (glibc.clone(), None, "glibc", "/testbed"),
+            (glibc, None, "glibc", "/testbed"),
+        ],
+    );
+    let leave = "echo killed-pod > /testbed/left-by-killed; echo written; sleep 100";
+    let look = "cat /testbed/left-by-killed 2>/dev/null || echo none-left";
+    let model = model_replying([
+        terminal_call(leave),
+        terminal_call(leave),
+        terminal_call(look),
+        terminal_call(look),
+    ])
+    .await;
+    let spec = json!({
+        "dataset": {"path": "datasets/rows.jsonl"},
+        "batchSize": 2, "workers": 1, "concurrency": 2,
+    });
+    setup
+        .create_scripted("task-kill", &setup.model_url(&model), 0, &spec)
+        .await;
+    // Both conversations asked for their command, which wrote its file and sleeps.
+    let victim = wait_until(
+        "both commands running",
+        Duration::from_secs(180),
+        || async {
+            let pod = pods_of_index(&setup.pods, "task-kill-gen-1", 0)
+                .await
+                .into_iter()
+                .next()?;
+            (model.request_count() >= 2).then_some(pod)
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let victim = setup.pods.get(&victim.name_any()).await.unwrap();
+    kill_container(&victim);
+
+    let run = setup.finished("task-kill", Duration::from_secs(300)).await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    let dir = setup.storage.run_dir(setup.ns(), "task-kill");
+    let turns = tool_turns(&dir);
+    assert_eq!(turns.len(), 2, "{turns:#?}");
+    for turn in &turns {
+        let content = tool_result(turn).to_string();
+        assert!(
+            content.contains("none-left") && !content.contains("killed-pod"),
+            "a fresh container: {content}"
+        );
+    }
+    assert_eq!(
+        model.request_count(),
+        6,
+        "two killed, two redone with their answers"
+    );
+}
+
 /// Writes `rows` as `datasets/rows.jsonl` (prompts `row <i>`, the image in `image` or
 /// `docker_image` by turns: both of the reference's field names).
 fn write_image_rows(setup: &Setup, rows: &[ImageRow]) {
