@@ -136,10 +136,17 @@ pub fn generate(
         .extend(finished_jobs(observed, &recorded, ids));
 
     let pending = ids.pending(&done)?;
+    // The latest attempt's Jobs may all be gone (deleted once recorded): the status's attempt of
+    // this round is the floor.
+    let recorded_attempt = run
+        .status()
+        .and_then(|status| status.attempt)
+        .filter(|attempt| round_of_attempt(*attempt) == observed.round);
     let attempt = observed
         .attempts
         .iter()
         .map(|a| a.attempt)
+        .chain(recorded_attempt)
         .max()
         .unwrap_or_else(|| first_attempt_of(observed.round));
     tally.attempt = Some(attempt);
