@@ -44,19 +44,7 @@ fn stored_run(namespace: &str) -> TrajectoryRun {
 #[tokio::test]
 async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard() {
     let client = client().await;
-    let namespace = TestNamespace::create(&client, "desired-restricted").await;
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .patch(
-            namespace.name(),
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"labels": {
-                "pod-security.kubernetes.io/enforce": "restricted",
-                "pod-security.kubernetes.io/enforce-version": "latest",
-            }}})),
-        )
-        .await
-        .expect("label the namespace restricted");
+    let namespace = namespace_enforcing(&client, "desired-restricted", "restricted").await;
 
     let run = stored_run(namespace.name());
     let Ok(Validation::Valid(valid)) = validate(&run) else {
@@ -85,26 +73,17 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
         ..PostParams::default()
     };
     let job_api: Api<Job> = Api::namespaced(client.clone(), namespace.name());
-    let pod_api: Api<Pod> = Api::namespaced(client.clone(), namespace.name());
     for job in &jobs {
         let name = job.name_any();
         job_api
             .create(&dry_run, job)
             .await
             .unwrap_or_else(|e| panic!("the API server refused Job {name}: {e}"));
-        // Pod Security admission enforces on pods, not on Jobs: check the template as a pod.
-        let template = job.spec.as_ref().expect("a Job spec").template.clone();
-        let pod = Pod {
-            metadata: ObjectMeta {
-                name: Some(format!("{name}-probe")),
-                ..template.metadata.unwrap_or_default()
-            },
-            spec: template.spec,
-            status: None,
-        };
-        pod_api.create(&dry_run, &pod).await.unwrap_or_else(|e| {
-            panic!("the pod of Job {name} breaks the restricted standard: {e}")
-        });
+        dry_run_pod(&client, namespace.name(), job)
+            .await
+            .unwrap_or_else(|e| {
+                panic!("the pod of Job {name} breaks the restricted standard: {e}")
+            });
     }
 
     let maps: Api<ConfigMap> = Api::namespaced(client, namespace.name());
@@ -132,7 +111,8 @@ async fn namespace_enforcing(client: &kube::Client, prefix: &str, level: &str) -
     namespace
 }
 
-/// The pod of `job`, created as a dry run in `namespace`.
+/// The pod of `job`, created as a dry run in `namespace`: Pod Security admission enforces on
+/// pods, not on Jobs, so the template is checked as a pod.
 async fn dry_run_pod(client: &kube::Client, namespace: &str, job: &Job) -> kube::Result<Pod> {
     let template = job.spec.as_ref().expect("a Job spec").template.clone();
     let pod = Pod {

@@ -257,55 +257,43 @@ pub fn image_pages(groups: &[ImageGroup], limit: usize) -> Vec<ImagePage> {
         if !current.groups.is_empty() {
             // The next page: the group goes first there.
             queue.push_front(group);
-            let page = current.page + 1;
-            pages.push(std::mem::replace(
-                &mut current,
-                ImagePage {
-                    page,
-                    groups: Vec::new(),
-                },
-            ));
+            pages.push(next_page(&mut current));
             continue;
         }
-        // Alone and still too large: the most of its ranges that fit, the rest on.
+        // Alone and still too large (all its ranges do not fit): the most of its ranges that
+        // fit, at least one, the rest on.
         let ranges: Vec<&str> = group.ids.split(',').collect();
-        let (mut fits, mut too_long) = (0, ranges.len());
-        while too_long - fits > 1 {
-            let middle = fits + (too_long - fits) / 2;
-            current.groups = vec![ImageGroup {
-                image: group.image.clone(),
-                ids: ranges[..middle].join(","),
-            }];
-            if serialised_within(&current, limit) {
-                fits = middle;
-            } else {
-                too_long = middle;
-            }
-        }
-        let fits = fits.max(1);
-        current.groups = vec![ImageGroup {
+        let part = |n: usize| ImageGroup {
             image: group.image.clone(),
-            ids: ranges[..fits].join(","),
-        }];
+            ids: ranges[..n].join(","),
+        };
+        let fits = longest_fitting(ranges.len() - 1, |n| {
+            current.groups = vec![part(n)];
+            serialised_within(&current, limit)
+        })
+        .max(1);
+        current.groups = vec![part(fits)];
         if fits < ranges.len() {
             queue.push_front(ImageGroup {
                 image: group.image.clone(),
                 ids: ranges[fits..].join(","),
             });
         }
-        let page = current.page + 1;
-        pages.push(std::mem::replace(
-            &mut current,
-            ImagePage {
-                page,
-                groups: Vec::new(),
-            },
-        ));
+        pages.push(next_page(&mut current));
     }
     if !current.groups.is_empty() {
         pages.push(current);
     }
     pages
+}
+
+/// `current`, handed on, replaced by the empty page after it.
+fn next_page(current: &mut ImagePage) -> ImagePage {
+    let next = ImagePage {
+        page: current.page + 1,
+        groups: Vec::new(),
+    };
+    std::mem::replace(current, next)
 }
 
 /// Pages read back into the groups they were cut from: parts of one image on consecutive pages
@@ -516,17 +504,10 @@ impl PlanSummary {
         self.done_truncated = true;
         self.pending_list = Some(pending_list.to_owned());
         let all = std::mem::take(&mut self.done);
-        // The longest prefix that fits, by bisection: the size grows with the prefix.
-        let (mut fits, mut too_long) = (0, all.len().min(limit / MIN_RANGE_JSON_BYTES) + 1);
-        while too_long - fits > 1 {
-            let middle = fits + (too_long - fits) / 2;
-            self.done = all[..middle].to_vec();
-            if serialised_within(&self, limit) {
-                fits = middle;
-            } else {
-                too_long = middle;
-            }
-        }
+        let fits = longest_fitting(all.len().min(limit / MIN_RANGE_JSON_BYTES), |n| {
+            self.done = all[..n].to_vec();
+            serialised_within(&self, limit)
+        });
         self.done = all[..fits].to_vec();
         self
     }
@@ -558,20 +539,29 @@ impl PlanSummary {
         images.index = Some(index.to_owned());
         // Fitted with the widest count: the caller sets the real one, no wider.
         images.pages = u32::MAX;
-        // The longest prefix that fits, by bisection: the size grows with the prefix.
-        let (mut fits, mut too_long) = (0, all.len() + 1);
-        while too_long - fits > 1 {
-            let middle = fits + (too_long - fits) / 2;
-            self.images.as_mut().expect("set above").listed = all[..middle].to_vec();
-            if serialised_within(&self, limit) {
-                fits = middle;
-            } else {
-                too_long = middle;
-            }
-        }
+        let fits = longest_fitting(all.len(), |n| {
+            self.images.as_mut().expect("set above").listed = all[..n].to_vec();
+            serialised_within(&self, limit)
+        });
         self.images.as_mut().expect("set above").listed = all[..fits].to_vec();
         self
     }
+}
+
+/// The longest prefix, of at most `longest` items, for which `fits` holds (0 when none does), by
+/// bisection: `fits` is asked of some lengths, and must hold for every length below one it holds
+/// for (a size that grows with the prefix).
+fn longest_fitting(longest: usize, mut fits: impl FnMut(usize) -> bool) -> usize {
+    let (mut fit, mut too_long) = (0, longest + 1);
+    while too_long - fit > 1 {
+        let middle = fit + (too_long - fit) / 2;
+        if fits(middle) {
+            fit = middle;
+        } else {
+            too_long = middle;
+        }
+    }
+    fit
 }
 
 /// Whether `value` serialises to JSON of at most `limit` bytes; stops writing past the limit.

@@ -25,14 +25,14 @@ use trajectory_worker::contract::{ImageGroup, MAX_JOB_COMPLETIONS, PlanSummary, 
 
 use super::{
     AfterAttempt, Child, IdSpace, Pending, Shard, Tasks, after_attempt, attempt_state,
-    batch_counts, failure_of, progress, to_usize, too_many_failed, worker_shares,
+    count_batches, failure_of, to_usize, too_many_failed, worker_shares,
 };
 use crate::api::Phase;
 use crate::reconcile::children::{
     Component, MAX_NAME_LENGTH, first_attempt_of, round_of_attempt, unavailable_job_name,
 };
 use crate::reconcile::observe::{JobState, Observed, ObservedAttempt};
-use crate::reconcile::status::{ImageTally, Outcome, Planned, Reason, Tally};
+use crate::reconcile::status::{ImageTally, Outcome, Reason, Tally};
 use crate::reconcile::validate::ValidatedRun;
 
 /// Unavailable images the status lists by name (it counts them all).
@@ -116,20 +116,7 @@ pub fn generate(
         }
     };
     let recorded = recorded_this_round(run, observed.round, ids);
-    let mut done = ids.done_by_the_plan(plan);
-    done.extend(recorded.iter().copied());
-    let mut failed = BTreeSet::new();
-    for attempt in &observed.attempts {
-        done.extend(attempt.batches.completed.iter().copied());
-        failed.extend(attempt.batches.failed.iter().copied());
-    }
-    let done_count = ids.done_count(&done);
-    tally.batches = Some(batch_counts(total, ids, &done, &failed));
-    tally.progress = Some(progress(done_count, total));
-    tally.planned = Some(Planned {
-        total: plan.prompts,
-        invalid: plan.invalid,
-    });
+    let (done, done_count) = count_batches(plan, ids, observed, recorded.clone(), tally);
     tally.images = Some(image_tally(groups, &pieces, &done, observed));
     decision
         .delete

@@ -450,19 +450,7 @@ fn generate(
 ) -> Option<Outcome> {
     let total = plan.batches;
     let ids = IdSpace::of(plan);
-    let mut done = ids.done_by_the_plan(plan);
-    let mut failed = BTreeSet::new();
-    for attempt in &observed.attempts {
-        done.extend(attempt.batches.completed.iter().copied());
-        failed.extend(attempt.batches.failed.iter().copied());
-    }
-    let done_count = ids.done_count(&done);
-    tally.batches = Some(batch_counts(total, ids, &done, &failed));
-    tally.progress = Some(progress(done_count, total));
-    tally.planned = Some(Planned {
-        total: plan.prompts,
-        invalid: plan.invalid,
-    });
+    let (done, done_count) = count_batches(plan, ids, observed, BTreeSet::new(), tally);
 
     let pending = ids.pending(&done)?;
     let next = match latest_attempt(&observed.attempts) {
@@ -494,6 +482,32 @@ fn generate(
         }
     };
     Some(start_attempt(run, next, &pending, tally, children))
+}
+
+/// The ids done (by the plan, `recorded` ones, and the round's attempts) and how many batches
+/// that is, with the batch counts, progress and prompt counts they make in `tally`.
+fn count_batches(
+    plan: &PlanSummary,
+    ids: IdSpace<'_>,
+    observed: &Observed,
+    recorded: BTreeSet<u32>,
+    tally: &mut Tally,
+) -> (BTreeSet<u32>, u32) {
+    let mut done = ids.done_by_the_plan(plan);
+    done.extend(recorded);
+    let mut failed = BTreeSet::new();
+    for attempt in &observed.attempts {
+        done.extend(attempt.batches.completed.iter().copied());
+        failed.extend(attempt.batches.failed.iter().copied());
+    }
+    let done_count = ids.done_count(&done);
+    tally.batches = Some(batch_counts(plan.batches, ids, &done, &failed));
+    tally.progress = Some(progress(done_count, plan.batches));
+    tally.planned = Some(Planned {
+        total: plan.prompts,
+        invalid: plan.invalid,
+    });
+    (done, done_count)
 }
 
 /// The Jobs of the latest attempt, in shard order.
