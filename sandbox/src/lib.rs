@@ -12,7 +12,7 @@
 //!                                                        └─ bash -c <command> …
 //! ```
 //!
-//! One binary, four subcommands:
+//! One binary, five subcommands:
 //! - [`run`]: runs one command confined (cleared environment, no capabilities, Landlock, child
 //!   subreaper that kills and reaps every descendant). The worker starts it as a child in local
 //!   runs; in a pod, the server does.
@@ -25,17 +25,24 @@
 //!   (and `DevTools` pipe) travel as frames over the connection it is given as standard input.
 //!   The worker starts it on a socket pair in local runs; in a pod, the server does, on the
 //!   worker's connection.
+//! - [`file`]: one call of a file tool ([`files`]), confined as a command is, for a
+//!   conversation in a task container, whose files only that container sees; the server starts
+//!   it.
 //! - `install DIR`: copies this binary into `DIR` (the init container that puts it on the pod's
 //!   shared volume, for a task image that has no such binary).
 //!
 //! The binary is small and built static for pods, so that it runs on any image's libc and costs
 //! every command one cheap exec.
 
+pub mod args;
+pub mod file;
+pub mod files;
 mod limits;
 pub mod protocol;
 pub mod run;
 pub mod serve;
 pub mod session;
+pub mod text;
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -199,6 +206,7 @@ pub fn main(mut args: impl Iterator<Item = OsString>) -> i32 {
         Some(run::SUBCOMMAND) => run::main(args),
         Some(serve::SUBCOMMAND) => serve::main(args),
         Some(session::SUBCOMMAND) => session::main(args),
+        Some(file::SUBCOMMAND) => file::main(args),
         Some("install") => match args.next() {
             Some(dir) => report(install(Path::new(&dir)), "install"),
             None => report(Err("install needs a directory".to_owned()), "install"),
@@ -206,7 +214,7 @@ pub fn main(mut args: impl Iterator<Item = OsString>) -> i32 {
         _ => {
             let _ = writeln!(
                 std::io::stderr(),
-                "usage: {EXECUTOR_BINARY} run|session|serve|install … (see the trajectory_sandbox docs)"
+                "usage: {EXECUTOR_BINARY} run|session|file|serve|install … (see the trajectory_sandbox docs)"
             );
             2
         }

@@ -29,16 +29,23 @@
 //!   short leaves the workspace past its limit) and is answered by a [`CHECKED`] frame when
 //!   they hold, by the end of the program when they do not.
 //!
+//! - **Version 4** adds a file tool's call ([`FileRequest`]), for a conversation in a task
+//!   container, whose files only the container sees: the server runs it under an executor of its
+//!   own ([`crate::file`]), confined as a command is, and answers like a command, with
+//!   [`OUTPUT`] frames of one JSON object (`{"ok": result}` or `{"error": message}`) and an
+//!   [`EXIT`] frame (0, or [`crate::REFUSED_EXIT`] with the reason in the output).
+//!
 //! The worker closing the connection early (a timeout, a cancelled conversation, a session no
 //! longer needed) asks the server to end the command or program and everything it started. A
 //! server older than sessions refuses a versioned line as a bad request (unknown field).
 
 use std::collections::BTreeMap;
 
+use crate::files::FileLimits;
 use crate::{LandlockMode, Limits};
 
 /// The newest protocol version this side speaks.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 
 /// Frames of a session's standard input (worker to server).
 pub const STDIN: u8 = b'i';
@@ -67,8 +74,9 @@ pub const EXIT: u8 = b'x';
 pub const HEADER_BYTES: usize = 5;
 
 /// The longest request line a server reads: a command is at most what a model's tool call
-/// argument can hold, far below this.
-pub const MAX_REQUEST_BYTES: u64 = 1 << 20;
+/// argument can hold, and a file call's content what `write_file` takes (1 MiB by default),
+/// escaped as JSON.
+pub const MAX_REQUEST_BYTES: u64 = 8 << 20;
 
 /// The longest frame payload either side writes or accepts.
 pub const MAX_FRAME_BYTES: usize = 64 * 1024;
@@ -105,6 +113,22 @@ pub struct Versioned {
 pub enum Kind {
     Command(Request),
     Session(SessionRequest),
+    File(FileRequest),
+}
+
+/// One call of a file tool, run in the workspace it names (version 4).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FileRequest {
+    /// Where relative paths start: a workspace as a command's `workspace` names one (in a task
+    /// container, any directory of its image, the empty name its working directory).
+    pub workspace: String,
+    /// The tool's name (`read_file`, …) and the model's arguments, checked by the executor.
+    pub tool: String,
+    pub args: serde_json::Map<String, serde_json::Value>,
+    pub landlock: LandlockMode,
+    #[serde(default)]
+    pub limits: FileLimits,
 }
 
 /// A long-lived program to start, whose standard streams the connection then carries.
@@ -140,6 +164,7 @@ pub struct SessionRequest {
 pub enum Line {
     Command(Request),
     Session(SessionRequest),
+    File(FileRequest),
 }
 
 impl Line {
@@ -165,17 +190,45 @@ impl Line {
         Ok(match versioned.request {
             Kind::Command(request) => Self::Command(request),
             Kind::Session(session) => Self::Session(session),
+            Kind::File(file) => Self::File(file),
         })
     }
 }
 
 /// The request line (newline included) that starts `session`.
 pub fn session_line(session: &SessionRequest) -> Vec<u8> {
+    versioned_line(Kind::Session(session.clone()))
+}
+
+/// What a file call's executor writes: the tool's result, or the message the model is shown.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
+pub enum FileAnswer {
+    Ok(serde_json::Value),
+    Error(String),
+}
+
+impl From<Result<serde_json::Value, String>> for FileAnswer {
+    fn from(outcome: Result<serde_json::Value, String>) -> Self {
+        match outcome {
+            Ok(value) => Self::Ok(value),
+            Err(message) => Self::Error(message),
+        }
+    }
+}
+
+/// The request line (newline included) of a file call.
+pub fn file_line(request: &FileRequest) -> Vec<u8> {
+    versioned_line(Kind::File(request.clone()))
+}
+
+/// The request line (newline included) of `request`, at this side's version.
+fn versioned_line(request: Kind) -> Vec<u8> {
     let mut line = serde_json::to_vec(&Versioned {
         version: VERSION,
-        request: Kind::Session(session.clone()),
+        request,
     })
-    .expect("a session request serialises");
+    .expect("a request serialises");
     line.push(b'\n');
     line
 }
@@ -254,9 +307,17 @@ mod tests {
         assert!(!text.contains("cwd"), "absent options are left out: {text}");
         assert_eq!(line.last(), Some(&b'\n'));
         assert_eq!(Line::parse(&line), Ok(Line::Session(session)));
-        let future = r#"{"version":4,"request":{"teleport":{}}}"#;
+        let file = FileRequest {
+            workspace: String::new(),
+            tool: "read_file".to_owned(),
+            args: serde_json::Map::from_iter([("path".to_owned(), "/a".into())]),
+            landlock: LandlockMode::Auto,
+            limits: FileLimits::default(),
+        };
+        assert_eq!(Line::parse(&file_line(&file)), Ok(Line::File(file)));
+        let future = r#"{"version":5,"request":{"teleport":{}}}"#;
         let refused = Line::parse(future.as_bytes()).unwrap_err();
-        assert!(refused.contains("version 4"), "{refused}");
+        assert!(refused.contains("version 5"), "{refused}");
         let unknown = r#"{"version":2,"request":{"session":{"argv":[],"landlock":"off","x":1}}}"#;
         assert!(Line::parse(unknown.as_bytes()).is_err());
     }

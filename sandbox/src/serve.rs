@@ -40,7 +40,7 @@ use nix::sys::signalfd::SignalFd;
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Pid, getpgid};
 
-use crate::protocol::{self, Line, Request, SessionRequest};
+use crate::protocol::{self, Line, SessionRequest};
 use crate::session::write_frame;
 use crate::{ImageFiles, REFUSED_EXIT, REFUSED_PREFIX};
 
@@ -360,15 +360,32 @@ fn shut_down(signal_fd: &SignalFd, executors: &Shared) {
 /// One command, from its request to its exit frame; or one session, handed to its executor.
 fn connection(mut stream: UnixStream, places: &Places, executors: &Shared) {
     let line = read_line(&stream).and_then(|line| Line::parse(&line));
-    let request = match line {
+    let outcome = match line {
         Ok(Line::Session(request)) => return session(stream, places, &request, executors),
-        Ok(Line::Command(request)) => Ok(request),
+        Ok(Line::Command(request)) => places.workspace(&request.workspace).and_then(|workspace| {
+            let command = crate::run::command(
+                &places.executor,
+                &workspace,
+                request.landlock,
+                request.limits,
+                &places.image_files,
+                Duration::from_millis(request.grace_ms),
+                &request.command,
+            );
+            start(command, None, executors)
+        }),
+        Ok(Line::File(request)) => places.workspace(&request.workspace).and_then(|workspace| {
+            let command = crate::file::command(
+                &places.executor,
+                &workspace,
+                request.landlock,
+                &places.image_files,
+            );
+            let call = serde_json::to_vec(&request).map_err(|err| format!("file call: {err}"))?;
+            start(command, Some(&call), executors)
+        }),
         Err(message) => Err(message),
     };
-    let outcome = request.and_then(|request| {
-        let workspace = places.workspace(&request.workspace)?;
-        start(places, &workspace, &request, executors)
-    });
     let code = match outcome {
         Ok((pid, output, exited)) => relay(&mut stream, pid, &output, &exited, executors),
         Err(message) => {
@@ -439,7 +456,7 @@ fn session(mut stream: UnixStream, places: &Places, request: &SessionRequest, ex
         command
             .stdin(std::process::Stdio::from(OwnedFd::from(connection)))
             .process_group(0);
-        spawn_registered(command, executors)
+        spawn_registered(command, executors).map(|(pid, exited, _)| (pid, exited))
     });
     match started {
         // The executor holds the connection now; this thread only watches for the worker's
@@ -524,21 +541,22 @@ fn session_dir(
     }
 }
 
-/// Spawns an executor and registers it with the reaper; returns where its exit code arrives.
-/// The command's own copies of descriptors (pipe ends, the connection) close when it returns.
+/// Spawns an executor and registers it with the reaper; returns where its exit code arrives, and
+/// its standard input when that is piped. The command's own copies of descriptors (pipe ends,
+/// the connection) close when it returns.
 fn spawn_registered(
     mut command: std::process::Command,
     executors: &Shared,
-) -> Result<(Pid, Receiver<i32>), String> {
+) -> Result<(Pid, Receiver<i32>, Option<std::process::ChildStdin>), String> {
     let (sender, exited) = channel();
     // Registered under the lock the reaper takes, so its exit cannot be reaped unseen.
     let mut executors = lock(executors);
-    let child = command
+    let mut child = command
         .spawn()
         .map_err(|err| format!("cannot start the executor: {err}"))?;
     let pid = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
     executors.waiting.insert(pid, sender);
-    Ok((pid, exited))
+    Ok((pid, exited, child.stdin.take()))
 }
 
 /// The workspace directory a request names, which must be the root or lie under it, symlinks
@@ -556,12 +574,12 @@ fn resolve_workspace(root: &Path, requested: &str) -> Result<PathBuf, String> {
     Ok(workspace)
 }
 
-/// Starts the command's executor with its output on a pipe; returns its pid, the pipe's read end
-/// and where its exit code will arrive.
+/// Starts an executor (`command`, a [`crate::run`] or [`crate::file`] one) with its output on a
+/// pipe, and writes `input` to its standard input; returns its pid, the pipe's read end and where
+/// its exit code will arrive.
 fn start(
-    places: &Places,
-    workspace: &Path,
-    request: &Request,
+    mut command: std::process::Command,
+    input: Option<&[u8]>,
     executors: &Shared,
 ) -> Result<(Pid, std::io::PipeReader, Receiver<i32>), String> {
     use std::os::unix::process::CommandExt;
@@ -569,22 +587,21 @@ fn start(
     let writer_for_stderr = writer
         .try_clone()
         .map_err(|err| format!("no pipe: {err}"))?;
-    let mut command = crate::run::command(
-        &places.executor,
-        workspace,
-        request.landlock,
-        request.limits,
-        &places.image_files,
-        Duration::from_millis(request.grace_ms),
-        &request.command,
-    );
     command
         .stdout(writer)
         .stderr(writer_for_stderr)
         .process_group(0);
+    if input.is_some() {
+        command.stdin(std::process::Stdio::piped());
+    }
     // `command` holds the pipe's write ends; they close with it, so the read end sees EOF when
     // the executor and its command are gone.
-    let (pid, exited) = spawn_registered(command, executors)?;
+    let (pid, exited, stdin) = spawn_registered(command, executors)?;
+    if let (Some(input), Some(mut stdin)) = (input, stdin) {
+        // The executor reads all of it before it writes a byte, so this cannot wait on the
+        // output; one that died first leaves the error for its exit code to tell.
+        let _ = stdin.write_all(input);
+    }
     Ok((pid, reader, exited))
 }
 

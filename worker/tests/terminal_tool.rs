@@ -1142,7 +1142,7 @@ async fn in_a_task_image_its_files_are_readable_and_the_other_conversations_are_
 /// A task container (`serve --task`) is one conversation's container of its row's image: the
 /// shell starts in the image's working directory (or the row's `cwd`), with the image's
 /// environment, and may change the image's files, Landlock required; the executor's own
-/// directories stay out of reach, and the file tools say that they cannot follow.
+/// directories stay out of reach.
 #[tokio::test]
 async fn in_a_task_container_commands_start_in_its_directory_and_change_its_files() {
     let image_dir = TopLevelDir::create();
@@ -1158,15 +1158,7 @@ async fn in_a_task_container_commands_start_in_its_directory_and_change_its_file
             image_dir.0.join("src"),
         ),
     ] {
-        let context = ToolContext {
-            workspace: Workspace::new(scratch.path()).unwrap(),
-            limits: ToolLimits::default(),
-            sandbox: server
-                .sandbox(LandlockMode::Required)
-                .in_task_container(server.socket(), cwd),
-            browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
-            terminal: trajectory_worker::tools::terminal::Terminal::default(),
-        };
+        let context = task_context(&server, cwd, scratch.path());
         let probe = format!(
             "pwd; echo \"var=$IMAGE_VAR\"; echo fixed >> {readme}; ls {socket_dir} 2>&1 | head -n 1",
             readme = image_dir.0.join("README.md").display(),
@@ -1188,12 +1180,110 @@ async fn in_a_task_container_commands_start_in_its_directory_and_change_its_file
         assert_eq!(again["output"], "/", "{again}");
         let after = ok(call(&context, json!({"command": "pwd"})).await);
         assert_eq!(after["output"], "/", "{after}");
-        let refusal = context.file_workspace().expect_err("file tools refuse");
-        assert!(refusal.contains("terminal"), "{refusal}");
         context.close().await;
     }
     assert_eq!(
         std::fs::read_to_string(image_dir.0.join("README.md")).unwrap(),
         "the task's repository\nfixed\nfixed\n"
+    );
+}
+
+/// One conversation in the task container `server`, starting in `cwd` (`None`: where the server
+/// started), Landlock required; `scratch` stands for the worker's workspace, which it never uses.
+fn task_context(server: &SandboxServer, cwd: Option<String>, scratch: &Path) -> ToolContext {
+    ToolContext {
+        workspace: Workspace::new(scratch).unwrap(),
+        limits: ToolLimits::default(),
+        sandbox: server
+            .sandbox(LandlockMode::Required)
+            .in_task_container(server.socket(), cwd),
+        browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
+        terminal: trajectory_worker::tools::terminal::Terminal::default(),
+    }
+}
+
+/// Calls the file tool `name`.
+async fn file_call(ctx: &ToolContext, name: &str, args: Value) -> ToolOutcome {
+    let Value::Object(args) = args else {
+        panic!("arguments must be an object")
+    };
+    let tools = trajectory_worker::tools::file::tools(&ToolsSpec::default());
+    let tool = tools.iter().find(|tool| tool.spec().name == name).unwrap();
+    tool.call(args, ctx).await
+}
+
+/// In a task container the file tools work on the container's files as its terminal does:
+/// absolute paths are the normal case, relative ones start where the commands start (the row's
+/// `cwd` or the image's working directory) and then where the shell is; what they write the
+/// commands see and the other way round; the executor's own directories stay out of their reach
+/// too, Landlock required.
+#[tokio::test]
+async fn in_a_task_container_the_file_tools_work_on_its_files_as_the_terminal_does() {
+    let image_dir = TopLevelDir::create();
+    std::fs::create_dir(image_dir.0.join("src")).unwrap();
+    let server = SandboxServer::start_task_container(&image_dir.0, &[]);
+    let socket_dir = server.socket().parent().unwrap().to_owned();
+    let scratch = tempfile::tempdir().unwrap();
+    let context = task_context(&server, None, scratch.path());
+    let readme = image_dir.0.join("README.md").display().to_string();
+
+    // Before any command, relative paths start in the image's working directory.
+    let read = ok(file_call(&context, "read_file", json!({"path": "README.md"})).await);
+    assert_eq!(read["content"], "     1|the task's repository", "{read}");
+    assert_eq!(
+        read["path"], readme,
+        "shown as the container's path: {read}"
+    );
+    let app = image_dir.0.join("src/app.py").display().to_string();
+    let written = ok(file_call(
+        &context,
+        "write_file",
+        json!({"path": app, "content": "print('hi')\n"}),
+    )
+    .await);
+    assert_eq!(written["path"], app, "{written}");
+    let patched = ok(file_call(
+        &context,
+        "patch",
+        json!({"path": app, "old_string": "hi", "new_string": "patched"}),
+    )
+    .await);
+    assert_eq!(patched["replacements"], 1, "{patched}");
+    // The terminal sees what the file tools wrote, and the file tools follow its `cd`.
+    let seen = ok(call(&context, json!({"command": "cd src && cat app.py"})).await);
+    assert_eq!(seen["output"], "print('patched')", "{seen}");
+    ok(call(
+        &context,
+        json!({"command": "echo made-by-the-shell > shell.txt"}),
+    )
+    .await);
+    let found = ok(file_call(
+        &context,
+        "search_files",
+        json!({"pattern": "made-by", "path": "."}),
+    )
+    .await);
+    assert!(
+        found.to_string().contains("shell.txt"),
+        "relative paths start where the shell is: {found}"
+    );
+
+    // The socket's and the executor's directory stay private, to these calls as to commands.
+    let planted = socket_dir.join("planted");
+    let refused = file_call(
+        &context,
+        "write_file",
+        json!({"path": planted.display().to_string(), "content": "x"}),
+    )
+    .await;
+    let ToolOutcome::Err(message) = refused else {
+        panic!("writing beside the socket was allowed: {refused:?}");
+    };
+    assert!(message.contains("ermission denied"), "{message}");
+    assert!(!planted.exists());
+    context.close().await;
+    assert_eq!(
+        std::fs::read_to_string(image_dir.0.join("src/app.py")).unwrap(),
+        "print('patched')\n"
     );
 }

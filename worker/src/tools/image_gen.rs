@@ -19,11 +19,11 @@ use serde_json::{Map, Value, json};
 
 use super::args::optional_string_arg;
 use super::endpoint::{self, Endpoint, EndpointError};
-use super::file::confine;
 use super::vision::image::{ImageKind, checked_kind, download};
 use super::web::reference_json;
 use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec, Workspace, WorkspaceError};
 use crate::spec::{ImageGenSpec, ImageResponseFormat, ToolsSpec};
+use trajectory_sandbox::files::confine;
 
 pub const TOOLSET: &str = "image_gen";
 

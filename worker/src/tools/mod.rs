@@ -20,7 +20,6 @@
 //! whose tools `plan` discovers and freezes into the manifest, see [`Registry::with_frozen_mcp`])
 //! and HTTP tools ([`http`]). They are registered after the built-in ones, in declaration order.
 
-mod args;
 pub mod browser;
 mod endpoint;
 pub mod file;
@@ -29,20 +28,21 @@ pub mod image_gen;
 pub mod mcp;
 pub mod sandbox;
 pub mod terminal;
-mod text;
 pub mod vision;
 pub mod web;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::{Component, Path, PathBuf};
+
 use std::pin::Pin;
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
 pub use endpoint::EndpointError;
+pub use trajectory_sandbox::files::{Workspace, WorkspaceError};
+use trajectory_sandbox::{args, text};
 
 use crate::spec::ToolsSpec;
 use crate::toolsets;
@@ -126,20 +126,11 @@ impl ToolContext {
     }
 
     /// The workspace as the file tools see it: relative paths start in the terminal's working
-    /// directory, as hermes-agent's file tools do.
+    /// directory, as hermes-agent's file tools do. (In a task container the file tools run in
+    /// the container instead: [`file`].)
     pub fn file_workspace(&self) -> Result<Workspace, String> {
-        if self.sandbox.task.is_some() {
-            return Err(
-                "the file tools do not reach the files of this task's container image; \
-                 read and change them with the terminal (cat, sed, a heredoc)"
-                    .to_owned(),
-            );
-        }
         let base = terminal::file_base(&self.terminal, self.workspace.root())?;
-        Ok(Workspace {
-            root: self.workspace.root.clone(),
-            base,
-        })
+        Ok(self.workspace.clone().starting_in(base))
     }
 }
 
@@ -159,6 +150,17 @@ pub struct ToolLimits {
     pub max_search_results: usize,
 }
 
+impl ToolLimits {
+    /// The limits of one file call.
+    pub fn files(&self) -> trajectory_sandbox::files::FileLimits {
+        trajectory_sandbox::files::FileLimits {
+            max_read_lines: self.max_read_lines,
+            max_write_bytes: self.max_write_bytes,
+            max_search_results: self.max_search_results,
+        }
+    }
+}
+
 impl Default for ToolLimits {
     fn default() -> Self {
         Self {
@@ -168,101 +170,6 @@ impl Default for ToolLimits {
             max_write_bytes: 1024 * 1024,
             max_search_results: 100,
         }
-    }
-}
-
-/// Why a path given by the model was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum WorkspaceError {
-    #[error("absolute paths are not allowed: {0}")]
-    Absolute(String),
-    #[error("path escapes the workspace: {0}")]
-    Escapes(String),
-    #[error("cannot resolve {path}: {reason}")]
-    Io { path: String, reason: String },
-}
-
-/// The directory one conversation works in. Tools resolve every path through
-/// [`Workspace::resolve`], which refuses absolute paths, `..` that climbs out, and symlinks whose
-/// target lies outside.
-#[derive(Debug, Clone)]
-pub struct Workspace {
-    root: PathBuf,
-    /// Where relative paths start, relative to `root` (the terminal's working directory).
-    base: PathBuf,
-}
-
-impl Workspace {
-    /// Uses `root` (which must exist) as the workspace.
-    pub fn new(root: impl Into<PathBuf>) -> std::io::Result<Self> {
-        let root = root.into().canonicalize()?;
-        Ok(Self {
-            root,
-            base: PathBuf::new(),
-        })
-    }
-
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-
-    /// Maps a path the model gave (relative to the directory relative paths start in) to a real
-    /// path inside the workspace.
-    ///
-    /// The path need not exist (so `write_file` can create it), but every existing ancestor is
-    /// canonicalised, so a symlink anywhere along the way that points outside is refused.
-    pub fn resolve(&self, requested: &str) -> Result<PathBuf, WorkspaceError> {
-        let relative = Path::new(requested);
-        if relative.is_absolute() {
-            return Err(WorkspaceError::Absolute(requested.to_owned()));
-        }
-        let mut lexical = self.base.clone();
-        for component in relative.components() {
-            match component {
-                Component::Normal(part) => lexical.push(part),
-                Component::CurDir => {}
-                Component::ParentDir => {
-                    if !lexical.pop() {
-                        return Err(WorkspaceError::Escapes(requested.to_owned()));
-                    }
-                }
-                Component::RootDir | Component::Prefix(_) => {
-                    return Err(WorkspaceError::Absolute(requested.to_owned()));
-                }
-            }
-        }
-        let candidate = self.root.join(&lexical);
-        // Canonicalise the longest existing prefix: that resolves symlinks on the way.
-        let mut existing = candidate.as_path();
-        let mut rest = Vec::new();
-        while !existing.exists() {
-            match (existing.parent(), existing.file_name()) {
-                (Some(parent), Some(name)) => {
-                    rest.push(name.to_owned());
-                    existing = parent;
-                }
-                _ => break,
-            }
-        }
-        let mut real = existing.canonicalize().map_err(|err| WorkspaceError::Io {
-            path: requested.to_owned(),
-            reason: err.to_string(),
-        })?;
-        if !real.starts_with(&self.root) {
-            return Err(WorkspaceError::Escapes(requested.to_owned()));
-        }
-        for name in rest.into_iter().rev() {
-            real.push(name);
-        }
-        Ok(real)
-    }
-
-    /// Shows a resolved path to the model relative to the workspace root.
-    pub fn display(&self, path: &Path) -> String {
-        path.strip_prefix(&self.root)
-            .unwrap_or(path)
-            .display()
-            .to_string()
     }
 }
 
@@ -452,44 +359,6 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn workspace_refuses_absolute_and_climbing_paths() {
-        let dir = tempfile::tempdir().unwrap();
-        let workspace = Workspace::new(dir.path()).unwrap();
-        assert!(matches!(
-            workspace.resolve("/etc/passwd"),
-            Err(WorkspaceError::Absolute(_))
-        ));
-        assert!(matches!(
-            workspace.resolve("../x"),
-            Err(WorkspaceError::Escapes(_))
-        ));
-        assert!(matches!(
-            workspace.resolve("a/../../x"),
-            Err(WorkspaceError::Escapes(_))
-        ));
-        assert_eq!(
-            workspace.resolve("a/../b").unwrap(),
-            workspace.root().join("b")
-        );
-    }
-
-    #[test]
-    fn workspace_refuses_symlink_that_points_outside() {
-        let dir = tempfile::tempdir().unwrap();
-        let outside = tempfile::tempdir().unwrap();
-        std::os::unix::fs::symlink(outside.path(), dir.path().join("link")).unwrap();
-        let workspace = Workspace::new(dir.path()).unwrap();
-        assert!(matches!(
-            workspace.resolve("link/secret"),
-            Err(WorkspaceError::Escapes(_))
-        ));
-        assert!(matches!(
-            workspace.resolve("link"),
-            Err(WorkspaceError::Escapes(_))
-        ));
-    }
 
     #[test]
     fn error_outcome_renders_as_error_object() {

@@ -27,7 +27,7 @@ pub use session::{Ended, Session, SessionEnd};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 pub use trajectory_sandbox::protocol::SessionRequest;
-use trajectory_sandbox::protocol::{self, Request};
+use trajectory_sandbox::protocol::{self, FileAnswer, FileRequest, Request};
 pub use trajectory_sandbox::{
     EXECUTOR_BINARY, LIMIT_EXIT, LandlockMode, Limits, REFUSED_EXIT, REFUSED_PREFIX,
 };
@@ -234,6 +234,39 @@ pub async fn run_in_pod(
     send(stream, request, output).await
 }
 
+/// Runs one file call in the task container whose server listens on `socket`: its result, or the
+/// message the model is shown (the container's refusal included).
+pub async fn run_file_in_pod(
+    socket: &Path,
+    request: &FileRequest,
+) -> std::io::Result<Result<serde_json::Value, String>> {
+    let mut stream = UnixStream::connect(socket).await.map_err(|err| {
+        std::io::Error::new(
+            err.kind(),
+            format!("sandbox socket {}: {err}", socket.display()),
+        )
+    })?;
+    stream.write_all(&protocol::file_line(request)).await?;
+    let mut answer = Vec::new();
+    let code = receive(stream, &mut |bytes| answer.extend_from_slice(bytes)).await?;
+    if code != 0 {
+        let said = String::from_utf8_lossy(&answer);
+        let why = said
+            .trim()
+            .strip_prefix(REFUSED_PREFIX)
+            .unwrap_or(said.trim());
+        return Ok(Err(format!("the file call was refused: {why}")));
+    }
+    match serde_json::from_slice(&answer) {
+        Ok(FileAnswer::Ok(value)) => Ok(Ok(value)),
+        Ok(FileAnswer::Error(message)) => Ok(Err(message)),
+        Err(err) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("the sandbox sent a bad file answer: {err}"),
+        )),
+    }
+}
+
 async fn send(
     mut stream: UnixStream,
     request: &Request,
@@ -242,6 +275,14 @@ async fn send(
     let mut line = serde_json::to_vec(request)?;
     line.push(b'\n');
     stream.write_all(&line).await?;
+    receive(stream, output).await
+}
+
+/// Reads a command's frames: its output to `output`, then its exit code.
+async fn receive(
+    mut stream: UnixStream,
+    output: &mut (dyn FnMut(&[u8]) + Send),
+) -> std::io::Result<i32> {
     let mut payload = Vec::new();
     loop {
         let Some((kind, len)) = session::read_frame(&mut stream, &mut payload).await? else {

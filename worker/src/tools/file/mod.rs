@@ -1,97 +1,56 @@
-//! The `file` toolset: `read_file`, `write_file`, `patch` and `search_files`, all confined to the
-//! conversation's workspace (how, and against what, is the business of `confine.rs`).
+//! The `file` toolset: `read_file`, `write_file`, `patch` and `search_files`.
 //!
-//! Each tool is one module with one `FileCall` type: the tool's name, description and argument
-//! schema, how its arguments are read, and what a call does with them. `FileTool` turns any
-//! `FileCall` into a [`Tool`]: arguments are checked before anything touches the disk, then the
-//! call runs on the blocking pool — file I/O is plain `std::fs`, simple, and each call is bounded
-//! by the limits.
+//! The calls themselves are [`trajectory_sandbox::files`]': they run where the conversation's
+//! files are. Usually that is the worker, on the conversation's workspace directory, confined to
+//! it by path checks (on the blocking pool: file I/O is plain `std::fs`). For a conversation in
+//! a task container it is that container: the call goes to the container's executor, which runs
+//! it under the conversation's Landlock rules on the image's filesystem, where absolute paths
+//! (`/testbed/src/app.py`) are the normal case and the container is the confinement.
 //!
-//! To add a file tool: write a module beside `read.rs` with a type that implements `FileCall`
-//! (reaching every path through `confine`'s `resolve` and `open_confined`), add it to the `mod`
-//! lines below, and register it with one line in [`tools`]. Its tests can use `fixture.rs`, a
-//! workspace with every kind of way out of it.
-
-pub(crate) mod confine;
-#[cfg(test)]
-mod fixture;
-mod patch;
-mod read;
-mod search;
-mod write;
+//! To add a file tool, see [`trajectory_sandbox::files`]; it shows up here by itself.
 
 use std::fmt;
-use std::marker::PhantomData;
+use std::path::Path;
 use std::sync::Arc;
 
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
+use trajectory_sandbox::files::{self, FileToolSpec};
+use trajectory_sandbox::protocol::FileRequest;
 
-use super::{Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace};
+use super::sandbox::{Place, TaskDir, run_file_in_pod};
+use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::ToolsSpec;
 
 pub const TOOLSET: &str = "file";
 
-/// Longer lines are cut in `read_file` and `search_files` output: a minified bundle would
-/// otherwise fill a whole page with one line.
-const MAX_LINE_BYTES: usize = 2000;
-
-/// The `path` argument of the tools that work on one file.
-fn file_path_parameter() -> Value {
-    json!({
-        "type": "string",
-        "description": "Path of the file, relative to the workspace directory."
-    })
-}
-
 /// The toolset's tools, in the order the model is shown them.
 pub fn tools(_config: &ToolsSpec) -> Vec<Arc<dyn Tool>> {
-    vec![
-        FileTool::<read::ReadFileCall>::shared(),
-        FileTool::<write::WriteFileCall>::shared(),
-        FileTool::<patch::PatchCall>::shared(),
-        FileTool::<search::SearchFilesCall>::shared(),
-    ]
+    files::specs()
+        .into_iter()
+        .map(|spec| Arc::new(FileTool::from(spec)) as Arc<dyn Tool>)
+        .collect()
 }
 
-/// One call of a file tool with its validated arguments, owned so it can move to the blocking
-/// pool; the type also describes its tool.
-trait FileCall: fmt::Debug + Send + Sized + 'static {
-    const NAME: &'static str;
-    const DESCRIPTION: &'static str;
-    /// The tool never changes the workspace (see [`Tool::read_only`]).
-    const READ_ONLY: bool;
-
-    /// JSON schema of the arguments object.
-    fn parameters() -> Value;
-
-    /// Checks the arguments the model gave, without touching the disk.
-    fn parse(args: &Map<String, Value>) -> Result<Self, String>;
-
-    /// Does the work; the error is the message the model is shown.
-    fn run(self, workspace: &Workspace, limits: &ToolLimits) -> Result<Value, String>;
-}
-
-/// The [`Tool`] of a [`FileCall`].
-struct FileTool<Call> {
+/// The [`Tool`] of one file tool.
+struct FileTool {
     spec: ToolSpec,
-    // `fn() -> Call`: the tool holds no call, so it is `Send + Sync` whatever `Call` is.
-    call: PhantomData<fn() -> Call>,
+    read_only: bool,
 }
 
-impl<Call: FileCall> FileTool<Call> {
-    fn shared() -> Arc<dyn Tool> {
-        Arc::new(Self {
+impl From<FileToolSpec> for FileTool {
+    fn from(spec: FileToolSpec) -> Self {
+        Self {
             spec: ToolSpec {
-                name: Call::NAME.to_owned(),
-                description: Call::DESCRIPTION.to_owned(),
-                parameters: Call::parameters(),
+                name: spec.name.to_owned(),
+                description: spec.description.to_owned(),
+                parameters: spec.parameters,
             },
-            call: PhantomData,
-        })
+            read_only: spec.read_only,
+        }
     }
 }
 
-impl<Call> fmt::Debug for FileTool<Call> {
+impl fmt::Debug for FileTool {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter
             .debug_struct("FileTool")
@@ -100,55 +59,71 @@ impl<Call> fmt::Debug for FileTool<Call> {
     }
 }
 
-impl<Call: FileCall> Tool for FileTool<Call> {
+impl Tool for FileTool {
     fn spec(&self) -> &ToolSpec {
         &self.spec
     }
 
     fn read_only(&self) -> bool {
-        Call::READ_ONLY
+        self.read_only
     }
 
     fn call<'a>(&'a self, args: Map<String, Value>, ctx: &'a ToolContext) -> ToolFuture<'a> {
-        let workspace = ctx.file_workspace();
-        let limits = ctx.limits.clone();
         Box::pin(async move {
-            let workspace = match workspace {
-                Ok(workspace) => workspace,
-                Err(message) => return ToolOutcome::Err(message),
+            let outcome = match (&ctx.sandbox.task, &ctx.sandbox.place) {
+                (Some(task), Place::Pod { socket }) => {
+                    self.in_task_container(args, ctx, task, socket).await
+                }
+                _ => self.here(args, ctx).await,
             };
-            let call = match Call::parse(&args) {
-                Ok(call) => call,
-                Err(message) => return ToolOutcome::Err(message),
-            };
-            match tokio::task::spawn_blocking(move || call.run(&workspace, &limits)).await {
-                Ok(Ok(value)) => ToolOutcome::Ok(value),
-                Ok(Err(message)) => ToolOutcome::Err(message),
-                Err(err) => ToolOutcome::Err(format!("the tool failed internally: {err}")),
+            match outcome {
+                Ok(value) => ToolOutcome::Ok(value),
+                Err(message) => ToolOutcome::Err(message),
             }
         })
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+impl FileTool {
+    /// The call on the conversation's workspace, in this process.
+    async fn here(&self, args: Map<String, Value>, ctx: &ToolContext) -> Result<Value, String> {
+        let workspace = ctx.file_workspace()?;
+        let (name, limits) = (self.spec.name.clone(), ctx.limits.files());
+        tokio::task::spawn_blocking(move || files::call(&name, &args, &workspace, &limits))
+            .await
+            .unwrap_or_else(|err| Err(format!("the tool failed internally: {err}")))
+    }
 
-    #[tokio::test]
-    async fn file_toolset_offers_four_tools_with_object_schemas() {
-        let tools = tools(&ToolsSpec::default());
-        let names: Vec<_> = tools.iter().map(|tool| tool.spec().name.as_str()).collect();
-        assert_eq!(names, ["read_file", "write_file", "patch", "search_files"]);
-        for tool in &tools {
-            let parameters = &tool.spec().parameters;
-            assert_eq!(parameters["type"], "object");
-            for required in parameters["required"].as_array().unwrap() {
-                assert!(
-                    parameters["properties"]
-                        .get(required.as_str().unwrap())
-                        .is_some()
-                );
-            }
-        }
+    /// The call in the conversation's task container: relative paths start where its shell is,
+    /// or, before any command, where its commands start (the row's `cwd`, or the image's working
+    /// directory). Bounded by the command timeout; a call cut short is ended there.
+    async fn in_task_container(
+        &self,
+        args: Map<String, Value>,
+        ctx: &ToolContext,
+        task: &TaskDir,
+        socket: &Path,
+    ) -> Result<Value, String> {
+        let workspace = ctx.terminal.cwd().map_or_else(
+            || task.workspace().to_owned(),
+            |cwd| cwd.display().to_string(),
+        );
+        let request = FileRequest {
+            workspace,
+            tool: self.spec.name.clone(),
+            args,
+            landlock: ctx.sandbox.landlock,
+            limits: ctx.limits.files(),
+        };
+        let timeout = ctx.limits.command_timeout;
+        tokio::time::timeout(timeout, run_file_in_pod(socket, &request))
+            .await
+            .map_err(|_| {
+                format!(
+                    "the call did not finish within {} s in the task's container",
+                    timeout.as_secs()
+                )
+            })?
+            .map_err(|err| format!("the task's container did not answer: {err}"))?
     }
 }

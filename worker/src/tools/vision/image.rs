@@ -11,9 +11,9 @@ use reqwest::header::{ACCEPT, CONTENT_LENGTH, CONTENT_TYPE};
 use url::Url;
 
 use crate::spec::VisionSpec;
-use crate::tools::file::confine;
 use crate::tools::web::{error_chain, guard, read_capped};
 use crate::tools::{ToolContext, Workspace};
+use trajectory_sandbox::files::confine;
 
 /// The raster formats the `OpenAI` chat API (and the vision-language models vLLM serves)
 /// accept in an `image_url` part.

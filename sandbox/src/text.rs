@@ -4,7 +4,7 @@
 //! bytes at a cut are dropped instead.
 
 /// Length of `bytes` without a UTF-8 sequence cut off at its end.
-pub(crate) fn complete_prefix_len(bytes: &[u8]) -> usize {
+pub fn complete_prefix_len(bytes: &[u8]) -> usize {
     match std::str::from_utf8(bytes) {
         // `error_len() == None` means the input ended in the middle of a character.
         Err(err) if err.error_len().is_none() => err.valid_up_to(),
@@ -14,7 +14,7 @@ pub(crate) fn complete_prefix_len(bytes: &[u8]) -> usize {
 
 /// Where `bytes` starts once the rest of a character cut off before it is skipped (at most the
 /// three continuation bytes a UTF-8 sequence can have).
-pub(crate) fn complete_suffix_start(bytes: &[u8]) -> usize {
+pub fn complete_suffix_start(bytes: &[u8]) -> usize {
     bytes
         .iter()
         .take(3)

@@ -7,9 +7,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use tempfile::TempDir;
 
-use crate::spec::ToolsSpec;
-use crate::tools::sandbox::{LandlockMode, Sandbox};
-use crate::tools::{ToolContext, ToolLimits, ToolOutcome, Workspace};
+use super::{FileLimits, Workspace};
 
 const SECRET: &str = "TOP SECRET outside the workspace\n";
 
@@ -18,16 +16,17 @@ const SECRET: &str = "TOP SECRET outside the workspace\n";
 /// that does not exist yet) and `danglingdir` (a directory that does not exist yet).
 pub(super) struct Fixture {
     _parent: TempDir,
-    pub(super) ctx: ToolContext,
+    pub(super) workspace: Workspace,
+    limits: FileLimits,
     pub(super) outside: PathBuf,
 }
 
 impl Fixture {
     pub(super) fn new() -> Self {
-        Self::with_limits(ToolLimits::default())
+        Self::with_limits(FileLimits::default())
     }
 
-    pub(super) fn with_limits(limits: ToolLimits) -> Self {
+    pub(super) fn with_limits(limits: FileLimits) -> Self {
         let parent = tempfile::tempdir().unwrap();
         let root = parent.path().join("ws");
         let outside = parent.path().join("outside");
@@ -39,21 +38,15 @@ impl Fixture {
         symlink(outside.join("new.txt"), root.join("dangling")).unwrap();
         symlink(outside.join("newdir"), root.join("danglingdir")).unwrap();
         Self {
-            ctx: ToolContext {
-                workspace: Workspace::new(&root).unwrap(),
-                limits,
-                // The file tools run in the worker; no executor is started.
-                sandbox: Sandbox::local(LandlockMode::Auto),
-                browser: crate::tools::browser::ConversationBrowser::default(),
-                terminal: crate::tools::terminal::Terminal::default(),
-            },
+            workspace: Workspace::new(&root).unwrap(),
+            limits,
             outside: outside.canonicalize().unwrap(),
             _parent: parent,
         }
     }
 
     pub(super) fn root(&self) -> &Path {
-        self.ctx.workspace.root()
+        self.workspace.root()
     }
 
     pub(super) fn write(&self, path: &str, content: &str) {
@@ -93,13 +86,9 @@ impl Fixture {
     /// Calls `tool` with each of [`Self::escaping_paths`] (`args` makes its arguments from the
     /// path) and asserts every call is refused, says nothing of the secret, and leaves the outside
     /// untouched.
-    pub(super) async fn assert_every_escape_refused(
-        &self,
-        tool: &str,
-        args: impl Fn(&str) -> Value,
-    ) {
+    pub(super) fn assert_every_escape_refused(&self, tool: &str, args: impl Fn(&str) -> Value) {
         for (path, refusal) in self.escaping_paths() {
-            let message = self.err(tool, args(&path)).await;
+            let message = self.err(tool, args(&path));
             assert!(message.starts_with(&refusal), "{path}: {message}");
             assert!(!message.contains("TOP SECRET"), "{path}: {message}");
         }
@@ -119,29 +108,22 @@ impl Fixture {
         );
     }
 
-    pub(super) async fn call(&self, tool: &str, args: Value) -> ToolOutcome {
-        let tools = super::tools(&ToolsSpec::default());
-        let tool = tools
-            .iter()
-            .find(|candidate| candidate.spec().name == tool)
-            .unwrap();
+    pub(super) fn call(&self, tool: &str, args: Value) -> Result<Value, String> {
         let Value::Object(args) = args else {
             panic!("arguments must be an object")
         };
-        tool.call(args, &self.ctx).await
+        super::call(tool, &args, &self.workspace, &self.limits)
     }
 
-    pub(super) async fn ok(&self, tool: &str, args: Value) -> Value {
-        match self.call(tool, args).await {
-            ToolOutcome::Ok(value) => value,
-            ToolOutcome::Err(message) => panic!("expected success, got error: {message}"),
-        }
+    pub(super) fn ok(&self, tool: &str, args: Value) -> Value {
+        self.call(tool, args)
+            .unwrap_or_else(|message| panic!("expected success, got error: {message}"))
     }
 
-    pub(super) async fn err(&self, tool: &str, args: Value) -> String {
-        match self.call(tool, args).await {
-            ToolOutcome::Err(message) => message,
-            ToolOutcome::Ok(value) => panic!("expected an error, got {value}"),
+    pub(super) fn err(&self, tool: &str, args: Value) -> String {
+        match self.call(tool, args) {
+            Err(message) => message,
+            Ok(value) => panic!("expected an error, got {value}"),
         }
     }
 }

@@ -7,9 +7,9 @@ use serde_json::{Map, Value, json};
 
 use super::confine::{io_message, open_confined, resolve};
 use super::{FileCall, MAX_LINE_BYTES, file_path_parameter};
-use crate::tools::args::{non_empty_string_arg, optional_u64_arg};
-use crate::tools::text::complete_prefix_len;
-use crate::tools::{ToolLimits, Workspace};
+use super::{FileLimits, Workspace};
+use crate::args::{non_empty_string_arg, optional_u64_arg};
+use crate::text::complete_prefix_len;
 
 #[derive(Debug)]
 pub(super) struct ReadFileCall {
@@ -55,7 +55,7 @@ impl FileCall for ReadFileCall {
         })
     }
 
-    fn run(self, workspace: &Workspace, limits: &ToolLimits) -> Result<Value, String> {
+    fn run(self, workspace: &Workspace, limits: &FileLimits) -> Result<Value, String> {
         let requested = self.path.as_str();
         let path = resolve(workspace, requested)?;
         let file = open_confined(workspace, &path, requested, OpenOptions::new().read(true))?;
@@ -180,7 +180,7 @@ mod tests {
     use std::os::unix::fs::symlink;
 
     use super::*;
-    use crate::tools::file::fixture::Fixture;
+    use crate::files::fixture::Fixture;
 
     fn lines(numbers: std::ops::RangeInclusive<u32>) -> String {
         numbers
@@ -196,11 +196,11 @@ mod tests {
             .join("\n")
     }
 
-    #[tokio::test]
-    async fn read_file_returns_numbered_lines() {
+    #[test]
+    fn read_file_returns_numbered_lines() {
         let fx = Fixture::new();
         fx.write("notes/a.txt", "alpha\nbeta\n");
-        let result = fx.ok("read_file", json!({"path": "notes/a.txt"})).await;
+        let result = fx.ok("read_file", json!({"path": "notes/a.txt"}));
         assert_eq!(
             result,
             json!({
@@ -210,81 +210,73 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn read_file_counts_a_last_line_without_newline() {
+    #[test]
+    fn read_file_counts_a_last_line_without_newline() {
         let fx = Fixture::new();
         fx.write("a.txt", "one\ntwo");
-        let result = fx.ok("read_file", json!({"path": "./a.txt"})).await;
+        let result = fx.ok("read_file", json!({"path": "./a.txt"}));
         assert_eq!(result["content"], "     1|one\n     2|two");
         assert_eq!(result["total_lines"], 2);
     }
 
-    #[tokio::test]
-    async fn read_file_pages_with_offset_and_limit() {
+    #[test]
+    fn read_file_pages_with_offset_and_limit() {
         let fx = Fixture::new();
         fx.write("ten.txt", &lines(1..=10));
-        let result = fx
-            .ok(
-                "read_file",
-                json!({"path": "ten.txt", "offset": 3, "limit": "4"}),
-            )
-            .await;
+        let result = fx.ok(
+            "read_file",
+            json!({"path": "ten.txt", "offset": 3, "limit": "4"}),
+        );
         assert_eq!(result["content"], numbered(3..=6));
         assert_eq!(result["start_line"], 3);
         assert_eq!(result["end_line"], 6);
         assert_eq!(result["total_lines"], 10);
         assert_eq!(result["truncated"], true);
 
-        let last = fx
-            .ok("read_file", json!({"path": "ten.txt", "offset": 7}))
-            .await;
+        let last = fx.ok("read_file", json!({"path": "ten.txt", "offset": 7}));
         assert_eq!(last["content"], numbered(7..=10));
         assert_eq!(last["truncated"], false);
     }
 
-    #[tokio::test]
-    async fn read_file_returns_at_most_one_page_of_lines() {
-        let fx = Fixture::with_limits(ToolLimits {
+    #[test]
+    fn read_file_returns_at_most_one_page_of_lines() {
+        let fx = Fixture::with_limits(FileLimits {
             max_read_lines: 5,
-            ..ToolLimits::default()
+            ..FileLimits::default()
         });
         fx.write("twelve.txt", &lines(1..=12));
-        let result = fx
-            .ok("read_file", json!({"path": "twelve.txt", "limit": 100}))
-            .await;
+        let result = fx.ok("read_file", json!({"path": "twelve.txt", "limit": 100}));
         assert_eq!(result["content"], numbered(1..=5));
         assert_eq!(result["end_line"], 5);
         assert_eq!(result["truncated"], true);
     }
 
-    #[tokio::test]
-    async fn read_file_refuses_offset_past_the_end() {
+    #[test]
+    fn read_file_refuses_offset_past_the_end() {
         let fx = Fixture::new();
         fx.write("short.txt", "a\nb\n");
-        let message = fx
-            .err("read_file", json!({"path": "short.txt", "offset": 5}))
-            .await;
+        let message = fx.err("read_file", json!({"path": "short.txt", "offset": 5}));
         assert_eq!(
             message,
             "offset 5 is past the end of short.txt, which has 2 lines"
         );
     }
 
-    #[tokio::test]
-    async fn read_file_of_an_empty_file_returns_no_lines() {
+    #[test]
+    fn read_file_of_an_empty_file_returns_no_lines() {
         let fx = Fixture::new();
         fx.write("empty.txt", "");
-        let result = fx.ok("read_file", json!({"path": "empty.txt"})).await;
+        let result = fx.ok("read_file", json!({"path": "empty.txt"}));
         assert_eq!(result["content"], "");
         assert_eq!(result["total_lines"], 0);
         assert_eq!(result["truncated"], false);
     }
 
-    #[tokio::test]
-    async fn read_file_cuts_very_long_lines() {
+    #[test]
+    fn read_file_cuts_very_long_lines() {
         let fx = Fixture::new();
         fx.write("long.txt", &format!("{}\nshort\n", "é".repeat(3000)));
-        let result = fx.ok("read_file", json!({"path": "long.txt"})).await;
+        let result = fx.ok("read_file", json!({"path": "long.txt"}));
         let content = result["content"].as_str().unwrap();
         let (first, second) = content.split_once('\n').unwrap();
         assert!(first.ends_with("... [line cut: 6000 bytes]"), "{first}");
@@ -293,62 +285,70 @@ mod tests {
         assert_eq!(second, "     2|short");
     }
 
-    #[tokio::test]
-    async fn read_file_names_a_missing_file() {
+    #[test]
+    fn read_file_names_a_missing_file() {
         let fx = Fixture::new();
-        let message = fx
-            .err("read_file", json!({"path": "nope/missing.txt"}))
-            .await;
+        let message = fx.err("read_file", json!({"path": "nope/missing.txt"}));
         assert_eq!(message, "file not found: nope/missing.txt");
     }
 
-    #[tokio::test]
-    async fn read_file_refuses_binary_files_and_directories() {
+    #[test]
+    fn read_file_refuses_binary_files_and_directories() {
         let fx = Fixture::new();
         fs::write(fx.root().join("blob.bin"), b"ab\0cd").unwrap();
         fs::create_dir(fx.root().join("dir")).unwrap();
         assert_eq!(
-            fx.err("read_file", json!({"path": "blob.bin"})).await,
+            fx.err("read_file", json!({"path": "blob.bin"})),
             "blob.bin is a binary file; read_file shows text files only"
         );
         assert_eq!(
-            fx.err("read_file", json!({"path": "dir"})).await,
+            fx.err("read_file", json!({"path": "dir"})),
             "dir is a directory, not a file"
         );
     }
 
-    #[tokio::test]
-    async fn read_file_does_not_block_on_a_fifo() {
+    #[test]
+    fn read_file_does_not_block_on_a_fifo() {
         let fx = Fixture::new();
         let status = std::process::Command::new("mkfifo")
             .arg(fx.root().join("fifo"))
             .status()
             .unwrap();
         assert!(status.success());
-        let message = tokio::time::timeout(
-            std::time::Duration::from_secs(5),
-            fx.err("read_file", json!({"path": "fifo"})),
-        )
-        .await
-        .unwrap();
+        // On a thread, so that a blocking open fails the test instead of hanging it.
+        let root = fx.root().to_owned();
+        let (sender, received) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let workspace = Workspace::new(root).unwrap();
+            let args = json!({"path": "fifo"});
+            let outcome = crate::files::call(
+                "read_file",
+                args.as_object().unwrap(),
+                &workspace,
+                &FileLimits::default(),
+            );
+            let _ = sender.send(outcome);
+        });
+        let message = received
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("read_file returned")
+            .unwrap_err();
         assert_eq!(message, "fifo is not a regular file");
     }
 
-    #[tokio::test]
-    async fn read_file_follows_a_symlink_that_stays_inside() {
+    #[test]
+    fn read_file_follows_a_symlink_that_stays_inside() {
         let fx = Fixture::new();
         fx.write("real.txt", "inside\n");
         symlink(fx.root().join("real.txt"), fx.root().join("alias")).unwrap();
-        let result = fx.ok("read_file", json!({"path": "alias"})).await;
+        let result = fx.ok("read_file", json!({"path": "alias"}));
         assert_eq!(result["content"], "     1|inside");
         assert_eq!(result["path"], "real.txt");
     }
 
-    #[tokio::test]
-    async fn read_file_refuses_every_path_that_escapes_the_workspace() {
-        Fixture::new()
-            .assert_every_escape_refused("read_file", |path| json!({"path": path}))
-            .await;
+    #[test]
+    fn read_file_refuses_every_path_that_escapes_the_workspace() {
+        Fixture::new().assert_every_escape_refused("read_file", |path| json!({"path": path}));
     }
 
     #[test]

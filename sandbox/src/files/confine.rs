@@ -17,10 +17,10 @@ use std::path::{Path, PathBuf};
 
 use nix::libc;
 
-use crate::tools::{Workspace, WorkspaceError};
+use super::{Workspace, WorkspaceError};
 
 /// Resolves a model-given path inside the workspace, with an error message the model can act on.
-pub(crate) fn resolve(workspace: &Workspace, requested: &str) -> Result<PathBuf, String> {
+pub fn resolve(workspace: &Workspace, requested: &str) -> Result<PathBuf, String> {
     let path = workspace.resolve(requested).map_err(|err| match err {
         WorkspaceError::Absolute(_) => {
             format!("{err}; give a path relative to the workspace directory")
@@ -46,7 +46,7 @@ pub(crate) fn resolve(workspace: &Workspace, requested: &str) -> Result<PathBuf,
 
 /// Resolves a model-given path of a file to create or replace, and creates its parent
 /// directories inside the workspace (refusing directories replaced by symlinks meanwhile).
-pub(crate) fn prepare_file(workspace: &Workspace, requested: &str) -> Result<PathBuf, String> {
+pub fn prepare_file(workspace: &Workspace, requested: &str) -> Result<PathBuf, String> {
     let path = resolve(workspace, requested)?;
     let parent = match path.parent() {
         Some(parent) if path != workspace.root() => parent,
@@ -66,7 +66,7 @@ pub(crate) fn prepare_file(workspace: &Workspace, requested: &str) -> Result<Pat
 
 /// Opens `path` without following a symlink in its last component and without blocking on a FIFO,
 /// then makes sure it is a regular file inside the workspace.
-pub(crate) fn open_confined(
+pub fn open_confined(
     workspace: &Workspace,
     path: &Path,
     requested: &str,
@@ -86,7 +86,7 @@ pub(crate) fn open_confined(
     Ok(file)
 }
 
-pub(crate) fn open_nofollow(path: &Path, options: &mut OpenOptions) -> io::Result<File> {
+pub fn open_nofollow(path: &Path, options: &mut OpenOptions) -> io::Result<File> {
     options
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)
@@ -94,7 +94,7 @@ pub(crate) fn open_nofollow(path: &Path, options: &mut OpenOptions) -> io::Resul
 
 /// Whether an open descriptor really lies inside the workspace, judged by the kernel's view of
 /// its path. Without `/proc` (not Linux) the earlier checks have to do.
-pub(crate) fn opened_inside(file: &File, workspace: &Workspace) -> bool {
+pub fn opened_inside(file: &File, workspace: &Workspace) -> bool {
     match fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) {
         Ok(real) => real.starts_with(workspace.root()),
         Err(_) => true,
@@ -102,7 +102,7 @@ pub(crate) fn opened_inside(file: &File, workspace: &Workspace) -> bool {
 }
 
 /// An I/O error as a message naming the path the model gave.
-pub(crate) fn io_message(err: &io::Error, requested: &str) -> String {
+pub fn io_message(err: &io::Error, requested: &str) -> String {
     match err.kind() {
         io::ErrorKind::NotFound => format!("file not found: {requested}"),
         io::ErrorKind::IsADirectory => format!("{requested} is a directory, not a file"),
@@ -118,17 +118,17 @@ pub(crate) fn io_message(err: &io::Error, requested: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tools::file::fixture::Fixture;
+    use crate::files::fixture::Fixture;
 
-    #[tokio::test]
-    async fn read_file_refuses_a_dangling_symlink_even_when_its_target_appears() {
+    #[test]
+    fn read_file_refuses_a_dangling_symlink_even_when_its_target_appears() {
         let fx = Fixture::new();
         // `resolve` saw no file at `dangling`; the target is created afterwards, as a concurrent
         // terminal command could.
         fs::write(fx.outside.join("new.txt"), "late secret\n").unwrap();
         let path = fx.root().join("dangling");
         let message = open_confined(
-            &fx.ctx.workspace,
+            &fx.workspace,
             &path,
             "dangling",
             OpenOptions::new().read(true),
@@ -137,14 +137,13 @@ mod tests {
         assert!(message.contains("refusing to follow"), "{message}");
     }
 
-    #[tokio::test]
-    async fn creating_a_file_through_a_dangling_symlink_creates_nothing_outside() {
+    #[test]
+    fn creating_a_file_through_a_dangling_symlink_creates_nothing_outside() {
         let fx = Fixture::new();
         let path = fx.root().join("dangling");
         let mut options = OpenOptions::new();
         options.write(true).create(true);
-        let message =
-            open_confined(&fx.ctx.workspace, &path, "dangling", &mut options).unwrap_err();
+        let message = open_confined(&fx.workspace, &path, "dangling", &mut options).unwrap_err();
         assert!(message.contains("refusing to follow"), "{message}");
         fx.assert_outside_untouched();
     }
@@ -155,7 +154,7 @@ mod tests {
         fx.write("inside.txt", "");
         let inside = File::open(fx.root().join("inside.txt")).unwrap();
         let outside = File::open(fx.outside.join("secret.txt")).unwrap();
-        assert!(opened_inside(&inside, &fx.ctx.workspace));
-        assert!(!opened_inside(&outside, &fx.ctx.workspace));
+        assert!(opened_inside(&inside, &fx.workspace));
+        assert!(!opened_inside(&outside, &fx.workspace));
     }
 }

@@ -12,8 +12,8 @@ use walkdir::{DirEntry, WalkDir};
 
 use super::confine::{io_message, open_nofollow, opened_inside, resolve};
 use super::{FileCall, MAX_LINE_BYTES};
-use crate::tools::args::{non_empty_string_arg, optional_string_arg};
-use crate::tools::{ToolLimits, Workspace};
+use super::{FileLimits, Workspace};
+use crate::args::{non_empty_string_arg, optional_string_arg};
 
 /// Files larger than this are skipped by content search (they are rarely source and slow to scan).
 const MAX_SEARCH_FILE_BYTES: u64 = 1024 * 1024;
@@ -102,7 +102,7 @@ impl FileCall for SearchFilesCall {
         })
     }
 
-    fn run(self, workspace: &Workspace, limits: &ToolLimits) -> Result<Value, String> {
+    fn run(self, workspace: &Workspace, limits: &FileLimits) -> Result<Value, String> {
         let file_glob = self
             .file_glob
             .as_deref()
@@ -285,7 +285,7 @@ mod tests {
     use std::fs;
 
     use super::*;
-    use crate::tools::file::fixture::Fixture;
+    use crate::files::fixture::Fixture;
 
     fn search_fixture() -> Fixture {
         let fx = Fixture::new();
@@ -298,10 +298,10 @@ mod tests {
         fx
     }
 
-    #[tokio::test]
-    async fn search_files_finds_regex_matches_with_line_numbers() {
+    #[test]
+    fn search_files_finds_regex_matches_with_line_numbers() {
         let fx = search_fixture();
-        let result = fx.ok("search_files", json!({"pattern": "hel+o"})).await;
+        let result = fx.ok("search_files", json!({"pattern": "hel+o"}));
         assert_eq!(
             result,
             json!({
@@ -315,94 +315,80 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn search_files_limits_content_search_by_directory_and_glob() {
+    #[test]
+    fn search_files_limits_content_search_by_directory_and_glob() {
         let fx = search_fixture();
-        let result = fx
-            .ok(
-                "search_files",
-                json!({"pattern": "fn \\w+", "path": "src", "file_glob": "util.rs"}),
-            )
-            .await;
+        let result = fx.ok(
+            "search_files",
+            json!({"pattern": "fn \\w+", "path": "src", "file_glob": "util.rs"}),
+        );
         assert_eq!(
             result["matches"],
             json!([{"path": "src/lib/util.rs", "line": 1, "text": "pub fn helper() {}"}])
         );
     }
 
-    #[tokio::test]
-    async fn search_files_lists_files_matching_a_glob() {
+    #[test]
+    fn search_files_lists_files_matching_a_glob() {
         let fx = search_fixture();
-        let result = fx
-            .ok(
-                "search_files",
-                json!({"pattern": "*.rs", "target": "files"}),
-            )
-            .await;
+        let result = fx.ok(
+            "search_files",
+            json!({"pattern": "*.rs", "target": "files"}),
+        );
         assert_eq!(
             result,
             json!({"files": ["src/lib/util.rs", "src/main.rs"], "truncated": false})
         );
-        let nested = fx
-            .ok(
-                "search_files",
-                json!({"pattern": "lib/**", "path": "src", "target": "files"}),
-            )
-            .await;
+        let nested = fx.ok(
+            "search_files",
+            json!({"pattern": "lib/**", "path": "src", "target": "files"}),
+        );
         assert_eq!(nested["files"], json!(["src/lib/util.rs"]));
     }
 
-    #[tokio::test]
-    async fn search_files_caps_results_and_says_so() {
-        let fx = Fixture::with_limits(ToolLimits {
+    #[test]
+    fn search_files_caps_results_and_says_so() {
+        let fx = Fixture::with_limits(FileLimits {
             max_search_results: 2,
-            ..ToolLimits::default()
+            ..FileLimits::default()
         });
         fx.write("many.txt", "hit\nhit\nhit\n");
-        let result = fx.ok("search_files", json!({"pattern": "hit"})).await;
+        let result = fx.ok("search_files", json!({"pattern": "hit"}));
         assert_eq!(result["matches"].as_array().unwrap().len(), 2);
         assert_eq!(result["truncated"], true);
     }
 
-    #[tokio::test]
-    async fn search_files_names_a_bad_regex_or_glob_or_target() {
+    #[test]
+    fn search_files_names_a_bad_regex_or_glob_or_target() {
         let fx = search_fixture();
-        let message = fx.err("search_files", json!({"pattern": "fn ("})).await;
+        let message = fx.err("search_files", json!({"pattern": "fn ("}));
         assert!(message.starts_with("invalid regex \"fn (\""), "{message}");
-        let message = fx
-            .err("search_files", json!({"pattern": "a[", "target": "files"}))
-            .await;
+        let message = fx.err("search_files", json!({"pattern": "a[", "target": "files"}));
         assert!(
             message.starts_with("invalid glob \"a[\" in `pattern`"),
             "{message}"
         );
-        let message = fx
-            .err("search_files", json!({"pattern": "x", "file_glob": "{a"}))
-            .await;
+        let message = fx.err("search_files", json!({"pattern": "x", "file_glob": "{a"}));
         assert!(
             message.starts_with("invalid glob \"{a\" in `file_glob`"),
             "{message}"
         );
-        let message = fx
-            .err("search_files", json!({"pattern": "x", "target": "dirs"}))
-            .await;
+        let message = fx.err("search_files", json!({"pattern": "x", "target": "dirs"}));
         assert_eq!(
             message,
             "argument `target` must be \"content\" or \"files\", got \"dirs\""
         );
     }
 
-    #[tokio::test]
-    async fn search_files_names_a_missing_directory() {
+    #[test]
+    fn search_files_names_a_missing_directory() {
         let fx = search_fixture();
-        let message = fx
-            .err("search_files", json!({"pattern": "x", "path": "nowhere"}))
-            .await;
+        let message = fx.err("search_files", json!({"pattern": "x", "path": "nowhere"}));
         assert_eq!(message, "directory not found: nowhere");
     }
 
-    #[tokio::test]
-    async fn search_files_refuses_directories_outside_the_workspace() {
+    #[test]
+    fn search_files_refuses_directories_outside_the_workspace() {
         let fx = Fixture::new();
         let absolute = fx.outside.display().to_string();
         for (path, refusal) in [
@@ -417,21 +403,17 @@ mod tests {
                 "danglingdir is a symbolic link that points outside",
             ),
         ] {
-            let message = fx
-                .err("search_files", json!({"pattern": "SECRET", "path": path}))
-                .await;
+            let message = fx.err("search_files", json!({"pattern": "SECRET", "path": path}));
             assert!(message.starts_with(refusal), "{path}: {message}");
         }
     }
 
-    #[tokio::test]
-    async fn search_files_does_not_follow_symlinks_out_of_the_workspace() {
+    #[test]
+    fn search_files_does_not_follow_symlinks_out_of_the_workspace() {
         let fx = Fixture::new();
-        let content = fx.ok("search_files", json!({"pattern": "SECRET"})).await;
+        let content = fx.ok("search_files", json!({"pattern": "SECRET"}));
         assert_eq!(content, json!({"matches": [], "truncated": false}));
-        let files = fx
-            .ok("search_files", json!({"pattern": "*", "target": "files"}))
-            .await;
+        let files = fx.ok("search_files", json!({"pattern": "*", "target": "files"}));
         assert_eq!(files, json!({"files": [], "truncated": false}));
     }
 }

@@ -6,7 +6,7 @@
 use serde_json::{Map, Value};
 
 /// Reads a required string argument.
-pub(crate) fn string_arg<'a>(args: &'a Map<String, Value>, name: &str) -> Result<&'a str, String> {
+pub fn string_arg<'a>(args: &'a Map<String, Value>, name: &str) -> Result<&'a str, String> {
     match args.get(name) {
         Some(Value::String(value)) => Ok(value),
         // An explicit `null` is a wrong type, not a missing argument: the model did name it.
@@ -16,7 +16,7 @@ pub(crate) fn string_arg<'a>(args: &'a Map<String, Value>, name: &str) -> Result
 }
 
 /// Reads a required string argument that must not be empty.
-pub(crate) fn non_empty_string_arg<'a>(
+pub fn non_empty_string_arg<'a>(
     args: &'a Map<String, Value>,
     name: &str,
 ) -> Result<&'a str, String> {
@@ -28,7 +28,7 @@ pub(crate) fn non_empty_string_arg<'a>(
 }
 
 /// Reads an optional string argument (`null` counts as absent).
-pub(crate) fn optional_string_arg<'a>(
+pub fn optional_string_arg<'a>(
     args: &'a Map<String, Value>,
     name: &str,
 ) -> Result<Option<&'a str>, String> {
@@ -40,10 +40,7 @@ pub(crate) fn optional_string_arg<'a>(
 }
 
 /// Reads an optional non-negative integer argument (numbers given as strings are accepted).
-pub(crate) fn optional_u64_arg(
-    args: &Map<String, Value>,
-    name: &str,
-) -> Result<Option<u64>, String> {
+pub fn optional_u64_arg(args: &Map<String, Value>, name: &str) -> Result<Option<u64>, String> {
     match args.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(number)) => number
@@ -60,10 +57,7 @@ pub(crate) fn optional_u64_arg(
 }
 
 /// Reads an optional boolean argument (`"true"`/`"false"` strings are accepted).
-pub(crate) fn optional_bool_arg(
-    args: &Map<String, Value>,
-    name: &str,
-) -> Result<Option<bool>, String> {
+pub fn optional_bool_arg(args: &Map<String, Value>, name: &str) -> Result<Option<bool>, String> {
     match args.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(value)) => Ok(Some(*value)),

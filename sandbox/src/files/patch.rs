@@ -7,8 +7,8 @@ use serde_json::{Map, Value, json};
 
 use super::confine::{io_message, open_confined, resolve};
 use super::{FileCall, file_path_parameter};
-use crate::tools::args::{non_empty_string_arg, optional_bool_arg, string_arg};
-use crate::tools::{ToolLimits, Workspace};
+use super::{FileLimits, Workspace};
+use crate::args::{non_empty_string_arg, optional_bool_arg, string_arg};
 
 /// Files `patch` loads into memory at most.
 const MAX_PATCH_FILE_BYTES: u64 = 16 * 1024 * 1024;
@@ -70,7 +70,7 @@ impl FileCall for PatchCall {
         })
     }
 
-    fn run(self, workspace: &Workspace, limits: &ToolLimits) -> Result<Value, String> {
+    fn run(self, workspace: &Workspace, limits: &FileLimits) -> Result<Value, String> {
         let requested = self.path.as_str();
         let path = resolve(workspace, requested)?;
         // One descriptor for reading and writing, so the file written is the file that was read.
@@ -140,44 +140,39 @@ fn read_text(file: &mut std::fs::File, requested: &str) -> Result<String, String
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tools::file::fixture::Fixture;
+    use crate::files::fixture::Fixture;
 
-    #[tokio::test]
-    async fn patch_replaces_a_unique_string() {
+    #[test]
+    fn patch_replaces_a_unique_string() {
         let fx = Fixture::new();
         fx.write("code.py", "def f():\n    return 1\n");
-        let result = fx
-            .ok(
-                "patch",
-                json!({"path": "code.py", "old_string": "return 1", "new_string": "return 2"}),
-            )
-            .await;
+        let result = fx.ok(
+            "patch",
+            json!({"path": "code.py", "old_string": "return 1", "new_string": "return 2"}),
+        );
         assert_eq!(result, json!({"path": "code.py", "replacements": 1}));
         assert_eq!(fx.read("code.py"), "def f():\n    return 2\n");
     }
 
-    #[tokio::test]
-    async fn patch_can_shrink_a_file() {
+    #[test]
+    fn patch_can_shrink_a_file() {
         let fx = Fixture::new();
         fx.write("code.py", "keep\nremove this long line\nkeep\n");
         fx.ok(
             "patch",
             json!({"path": "code.py", "old_string": "remove this long line\n", "new_string": ""}),
-        )
-        .await;
+        );
         assert_eq!(fx.read("code.py"), "keep\nkeep\n");
     }
 
-    #[tokio::test]
-    async fn patch_names_the_file_when_old_string_is_missing() {
+    #[test]
+    fn patch_names_the_file_when_old_string_is_missing() {
         let fx = Fixture::new();
         fx.write("code.py", "x = 1\n");
-        let message = fx
-            .err(
-                "patch",
-                json!({"path": "code.py", "old_string": "y = 1", "new_string": "y"}),
-            )
-            .await;
+        let message = fx.err(
+            "patch",
+            json!({"path": "code.py", "old_string": "y = 1", "new_string": "y"}),
+        );
         assert!(
             message.starts_with("old_string not found in code.py"),
             "{message}"
@@ -185,16 +180,14 @@ mod tests {
         assert_eq!(fx.read("code.py"), "x = 1\n");
     }
 
-    #[tokio::test]
-    async fn patch_refuses_old_string_that_occurs_twice() {
+    #[test]
+    fn patch_refuses_old_string_that_occurs_twice() {
         let fx = Fixture::new();
         fx.write("code.py", "x = 1\nx = 1\n");
-        let message = fx
-            .err(
-                "patch",
-                json!({"path": "code.py", "old_string": "x = 1", "new_string": "x = 2"}),
-            )
-            .await;
+        let message = fx.err(
+            "patch",
+            json!({"path": "code.py", "old_string": "x = 1", "new_string": "x = 2"}),
+        );
         assert_eq!(
             message,
             "old_string occurs 2 times in code.py; add context or set replace_all"
@@ -202,49 +195,42 @@ mod tests {
         assert_eq!(fx.read("code.py"), "x = 1\nx = 1\n");
     }
 
-    #[tokio::test]
-    async fn patch_with_replace_all_replaces_every_occurrence() {
+    #[test]
+    fn patch_with_replace_all_replaces_every_occurrence() {
         let fx = Fixture::new();
         fx.write("code.py", "x = 1\ny = 0\nx = 1\n");
-        let result = fx
-            .ok(
-                "patch",
-                json!({"path": "code.py", "old_string": "x = 1", "new_string": "x = 2",
+        let result = fx.ok(
+            "patch",
+            json!({"path": "code.py", "old_string": "x = 1", "new_string": "x = 2",
                        "replace_all": "true"}),
-            )
-            .await;
+        );
         assert_eq!(result["replacements"], 2);
         assert_eq!(fx.read("code.py"), "x = 2\ny = 0\nx = 2\n");
     }
 
-    #[tokio::test]
-    async fn patch_refuses_an_empty_old_string_and_a_missing_file() {
+    #[test]
+    fn patch_refuses_an_empty_old_string_and_a_missing_file() {
         let fx = Fixture::new();
         fx.write("code.py", "x\n");
-        let message = fx
-            .err(
-                "patch",
-                json!({"path": "code.py", "old_string": "", "new_string": "y"}),
-            )
-            .await;
+        let message = fx.err(
+            "patch",
+            json!({"path": "code.py", "old_string": "", "new_string": "y"}),
+        );
         assert!(message.starts_with("old_string is empty"), "{message}");
         assert_eq!(
             fx.err(
                 "patch",
                 json!({"path": "gone.py", "old_string": "a", "new_string": "b"})
-            )
-            .await,
+            ),
             "file not found: gone.py"
         );
     }
 
-    #[tokio::test]
-    async fn patch_refuses_every_path_that_escapes_the_workspace() {
-        Fixture::new()
-            .assert_every_escape_refused(
-                "patch",
-                |path| json!({"path": path, "old_string": "TOP SECRET", "new_string": "leaked"}),
-            )
-            .await;
+    #[test]
+    fn patch_refuses_every_path_that_escapes_the_workspace() {
+        Fixture::new().assert_every_escape_refused(
+            "patch",
+            |path| json!({"path": path, "old_string": "TOP SECRET", "new_string": "leaked"}),
+        );
     }
 }

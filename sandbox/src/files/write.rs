@@ -7,8 +7,8 @@ use serde_json::{Map, Value, json};
 
 use super::confine::{open_confined, prepare_file};
 use super::{FileCall, file_path_parameter};
-use crate::tools::args::{non_empty_string_arg, string_arg};
-use crate::tools::{ToolLimits, Workspace};
+use super::{FileLimits, Workspace};
+use crate::args::{non_empty_string_arg, string_arg};
 
 #[derive(Debug)]
 pub(super) struct WriteFileCall {
@@ -44,7 +44,7 @@ impl FileCall for WriteFileCall {
         })
     }
 
-    fn run(self, workspace: &Workspace, limits: &ToolLimits) -> Result<Value, String> {
+    fn run(self, workspace: &Workspace, limits: &FileLimits) -> Result<Value, String> {
         let Self {
             path: requested,
             content,
@@ -78,69 +78,60 @@ mod tests {
     use std::fs;
 
     use super::*;
-    use crate::tools::file::fixture::Fixture;
+    use crate::files::fixture::Fixture;
 
-    #[tokio::test]
-    async fn write_file_creates_parent_directories() {
+    #[test]
+    fn write_file_creates_parent_directories() {
         let fx = Fixture::new();
-        let result = fx
-            .ok(
-                "write_file",
-                json!({"path": "a/b/c.txt", "content": "hello\n"}),
-            )
-            .await;
+        let result = fx.ok(
+            "write_file",
+            json!({"path": "a/b/c.txt", "content": "hello\n"}),
+        );
         assert_eq!(result, json!({"path": "a/b/c.txt", "bytes_written": 6}));
         assert_eq!(fx.read("a/b/c.txt"), "hello\n");
     }
 
-    #[tokio::test]
-    async fn write_file_replaces_longer_content_entirely() {
+    #[test]
+    fn write_file_replaces_longer_content_entirely() {
         let fx = Fixture::new();
         fx.write("f.txt", "a much longer original content\n");
-        fx.ok("write_file", json!({"path": "f.txt", "content": "short"}))
-            .await;
+        fx.ok("write_file", json!({"path": "f.txt", "content": "short"}));
         assert_eq!(fx.read("f.txt"), "short");
     }
 
-    #[tokio::test]
-    async fn write_file_refuses_content_over_the_limit() {
-        let fx = Fixture::with_limits(ToolLimits {
+    #[test]
+    fn write_file_refuses_content_over_the_limit() {
+        let fx = Fixture::with_limits(FileLimits {
             max_write_bytes: 10,
-            ..ToolLimits::default()
+            ..FileLimits::default()
         });
-        let message = fx
-            .err(
-                "write_file",
-                json!({"path": "big.txt", "content": "x".repeat(11)}),
-            )
-            .await;
+        let message = fx.err(
+            "write_file",
+            json!({"path": "big.txt", "content": "x".repeat(11)}),
+        );
         assert!(message.starts_with("content is 11 bytes; write_file accepts at most 10 bytes"));
         assert!(!fx.root().join("big.txt").exists());
     }
 
-    #[tokio::test]
-    async fn write_file_refuses_to_overwrite_a_directory() {
+    #[test]
+    fn write_file_refuses_to_overwrite_a_directory() {
         let fx = Fixture::new();
         fs::create_dir(fx.root().join("dir")).unwrap();
         assert_eq!(
-            fx.err("write_file", json!({"path": "dir", "content": "x"}))
-                .await,
+            fx.err("write_file", json!({"path": "dir", "content": "x"})),
             "dir is a directory, not a file"
         );
         assert_eq!(
-            fx.err("write_file", json!({"path": ".", "content": "x"}))
-                .await,
+            fx.err("write_file", json!({"path": ".", "content": "x"})),
             ". is a directory, not a file"
         );
     }
 
-    #[tokio::test]
-    async fn write_file_refuses_every_path_that_escapes_the_workspace() {
-        Fixture::new()
-            .assert_every_escape_refused(
-                "write_file",
-                |path| json!({"path": path, "content": "overwritten"}),
-            )
-            .await;
+    #[test]
+    fn write_file_refuses_every_path_that_escapes_the_workspace() {
+        Fixture::new().assert_every_escape_refused(
+            "write_file",
+            |path| json!({"path": path, "content": "overwritten"}),
+        );
     }
 }
