@@ -430,3 +430,70 @@ pub async fn pod_summary(pods: &Api<Pod>) -> BTreeMap<String, String> {
         })
         .unwrap_or_default()
 }
+
+/// Waits until nothing of the conversations of `namespace` is left on the real node, and panics
+/// naming what is when it does not go within two minutes: no task container (`task-<i>`) of its
+/// pods in containerd (the kubelet removes a deleted pod's containers, and their writable layers
+/// with them) and no process on this host whose command line holds `command_line` (a background
+/// job a conversation left).
+pub async fn assert_nothing_left_on_node(namespace: &str, command_line: &[&str]) {
+    let cluster = std::env::var("TRAJ_CLUSTER_DIR").unwrap_or("/tmp/trajectory-cluster".into());
+    let socket = Path::new(&cluster).join("node/containerd/containerd.sock");
+    let filter = format!(
+        "labels.\"io.kubernetes.pod.namespace\"=={namespace},\
+         labels.\"io.kubernetes.container.name\"~=^task-"
+    );
+    let needle: Vec<u8> = command_line.join("\0").into_bytes();
+    let mut left = String::new();
+    let gone = wait_until_or_none(Duration::from_secs(120), || {
+        let listed = std::process::Command::new("ctr")
+            .arg("--address")
+            .arg(&socket)
+            .args(["-n", "k8s.io", "containers", "ls", "-q", &filter])
+            .output()
+            .expect("run ctr (scripts/cluster/install-node.sh installs it)");
+        assert!(
+            listed.status.success(),
+            "ctr containers ls: {}",
+            String::from_utf8_lossy(&listed.stderr)
+        );
+        let containers = String::from_utf8_lossy(&listed.stdout).trim().to_owned();
+        let processes = processes_with(&needle);
+        left = format!("containers {containers:?}, processes {processes:?}");
+        containers.is_empty() && processes.is_empty()
+    })
+    .await;
+    assert!(gone, "left on the node two minutes after the run: {left}");
+}
+
+/// The pids of this host whose command line holds `needle` (arguments joined by NUL).
+fn processes_with(needle: &[u8]) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("read /proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let command_line = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if command_line
+            .windows(needle.len())
+            .any(|window| window == needle)
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Polls `done` every second for at most `wait`: whether it came true.
+async fn wait_until_or_none(wait: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let until = std::time::Instant::now() + wait;
+    loop {
+        if done() {
+            return true;
+        }
+        if std::time::Instant::now() > until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}

@@ -21,7 +21,7 @@ use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::reconcile::observe::JobState;
 use trajectory_operator::settings::Settings;
 use trajectory_testkit::scripted_server::{
-    FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply,
+    FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply, tool_calls_reply,
 };
 use trajectory_tests::e2e::{self, ControllerGuard, phase_of, run_spec, start_controller_with};
 use trajectory_tests::helm;
@@ -560,7 +560,8 @@ type ImageRow = (
 /// and finds nothing an earlier conversation of the same image left (no file, no process); the
 /// shell-less image's calls are tool errors; the missing image's rows are recorded failed
 /// (`image_unavailable`, naming the image) without a model request, and the run goes on. Two model
-/// requests per conversation that ran; never more image Jobs running than workers.
+/// requests per conversation that ran; never more image Jobs running than workers. After the run
+/// nothing of it is left on the node: no container, no background job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rows_naming_images_run_in_fresh_task_containers_and_a_missing_image_is_recorded_unavailable()
  {
@@ -618,6 +619,14 @@ async fn rows_naming_images_run_in_fresh_task_containers_and_a_missing_image_is_
 
     let dir = setup.storage.run_dir(setup.ns(), "images");
     check_image_records(&dir, &rows);
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("statistics.json")).unwrap()).unwrap();
+    assert_eq!(
+        statistics["task_images"],
+        json!({"images": 4, "pulled": 3, "unavailable": 1,
+               "conversations": {"ran": 11, "image_unavailable": 2}}),
+        "the row naming no image is not one of them"
+    );
     let failures = jsonl_lines(&dir.join("failures.jsonl"));
     let unavailable: Vec<u64> = failures
         .iter()
@@ -639,12 +648,16 @@ async fn rows_naming_images_run_in_fresh_task_containers_and_a_missing_image_is_
         );
     }
     assert_two_requests_per_conversation(&model, 12);
+    // The image Jobs are deleted once recorded; with their pods go the containers, their files
+    // and every background job the conversations left.
+    trajectory_tests::real_pods::assert_nothing_left_on_node(setup.ns(), &["sleep", "97531"]).await;
 }
 
 /// A pod of task containers whose worker is killed (SIGKILL) mid-batch is replaced by its Job's
 /// retry, and the batch's conversations start over in fresh containers of their image: nothing the
-/// killed pod's conversations wrote into the image is there. Two requests for the killed
-/// conversations, four for their new runs, no more.
+/// killed pod's conversations wrote into the image is there. The new conversations look with the
+/// file tools, which read the container's files by their absolute paths. Two requests for the
+/// killed conversations, four for their new runs, no more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_task_image_pod_killed_mid_batch_restarts_its_conversations_in_fresh_containers() {
     let setup = Setup::new("pods-task-kill").await;
@@ -658,12 +671,18 @@ async fn a_task_image_pod_killed_mid_batch_restarts_its_conversations_in_fresh_c
         ],
     );
     let leave = "echo killed-pod > /testbed/left-by-killed; echo written; sleep 100";
-    let look = "cat /testbed/left-by-killed 2>/dev/null || echo none-left";
+    let read = |path: &str| {
+        (
+            "read_file",
+            Value::String(json!({ "path": path }).to_string()),
+        )
+    };
+    let look = tool_calls_reply(&[read("/testbed/left-by-killed"), read("/task/marker")]);
     let model = model_replying([
         terminal_call(leave),
         terminal_call(leave),
-        terminal_call(look),
-        terminal_call(look),
+        look.clone(),
+        look,
     ])
     .await;
     let spec = json!({
@@ -693,13 +712,24 @@ async fn a_task_image_pod_killed_mid_batch_restarts_its_conversations_in_fresh_c
     let run = setup.finished("task-kill", Duration::from_secs(300)).await;
     assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
     let dir = setup.storage.run_dir(setup.ns(), "task-kill");
-    let turns = tool_turns(&dir);
-    assert_eq!(turns.len(), 2, "{turns:#?}");
-    for turn in &turns {
-        let content = tool_result(turn).to_string();
+    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
+    assert_eq!(records.len(), 2, "{records:#?}");
+    for record in &records {
+        let results: String = record["conversations"]
+            .as_array()
+            .expect("conversations")
+            .iter()
+            .filter(|turn| turn["from"] == "tool")
+            .filter_map(|turn| turn["value"].as_str())
+            .collect();
         assert!(
-            content.contains("none-left") && !content.contains("killed-pod"),
-            "a fresh container: {content}"
+            results.contains("file not found: /testbed/left-by-killed")
+                && !results.contains("killed-pod"),
+            "a fresh container: {results}"
+        );
+        assert!(
+            results.contains("1|glibc"),
+            "read_file read the image's marker: {results}"
         );
     }
     assert_eq!(
@@ -742,6 +772,7 @@ async fn finished_counting_jobs(setup: &Setup, name: &str) -> (TrajectoryRun, us
     let deadline = Instant::now() + Duration::from_secs(600);
     let mut most_running = 0;
     let mut startups = std::collections::BTreeMap::<String, (String, f64)>::new();
+    let mut container_gaps = Vec::new();
     loop {
         for pod in setup
             .pods
@@ -750,8 +781,13 @@ async fn finished_counting_jobs(setup: &Setup, name: &str) -> (TrajectoryRun, us
             .unwrap()
             .items
         {
-            if let Some((image, seconds)) = task_pod_startup(&pod) {
-                startups.entry(pod.name_any()).or_insert((image, seconds));
+            if let Some((image, seconds)) = task_pod_startup(&pod)
+                && !startups.contains_key(&pod.name_any())
+            {
+                startups.insert(pod.name_any(), (image, seconds));
+                if let Some(gaps) = task_container_gaps(&setup.pods, &pod).await {
+                    container_gaps.extend(gaps);
+                }
             }
         }
         let listed = jobs
@@ -767,6 +803,10 @@ async fn finished_counting_jobs(setup: &Setup, name: &str) -> (TrajectoryRun, us
         let run = setup.runs.get(name).await.unwrap();
         if phase_of(&run).is_some_and(Phase::is_finished) {
             print_startups(&startups);
+            eprintln!(
+                "task pods, one more conversation's fresh container (s, from one task \
+                 container's server listening to the next's): {container_gaps:.3?}"
+            );
             return (run, most_running);
         }
         assert!(
@@ -807,6 +847,40 @@ fn task_pod_startup(pod: &Pod) -> Option<(String, f64)> {
         .as_ref()?
         .0;
     Some((image, started.duration_since(created).as_secs_f64()))
+}
+
+/// The seconds between one task container's server listening and the next's, in a pod whose
+/// containers started (native sidecars start one after the other): what each further
+/// conversation's fresh environment costs the pod's start. Read from the containers' first log
+/// lines, whose timestamps (unlike the API's) have sub-second precision.
+async fn task_container_gaps(pods: &Api<Pod>, pod: &Pod) -> Option<Vec<f64>> {
+    let tasks = pod
+        .spec
+        .as_ref()?
+        .init_containers
+        .iter()
+        .flatten()
+        .filter(|c| c.name.starts_with("task-"))
+        .count();
+    let mut listening = Vec::new();
+    for slot in 0..tasks {
+        let params = LogParams {
+            container: Some(format!("task-{slot}")),
+            timestamps: true,
+            limit_bytes: Some(4096),
+            ..LogParams::default()
+        };
+        let logs = pods.logs(&pod.name_any(), &params).await.ok()?;
+        let line = logs.lines().find(|line| line.contains("listening on"))?;
+        let stamp: k8s_openapi::jiff::Timestamp = line.split_whitespace().next()?.parse().ok()?;
+        listening.push(stamp);
+    }
+    Some(
+        listening
+            .windows(2)
+            .map(|pair| pair[1].duration_since(pair[0]).as_secs_f64())
+            .collect(),
+    )
 }
 
 /// Prints the pods' start-up times: the first pod of each image (a pull, unless the node had it)

@@ -166,6 +166,9 @@ struct Totals {
     completion_tokens: u64,
     reasoning_tokens: u64,
     durations: Vec<u64>,
+    /// Conversations of rows naming an image, by the image's position in the manifest: how many
+    /// ran in a container of it, and how many were recorded `image_unavailable`.
+    task_images: BTreeMap<u32, (u64, u64)>,
     /// What `report.html` shows beyond the statistics (`None`: no report is written).
     report: Option<report::Collector>,
 }
@@ -201,6 +204,11 @@ impl Totals {
         self.completion_tokens += other.completion_tokens;
         self.reasoning_tokens += other.reasoning_tokens;
         self.durations.extend(other.durations);
+        for (image, (ran, unavailable)) in other.task_images {
+            let entry = self.task_images.entry(image).or_default();
+            entry.0 += ran;
+            entry.1 += unavailable;
+        }
         if let (Some(report), Some(other)) = (self.report.as_mut(), other.report) {
             report.absorb(other);
         }
@@ -252,6 +260,44 @@ impl Totals {
                 *self.error_classes.entry(class).or_default() += 1;
             }
         }
+    }
+}
+
+impl Totals {
+    /// Counts a kept record of a row that names the image at `image` in the manifest.
+    fn add_task_image(&mut self, image: u32, view: &RecordView<'_>) {
+        let entry = self.task_images.entry(image).or_default();
+        if view.error_class.as_deref() == Some(super::batch::IMAGE_UNAVAILABLE) {
+            entry.1 += 1;
+        } else {
+            entry.0 += 1;
+        }
+    }
+
+    /// `statistics.json`'s `task_images`: the images the rows name, how many were pulled (a
+    /// conversation ran in a container of theirs) and how many could not be, and the
+    /// conversations of each outcome. `None` when no row names an image.
+    fn task_images(&self) -> Option<serde_json::Value> {
+        if self.task_images.is_empty() {
+            return None;
+        }
+        let pulled = self
+            .task_images
+            .values()
+            .filter(|(ran, _)| *ran > 0)
+            .count();
+        let (ran, unavailable) = self
+            .task_images
+            .values()
+            .fold((0, 0), |(ran, unavailable), (r, u)| {
+                (ran + r, unavailable + u)
+            });
+        Some(json!({
+            "images": self.task_images.len(),
+            "pulled": pulled,
+            "unavailable": self.task_images.len() - pulled,
+            "conversations": {"ran": ran, "image_unavailable": unavailable},
+        }))
     }
 }
 
@@ -550,7 +596,11 @@ fn incomplete_error(incomplete: &[Incomplete]) -> RunError {
 /// [`SortedBatch::incomplete`], with nothing to write.
 fn sort_batch(
     run_dir: &RunDir,
-    (batch, expected): (u32, Option<ExpectedKeys>),
+    ToSort {
+        batch,
+        expected,
+        image,
+    }: ToSort,
     buffer: Vec<u8>,
     openai: bool,
     totals: &mut Totals,
@@ -607,6 +657,9 @@ fn sort_batch(
     for (prompt_index, sample, rank, position) in order {
         let (view, start, end, file) = &views[position];
         totals.add(view, &read.data[*start..*end]);
+        if let Some(image) = image {
+            totals.add_task_image(image, view);
+        }
         kept.push((*start, *end, rank == 0));
         if openai && rank == 0 {
             let index = match &mut openai_lines[*file] {
@@ -634,12 +687,21 @@ fn sort_batch(
     })
 }
 
+/// A batch for a reader to sort.
+struct ToSort {
+    batch: u32,
+    /// The conversations a batch the status records done must hold.
+    expected: Option<ExpectedKeys>,
+    /// The position (from 1) in the manifest's `images` of the image its rows name.
+    image: Option<u32>,
+}
+
 /// A reader thread's work: reads, validates and sorts `batches`, sending each to the writer
 /// (whose buffers come back through `written`, for the next batches), until the writer or a batch
 /// fails. Returns what the batches held.
 fn sort_batches(
     run_dir: &RunDir,
-    batches: impl Iterator<Item = (u32, Option<ExpectedKeys>)>,
+    batches: impl Iterator<Item = ToSort>,
     openai: bool,
     report: bool,
     to_writer: &mpsc::SyncSender<Result<SortedBatch, RunError>>,
@@ -793,7 +855,12 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
                     let expected = done
                         .contains(&batch)
                         .then(|| ExpectedKeys::of(manifest, batch));
-                    (batch, expected)
+                    let image = manifest.batch_images.get(batch as usize).copied();
+                    ToSort {
+                        batch,
+                        expected,
+                        image: image.filter(|position| *position > 0),
+                    }
                 });
             readers.push(scope.spawn(move || {
                 sort_batches(reader_dir, batches, openai, report, &to_writer, &written)
@@ -970,7 +1037,7 @@ fn statistics(
         })
         .collect();
     let records = totals.succeeded + totals.discarded + totals.failed;
-    json!({
+    let mut statistics = json!({
         "run_name": location.plan.name,
         "namespace": location.plan.namespace,
         "model": spec.model.name,
@@ -1009,7 +1076,11 @@ fn statistics(
         "api_calls": {"total": totals.api_calls,
                       "mean": if totals.succeeded == 0 { 0.0 } else { round2(totals.api_calls as f64 / totals.succeeded as f64) }},
         "latency_ms": {"conversation": percentiles(&mut totals.durations)},
-    })
+    });
+    if let Some(task_images) = totals.task_images() {
+        statistics["task_images"] = task_images;
+    }
+    statistics
 }
 
 #[cfg(test)]
@@ -1065,6 +1136,35 @@ mod tests {
             failure
                 .error
                 .starts_with("incomplete batch: 2000 batches (0,2,4,")
+        );
+    }
+
+    #[test]
+    fn task_images_count_each_images_conversations_by_outcome() {
+        let mut totals = Totals::new(false);
+        assert_eq!(
+            totals.task_images(),
+            None,
+            "absent when no row names an image"
+        );
+        let ran = br#"{"prompt_index": 0, "completed": true}"#;
+        let unavailable =
+            br#"{"prompt_index": 2, "status": "failed", "error_class": "image_unavailable"}"#;
+        let timed_out = br#"{"prompt_index": 3, "status": "failed", "error_class": "timeout"}"#;
+        for (image, line) in [
+            (1, &ran[..]),
+            (1, timed_out),
+            (2, unavailable),
+            (2, unavailable),
+            (3, ran),
+        ] {
+            let view: RecordView<'_> = serde_json::from_slice(line).unwrap();
+            totals.add_task_image(image, &view);
+        }
+        assert_eq!(
+            totals.task_images(),
+            Some(json!({"images": 3, "pulled": 2, "unavailable": 1,
+                        "conversations": {"ran": 3, "image_unavailable": 2}}))
         );
     }
 

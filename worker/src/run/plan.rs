@@ -731,7 +731,9 @@ fn rows_with_images_on_the_host(dataset: &Path, listed: &RowsWithImages) -> Stri
         "{}: {rows} {name} a container image of {own} own (`image`/`docker_image`; {line} \
          {lines}{more}; {images}), but `trajectory-worker local` runs every prompt on this machine, \
          outside any container, where a task's image (its repository, its tools, its working \
-         directory) is not there; nothing was run or written. Remove the `image` and \
+         directory) is not there; nothing was run or written. Run them on a cluster, where each \
+         conversation gets a fresh container of its row's image (`scripts/demo-cluster.sh` starts \
+         a local one; `kubectl apply` this run file there), or remove the `image` and \
          `docker_image` fields of those rows to run them here",
         dataset.display(),
     )
@@ -1117,6 +1119,7 @@ mod tests {
             message.contains("`task/0`, `task/1`, `task/2`, `task/3`, `task/4`)"),
             "{message}"
         );
+        assert!(message.contains("scripts/demo-cluster.sh"), "{message}");
         let run_dir = location.run_dir();
         assert!(!run_dir.manifest().exists() && !run_dir.invalid().exists());
         let (manifest, _) = plan(&location).unwrap();
