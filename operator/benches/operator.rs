@@ -10,6 +10,12 @@
 //!   with status writes paced (the default 3 s) and unpaced (`--status-interval-ms 0`).
 //! - **memory**: the operator's RSS (`/proc/<pid>/status`) with 200 runs at once, all generating,
 //!   against the same process idle.
+//! - **images** (only when named in `OPERATOR_BENCH_PARTS`): a run whose 10,000 rows name 2,000
+//!   images (one generation Job per image, `workers: 16`, `batchSize: 4`, `concurrency: 4`): time
+//!   to done and to the first generation pod, the most generation Jobs running and pods alive at
+//!   once, the operator's API requests by verb and resource, and its memory at the end; it asserts
+//!   what the end-to-end test of many images does (`assert_image_run`; docs/benchmarks.md,
+//!   "Task images").
 //!
 //! Runs are driven as in the end-to-end tests (`trajectory_tests::e2e`): the test-kubelet plays
 //! the pods with the worker's real steps on a scratch directory and a scripted model; the real Job
@@ -18,10 +24,11 @@
 //! ```sh
 //! scripts/cluster/with-cluster.sh cargo bench -p trajectory-operator --bench operator
 //! ```
-//! Knobs: `OPERATOR_BENCH_PARTS` (`latency,writes,memory`), `OPERATOR_BENCH_BATCHES` (10000),
-//! `OPERATOR_BENCH_DONE_PERCENT` (0: the latency part's runs resume over that share of their
-//! batches done at random by an earlier run), `OPERATOR_BENCH_ROUNDS` (3),
-//! `OPERATOR_BENCH_RUNS` (200).
+//! Knobs: `OPERATOR_BENCH_PARTS` (`latency,writes,memory`; `images` runs only when named),
+//! `OPERATOR_BENCH_BATCHES` (10000), `OPERATOR_BENCH_DONE_PERCENT` (0: the latency part's runs
+//! resume over that share of their batches done at random by an earlier run),
+//! `OPERATOR_BENCH_ROUNDS` (3), `OPERATOR_BENCH_RUNS` (200), `OPERATOR_BENCH_IMAGE_ROWS` (10000),
+//! `OPERATOR_BENCH_IMAGES` (2000), `OPERATOR_BENCH_IMAGE_WORKERS` (16).
 //!
 //! The test-kubelet runs the model's terminal commands through the worker's executor, the
 //! `e2e-worker` binary of the tests crate, which `cargo bench` of this crate does not build:
@@ -43,8 +50,8 @@ use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::reconcile::observe::JobState;
 use trajectory_tests::e2e::{
-    Kubelet, Scratch, http_get, mark_done, model, phase_of, plan_termination_message,
-    random_batches, run_spec, write_dataset,
+    Kubelet, Scratch, assert_image_run, count_live_children, http_get, mark_done, model, phase_of,
+    plan_termination_message, random_batches, run_spec, write_dataset, write_image_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::contract::{MAX_JOB_COMPLETIONS, parse_ranges};
@@ -539,6 +546,119 @@ async fn memory(client: &Client, base_url: &str, report: &mut String) {
     );
 }
 
+/// The API requests of `after` beyond `before`, by (verb, resource), those that changed.
+fn requests_since(
+    before: &BTreeMap<(String, String), u64>,
+    after: &BTreeMap<(String, String), u64>,
+) -> BTreeMap<(String, String), u64> {
+    after
+        .iter()
+        .map(|(key, count)| {
+            (
+                key.clone(),
+                count - before.get(key).copied().unwrap_or(0).min(*count),
+            )
+        })
+        .filter(|(_, count)| *count > 0)
+        .collect()
+}
+
+/// Part 4: a run of `rows` rows over `images` images, each row naming its image (one generation
+/// Job per image, at most `workers` running), as the end-to-end test
+/// `a_run_over_many_images_keeps_its_jobs_within_the_window_and_cleans_them_up` drives it, at
+/// scale, with the operator's API requests and memory.
+async fn images(client: &Client, base_url: &str, report: &mut String) {
+    let rows: usize = knob("OPERATOR_BENCH_IMAGE_ROWS", 10_000);
+    let images: usize = knob("OPERATOR_BENCH_IMAGES", 2_000);
+    let workers: usize = knob("OPERATOR_BENCH_IMAGE_WORKERS", 16);
+    let scratch = Scratch::new();
+    write_image_dataset(&scratch.storage(), rows, images);
+    let namespace = TestNamespace::create(client, "bench-images").await;
+    let ns = namespace.name();
+    let operator = Operator::start(ns, 3000, &scratch.0.join("operator-images.log")).await;
+    let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
+    // Let the watches settle, so that the delta is the run's.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = operator.requests().await;
+    let spec = run_spec(
+        base_url,
+        &json!({
+            "dataset": {"path": "datasets/images.jsonl"},
+            "batchSize": 4, "workers": workers, "concurrency": 4,
+        }),
+    );
+    let created = Instant::now();
+    runs.create(&PostParams::default(), &TrajectoryRun::new("images", spec))
+        .await
+        .expect("create the run");
+    let (stop, counting) = count_live_children(client, ns, created);
+    let kubelet = Kubelet::new(client, ns, "images", &scratch);
+    let run = kubelet
+        .serve_until("the run to end", Duration::from_secs(3 * 3600), |run| {
+            matches!(phase_of(run), Some(Phase::Succeeded | Phase::Failed))
+        })
+        .await;
+    let took = created.elapsed();
+    let _ = stop.send(());
+    let live = counting.await.expect("the counter");
+    let batches = run
+        .status
+        .as_ref()
+        .and_then(|s| s.batches.as_ref())
+        .map_or(0, |b| b.total);
+    eprintln!(
+        "images: {rows} rows over {images} images ({batches} batches), {workers} workers: {:?} after {took:?}; first generation pod after {:?}; most generation Jobs running {}, pods {}; requests so far {:?}; operator RSS, peak {:?} MiB",
+        phase_of(&run),
+        live.first_pod,
+        live.most_jobs,
+        live.most_pods,
+        requests_since(&before, &operator.requests().await),
+        operator.memory(),
+    );
+    // Waits until the finished Jobs are deleted, so that the requests counted are the whole run's.
+    assert_image_run(client, ns, &run, &kubelet, (rows, images, workers), live).await;
+    // The Succeeded Event is published after the status write.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let requests = requests_since(&before, &operator.requests().await);
+    let (rss, hwm) = operator.memory();
+    let sum = |verbs: &[&str], resource: &str| -> u64 {
+        requests
+            .iter()
+            .filter(|((verb, res), _)| {
+                verbs.contains(&verb.as_str()) && (resource.is_empty() || res == resource)
+            })
+            .map(|(_, count)| count)
+            .sum()
+    };
+    let writes = ["create", "patch", "update", "delete"];
+    let all_writes = sum(&writes, "");
+    let per_batch = |count: u64| count as f64 / f64::from(batches.max(1));
+    let _ = writeln!(
+        report,
+        "\n### A run over many images: {rows} rows over {images} images, batchSize 4, workers {workers}, concurrency 4\n\n| batches | done in s | run created → first generation pod s | most generation Jobs running at once | most generation pods at once | Job writes | status writes | Events | writes in all | writes per batch | reads (get, list) | operator RSS at the end MiB | VmHWM MiB |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n| {batches} | {:.1} | {:.1} | **{}** | {} | {} | {} | {} | {all_writes} | **{:.2}** | {} | {rss:.1} | **{hwm:.1}** |",
+        took.as_secs_f64(),
+        live.first_pod.unwrap_or_default().as_secs_f64(),
+        live.most_jobs,
+        live.most_pods,
+        sum(&writes, "jobs"),
+        sum(&writes, "trajectoryruns/status"),
+        sum(&writes, "events"),
+        per_batch(all_writes),
+        sum(&["get", "list"], ""),
+    );
+    let _ = writeln!(
+        report,
+        "\nThe operator's API requests over the run, by verb and resource:\n\n| verb | resource | requests | per batch |\n|---|---|---:|---:|"
+    );
+    for ((verb, resource), count) in &requests {
+        let _ = writeln!(
+            report,
+            "| {verb} | {resource} | {count} | {:.2} |",
+            per_batch(*count)
+        );
+    }
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() {
     // `cargo bench` passes `--bench`; this harness has nothing to filter.
@@ -568,7 +688,8 @@ async fn main() {
             }
             "writes" => writes(&client, &base_url, &mut report).await,
             "memory" => memory(&client, &base_url, &mut report).await,
-            other => panic!("unknown part {other:?}: use latency, writes, memory"),
+            "images" => images(&client, &base_url, &mut report).await,
+            other => panic!("unknown part {other:?}: use latency, writes, memory, images"),
         }
         eprintln!("part {part} done");
     }

@@ -45,7 +45,8 @@ use tokio::task::JoinHandle;
 use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunSpec, TrajectoryRunStatus};
 use trajectory_operator::controller;
 use trajectory_operator::reconcile::Context;
-use trajectory_operator::reconcile::children::{CONTAINER, labels};
+use trajectory_operator::reconcile::children::{CONTAINER, image_index_name, labels};
+use trajectory_operator::reconcile::observe::JobState;
 use trajectory_operator::settings::Settings;
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, text_reply, tool_call_reply,
@@ -1205,4 +1206,166 @@ pub fn mark_done(dir: &Path, batches: &BTreeSet<u32>) {
         )
         .expect("a done marker");
     }
+}
+
+/// Writes `rows` rows over `images` images (row *i* names image `i / (rows / images)`, under a
+/// long registry name, as SWE-style datasets' are) to `datasets/images.jsonl` on the storage.
+pub fn write_image_dataset(storage: &Path, rows: usize, images: usize) {
+    let per_image = rows / images;
+    let lines: Vec<String> = (0..rows)
+        .map(|row| {
+            json!({
+                "prompt": format!("prompt {row}"),
+                "image": format!(
+                    "registry.example.internal:5000/swebench/sweb.eval.x86_64.task_{:05}:latest",
+                    row / per_image
+                ),
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::create_dir_all(storage.join("datasets")).expect("the datasets directory");
+    std::fs::write(
+        storage.join("datasets/images.jsonl"),
+        lines.join("\n") + "\n",
+    )
+    .expect("the dataset");
+}
+
+/// What [`count_live_children`] saw.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LiveChildren {
+    /// The most generation Jobs running at once.
+    pub most_jobs: usize,
+    /// The most generation pods at once (finished ones included, until their Job is deleted).
+    pub most_pods: usize,
+    /// When the first generation pod was seen, after `since`.
+    pub first_pod: Option<Duration>,
+}
+
+/// Counts the generation Jobs that have not finished, and the generation pods, every 100 ms until
+/// stopped: the most of each seen at once, and when the first pod appeared after `since` (the
+/// run's creation).
+pub fn count_live_children(
+    client: &Client,
+    namespace: &str,
+    since: Instant,
+) -> (oneshot::Sender<()>, JoinHandle<LiveChildren>) {
+    let (jobs, pods): (Api<Job>, Api<Pod>) = (
+        Api::namespaced(client.clone(), namespace),
+        Api::namespaced(client.clone(), namespace),
+    );
+    let (stop, mut stopped) = oneshot::channel::<()>();
+    let counting = tokio::spawn(async move {
+        let mut seen = LiveChildren::default();
+        let generate = ListParams::default().labels("app.kubernetes.io/component=generate");
+        loop {
+            if let Ok(listed) = jobs.list(&generate).await {
+                let live = listed
+                    .items
+                    .iter()
+                    .filter(|job| JobState::of(job) == JobState::Running)
+                    .count();
+                seen.most_jobs = seen.most_jobs.max(live);
+            }
+            if let Ok(listed) = pods.list(&generate).await {
+                seen.most_pods = seen.most_pods.max(listed.items.len());
+                if seen.first_pod.is_none() && !listed.items.is_empty() {
+                    seen.first_pod = Some(since.elapsed());
+                }
+            }
+            tokio::select! {
+                _ = &mut stopped => return seen,
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    });
+    (stop, counting)
+}
+
+/// What a run of `rows` rows over `images` images and `workers` workers must have done once it
+/// ended: succeeded with every image pulled, never more generation Jobs running at once than
+/// workers (nor pods than twice that per batch of an image), its groups read in pages, each batch
+/// played once, every row written, and its children cleaned up: the finished Jobs once the status
+/// records their batches, the pages' Job once the groups are kept; the operator keeps the groups.
+pub async fn assert_image_run(
+    client: &Client,
+    namespace: &str,
+    run: &TrajectoryRun,
+    kubelet: &Kubelet,
+    (rows, images, workers): (usize, usize, usize),
+    live: LiveChildren,
+) {
+    let status = run.status.clone().expect("a status");
+    assert_eq!(status.phase, Some(Phase::Succeeded), "{status:#?}");
+    let image_status = status.images.clone().expect("status.images");
+    let total_images = u32::try_from(images).expect("a count");
+    assert_eq!(
+        (image_status.total, image_status.pulled),
+        (total_images, total_images)
+    );
+    assert!(
+        live.most_jobs <= workers,
+        "{} generation Jobs ran at once",
+        live.most_jobs
+    );
+    // A running Job keeps the pods of its finished batches, and a finished Job's pods go with it
+    // once the status (paced) records its batches: at most one more window of them.
+    let total = status.batches.as_ref().expect("batch counts").total;
+    let per_image = usize::try_from(total.div_ceil(total_images)).expect("a count");
+    assert!(
+        live.most_pods <= 2 * workers * per_image,
+        "{} generation pods at once ({per_image} batches an image)",
+        live.most_pods
+    );
+    let played = kubelet.played();
+    assert!(
+        played.iter().any(|p| p.mode == "image-page"),
+        "the groups were read in pages"
+    );
+    let batches: Vec<u32> = played.iter().filter_map(|p| p.batch).collect();
+    let distinct: BTreeSet<u32> = batches.iter().copied().collect();
+    assert_eq!(
+        (batches.len(), distinct.len()),
+        (usize::try_from(total).expect("a count"), batches.len()),
+        "each batch ran once: {batches:?}"
+    );
+    let name = run.name_any();
+    let dir = kubelet
+        .storage
+        .join(run.spec.run.output_path(namespace, &name));
+    let written = jsonl(&dir.join("trajectories.jsonl"));
+    assert_eq!(written.len(), rows);
+    let jobs: Api<Job> = Api::namespaced(client.clone(), namespace);
+    wait_until(
+        "the generation Jobs deleted",
+        Duration::from_secs(60),
+        || async {
+            let left = jobs.list(&ListParams::default()).await.expect("list Jobs");
+            left.items
+                .iter()
+                .all(|job| {
+                    let component = job
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(labels::COMPONENT));
+                    !matches!(
+                        component.map(String::as_str),
+                        Some("generate" | "image-pages")
+                    )
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let kept = maps
+        .get(&image_index_name(&name, 1))
+        .await
+        .expect("the kept image groups");
+    assert_eq!(
+        kept.data.expect("data")["groups.jsonl"].lines().count(),
+        images
+    );
 }

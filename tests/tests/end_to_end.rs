@@ -35,14 +35,13 @@ use tokio::sync::oneshot;
 use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::leader::LeaseConfig;
 use trajectory_operator::reconcile::children::labels;
-use trajectory_operator::reconcile::observe::JobState;
 use trajectory_operator::service::{self, Exit};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::e2e::{
-    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, children, condition, done_batches,
-    job_status, jsonl, mark_done, model, phase_events, phase_of, plan_termination_message,
-    pods_of_index, printed_row, random_batches, run_spec, snapshot, start_controller_in,
-    write_dataset,
+    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, assert_image_run, children, condition,
+    count_live_children, done_batches, job_status, jsonl, mark_done, model, phase_events, phase_of,
+    plan_termination_message, pods_of_index, printed_row, random_batches, run_spec, snapshot,
+    start_controller_in, write_dataset, write_image_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::contract::{exit, paths};
@@ -1607,73 +1606,6 @@ async fn a_resume_of_a_million_batches_forty_percent_done_at_random_plans_only_t
     assert!(counts.completed_count >= DONE, "{}", counts.completed_count);
 }
 
-/// Writes `rows` rows over `images` images (row *i* names image `i / (rows / images)`, under a
-/// long registry name, as SWE-style datasets' are) to `datasets/images.jsonl` on the storage.
-fn write_image_dataset(storage: &Path, rows: usize, images: usize) {
-    let per_image = rows / images;
-    let lines: Vec<String> = (0..rows)
-        .map(|row| {
-            json!({
-                "prompt": format!("prompt {row}"),
-                "image": format!(
-                    "registry.example.internal:5000/swebench/sweb.eval.x86_64.task_{:05}:latest",
-                    row / per_image
-                ),
-            })
-            .to_string()
-        })
-        .collect();
-    std::fs::create_dir_all(storage.join("datasets")).expect("the datasets directory");
-    std::fs::write(
-        storage.join("datasets/images.jsonl"),
-        lines.join("\n") + "\n",
-    )
-    .expect("the dataset");
-}
-
-/// Counts the generation Jobs that have not finished, and the run's pods, every 100 ms until
-/// stopped: the most of each seen at once.
-fn count_live_children(
-    client: &kube::Client,
-    namespace: &str,
-) -> (oneshot::Sender<()>, tokio::task::JoinHandle<(usize, usize)>) {
-    let (jobs, pods): (Api<Job>, Api<Pod>) = (
-        Api::namespaced(client.clone(), namespace),
-        Api::namespaced(client.clone(), namespace),
-    );
-    let (stop, mut stopped) = oneshot::channel::<()>();
-    let started = std::time::Instant::now();
-    let counting = tokio::spawn(async move {
-        let (mut most_jobs, mut most_pods) = (0, 0);
-        let mut first_pod = None;
-        let generate = ListParams::default().labels("app.kubernetes.io/component=generate");
-        loop {
-            if let Ok(listed) = jobs.list(&generate).await {
-                let live = listed
-                    .items
-                    .iter()
-                    .filter(|job| JobState::of(job) == JobState::Running)
-                    .count();
-                most_jobs = most_jobs.max(live);
-            }
-            if let Ok(listed) = pods.list(&generate).await {
-                most_pods = most_pods.max(listed.items.len());
-                if first_pod.is_none() && !listed.items.is_empty() {
-                    first_pod = Some(started.elapsed());
-                }
-            }
-            tokio::select! {
-                _ = &mut stopped => {
-                    eprintln!("first generation pod {first_pod:?} after the run was created");
-                    return (most_jobs, most_pods);
-                }
-                () = tokio::time::sleep(Duration::from_millis(100)) => {}
-            }
-        }
-    });
-    (stop, counting)
-}
-
 /// A run of 400 rows over 100 images (more than the plan's summary lists, so the groups are read
 /// in pages): one Job per image, never more running at once than workers, each deleted once the
 /// status records its batch, and every prompt written once. The pages' Job goes too; the groups
@@ -1696,6 +1628,7 @@ async fn a_run_over_many_images_keeps_its_jobs_within_the_window_and_cleans_them
     let started = std::time::Instant::now();
     write_image_dataset(&setup.scratch.storage(), rows, images);
     let _controller = start_controller_in(&setup.client, setup.ns());
+    let created = std::time::Instant::now();
     setup
         .create(
             "images",
@@ -1705,7 +1638,7 @@ async fn a_run_over_many_images_keeps_its_jobs_within_the_window_and_cleans_them
             }),
         )
         .await;
-    let (stop, counting) = count_live_children(&setup.client, setup.ns());
+    let (stop, counting) = count_live_children(&setup.client, setup.ns(), created);
     let kubelet = Kubelet::new(&setup.client, setup.ns(), "images", &setup.scratch);
     let run = kubelet
         .serve_until("the run to end", Duration::from_secs(3600), |run| {
@@ -1714,81 +1647,19 @@ async fn a_run_over_many_images_keeps_its_jobs_within_the_window_and_cleans_them
         .await;
     let took = started.elapsed();
     let _ = stop.send(());
-    let (most_jobs, most_pods) = counting.await.expect("the counter");
-    let status = run.status.clone().expect("a status");
-    assert_eq!(status.phase, Some(Phase::Succeeded), "{status:#?}");
-    let image_status = status.images.clone().expect("status.images");
-    let total = u32::try_from(images).unwrap();
-    assert_eq!((image_status.total, image_status.pulled), (total, total));
-    assert!(
-        most_jobs <= workers,
-        "{most_jobs} generation Jobs ran at once"
-    );
-    assert!(
-        most_pods <= 2 * workers,
-        "{most_pods} generation pods at once"
-    );
-    let played = kubelet.played();
-    assert!(
-        played.iter().any(|p| p.mode == "image-page"),
-        "the groups were read in pages"
-    );
-    let batches: Vec<u32> = played.iter().filter_map(|p| p.batch).collect();
-    let distinct: BTreeSet<u32> = batches.iter().copied().collect();
-    let total = status.batches.as_ref().expect("batch counts").total;
-    assert_eq!(
-        (batches.len(), distinct.len()),
-        (usize::try_from(total).unwrap(), batches.len()),
-        "each batch ran once: {batches:?}"
-    );
-    let dir = setup
-        .scratch
-        .storage()
-        .join(format!("runs/{}/images", setup.ns()));
-    let written = jsonl(&dir.join("trajectories.jsonl"));
-    assert_eq!(written.len(), rows);
-    assert_image_children_cleaned_up(&setup, images).await;
+    let live = counting.await.expect("the counter");
     eprintln!(
-        "{rows} rows over {images} images, {workers} workers: done in {took:?}; most generation \
-         Jobs running at once {most_jobs}, most generation pods {most_pods}"
+        "{rows} rows over {images} images, {workers} workers: done in {took:?}; first generation \
+         pod after {:?}; most generation Jobs running at once {}, most generation pods {}",
+        live.first_pod, live.most_jobs, live.most_pods
     );
-}
-
-/// The finished Jobs go once the status records their batches, the pages' Job once the groups are
-/// kept, and the operator keeps the `images` groups.
-async fn assert_image_children_cleaned_up(setup: &Setup, images: usize) {
-    // The finished Jobs go once the status records their batches; the pages' Job once the groups
-    // are kept.
-    let jobs = setup.jobs();
-    wait_until(
-        "the generation Jobs deleted",
-        Duration::from_secs(60),
-        || async {
-            let left = jobs.list(&ListParams::default()).await.expect("list Jobs");
-            left.items
-                .iter()
-                .all(|job| {
-                    let component = job
-                        .metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get(labels::COMPONENT));
-                    !matches!(
-                        component.map(String::as_str),
-                        Some("generate" | "image-pages")
-                    )
-                })
-                .then_some(())
-        },
+    assert_image_run(
+        &setup.client,
+        setup.ns(),
+        &run,
+        &kubelet,
+        (rows, images, workers),
+        live,
     )
     .await;
-    let maps: Api<ConfigMap> = Api::namespaced(setup.client.clone(), setup.ns());
-    let kept = maps
-        .get("images-images")
-        .await
-        .expect("the kept image groups");
-    assert_eq!(
-        kept.data.expect("data")["groups.jsonl"].lines().count(),
-        images
-    );
 }
