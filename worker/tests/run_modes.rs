@@ -868,7 +868,8 @@ async fn a_local_run_refuses_rows_with_an_image_of_their_own_before_anything_run
         "`sweb.eval.x86_64.django__django-11333`",
         "`alexgshaw/fix-git:20251031`",
         "`task:latest`",
-        "Remove the `image` and `docker_image` fields of those rows",
+        "remove the `image` and `docker_image` fields of those rows",
+        "scripts/demo-cluster.sh",
     ] {
         assert!(message.contains(expected), "{expected:?} in: {message}");
     }
