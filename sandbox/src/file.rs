@@ -18,7 +18,7 @@ use nix::unistd::Pid;
 
 use crate::files::{self, Workspace};
 use crate::protocol::{FileAnswer, FileRequest, MAX_REQUEST_BYTES};
-use crate::run::{Confinement, confine_executor, pass_environment};
+use crate::run::{Confinement, confine_executor, executor_command};
 use crate::{ImageFiles, LandlockMode, Limits, REFUSED_EXIT, REFUSED_PREFIX};
 
 /// The subcommand.
@@ -32,28 +32,42 @@ pub fn command(
     landlock: LandlockMode,
     image_files: &ImageFiles,
 ) -> Command {
-    let mut cmd = Command::new(executor);
-    cmd.arg(SUBCOMMAND).arg("--workspace").arg(workspace);
-    // A file call's bounds are its own (`FileLimits`): no process, memory or disk limit of a
-    // command's applies.
-    Confinement::push(landlock, Limits::NONE, image_files, &mut cmd);
-    cmd.arg("--").current_dir(workspace).stdin(Stdio::piped());
-    if !image_files.is_task_container() {
-        cmd.env_clear();
-        pass_environment(&mut cmd);
-    }
+    one_request_command(executor, SUBCOMMAND, workspace, landlock, image_files)
+}
+
+/// The command line of an executor `subcommand` that answers one request read on its standard
+/// input ([`answer_one_request`]) in `workspace`. A request's bounds are its own (a file call's
+/// `FileLimits`, a verifier step's archive bound): no process, memory or disk limit of a
+/// command's applies.
+pub(crate) fn one_request_command(
+    executor: &Path,
+    subcommand: &str,
+    workspace: &Path,
+    landlock: LandlockMode,
+    image_files: &ImageFiles,
+) -> Command {
+    let mut cmd = executor_command(
+        executor,
+        subcommand,
+        workspace,
+        landlock,
+        Limits::NONE,
+        image_files,
+    );
+    cmd.arg("--").stdin(Stdio::piped());
     cmd
 }
 
-/// The executor's arguments.
+/// The arguments of an executor that answers one request read on its standard input (`file`,
+/// `verifier`).
 #[derive(Debug)]
-struct FileArgs {
-    workspace: PathBuf,
-    confinement: Confinement,
+pub(crate) struct RequestArgs {
+    pub(crate) workspace: PathBuf,
+    pub(crate) confinement: Confinement,
     parent: Pid,
 }
 
-fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<FileArgs, String> {
+fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<RequestArgs, String> {
     let mut workspace = None;
     let confinement = Confinement::parse(&mut args, |flag, value| {
         if flag != "--workspace" {
@@ -65,7 +79,7 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<FileArgs, Stri
     if let Some(extra) = args.next() {
         return Err(format!("unexpected argument {}", extra.display()));
     }
-    Ok(FileArgs {
+    Ok(RequestArgs {
         workspace: workspace.ok_or("missing --workspace")?,
         parent: confinement.parent.ok_or("missing --parent")?,
         confinement,
@@ -75,7 +89,44 @@ fn parse_args(mut args: impl Iterator<Item = OsString>) -> Result<FileArgs, Stri
 /// The executor process: `args` are those after the subcommand. Exits 0 with the answer on
 /// standard output, or [`REFUSED_EXIT`] with why on standard error.
 pub fn main(args: impl Iterator<Item = OsString>) -> i32 {
-    match parse_args(args).and_then(|args| execute(&args)) {
+    answer_one_request(args, |args, line| {
+        let request: FileRequest =
+            serde_json::from_slice(line).map_err(|err| format!("bad file call: {err}"))?;
+        let workspace = if args.confinement.image_files.is_task_container() {
+            Workspace::container(&args.workspace)
+        } else {
+            Workspace::new(&args.workspace)
+        }
+        .map_err(|err| format!("cannot work in {}: {err}", args.workspace.display()))?;
+        Ok(FileAnswer::from(files::call(
+            &request.tool,
+            &request.args,
+            &workspace,
+            &request.limits,
+        )))
+    })
+}
+
+/// An executor that confines itself as a command is ([`confine_executor`]), reads one request on
+/// its standard input, and writes `handle`'s answer as one JSON object on its standard output
+/// (exit 0), or why it could not on standard error ([`REFUSED_EXIT`]).
+pub(crate) fn answer_one_request(
+    args: impl Iterator<Item = OsString>,
+    handle: impl FnOnce(&RequestArgs, &[u8]) -> Result<FileAnswer, String>,
+) -> i32 {
+    let answered = parse_args(args).and_then(|args| {
+        // The signals' descriptor and the limits' supervisor are a command's business: a request
+        // ends by itself, and the server kills its executor when the worker hangs up.
+        let _confined = confine_executor(args.parent, &args.workspace, &args.confinement)?;
+        let mut line = Vec::new();
+        std::io::stdin()
+            .take(MAX_REQUEST_BYTES)
+            .read_to_end(&mut line)
+            .map_err(|err| format!("cannot read the request: {err}"))?;
+        let answer = handle(&args, &line)?;
+        serde_json::to_string(&answer).map_err(|err| format!("cannot write the answer: {err}"))
+    });
+    match answered {
         Ok(answer) => {
             let mut stdout = std::io::stdout().lock();
             match stdout
@@ -91,30 +142,4 @@ pub fn main(args: impl Iterator<Item = OsString>) -> i32 {
             REFUSED_EXIT
         }
     }
-}
-
-fn execute(args: &FileArgs) -> Result<String, String> {
-    // The signals' descriptor and the limits' supervisor are a command's business: a file call
-    // ends by itself, and the server kills it when the worker hangs up.
-    let _confined = confine_executor(args.parent, &args.workspace, &args.confinement)?;
-    let mut line = Vec::new();
-    std::io::stdin()
-        .take(MAX_REQUEST_BYTES)
-        .read_to_end(&mut line)
-        .map_err(|err| format!("cannot read the call: {err}"))?;
-    let request: FileRequest =
-        serde_json::from_slice(&line).map_err(|err| format!("bad file call: {err}"))?;
-    let workspace = if args.confinement.image_files.is_task_container() {
-        Workspace::container(&args.workspace)
-    } else {
-        Workspace::new(&args.workspace)
-    }
-    .map_err(|err| format!("cannot work in {}: {err}", args.workspace.display()))?;
-    let answer = FileAnswer::from(files::call(
-        &request.tool,
-        &request.args,
-        &workspace,
-        &request.limits,
-    ));
-    serde_json::to_string(&answer).map_err(|err| format!("cannot write the answer: {err}"))
 }

@@ -12,7 +12,7 @@
 //!                                                        └─ bash -c <command> …
 //! ```
 //!
-//! One binary, five subcommands:
+//! One binary, six subcommands:
 //! - [`run`]: runs one command confined (cleared environment, no capabilities, Landlock, child
 //!   subreaper that kills and reaps every descendant). The worker starts it as a child in local
 //!   runs; in a pod, the server does.
@@ -28,6 +28,9 @@
 //! - [`file`]: one call of a file tool ([`files`]), confined as a command is, for a
 //!   conversation in a task container, whose files only that container sees; the server starts
 //!   it.
+//! - [`verifier`]: the steps of a row's verifier around its command (fresh directories, the
+//!   tests unpacked; the reward read), confined as a command is, in the environment the
+//!   conversation left.
 //! - `install DIR`: copies this binary into `DIR` (the init container that puts it on the pod's
 //!   shared volume, for a task image that has no such binary).
 //!
@@ -43,6 +46,7 @@ pub mod run;
 pub mod serve;
 pub mod session;
 pub mod text;
+pub mod verifier;
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -207,6 +211,7 @@ pub fn main(mut args: impl Iterator<Item = OsString>) -> i32 {
         Some(serve::SUBCOMMAND) => serve::main(args),
         Some(session::SUBCOMMAND) => session::main(args),
         Some(file::SUBCOMMAND) => file::main(args),
+        Some(verifier::SUBCOMMAND) => verifier::main(args),
         Some("install") => match args.next() {
             Some(dir) => report(install(Path::new(&dir)), "install"),
             None => report(Err("install needs a directory".to_owned()), "install"),
@@ -214,7 +219,7 @@ pub fn main(mut args: impl Iterator<Item = OsString>) -> i32 {
         _ => {
             let _ = writeln!(
                 std::io::stderr(),
-                "usage: {EXECUTOR_BINARY} run|session|file|serve|install … (see the trajectory_sandbox docs)"
+                "usage: {EXECUTOR_BINARY} run|session|file|verifier|serve|install … (see the trajectory_sandbox docs)"
             );
             2
         }

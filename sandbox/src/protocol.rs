@@ -35,6 +35,13 @@
 //!   [`OUTPUT`] frames of one JSON object (`{"ok": result}` or `{"error": message}`) and an
 //!   [`EXIT`] frame (0, or [`crate::REFUSED_EXIT`] with the reason in the output).
 //!
+//! - **Version 5** adds a verifier's steps ([`VerifierRequest`]), run in the environment a
+//!   finished conversation left (its workspace, or its task container): replacing the tests'
+//!   and the reward's directories by fresh ones and unpacking the tests into them, and reading
+//!   the reward file after the verifier's command (a version 1 command) ran. The server runs
+//!   each under an executor of its own ([`crate::verifier`]), confined as a command is, and
+//!   answers as it answers a file call.
+//!
 //! The worker closing the connection early (a timeout, a cancelled conversation, a session no
 //! longer needed) asks the server to end the command or program and everything it started. A
 //! server older than sessions refuses a versioned line as a bad request (unknown field).
@@ -45,7 +52,7 @@ use crate::files::FileLimits;
 use crate::{LandlockMode, Limits};
 
 /// The newest protocol version this side speaks.
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 
 /// Frames of a session's standard input (worker to server).
 pub const STDIN: u8 = b'i';
@@ -114,7 +121,44 @@ pub enum Kind {
     Command(Request),
     Session(SessionRequest),
     File(FileRequest),
+    Verifier(VerifierRequest),
 }
+
+/// One step of a verifier's, in the environment a finished conversation left (version 5).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VerifierRequest {
+    /// Where relative paths start, as a [`FileRequest`]'s `workspace`.
+    pub workspace: String,
+    pub step: VerifierStep,
+    pub landlock: LandlockMode,
+}
+
+/// What a [`VerifierRequest`] does.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum VerifierStep {
+    /// Replaces each of `fresh` (whatever is there: a directory, a file, a link, which is
+    /// removed, not followed) by a new empty directory, then unpacks `tests_tar` (base64 of a
+    /// tar, gzipped or not) into `tests_dir` and writes `test_sh` there as `test.sh`. Answered
+    /// with `null`.
+    #[serde(rename_all = "camelCase")]
+    Prepare {
+        fresh: Vec<String>,
+        tests_dir: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tests_tar: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        test_sh: Option<String>,
+    },
+    /// Reads the reward file at `path`, at most [`MAX_REWARD_BYTES`]: answered with its text,
+    /// or `null` when there is no such file.
+    #[serde(rename_all = "camelCase")]
+    ReadReward { path: String },
+}
+
+/// The most of a reward file that is read: a number, a line at most.
+pub const MAX_REWARD_BYTES: u64 = 4096;
 
 /// One call of a file tool, run in the workspace it names (version 4).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -165,6 +209,7 @@ pub enum Line {
     Command(Request),
     Session(SessionRequest),
     File(FileRequest),
+    Verifier(VerifierRequest),
 }
 
 impl Line {
@@ -191,6 +236,7 @@ impl Line {
             Kind::Command(request) => Self::Command(request),
             Kind::Session(session) => Self::Session(session),
             Kind::File(file) => Self::File(file),
+            Kind::Verifier(verifier) => Self::Verifier(verifier),
         })
     }
 }
@@ -220,6 +266,11 @@ impl From<Result<serde_json::Value, String>> for FileAnswer {
 /// The request line (newline included) of a file call.
 pub fn file_line(request: &FileRequest) -> Vec<u8> {
     versioned_line(Kind::File(request.clone()))
+}
+
+/// The request line (newline included) of a verifier's step.
+pub fn verifier_line(request: &VerifierRequest) -> Vec<u8> {
+    versioned_line(Kind::Verifier(request.clone()))
 }
 
 /// The request line (newline included) of `request`, at this side's version.
@@ -315,9 +366,23 @@ mod tests {
             limits: FileLimits::default(),
         };
         assert_eq!(Line::parse(&file_line(&file)), Ok(Line::File(file)));
-        let future = r#"{"version":5,"request":{"teleport":{}}}"#;
+        let verifier = VerifierRequest {
+            workspace: "/testbed".to_owned(),
+            step: VerifierStep::Prepare {
+                fresh: vec!["/tests".to_owned(), "/logs/verifier".to_owned()],
+                tests_dir: "/tests".to_owned(),
+                tests_tar: None,
+                test_sh: Some("exit 0".to_owned()),
+            },
+            landlock: LandlockMode::Required,
+        };
+        let line = verifier_line(&verifier);
+        let text = String::from_utf8(line.clone()).unwrap();
+        assert!(text.contains(r#""step":{"prepare":{"fresh""#), "{text}");
+        assert_eq!(Line::parse(&line), Ok(Line::Verifier(verifier)));
+        let future = r#"{"version":6,"request":{"teleport":{}}}"#;
         let refused = Line::parse(future.as_bytes()).unwrap_err();
-        assert!(refused.contains("version 5"), "{refused}");
+        assert!(refused.contains("version 6"), "{refused}");
         let unknown = r#"{"version":2,"request":{"session":{"argv":[],"landlock":"off","x":1}}}"#;
         assert!(Line::parse(unknown.as_bytes()).is_err());
     }

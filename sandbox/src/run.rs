@@ -123,16 +123,39 @@ pub fn command(
     grace: Duration,
     command: &str,
 ) -> Command {
-    let mut cmd = Command::new(executor);
-    cmd.arg(SUBCOMMAND).arg("--workspace").arg(workspace);
-    Confinement::push(landlock, limits, image_files, &mut cmd);
+    let mut cmd = executor_command(
+        executor,
+        SUBCOMMAND,
+        workspace,
+        landlock,
+        limits,
+        image_files,
+    );
     cmd.arg("--grace-ms")
         .arg(grace.as_millis().to_string())
         .arg("--")
         .arg(command)
-        .current_dir(workspace)
         .stdin(Stdio::null());
-    // A task container's environment is its image's, and holds no secret: commands keep it.
+    cmd
+}
+
+/// The start of every executor's command line that works in a workspace (`run`, `file`,
+/// `verifier`): the subcommand, the workspace (also its working directory) and the confinement
+/// flags; the caller adds its own flags, then `--`. The environment is cleared but for `PATH`
+/// and [`PASSED_ENV`], except in a task container, whose environment is its image's and holds no
+/// secret.
+pub(crate) fn executor_command(
+    executor: &Path,
+    subcommand: &str,
+    workspace: &Path,
+    landlock: LandlockMode,
+    limits: Limits,
+    image_files: &ImageFiles,
+) -> Command {
+    let mut cmd = Command::new(executor);
+    cmd.arg(subcommand).arg("--workspace").arg(workspace);
+    Confinement::push(landlock, limits, image_files, &mut cmd);
+    cmd.current_dir(workspace);
     if !image_files.is_task_container() {
         cmd.env_clear();
         pass_environment(&mut cmd);

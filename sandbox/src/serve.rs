@@ -384,6 +384,17 @@ fn connection(mut stream: UnixStream, places: &Places, executors: &Shared) {
             let call = serde_json::to_vec(&request).map_err(|err| format!("file call: {err}"))?;
             start(command, Some(&call), executors)
         }),
+        Ok(Line::Verifier(request)) => places.workspace(&request.workspace).and_then(|workspace| {
+            let command = crate::verifier::command(
+                &places.executor,
+                &workspace,
+                request.landlock,
+                &places.image_files,
+            );
+            let step =
+                serde_json::to_vec(&request).map_err(|err| format!("verifier step: {err}"))?;
+            start(command, Some(&step), executors)
+        }),
         Err(message) => Err(message),
     };
     let code = match outcome {

@@ -739,6 +739,123 @@ async fn a_task_image_pod_killed_mid_batch_restarts_its_conversations_in_fresh_c
     );
 }
 
+/// Base64 of a gzipped tar holding `check.sh` with `script`, made by the system's `tar` and
+/// `base64`: a terminal-bench row's `tests_tar`.
+fn tests_tar_of(script: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("check.sh"), script).unwrap();
+    let output = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("tar -czf - -C \"$0\" check.sh | base64 -w0")
+        .arg(dir.path())
+        .output()
+        .expect("tar and base64 run");
+    assert!(output.status.success(), "{output:?}");
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// Rows verified in their own task containers (the glibc task image, its repository at
+/// `/testbed`), and one in the run's one image: the model fixes one task and not another (a plain
+/// `test` command, rewards 1 and 0); a terminal-bench row's tests arrive as a tar whose script
+/// writes `/logs/verifier/reward.txt` (reward 1); a cheating model writes that file itself,
+/// replaces `/tests/test.sh` and leaves a job rewriting the reward, yet its verifier fails (reward
+/// 0); a row without an image is verified in its workspace in the sandbox container (reward 1).
+/// Two model requests a conversation: verifying asked the model nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rows_are_verified_in_their_own_task_containers_and_a_cheat_does_not_pay() {
+    let setup = Setup::new("pods-verified").await;
+    let registry = trajectory_tests::real_pods::registry(trajectory_tests::real_pods::HOW_TO_RUN);
+    let glibc = format!("{registry}/tasks/glibc:1");
+    let check = r#"test "$(cat /testbed/answer)" = 42"#;
+    let terminal_bench = r#"test "$(cat /testbed/answer)" = 42 && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt"#;
+    let rows = [
+        json!({"prompt": "task number 0", "image": glibc, "test": check}),
+        json!({"prompt": "task number 1", "docker_image": glibc, "test": check}),
+        json!({"prompt": "task number 2", "image": glibc,
+               "tests_tar": tests_tar_of(terminal_bench), "test_sh": "bash /tests/check.sh"}),
+        json!({"prompt": "task number 3", "image": glibc, "test_sh": "sleep 1; exit 1"}),
+        json!({"prompt": "task number 4", "test": r#"test "$(cat answer)" = 42"#}),
+    ];
+    let dataset = tempfile::tempdir().unwrap();
+    let file = dataset.path().join("verified.jsonl");
+    let lines: Vec<String> = rows.iter().map(Value::to_string).collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    setup.storage.add_dataset(&file);
+    let (model, url) = model_scripting(&setup, |seen| {
+        if !seen.results.is_empty() {
+            return text_reply("done");
+        }
+        match seen.task {
+            0 | 2 => terminal_call("echo 42 > /testbed/answer"),
+            1 => terminal_call("echo 41 > /testbed/answer"),
+            3 => tool_calls_reply(&[
+                (
+                    "terminal",
+                    Value::String(
+                        json!({"command": "mkdir -p /logs/verifier /tests && \
+                                echo 1 > /logs/verifier/reward.txt && \
+                                printf 'exit 0' > /tests/test.sh && echo cheated"})
+                        .to_string(),
+                    ),
+                ),
+                (
+                    "terminal",
+                    Value::String(
+                        json!({"command": "while true; do mkdir -p /logs/verifier; \
+                                echo 1 > /logs/verifier/reward.txt; sleep 0.05; done",
+                               "background": true})
+                        .to_string(),
+                    ),
+                ),
+            ]),
+            _ => terminal_call("echo 42 > answer"),
+        }
+    })
+    .await;
+    let spec = json!({
+        "dataset": {"path": "datasets/verified.jsonl"},
+        "batchSize": 2, "workers": 2, "concurrency": 2,
+        "verifier": {"timeoutSeconds": 60},
+    });
+    setup.create_scripted("verified", &url, 0, &spec).await;
+    let run = setup.finished("verified", Duration::from_secs(300)).await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    let dir = setup.storage.run_dir(setup.ns(), "verified");
+    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
+    assert_eq!(records.len(), 5, "{records:#?}");
+    let rewards: Vec<(Value, Value, Value)> = records
+        .iter()
+        .map(|record| {
+            (
+                record["reward"].clone(),
+                record["verification"]["exit_code"].clone(),
+                record["verification"]["error"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        rewards,
+        [
+            (json!(1.0), json!(0), Value::Null),
+            (json!(0.0), json!(1), Value::Null),
+            (json!(1.0), json!(0), Value::Null),
+            (json!(0.0), json!(1), Value::Null),
+            (json!(1.0), json!(0), Value::Null),
+        ],
+        "{records:#?}"
+    );
+    let cheat_turns = records[3]["conversations"].to_string();
+    assert!(
+        cheat_turns.contains("cheated"),
+        "the cheat ran: {cheat_turns}"
+    );
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("statistics.json")).unwrap()).unwrap();
+    assert_eq!(statistics["verification"]["verified"], 5);
+    assert_eq!(statistics["verification"]["passed"], 3);
+    assert_two_requests_per_conversation(&model, 5);
+}
+
 /// Writes `rows` as `datasets/rows.jsonl` (prompts `row <i>`, the image in `image` or
 /// `docker_image` by turns: both of the reference's field names).
 fn write_image_rows(setup: &Setup, rows: &[ImageRow]) {

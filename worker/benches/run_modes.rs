@@ -418,6 +418,8 @@ fn record_templates(rng: &mut Rng, shrink: usize) -> Vec<Map<String, Value>> {
             started_at: started,
             finished_at: started + chrono::Duration::milliseconds(1532),
             source: &source,
+            verification: None,
+            discarded_by: None,
         };
         templates.push(trajectory_record(&conversation, &context));
     }

@@ -18,6 +18,7 @@ use serde_json::{Map, Value, json};
 use crate::agent::Conversation;
 use crate::model::{AssistantMessage, Message, ToolMessage};
 use crate::tools::ToolSpec;
+use crate::verify::Verification;
 
 const SYSTEM_PROMPT_HEAD: &str = "You are a function calling AI model. You are provided with function signatures within <tools> </tools> XML tags. You may call one or more functions to assist with the user query. If available tools are not relevant in assisting with user query, just respond in natural conversational language. Don't make assumptions about what values to plug into functions. After calling & executing the functions, you will be provided with function results within <tool_response> </tool_response> XML tags. Here are the available tools:\n<tools>\n";
 
@@ -295,6 +296,12 @@ pub struct RecordContext<'a> {
     pub finished_at: chrono::DateTime<chrono::Utc>,
     /// The dataset row's other fields.
     pub source: &'a Map<String, Value>,
+    /// What the row's verifier found, when it has one: the record's `reward` and
+    /// `verification`.
+    pub verification: Option<&'a Verification>,
+    /// The filter that keeps this record out of the trajectories, the whole record kept
+    /// (`status: discarded`, `filter`): a reward below `minReward`.
+    pub discarded_by: Option<&'a str>,
 }
 
 /// A UTC timestamp with microseconds, like the reference's but with its zone.
@@ -463,8 +470,38 @@ impl Serialize for TrajectoryRecord<'_> {
         )?;
         record.serialize_entry("started_at", &timestamp(context.started_at))?;
         record.serialize_entry("finished_at", &timestamp(context.finished_at))?;
+        if let Some(verification) = context.verification {
+            record.serialize_entry("reward", &verification.reward)?;
+            record.serialize_entry("verification", &VerificationEntry::from(verification))?;
+        }
+        if let Some(filter) = context.discarded_by {
+            record.serialize_entry("status", "discarded")?;
+            record.serialize_entry("filter", filter)?;
+        }
         record.serialize_entry("source", context.source)?;
         record.end()
+    }
+}
+
+/// A record's `verification`; field names and their order are its keys.
+#[derive(serde::Serialize)]
+struct VerificationEntry<'a> {
+    passed: bool,
+    exit_code: Option<i32>,
+    duration_ms: u64,
+    output: &'a str,
+    error: Option<&'a str>,
+}
+
+impl<'a> From<&'a Verification> for VerificationEntry<'a> {
+    fn from(verification: &'a Verification) -> Self {
+        Self {
+            passed: verification.passed,
+            exit_code: verification.exit_code,
+            duration_ms: u64::try_from(verification.duration.as_millis()).unwrap_or(u64::MAX),
+            output: &verification.output,
+            error: verification.error.as_deref(),
+        }
     }
 }
 
@@ -490,6 +527,9 @@ pub fn openai_record(
         Value::Array(conversation.messages.iter().map(Message::to_wire).collect()),
     );
     record.insert("tools".into(), Value::Array(tools));
+    if let Some(verification) = context.verification {
+        record.insert("reward".into(), verification.reward.into());
+    }
     // The Hermes record's own `finished_at`: within its writer's twin file it tells this
     // conversation's line from an orphan of the same (prompt, sample), so merge pairs the two
     // forms exactly (and in the single file of older workers, from an earlier attempt's).

@@ -85,3 +85,5 @@ pub mod run;
 pub mod storage;
 #[cfg(feature = "engine")]
 pub mod tools;
+#[cfg(feature = "engine")]
+pub mod verify;

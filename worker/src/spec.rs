@@ -53,6 +53,12 @@ pub struct RunSpec {
     /// Where and how confined the model's terminal commands run.
     #[serde(default)]
     pub sandbox: SandboxSpec,
+    /// The check run after each conversation in the environment it left, whose reward goes
+    /// into the record: the default of rows that name no verifier of their own (`test`,
+    /// `verify`, `tests_tar`, `test_sh`), and the settings of every row's. Without it, only rows
+    /// that name one are verified.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verifier: Option<VerifierSpec>,
     /// Which finished conversations are kept as trajectories.
     #[serde(default)]
     pub filters: FiltersSpec,
@@ -878,13 +884,60 @@ pub enum LandlockSetting {
 }
 
 /// Which conversations are kept.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct FiltersSpec {
     /// Discard conversations in which no assistant turn has reasoning (the reference always did).
     #[serde(default)]
     pub require_reasoning: bool,
+    /// Keep a verified conversation as a trajectory only when its reward is at least this; one
+    /// below it is kept as a discarded record (`filter: below_reward`, conversation and reward
+    /// included), so nothing is lost and statistics still count it. Conversations that were not
+    /// verified are not filtered by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_reward: Option<f64>,
+}
+
+/// How verifiers run and how their reward is read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct VerifierSpec {
+    /// The command (`bash -c`) that verifies a row naming no verifier of its own, run where the
+    /// conversation started. Unset: such rows are not verified.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    /// Seconds a verifier may run; one that runs longer is stopped, with everything it started,
+    /// and gives reward 0 with the reason.
+    #[serde(default = "default_verifier_timeout")]
+    pub timeout_seconds: u64,
+    /// Where a row's tests (`tests_tar` unpacked, `test_sh` as `test.sh`) go: an absolute path in
+    /// a task container; in a workspace, the same path under its `.verifier` directory. Given to
+    /// the command as `$TESTS_DIR`.
+    #[serde(default = "default_tests_dir")]
+    pub tests_dir: String,
+    /// The file the command writes its reward to (a number; `1` passed, `0` failed), placed as
+    /// `testsDir` is and given as `$REWARD_FILE`. Its directory is made afresh before the
+    /// command runs, so nothing the model wrote can be read as a reward. Without the file, the
+    /// reward is 1 when the command exits 0, else 0.
+    #[serde(default = "default_reward_file")]
+    pub reward_file: String,
+    /// The least reward that counts as passed.
+    #[serde(default = "default_passing_reward")]
+    pub passing_reward: f64,
+}
+
+impl Default for VerifierSpec {
+    fn default() -> Self {
+        Self {
+            command: None,
+            timeout_seconds: default_verifier_timeout(),
+            tests_dir: default_tests_dir(),
+            reward_file: default_reward_file(),
+            passing_reward: default_passing_reward(),
+        }
+    }
 }
 
 /// Where outputs go.
@@ -923,6 +976,18 @@ impl Default for RetrySpec {
     }
 }
 
+fn default_verifier_timeout() -> u64 {
+    180
+}
+fn default_tests_dir() -> String {
+    "/tests".to_owned()
+}
+fn default_reward_file() -> String {
+    "/logs/verifier/reward.txt".to_owned()
+}
+fn default_passing_reward() -> f64 {
+    1.0
+}
 fn default_batch_size() -> u32 {
     10
 }

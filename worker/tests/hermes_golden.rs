@@ -123,6 +123,8 @@ fn a_conversation_becomes_the_reference_record_byte_for_byte() {
         started_at: started,
         finished_at: started + chrono::Duration::milliseconds(1532),
         source: &source,
+        verification: None,
+        discarded_by: None,
     };
     let record = trajectory_record(&conversation(), &context);
     let line = trajectory_worker::pyjson::to_string(&Value::Object(record.clone()));

@@ -115,6 +115,8 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
             started_at: now,
             finished_at: now,
             source: &source,
+            verification: None,
+            discarded_by: None,
         },
     );
     assert_valid_record(&Value::Object(record));

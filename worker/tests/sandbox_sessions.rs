@@ -290,7 +290,7 @@ async fn a_session_past_its_process_limit_is_stopped() {
 }
 
 /// Raw lines against the server: the version 1 command line works as before, a version it
-/// does not speak is refused saying so.
+/// does not speak (the one after this side's) is refused saying so.
 #[tokio::test]
 async fn the_server_speaks_versions_1_and_2_and_refuses_later_ones() {
     let root = tempfile::tempdir().unwrap();
@@ -312,8 +312,12 @@ async fn the_server_speaks_versions_1_and_2_and_refuses_later_ones() {
     assert!(exchange(format!("{command}\n")).await.contains("v1\n"));
     let versioned = format!("{{\"version\":2,\"request\":{{\"command\":{command}}}}}\n");
     assert!(exchange(versioned).await.contains("v1\n"));
-    let future = exchange("{\"version\":4,\"request\":{}}\n".to_owned()).await;
-    assert!(future.contains("protocol version 4"), "{future}");
+    let next = trajectory_sandbox::protocol::VERSION + 1;
+    let future = exchange(format!("{{\"version\":{next},\"request\":{{}}}}\n")).await;
+    assert!(
+        future.contains(&format!("protocol version {next}")),
+        "{future}"
+    );
 }
 
 /// A session request serialises as the versioned line the protocol documents.
@@ -330,7 +334,7 @@ fn a_session_line_is_versioned() {
     };
     let line = trajectory_sandbox::protocol::session_line(&request);
     let value: serde_json::Value = serde_json::from_slice(&line).unwrap();
-    assert_eq!(value["version"], 3);
+    assert_eq!(value["version"], trajectory_sandbox::protocol::VERSION);
     assert_eq!(value["request"]["session"]["argv"][0], "cat");
 }
 

@@ -57,12 +57,13 @@ use crate::hermes::{
     write_discarded_record, write_failed_record, write_openai_record, write_trajectory_record,
 };
 use crate::model::{ApiKey, Circuit, ModelClient, ModelSettings};
-use crate::spec::RunSpec;
+use crate::spec::{RunSpec, VerifierSpec};
 use crate::storage::{
     AppendLog, RunDir, StorageError, WriterId, read_files_lines_into, write_atomic,
 };
 use crate::tools::sandbox::{LandlockMode, Place, Sandbox};
 use crate::tools::{Registry, Tool, ToolContext, ToolLimits, ToolSpec, Workspace};
+use crate::verify::{Verification, Verifier};
 
 /// What a process needs to run conversations, built once and shared by all batches.
 #[derive(Debug, Clone)]
@@ -84,6 +85,10 @@ pub struct Engine {
     /// recorded failed (`image_unavailable`) without a model request.
     pub image_unavailable: Option<String>,
     pub require_reasoning: bool,
+    /// How rows' verifiers run, and the default one.
+    pub verifier: VerifierSpec,
+    /// Verified conversations below this reward are discarded (`below_reward`).
+    pub min_reward: Option<f64>,
     pub openai_format: bool,
     pub seed: u64,
     pub samples_per_prompt: u32,
@@ -140,6 +145,8 @@ impl Engine {
             task_sockets: None,
             image_unavailable: None,
             require_reasoning: spec.filters.require_reasoning,
+            verifier: spec.verifier.clone().unwrap_or_default(),
+            min_reward: spec.filters.min_reward,
             openai_format: spec.openai_format,
             seed: spec.seed,
             samples_per_prompt: spec.samples_per_prompt,
@@ -1031,12 +1038,12 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
         }
         None => engine.sandbox.clone(),
     };
-    let result = converse(shared, &offered, &row.prompt, lent, sandbox)
+    let result = converse(shared, &offered, row, lent, sandbox)
         .instrument(info_span!("conversation", prompt_index, sample))
         .await;
     let finished_at = chrono::Utc::now();
-    let conversation = match result {
-        Ok(conversation) => conversation,
+    let (conversation, verification) = match result {
+        Ok(verified) => verified,
         Err(error) if error.is_model_missing() => {
             return Item::Stop(RunError::ModelNotFound(error.to_string()));
         }
@@ -1074,6 +1081,10 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
             openai: None,
         };
     }
+    let conversation = Verified {
+        conversation: &conversation,
+        verification: verification.as_ref(),
+    };
     trajectory_item(
         shared,
         &identity,
@@ -1085,14 +1096,21 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
     )
 }
 
-/// Runs the conversation in its workspace, then keeps, reuses or removes the workspace.
+/// A finished conversation and what its verifier found, if the row has one.
+struct Verified<'a> {
+    conversation: &'a Conversation,
+    verification: Option<&'a Verification>,
+}
+
+/// Runs the conversation in its workspace, then the row's verifier (if it has one) in what the
+/// conversation left, then keeps, reuses or removes the workspace.
 async fn converse(
     shared: &Shared,
     offered: &Offered,
-    prompt: &str,
+    row: &Row,
     lent: WorkspaceDir,
     sandbox: Sandbox,
-) -> Result<Conversation, ConversationError> {
+) -> Result<(Conversation, Option<Verification>), ConversationError> {
     let engine = &shared.engine;
     let WorkspaceDir {
         dir,
@@ -1110,35 +1128,69 @@ async fn converse(
         &engine.client,
         &offered.tools,
         &tool_context,
-        prompt,
+        &row.prompt,
         &engine.agent,
     )
     .await;
-    // Nothing of the conversation may run on once its workspace is handed on or removed.
+    // Nothing of the conversation may run on once its workspace is handed on or removed, or
+    // while its verifier runs.
     tool_context.close().await;
-    let untouched = result
-        .as_ref()
-        .is_ok_and(|conversation| only_read_only_tools_ran(conversation, &offered.tools));
+    let verification = match &result {
+        Ok(_) => verify_row(engine, row, &tool_context).await,
+        Err(_) => None,
+    };
+    let untouched = verification.is_none()
+        && result
+            .as_ref()
+            .is_ok_and(|conversation| only_read_only_tools_ran(conversation, &offered.tools));
     let lent = WorkspaceDir {
         dir,
         workspace: tool_context.workspace,
         made,
     };
     shared.release_workspace(lent, untouched, result.is_ok());
-    result
+    result.map(|conversation| (conversation, verification))
+}
+
+/// Runs the row's verifier, if it has one, where the conversation of `tool_context` ran.
+async fn verify_row(
+    engine: &Engine,
+    row: &Row,
+    tool_context: &ToolContext,
+) -> Option<Verification> {
+    let started = std::time::Instant::now();
+    match Verifier::of_row(&row.source, &engine.verifier) {
+        Ok(None) => None,
+        Ok(Some(verifier)) => Some(
+            crate::verify::verify(
+                &tool_context.sandbox,
+                tool_context.workspace.root(),
+                &verifier,
+                &engine.verifier,
+            )
+            .instrument(info_span!("verifier"))
+            .await,
+        ),
+        Err(error) => Some(Verification::failed(error, started)),
+    }
 }
 
 /// The trajectory record of a finished conversation (and its `OpenAI`-format twin, if the run
-/// asks for one).
+/// asks for one); discarded (`below_reward`, the whole record kept) when its verifier's reward is
+/// below the run's `minReward`.
 fn trajectory_item(
     shared: &Shared,
     identity: &RecordIdentity<'_>,
     offered: &Offered,
     row: &Row,
-    conversation: &Conversation,
+    verified: &Verified<'_>,
     started_at: chrono::DateTime<chrono::Utc>,
     finished_at: chrono::DateTime<chrono::Utc>,
 ) -> Item {
+    let below_reward = match (shared.engine.min_reward, verified.verification) {
+        (Some(min_reward), Some(verification)) => verification.reward < min_reward,
+        _ => false,
+    };
     let record_context = RecordContext {
         id: identity.id,
         prompt_index: identity.prompt_index,
@@ -1152,13 +1204,22 @@ fn trajectory_item(
         started_at,
         finished_at,
         source: &row.source,
+        verification: verified.verification,
+        discarded_by: below_reward.then_some(BELOW_REWARD),
     };
     // Sized for a typical record at once: growing a buffer of kilobytes step by step is costly.
     let mut line = Vec::with_capacity(16 * 1024);
-    write_trajectory_record(&mut line, conversation, &record_context);
+    write_trajectory_record(&mut line, verified.conversation, &record_context);
+    if below_reward {
+        return Item::Record {
+            outcome: ConversationOutcome::Discarded,
+            line,
+            openai: None,
+        };
+    }
     let openai = shared.engine.openai_format.then(|| {
         let mut openai = Vec::new();
-        write_openai_record(&mut openai, conversation, &record_context);
+        write_openai_record(&mut openai, verified.conversation, &record_context);
         openai
     });
     Item::Record {
@@ -1167,6 +1228,9 @@ fn trajectory_item(
         openai,
     }
 }
+
+/// The filter of a verified conversation whose reward is below `spec.filters.minReward`.
+pub const BELOW_REWARD: &str = "below_reward";
 
 /// The failed record of a (prompt, sample) that started at `started_at`.
 fn failed_item(

@@ -71,6 +71,19 @@ struct RecordView<'a> {
     /// A discarded record's filter.
     #[serde(default, borrow)]
     filter: Option<Cow<'a, str>>,
+    /// A verified record's reward.
+    #[serde(default)]
+    reward: Option<f64>,
+    #[serde(default)]
+    verification: Option<VerificationView>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct VerificationView {
+    #[serde(default)]
+    passed: bool,
+    #[serde(default)]
+    error: Option<serde::de::IgnoredAny>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -166,6 +179,10 @@ struct Totals {
     completion_tokens: u64,
     reasoning_tokens: u64,
     durations: Vec<u64>,
+    /// Discarded records by their filter.
+    discarded_by: BTreeMap<String, u64>,
+    /// What the verifiers of the verified records found.
+    rewards: super::rewards::Rewards,
     /// Conversations of rows naming an image, by the image's position in the manifest: how many
     /// ran in a container of it, and how many were recorded `image_unavailable`.
     task_images: BTreeMap<u32, (u64, u64)>,
@@ -185,6 +202,10 @@ impl Totals {
     fn absorb(&mut self, other: Self) {
         self.succeeded += other.succeeded;
         self.discarded += other.discarded;
+        for (filter, count) in other.discarded_by {
+            *self.discarded_by.entry(filter).or_default() += count;
+        }
+        self.rewards.absorb(other.rewards);
         self.failed += other.failed;
         self.completed += other.completed;
         self.partial += other.partial;
@@ -234,6 +255,15 @@ impl Totals {
             };
             collected.add(&facts, view.toolsets_used.iter().map(AsRef::as_ref), line);
         }
+        if let (Some(reward), Some(verification)) = (view.reward, &view.verification) {
+            self.rewards.add(super::rewards::VerifiedRecord {
+                reward,
+                passed: verification.passed,
+                failed: verification.error.is_some(),
+                toolsets: view.toolsets_used.iter().map(AsRef::as_ref),
+                below_reward: view.filter.as_deref() == Some(super::batch::BELOW_REWARD),
+            });
+        }
         match view.status.as_deref() {
             None => {
                 self.succeeded += 1;
@@ -253,7 +283,11 @@ impl Totals {
                 self.reasoning_tokens += view.usage.reasoning_tokens;
                 self.durations.push(view.duration_ms);
             }
-            Some("discarded") => self.discarded += 1,
+            Some("discarded") => {
+                self.discarded += 1;
+                let filter = view.filter.as_deref().unwrap_or("unknown");
+                *self.discarded_by.entry(filter.to_owned()).or_default() += 1;
+            }
             Some(_) => {
                 self.failed += 1;
                 let class = view.error_class.as_deref().unwrap_or("unknown").to_owned();
@@ -1002,7 +1036,7 @@ fn round2(value: f64) -> f64 {
     (value * 100.0).round() / 100.0
 }
 
-fn rate(part: u64, whole: u64) -> f64 {
+pub(super) fn rate(part: u64, whole: u64) -> f64 {
     if whole == 0 {
         0.0
     } else {
@@ -1066,7 +1100,8 @@ fn statistics(
             "turns_without_reasoning": totals.assistant_turns - totals.turns_with_reasoning,
             "coverage": rate(totals.turns_with_reasoning, totals.assistant_turns),
         },
-        "discarded_no_reasoning": totals.discarded,
+        "discarded_by_filter": totals.discarded_by,
+        "discarded_no_reasoning": totals.discarded_by.get("require_reasoning").copied().unwrap_or(0),
         "tokens": {
             "prompt": totals.prompt_tokens,
             "completion": totals.completion_tokens,
@@ -1079,6 +1114,9 @@ fn statistics(
     });
     if let Some(task_images) = totals.task_images() {
         statistics["task_images"] = task_images;
+    }
+    if let Some(verification) = totals.rewards.summary() {
+        statistics["verification"] = verification;
     }
     statistics
 }

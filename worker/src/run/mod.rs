@@ -10,6 +10,7 @@ pub mod manifest;
 pub mod merge;
 pub mod plan;
 pub mod prompt;
+mod rewards;
 pub mod segments;
 
 use std::path::{Path, PathBuf};

@@ -91,6 +91,8 @@ pub async fn run_prompt(
         started_at,
         finished_at: chrono::Utc::now(),
         source: &source,
+        verification: None,
+        discarded_by: None,
     };
     Ok(trajectory_record(&conversation, &record_context))
 }

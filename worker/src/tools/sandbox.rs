@@ -27,7 +27,9 @@ pub use session::{Ended, Session, SessionEnd};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 pub use trajectory_sandbox::protocol::SessionRequest;
-use trajectory_sandbox::protocol::{self, FileAnswer, FileRequest, Request};
+use trajectory_sandbox::protocol::{
+    self, FileAnswer, FileRequest, Request, VerifierRequest, VerifierStep,
+};
 pub use trajectory_sandbox::{
     EXECUTOR_BINARY, LIMIT_EXIT, LandlockMode, Limits, REFUSED_EXIT, REFUSED_PREFIX,
 };
@@ -175,6 +177,225 @@ impl Sandbox {
     }
 }
 
+/// What a command run by [`Sandbox::run_once`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommandRun {
+    /// The shell's exit code (`128 + N` for a signal N); `None` when it was stopped at its
+    /// timeout.
+    pub exit_code: Option<i32>,
+    /// The last bytes of its output (standard output and error, as written).
+    pub output_tail: Vec<u8>,
+}
+
+/// How long a command's background processes may still write once its shell exited.
+const ONCE_GRACE: Duration = Duration::from_millis(100);
+
+impl Sandbox {
+    /// The workspace a request names for a conversation in `workspace`: that directory, or in a
+    /// task container the start directory the container knows.
+    fn request_workspace(&self, workspace: &Path) -> String {
+        match &self.task {
+            Some(task) => task.workspace().to_owned(),
+            None => workspace.display().to_string(),
+        }
+    }
+
+    /// Runs `command` once in the conversation's environment (its workspace, or its task
+    /// container), confined as its commands are, for at most `timeout`: a command that runs
+    /// longer is ended with everything it started. Keeps the last `keep` bytes of its output.
+    pub async fn run_once(
+        &self,
+        workspace: &Path,
+        command: &str,
+        timeout: Duration,
+        keep: usize,
+    ) -> std::io::Result<CommandRun> {
+        let mut tail = OutputTail::new(keep);
+        let exit_code = match &self.place {
+            Place::Local { executor } => {
+                let cmd = trajectory_sandbox::run::command(
+                    executor,
+                    workspace,
+                    self.landlock,
+                    self.limits,
+                    &trajectory_sandbox::ImageFiles::Hidden,
+                    ONCE_GRACE,
+                    command,
+                );
+                run_local_once(cmd, timeout, &mut tail).await?
+            }
+            Place::Pod { socket } => {
+                let request = Request {
+                    workspace: self.request_workspace(workspace),
+                    command: command.to_owned(),
+                    landlock: self.landlock,
+                    grace_ms: u64::try_from(ONCE_GRACE.as_millis()).unwrap_or(u64::MAX),
+                    limits: self.limits,
+                };
+                // Dropping the request at the timeout closes the connection, which ends it.
+                match tokio::time::timeout(
+                    timeout,
+                    run_in_pod(socket, &request, &mut |bytes| tail.push(bytes)),
+                )
+                .await
+                {
+                    Ok(code) => Some(code?),
+                    Err(_) => None,
+                }
+            }
+        };
+        Ok(CommandRun {
+            exit_code,
+            output_tail: tail.into_bytes(),
+        })
+    }
+
+    /// Does one step of a verifier's ([`trajectory_sandbox::verifier`]) in the conversation's
+    /// environment: its answer, or why the executor refused it.
+    pub async fn verifier_step(
+        &self,
+        workspace: &Path,
+        step: VerifierStep,
+    ) -> std::io::Result<Result<serde_json::Value, String>> {
+        let request = VerifierRequest {
+            workspace: self.request_workspace(workspace),
+            step,
+            landlock: self.landlock,
+        };
+        match &self.place {
+            Place::Local { executor } => {
+                let cmd = trajectory_sandbox::verifier::command(
+                    executor,
+                    workspace,
+                    self.landlock,
+                    &trajectory_sandbox::ImageFiles::Hidden,
+                );
+                answer_locally(cmd, &serde_json::to_vec(&request)?).await
+            }
+            Place::Pod { socket } => {
+                answer_in_pod(socket, &protocol::verifier_line(&request), "verifier step").await
+            }
+        }
+    }
+}
+
+/// The last bytes of a command's output.
+struct OutputTail {
+    bytes: Vec<u8>,
+    keep: usize,
+}
+
+impl OutputTail {
+    fn new(keep: usize) -> Self {
+        Self {
+            bytes: Vec::new(),
+            keep,
+        }
+    }
+
+    fn push(&mut self, more: &[u8]) {
+        self.bytes.extend_from_slice(more);
+        // Trimmed in steps, not on every push: the copy is paid once per `keep` bytes.
+        if self.bytes.len() > 2 * self.keep.max(1) {
+            self.bytes.drain(..self.bytes.len() - self.keep);
+        }
+    }
+
+    fn into_bytes(mut self) -> Vec<u8> {
+        if self.bytes.len() > self.keep {
+            self.bytes.drain(..self.bytes.len() - self.keep);
+        }
+        self.bytes
+    }
+}
+
+/// Runs an executor's command line (`run`) as this process's child: its output into `tail`;
+/// its exit code, or `None` when `timeout` passed first, after which the executor is asked
+/// (`SIGTERM`) to end the command and everything it started, and waited for.
+async fn run_local_once(
+    mut cmd: std::process::Command,
+    timeout: Duration,
+    tail: &mut OutputTail,
+) -> std::io::Result<Option<i32>> {
+    use std::io::Read as _;
+    use std::os::unix::process::ExitStatusExt as _;
+    let (mut reader, writer) = std::io::pipe()?;
+    cmd.stdout(writer.try_clone()?).stderr(writer);
+    let mut child = tokio::process::Command::from(cmd)
+        .kill_on_drop(true)
+        .spawn()?;
+    // The command line held the pipe's writing ends: only the executor's remain open now.
+    let keep = tail.keep;
+    let reading = tokio::task::spawn_blocking(move || {
+        let mut kept = OutputTail::new(keep);
+        let mut chunk = [0_u8; 16 * 1024];
+        while let Ok(n @ 1..) = reader.read(&mut chunk) {
+            kept.push(&chunk[..n]);
+        }
+        kept.into_bytes()
+    });
+    let status = if let Ok(status) = tokio::time::timeout(timeout, child.wait()).await {
+        Some(status?)
+    } else {
+        if let Some(pid) = child.id().and_then(|pid| i32::try_from(pid).ok()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        child.wait().await?;
+        None
+    };
+    let output = reading.await.map_err(std::io::Error::other)?;
+    tail.push(&output);
+    Ok(status.map(|status| {
+        status
+            .code()
+            .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+    }))
+}
+
+/// Starts an executor that answers one request on its standard input (`verifier`) as this
+/// process's child, and reads its answer.
+async fn answer_locally(
+    cmd: std::process::Command,
+    request: &[u8],
+) -> std::io::Result<Result<serde_json::Value, String>> {
+    let mut child = tokio::process::Command::from(cmd)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin.write_all(request).await?;
+    }
+    let output = child.wait_with_output().await?;
+    if !output.status.success() {
+        return Ok(Err(refusal(&output.stderr)));
+    }
+    parse_answer(&output.stdout)
+}
+
+/// The reason in a refused request's output, without the executor's prefix.
+fn refusal(said: &[u8]) -> String {
+    let said = String::from_utf8_lossy(said);
+    said.trim()
+        .strip_prefix(REFUSED_PREFIX)
+        .unwrap_or(said.trim())
+        .to_owned()
+}
+
+fn parse_answer(answer: &[u8]) -> std::io::Result<Result<serde_json::Value, String>> {
+    match serde_json::from_slice(answer) {
+        Ok(FileAnswer::Ok(value)) => Ok(Ok(value)),
+        Ok(FileAnswer::Error(message)) => Ok(Err(message)),
+        Err(err) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("the sandbox sent a bad answer: {err}"),
+        )),
+    }
+}
+
 /// The executor binary: `trajectory-executor` next to this program (an installed pair, or
 /// cargo's target directory; a test or bench binary sits one level down, in `deps/`), else the
 /// one on `PATH`.
@@ -240,31 +461,29 @@ pub async fn run_file_in_pod(
     socket: &Path,
     request: &FileRequest,
 ) -> std::io::Result<Result<serde_json::Value, String>> {
+    answer_in_pod(socket, &protocol::file_line(request), "file call").await
+}
+
+/// Sends one request `line` that is answered like a file call (a JSON answer, or a refusal) to
+/// the server on `socket`.
+async fn answer_in_pod(
+    socket: &Path,
+    line: &[u8],
+    what: &str,
+) -> std::io::Result<Result<serde_json::Value, String>> {
     let mut stream = UnixStream::connect(socket).await.map_err(|err| {
         std::io::Error::new(
             err.kind(),
             format!("sandbox socket {}: {err}", socket.display()),
         )
     })?;
-    stream.write_all(&protocol::file_line(request)).await?;
+    stream.write_all(line).await?;
     let mut answer = Vec::new();
     let code = receive(stream, &mut |bytes| answer.extend_from_slice(bytes)).await?;
     if code != 0 {
-        let said = String::from_utf8_lossy(&answer);
-        let why = said
-            .trim()
-            .strip_prefix(REFUSED_PREFIX)
-            .unwrap_or(said.trim());
-        return Ok(Err(format!("the file call was refused: {why}")));
+        return Ok(Err(format!("the {what} was refused: {}", refusal(&answer))));
     }
-    match serde_json::from_slice(&answer) {
-        Ok(FileAnswer::Ok(value)) => Ok(Ok(value)),
-        Ok(FileAnswer::Error(message)) => Ok(Err(message)),
-        Err(err) => Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("the sandbox sent a bad file answer: {err}"),
-        )),
-    }
+    parse_answer(&answer)
 }
 
 async fn send(

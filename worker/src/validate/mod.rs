@@ -54,7 +54,55 @@ impl RunSpec {
         self.check_model(&mut violations);
         self.check_agent_and_tools(&mut violations);
         self.check_storage_and_distribution(&mut violations);
+        self.check_verifier(&mut violations);
         violations.0
+    }
+
+    fn check_verifier(&self, violations: &mut Violations) {
+        if let Some(min_reward) = self.filters.min_reward {
+            violations.check(
+                min_reward.is_finite(),
+                "filters.minReward",
+                format!("must be a number, got {min_reward}"),
+            );
+        }
+        let Some(verifier) = &self.verifier else {
+            return;
+        };
+        violations.check(
+            verifier.timeout_seconds > 0,
+            "verifier.timeoutSeconds",
+            "must be at least 1".to_owned(),
+        );
+        violations.check(
+            verifier.passing_reward.is_finite(),
+            "verifier.passingReward",
+            format!("must be a number, got {}", verifier.passing_reward),
+        );
+        for (field, path) in [
+            ("verifier.testsDir", &verifier.tests_dir),
+            ("verifier.rewardFile", &verifier.reward_file),
+        ] {
+            violations.check(
+                path.strip_prefix('/').is_some_and(is_relative_clean_path),
+                field,
+                format!("{path:?} must be an absolute path below `/`, without `..`"),
+            );
+        }
+        violations.check(
+            verifier
+                .reward_file
+                .trim_end_matches('/')
+                .matches('/')
+                .count()
+                >= 2,
+            "verifier.rewardFile",
+            format!(
+                "{:?} must lie in a directory of its own (like /logs/verifier/reward.txt): that \
+                 directory is made afresh before each verifier",
+                verifier.reward_file
+            ),
+        );
     }
 
     fn check_dataset_and_sizes(&self, violations: &mut Violations) {
@@ -411,6 +459,41 @@ mod tests {
                 "spec.model.baseUrl",
                 "spec.distribution.terminal"
             ]
+        );
+    }
+
+    #[test]
+    fn verifier_paths_timeout_and_reward_bounds_are_checked() {
+        let mut spec = minimal();
+        spec.verifier = Some(crate::spec::VerifierSpec::default());
+        spec.filters.min_reward = Some(0.5);
+        assert!(spec.validate().is_empty(), "{:?}", spec.validate());
+        spec.verifier = Some(crate::spec::VerifierSpec {
+            timeout_seconds: 0,
+            tests_dir: "tests".into(),
+            reward_file: "/reward.txt".into(),
+            passing_reward: f64::NAN,
+            ..crate::spec::VerifierSpec::default()
+        });
+        spec.filters.min_reward = Some(f64::INFINITY);
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.filters.minReward",
+                "spec.verifier.timeoutSeconds",
+                "spec.verifier.passingReward",
+                "spec.verifier.testsDir",
+                "spec.verifier.rewardFile"
+            ]
+        );
+        spec.verifier.as_mut().unwrap().reward_file = "/logs/../etc/reward".into();
+        assert!(
+            spec.validate()
+                .iter()
+                .any(|v| v.field == "spec.verifier.rewardFile" && v.message.contains("..")),
+            "{:?}",
+            spec.validate()
         );
     }
 

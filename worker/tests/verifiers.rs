@@ -1,0 +1,217 @@
+//! Verified trajectories on real files, real processes and the real executor: a scripted model
+//! works on several tasks, each row's verifier runs after its conversation in the workspace the
+//! conversation left, and the rewards go into the records, the filter and the statistics.
+//! (Task containers: `tests/tests/real_pods.rs`.)
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use base64::Engine as _;
+use common::{RunFixture, local_options, no_shutdown};
+use serde_json::{Value, json};
+use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_calls_reply};
+use trajectory_worker::run::local::run_local;
+
+/// Base64 of a gzipped tar of `files` (name, text), made by the system's `tar`, as
+/// terminal-bench's `tests_tar` is.
+fn tests_tar(files: &[(&str, &str)]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in files {
+        std::fs::write(dir.path().join(name), text).unwrap();
+    }
+    let output = Command::new("tar")
+        .arg("-czf")
+        .arg("-")
+        .arg("-C")
+        .arg(dir.path())
+        .args(files.iter().map(|(name, _)| name))
+        .output()
+        .expect("tar runs");
+    assert!(output.status.success(), "{output:?}");
+    base64::engine::general_purpose::STANDARD.encode(output.stdout)
+}
+
+/// The first user message of a chat request: the task.
+fn task_of(body: &Value) -> String {
+    body["messages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|message| message["role"] == "user")
+        .and_then(|message| message["content"].as_str())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// A model that answers each task with the terminal calls `calls` names for it, then a final
+/// answer.
+fn scripted_model(calls: fn(&str) -> Vec<(&'static str, Value)>) -> impl Fn(&Value) -> Step {
+    move |body| {
+        let answered = body["messages"].as_array().is_some_and(|messages| {
+            messages
+                .iter()
+                .any(|message| message["role"] == "assistant")
+        });
+        if answered {
+            return Step::ok(text_reply("done"));
+        }
+        let calls: Vec<(&str, Value)> = calls(&task_of(body))
+            .into_iter()
+            .map(|(name, arguments)| (name, Value::String(arguments.to_string())))
+            .collect();
+        Step::ok(tool_calls_reply(&calls))
+    }
+}
+
+fn terminal(command: &str) -> (&'static str, Value) {
+    ("terminal", json!({"command": command}))
+}
+
+/// What the model does in each task of [`a_run_verifies_each_row_in_what_its_conversation_left`].
+fn work(task: &str) -> Vec<(&'static str, Value)> {
+    match task {
+        "fix" | "fix tb" => vec![terminal("echo 42 > answer.txt")],
+        "miss" => vec![terminal("echo 41 > answer.txt")],
+        // The cheat: a reward written where the verifier reads it, its test script replaced,
+        // and a job that would write the reward again while the verifier runs.
+        "cheat" => vec![
+            terminal(
+                "mkdir -p .verifier/logs/verifier .verifier/tests && \
+                 echo 1 > .verifier/logs/verifier/reward.txt && \
+                 printf 'exit 0' > .verifier/tests/test.sh",
+            ),
+            (
+                "terminal",
+                json!({"command": "while true; do mkdir -p .verifier/logs/verifier; \
+                       echo 1 > .verifier/logs/verifier/reward.txt; sleep 0.05; done",
+                       "background": true}),
+            ),
+        ],
+        _ => vec![terminal("true")],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_verifies_each_row_in_what_its_conversation_left() {
+    let server = ScriptedServer::start_responding(scripted_model(work)).await;
+    let check = r#"test "$(cat answer.txt)" = 42"#;
+    let test_outputs = "test \"$(cat answer.txt)\" = 42 && echo 1 > \"$REWARD_FILE\" \
+                        || echo 0 > \"$REWARD_FILE\"";
+    let rows = [
+        json!({"prompt": "fix", "test": check}),
+        json!({"prompt": "miss", "test": check}),
+        // terminal-bench's form: the tests as a tar, the script that runs them.
+        json!({"prompt": "fix tb", "tests_tar": tests_tar(&[("check.sh", test_outputs)]),
+               "test_sh": "bash \"$TESTS_DIR/check.sh\""}),
+        json!({"prompt": "slow", "test_sh": "sleep 30"}),
+        json!({"prompt": "absent", "verify": "./run_tests.sh"}),
+        json!({"prompt": "cheat", "test_sh": "sleep 1; exit 1"}),
+        json!({"prompt": "unverified"}),
+    ];
+    let lines: Vec<String> = rows.iter().map(Value::to_string).collect();
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/batchSize", json!(4))
+        .with("/verifier", json!({"timeoutSeconds": 2}))
+        .with("/filters", json!({"minReward": 1}));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    // One tool-call turn and one final answer a conversation: nothing was asked twice.
+    assert_eq!(server.request_count(), 14);
+    assert_eq!(report.merge.trajectories, 3, "fix, fix tb and unverified");
+    let kept = fixture.lines("trajectories.jsonl");
+    let discarded = fixture.lines("failures.jsonl");
+    let by_task = |task: &str| -> Value {
+        kept.iter()
+            .chain(&discarded)
+            .find(|record| record["conversations"][1]["value"] == task)
+            .unwrap_or_else(|| panic!("no record of {task}"))
+            .clone()
+    };
+    for task in ["fix", "fix tb"] {
+        let record = by_task(task);
+        assert_eq!(record["reward"], 1.0, "{task}: {record}");
+        assert_eq!(record["verification"]["passed"], true, "{task}");
+        assert_eq!(record["verification"]["exit_code"], 0, "{task}");
+        assert_eq!(record["verification"]["error"], Value::Null, "{task}");
+        assert!(record.get("status").is_none(), "{task} is a trajectory");
+    }
+    let fixed = by_task("fix");
+    let keys: Vec<&str> = fixed
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    let at = keys.iter().position(|key| *key == "reward").unwrap();
+    assert_eq!(
+        keys[at - 1..],
+        ["finished_at", "reward", "verification", "source"]
+    );
+    let missed = by_task("miss");
+    assert_eq!(missed["reward"], 0.0);
+    assert_eq!(missed["verification"]["exit_code"], 1);
+    assert_eq!(missed["verification"]["error"], Value::Null);
+    assert_eq!(missed["status"], "discarded");
+    assert_eq!(missed["filter"], "below_reward");
+    assert_eq!(
+        missed["conversations"].as_array().map(Vec::len),
+        Some(5),
+        "a discarded record keeps its conversation"
+    );
+    let slow = by_task("slow");
+    assert_eq!(slow["reward"], 0.0);
+    assert_eq!(slow["verification"]["exit_code"], Value::Null);
+    assert_eq!(
+        slow["verification"]["error"],
+        "the verifier did not finish within 2 s and was stopped"
+    );
+    let duration = slow["verification"]["duration_ms"].as_u64().unwrap();
+    assert!((2000..10_000).contains(&duration), "{duration} ms");
+    let absent = by_task("absent");
+    assert_eq!(absent["verification"]["exit_code"], 127);
+    let error = absent["verification"]["error"].as_str().unwrap();
+    assert!(error.contains("not found"), "{error}");
+    assert!(
+        absent["verification"]["output"]
+            .as_str()
+            .unwrap()
+            .contains("run_tests.sh"),
+        "{absent}"
+    );
+    let cheat = by_task("cheat");
+    assert_eq!(cheat["reward"], 0.0, "the cheat paid: {cheat}");
+    assert_eq!(cheat["verification"]["exit_code"], 1);
+    let unverified = by_task("unverified");
+    assert!(unverified.get("reward").is_none() && unverified.get("verification").is_none());
+    check_statistics(&fixture.out());
+    assert_workspaces_gone(&fixture.workspaces());
+}
+
+/// The run's `statistics.json` counts the six verified records, the four below the reward and
+/// the two verifiers that gave no reward of their own.
+fn check_statistics(out: &Path) {
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(out.join("statistics.json")).unwrap()).unwrap();
+    let verification = &statistics["verification"];
+    assert_eq!(verification["verified"], 6, "{verification}");
+    assert_eq!(verification["passed"], 2);
+    assert_eq!(verification["below_reward"], 4);
+    assert_eq!(verification["verifier_errors"], 2, "slow and absent");
+    assert_eq!(verification["reward"]["counts"], json!({"0": 4, "1": 2}));
+    assert_eq!(verification["by_toolset"]["terminal"]["verified"], 6);
+    assert_eq!(statistics["counts"]["discarded"], 4);
+    assert_eq!(
+        statistics["discarded_by_filter"],
+        json!({"below_reward": 4})
+    );
+}
+
+fn assert_workspaces_gone(root: &Path) {
+    let left: Vec<_> = std::fs::read_dir(root)
+        .map(|entries| entries.flatten().map(|entry| entry.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "workspaces left behind: {left:?}");
+}
