@@ -40,6 +40,11 @@ use trajectory_worker::spec::RunSpec;
         json_path = ".status.output.trajectories"
     ),
     printcolumn(
+        name = "Passed",
+        type_ = "integer",
+        json_path = ".status.verification.passed"
+    ),
+    printcolumn(
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
@@ -103,6 +108,21 @@ pub struct TrajectoryRunStatus {
     /// name any: each image's batches run in task containers of it, one a conversation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images: Option<ImageStatus>,
+    /// What the rows' verifiers found, once the merge counted the kept records; absent when no
+    /// record was verified.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verification: Option<VerificationStatus>,
+}
+
+/// Verified records of a merged run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VerificationStatus {
+    /// Kept records whose row's verifier ran: trajectories, and conversations `minReward`
+    /// discarded.
+    pub verified: u64,
+    /// Of those, the ones whose reward reached `spec.verifier.passingReward`.
+    pub passed: u64,
 }
 
 /// The images of the rows' own task containers.

@@ -154,7 +154,10 @@ mod tests {
             .flatten()
             .map(|c| c.name.as_str())
             .collect();
-        assert_eq!(columns, ["Phase", "Progress", "Trajectories", "Age"]);
+        assert_eq!(
+            columns,
+            ["Phase", "Progress", "Trajectories", "Passed", "Age"]
+        );
         assert!(
             version
                 .subresources

@@ -290,8 +290,19 @@ impl ObservedFixture {
             failed: 0,
             bytes: 4096,
             skipped_lines: 0,
+            verified: 0,
+            passed: 0,
         });
         merged
+    }
+
+    /// The merge counted `verified` records whose row's verifier ran, `passed` of them passing.
+    pub fn verified(mut self, verified: u64, passed: u64) -> Self {
+        if let Some(summary) = &mut self.0.merge_summary {
+            summary.verified = verified;
+            summary.passed = passed;
+        }
+        self
     }
 
     /// The plan found batches `first..=last` done (by an earlier run on the same storage).

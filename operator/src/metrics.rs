@@ -94,6 +94,8 @@ pub struct Metrics {
     runs: Family<PhaseLabels, Gauge>,
     batches: Gauge,
     batches_done: Gauge,
+    verified: Gauge,
+    passed: Gauge,
     leader: Gauge,
     /// The controller's cache of runs, once the controller has started.
     runs_cache: OnceLock<Store<TrajectoryRun>>,
@@ -145,6 +147,18 @@ impl Metrics {
             "Finished batches of all TrajectoryRuns",
             batches_done.clone(),
         );
+        let verified = Gauge::default();
+        registry.register(
+            "verified_records",
+            "Records of merged TrajectoryRuns whose row's verifier ran",
+            verified.clone(),
+        );
+        let passed = Gauge::default();
+        registry.register(
+            "passed_records",
+            "Records of merged TrajectoryRuns whose row's verifier passed",
+            passed.clone(),
+        );
         registry.register(
             "api_requests",
             "Requests to the Kubernetes API server, by verb and resource",
@@ -176,6 +190,8 @@ impl Metrics {
             runs,
             batches,
             batches_done,
+            verified,
+            passed,
             leader,
             runs_cache: OnceLock::new(),
         }
@@ -236,6 +252,7 @@ impl Metrics {
 
     fn refresh(&self, runs: &[Arc<TrajectoryRun>]) {
         let (mut batches, mut done) = (0_i64, 0_i64);
+        let (mut verified, mut passed) = (0_i64, 0_i64);
         let mut by_phase = [0_i64; PHASES.len()];
         for run in runs {
             let status = run.status.as_ref();
@@ -248,6 +265,10 @@ impl Metrics {
                 batches += i64::from(counts.total);
                 done += i64::from(finished_batches(counts));
             }
+            if let Some(verification) = status.and_then(|s| s.verification.as_ref()) {
+                verified += i64::try_from(verification.verified).unwrap_or(i64::MAX);
+                passed += i64::try_from(verification.passed).unwrap_or(i64::MAX);
+            }
         }
         for (phase, count) in PHASES.iter().zip(by_phase) {
             self.runs
@@ -258,6 +279,8 @@ impl Metrics {
         }
         self.batches.set(batches);
         self.batches_done.set(done);
+        self.verified.set(verified);
+        self.passed.set(passed);
     }
 }
 
@@ -422,7 +445,8 @@ mod tests {
             ),
             run_with_status(
                 "done",
-                &json!({"phase": "Succeeded", "batches": {"total": 2, "completed": "0-1", "completedCount": 2}}),
+                &json!({"phase": "Succeeded", "batches": {"total": 2, "completed": "0-1", "completedCount": 2},
+                        "verification": {"verified": 8, "passed": 3}}),
             ),
             run_with_status(
                 "resumed",
@@ -439,6 +463,8 @@ mod tests {
             "trajectory_operator_runs{phase=\"Failed\"} 0",
             "trajectory_operator_batches 1012",
             "trajectory_operator_batches_done 407",
+            "trajectory_operator_verified_records 8",
+            "trajectory_operator_passed_records 3",
         ] {
             assert!(text.contains(line), "no `{line}` in:\n{text}");
         }

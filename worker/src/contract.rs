@@ -626,6 +626,20 @@ pub struct MergeSummary {
     pub bytes: u64,
     /// Duplicate or torn lines that were skipped.
     pub skipped_lines: u64,
+    /// Kept records whose row's verifier ran (trajectories and `minReward` discards).
+    #[serde(default, skip_serializing_if = "is_no_record")]
+    pub verified: u64,
+    /// Of those, the ones that passed.
+    #[serde(default, skip_serializing_if = "is_no_record")]
+    pub passed: u64,
+}
+
+#[allow(
+    clippy::trivially_copy_pass_by_ref,
+    reason = "serde's skip_serializing_if signature"
+)]
+fn is_no_record(count: &u64) -> bool {
+    *count == 0
 }
 
 /// An inclusive range of batch ids, for compact lists (`0-41,44`).

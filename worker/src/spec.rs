@@ -926,6 +926,12 @@ pub struct VerifierSpec {
     /// The least reward that counts as passed.
     #[serde(default = "default_passing_reward")]
     pub passing_reward: f64,
+    /// Stop sampling a prompt once this many of its samples passed (best-of-n with early stop,
+    /// with `samplesPerPrompt` as n): its samples run no more at once than could still be needed,
+    /// and the ones not run are recorded as discarded (`filter: enough_passed`). Unset: every
+    /// sample runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passes_per_prompt: Option<u32>,
 }
 
 impl Default for VerifierSpec {
@@ -936,6 +942,7 @@ impl Default for VerifierSpec {
             tests_dir: default_tests_dir(),
             reward_file: default_reward_file(),
             passing_reward: default_passing_reward(),
+            passes_per_prompt: None,
         }
     }
 }

@@ -215,3 +215,74 @@ fn assert_workspaces_gone(root: &Path) {
         .unwrap_or_default();
     assert!(left.is_empty(), "workspaces left behind: {left:?}");
 }
+
+/// What the model does in the tasks of the best-of-n run: always right, or always wrong.
+fn best_of_n_work(task: &str) -> Vec<(&'static str, Value)> {
+    match task {
+        "easy" => vec![terminal("echo 42 > answer.txt")],
+        _ => vec![terminal("echo 41 > answer.txt")],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_a_prompt_stops_once_enough_samples_passed_and_the_rest_are_recorded_not_run() {
+    let server = ScriptedServer::start_responding(scripted_model(best_of_n_work)).await;
+    let check = r#"test "$(cat answer.txt)" = 42"#;
+    let lines = [
+        json!({"prompt": "easy", "test": check}).to_string(),
+        json!({"prompt": "hard", "test": check}).to_string(),
+    ];
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/samplesPerPrompt", json!(4))
+        .with("/concurrency", json!(4))
+        .with("/verifier", json!({"passesPerPrompt": 1}));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    // The easy prompt passed at its first sample: its other three never asked the model. The
+    // hard one never passed: all four ran, one at a time.
+    assert_eq!(server.request_count(), 2 + 4 * 2);
+    assert_eq!(report.merge.trajectories, 5);
+    let trajectories = fixture.lines("trajectories.jsonl");
+    let samples = |task: &str| -> Vec<(u64, f64)> {
+        trajectories
+            .iter()
+            .filter(|record| record["conversations"][1]["value"] == task)
+            .map(|record| {
+                (
+                    record["sample"].as_u64().unwrap(),
+                    record["reward"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(samples("easy"), [(0, 1.0)]);
+    assert_eq!(samples("hard"), [(0, 0.0), (1, 0.0), (2, 0.0), (3, 0.0)]);
+    let not_run: Vec<(u64, u64, Value)> = fixture
+        .lines("failures.jsonl")
+        .iter()
+        .map(|record| {
+            (
+                record["prompt_index"].as_u64().unwrap(),
+                record["sample"].as_u64().unwrap(),
+                record["filter"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        not_run,
+        [
+            (0, 1, json!("enough_passed")),
+            (0, 2, json!("enough_passed")),
+            (0, 3, json!("enough_passed"))
+        ]
+    );
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        statistics["verification"]["early_stop"]["samples_not_run"],
+        3
+    );
+    assert_eq!(statistics["verification"]["passed"], 1);
+}

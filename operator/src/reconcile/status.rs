@@ -18,7 +18,7 @@ use trajectory_worker::contract::LandlockStatus;
 
 use crate::api::{
     BatchCounts, ConditionType, ImageStatus, OutputStatus, Phase, PromptCounts, SandboxStatus,
-    TrajectoryRun, TrajectoryRunStatus, UnavailableImage,
+    TrajectoryRun, TrajectoryRunStatus, UnavailableImage, VerificationStatus,
 };
 
 /// Condition reasons (`PascalCase`, as Kubernetes conventions ask).
@@ -155,6 +155,8 @@ pub struct Merged {
     pub succeeded: u64,
     pub discarded: u64,
     pub failed: u64,
+    /// What the rows' verifiers found, when any record was verified.
+    pub verification: Option<VerificationStatus>,
     pub output: OutputStatus,
 }
 
@@ -307,6 +309,7 @@ fn record_tally(status: &mut TrajectoryRunStatus, tally: &Tally) {
         prompts.discarded = merged.discarded;
         prompts.failed = merged.failed;
         status.output = Some(merged.output.clone());
+        status.verification.clone_from(&merged.verification);
     }
 }
 

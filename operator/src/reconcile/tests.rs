@@ -217,6 +217,19 @@ fn a_finished_merge_succeeds_the_run_with_its_output() {
     );
     assert_eq!(condition(&desired, ConditionType::Succeeded).0, "True");
     assert_eq!(desired.status.progress.as_deref(), Some("2/2"));
+    assert_eq!(desired.status.verification, None, "nothing was verified");
+}
+
+#[test]
+fn a_merge_that_counted_verified_records_puts_them_in_the_status() {
+    let desired = decide(&ObservedFixture::merged(2, 19).verified(20, 12).build());
+    assert_eq!(
+        desired.status.verification,
+        Some(crate::api::VerificationStatus {
+            verified: 20,
+            passed: 12
+        })
+    );
 }
 
 #[test]

@@ -46,6 +46,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tracing::{Instrument, info, info_span, warn};
 
 use super::manifest::Manifest;
+use super::sampling::{ENOUGH_PASSED, Next, Schedule};
 use super::segments::segment_digest;
 use super::{RunError, RunLocation};
 use crate::agent::{AgentConfig, Conversation, ConversationError, run_conversation};
@@ -89,6 +90,8 @@ pub struct Engine {
     pub verifier: VerifierSpec,
     /// Verified conversations below this reward are discarded (`below_reward`).
     pub min_reward: Option<f64>,
+    /// A prompt's sampling stops once this many of its samples passed.
+    pub passes_per_prompt: Option<u32>,
     pub openai_format: bool,
     pub seed: u64,
     pub samples_per_prompt: u32,
@@ -147,6 +150,10 @@ impl Engine {
             require_reasoning: spec.filters.require_reasoning,
             verifier: spec.verifier.clone().unwrap_or_default(),
             min_reward: spec.filters.min_reward,
+            passes_per_prompt: spec
+                .verifier
+                .as_ref()
+                .and_then(|verifier| verifier.passes_per_prompt),
             openai_format: spec.openai_format,
             seed: spec.seed,
             samples_per_prompt: spec.samples_per_prompt,
@@ -218,6 +225,16 @@ pub(crate) struct RecordKey {
     pub sample: u32,
     #[serde(default)]
     pub status: Option<String>,
+    /// A verified record's verdict.
+    #[serde(default)]
+    pub verification: Option<Verdict>,
+}
+
+/// Whether a verified record passed.
+#[derive(Debug, Deserialize)]
+pub(crate) struct Verdict {
+    #[serde(default)]
+    pub passed: bool,
 }
 
 /// The `.done` marker.
@@ -269,6 +286,7 @@ pub async fn run_batch(
     let main_log = AppendLog::create(&run_dir.batch_records_of(batch, &writer_id))?;
     let Existing {
         keys: existing,
+        passed,
         mut summary,
         mean_record_bytes,
     } = existing_records(&run_dir, batch)?;
@@ -304,7 +322,8 @@ pub async fn run_batch(
     let (lines, writer) = spawn_writer(main_log, openai_log);
     let context = BatchContext::new(location, manifest, batch);
     let shared = Arc::new(Shared::new(engine, rows, first_prompt, context));
-    let stop = run_pending(&shared, pending, shutdown, lines, &mut summary, progress).await?;
+    let schedule = Schedule::new(pending, engine.passes_per_prompt, passed);
+    let stop = run_pending(&shared, schedule, shutdown, lines, &mut summary, progress).await?;
     shared.stop_reusing_workspaces();
     let mut removals = std::mem::take(&mut *lock(&shared.removals));
     writer
@@ -415,13 +434,12 @@ impl RecordSender {
 /// more; it returns that error (a configuration error outranks an unreachable server).
 async fn run_pending(
     shared: &Arc<Shared>,
-    pending: Vec<(u64, u32)>,
+    mut pending: Schedule,
     shutdown: &Shutdown,
     lines: RecordSender,
     summary: &mut BatchSummary,
     progress: &(dyn Fn(Progress) + Send + Sync),
 ) -> Result<Option<RunError>, RunError> {
-    let mut pending = pending.into_iter();
     let mut running = JoinSet::new();
     let mut stop: Option<RunError> = None;
     loop {
@@ -432,13 +450,33 @@ async fn run_pending(
             if shutdown.is_triggered() {
                 break;
             }
-            let Some((prompt_index, sample)) = pending.next() else {
-                // No conversation will start any more: idle workspaces can go now, during the
-                // batch's tail, rather than all at its end.
-                shared.stop_reusing_workspaces();
-                break;
-            };
-            spawn_item(&mut running, shared, shutdown, prompt_index, sample);
+            match pending.take_next() {
+                Next::Run(prompt_index, sample) => {
+                    spawn_item(&mut running, shared, shutdown, prompt_index, sample);
+                }
+                Next::Skip(prompt_index, sample) => {
+                    let line = skipped_line(shared, prompt_index, sample);
+                    summary.discarded += 1;
+                    if lines
+                        .lines
+                        .send(Lines {
+                            main: line,
+                            openai: None,
+                        })
+                        .is_err()
+                    {
+                        break;
+                    }
+                    progress(Progress::Finished(ConversationOutcome::Discarded));
+                }
+                Next::Wait => break,
+                Next::Done => {
+                    // No conversation will start any more: idle workspaces can go now, during
+                    // the batch's tail, rather than all at its end.
+                    shared.stop_reusing_workspaces();
+                    break;
+                }
+            }
         }
         let joined = tokio::select! {
             joined = running.join_next() => joined,
@@ -449,13 +487,18 @@ async fn run_pending(
         let Some(joined) = joined else {
             break;
         };
-        let result =
+        let (prompt_index, result) =
             joined.map_err(|err| RunError::Internal(format!("a conversation panicked: {err}")))?;
+        pending.finished(
+            prompt_index,
+            matches!(result, Some(Item::Record { passed: true, .. })),
+        );
         match result {
             Some(Item::Record {
                 outcome,
                 line,
                 openai,
+                ..
             }) => {
                 match outcome {
                     ConversationOutcome::Succeeded => summary.succeeded += 1,
@@ -481,7 +524,7 @@ async fn run_pending(
             None | Some(Item::Stop(_)) => {}
         }
     }
-    if stop.is_none() && shared.circuit.is_open() && pending.len() > 0 {
+    if stop.is_none() && shared.circuit.is_open() && !pending.is_empty() {
         stop = Some(RunError::ModelUnavailable(format!(
             "{} model calls in a row failed, so the batch started no more conversations \
              ({} not started)",
@@ -496,7 +539,7 @@ async fn run_pending(
 /// records) use every core. After a shutdown request it gets the engine's grace period to
 /// finish, then ends without a record (`None`).
 fn spawn_item(
-    running: &mut JoinSet<Option<Item>>,
+    running: &mut JoinSet<(u64, Option<Item>)>,
     shared: &Arc<Shared>,
     shutdown: &Shutdown,
     prompt_index: u64,
@@ -505,10 +548,11 @@ fn spawn_item(
     let (shared, shutdown) = (Arc::clone(shared), shutdown.clone());
     running.spawn(async move {
         let work = run_item(&shared, prompt_index, sample);
-        tokio::select! {
+        let result = tokio::select! {
             result = work => Some(result),
             () = async { shutdown.wait().await; tokio::time::sleep(shared.engine.grace).await } => None,
-        }
+        };
+        (prompt_index, result)
     });
 }
 
@@ -628,6 +672,8 @@ fn read_batch_rows(
 /// What storage holds of a batch when it starts.
 struct Existing {
     keys: HashSet<(u64, u32)>,
+    /// Samples whose verifier passed, by prompt.
+    passed: HashMap<u64, u32>,
     summary: BatchSummary,
     /// Mean size of its record lines, when it has any.
     mean_record_bytes: Option<u64>,
@@ -659,6 +705,7 @@ fn existing_records(run_dir: &RunDir, batch: u32) -> Result<Existing, RunError> 
         (bytes / lines.len()) as u64
     });
     let mut keys: HashMap<(u64, u32), ConversationOutcome> = HashMap::with_capacity(lines.len());
+    let mut passed_keys: HashSet<(u64, u32)> = HashSet::new();
     for (index, &(start, end)) in lines.iter().enumerate() {
         let Ok(key) = serde_json::from_slice::<RecordKey>(&data[start..end]) else {
             let file = files[read.file_of(index)].records.display();
@@ -673,6 +720,13 @@ fn existing_records(run_dir: &RunDir, batch: u32) -> Result<Existing, RunError> 
         keys.entry((key.prompt_index, key.sample))
             .and_modify(|best| *best = (*best).min(outcome))
             .or_insert(outcome);
+        if key.verification.is_some_and(|verdict| verdict.passed) {
+            passed_keys.insert((key.prompt_index, key.sample));
+        }
+    }
+    let mut passed: HashMap<u64, u32> = HashMap::new();
+    for (prompt_index, _) in passed_keys {
+        *passed.entry(prompt_index).or_default() += 1;
     }
     let mut summary = BatchSummary {
         batch,
@@ -687,6 +741,7 @@ fn existing_records(run_dir: &RunDir, batch: u32) -> Result<Existing, RunError> 
     }
     Ok(Existing {
         keys: keys.into_keys().collect(),
+        passed,
         summary,
         mean_record_bytes,
     })
@@ -940,6 +995,8 @@ enum Item {
         outcome: ConversationOutcome,
         line: Vec<u8>,
         openai: Option<Vec<u8>>,
+        /// The row's verifier passed it.
+        passed: bool,
     },
     /// Stop the batch: no other prompt can succeed now.
     Stop(RunError),
@@ -1079,6 +1136,7 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
             outcome: ConversationOutcome::Discarded,
             line,
             openai: None,
+            passed: false,
         };
     }
     let conversation = Verified {
@@ -1187,6 +1245,9 @@ fn trajectory_item(
     started_at: chrono::DateTime<chrono::Utc>,
     finished_at: chrono::DateTime<chrono::Utc>,
 ) -> Item {
+    let passed = verified
+        .verification
+        .is_some_and(|verification| verification.passed);
     let below_reward = match (shared.engine.min_reward, verified.verification) {
         (Some(min_reward), Some(verification)) => verification.reward < min_reward,
         _ => false,
@@ -1215,6 +1276,7 @@ fn trajectory_item(
             outcome: ConversationOutcome::Discarded,
             line,
             openai: None,
+            passed,
         };
     }
     let openai = shared.engine.openai_format.then(|| {
@@ -1226,11 +1288,27 @@ fn trajectory_item(
         outcome: ConversationOutcome::Succeeded,
         line,
         openai,
+        passed,
     }
 }
 
 /// The filter of a verified conversation whose reward is below `spec.filters.minReward`.
 pub const BELOW_REWARD: &str = "below_reward";
+
+/// The record of a (prompt, sample) that was not run because enough samples of its prompt passed
+/// ([`ENOUGH_PASSED`]).
+fn skipped_line(shared: &Shared, prompt_index: u64, sample: u32) -> Vec<u8> {
+    let id = format!("{}-{prompt_index}-{sample}", shared.context.id_prefix);
+    let identity = RecordIdentity {
+        id: &id,
+        prompt_index,
+        sample,
+        batch: shared.context.batch,
+    };
+    let mut line = Vec::new();
+    write_discarded_record(&mut line, &identity, ENOUGH_PASSED, 0, chrono::Utc::now());
+    line
+}
 
 /// The failed record of a (prompt, sample) that started at `started_at`.
 fn failed_item(
@@ -1246,6 +1324,7 @@ fn failed_item(
         outcome: ConversationOutcome::Failed,
         line,
         openai: None,
+        passed: false,
     }
 }
 

@@ -945,6 +945,8 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
         failed: totals.failed,
         bytes,
         skipped_lines,
+        verified: totals.rewards.verified(),
+        passed: totals.rewards.passed(),
     };
     info!(
         trajectories = summary.trajectories,
@@ -1115,7 +1117,22 @@ fn statistics(
     if let Some(task_images) = totals.task_images() {
         statistics["task_images"] = task_images;
     }
-    if let Some(verification) = totals.rewards.summary() {
+    if let Some(mut verification) = totals.rewards.summary() {
+        let not_run = totals
+            .discarded_by
+            .get(super::sampling::ENOUGH_PASSED)
+            .copied()
+            .unwrap_or(0);
+        if not_run > 0 {
+            // What the samples not run would have cost, at the run's mean per trajectory.
+            let per_conversation = (totals.prompt_tokens + totals.completion_tokens)
+                .checked_div(totals.succeeded)
+                .unwrap_or(0);
+            verification["early_stop"] = json!({
+                "samples_not_run": not_run,
+                "tokens_saved_estimate": not_run * per_conversation,
+            });
+        }
         statistics["verification"] = verification;
     }
     statistics

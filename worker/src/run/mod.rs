@@ -11,6 +11,7 @@ pub mod merge;
 pub mod plan;
 pub mod prompt;
 mod rewards;
+pub mod sampling;
 pub mod segments;
 
 use std::path::{Path, PathBuf};

@@ -93,6 +93,16 @@ impl Rewards {
             .add(record.reward, record.passed);
     }
 
+    /// Verified records counted.
+    pub fn verified(&self) -> u64 {
+        self.all.verified
+    }
+
+    /// Of those, the ones that passed.
+    pub fn passed(&self) -> u64 {
+        self.all.passed
+    }
+
     pub fn absorb(&mut self, other: Self) {
         self.all.absorb(other.all);
         self.errors += other.errors;

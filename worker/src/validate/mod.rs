@@ -74,6 +74,16 @@ impl RunSpec {
             "verifier.timeoutSeconds",
             "must be at least 1".to_owned(),
         );
+        if let Some(passes) = verifier.passes_per_prompt {
+            violations.check(
+                (1..=self.samples_per_prompt).contains(&passes),
+                "verifier.passesPerPrompt",
+                format!(
+                    "must be between 1 and samplesPerPrompt ({}), got {passes}",
+                    self.samples_per_prompt
+                ),
+            );
+        }
         violations.check(
             verifier.passing_reward.is_finite(),
             "verifier.passingReward",
@@ -473,6 +483,7 @@ mod tests {
             tests_dir: "tests".into(),
             reward_file: "/reward.txt".into(),
             passing_reward: f64::NAN,
+            passes_per_prompt: Some(2),
             ..crate::spec::VerifierSpec::default()
         });
         spec.filters.min_reward = Some(f64::INFINITY);
@@ -482,6 +493,7 @@ mod tests {
             [
                 "spec.filters.minReward",
                 "spec.verifier.timeoutSeconds",
+                "spec.verifier.passesPerPrompt",
                 "spec.verifier.passingReward",
                 "spec.verifier.testsDir",
                 "spec.verifier.rewardFile"

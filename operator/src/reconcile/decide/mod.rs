@@ -34,7 +34,9 @@ use super::children::{
 use super::observe::{JobState, Observed, ObservedAttempt};
 use super::status::{Merged, Outcome, Planned, Reason, Tally};
 use super::validate::ValidatedRun;
-use crate::api::{BatchCounts, OutputStatus, PendingListStatus, Phase, TrajectoryRunStatus};
+use crate::api::{
+    BatchCounts, OutputStatus, PendingListStatus, Phase, TrajectoryRunStatus, VerificationStatus,
+};
 
 pub mod images;
 
@@ -788,6 +790,10 @@ fn merged(run: &ValidatedRun<'_>, merge: &MergeSummary) -> Merged {
         succeeded: merge.trajectories,
         discarded: merge.discarded,
         failed: merge.failed,
+        verification: (merge.verified > 0).then_some(VerificationStatus {
+            verified: merge.verified,
+            passed: merge.passed,
+        }),
         output: OutputStatus {
             path: run.output_path.clone(),
             trajectories: merge.trajectories,
