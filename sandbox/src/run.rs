@@ -101,7 +101,7 @@ const SYSTEM_READ_ONLY: [&str; 12] = [
 
 /// Top-level directories never readable through [`ImageFiles::ReadableExcept`]: Kubernetes
 /// mounts a pod's `ServiceAccount` token and Secrets under them.
-const NEVER_READABLE: [&str; 2] = ["/run", "/var"];
+pub(crate) const NEVER_READABLE: [&str; 2] = ["/run", "/var"];
 
 /// The kernel's interfaces: read as system paths, never opened for writing as an image's files
 /// are in a task container.

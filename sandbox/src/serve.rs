@@ -40,7 +40,7 @@ use nix::sys::signalfd::SignalFd;
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Pid, getpgid};
 
-use crate::protocol::{self, Line, SessionRequest};
+use crate::protocol::{self, Line, SessionRequest, VerifierStep};
 use crate::session::write_frame;
 use crate::{ImageFiles, REFUSED_EXIT, REFUSED_PREFIX};
 
@@ -241,6 +241,48 @@ struct Places {
 impl Places {
     /// The directory a request's `workspace` names: one under the workspace root; in a task
     /// container, any directory but the private ones, and the empty name is the start directory.
+    /// In a task container, makes the top-level directories of a verifier's directories that the
+    /// image lacks (`/tests`, `/logs`), which its confined executor could not: Landlock opens
+    /// the entries of `/` to it, not `/` itself. Only a missing name directly under `/` is
+    /// made, and nothing of the model's can be there (its commands cannot make entries in `/`
+    /// either). A directory the sandbox keeps private is refused.
+    fn verifier_dirs(&self, step: &VerifierStep) -> Result<(), String> {
+        let VerifierStep::Prepare { fresh, .. } = step else {
+            return Ok(());
+        };
+        if !self.image_files.is_task_container() {
+            return Ok(());
+        }
+        for dir in fresh {
+            let Some(top) = Path::new(dir)
+                .components()
+                .nth(1)
+                .map(|name| Path::new("/").join(name))
+            else {
+                continue;
+            };
+            let private = self
+                .image_files
+                .private()
+                .iter()
+                .map(PathBuf::as_path)
+                .chain(crate::run::NEVER_READABLE.iter().map(Path::new))
+                .any(|private| private.components().nth(1) == top.components().nth(1));
+            if private {
+                return Err(format!(
+                    "the verifier's directory {dir} lies in {}, which the sandbox keeps private",
+                    top.display()
+                ));
+            }
+            match std::fs::create_dir(&top) {
+                Ok(()) => {}
+                Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(err) => return Err(format!("cannot make {}: {err}", top.display())),
+            }
+        }
+        Ok(())
+    }
+
     fn workspace(&self, requested: &str) -> Result<PathBuf, String> {
         if !self.image_files.is_task_container() {
             return resolve_workspace(&self.workspace_root, requested);
@@ -384,17 +426,20 @@ fn connection(mut stream: UnixStream, places: &Places, executors: &Shared) {
             let call = serde_json::to_vec(&request).map_err(|err| format!("file call: {err}"))?;
             start(command, Some(&call), executors)
         }),
-        Ok(Line::Verifier(request)) => places.workspace(&request.workspace).and_then(|workspace| {
-            let command = crate::verifier::command(
-                &places.executor,
-                &workspace,
-                request.landlock,
-                &places.image_files,
-            );
-            let step =
-                serde_json::to_vec(&request).map_err(|err| format!("verifier step: {err}"))?;
-            start(command, Some(&step), executors)
-        }),
+        Ok(Line::Verifier(request)) => places
+            .verifier_dirs(&request.step)
+            .and_then(|()| places.workspace(&request.workspace))
+            .and_then(|workspace| {
+                let command = crate::verifier::command(
+                    &places.executor,
+                    &workspace,
+                    request.landlock,
+                    &places.image_files,
+                );
+                let step =
+                    serde_json::to_vec(&request).map_err(|err| format!("verifier step: {err}"))?;
+                start(command, Some(&step), executors)
+            }),
         Err(message) => Err(message),
     };
     let code = match outcome {

@@ -80,8 +80,10 @@ pub fn step(workspace: &Path, step: &VerifierStep) -> Result<Value, String> {
     }
 }
 
-/// Removes whatever is at `path` (a link is removed, not followed) and makes it an empty
-/// directory, replacing any ancestor that is not a directory.
+/// Makes `path` an empty directory: a directory is emptied (not removed: a top-level one of a
+/// task container cannot be made again under Landlock), anything else there (a file, a link,
+/// which is removed, not followed) replaced; an ancestor that is not a directory is replaced
+/// too.
 fn replace_with_empty_dir(path: &Path) -> Result<(), String> {
     if path.parent().is_none() {
         return Err(format!("{} cannot be made afresh", path.display()));
@@ -96,7 +98,7 @@ fn replace_with_empty_dir(path: &Path) -> Result<(), String> {
         }
     }
     let removed = match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(path),
+        Ok(meta) if meta.is_dir() => empty(path),
         Ok(_) => std::fs::remove_file(path),
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(err) => Err(err),
@@ -104,6 +106,19 @@ fn replace_with_empty_dir(path: &Path) -> Result<(), String> {
     removed
         .and_then(|()| std::fs::create_dir_all(path))
         .map_err(|err| format!("cannot make {} afresh: {err}", path.display()))
+}
+
+/// Removes everything in the directory `dir` (links removed, not followed).
+fn empty(dir: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            std::fs::remove_dir_all(entry.path())?;
+        } else {
+            std::fs::remove_file(entry.path())?;
+        }
+    }
+    Ok(())
 }
 
 /// Unpacks `encoded` (base64 of a tar archive, gzipped or not) into `dir`.

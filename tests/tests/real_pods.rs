@@ -757,9 +757,11 @@ fn tests_tar_of(script: &str) -> String {
 /// Rows verified in their own task containers (the glibc task image, its repository at
 /// `/testbed`), and one in the run's one image: the model fixes one task and not another (a plain
 /// `test` command, rewards 1 and 0); a terminal-bench row's tests arrive as a tar whose script
-/// writes `/logs/verifier/reward.txt` (reward 1); a cheating model writes that file itself,
-/// replaces `/tests/test.sh` and leaves a job rewriting the reward, yet its verifier fails (reward
-/// 0); a row without an image is verified in its workspace in the sandbox container (reward 1).
+/// writes `/logs/verifier/reward.txt` (reward 1: the image has neither `/tests` nor `/logs`,
+/// which the container's server makes for the verifier); a cheating model tries to write that
+/// file itself and to replace `/tests/test.sh` (its commands cannot make directories in `/`) and
+/// leaves a job rewriting the reward, yet its verifier fails (reward 0); a row without an image is
+/// verified in its workspace in the sandbox container (reward 1).
 /// Two model requests a conversation: verifying asked the model nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rows_are_verified_in_their_own_task_containers_and_a_cheat_does_not_pay() {
@@ -792,9 +794,9 @@ async fn rows_are_verified_in_their_own_task_containers_and_a_cheat_does_not_pay
                 (
                     "terminal",
                     Value::String(
-                        json!({"command": "mkdir -p /logs/verifier /tests && \
-                                echo 1 > /logs/verifier/reward.txt && \
-                                printf 'exit 0' > /tests/test.sh && echo cheated"})
+                        json!({"command": "mkdir -p /logs/verifier /tests; \
+                                echo 1 > /logs/verifier/reward.txt; \
+                                printf 'exit 0' > /tests/test.sh; echo cheated"})
                         .to_string(),
                     ),
                 ),
@@ -853,6 +855,15 @@ async fn rows_are_verified_in_their_own_task_containers_and_a_cheat_does_not_pay
         serde_json::from_slice(&std::fs::read(dir.join("statistics.json")).unwrap()).unwrap();
     assert_eq!(statistics["verification"]["verified"], 5);
     assert_eq!(statistics["verification"]["passed"], 3);
+    assert_eq!(
+        run.status
+            .as_ref()
+            .and_then(|status| status.verification.clone()),
+        Some(trajectory_operator::api::VerificationStatus {
+            verified: 5,
+            passed: 3
+        })
+    );
     assert_two_requests_per_conversation(&model, 5);
 }
 

@@ -398,6 +398,79 @@ async fn a_real_model_uses_the_terminal_and_its_results_have_the_references_shap
     );
 }
 
+/// A verified run end to end on the real model: two rows, one with a plain `test` command and
+/// one in terminal-bench's form (`tests_tar` and `test_sh`), each verified in the workspace its
+/// conversation left. The small model will seldom solve them, so the rewards are not asserted:
+/// that each record carries a reward its verifier gave, and the statistics count both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_model_run_is_verified_end_to_end() {
+    use base64::Engine as _;
+    let tests = tempfile::tempdir().unwrap();
+    std::fs::write(
+        tests.path().join("test.sh"),
+        "test -d work && echo 1 > \"$REWARD_FILE\" || echo 0 > \"$REWARD_FILE\"",
+    )
+    .unwrap();
+    let tar = std::process::Command::new("tar")
+        .arg("-czf")
+        .arg("-")
+        .arg("-C")
+        .arg(tests.path())
+        .arg("test.sh")
+        .output()
+        .expect("tar runs");
+    assert!(tar.status.success(), "{tar:?}");
+    let rows = [
+        serde_json::json!({"prompt": "Create a file named hello.txt that contains hello.",
+                           "test": "grep -q hello hello.txt"}),
+        serde_json::json!({"prompt": "Make a directory named work.",
+                           "tests_tar": base64::engine::general_purpose::STANDARD.encode(tar.stdout)}),
+    ];
+    let lines: Vec<String> = rows.iter().map(Value::to_string).collect();
+    let fixture = common::RunFixture::with_lines(&model_server(), &lines)
+        .with("/distribution", serde_json::json!("terminal_only"))
+        .with("/concurrency", serde_json::json!(1))
+        .with(
+            "/model",
+            serde_json::json!({
+                "baseUrl": model_server(), "name": model_name(), "maxTokens": 128,
+                "temperature": 0.0, "requestTimeoutSeconds": 300,
+                "extraBody": {"tool_choice": {"type": "function", "function": {"name": "terminal"}}},
+            }),
+        )
+        .with(
+            "/agent",
+            serde_json::json!({"maxTurns": 2, "promptTimeoutSeconds": 900}),
+        )
+        .with("/verifier", serde_json::json!({"timeoutSeconds": 30}));
+    let report = run_local(&common::local_options(&fixture), &common::no_shutdown())
+        .await
+        .expect("the run finishes");
+    assert_eq!(
+        report.merge.trajectories,
+        2,
+        "{:?}",
+        fixture.lines("failures.jsonl")
+    );
+    for record in fixture.lines("trajectories.jsonl") {
+        assert_valid_record(&record);
+        // The rewards these verifiers give: 1 from exit 0 or the script's `1`, 0 otherwise.
+        let passed = match record["reward"].as_f64() {
+            Some(reward) if reward >= 1.0 => true,
+            Some(reward) if reward <= 0.0 => false,
+            _ => panic!("a reward of 0 or 1: {record}"),
+        };
+        let verification = &record["verification"];
+        assert_eq!(verification["error"], Value::Null, "{verification}");
+        assert!(verification["exit_code"].is_i64(), "{verification}");
+        assert_eq!(verification["passed"], passed);
+    }
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    assert_eq!(statistics["verification"]["verified"], 2, "{statistics}");
+}
+
 /// Whether `content`, the result of `tool`, has one of the shapes hermes-agent 0.19.0's tool
 /// returns: the keys of one of them (the optional ones aside), with their types.
 fn assert_reference_shape(tool: &str, content: &Value) {

@@ -7,11 +7,16 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use common::{RunFixture, local_options, no_shutdown};
+use common::{
+    RunFixture, assert_batch_whole_lines, keys, local_options, no_shutdown, spawn_worker, worker,
+};
 use serde_json::{Value, json};
-use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_calls_reply};
+use trajectory_testkit::scripted_server::{
+    FixedLatency, ScriptedServer, Step, text_reply, tool_calls_reply,
+};
 use trajectory_worker::run::local::run_local;
 
 /// Base64 of a gzipped tar of `files` (name, text), made by the system's `tar`, as
@@ -285,4 +290,77 @@ async fn sampling_a_prompt_stops_once_enough_samples_passed_and_the_rest_are_rec
         3
     );
     assert_eq!(statistics["verification"]["passed"], 1);
+}
+
+/// A batch whose conversations spend most of their time in their verifier, killed (`SIGKILL`) at
+/// random points until it finishes: every (prompt, sample) ends with exactly one record, verified
+/// once (its reward and verdict in it), and the model was asked at most for the conversations
+/// that finished plus those each kill cut short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_killed_while_verifying_ends_with_one_verified_record_per_key() {
+    const PROMPTS: u64 = 12;
+    const CONCURRENCY: u64 = 3;
+    let server = ScriptedServer::start_fixed_latency(FixedLatency {
+        latency: Duration::from_millis(10),
+        tool_call: tool_calls_reply(&[(
+            "terminal",
+            Value::String(json!({"command": "echo 42 > answer.txt"}).to_string()),
+        )]),
+        final_answer: text_reply("done"),
+    })
+    .await;
+    let lines: Vec<String> = (0..PROMPTS)
+        .map(|i| {
+            json!({"prompt": format!("task {i}"),
+                   "test": "sleep 0.4; test \"$(cat answer.txt)\" = 42"})
+            .to_string()
+        })
+        .collect();
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/batchSize", json!(PROMPTS))
+        .with("/concurrency", json!(CONCURRENCY));
+    assert!(worker(&fixture, &["plan"]).await.success());
+    let seed = u64::from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos(),
+    );
+    eprintln!("kill schedule seed: {seed}");
+    let mut delays = (0..).map(|kill: u64| 150 + (seed.wrapping_add(kill * 7919) % 450));
+    let (mut kills, started) = (0, Instant::now());
+    loop {
+        let mut child = spawn_worker(&fixture, &["batch", "0"]);
+        tokio::time::sleep(Duration::from_millis(delays.next().unwrap())).await;
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "batch exited with {status}");
+            break;
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        kills += 1;
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "the batch never finished"
+        );
+        assert_batch_whole_lines(&fixture, 0, true);
+    }
+    assert!(kills >= 3, "only {kills} kills: resume was not exercised");
+    assert!(worker(&fixture, &["merge"]).await.success());
+    let records = fixture.lines("trajectories.jsonl");
+    assert_eq!(
+        keys(&records),
+        (0..PROMPTS).map(|i| (i, 0)).collect::<Vec<_>>()
+    );
+    for record in &records {
+        assert_eq!(record["reward"], 1.0, "{record}");
+        assert_eq!(record["verification"]["passed"], true, "{record}");
+    }
+    // Two requests a conversation; a kill cuts at most the conversations in flight short.
+    let requests = server.request_count() as u64;
+    let bound = 2 * (PROMPTS + kills * CONCURRENCY);
+    assert!(
+        requests >= 2 * PROMPTS && requests <= bound,
+        "{requests} model requests for {PROMPTS} conversations and {kills} kills (bound {bound})"
+    );
 }
