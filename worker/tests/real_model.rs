@@ -189,19 +189,11 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
 async fn a_real_model_searches_the_web_and_its_record_holds_a_real_searx_result() {
     let docs = local_servers::DocsServer::start(local_servers::PYTHON_DOCS.as_ref());
     let searx = web_servers::Searx::start(&docs);
-    let fixture = common::RunFixture::with_lines(
-        &model_server(),
+    let fixture = fixture_calling(
+        "web_search",
+        "minimal",
         &[serde_json::json!({ "prompt": "subprocess" }).to_string()],
-    )
-    .with("/distribution", serde_json::json!("minimal"))
-    .with("/concurrency", serde_json::json!(1))
-    .with(
-        "/model",
-        serde_json::json!({
-            "baseUrl": model_server(), "name": model_name(), "maxTokens": 128,
-            "temperature": 0.0, "requestTimeoutSeconds": 300,
-            "extraBody": {"tool_choice": {"type": "function", "function": {"name": "web_search"}}},
-        }),
+        1,
     )
     .with(
         "/agent",
@@ -309,26 +301,14 @@ fn assert_valid_record(record: &Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_model_uses_the_terminal_and_its_results_have_the_references_shapes() {
     let tools_spec = serde_json::json!({"terminal": {"timeoutSeconds": 30}});
-    let fixture = common::RunFixture::with_lines(
-        &model_server(),
+    let fixture = fixture_calling(
+        "terminal",
+        "terminal_only",
         &[serde_json::json!({
             "prompt": "Make a directory named work, change into it, and print the working directory."
         })
         .to_string()],
-    )
-    .with("/distribution", serde_json::json!("terminal_only"))
-    .with("/concurrency", serde_json::json!(1))
-    .with(
-        "/model",
-        serde_json::json!({
-            "baseUrl": model_server(), "name": model_name(), "maxTokens": 128,
-            "temperature": 0.0, "requestTimeoutSeconds": 300,
-            "extraBody": {"tool_choice": {"type": "function", "function": {"name": "terminal"}}},
-        }),
-    )
-    .with(
-        "/agent",
-        serde_json::json!({"maxTurns": 3, "promptTimeoutSeconds": 900}),
+        3,
     )
     .with("/tools", tools_spec.clone());
     let report = run_local(&common::local_options(&fixture), &common::no_shutdown())
@@ -398,6 +378,32 @@ async fn a_real_model_uses_the_terminal_and_its_results_have_the_references_shap
     );
 }
 
+/// A run of `lines` on the real model with `distribution`, one conversation at a time, at most
+/// `max_turns` tool-calling turns, in which `spec.model.extraBody` makes the small model call
+/// `tool` (`tool_choice`, a grammar in llama.cpp): unasked, it seldom calls a tool at all.
+fn fixture_calling(
+    tool: &str,
+    distribution: &str,
+    lines: &[String],
+    max_turns: u32,
+) -> common::RunFixture {
+    common::RunFixture::with_lines(&model_server(), lines)
+        .with("/distribution", serde_json::json!(distribution))
+        .with("/concurrency", serde_json::json!(1))
+        .with(
+            "/model",
+            serde_json::json!({
+                "baseUrl": model_server(), "name": model_name(), "maxTokens": 128,
+                "temperature": 0.0, "requestTimeoutSeconds": 300,
+                "extraBody": {"tool_choice": {"type": "function", "function": {"name": tool}}},
+            }),
+        )
+        .with(
+            "/agent",
+            serde_json::json!({"maxTurns": max_turns, "promptTimeoutSeconds": 900}),
+        )
+}
+
 /// A verified run end to end on the real model: two rows, one with a plain `test` command and
 /// one in terminal-bench's form (`tests_tar` and `test_sh`), each verified in the workspace its
 /// conversation left. The small model will seldom solve them, so the rewards are not asserted:
@@ -427,21 +433,7 @@ async fn a_real_model_run_is_verified_end_to_end() {
                            "tests_tar": base64::engine::general_purpose::STANDARD.encode(tar.stdout)}),
     ];
     let lines: Vec<String> = rows.iter().map(Value::to_string).collect();
-    let fixture = common::RunFixture::with_lines(&model_server(), &lines)
-        .with("/distribution", serde_json::json!("terminal_only"))
-        .with("/concurrency", serde_json::json!(1))
-        .with(
-            "/model",
-            serde_json::json!({
-                "baseUrl": model_server(), "name": model_name(), "maxTokens": 128,
-                "temperature": 0.0, "requestTimeoutSeconds": 300,
-                "extraBody": {"tool_choice": {"type": "function", "function": {"name": "terminal"}}},
-            }),
-        )
-        .with(
-            "/agent",
-            serde_json::json!({"maxTurns": 2, "promptTimeoutSeconds": 900}),
-        )
+    let fixture = fixture_calling("terminal", "terminal_only", &lines, 2)
         .with("/verifier", serde_json::json!({"timeoutSeconds": 30}));
     let report = run_local(&common::local_options(&fixture), &common::no_shutdown())
         .await

@@ -6,11 +6,11 @@ mod common;
 
 use std::collections::HashSet;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{
-    RunFixture, WORKER, assert_batch_whole_lines, assert_whole_lines, keys, local_options,
-    no_shutdown, signal_after, spawn_worker, terminal_server, wait, worker,
+    RunFixture, WORKER, assert_batch_whole_lines, assert_whole_lines, keys, kill_batch_until_done,
+    local_options, no_shutdown, signal_after, spawn_worker, terminal_server, wait, worker,
 };
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
@@ -609,25 +609,8 @@ async fn a_batch_killed_at_random_points_ends_with_every_prompt_exactly_once() {
     assert!(worker(&fixture, &["plan"]).await.success());
     let mut rng = Lcg::from_time();
     eprintln!("kill schedule seed: {}", rng.0);
-    let mut kills = 0;
-    let started = Instant::now();
-    loop {
-        let mut child = spawn_worker(&fixture, &["batch", "0"]);
-        let delay = Duration::from_millis(50 + rng.next() % 300);
-        tokio::time::sleep(delay).await;
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(status.success(), "batch exited with {status}");
-            break;
-        }
-        child.kill().unwrap();
-        child.wait().unwrap();
-        kills += 1;
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "the batch never finished"
-        );
-        assert_batch_whole_lines(&fixture, 0, true);
-    }
+    let delays = std::iter::repeat_with(|| Duration::from_millis(50 + rng.next() % 300));
+    let kills = kill_batch_until_done(&fixture, delays, Duration::from_secs(120)).await;
     assert!(
         kills >= 3,
         "only {kills} kills: the schedule did not exercise resume"

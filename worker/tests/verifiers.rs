@@ -7,12 +7,10 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use base64::Engine as _;
-use common::{
-    RunFixture, assert_batch_whole_lines, keys, local_options, no_shutdown, spawn_worker, worker,
-};
+use common::{RunFixture, keys, kill_batch_until_done, local_options, no_shutdown, worker};
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, text_reply, tool_calls_reply,
@@ -327,24 +325,9 @@ async fn a_batch_killed_while_verifying_ends_with_one_verified_record_per_key() 
             .subsec_nanos(),
     );
     eprintln!("kill schedule seed: {seed}");
-    let mut delays = (0..).map(|kill: u64| 150 + (seed.wrapping_add(kill * 7919) % 450));
-    let (mut kills, started) = (0, Instant::now());
-    loop {
-        let mut child = spawn_worker(&fixture, &["batch", "0"]);
-        tokio::time::sleep(Duration::from_millis(delays.next().unwrap())).await;
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(status.success(), "batch exited with {status}");
-            break;
-        }
-        child.kill().unwrap();
-        child.wait().unwrap();
-        kills += 1;
-        assert!(
-            started.elapsed() < Duration::from_secs(180),
-            "the batch never finished"
-        );
-        assert_batch_whole_lines(&fixture, 0, true);
-    }
+    let delays =
+        (0..).map(|kill: u64| Duration::from_millis(150 + seed.wrapping_add(kill * 7919) % 450));
+    let kills = u64::from(kill_batch_until_done(&fixture, delays, Duration::from_secs(180)).await);
     assert!(kills >= 3, "only {kills} kills: resume was not exercised");
     assert!(worker(&fixture, &["merge"]).await.success());
     let records = fixture.lines("trajectories.jsonl");

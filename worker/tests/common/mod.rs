@@ -317,6 +317,31 @@ pub async fn signal_after(
     wait(child).await
 }
 
+/// Runs `batch 0` of the fixture in the worker binary and `SIGKILL`s it after each of
+/// `delays` until one run finishes (successfully, or the test fails), checking after each kill
+/// that the batch's files hold whole lines only. Returns the number of kills; fails the test when
+/// the batch has not finished within `within`.
+pub async fn kill_batch_until_done(
+    fixture: &RunFixture,
+    mut delays: impl Iterator<Item = Duration>,
+    within: Duration,
+) -> u32 {
+    let (mut kills, started) = (0, std::time::Instant::now());
+    loop {
+        let mut child = spawn_worker(fixture, &["batch", "0"]);
+        tokio::time::sleep(delays.next().expect("a delay for every attempt")).await;
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "batch exited with {status}");
+            return kills;
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        kills += 1;
+        assert!(started.elapsed() < within, "the batch never finished");
+        assert_batch_whole_lines(fixture, 0, true);
+    }
+}
+
 /// A server that answers each conversation with one terminal call, then a final answer.
 pub async fn terminal_server(latency: Duration) -> ScriptedServer {
     ScriptedServer::start_fixed_latency(FixedLatency {
