@@ -3,7 +3,8 @@
 # images made without Docker (crane append and mutate, from files of this machine), each with a
 # marker file naming it (/task/marker) and a working directory of its own:
 #   REGISTRY/tasks/glibc:1    bash, dash and coreutils from this Debian with their glibc libraries;
-#                             WORKDIR /testbed (a SWE-style repository: /testbed/README.md)
+#                             WORKDIR /testbed (a SWE-style repository: README.md, add.sh with a
+#                             bug, and test_add.sh, which fails until the bug is fixed)
 #   REGISTRY/tasks/busybox:1  the node's busybox image (scripts/cluster/node-images.sh), musl-free
 #                             static busybox; WORKDIR /work
 #   REGISTRY/tasks/noshell:1  no shell and no program at all; WORKDIR /data
@@ -77,6 +78,9 @@ build_layers() {
 	printf 'root:x:0:\n' >"${root}/etc/group"
 	echo glibc >"${root}/task/marker"
 	printf '# testbed\nA repository at /testbed, as in SWE-bench images.\n' >"${root}/testbed/README.md"
+	# Its code has a bug that its test finds: the verified-trajectory tests fix it, or not.
+	printf '#!/bin/bash\n# Prints the sum of its two arguments.\necho $(($1 - $2))\n' >"${root}/testbed/add.sh"
+	printf '#!/bin/bash\ntest "$(bash add.sh 2 3)" = 5\n' >"${root}/testbed/test_add.sh"
 	layer "${work}/glibc.tar" "${root}"
 
 	root="${work}/busybox-task"

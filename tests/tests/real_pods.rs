@@ -754,29 +754,34 @@ fn tests_tar_of(script: &str) -> String {
     String::from_utf8(output.stdout).unwrap()
 }
 
-/// Rows verified in their own task containers (the glibc task image, its repository at
-/// `/testbed`), and one in the run's one image: the model fixes one task and not another (a plain
-/// `test` command, rewards 1 and 0); a terminal-bench row's tests arrive as a tar whose script
-/// writes `/logs/verifier/reward.txt` (reward 1: the image has neither `/tests` nor `/logs`,
-/// which the container's server makes for the verifier); a cheating model tries to write that
-/// file itself and to replace `/tests/test.sh` (its commands cannot make directories in `/`) and
-/// leaves a job rewriting the reward, yet its verifier fails (reward 0); a row without an image is
-/// verified in its workspace in the sandbox container (reward 1).
-/// Two model requests a conversation: verifying asked the model nothing.
+/// Rows verified in their own task containers, pulled from the registry: the glibc task image's
+/// repository at `/testbed`, whose `add.sh` has a bug that its `test_add.sh` finds. The model fixes
+/// the bug in one task and breaks it otherwise in another (a plain `test` command: rewards 1 and
+/// 0); a terminal-bench row's tests arrive as a tar whose script writes
+/// `/logs/verifier/reward.txt` (reward 1: the image has neither `/tests` nor `/logs`, which the
+/// container's server makes for the verifier); a cheating model tries to write that reward and
+/// the tests itself (its commands cannot make directories in `/`), rewrites the repository's own
+/// test, and leaves a job rewriting the reward, yet its verifier fails (reward 0); a verifier that
+/// runs past its timeout and one whose command is not there give reward 0 with the reason; a row
+/// without an image is verified in its workspace in the sandbox container (reward 1). Two model
+/// requests a conversation: verifying asked the model nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rows_are_verified_in_their_own_task_containers_and_a_cheat_does_not_pay() {
     let setup = Setup::new("pods-verified").await;
     let registry = trajectory_tests::real_pods::registry(trajectory_tests::real_pods::HOW_TO_RUN);
     let glibc = format!("{registry}/tasks/glibc:1");
-    let check = r#"test "$(cat /testbed/answer)" = 42"#;
-    let terminal_bench = r#"test "$(cat /testbed/answer)" = 42 && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt"#;
+    let terminal_bench = "test \"$(bash /testbed/add.sh 2 3)\" = 5 \
+                          && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt";
     let rows = [
-        json!({"prompt": "task number 0", "image": glibc, "test": check}),
-        json!({"prompt": "task number 1", "docker_image": glibc, "test": check}),
+        json!({"prompt": "task number 0", "image": glibc, "test": "bash test_add.sh"}),
+        json!({"prompt": "task number 1", "docker_image": glibc, "test": "bash test_add.sh"}),
         json!({"prompt": "task number 2", "image": glibc,
                "tests_tar": tests_tar_of(terminal_bench), "test_sh": "bash /tests/check.sh"}),
-        json!({"prompt": "task number 3", "image": glibc, "test_sh": "sleep 1; exit 1"}),
+        json!({"prompt": "task number 3", "image": glibc,
+               "tests_tar": tests_tar_of(terminal_bench), "test_sh": "sleep 1; bash /tests/check.sh"}),
         json!({"prompt": "task number 4", "test": r#"test "$(cat answer)" = 42"#}),
+        json!({"prompt": "task number 5", "image": glibc, "test": "sleep 30"}),
+        json!({"prompt": "task number 6", "image": glibc, "verify": "./run_tests.sh"}),
     ];
     let dataset = tempfile::tempdir().unwrap();
     let file = dataset.path().join("verified.jsonl");
@@ -788,15 +793,16 @@ async fn rows_are_verified_in_their_own_task_containers_and_a_cheat_does_not_pay
             return text_reply("done");
         }
         match seen.task {
-            0 | 2 => terminal_call("echo 42 > /testbed/answer"),
-            1 => terminal_call("echo 41 > /testbed/answer"),
+            0 | 2 => terminal_call("sed -i 's/\\$1 - \\$2/$1 + $2/' /testbed/add.sh"),
+            1 => terminal_call("sed -i 's/\\$1 - \\$2/$1 * $2/' /testbed/add.sh"),
             3 => tool_calls_reply(&[
                 (
                     "terminal",
                     Value::String(
                         json!({"command": "mkdir -p /logs/verifier /tests; \
                                 echo 1 > /logs/verifier/reward.txt; \
-                                printf 'exit 0' > /tests/test.sh; echo cheated"})
+                                printf 'exit 0' > /tests/check.sh; \
+                                printf 'exit 0' > /testbed/test_add.sh; echo cheated"})
                         .to_string(),
                     ),
                 ),
@@ -810,22 +816,39 @@ async fn rows_are_verified_in_their_own_task_containers_and_a_cheat_does_not_pay
                     ),
                 ),
             ]),
-            _ => terminal_call("echo 42 > answer"),
+            4 => terminal_call("echo 42 > answer"),
+            _ => terminal_call("true"),
         }
     })
     .await;
     let spec = json!({
         "dataset": {"path": "datasets/verified.jsonl"},
         "batchSize": 2, "workers": 2, "concurrency": 2,
-        "verifier": {"timeoutSeconds": 60},
+        "verifier": {"timeoutSeconds": 5},
     });
     setup.create_scripted("verified", &url, 0, &spec).await;
     let run = setup.finished("verified", Duration::from_secs(300)).await;
     assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
     let dir = setup.storage.run_dir(setup.ns(), "verified");
+    check_verified_records(&dir);
+    assert_eq!(
+        run.status
+            .as_ref()
+            .and_then(|status| status.verification.clone()),
+        Some(trajectory_operator::api::VerificationStatus {
+            verified: 7,
+            passed: 3
+        })
+    );
+    assert_two_requests_per_conversation(&model, 7);
+}
+
+/// The records of [`rows_are_verified_in_their_own_task_containers_and_a_cheat_does_not_pay`]:
+/// each row's reward, exit code and error, and the statistics' counts.
+fn check_verified_records(dir: &Path) {
     let records = jsonl_lines(&dir.join("trajectories.jsonl"));
-    assert_eq!(records.len(), 5, "{records:#?}");
-    let rewards: Vec<(Value, Value, Value)> = records
+    assert_eq!(records.len(), 7, "{records:#?}");
+    let outcomes: Vec<(Value, Value, Value)> = records
         .iter()
         .map(|record| {
             (
@@ -835,16 +858,34 @@ async fn rows_are_verified_in_their_own_task_containers_and_a_cheat_does_not_pay
             )
         })
         .collect();
+    let clean = |reward: f64, code: i32| (json!(reward), json!(code), Value::Null);
     assert_eq!(
-        rewards,
+        outcomes[..5],
         [
-            (json!(1.0), json!(0), Value::Null),
-            (json!(0.0), json!(1), Value::Null),
-            (json!(1.0), json!(0), Value::Null),
-            (json!(0.0), json!(1), Value::Null),
-            (json!(1.0), json!(0), Value::Null),
+            clean(1.0, 0),
+            clean(0.0, 1),
+            clean(1.0, 0),
+            clean(0.0, 0),
+            clean(1.0, 0)
         ],
         "{records:#?}"
+    );
+    assert_eq!(
+        outcomes[5],
+        (
+            json!(0.0),
+            Value::Null,
+            json!("the verifier did not finish within 5 s and was stopped")
+        )
+    );
+    assert_eq!((&outcomes[6].0, &outcomes[6].1), (&json!(0.0), &json!(127)));
+    assert!(
+        outcomes[6]
+            .2
+            .as_str()
+            .is_some_and(|error| error.contains("not found")),
+        "{:?}",
+        outcomes[6]
     );
     let cheat_turns = records[3]["conversations"].to_string();
     assert!(
@@ -853,18 +894,9 @@ async fn rows_are_verified_in_their_own_task_containers_and_a_cheat_does_not_pay
     );
     let statistics: Value =
         serde_json::from_slice(&std::fs::read(dir.join("statistics.json")).unwrap()).unwrap();
-    assert_eq!(statistics["verification"]["verified"], 5);
+    assert_eq!(statistics["verification"]["verified"], 7);
     assert_eq!(statistics["verification"]["passed"], 3);
-    assert_eq!(
-        run.status
-            .as_ref()
-            .and_then(|status| status.verification.clone()),
-        Some(trajectory_operator::api::VerificationStatus {
-            verified: 5,
-            passed: 3
-        })
-    );
-    assert_two_requests_per_conversation(&model, 5);
+    assert_eq!(statistics["verification"]["verifier_errors"], 2);
 }
 
 /// Writes `rows` as `datasets/rows.jsonl` (prompts `row <i>`, the image in `image` or

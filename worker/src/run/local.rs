@@ -305,6 +305,13 @@ pub fn render_report(report: &LocalReport) -> String {
     let _ = writeln!(out, "  trajectories   {:>8}", merge.trajectories);
     let _ = writeln!(out, "  discarded      {:>8}", merge.discarded);
     let _ = writeln!(out, "  failed         {:>8}", merge.failed);
+    if merge.verified > 0 {
+        let _ = writeln!(
+            out,
+            "  verified       {:>8}   (passed: {})",
+            merge.verified, merge.passed
+        );
+    }
     let statistics = std::fs::read(report.run_dir.join("statistics.json"))
         .ok()
         .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok());

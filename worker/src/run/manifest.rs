@@ -203,6 +203,11 @@ pub fn spec_hash(spec: &RunSpec) -> String {
     if !spec.tools.http.is_empty() {
         generating["httpTools"] = serde_json::to_value(&spec.tools.http).unwrap_or_default();
     }
+    // The verifier decides each record's reward and, with `passesPerPrompt`, which samples run;
+    // added only when set, as above.
+    if let Some(verifier) = &spec.verifier {
+        generating["verifier"] = serde_json::to_value(verifier).unwrap_or_default();
+    }
     let hash = blake3::hash(generating.to_string().as_bytes());
     format!("blake3:{}", &hash.to_hex()[..32])
 }
@@ -258,5 +263,14 @@ mod tests {
         let mut changed = spec();
         changed.model.name = "other".into();
         assert_ne!(base, spec_hash(&changed));
+        let mut changed = spec();
+        changed.filters.min_reward = Some(1.0);
+        assert_ne!(base, spec_hash(&changed));
+        let mut verified = spec();
+        verified.verifier = Some(crate::spec::VerifierSpec::default());
+        assert_ne!(base, spec_hash(&verified));
+        let mut changed = verified.clone();
+        changed.verifier.as_mut().unwrap().passes_per_prompt = Some(1);
+        assert_ne!(spec_hash(&verified), spec_hash(&changed));
     }
 }
