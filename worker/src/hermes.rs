@@ -604,13 +604,14 @@ pub struct Failure<'a> {
 }
 
 /// The record of a (prompt, sample) that failed, written as one line of Python-style JSON into
-/// `out`.
+/// `out`. A conversation that ran out of time is still verified (its changes are there): its
+/// record then carries `reward` and `verification` as a trajectory's would.
 pub fn write_failed_record(
     out: &mut Vec<u8>,
     identity: &RecordIdentity<'_>,
     failure: Failure<'_>,
-    started_at: chrono::DateTime<chrono::Utc>,
-    finished_at: chrono::DateTime<chrono::Utc>,
+    verification: Option<&Verification>,
+    (started_at, finished_at): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>),
 ) {
     /// Field names and order are the record's keys.
     #[derive(serde::Serialize)]
@@ -624,6 +625,10 @@ pub fn write_failed_record(
         batch_num: u32,
         duration_ms: i64,
         timestamp: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        reward: Option<f64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        verification: Option<VerificationEntry<'a>>,
     }
     crate::pyjson::write(
         out,
@@ -637,6 +642,8 @@ pub fn write_failed_record(
             batch_num: identity.batch,
             duration_ms: duration_ms(started_at, finished_at),
             timestamp: timestamp(finished_at),
+            reward: verification.map(|verification| verification.reward),
+            verification: verification.map(VerificationEntry::from),
         },
     );
 }

@@ -277,7 +277,7 @@ fn discarded_and_failed_records_are_python_json_lines_in_their_key_order() {
         message: "prompt too long — \"x\"",
     };
     let mut failed = Vec::new();
-    write_failed_record(&mut failed, &identity, failure, started, finished);
+    write_failed_record(&mut failed, &identity, failure, None, (started, finished));
     assert_eq!(
         String::from_utf8(failed).unwrap(),
         concat!(
@@ -289,7 +289,13 @@ fn discarded_and_failed_records_are_python_json_lines_in_their_key_order() {
 
     // A clock that stepped back gives a zero duration, never a negative one.
     let mut stepped_back = Vec::new();
-    write_failed_record(&mut stepped_back, &identity, failure, finished, started);
+    write_failed_record(
+        &mut stepped_back,
+        &identity,
+        failure,
+        None,
+        (finished, started),
+    );
     assert!(
         String::from_utf8(stepped_back)
             .unwrap()

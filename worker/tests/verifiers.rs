@@ -290,6 +290,59 @@ async fn sampling_a_prompt_stops_once_enough_samples_passed_and_the_rest_are_rec
     assert_eq!(statistics["verification"]["passed"], 1);
 }
 
+/// What the model does in the tasks of the out-of-time run: the answer is written, then the
+/// command outlives the conversation's budget.
+fn out_of_time_work(task: &str) -> Vec<(&'static str, Value)> {
+    match task {
+        "fix slowly" => vec![terminal("echo 42 > answer.txt; sleep 60")],
+        _ => vec![terminal("echo 41 > answer.txt; sleep 60")],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_out_of_time_is_verified_in_what_it_left_and_its_pass_is_not_kept() {
+    let server = ScriptedServer::start_responding(scripted_model(out_of_time_work)).await;
+    let check = r#"test "$(cat answer.txt)" = 42"#;
+    let lines = [
+        json!({"prompt": "fix slowly", "test": check}).to_string(),
+        json!({"prompt": "miss slowly", "test": check}).to_string(),
+    ];
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/agent/promptTimeoutSeconds", json!(2))
+        .with("/samplesPerPrompt", json!(2))
+        .with("/verifier", json!({"passesPerPrompt": 1}));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    // One model request a conversation (its command outlived the budget); the first sample's
+    // pass out of time is no kept pass, so the second sample of the fixed task ran too.
+    assert_eq!(server.request_count(), 4);
+    assert_eq!(report.merge.trajectories, 0);
+    let failed = fixture.lines("failures.jsonl");
+    assert_eq!(failed.len(), 4, "{failed:?}");
+    for record in &failed {
+        let key = (record["prompt_index"].as_u64(), record["sample"].as_u64());
+        assert_eq!(record["status"], "failed", "{key:?}");
+        assert_eq!(record["error_class"], "prompt_timeout", "{key:?}");
+        let fixed = key.0 == Some(0);
+        assert_eq!(record["reward"], if fixed { 1.0 } else { 0.0 }, "{key:?}");
+        assert_eq!(record["verification"]["passed"], fixed, "{key:?}");
+        assert_eq!(record["verification"]["error"], Value::Null, "{key:?}");
+    }
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    let verification = &statistics["verification"];
+    assert_eq!(verification["verified"], 4, "{verification}");
+    assert_eq!(verification["passed"], 2, "{verification}");
+    assert!(
+        verification.get("early_stop").is_none(),
+        "no sample went unrun"
+    );
+    assert_eq!(statistics["counts"]["failed"], 4);
+    assert_workspaces_gone(&fixture.workspaces());
+}
+
 /// A batch whose conversations spend most of their time in their verifier, killed (`SIGKILL`) at
 /// random points until it finishes: every (prompt, sample) ends with exactly one record, verified
 /// once (its reward and verdict in it), and the model was asked at most for the conversations

@@ -720,7 +720,10 @@ fn existing_records(run_dir: &RunDir, batch: u32) -> Result<Existing, RunError> 
         keys.entry((key.prompt_index, key.sample))
             .and_modify(|best| *best = (*best).min(outcome))
             .or_insert(outcome);
-        if key.verification.is_some_and(|verdict| verdict.passed) {
+        // A failed record's verdict (a conversation out of time) is no kept pass.
+        if outcome != ConversationOutcome::Failed
+            && key.verification.is_some_and(|verdict| verdict.passed)
+        {
             passed_keys.insert((key.prompt_index, key.sample));
         }
     }
@@ -1068,7 +1071,7 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
             class: IMAGE_UNAVAILABLE,
             message,
         };
-        return failed_item(&identity, failure, started_at);
+        return failed_item(&identity, failure, None, started_at);
     }
     let offered = shared.offered(
         &engine
@@ -1099,8 +1102,9 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
         .instrument(info_span!("conversation", prompt_index, sample))
         .await;
     let finished_at = chrono::Utc::now();
-    let (conversation, verification) = match result {
-        Ok(verified) => verified,
+    let (result, verification) = result;
+    let conversation = match result {
+        Ok(conversation) => conversation,
         Err(error) if error.is_model_missing() => {
             return Item::Stop(RunError::ModelNotFound(error.to_string()));
         }
@@ -1120,7 +1124,7 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
                 class: error.class(),
                 message: &message,
             };
-            return failed_item(&identity, failure, started_at);
+            return failed_item(&identity, failure, verification.as_ref(), started_at);
         }
     };
     if engine.require_reasoning && !reasoning_stats(&conversation.messages).has_any_reasoning() {
@@ -1161,14 +1165,20 @@ struct Verified<'a> {
 }
 
 /// Runs the conversation in its workspace, then the row's verifier (if it has one) in what the
-/// conversation left, then keeps, reuses or removes the workspace.
+/// conversation left, then keeps, reuses or removes the workspace. A conversation that ran out
+/// of time is verified too (what it changed is there, as terminal-bench's harness verifies an
+/// agent it stopped); one that ended in an error of the model's server is not: its prompt runs
+/// again.
 async fn converse(
     shared: &Shared,
     offered: &Offered,
     row: &Row,
     lent: WorkspaceDir,
     sandbox: Sandbox,
-) -> Result<(Conversation, Option<Verification>), ConversationError> {
+) -> (
+    Result<Conversation, ConversationError>,
+    Option<Verification>,
+) {
     let engine = &shared.engine;
     let WorkspaceDir {
         dir,
@@ -1193,8 +1203,11 @@ async fn converse(
     // Nothing of the conversation may run on once its workspace is handed on or removed, or
     // while its verifier runs.
     tool_context.close().await;
+    let out_of_time =
+        |error: &ConversationError| error.is_budget_exhausted() && !shared.circuit.is_failing();
     let verification = match &result {
         Ok(_) => verify_row(engine, row, &tool_context).await,
+        Err(error) if out_of_time(error) => verify_row(engine, row, &tool_context).await,
         Err(_) => None,
     };
     let untouched = verification.is_none()
@@ -1207,7 +1220,7 @@ async fn converse(
         made,
     };
     shared.release_workspace(lent, untouched, result.is_ok());
-    result.map(|conversation| (conversation, verification))
+    (result, verification)
 }
 
 /// Runs the row's verifier, if it has one, where the conversation of `tool_context` ran.
@@ -1311,13 +1324,17 @@ fn skipped_line(shared: &Shared, prompt_index: u64, sample: u32) -> Vec<u8> {
 }
 
 /// The failed record of a (prompt, sample) that started at `started_at`.
+/// A failed record; `verification` when the conversation ran out of time and was verified.
+/// It never counts as a pass towards `passesPerPrompt`: only trajectories are kept data.
 fn failed_item(
     identity: &RecordIdentity<'_>,
     failure: Failure<'_>,
+    verification: Option<&Verification>,
     started_at: chrono::DateTime<chrono::Utc>,
 ) -> Item {
     let mut line = Vec::new();
-    write_failed_record(&mut line, identity, failure, started_at, chrono::Utc::now());
+    let times = (started_at, chrono::Utc::now());
+    write_failed_record(&mut line, identity, failure, verification, times);
     let (prompt_index, sample, class) = (identity.prompt_index, identity.sample, failure.class);
     warn!(prompt_index, sample, class, "prompt failed");
     Item::Record {
