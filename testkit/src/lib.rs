@@ -4,6 +4,8 @@
 //! - [`scripted_server`]: an OpenAI-compatible model server that answers from a script, or with a
 //!   fixed latency for benchmarks.
 //! - [`chromium`]: headless Chromium, as the tests and benchmarks that open the run report start it.
+//! - [`executor`]: the tool executor, built where the worker's tests look for it.
 
 pub mod chromium;
+pub mod executor;
 pub mod scripted_server;

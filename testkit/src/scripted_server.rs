@@ -493,6 +493,20 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
         .any(|window| window == needle)
 }
 
+// ---- Requests ------------------------------------------------------------------------------------
+
+/// The first user message of a chat request: the task a conversation is about ("" when there is
+/// none).
+pub fn first_user_message(body: &Value) -> &str {
+    body["messages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|message| message["role"] == "user")
+        .and_then(|message| message["content"].as_str())
+        .unwrap_or_default()
+}
+
 // ---- Replies -------------------------------------------------------------------------------------
 
 /// A non-streaming completion body around one assistant message.

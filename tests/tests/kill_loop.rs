@@ -40,7 +40,7 @@ use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunStatus};
-use trajectory_testkit::scripted_server::ScriptedServer;
+use trajectory_testkit::scripted_server::{ScriptedServer, first_user_message};
 use trajectory_tests::e2e::{
     ControllerGuard, Kubelet, Scratch, batch_records, job_status, jsonl, model_with_latency,
     phase_of, run_spec, start_controller_in, write_dataset,
@@ -408,13 +408,8 @@ impl Ledger {
 
 /// The prompt a request is about: its user message is the dataset's "task number N".
 fn prompt_of(body: &Value) -> u64 {
-    body["messages"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|message| message["role"] == "user")
-        .and_then(|message| message["content"].as_str())
-        .and_then(|content| content.strip_prefix("task number "))
+    first_user_message(body)
+        .strip_prefix("task number ")
         .and_then(|number| number.parse().ok())
         .unwrap_or_else(|| panic!("a request without a dataset prompt: {body}"))
 }

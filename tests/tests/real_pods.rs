@@ -21,7 +21,8 @@ use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::reconcile::observe::JobState;
 use trajectory_operator::settings::Settings;
 use trajectory_testkit::scripted_server::{
-    FixedLatency, ScriptedServer, Step, text_reply, tool_call_reply, tool_calls_reply,
+    FixedLatency, ScriptedServer, Step, first_user_message, text_reply, tool_call_reply,
+    tool_calls_reply,
 };
 use trajectory_tests::e2e::{self, ControllerGuard, phase_of, run_spec, start_controller_with};
 use trajectory_tests::helm;
@@ -355,11 +356,7 @@ fn assert_two_requests_per_conversation(model: &ScriptedServer, conversations: u
                 .cloned()
                 .unwrap_or_default();
             let roles: Vec<&str> = messages.iter().filter_map(|m| m["role"].as_str()).collect();
-            let prompt = messages
-                .iter()
-                .find(|m| m["role"] == "user")
-                .and_then(|m| m["content"].as_str())
-                .unwrap_or_default();
+            let prompt = first_user_message(&request.body);
             format!("{prompt:?}: {roles:?}")
         })
         .collect();
@@ -1276,11 +1273,8 @@ struct Seen {
 impl Seen {
     fn of(body: &Value) -> Self {
         let messages = body["messages"].as_array().cloned().unwrap_or_default();
-        let task = messages
-            .iter()
-            .find(|m| m["role"] == "user")
-            .and_then(|m| m["content"].as_str())
-            .and_then(|prompt| prompt.strip_prefix("task number "))
+        let task = first_user_message(body)
+            .strip_prefix("task number ")
             .and_then(|number| number.trim().parse().ok())
             .unwrap_or(u64::MAX);
         let results = messages

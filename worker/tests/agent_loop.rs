@@ -124,6 +124,7 @@ impl Fixture {
         let server = ScriptedServer::start(steps).await;
         let client = ModelClient::new(server.settings()).unwrap();
         let dir = tempfile::tempdir().unwrap();
+        trajectory_testkit::executor::built();
         let ctx = ToolContext {
             workspace: Workspace::new(dir.path()).unwrap(),
             limits: ToolLimits::default(),

@@ -17,7 +17,7 @@ use trajectory_worker::hermes::{RecordContext, trajectory_record};
 use trajectory_worker::model::{Message, ModelClient, ModelSettings, RetryPolicy};
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::spec::ToolsSpec;
-use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
+use trajectory_worker::tools::sandbox::LandlockMode;
 use trajectory_worker::tools::{Registry, ToolContext, ToolLimits, Workspace};
 
 fn model_server() -> String {
@@ -59,7 +59,7 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
     let context = ToolContext {
         workspace: Workspace::new(dir.path()).unwrap(),
         limits: ToolLimits::default(),
-        sandbox: Sandbox::local(LandlockMode::Auto),
+        sandbox: common::local_sandbox(LandlockMode::Auto),
         browser: trajectory_worker::tools::browser::ConversationBrowser::default(),
         terminal: trajectory_worker::tools::terminal::Terminal::default(),
     };

@@ -1,14 +1,15 @@
 //! `report.html` of a real local run, opened in headless Chromium (Debian's, which the test suite
 //! installs): the page loads nothing and logs nothing, every figure it draws is the run's, its
-//! filters and search narrow the list, and one conversation opens with its tool calls. A
-//! screenshot is kept in cargo's test temp dir (`report/report.png`).
+//! filters and search narrow the list, and one conversation opens with its tool calls; a
+//! verified run's page shows its rewards and each verifier's verdict. Screenshots are kept in
+//! cargo's test temp dir (`report/report.png`, `report/report-verified.png`).
 
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{RunFixture, local_options, no_shutdown};
+use common::{RunFixture, local_options, no_shutdown, scripted_model, terminal};
 use regex::Regex;
 use serde_json::{Value, json};
 use trajectory_testkit::chromium::{CHROMIUM, headless};
@@ -203,7 +204,7 @@ async fn the_report_of_a_run_shows_its_numbers_and_its_conversations_in_chromium
     );
     assert!(opened.contains(&format!("echo {NEEDLE}")));
 
-    take_screenshot(&page, &format!("open={id}"), profile.path());
+    take_screenshot(&page, &format!("open={id}"), profile.path(), "report.png");
 }
 
 /// Every figure the page draws is the run's: its cards, the bars of its plots, its tools,
@@ -259,9 +260,120 @@ fn assert_figures_are_the_runs(dom: &str, statistics: &Value, fixture: &RunFixtu
     );
 }
 
+/// What the model does in each task of the verified run.
+fn verified_work(task: &str) -> Vec<(&'static str, Value)> {
+    match task {
+        "fix" | "fix again" => vec![terminal("echo 42 > answer.txt")],
+        _ => vec![terminal(
+            "echo 41 > answer.txt && echo the verifier reads this",
+        )],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_report_of_a_verified_run_shows_its_rewards_and_each_verifiers_verdict() {
+    let server = ScriptedServer::start_responding(scripted_model(verified_work)).await;
+    let check = r#"echo "checked $(cat answer.txt)"; test "$(cat answer.txt)" = 42"#;
+    let lines: Vec<String> = [
+        json!({"prompt": "fix", "test": check}),
+        json!({"prompt": "fix again", "test": check}),
+        json!({"prompt": "miss", "test": check}),
+        json!({"prompt": "absent", "verify": "./run_tests.sh"}),
+        json!({"prompt": "unverified"}),
+    ]
+    .iter()
+    .map(Value::to_string)
+    .collect();
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines);
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect("the run finishes");
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    let verification = &statistics["verification"];
+    assert_eq!(
+        (
+            verification["verified"].as_u64(),
+            verification["passed"].as_u64()
+        ),
+        (Some(4), Some(2)),
+        "{statistics}"
+    );
+    let page = fixture.out().join("report.html");
+    let profile = tempfile::tempdir().unwrap();
+    let dom = load(&page, "", profile.path());
+    for stat in [
+        "verified",
+        "passed",
+        "pass_rate",
+        "mean_reward",
+        "verifier_errors",
+        "below_reward",
+    ] {
+        let shown: f64 = attribute(&dom, "stat", stat, "value").parse().unwrap();
+        assert_eq!(Some(shown), verification[stat].as_f64(), "{stat}");
+    }
+    // The rewards' bars are the statistics' counts, value by value.
+    let counts = verification["reward"]["counts"].as_object().unwrap();
+    assert_eq!(counts.len(), 2, "{counts:?}");
+    assert_eq!(
+        bars(&dom, "plot-reward"),
+        [&counts["0"], &counts["1"]].map(|count| count.as_u64().unwrap())
+    );
+    let drawn = &verification["by_toolsets_drawn"]["terminal+file"];
+    for (column, field) in [("pass-rate", "pass_rate"), ("verified", "verified")] {
+        let shown: f64 = attribute(&dom, "drawn", "terminal+file", column)
+            .parse()
+            .unwrap();
+        assert_eq!(Some(shown), drawn[field].as_f64(), "{column}");
+    }
+    for (fragment, expected) in [("reward=1", 2), ("reward=0", 2), ("reward=not+verified", 1)] {
+        assert_eq!(
+            listed(&load(&page, fragment, profile.path())),
+            expected,
+            "#{fragment}"
+        );
+    }
+    // A conversation opens with its verifier's verdict and the end of its output.
+    let missed = fixture
+        .lines("trajectories.jsonl")
+        .into_iter()
+        .find(|record| record["conversations"][1]["value"] == "miss")
+        .expect("the missed task's trajectory");
+    let id = missed["id"].as_str().unwrap();
+    let opened = load(&page, &format!("open={id}"), profile.path());
+    assert!(
+        opened.contains(r#"data-from="verifier" data-passed="false" data-reward="0""#),
+        "no verdict shown"
+    );
+    assert!(opened.contains("checked 41"), "no verifier output shown");
+    let absent = fixture
+        .lines("trajectories.jsonl")
+        .into_iter()
+        .find(|record| record["conversations"][1]["value"] == "absent")
+        .expect("the absent verifier's trajectory");
+    let error = absent["verification"]["error"].as_str().unwrap();
+    let opened = load(
+        &page,
+        &format!("open={}", absent["id"].as_str().unwrap()),
+        profile.path(),
+    );
+    assert!(
+        opened.contains(&format!(r#"<pre class="verifier-error">{error}</pre>"#)),
+        "the verifier's error is not shown: {error}"
+    );
+    take_screenshot(
+        &page,
+        &format!("open={id}"),
+        profile.path(),
+        "report-verified.png",
+    );
+}
+
 /// A screenshot of `page#fragment`, kept in cargo's test temp dir.
-fn take_screenshot(page: &Path, fragment: &str, profile: &Path) {
-    let shot = screenshot_path();
+fn take_screenshot(page: &Path, fragment: &str, profile: &Path, name: &str) {
+    let shot = screenshot_path(name);
     let output = headless(profile)
         .args([
             "--hide-scrollbars",
@@ -306,10 +418,10 @@ fn assert_succeeded(output: &std::process::Output) {
     );
 }
 
-fn screenshot_path() -> PathBuf {
+fn screenshot_path(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("report");
     std::fs::create_dir_all(&dir).unwrap();
-    dir.join("report.png")
+    dir.join(name)
 }
 
 /// A report of a synthetic run of a million records (94 % completed, 2 % out of turns, 2 %

@@ -15,7 +15,9 @@ use std::sync::{Arc, OnceLock};
 
 use common::{RunFixture, WORKER, wait};
 use serde_json::{Value, json};
-use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_calls_reply};
+use trajectory_testkit::scripted_server::{
+    ScriptedServer, Step, first_user_message, text_reply, tool_calls_reply,
+};
 use trajectory_worker::contract::env;
 
 /// The fake key; a probe that prints it anywhere fails the test.
@@ -591,11 +593,8 @@ fn results_of(server: &ScriptedServer, task: u64) -> Vec<Value> {
 /// Which prompt a request is of, and how many tool results it carries.
 fn turn_of(body: &Value) -> (u64, usize) {
     let messages = body["messages"].as_array().cloned().unwrap_or_default();
-    let task = messages
-        .iter()
-        .find(|m| m["role"] == "user")
-        .and_then(|m| m["content"].as_str())
-        .and_then(|prompt| prompt.strip_prefix("task number "))
+    let task = first_user_message(body)
+        .strip_prefix("task number ")
         .and_then(|number| number.trim().parse().ok())
         .unwrap_or(u64::MAX);
     let tools = messages.iter().filter(|m| m["role"] == "tool").count();

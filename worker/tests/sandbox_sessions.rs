@@ -35,7 +35,7 @@ struct Place {
 fn place(at: Where, landlock: LandlockMode) -> Place {
     let root = tempfile::tempdir().unwrap();
     let (sandbox, server) = match at {
-        Where::Local => (Sandbox::local(landlock), None),
+        Where::Local => (common::local_sandbox(landlock), None),
         Where::Pod => {
             let server = SandboxServer::start(root.path());
             (server.sandbox(landlock), Some(server))
@@ -151,7 +151,7 @@ async fn the_program_gets_a_cleared_environment_the_given_variables_and_a_privat
 
 #[tokio::test]
 async fn landlock_keeps_the_program_to_its_private_directory_and_the_system() {
-    let probe = Sandbox::local(LandlockMode::Auto);
+    let probe = common::local_sandbox(LandlockMode::Auto);
     let scratch = tempfile::tempdir().unwrap();
     assert!(
         probe.landlock_enforced(scratch.path()).await.unwrap(),

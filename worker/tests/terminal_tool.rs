@@ -15,7 +15,7 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use serde_json::{Value, json};
 use trajectory_worker::spec::ToolsSpec;
-use trajectory_worker::tools::sandbox::{LandlockMode, Limits, Sandbox};
+use trajectory_worker::tools::sandbox::{LandlockMode, Limits};
 use trajectory_worker::tools::{Tool, ToolContext, ToolLimits, ToolOutcome, Workspace, terminal};
 
 /// Where a test's commands run: under an executor the test starts for each command, as in a local
@@ -59,7 +59,7 @@ impl std::ops::Deref for TestContext {
 
 fn context(place: Where, dir: &Path, limits: ToolLimits) -> TestContext {
     let (sandbox, server) = match place {
-        Where::Local => (Sandbox::local(LandlockMode::Auto), None),
+        Where::Local => (common::local_sandbox(LandlockMode::Auto), None),
         Where::Pod => {
             let server = SandboxServer::start(dir);
             (server.sandbox(LandlockMode::Auto), Some(server))
@@ -786,7 +786,7 @@ impl Neighbours {
     fn new(place: Where) -> Self {
         let root = tempfile::tempdir().unwrap();
         let (sandbox, server) = match place {
-            Where::Local => (Sandbox::local(LandlockMode::Auto), None),
+            Where::Local => (common::local_sandbox(LandlockMode::Auto), None),
             Where::Pod => {
                 let server = SandboxServer::start(root.path());
                 (server.sandbox(LandlockMode::Auto), Some(server))

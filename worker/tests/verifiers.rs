@@ -10,10 +10,13 @@ use std::process::Command;
 use std::time::Duration;
 
 use base64::Engine as _;
-use common::{RunFixture, keys, kill_batch_until_done, local_options, no_shutdown, worker};
+use common::{
+    RunFixture, keys, kill_batch_until_done, local_options, no_shutdown, scripted_model, terminal,
+    worker,
+};
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
-    FixedLatency, ScriptedServer, Step, text_reply, tool_calls_reply,
+    FixedLatency, ScriptedServer, text_reply, tool_calls_reply,
 };
 use trajectory_worker::run::local::run_local;
 
@@ -34,42 +37,6 @@ fn tests_tar(files: &[(&str, &str)]) -> String {
         .expect("tar runs");
     assert!(output.status.success(), "{output:?}");
     base64::engine::general_purpose::STANDARD.encode(output.stdout)
-}
-
-/// The first user message of a chat request: the task.
-fn task_of(body: &Value) -> String {
-    body["messages"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|message| message["role"] == "user")
-        .and_then(|message| message["content"].as_str())
-        .unwrap_or_default()
-        .to_owned()
-}
-
-/// A model that answers each task with the terminal calls `calls` names for it, then a final
-/// answer.
-fn scripted_model(calls: fn(&str) -> Vec<(&'static str, Value)>) -> impl Fn(&Value) -> Step {
-    move |body| {
-        let answered = body["messages"].as_array().is_some_and(|messages| {
-            messages
-                .iter()
-                .any(|message| message["role"] == "assistant")
-        });
-        if answered {
-            return Step::ok(text_reply("done"));
-        }
-        let calls: Vec<(&str, Value)> = calls(&task_of(body))
-            .into_iter()
-            .map(|(name, arguments)| (name, Value::String(arguments.to_string())))
-            .collect();
-        Step::ok(tool_calls_reply(&calls))
-    }
-}
-
-fn terminal(command: &str) -> (&'static str, Value) {
-    ("terminal", json!({"command": command}))
 }
 
 /// What the model does in each task of [`a_run_verifies_each_row_in_what_its_conversation_left`].

@@ -1,9 +1,10 @@
 //! `report.html`: one self-contained page per run, written by every merge beside
 //! `trajectories.jsonl` and on demand by `trajectory-worker report RUN_DIR`.
 //!
-//! The page holds the run's statistics, the distributions [`collect`] gathers (turns, tokens and
-//! durations per conversation, toolset combinations, discard reasons) and a bounded, stratified
-//! sample of records for its conversation browser; its script and style are inline and its
+//! The page holds the run's statistics (with what the verifiers found, when rows were verified),
+//! the distributions [`collect`] gathers (turns, tokens and durations per conversation, toolset
+//! combinations, discard reasons) and a bounded, stratified sample of records (with their
+//! rewards and verifiers' output) for its conversation browser; its script and style are inline and its
 //! content security policy lets it load and send nothing. What each part shows: `docs/report.md`.
 //!
 //! The page's size is bounded whatever the run's: the sample keeps at most
@@ -161,7 +162,24 @@ fn browser_record(line: &[u8], stratum: &str) -> Option<Value> {
         "duration_ms": record["duration_ms"],
         "error": record["error"].as_str().map(cut),
         "conversation": conversation,
+        "reward": record.get("reward"),
+        "verification": verification(&record["verification"]),
     }))
+}
+
+/// A record's `verification` for the browser, its output cut as a message is; `null` when the
+/// record was not verified.
+fn verification(verification: &Value) -> Value {
+    if !verification.is_object() {
+        return Value::Null;
+    }
+    json!({
+        "passed": verification["passed"],
+        "exit_code": verification["exit_code"],
+        "duration_ms": verification["duration_ms"],
+        "error": verification["error"],
+        "output": verification["output"].as_str().map(cut),
+    })
 }
 
 /// `text` within [`MESSAGE_CHARS`]: a longer one keeps its first two thirds and its last third

@@ -12,7 +12,8 @@ use nix::sys::signal::Signal;
 
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
-    FixedLatency, ReceivedRequest, ScriptedServer, text_reply, tool_call_reply,
+    FixedLatency, ReceivedRequest, ScriptedServer, Step, first_user_message, text_reply,
+    tool_call_reply, tool_calls_reply,
 };
 use trajectory_worker::contract::BatchSummary;
 use trajectory_worker::model::{ModelClient, ModelSettings};
@@ -30,7 +31,13 @@ pub const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 /// The `trajectory-executor` cargo builds beside the worker binary (the workspace's tests build
 /// it), with Landlock where the kernel has it.
 pub fn sandbox() -> Sandbox {
-    Sandbox::local(LandlockMode::Auto)
+    local_sandbox(LandlockMode::Auto)
+}
+
+/// A local sandbox (an executor a command), with the executor built.
+pub fn local_sandbox(landlock: LandlockMode) -> Sandbox {
+    trajectory_testkit::executor::built();
+    Sandbox::local(landlock)
 }
 
 /// The tool context of a conversation working in `workspace` (which must exist), with default
@@ -73,6 +80,8 @@ impl RunFixture {
     }
 
     pub fn with_lines(base_url: &str, lines: &[String]) -> Self {
+        // The run's conversations run their tools under it.
+        trajectory_testkit::executor::built();
         let dir = tempfile::tempdir().expect("temp dir");
         std::fs::create_dir_all(dir.path().join("datasets")).unwrap();
         let mut data = lines.join("\n");
@@ -520,6 +529,7 @@ impl SandboxServer {
 
     /// `trajectory-executor serve` listening in `dir`, before its other flags.
     fn command(dir: &tempfile::TempDir) -> Command {
+        trajectory_testkit::executor::built();
         let mut command = Command::new(trajectory_worker::tools::sandbox::find_executor());
         command
             .args(["serve", "--socket"])
@@ -586,4 +596,28 @@ pub fn processes_with_env(matches: impl Fn(&[u8]) -> bool) -> Vec<(i32, String)>
             Some((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")))
         })
         .collect()
+}
+
+/// A model that answers each task with the terminal calls `calls` names for it, then a final
+/// answer.
+pub fn scripted_model(calls: fn(&str) -> Vec<(&'static str, Value)>) -> impl Fn(&Value) -> Step {
+    move |body| {
+        let answered = body["messages"].as_array().is_some_and(|messages| {
+            messages
+                .iter()
+                .any(|message| message["role"] == "assistant")
+        });
+        if answered {
+            return Step::ok(text_reply("done"));
+        }
+        let calls: Vec<(&str, Value)> = calls(first_user_message(body))
+            .into_iter()
+            .map(|(name, arguments)| (name, Value::String(arguments.to_string())))
+            .collect();
+        Step::ok(tool_calls_reply(&calls))
+    }
+}
+
+pub fn terminal(command: &str) -> (&'static str, Value) {
+    ("terminal", json!({"command": command}))
 }
