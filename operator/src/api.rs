@@ -44,6 +44,7 @@ use trajectory_worker::spec::RunSpec;
         type_ = "integer",
         json_path = ".status.verification.passed"
     ),
+    printcolumn(name = "Cost", type_ = "string", json_path = ".status.cost.spent"),
     printcolumn(
         name = "Age",
         type_ = "date",
@@ -112,6 +113,20 @@ pub struct TrajectoryRunStatus {
     /// record was verified.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verification: Option<VerificationStatus>,
+    /// What the kept records' model calls cost, once the merge summed them; absent when the run
+    /// has no prices (`spec.model.pricing`) and the provider reported no cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<CostStatus>,
+}
+
+/// What a merged run's model calls cost.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CostStatus {
+    /// The sum over the kept records, a decimal string of at most eight places (`"12.345"`).
+    pub spent: String,
+    /// Always `USD`.
+    pub currency: String,
 }
 
 /// Verified records of a merged run.

@@ -156,7 +156,7 @@ mod tests {
             .collect();
         assert_eq!(
             columns,
-            ["Phase", "Progress", "Trajectories", "Passed", "Age"]
+            ["Phase", "Progress", "Trajectories", "Passed", "Cost", "Age"]
         );
         assert!(
             version

@@ -292,6 +292,7 @@ impl ObservedFixture {
             skipped_lines: 0,
             verified: 0,
             passed: 0,
+            cost: None,
         });
         merged
     }
@@ -301,6 +302,14 @@ impl ObservedFixture {
         if let Some(summary) = &mut self.0.merge_summary {
             summary.verified = verified;
             summary.passed = passed;
+        }
+        self
+    }
+
+    /// The merge summed the kept records' cost to `spent` USD.
+    pub fn priced(mut self, spent: &str) -> Self {
+        if let Some(summary) = &mut self.0.merge_summary {
+            summary.cost = Some(spent.to_owned());
         }
         self
     }

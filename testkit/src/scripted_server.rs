@@ -332,6 +332,7 @@ impl ScriptedServer {
                 max_delay: Duration::from_secs(5),
                 max_total_wait: Duration::from_secs(30),
             },
+            prices: None,
         }
     }
 }

@@ -199,6 +199,7 @@ fn engine(base_url: &str) -> anyhow::Result<Engine> {
         request_timeout: Duration::from_secs(60),
         stream: false,
         retry: RetryPolicy::default(),
+        prices: None,
     };
     let spec = ToolSpec {
         name: TOOL.into(),

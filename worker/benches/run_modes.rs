@@ -402,7 +402,9 @@ fn record_templates(rng: &mut Rng, shrink: usize) -> Vec<Map<String, Value>> {
                 prompt_tokens: 1500,
                 completion_tokens: 400,
                 reasoning_tokens: 120,
+                ..Usage::default()
             },
+            cost: None,
             model_time: Duration::from_millis(900),
         };
         let context = RecordContext {

@@ -15,6 +15,7 @@ use tracing::{Instrument, debug, info_span};
 use crate::model::{
     AssistantMessage, Message, ModelClient, ModelError, ToolCall, ToolMessage, Usage,
 };
+use crate::pricing::Cost;
 use crate::tools::{Tool, ToolContext, ToolOutcome};
 
 /// The user message that asks for a final answer once the turn budget is spent.
@@ -42,6 +43,8 @@ pub struct Conversation {
     /// The conversation stopped early (a reply cut off by the token limit).
     pub partial: bool,
     pub usage: Usage,
+    /// What its model calls cost, summed over calls (`None`: no price and no reported cost).
+    pub cost: Option<Cost>,
     /// Time spent waiting for the model, summed over calls.
     pub model_time: Duration,
 }
@@ -135,6 +138,7 @@ async fn converse(
         completed: false,
         partial: false,
         usage: Usage::default(),
+        cost: None,
         model_time: Duration::ZERO,
     };
     let mut turn = 0;
@@ -191,6 +195,9 @@ async fn timed_call(
     let reply = client.complete(body, turn).await?;
     conversation.model_time += started.elapsed();
     conversation.usage.add(reply.usage);
+    if let Some(cost) = client.cost_of(&reply) {
+        Cost::add_to(&mut conversation.cost, cost);
+    }
     Ok(reply)
 }
 

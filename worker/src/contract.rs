@@ -632,6 +632,10 @@ pub struct MergeSummary {
     /// Of those, the ones that passed.
     #[serde(default, skip_serializing_if = "is_no_record")]
     pub passed: u64,
+    /// What the kept records' model calls cost, in USD (a decimal string: `"12.34"`), when any
+    /// was priced (`spec.model.pricing`) or its cost reported by the provider.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<String>,
 }
 
 #[allow(

@@ -17,6 +17,7 @@ use serde_json::{Map, Value, json};
 
 use crate::agent::Conversation;
 use crate::model::{AssistantMessage, Message, ToolMessage};
+use crate::pricing::{Cost, CostSource};
 use crate::tools::ToolSpec;
 use crate::verify::Verification;
 
@@ -395,6 +396,43 @@ struct TokenUsage {
     completion_tokens: u64,
     reasoning_tokens: u64,
     total_tokens: u64,
+    /// Of the prompt tokens, those read from and written to the provider's cache: written only
+    /// when there are any, so records of servers without a cache keep the reference's keys.
+    #[serde(skip_serializing_if = "is_zero")]
+    cached_tokens: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    cache_write_tokens: u64,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_zero(count: &u64) -> bool {
+    *count == 0
+}
+
+/// A record's `cost`: USD, by kind of token, and where it came from.
+#[derive(serde::Serialize)]
+struct CostEntry {
+    input: f64,
+    cached_input: f64,
+    cache_write: f64,
+    output: f64,
+    total: f64,
+    currency: &'static str,
+    source: CostSource,
+}
+
+impl From<&Cost> for CostEntry {
+    fn from(cost: &Cost) -> Self {
+        Self {
+            input: cost.input,
+            cached_input: cost.cached_input,
+            cache_write: cost.cache_write,
+            output: cost.output,
+            total: cost.total,
+            currency: "USD",
+            source: cost.source,
+        }
+    }
 }
 
 #[allow(clippy::struct_field_names)]
@@ -452,8 +490,13 @@ impl Serialize for TrajectoryRecord<'_> {
                 completion_tokens: usage.completion_tokens,
                 reasoning_tokens: usage.reasoning_tokens,
                 total_tokens: usage.prompt_tokens + usage.completion_tokens,
+                cached_tokens: usage.cached_tokens,
+                cache_write_tokens: usage.cache_write_tokens,
             },
         )?;
+        if let Some(cost) = &conversation.cost {
+            record.serialize_entry("cost", &CostEntry::from(cost))?;
+        }
         record.serialize_entry(
             "reasoning_stats",
             &Reasoning {
@@ -529,6 +572,9 @@ pub fn openai_record(
     record.insert("tools".into(), Value::Array(tools));
     if let Some(verification) = context.verification {
         record.insert("reward".into(), verification.reward.into());
+    }
+    if let Some(cost) = &conversation.cost {
+        record.insert("cost".into(), cost.total.into());
     }
     // The Hermes record's own `finished_at`: within its writer's twin file it tells this
     // conversation's line from an orphan of the same (prompt, sample), so merge pairs the two

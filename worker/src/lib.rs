@@ -17,7 +17,8 @@
 //!   paths and environment, exit codes, and the summaries of the termination message.
 //! - [`spec`]: the `TrajectoryRun` spec a user writes; [`toolsets`]: the toolsets and built-in
 //!   distributions it may name; [`template`]: the template language of the HTTP tools it may
-//!   declare; [`validate`]: what the schema cannot check about it, each violation naming its field.
+//!   declare; [`pricing`]: its model's prices and what a completion cost by them; [`validate`]:
+//!   what the schema cannot check about it, each violation naming its field.
 //! - [`cli`]: the command line; each subcommand runs one mode of [`run`].
 //! - [`run`]: the run modes: [`run::plan`] checks the dataset and lays out the batches,
 //!   [`run::batch`] runs one batch's conversations and appends their records to files of its
@@ -37,25 +38,27 @@
 //! - [`report`]: `report.html`, the page a person reads a run in, from merge's pass over the
 //!   records or from the merged outputs.
 //!
-//! [`spec`], [`toolsets`], [`template`], [`validate`] and [`contract`] are the contract with the
-//! operator and build with serde alone (`default-features = false`); everything else sits behind
+//! [`spec`], [`toolsets`], [`template`], [`pricing`], [`validate`] and [`contract`] are the
+//! contract with the operator and build with serde alone (`default-features = false`); everything else sits behind
 //! the `engine` feature. The scripted model server the tests and benchmarks talk to is the
 //! `trajectory-testkit` crate.
 //!
 //! Dependencies between these modules point one way, so each reads knowing only what is below
-//! it: [`spec`] and [`template`] import nothing of the crate, [`toolsets`] names the spec's types,
-//! [`contract`] carries a spec, and [`validate`] sits above the spec, the toolsets and the
-//! templates it checks a spec against; the engine's modules may use any of them, none of them
-//! the engine.
+//! it: [`spec`] and [`template`] import nothing of the crate, [`toolsets`] and [`pricing`] name
+//! the spec's types, [`contract`] carries a spec, and [`validate`] sits above the spec, the
+//! toolsets, the templates and the prices it checks a spec against; the engine's modules may use
+//! any of them, none of them the engine.
 //!
 //! ```text
 //!  validate ──► toolsets ──► spec ◄── contract
-//!     │  │                    ▲
-//!     │  └──► template        │
-//!     └───────────────────────┘
+//!     │  │  │                 ▲ ▲
+//!     │  │  └──► pricing ─────┘ │
+//!     │  └──► template          │
+//!     └─────────────────────────┘
 //! ```
 
 pub mod contract;
+pub mod pricing;
 pub mod spec;
 pub mod template;
 pub mod toolsets;

@@ -155,6 +155,66 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
     pub extra_body: Option<Value>,
+    /// What the model's tokens cost, so that every record carries its cost and the run its
+    /// totals; unset: only costs the provider reports with the usage (`usage.cost`) count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pricing: Option<PricingSpec>,
+}
+
+/// The model's prices: USD per million tokens given inline (`input` and `output` at least), or
+/// one model's entry of `LiteLLM`'s price table in its own format (`litellm`), not both. Each
+/// completion is priced on its own, as `LiteLLM` prices it: input tokens that were neither read
+/// from nor written to a cache at `input`, cache reads at `cachedInput`, cache writes at
+/// `cacheWrite` (each `input` when unset), output at `output`, reasoning tokens at `reasoning`
+/// (`output` when unset).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct PricingSpec {
+    /// USD per million input tokens not read from or written to a cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<f64>,
+    /// USD per million input tokens read from the provider's prompt cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_input: Option<f64>,
+    /// USD per million input tokens written to the provider's prompt cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write: Option<f64>,
+    /// USD per million output tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<f64>,
+    /// USD per million reasoning tokens, where the model prices them apart from other output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<f64>,
+    /// One model's entry of `LiteLLM`'s `model_prices_and_context_window.json`, as it is there
+    /// (`input_cost_per_token`, `output_cost_per_token`, `cache_read_input_token_cost`,
+    /// `cache_creation_input_token_cost`, `output_cost_per_reasoning_token`, and tiers such as
+    /// `input_cost_per_token_above_200k_tokens`); its other fields are ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
+    pub litellm: Option<Value>,
+    /// Take the cost the provider reports with a completion's usage (`OpenRouter`'s
+    /// `usage.cost`) over these prices.
+    #[serde(default = "default_prefer_reported_cost")]
+    pub prefer_reported_cost: bool,
+}
+
+impl Default for PricingSpec {
+    fn default() -> Self {
+        Self {
+            input: None,
+            cached_input: None,
+            cache_write: None,
+            output: None,
+            reasoning: None,
+            litellm: None,
+            prefer_reported_cost: default_prefer_reported_cost(),
+        }
+    }
+}
+
+fn default_prefer_reported_cost() -> bool {
+    true
 }
 
 /// A key of a Kubernetes Secret.

@@ -82,7 +82,9 @@ fn conversation() -> Conversation {
             prompt_tokens: 100,
             completion_tokens: 20,
             reasoning_tokens: 5,
+            ..Usage::default()
         },
+        cost: None,
         model_time: Duration::from_millis(900),
     }
 }
@@ -211,6 +213,7 @@ fn inline_think_and_scratchpads_are_kept_and_unparsable_arguments_become_empty_o
         completed: true,
         partial: false,
         usage: Usage::default(),
+        cost: None,
         model_time: Duration::ZERO,
     };
     let turns = trajectory_worker::hermes::sharegpt(&conversation, &[terminal_spec()]);

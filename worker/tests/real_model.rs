@@ -50,6 +50,7 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
             max_attempts: 3,
             ..RetryPolicy::default()
         },
+        prices: None,
     })
     .unwrap();
     let registry = Registry::builtin(&ToolsSpec::default());
@@ -610,6 +611,7 @@ async fn two_streamed_answers_at_once_both_arrive_whole() {
             max_attempts: 1,
             ..RetryPolicy::default()
         },
+        prices: None,
     })
     .unwrap();
     let ask = |topic: &str| {

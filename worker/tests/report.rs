@@ -284,7 +284,9 @@ async fn the_report_of_a_verified_run_shows_its_rewards_and_each_verifiers_verdi
     .iter()
     .map(Value::to_string)
     .collect();
-    let fixture = RunFixture::with_lines(&server.base_url(), &lines);
+    // Priced too: the page shows what the run cost (USD per million tokens).
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/model/pricing", json!({"input": 3.0, "output": 15.0}));
     run_local(&local_options(&fixture), &no_shutdown())
         .await
         .expect("the run finishes");
@@ -303,31 +305,7 @@ async fn the_report_of_a_verified_run_shows_its_rewards_and_each_verifiers_verdi
     let page = fixture.out().join("report.html");
     let profile = tempfile::tempdir().unwrap();
     let dom = load(&page, "", profile.path());
-    for stat in [
-        "verified",
-        "passed",
-        "pass_rate",
-        "mean_reward",
-        "verifier_errors",
-        "below_reward",
-    ] {
-        let shown: f64 = attribute(&dom, "stat", stat, "value").parse().unwrap();
-        assert_eq!(Some(shown), verification[stat].as_f64(), "{stat}");
-    }
-    // The rewards' bars are the statistics' counts, value by value.
-    let counts = verification["reward"]["counts"].as_object().unwrap();
-    assert_eq!(counts.len(), 2, "{counts:?}");
-    assert_eq!(
-        bars(&dom, "plot-reward"),
-        [&counts["0"], &counts["1"]].map(|count| count.as_u64().unwrap())
-    );
-    let drawn = &verification["by_toolsets_drawn"]["terminal+file"];
-    for (column, field) in [("pass-rate", "pass_rate"), ("verified", "verified")] {
-        let shown: f64 = attribute(&dom, "drawn", "terminal+file", column)
-            .parse()
-            .unwrap();
-        assert_eq!(Some(shown), drawn[field].as_f64(), "{column}");
-    }
+    assert_verification_figures_are_the_runs(&dom, &statistics);
     for (fragment, expected) in [("reward=1", 2), ("reward=0", 2), ("reward=not+verified", 1)] {
         assert_eq!(
             listed(&load(&page, fragment, profile.path())),
@@ -369,6 +347,46 @@ async fn the_report_of_a_verified_run_shows_its_rewards_and_each_verifiers_verdi
         profile.path(),
         "report-verified.png",
     );
+}
+
+/// The verification cards, the rewards' bars, the pass rate per toolsets and the cost cards of
+/// a verified, priced run's page are its `statistics.json`'s.
+fn assert_verification_figures_are_the_runs(dom: &str, statistics: &Value) {
+    let verification = &statistics["verification"];
+    for stat in [
+        "verified",
+        "passed",
+        "pass_rate",
+        "mean_reward",
+        "verifier_errors",
+        "below_reward",
+    ] {
+        let shown: f64 = attribute(dom, "stat", stat, "value").parse().unwrap();
+        assert_eq!(Some(shown), verification[stat].as_f64(), "{stat}");
+    }
+    let cost = &statistics["cost"];
+    assert!(cost["total"].as_f64().unwrap() > 0.0, "{statistics}");
+    for (stat, field) in [
+        ("cost_total", "total"),
+        ("cost_per_trajectory", "per_trajectory"),
+    ] {
+        let shown: f64 = attribute(dom, "stat", stat, "value").parse().unwrap();
+        assert_eq!(Some(shown), cost[field].as_f64(), "{stat}");
+    }
+    // The rewards' bars are the statistics' counts, value by value.
+    let counts = verification["reward"]["counts"].as_object().unwrap();
+    assert_eq!(counts.len(), 2, "{counts:?}");
+    assert_eq!(
+        bars(dom, "plot-reward"),
+        [&counts["0"], &counts["1"]].map(|count| count.as_u64().unwrap())
+    );
+    let drawn = &verification["by_toolsets_drawn"]["terminal+file"];
+    for (column, field) in [("pass-rate", "pass_rate"), ("verified", "verified")] {
+        let shown: f64 = attribute(dom, "drawn", "terminal+file", column)
+            .parse()
+            .unwrap();
+        assert_eq!(Some(shown), drawn[field].as_f64(), "{column}");
+    }
 }
 
 /// A screenshot of `page#fragment`, kept in cargo's test temp dir.

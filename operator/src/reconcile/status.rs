@@ -17,8 +17,8 @@ use kube::runtime::events::{Event, EventType};
 use trajectory_worker::contract::LandlockStatus;
 
 use crate::api::{
-    BatchCounts, ConditionType, ImageStatus, OutputStatus, Phase, PromptCounts, SandboxStatus,
-    TrajectoryRun, TrajectoryRunStatus, UnavailableImage, VerificationStatus,
+    BatchCounts, ConditionType, CostStatus, ImageStatus, OutputStatus, Phase, PromptCounts,
+    SandboxStatus, TrajectoryRun, TrajectoryRunStatus, UnavailableImage, VerificationStatus,
 };
 
 /// Condition reasons (`PascalCase`, as Kubernetes conventions ask).
@@ -157,6 +157,8 @@ pub struct Merged {
     pub failed: u64,
     /// What the rows' verifiers found, when any record was verified.
     pub verification: Option<VerificationStatus>,
+    /// What the kept records' model calls cost, when any was priced or reported.
+    pub cost: Option<CostStatus>,
     pub output: OutputStatus,
 }
 
@@ -310,6 +312,7 @@ fn record_tally(status: &mut TrajectoryRunStatus, tally: &Tally) {
         prompts.failed = merged.failed;
         status.output = Some(merged.output.clone());
         status.verification.clone_from(&merged.verification);
+        status.cost.clone_from(&merged.cost);
     }
 }
 

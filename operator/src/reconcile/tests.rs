@@ -221,6 +221,20 @@ fn a_finished_merge_succeeds_the_run_with_its_output() {
 }
 
 #[test]
+fn a_merge_that_priced_records_puts_their_cost_in_the_status() {
+    let unpriced = decide(&ObservedFixture::merged(2, 19).build());
+    assert_eq!(unpriced.status.cost, None, "nothing was priced");
+    let desired = decide(&ObservedFixture::merged(2, 19).priced("12.3456").build());
+    assert_eq!(
+        desired.status.cost,
+        Some(crate::api::CostStatus {
+            spent: "12.3456".to_owned(),
+            currency: "USD".to_owned(),
+        })
+    );
+}
+
+#[test]
 fn a_merge_that_counted_verified_records_puts_them_in_the_status() {
     let desired = decide(&ObservedFixture::merged(2, 19).verified(20, 12).build());
     assert_eq!(

@@ -10,6 +10,7 @@ use tracing::{debug, warn};
 
 use super::types::{Completion, Message, ParseFailure, parse_completion};
 use super::{Circuit, ErrorClass, ModelError, Verdict, classify_status, sse};
+use crate::pricing::{Cost, Prices};
 use crate::spec::ModelSpec;
 
 /// The model API key. Its `Debug` and `Display` never show the value.
@@ -113,6 +114,8 @@ pub struct ModelSettings {
     pub request_timeout: Duration,
     pub stream: bool,
     pub retry: RetryPolicy,
+    /// What the model's tokens cost (`spec.model.pricing`); `None`: only reported costs count.
+    pub prices: Option<Prices>,
 }
 
 impl ModelSettings {
@@ -153,6 +156,12 @@ impl ModelSettings {
                 max_attempts: spec.max_attempts,
                 ..RetryPolicy::default()
             },
+            prices: spec
+                .pricing
+                .as_ref()
+                .map(Prices::from_spec)
+                .transpose()
+                .map_err(|err| ModelError::Settings(err.to_string()))?,
         })
     }
 }
@@ -241,6 +250,15 @@ impl ModelClient {
         Self {
             circuit: Some(circuit),
             ..self.clone()
+        }
+    }
+
+    /// What `completion` cost: the run's prices applied to its usage (or the provider's figure,
+    /// as the prices prefer), else the provider's figure alone; `None` when neither is known.
+    pub fn cost_of(&self, completion: &Completion) -> Option<Cost> {
+        match &self.settings.prices {
+            Some(prices) => Some(prices.cost(completion.usage.tokens(), completion.reported_cost)),
+            None => completion.reported_cost.map(Cost::reported),
         }
     }
 
@@ -527,6 +545,7 @@ mod tests {
             request_timeout: Duration::from_secs(1),
             stream: false,
             retry: RetryPolicy::default(),
+            prices: None,
         };
         let client = ModelClient::new(settings).unwrap();
         assert!(!format!("{client:?}").contains("secret"));

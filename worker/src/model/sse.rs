@@ -24,6 +24,7 @@ struct Accumulator {
     calls: Vec<PartialCall>,
     finish_reason: Option<String>,
     usage: Usage,
+    reported_cost: Option<f64>,
 }
 
 impl Accumulator {
@@ -33,6 +34,7 @@ impl Accumulator {
         }
         if let Some(usage) = chunk.get("usage").filter(|usage| usage.is_object()) {
             self.usage = Usage::from_json(usage);
+            self.reported_cost = Usage::reported_cost(usage);
         }
         let Some(choice) = chunk
             .get("choices")
@@ -127,6 +129,7 @@ impl Accumulator {
             message: parse_assistant(&Value::Object(message), turn),
             finish_reason: self.finish_reason,
             usage: self.usage,
+            reported_cost: self.reported_cost,
         })
     }
 }

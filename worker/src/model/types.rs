@@ -7,6 +7,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::pricing::Tokens;
+
 /// One message of the conversation.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -64,12 +66,19 @@ pub struct ToolMessage {
     pub content: String,
 }
 
-/// Token counts of one call or a whole conversation.
+/// Token counts of one call or a whole conversation, in one convention whatever the server's:
+/// `prompt_tokens` counts every input token, those read from a cache (`cached_tokens`) and those
+/// written to one (`cache_write_tokens`) included, as `OpenAI` counts them; `completion_tokens`
+/// counts every output token, reasoning (`reasoning_tokens`) included.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub reasoning_tokens: u64,
+    #[serde(default)]
+    pub cached_tokens: u64,
+    #[serde(default)]
+    pub cache_write_tokens: u64,
 }
 
 impl Usage {
@@ -77,19 +86,59 @@ impl Usage {
         self.prompt_tokens += other.prompt_tokens;
         self.completion_tokens += other.completion_tokens;
         self.reasoning_tokens += other.reasoning_tokens;
+        self.cached_tokens += other.cached_tokens;
+        self.cache_write_tokens += other.cache_write_tokens;
     }
 
-    pub(crate) fn from_json(usage: &Value) -> Self {
+    /// A completion's `usage`, normalised: `OpenAI`'s (`prompt_tokens` with the cache reads in
+    /// `prompt_tokens_details.cached_tokens`), the same with Anthropic's cache fields beside it,
+    /// as gateways in front of Anthropic send it (`cache_read_input_tokens`,
+    /// `cache_creation_input_tokens`, counted inside `prompt_tokens`), or Anthropic's own
+    /// (`input_tokens`, `output_tokens`, where the input excludes both cache counts).
+    pub fn from_json(usage: &Value) -> Self {
         let count = |value: Option<&Value>| value.and_then(Value::as_u64).unwrap_or(0);
+        let detail = |details: &str, key: &str| count(usage.get(details).and_then(|d| d.get(key)));
+        let cache_read = count(usage.get("cache_read_input_tokens"));
+        let cache_write = count(usage.get("cache_creation_input_tokens"))
+            .max(detail("prompt_tokens_details", "cache_write_tokens"))
+            .max(detail("prompt_tokens_details", "cache_creation_tokens"));
+        let cached = detail("prompt_tokens_details", "cached_tokens").max(cache_read);
+        let reasoning = detail("completion_tokens_details", "reasoning_tokens");
+        if usage.get("prompt_tokens").is_none() && usage.get("input_tokens").is_some() {
+            return Self {
+                prompt_tokens: count(usage.get("input_tokens")) + cached + cache_write,
+                completion_tokens: count(usage.get("output_tokens")),
+                reasoning_tokens: reasoning,
+                cached_tokens: cached,
+                cache_write_tokens: cache_write,
+            };
+        }
         Self {
             prompt_tokens: count(usage.get("prompt_tokens")),
             completion_tokens: count(usage.get("completion_tokens")),
-            reasoning_tokens: count(
-                usage
-                    .get("completion_tokens_details")
-                    .and_then(|details| details.get("reasoning_tokens")),
-            ),
+            reasoning_tokens: reasoning,
+            cached_tokens: cached,
+            cache_write_tokens: cache_write,
         }
+    }
+
+    /// The counts a price applies to.
+    pub fn tokens(&self) -> Tokens {
+        Tokens {
+            prompt: self.prompt_tokens,
+            cached: self.cached_tokens,
+            cache_write: self.cache_write_tokens,
+            completion: self.completion_tokens,
+            reasoning: self.reasoning_tokens,
+        }
+    }
+
+    /// The cost a provider reports with the usage (`OpenRouter`'s `usage.cost`, USD).
+    pub fn reported_cost(usage: &Value) -> Option<f64> {
+        usage
+            .get("cost")
+            .and_then(Value::as_f64)
+            .filter(|cost| cost.is_finite() && *cost >= 0.0)
     }
 }
 
@@ -99,6 +148,9 @@ pub struct Completion {
     pub message: AssistantMessage,
     pub finish_reason: Option<String>,
     pub usage: Usage,
+    /// What it cost, as the provider reported it with the usage (`OpenRouter`'s `usage.cost`,
+    /// USD); the run's prices are applied by the client ([`super::ModelClient::cost_of`]).
+    pub reported_cost: Option<f64>,
 }
 
 impl Message {
@@ -186,6 +238,7 @@ pub fn parse_completion(body: &[u8], turn: usize) -> Result<Completion, ParseFai
             .and_then(Value::as_str)
             .map(str::to_owned),
         usage: value.get("usage").map(Usage::from_json).unwrap_or_default(),
+        reported_cost: value.get("usage").and_then(Usage::reported_cost),
     })
 }
 
@@ -450,7 +503,8 @@ mod tests {
             Usage {
                 prompt_tokens: 5,
                 completion_tokens: 7,
-                reasoning_tokens: 3
+                reasoning_tokens: 3,
+                ..Usage::default()
             }
         );
     }

@@ -312,6 +312,9 @@ pub fn render_report(report: &LocalReport) -> String {
             merge.verified, merge.passed
         );
     }
+    if let Some(cost) = &merge.cost {
+        let _ = writeln!(out, "  cost (USD)     {cost:>8}");
+    }
     let statistics = std::fs::read(report.run_dir.join("statistics.json"))
         .ok()
         .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok());

@@ -76,6 +76,9 @@ struct RecordView<'a> {
     reward: Option<f64>,
     #[serde(default)]
     verification: Option<VerificationView>,
+    /// What its model calls cost, when priced or reported.
+    #[serde(default)]
+    cost: Option<super::costs::CostView>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -183,6 +186,8 @@ struct Totals {
     discarded_by: BTreeMap<String, u64>,
     /// What the verifiers of the verified records found.
     rewards: super::rewards::Rewards,
+    /// What the priced records' model calls cost.
+    costs: super::costs::Costs,
     /// Conversations of rows naming an image, by the image's position in the manifest: how many
     /// ran in a container of it, and how many were recorded `image_unavailable`.
     task_images: BTreeMap<u32, (u64, u64)>,
@@ -206,6 +211,7 @@ impl Totals {
             *self.discarded_by.entry(filter).or_default() += count;
         }
         self.rewards.absorb(other.rewards);
+        self.costs.absorb(other.costs);
         self.failed += other.failed;
         self.completed += other.completed;
         self.partial += other.partial;
@@ -254,6 +260,9 @@ impl Totals {
                 tool_failures: view.tool_stats.values().map(|tool| tool.failure).sum(),
             };
             collected.add(&facts, view.toolsets_used.iter().map(AsRef::as_ref), line);
+        }
+        if let Some(cost) = &view.cost {
+            self.costs.add(cost, view.status.is_none());
         }
         if let (Some(reward), Some(verification)) = (view.reward, &view.verification) {
             self.rewards.add(super::rewards::VerifiedRecord {
@@ -947,6 +956,7 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
         skipped_lines,
         verified: totals.rewards.verified(),
         passed: totals.rewards.passed(),
+        cost: totals.costs.total().map(super::costs::usd_text),
     };
     info!(
         trajectories = summary.trajectories,
@@ -1114,6 +1124,9 @@ fn statistics(
                       "mean": if totals.succeeded == 0 { 0.0 } else { round2(totals.api_calls as f64 / totals.succeeded as f64) }},
         "latency_ms": {"conversation": percentiles(&mut totals.durations)},
     });
+    if let Some(cost) = totals.costs.summary() {
+        statistics["cost"] = cost;
+    }
     if let Some(task_images) = totals.task_images() {
         statistics["task_images"] = task_images;
     }

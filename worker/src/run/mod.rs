@@ -4,6 +4,7 @@
 //! reports a summary. Errors carry the exit code of the worker contract ([`crate::contract::exit`]).
 
 pub mod batch;
+mod costs;
 pub mod distributions;
 pub mod local;
 pub mod manifest;

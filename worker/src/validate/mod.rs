@@ -3,7 +3,7 @@
 //! a spec declares ([`declared_tool_violations`]). Every violation names its field.
 //!
 //! It sits above the types it checks ([`crate::spec`]) and the data it checks them against
-//! ([`crate::toolsets`], [`crate::template`]), and builds with serde alone like them, so that the
+//! ([`crate::toolsets`], [`crate::template`], [`crate::pricing`]), and builds with serde alone like them, so that the
 //! operator refuses a bad spec before any pod starts, in the words the worker would use.
 
 mod declared;
@@ -12,6 +12,7 @@ mod distribution;
 pub use declared::{declared_tool_violations, is_valid_name};
 pub use distribution::distribution_violations;
 
+use crate::pricing::Prices;
 use crate::spec::{
     BrowserSpec, DistributionSpec, ImageGenSpec, RunSpec, ValueSource, VisionSpec, WebSearchBackend,
 };
@@ -188,6 +189,13 @@ impl RunSpec {
                 extra.is_object(),
                 "model.extraBody",
                 "must be a JSON object".to_owned(),
+            );
+        }
+        if let Some(Err(error)) = self.model.pricing.as_ref().map(Prices::from_spec) {
+            violations.check(
+                false,
+                &format!("model.pricing.{}", error.field),
+                error.message,
             );
         }
     }
@@ -459,6 +467,11 @@ mod tests {
         spec.dataset.path = "../etc/passwd".into();
         spec.batch_size = 0;
         spec.model.base_url = "ftp://x".into();
+        spec.model.pricing = Some(crate::spec::PricingSpec {
+            input: Some(1.0),
+            output: Some(f64::NAN),
+            ..crate::spec::PricingSpec::default()
+        });
         spec.distribution = DistributionSpec::Inline([("terminal".to_owned(), 120.0)].into());
         let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
         assert_eq!(
@@ -467,6 +480,7 @@ mod tests {
                 "spec.dataset.path",
                 "spec.batchSize",
                 "spec.model.baseUrl",
+                "spec.model.pricing.output",
                 "spec.distribution.terminal"
             ]
         );

@@ -35,7 +35,8 @@ use super::observe::{JobState, Observed, ObservedAttempt};
 use super::status::{Merged, Outcome, Planned, Reason, Tally};
 use super::validate::ValidatedRun;
 use crate::api::{
-    BatchCounts, OutputStatus, PendingListStatus, Phase, TrajectoryRunStatus, VerificationStatus,
+    BatchCounts, CostStatus, OutputStatus, PendingListStatus, Phase, TrajectoryRunStatus,
+    VerificationStatus,
 };
 
 pub mod images;
@@ -793,6 +794,10 @@ fn merged(run: &ValidatedRun<'_>, merge: &MergeSummary) -> Merged {
         verification: (merge.verified > 0).then_some(VerificationStatus {
             verified: merge.verified,
             passed: merge.passed,
+        }),
+        cost: merge.cost.clone().map(|spent| CostStatus {
+            spent,
+            currency: "USD".to_owned(),
         }),
         output: OutputStatus {
             path: run.output_path.clone(),

@@ -1,0 +1,136 @@
+//! Every record's cost and the run's totals, on a real local run: a scripted model server sends
+//! usages with cached tokens (priced by the run's prices) and, for one task, a cost of its own
+//! (`usage.cost`, as `OpenRouter` reports it, taken as it is).
+
+mod common;
+
+use common::{RunFixture, local_options, no_shutdown, terminal};
+use serde_json::{Value, json};
+use trajectory_testkit::scripted_server::{
+    ScriptedServer, Step, first_user_message, text_reply, tool_calls_reply,
+};
+use trajectory_worker::run::local::{render_report, run_local};
+
+/// Every request's usage: 1,000 prompt tokens of which 400 were read from the cache, 100
+/// completion tokens; for the task "reported", the provider's own cost too.
+fn model(body: &Value) -> Step {
+    let answered = body["messages"]
+        .as_array()
+        .is_some_and(|messages| messages.iter().any(|m| m["role"] == "assistant"));
+    let mut reply = if answered {
+        text_reply("done")
+    } else {
+        let (name, arguments) = terminal("true");
+        tool_calls_reply(&[(name, Value::String(arguments.to_string()))])
+    };
+    reply["usage"] = json!({"prompt_tokens": 1000, "completion_tokens": 100, "total_tokens": 1100,
+                            "prompt_tokens_details": {"cached_tokens": 400}});
+    if first_user_message(body) == "reported" {
+        reply["usage"]["cost"] = json!(0.25);
+    }
+    Step::ok(reply)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_carry_their_cost_and_the_run_its_totals() {
+    let server = ScriptedServer::start_responding(model).await;
+    let lines = [
+        json!({"prompt": "priced"}).to_string(),
+        json!({"prompt": "reported"}).to_string(),
+    ];
+    // USD per million tokens.
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with(
+            "/model/pricing",
+            json!({"input": 2.0, "cachedInput": 1.0, "output": 8.0}),
+        )
+        .with("/openaiFormat", json!(true));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    assert_eq!(server.request_count(), 4, "a tool call and an answer each");
+    let records = fixture.lines("trajectories.jsonl");
+    let cost_of = |task: &str| -> Value {
+        records
+            .iter()
+            .find(|record| record["conversations"][1]["value"] == task)
+            .unwrap_or_else(|| panic!("no record of {task}"))["cost"]
+            .clone()
+    };
+    // Per call: 600 uncached tokens at $2/M, 400 cached at $1/M, 100 out at $8/M; two calls.
+    let priced = cost_of("priced");
+    for (kind, expected) in [
+        ("input", 0.0024),
+        ("cached_input", 0.0008),
+        ("cache_write", 0.0),
+        ("output", 0.0016),
+        ("total", 0.0048),
+    ] {
+        let value = priced[kind].as_f64().unwrap();
+        assert!(
+            (value - expected).abs() < 1e-12,
+            "{kind}: {value} ({priced})"
+        );
+    }
+    assert_eq!(
+        (&priced["currency"], &priced["source"]),
+        (&json!("USD"), &json!("prices"))
+    );
+    let reported = cost_of("reported");
+    assert_eq!(reported["total"], 0.5);
+    assert_eq!(reported["source"], "reported");
+    let usage = &records[0]["usage"];
+    assert_eq!(usage["cached_tokens"], 800, "{usage}");
+    assert!(usage.get("cache_write_tokens").is_none(), "none written");
+
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    let cost = &statistics["cost"];
+    assert_eq!(cost["total"], 0.5048, "{cost}");
+    assert_eq!(cost["records_priced"], 2);
+    assert_eq!(cost["per_trajectory"], 0.2524);
+    assert_eq!(cost["currency"], "USD");
+    assert_eq!(report.merge.cost.as_deref(), Some("0.5048"));
+    assert!(
+        render_report(&report).contains("cost (USD)       0.5048"),
+        "{}",
+        render_report(&report)
+    );
+    let openai: Vec<Value> = fixture.lines("trajectories.openai.jsonl");
+    let mut totals: Vec<f64> = openai
+        .iter()
+        .map(|record| record["cost"].as_f64().unwrap())
+        .collect();
+    totals.sort_by(f64::total_cmp);
+    assert_eq!(totals, [0.0048, 0.5]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_without_prices_records_no_cost_and_bad_prices_name_their_field() {
+    let server = ScriptedServer::start_responding(model).await;
+    let lines = [json!({"prompt": "priced"}).to_string()];
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines);
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    assert!(fixture.lines("trajectories.jsonl")[0].get("cost").is_none());
+    assert_eq!(report.merge.cost, None);
+
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/model/pricing", json!({"input": 2.0}));
+    let requests = server.request_count();
+    let error = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("spec.model.pricing.output: is required (USD per million tokens)"),
+        "{error}"
+    );
+    assert_eq!(
+        server.request_count(),
+        requests,
+        "refused before any request"
+    );
+}
