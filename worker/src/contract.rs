@@ -143,6 +143,9 @@ pub mod exit {
     pub const TRANSIENT: i32 = 1;
     /// Stopped by a signal (SIGTERM / Ctrl-C) after leaving storage consistent; retried.
     pub const INTERRUPTED: i32 = 130;
+    /// The run reached `spec.model.budget` (`EX_TEMPFAIL`): nothing failed, and raising the
+    /// budget lets it finish.
+    pub const BUDGET_EXHAUSTED: i32 = 75;
 }
 
 /// Kubernetes truncates termination messages at 4096 bytes.

@@ -159,6 +159,21 @@ pub struct ModelSpec {
     /// totals; unset: only costs the provider reports with the usage (`usage.cost`) count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pricing: Option<PricingSpec>,
+    /// A cap on what the run's model calls cost, priced by `pricing` (which it needs). At the
+    /// budget no new conversation starts: those in flight finish, and the run stops with reason
+    /// `BudgetExhausted`; raising `maxCost` and running again finishes it. Held by local runs
+    /// (`trajectory-worker local`); a cluster refuses it for now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<BudgetSpec>,
+}
+
+/// The most a run may spend on its model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct BudgetSpec {
+    /// USD, over the whole run: what the records already on storage cost counts too.
+    pub max_cost: f64,
 }
 
 /// The model's prices: USD per million tokens given inline (`input` and `output` at least), or

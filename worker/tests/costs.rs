@@ -134,3 +134,81 @@ async fn a_run_without_prices_records_no_cost_and_bad_prices_name_their_field() 
         "refused before any request"
     );
 }
+
+/// Every record line written into the run's batch files so far (`batches` batches).
+fn records_on_storage(out: &std::path::Path, batches: u32) -> Vec<Value> {
+    let run_dir = trajectory_worker::storage::RunDir::new(out);
+    (0..batches)
+        .flat_map(|batch| run_dir.records_files(batch).unwrap())
+        .flat_map(|file| common::parse_lines(&file.records))
+        .collect()
+}
+
+/// USD each conversation of [`model`] costs at the prices below: two calls of 600 uncached
+/// input tokens at $2/M, 400 cached at $1/M and 100 output at $8/M.
+const CONVERSATION_COST: f64 = 0.0048;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_stops_at_its_budget_and_raising_it_finishes_every_record_once() {
+    const PROMPTS: usize = 20;
+    const CONCURRENCY: usize = 4;
+    let server = ScriptedServer::start_responding(model).await;
+    let budget = 0.05;
+    let fixture = RunFixture::new(&server.base_url(), PROMPTS)
+        .with("/batchSize", json!(5))
+        .with("/concurrency", json!(CONCURRENCY))
+        .with(
+            "/model/pricing",
+            json!({"input": 2.0, "cachedInput": 1.0, "output": 8.0}),
+        )
+        .with("/model/budget", json!({"maxCost": budget}));
+    let error = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect_err("the budget stops the run");
+    assert_eq!(error.exit_code(), 75, "{error}");
+    assert_eq!(error.reason(), "BudgetExhausted");
+    let message = error.to_string();
+    eprintln!("stopped: {message}");
+    assert!(
+        message.contains("of its budget of 0.05 USD (spec.model.budget.maxCost)"),
+        "{message}"
+    );
+    let records = records_on_storage(&fixture.out(), 4);
+    let requests = server.request_count();
+    // Nothing started was cut short: two requests for each record, none for a lost conversation.
+    assert_eq!(requests, 2 * records.len(), "{records:?}");
+    assert!(records.len() < PROMPTS, "the budget stopped nothing");
+    let spent: f64 = records
+        .iter()
+        .map(|record| record["cost"]["total"].as_f64().unwrap())
+        .sum();
+    let in_flight = CONCURRENCY as f64 * CONVERSATION_COST;
+    assert!(
+        spent <= budget + in_flight + 1e-9,
+        "spent {spent} past the budget {budget} and what {CONCURRENCY} conversations in flight cost"
+    );
+    assert!(
+        spent + CONVERSATION_COST > budget,
+        "stopped at {spent}, with room for more"
+    );
+
+    // Raised: the same command finishes the run; what was done is not asked again.
+    let fixture = fixture.with("/model/budget", json!({"maxCost": 1.0}));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect("the raised budget lets the run finish");
+    assert_eq!(
+        server.request_count(),
+        2 * PROMPTS,
+        "every conversation once"
+    );
+    assert_eq!(report.merge.trajectories, PROMPTS as u64);
+    assert_eq!(
+        common::keys(&fixture.lines("trajectories.jsonl")).len(),
+        PROMPTS
+    );
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    assert_eq!(statistics["cost"]["total"], 0.096);
+}

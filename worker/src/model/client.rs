@@ -1,6 +1,7 @@
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use rand::Rng;
@@ -201,6 +202,34 @@ pub struct ModelClient {
     settings: ModelSettings,
     /// Told of every attempt's outcome, when a batch watches this client's calls.
     circuit: Option<Arc<Circuit>>,
+    /// Told what every completion cost, when the run keeps a budget.
+    spending: Option<Arc<Spending>>,
+}
+
+/// What a run's completions have cost so far (USD), counted as each arrives, whichever
+/// conversation and batch asked: a budget's measure of what was spent.
+#[derive(Debug, Default)]
+pub struct Spending {
+    /// In billionths of a USD: exact enough (each completion rounds by at most half of one), and
+    /// added to without a lock by every conversation.
+    nano_usd: AtomicU64,
+}
+
+impl Spending {
+    /// Counts `usd` more.
+    pub fn add(&self, usd: f64) {
+        // Costs are at least 0 and far below u64::MAX billionths (18 billion USD).
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let nano = (usd.max(0.0) * 1e9).round() as u64;
+        self.nano_usd.fetch_add(nano, Ordering::Relaxed);
+    }
+
+    /// USD counted so far.
+    pub fn total(&self) -> f64 {
+        #[allow(clippy::cast_precision_loss)] // exact below 2^53 billionths (9 million USD)
+        let nano = self.nano_usd.load(Ordering::Relaxed) as f64;
+        nano / 1e9
+    }
 }
 
 /// One failed attempt.
@@ -241,6 +270,7 @@ impl ModelClient {
             authorization,
             settings,
             circuit: None,
+            spending: None,
         })
     }
 
@@ -249,6 +279,15 @@ impl ModelClient {
     pub fn with_circuit(&self, circuit: Arc<Circuit>) -> Self {
         Self {
             circuit: Some(circuit),
+            ..self.clone()
+        }
+    }
+
+    /// The same client, counting what each completion cost into `spending`.
+    #[must_use]
+    pub fn with_spending(&self, spending: Arc<Spending>) -> Self {
+        Self {
+            spending: Some(spending),
             ..self.clone()
         }
     }
@@ -315,6 +354,11 @@ impl ModelClient {
             let error = match self.attempt(body, turn).await {
                 Ok(completion) => {
                     self.tell_circuit(true);
+                    if let (Some(spending), Some(cost)) =
+                        (&self.spending, self.cost_of(&completion))
+                    {
+                        spending.add(cost.total);
+                    }
                     return Ok(completion);
                 }
                 Err(error) => error,

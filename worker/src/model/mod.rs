@@ -17,7 +17,7 @@ mod sse;
 pub mod types;
 
 pub use circuit::Circuit;
-pub use client::{ApiKey, ModelClient, ModelSettings, RetryPolicy};
+pub use client::{ApiKey, ModelClient, ModelSettings, RetryPolicy, Spending};
 pub use types::{
     AssistantMessage, Completion, Message, Reasoning, ReasoningShape, ToolCall, ToolMessage, Usage,
 };

@@ -45,6 +45,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{Instrument, info, info_span, warn};
 
+use super::budget::{Budget, Ticket};
 use super::manifest::Manifest;
 use super::sampling::{ENOUGH_PASSED, Next, Schedule};
 use super::segments::segment_digest;
@@ -98,6 +99,8 @@ pub struct Engine {
     pub concurrency: usize,
     /// Time in-flight conversations get to finish after a shutdown request.
     pub grace: Duration,
+    /// `spec.model.budget`, when the run keeps one: conversations start only while it has room.
+    pub budget: Option<Arc<Budget>>,
 }
 
 impl Engine {
@@ -112,6 +115,13 @@ impl Engine {
             workspace_root,
             ModelClient::new(settings).map_err(|err| RunError::Spec(err.to_string()))?,
         )
+    }
+
+    /// Holds the run to `budget`: its client counts what each completion cost into it, and
+    /// conversations start only while it has room.
+    pub fn keep_budget(&mut self, budget: Arc<Budget>) {
+        self.client = self.client.with_spending(budget.spending());
+        self.budget = Some(budget);
     }
 
     /// Builds the engine around a given client.
@@ -159,6 +169,7 @@ impl Engine {
             samples_per_prompt: spec.samples_per_prompt,
             concurrency: usize::try_from(spec.concurrency).unwrap_or(1),
             grace: Duration::from_secs(20),
+            budget: None,
         })
     }
 }
@@ -442,17 +453,29 @@ async fn run_pending(
 ) -> Result<Option<RunError>, RunError> {
     let mut running = JoinSet::new();
     let mut stop: Option<RunError> = None;
+    let mut over_budget = false;
     loop {
         while stop.is_none()
+            && !over_budget
             && !shared.circuit.is_open()
             && running.len() < shared.engine.concurrency.max(1)
         {
             if shutdown.is_triggered() {
                 break;
             }
+            let Ok(ticket) = reserve(&shared.engine, &pending) else {
+                over_budget = true;
+                break;
+            };
             match pending.take_next() {
                 Next::Run(prompt_index, sample) => {
-                    spawn_item(&mut running, shared, shutdown, prompt_index, sample);
+                    spawn_item(
+                        &mut running,
+                        shared,
+                        shutdown,
+                        (prompt_index, sample),
+                        ticket,
+                    );
                 }
                 Next::Skip(prompt_index, sample) => {
                     let line = skipped_line(shared, prompt_index, sample);
@@ -524,15 +547,37 @@ async fn run_pending(
             None | Some(Item::Stop(_)) => {}
         }
     }
-    if stop.is_none() && shared.circuit.is_open() && !pending.is_empty() {
-        stop = Some(RunError::ModelUnavailable(format!(
+    Ok(stop.or_else(|| stopped_early(shared, &pending, over_budget)))
+}
+
+/// Why a batch left conversations unstarted though none of them stopped it: the run's budget
+/// had no room for more, or the circuit opened on a failing server.
+fn stopped_early(shared: &Shared, pending: &Schedule, over_budget: bool) -> Option<RunError> {
+    if pending.is_empty() {
+        return None;
+    }
+    if let (true, Some(budget)) = (over_budget, &shared.engine.budget) {
+        return Some(super::budget::exhausted(budget, pending.len()));
+    }
+    shared.circuit.is_open().then(|| {
+        RunError::ModelUnavailable(format!(
             "{} model calls in a row failed, so the batch started no more conversations \
              ({} not started)",
             shared.circuit.threshold(),
             pending.len()
-        )));
+        ))
+    })
+}
+
+/// The budget's reservation for the next conversation (`None`: the run keeps no budget, or
+/// nothing is pending), taken before the conversation leaves the schedule, so that one the
+/// budget has no room for stays pending (and runs once the budget is raised); `Err` when it has
+/// no room.
+fn reserve(engine: &Engine, pending: &Schedule) -> Result<Option<Ticket>, ()> {
+    match &engine.budget {
+        Some(budget) if !pending.is_empty() => budget.start().map(Some).ok_or(()),
+        _ => Ok(None),
     }
-    Ok(stop)
 }
 
 /// Starts one (prompt, sample) as a task of its own, so that conversations (and rendering their
@@ -542,8 +587,8 @@ fn spawn_item(
     running: &mut JoinSet<(u64, Option<Item>)>,
     shared: &Arc<Shared>,
     shutdown: &Shutdown,
-    prompt_index: u64,
-    sample: u32,
+    (prompt_index, sample): (u64, u32),
+    ticket: Option<Ticket>,
 ) {
     let (shared, shutdown) = (Arc::clone(shared), shutdown.clone());
     running.spawn(async move {
@@ -552,6 +597,14 @@ fn spawn_item(
             result = work => Some(result),
             () = async { shutdown.wait().await; tokio::time::sleep(shared.engine.grace).await } => None,
         };
+        // What it cost is in the run's spending by now; its reservation goes back, and the next
+        // conversations' estimate learns from it.
+        if let Some(ticket) = ticket {
+            ticket.end(match &result {
+                Some(Item::Record { cost, .. }) => *cost,
+                _ => None,
+            });
+        }
         (prompt_index, result)
     });
 }
@@ -1000,6 +1053,8 @@ enum Item {
         openai: Option<Vec<u8>>,
         /// The row's verifier passed it.
         passed: bool,
+        /// What its model calls cost (USD), when priced or reported.
+        cost: Option<f64>,
     },
     /// Stop the batch: no other prompt can succeed now.
     Stop(RunError),
@@ -1098,11 +1153,10 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
         }
         None => engine.sandbox.clone(),
     };
-    let result = converse(shared, &offered, row, lent, sandbox)
+    let (result, verification) = converse(shared, &offered, row, lent, sandbox)
         .instrument(info_span!("conversation", prompt_index, sample))
         .await;
     let finished_at = chrono::Utc::now();
-    let (result, verification) = result;
     let conversation = match result {
         Ok(conversation) => conversation,
         Err(error) if error.is_model_missing() => {
@@ -1141,6 +1195,7 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
             line,
             openai: None,
             passed: false,
+            cost: conversation.cost.map(|cost| cost.total),
         };
     }
     let conversation = Verified {
@@ -1261,6 +1316,7 @@ fn trajectory_item(
     let passed = verified
         .verification
         .is_some_and(|verification| verification.passed);
+    let cost = verified.conversation.cost.map(|cost| cost.total);
     let below_reward = match (shared.engine.min_reward, verified.verification) {
         (Some(min_reward), Some(verification)) => verification.reward < min_reward,
         _ => false,
@@ -1290,6 +1346,7 @@ fn trajectory_item(
             line,
             openai: None,
             passed,
+            cost,
         };
     }
     let openai = shared.engine.openai_format.then(|| {
@@ -1302,6 +1359,7 @@ fn trajectory_item(
         line,
         openai,
         passed,
+        cost,
     }
 }
 
@@ -1342,6 +1400,7 @@ fn failed_item(
         line,
         openai: None,
         passed: false,
+        cost: None,
     }
 }
 

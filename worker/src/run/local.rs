@@ -15,6 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tracing::info;
 
 use super::batch::{ConversationOutcome, Engine, Progress, Shutdown, run_batch};
+use super::budget::{self, Budget};
 use super::{RunError, RunFile, RunLocation, merge, plan};
 use crate::contract::{MergeSummary, PlanSummary};
 use crate::storage::LockError;
@@ -102,6 +103,11 @@ pub async fn run_local(
 
     let mut engine = Engine::new(&location.plan.spec, options.workspace_root.clone())?;
     engine.sandbox = options.sandbox.clone();
+    if let Some(budget) = &location.plan.spec.model.budget {
+        // What earlier runs of this directory spent counts against the same budget.
+        let before = budget::spent_on_storage(&run_dir, &manifest)?;
+        engine.keep_budget(Budget::new(budget, before));
+    }
     let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
     let pending: Vec<u32> = (0..manifest.batch_count())
         .filter(|batch| !done.contains(batch))

@@ -4,6 +4,7 @@
 //! reports a summary. Errors carry the exit code of the worker contract ([`crate::contract::exit`]).
 
 pub mod batch;
+pub mod budget;
 mod costs;
 pub mod distributions;
 pub mod local;
@@ -68,6 +69,10 @@ pub enum RunError {
         "model server unavailable; the affected prompts were not recorded and are retried on resume: {0}"
     )]
     ModelUnavailable(String),
+    /// The run reached `spec.model.budget`: no conversation starts any more; what is done stays
+    /// done.
+    #[error("budget exhausted: {0}")]
+    BudgetExhausted(String),
     /// Stopped by a signal after leaving storage consistent.
     #[error("interrupted; run the same command again to resume")]
     Interrupted,
@@ -91,6 +96,7 @@ impl RunError {
             | Self::OutputInUse(_) => exit::PERMANENT_CONFIG,
             Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
             Self::Interrupted => exit::INTERRUPTED,
+            Self::BudgetExhausted(_) => exit::BUDGET_EXHAUSTED,
             Self::Storage(error) => match error.fault() {
                 StorageFault::ReadOnly | StorageFault::Denied => exit::PERMANENT_CONFIG,
                 // Full: space can be freed while the Job backs off; the batch checks free space
@@ -122,6 +128,7 @@ impl RunError {
             Self::ModelNotFound(_) => "ModelNotFound",
             Self::ModelUnavailable(_) => "ModelUnavailable",
             Self::Interrupted => "Interrupted",
+            Self::BudgetExhausted(_) => "BudgetExhausted",
             Self::Internal(_) => "InternalError",
         }
     }

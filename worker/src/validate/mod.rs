@@ -198,6 +198,20 @@ impl RunSpec {
                 error.message,
             );
         }
+        if let Some(budget) = &self.model.budget {
+            violations.check(
+                budget.max_cost.is_finite() && budget.max_cost > 0.0,
+                "model.budget.maxCost",
+                format!("must be a number of USD above 0, got {}", budget.max_cost),
+            );
+            // A cost the provider reports arrives after the spending: only prices known in
+            // advance can hold a cap.
+            violations.check(
+                self.model.pricing.is_some(),
+                "model.budget",
+                "needs the model's prices (spec.model.pricing) to hold".to_owned(),
+            );
+        }
     }
 
     fn check_agent_and_tools(&self, violations: &mut Violations) {
