@@ -49,26 +49,41 @@ pub struct Conversation {
     pub model_time: Duration,
 }
 
-/// Why a conversation produced no record.
+/// What a conversation that ended early had spent on the model until then.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Spent {
+    pub usage: Usage,
+    pub cost: Option<Cost>,
+}
+
+/// Why a conversation produced no trajectory, with what it had spent.
 #[derive(Debug, thiserror::Error)]
 pub enum ConversationError {
-    #[error(transparent)]
-    Model(#[from] ModelError),
+    #[error("{0}")]
+    Model(ModelError, Spent),
     #[error("conversation exceeded its budget of {0:?}")]
-    Timeout(Duration),
+    Timeout(Duration, Spent),
 }
 
 impl ConversationError {
     /// The error class recorded with the failed prompt.
     pub fn class(&self) -> &'static str {
         match self {
-            Self::Model(error) => error.class().as_str(),
-            Self::Timeout(_) => "prompt_timeout",
+            Self::Model(error, _) => error.class().as_str(),
+            Self::Timeout(..) => "prompt_timeout",
+        }
+    }
+
+    /// What the conversation had spent on the model when it ended: its failed record says so,
+    /// and a budget counts it.
+    pub fn spent(&self) -> &Spent {
+        match self {
+            Self::Model(_, spent) | Self::Timeout(_, spent) => spent,
         }
     }
 
     pub fn is_permanent(&self) -> bool {
-        matches!(self, Self::Model(error) if error.is_permanent())
+        matches!(self, Self::Model(error, _) if error.is_permanent())
     }
 
     /// Retries ran out on failures a later retry may get past (the server down, overloaded or
@@ -76,17 +91,17 @@ impl ConversationError {
     /// through the whole dataset, so the batch stops instead and the prompt is retried when the
     /// batch is.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Model(error) if error.is_transient())
+        matches!(self, Self::Model(error, _) if error.is_transient())
     }
 
     /// The model or its path does not exist on the server: no prompt can succeed.
     pub fn is_model_missing(&self) -> bool {
-        matches!(self, Self::Model(error) if error.is_model_missing())
+        matches!(self, Self::Model(error, _) if error.is_model_missing())
     }
 
     /// The conversation's wall-clock budget ran out.
     pub fn is_budget_exhausted(&self) -> bool {
-        matches!(self, Self::Timeout(_))
+        matches!(self, Self::Timeout(..))
     }
 }
 
@@ -117,21 +132,6 @@ pub async fn run_conversation(
     config: &AgentConfig,
 ) -> Result<Conversation, ConversationError> {
     let budget = config.prompt_timeout;
-    tokio::time::timeout(budget, converse(client, tools, ctx, prompt, config))
-        .instrument(info_span!("conversation"))
-        .await
-        .map_err(|_| ConversationError::Timeout(budget))?
-}
-
-async fn converse(
-    client: &ModelClient,
-    tools: &[Arc<dyn Tool>],
-    ctx: &ToolContext,
-    prompt: &str,
-    config: &AgentConfig,
-) -> Result<Conversation, ConversationError> {
-    let definitions = tool_definitions(tools);
-    let system = config.ephemeral_system_prompt.as_deref();
     let mut conversation = Conversation {
         messages: vec![Message::User(prompt.to_owned())],
         api_calls: 0,
@@ -141,23 +141,50 @@ async fn converse(
         cost: None,
         model_time: Duration::ZERO,
     };
+    // The conversation lives outside the timed future, so that one cut off keeps what it spent.
+    let outcome = tokio::time::timeout(
+        budget,
+        converse(client, tools, ctx, config, &mut conversation),
+    )
+    .instrument(info_span!("conversation"))
+    .await;
+    let spent = Spent {
+        usage: conversation.usage,
+        cost: conversation.cost,
+    };
+    match outcome {
+        Ok(Ok(())) => Ok(conversation),
+        Ok(Err(error)) => Err(ConversationError::Model(error, spent)),
+        Err(_) => Err(ConversationError::Timeout(budget, spent)),
+    }
+}
+
+async fn converse(
+    client: &ModelClient,
+    tools: &[Arc<dyn Tool>],
+    ctx: &ToolContext,
+    config: &AgentConfig,
+    conversation: &mut Conversation,
+) -> Result<(), ModelError> {
+    let definitions = tool_definitions(tools);
+    let system = config.ephemeral_system_prompt.as_deref();
     let mut turn = 0;
     while conversation.api_calls < config.max_turns {
         let body = client.request_body(system, &conversation.messages, Some(&definitions));
-        let reply = timed_call(client, &body, turn, &mut conversation).await?;
+        let reply = timed_call(client, &body, turn, conversation).await?;
         conversation.api_calls += 1;
         turn += 1;
         if reply.finish_reason.as_deref() == Some("length") {
             // A reply cut off by the token limit is not a usable turn (its tool-call arguments
             // are usually truncated too): stop here, as the reference does.
             conversation.partial = true;
-            return Ok(conversation);
+            return Ok(());
         }
         let message = reply.message;
         if message.tool_calls.is_empty() {
             conversation.messages.push(Message::Assistant(message));
             conversation.completed = true;
-            return Ok(conversation);
+            return Ok(());
         }
         let results = join_all(
             message
@@ -175,14 +202,14 @@ async fn converse(
         .messages
         .push(Message::User(FINAL_ANSWER_REQUEST.to_owned()));
     let body = client.request_body(system, &conversation.messages, None);
-    let reply = timed_call(client, &body, turn, &mut conversation).await?;
+    let reply = timed_call(client, &body, turn, conversation).await?;
     // Without tools offered, a server may still emit calls; they cannot run, so they are dropped.
     let message = AssistantMessage {
         tool_calls: Vec::new(),
         ..reply.message
     };
     conversation.messages.push(Message::Assistant(message));
-    Ok(conversation)
+    Ok(())
 }
 
 async fn timed_call(
@@ -190,7 +217,7 @@ async fn timed_call(
     body: &Value,
     turn: usize,
     conversation: &mut Conversation,
-) -> Result<crate::model::Completion, ConversationError> {
+) -> Result<crate::model::Completion, ModelError> {
     let started = Instant::now();
     let reply = client.complete(body, turn).await?;
     conversation.model_time += started.elapsed();

@@ -15,8 +15,8 @@ use std::borrow::Cow;
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{Map, Value, json};
 
-use crate::agent::Conversation;
-use crate::model::{AssistantMessage, Message, ToolMessage};
+use crate::agent::{Conversation, Spent};
+use crate::model::{AssistantMessage, Message, ToolMessage, Usage};
 use crate::pricing::{Cost, CostSource};
 use crate::tools::ToolSpec;
 use crate::verify::Verification;
@@ -404,6 +404,19 @@ struct TokenUsage {
     cache_write_tokens: u64,
 }
 
+impl From<&Usage> for TokenUsage {
+    fn from(usage: &Usage) -> Self {
+        Self {
+            prompt_tokens: usage.prompt_tokens,
+            completion_tokens: usage.completion_tokens,
+            reasoning_tokens: usage.reasoning_tokens,
+            total_tokens: usage.prompt_tokens + usage.completion_tokens,
+            cached_tokens: usage.cached_tokens,
+            cache_write_tokens: usage.cache_write_tokens,
+        }
+    }
+}
+
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
 fn is_zero(count: &u64) -> bool {
     *count == 0
@@ -483,17 +496,7 @@ impl Serialize for TrajectoryRecord<'_> {
             .map(|tool| tool.name.as_str())
             .collect();
         record.serialize_entry("tools_offered", &offered)?;
-        record.serialize_entry(
-            "usage",
-            &TokenUsage {
-                prompt_tokens: usage.prompt_tokens,
-                completion_tokens: usage.completion_tokens,
-                reasoning_tokens: usage.reasoning_tokens,
-                total_tokens: usage.prompt_tokens + usage.completion_tokens,
-                cached_tokens: usage.cached_tokens,
-                cache_write_tokens: usage.cache_write_tokens,
-            },
-        )?;
+        record.serialize_entry("usage", &TokenUsage::from(&usage))?;
         if let Some(cost) = &conversation.cost {
             record.serialize_entry("cost", &CostEntry::from(cost))?;
         }
@@ -650,13 +653,14 @@ pub struct Failure<'a> {
 }
 
 /// The record of a (prompt, sample) that failed, written as one line of Python-style JSON into
-/// `out`. A conversation that ran out of time is still verified (its changes are there): its
-/// record then carries `reward` and `verification` as a trajectory's would.
+/// `out`. A conversation that ended early keeps what it spent (`usage`, `cost`), and one that
+/// ran out of time is still verified (its changes are there): its record then carries `reward`
+/// and `verification` as a trajectory's would.
 pub fn write_failed_record(
     out: &mut Vec<u8>,
     identity: &RecordIdentity<'_>,
     failure: Failure<'_>,
-    verification: Option<&Verification>,
+    (spent, verification): (Option<&Spent>, Option<&Verification>),
     (started_at, finished_at): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>),
 ) {
     /// Field names and order are the record's keys.
@@ -671,6 +675,10 @@ pub fn write_failed_record(
         batch_num: u32,
         duration_ms: i64,
         timestamp: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        usage: Option<TokenUsage>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        cost: Option<CostEntry>,
         #[serde(skip_serializing_if = "Option::is_none")]
         reward: Option<f64>,
         #[serde(skip_serializing_if = "Option::is_none")]
@@ -688,6 +696,12 @@ pub fn write_failed_record(
             batch_num: identity.batch,
             duration_ms: duration_ms(started_at, finished_at),
             timestamp: timestamp(finished_at),
+            usage: spent
+                .filter(|spent| spent.usage.prompt_tokens + spent.usage.completion_tokens > 0)
+                .map(|spent| TokenUsage::from(&spent.usage)),
+            cost: spent
+                .and_then(|spent| spent.cost.as_ref())
+                .map(CostEntry::from),
             reward: verification.map(|verification| verification.reward),
             verification: verification.map(VerificationEntry::from),
         },

@@ -431,8 +431,13 @@ async fn the_prompt_budget_ends_a_conversation_waiting_on_the_model() {
     let started = Instant::now();
     let error = fixture.run(&[Echo::new()]).await.unwrap_err();
     assert!(
-        matches!(error, ConversationError::Timeout(budget) if budget == Duration::from_millis(300)),
+        matches!(error, ConversationError::Timeout(budget, _) if budget == Duration::from_millis(300)),
         "{error:?}"
+    );
+    assert_eq!(
+        error.spent().usage.prompt_tokens,
+        0,
+        "no reply: nothing spent"
     );
     assert_eq!(error.class(), "prompt_timeout");
     assert!(
@@ -454,7 +459,16 @@ async fn a_tool_call_that_never_ends_is_cancelled_by_the_budget() {
     });
     let started = Instant::now();
     let error = fixture.run(&[forever]).await.unwrap_err();
-    assert!(matches!(error, ConversationError::Timeout(_)), "{error:?}");
+    assert!(matches!(error, ConversationError::Timeout(..)), "{error:?}");
+    // The reply that asked for the tool was paid for: the cut-off conversation keeps its usage.
+    assert_eq!(
+        (
+            error.spent().usage.prompt_tokens,
+            error.spent().usage.completion_tokens
+        ),
+        (10, 5),
+        "{error:?}"
+    );
     assert!(started.elapsed() < Duration::from_secs(2));
     assert!(
         cancelled.load(Ordering::SeqCst),

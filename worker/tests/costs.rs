@@ -20,7 +20,13 @@ fn model(body: &Value) -> Step {
     let mut reply = if answered {
         text_reply("done")
     } else {
-        let (name, arguments) = terminal("true");
+        // "slow" outlives a short conversation budget in its command.
+        let command = if first_user_message(body) == "slow" {
+            "sleep 30"
+        } else {
+            "true"
+        };
+        let (name, arguments) = terminal(command);
         tool_calls_reply(&[(name, Value::String(arguments.to_string()))])
     };
     reply["usage"] = json!({"prompt_tokens": 1000, "completion_tokens": 100, "total_tokens": 1100,
@@ -104,6 +110,41 @@ async fn records_carry_their_cost_and_the_run_its_totals() {
         .collect();
     totals.sort_by(f64::total_cmp);
     assert_eq!(totals, [0.0048, 0.5]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_out_of_time_keeps_what_it_spent_and_the_totals_count_it() {
+    let server = ScriptedServer::start_responding(model).await;
+    let lines = [
+        json!({"prompt": "priced"}).to_string(),
+        json!({"prompt": "slow"}).to_string(),
+    ];
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/agent/promptTimeoutSeconds", json!(2))
+        .with(
+            "/model/pricing",
+            json!({"input": 2.0, "cachedInput": 1.0, "output": 8.0}),
+        );
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    let failed = fixture.lines("failures.jsonl");
+    let [slow] = &failed[..] else {
+        panic!("{failed:?}")
+    };
+    assert_eq!(slow["error_class"], "prompt_timeout");
+    // Its one reply (the tool call) was paid for before the command outlived the budget.
+    assert_eq!(slow["usage"]["prompt_tokens"], 1000, "{slow}");
+    assert_eq!(slow["cost"]["total"], 0.0024, "{slow}");
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    assert_eq!(statistics["cost"]["total"], 0.0072);
+    assert_eq!(statistics["cost"]["records_priced"], 2);
+    assert_eq!(
+        statistics["cost"]["per_trajectory"], 0.0048,
+        "the mean over trajectories only"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use chrono::TimeZone;
 use serde_json::{Map, Value, json};
-use trajectory_worker::agent::Conversation;
+use trajectory_worker::agent::{Conversation, Spent};
 use trajectory_worker::hermes::{
     Failure, RecordContext, RecordIdentity, system_turn, trajectory_record, write_discarded_record,
     write_failed_record, write_trajectory_record,
@@ -14,6 +14,7 @@ use trajectory_worker::model::types::{parse_arguments, tool_call};
 use trajectory_worker::model::{
     AssistantMessage, Message, Reasoning, ReasoningShape, ToolMessage, Usage,
 };
+use trajectory_worker::pricing::Cost;
 use trajectory_worker::tools::ToolSpec;
 
 fn terminal_spec() -> ToolSpec {
@@ -280,7 +281,14 @@ fn discarded_and_failed_records_are_python_json_lines_in_their_key_order() {
         message: "prompt too long — \"x\"",
     };
     let mut failed = Vec::new();
-    write_failed_record(&mut failed, &identity, failure, None, (started, finished));
+    let nothing = (None, None);
+    write_failed_record(
+        &mut failed,
+        &identity,
+        failure,
+        nothing,
+        (started, finished),
+    );
     assert_eq!(
         String::from_utf8(failed).unwrap(),
         concat!(
@@ -290,13 +298,38 @@ fn discarded_and_failed_records_are_python_json_lines_in_their_key_order() {
         )
     );
 
+    // A conversation cut off after a paid reply keeps what it spent.
+    let spent = Spent {
+        usage: Usage {
+            prompt_tokens: 30,
+            completion_tokens: 4,
+            ..Usage::default()
+        },
+        cost: Some(Cost::reported(0.5)),
+    };
+    let mut cut_off = Vec::new();
+    let details = (Some(&spent), None);
+    write_failed_record(
+        &mut cut_off,
+        &identity,
+        failure,
+        details,
+        (started, finished),
+    );
+    assert!(String::from_utf8(cut_off).unwrap().ends_with(concat!(
+        r#""timestamp": "2026-03-05T14:02:10.250000Z", "usage": {"prompt_tokens": 30, "#,
+        r#""completion_tokens": 4, "reasoning_tokens": 0, "total_tokens": 34}, "cost": "#,
+        r#"{"input": 0.0, "cached_input": 0.0, "cache_write": 0.0, "output": 0.0, "#,
+        r#""total": 0.5, "currency": "USD", "source": "reported"}}"#
+    )));
+
     // A clock that stepped back gives a zero duration, never a negative one.
     let mut stepped_back = Vec::new();
     write_failed_record(
         &mut stepped_back,
         &identity,
         failure,
-        None,
+        nothing,
         (finished, started),
     );
     assert!(

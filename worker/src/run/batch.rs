@@ -50,7 +50,7 @@ use super::manifest::Manifest;
 use super::sampling::{ENOUGH_PASSED, Next, Schedule};
 use super::segments::segment_digest;
 use super::{RunError, RunLocation};
-use crate::agent::{AgentConfig, Conversation, ConversationError, run_conversation};
+use crate::agent::{AgentConfig, Conversation, ConversationError, Spent, run_conversation};
 use crate::contract::BatchSummary;
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row, without_bom};
 use crate::distribution::Distribution;
@@ -880,6 +880,25 @@ impl Shared {
         }
     }
 
+    /// Where the conversation's commands run: the engine's sandbox, or in a pod of task
+    /// containers the one of the conversation (its slot is its place in the batch), starting in
+    /// the row's `cwd`.
+    fn sandbox_of(&self, prompt_index: u64, sample: u32, row: &Row) -> Sandbox {
+        let engine = &self.engine;
+        match &engine.task_sockets {
+            Some(dir) => {
+                let slot = (prompt_index - self.first_prompt)
+                    * u64::from(engine.samples_per_prompt)
+                    + u64::from(sample);
+                engine.sandbox.clone().in_task_container(
+                    crate::contract::paths::task_socket(dir, slot),
+                    crate::dataset::row_cwd(&row.source),
+                )
+            }
+            None => engine.sandbox.clone(),
+        }
+    }
+
     fn offered(&self, toolsets: &[String]) -> Arc<Offered> {
         let mut known = lock(&self.offered);
         if let Some(offered) = known.get(toolsets) {
@@ -1126,7 +1145,7 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
             class: IMAGE_UNAVAILABLE,
             message,
         };
-        return failed_item(&identity, failure, None, started_at);
+        return failed_item(&identity, failure, (None, None), started_at);
     }
     let offered = shared.offered(
         &engine
@@ -1141,18 +1160,7 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
             return Item::Stop(StorageError::new("creating a workspace in", root, err).into());
         }
     };
-    let sandbox = match &engine.task_sockets {
-        // One task container a conversation: the slot is the conversation's place in the batch.
-        Some(dir) => {
-            let slot = (prompt_index - shared.first_prompt) * u64::from(engine.samples_per_prompt)
-                + u64::from(sample);
-            engine.sandbox.clone().in_task_container(
-                crate::contract::paths::task_socket(dir, slot),
-                crate::dataset::row_cwd(&row.source),
-            )
-        }
-        None => engine.sandbox.clone(),
-    };
+    let sandbox = shared.sandbox_of(prompt_index, sample, row);
     let (result, verification) = converse(shared, &offered, row, lent, sandbox)
         .instrument(info_span!("conversation", prompt_index, sample))
         .await;
@@ -1178,7 +1186,8 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
                 class: error.class(),
                 message: &message,
             };
-            return failed_item(&identity, failure, verification.as_ref(), started_at);
+            let details = (Some(error.spent()), verification.as_ref());
+            return failed_item(&identity, failure, details, started_at);
         }
     };
     if engine.require_reasoning && !reasoning_stats(&conversation.messages).has_any_reasoning() {
@@ -1382,17 +1391,18 @@ fn skipped_line(shared: &Shared, prompt_index: u64, sample: u32) -> Vec<u8> {
 }
 
 /// The failed record of a (prompt, sample) that started at `started_at`.
-/// A failed record; `verification` when the conversation ran out of time and was verified.
-/// It never counts as a pass towards `passesPerPrompt`: only trajectories are kept data.
+/// A failed record; with what the conversation spent before it ended, and `verification` when
+/// it ran out of time and was verified. It never counts as a pass towards `passesPerPrompt`:
+/// only trajectories are kept data.
 fn failed_item(
     identity: &RecordIdentity<'_>,
     failure: Failure<'_>,
-    verification: Option<&Verification>,
+    (spent, verification): (Option<&Spent>, Option<&Verification>),
     started_at: chrono::DateTime<chrono::Utc>,
 ) -> Item {
     let mut line = Vec::new();
     let times = (started_at, chrono::Utc::now());
-    write_failed_record(&mut line, identity, failure, verification, times);
+    write_failed_record(&mut line, identity, failure, (spent, verification), times);
     let (prompt_index, sample, class) = (identity.prompt_index, identity.sample, failure.class);
     warn!(prompt_index, sample, class, "prompt failed");
     Item::Record {
