@@ -228,6 +228,48 @@ async fn a_writer_killed_midway_leaves_the_other_to_complete_the_batch() {
     assert_exactly_once(&server, &fixture).await;
 }
 
+/// Records a writer counted at its start, gone before it ends (a merge found them missing and
+/// reopened the batch for them): the writer does not mark the batch done over the gap (before, it
+/// did, from its own count, and the next round skipped the batch); it stops as transient with
+/// reason `RecordsLost`, and the next writer runs exactly the keys that lost their record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_whose_counted_records_vanished_does_not_mark_the_batch_done() {
+    let (server, fixture) = one_batch_run(Duration::from_millis(40), 1).await;
+    let mut a = Writer::start(&fixture, &fixture.run_file(), "a");
+    wait_for_lines(&fixture, 1, 3).await;
+    a.child.kill().unwrap();
+    wait(a.child).await;
+    let a_file = fixture.records_files(0)[0].records.clone();
+    let lost = assert_whole_lines(&a_file, true) as u64;
+    let b = Writer::start(&fixture, &fixture.run_file(), "b");
+    // B counted A's records and has written one of its own: A's go now.
+    wait_for_lines(&fixture, 2, 1).await;
+    std::fs::remove_file(&a_file).unwrap();
+    let output = wait(b.child).await;
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "transient: the Job runs it again"
+    );
+    let reported: Value = serde_json::from_slice(&std::fs::read(&b.log).unwrap()).unwrap();
+    assert_eq!(reported["reason"], "RecordsLost", "{reported}");
+    let marker = fixture.out().join("batches/batch-000000.done");
+    assert!(!marker.exists(), "the batch was marked done over the gap");
+
+    let requests = server.request_count() as u64;
+    let c = Writer::start(&fixture, &fixture.run_file(), "c")
+        .finish()
+        .await;
+    assert_eq!(c.resumed, N - lost, "{c:?}");
+    assert_eq!(
+        server.request_count() as u64 - requests,
+        2 * lost,
+        "only the lost keys ran again"
+    );
+    assert!(marker.exists());
+    assert_exactly_once(&server, &fixture).await;
+}
+
 /// A writer killed mid-write leaves a torn last line in its own file. The next writer leaves that
 /// file byte for byte as it was, reads its whole lines (so it runs only the keys that have none),
 /// and merge takes every whole line and never the torn one.

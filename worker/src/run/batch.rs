@@ -348,7 +348,19 @@ pub async fn run_batch(
         return Err(RunError::Interrupted);
     }
     let expected = shared.rows.len() as u64 * u64::from(engine.samples_per_prompt);
-    let marker = write_done_marker(&run_dir, batch, &summary, expected)?;
+    // The marker says what storage holds now, not what this writer counted: records it found at
+    // its start may be gone since (a merge that found them missing reopened the batch for them,
+    // and a marker written from this writer's count would close it again over the gap).
+    let on_storage = existing_records(&run_dir, batch)?;
+    let recorded = on_storage.keys.len() as u64;
+    if recorded < expected {
+        return Err(RunError::RecordsLost(format!(
+            "batch {batch}: {recorded} of its {expected} keys have a record on storage after \
+             this writer ran; records it counted at its start are gone, so the batch is not \
+             marked done and runs again for the missing keys"
+        )));
+    }
+    let marker = write_done_marker(&run_dir, batch, &on_storage.summary, expected)?;
     // The batch leaves no workspace behind (most were removed while it ran).
     while removals.join_next().await.is_some() {}
     info!(

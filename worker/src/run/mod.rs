@@ -76,6 +76,10 @@ pub enum RunError {
     /// Stopped by a signal after leaving storage consistent.
     #[error("interrupted; run the same command again to resume")]
     Interrupted,
+    /// Records a batch counted at its start were gone from storage when it finished: it is
+    /// not marked done, and runs again for the missing keys.
+    #[error("records lost: {0}")]
+    RecordsLost(String),
     /// A batch task failed unexpectedly.
     #[error("internal error: {0}")]
     Internal(String),
@@ -103,7 +107,7 @@ impl RunError {
                 // before it spends a token, so a retry on a full volume costs nothing.
                 StorageFault::Full | StorageFault::Transient => exit::TRANSIENT,
             },
-            Self::Internal(_) | Self::ModelUnavailable(_) => exit::TRANSIENT,
+            Self::Internal(_) | Self::ModelUnavailable(_) | Self::RecordsLost(_) => exit::TRANSIENT,
         }
     }
 
@@ -129,6 +133,7 @@ impl RunError {
             Self::ModelUnavailable(_) => "ModelUnavailable",
             Self::Interrupted => "Interrupted",
             Self::BudgetExhausted(_) => "BudgetExhausted",
+            Self::RecordsLost(_) => "RecordsLost",
             Self::Internal(_) => "InternalError",
         }
     }
