@@ -89,6 +89,10 @@ pub struct TrajectoryRunStatus {
     /// Batches done out of all batches, e.g. `42/120`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<String>,
+    /// The round whose plan the batch counts come from: 1, or a later round started when a merge
+    /// found batches incomplete and reopened them (absent: the first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_round: Option<u32>,
     /// The generation attempt in progress (1 for the first Indexed Job, 2 for the one that re-runs
     /// the batches the first left undone, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]

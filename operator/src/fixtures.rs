@@ -446,6 +446,14 @@ impl ObservedFixture {
     /// The plan pod is gone (and with it its termination message).
     pub fn without_plan_summary(mut self) -> Self {
         self.0.plan_summary = None;
+        self.0.plan_pod_gone = true;
+        self
+    }
+
+    /// The plan pod succeeded without a summary (an image that is not this project's worker).
+    pub fn silent_plan_pod(mut self) -> Self {
+        self.0.plan_summary = None;
+        self.0.plan_pod_gone = false;
         self
     }
 

@@ -30,6 +30,8 @@ pub struct Observed {
     pub plan_job: Option<Job>,
     /// The plan pod's termination message, once the plan Job completed.
     pub plan_summary: Option<PlanSummary>,
+    /// The completed plan Job has no pod left (its node went): its summary is lost, not missing.
+    pub plan_pod_gone: bool,
     /// Attempts in ascending order.
     pub attempts: Vec<ObservedAttempt>,
     pub merge_job: Option<Job>,
@@ -61,6 +63,7 @@ impl Default for Observed {
             round: 1,
             plan_job: None,
             plan_summary: None,
+            plan_pod_gone: false,
             attempts: Vec::new(),
             merge_job: None,
             merge_summary: None,
@@ -242,6 +245,11 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
         .filter(|j| JobState::of(j) == JobState::Complete)
     {
         observed.plan_summary = summary(&pods, &job.name_any()).await?;
+        if observed.plan_summary.is_none() {
+            let selector = format!("batch.kubernetes.io/job-name={}", job.name_any());
+            let left = pods.list(&ListParams::default().labels(&selector)).await?;
+            observed.plan_pod_gone = left.items.is_empty();
+        }
     }
     if let Some(job) = observed
         .merge_job

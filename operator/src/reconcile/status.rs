@@ -147,6 +147,8 @@ pub struct ImageTally {
 pub struct Planned {
     pub total: u64,
     pub invalid: u64,
+    /// The round of the plan.
+    pub round: u32,
 }
 
 /// What the merge wrote.
@@ -281,6 +283,9 @@ fn record_tally(status: &mut TrajectoryRunStatus, tally: &Tally) {
         let prompts = status.prompts.get_or_insert_with(PromptCounts::default);
         prompts.total = planned.total;
         prompts.invalid = planned.invalid;
+        // The first round's stays implicit: statuses written before rounds were recorded read the
+        // same.
+        status.plan_round = (planned.round > 1).then_some(planned.round);
     }
     if let Some(attempt) = tally.attempt {
         status.attempt = Some(attempt);

@@ -358,15 +358,26 @@ fn a_run_whose_plan_and_merge_pods_are_gone_goes_on_from_its_recorded_status() {
     let with_pod = decide_with(None, &running.clone().build());
     assert_eq!(with_pod.status.progress.as_deref(), Some("3/5"));
 
-    let observed = running.without_plan_summary().build();
+    let observed = running.clone().without_plan_summary().build();
     let without_pod = decide_with(Some(with_pod.status.clone()), &observed);
     assert_eq!(names(&without_pod), names(&with_pod));
     assert_eq!(without_pod.status, with_pod.status);
 
-    // Nothing recorded yet: the run cannot know its batches.
+    // Nothing recorded yet: the plan runs again (its Job goes, to be made anew), never
+    // guessing its batches.
     let unrecorded = decide_with(None, &observed);
     assert_eq!(
-        condition(&unrecorded, ConditionType::Failed),
+        unrecorded.delete,
+        ["coding-v1-plan"],
+        "the observed plan Job"
+    );
+    assert!(unrecorded.children.jobs.is_empty());
+    assert_eq!(unrecorded.status.phase, Some(Phase::Planning));
+    // A plan pod that succeeded without a summary is not this project's worker: the run fails,
+    // saying so, rather than planning again and again.
+    let silent = decide_with(None, &running.silent_plan_pod().build());
+    assert_eq!(
+        condition(&silent, ConditionType::Failed),
         ("True", "PlanFailed")
     );
 
@@ -818,6 +829,44 @@ fn a_merge_that_finds_batches_incomplete_starts_a_round_that_plans_them_again() 
         condition(&decide(&other.build()), ConditionType::Failed),
         ("True", "MergeFailed")
     );
+}
+
+/// A later round's plan pod gone before its summary was recorded: the status still shows the
+/// round before, whose batches include those the last merge reopened. Falling back on it (as the
+/// operator did) skipped them, and the run ended `MergeFailed`; now the round plans again.
+#[test]
+fn a_later_rounds_plan_pod_lost_before_its_summary_is_recorded_is_planned_again() {
+    let decide_with = |status: &TrajectoryRunStatus, observed: &Observed| {
+        let mut run = run();
+        run.status = Some(status.clone());
+        desired_state(&run, observed, &Settings::default(), &now()).unwrap()
+    };
+    // Round 1 recorded all five batches done; its merge found batch 4 incomplete.
+    let round_one = decide(&ObservedFixture::merged(5, 50).build()).status;
+    assert_eq!(round_one.batches.as_ref().unwrap().completed, "0-4");
+    let replanned = ObservedFixture::planned(5)
+        .done(0, 3)
+        .plan(JobFixture::plan_of_round(2).complete())
+        .round(2);
+
+    let lost = decide_with(
+        &round_one,
+        &replanned.clone().without_plan_summary().build(),
+    );
+    assert_eq!(lost.delete, ["coding-v1-plan-2"], "round 2 plans again");
+    assert!(
+        lost.children.jobs.is_empty(),
+        "no merge over round 1's batches"
+    );
+    assert_eq!(lost.status.phase, Some(Phase::Planning));
+
+    // Once round 2's summary was recorded, its pod may go: the status stands in for it.
+    let recorded = decide_with(&round_one, &replanned.clone().build());
+    assert_eq!(recorded.status.plan_round, Some(2));
+    assert_eq!(names(&recorded), ["r-gen-4"]);
+    let gone = decide_with(&recorded.status, &replanned.without_plan_summary().build());
+    assert_eq!(names(&gone), ["r-gen-4"]);
+    assert_eq!(plan_batches(&gone, "r-gen-4"), Some(vec![4]));
 }
 
 #[test]

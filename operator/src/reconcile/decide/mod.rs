@@ -285,10 +285,26 @@ fn stages(
         return outcome;
     }
     let Some(plan) = plan_summary(run, observed) else {
-        return Outcome::Failed(
-            Reason::PlanFailed,
-            "the plan Job completed without a summary in its termination message".into(),
+        if !observed.plan_pod_gone {
+            return Outcome::Failed(
+                Reason::PlanFailed,
+                "the plan Job completed without a summary in its termination message".into(),
+            );
+        }
+        // The plan pod went (its node with it) before its summary was recorded, and the status
+        // holds no plan of this round: planning again (it only reads storage) is the way to know
+        // the round's batches; an earlier round's would skip those its merge reopened.
+        work.delete.extend(
+            observed
+                .plan_job
+                .as_ref()
+                .and_then(|job| job.metadata.name.clone()),
         );
+        let message = format!(
+            "round {}: the plan pod is gone and its summary was not recorded: planning again",
+            observed.round
+        );
+        return Outcome::Working(Phase::Planning, message);
     };
     let generated = match image_groups(observed, &plan, work) {
         Groups::None => generate(run, observed, &plan, tally, &mut work.children),
@@ -434,12 +450,15 @@ fn plan(observed: &Observed, children: &mut Vec<Child>) -> Option<Outcome> {
 }
 
 /// The plan's summary: read from the plan pod's termination message; that pod goes when its node
-/// does (a scaled-down node, hours into a run), so what the status recorded from it stands in.
+/// does (a scaled-down node, hours into a run), so what the status recorded from it stands in,
+/// when it is this round's.
 fn plan_summary(run: &ValidatedRun<'_>, observed: &Observed) -> Option<PlanSummary> {
-    observed
-        .plan_summary
-        .clone()
-        .or_else(|| recorded_plan(run.status()))
+    observed.plan_summary.clone().or_else(|| {
+        let status = run.status()?;
+        (status.plan_round.unwrap_or(1) == observed.round)
+            .then(|| recorded_plan(Some(status)))
+            .flatten()
+    })
 }
 
 /// The generation stage's outcome while batches are pending and attempts remain; `None` when the
@@ -509,6 +528,7 @@ fn count_batches(
     tally.planned = Some(Planned {
         total: plan.prompts,
         invalid: plan.invalid,
+        round: observed.round,
     });
     (done, done_count)
 }
