@@ -145,7 +145,9 @@ pub struct ModelSpec {
     /// Timeout of one HTTP request to the model, in seconds.
     #[serde(default = "default_request_timeout")]
     pub request_timeout_seconds: u64,
-    /// Attempts per model call for retryable errors (429, 5xx, timeouts, empty replies).
+    /// Attempts per model call for retryable errors (5xx, timeouts, empty replies). Being told
+    /// to slow down (429, 529, 503 with `Retry-After`) spends none: every call of the worker
+    /// waits it out.
     #[serde(default = "default_max_attempts")]
     pub max_attempts: u32,
     /// Receive completions as server-sent events instead of one JSON body.

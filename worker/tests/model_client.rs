@@ -1,6 +1,7 @@
 //! The model client against the scripted server: retries, backoff, `Retry-After`, error classes,
 //! timeouts, streaming, and what goes on the wire.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -69,6 +70,58 @@ async fn rate_limit_with_retry_after_as_http_date_is_waited_out() {
     );
     assert_eq!(completion.message.content, "hello");
     assert_eq!(server.request_count(), 2);
+}
+
+/// A server that says to slow down (the named test double: a 429 with `Retry-After`) pauses every
+/// call of the process, not only the one it told, and the throttled turn is asked again without
+/// spending an attempt: with one attempt a call, both calls still succeed.
+#[tokio::test]
+async fn a_retry_after_pauses_every_call_of_the_process_and_spends_no_attempt() {
+    let arrivals: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let seen = Arc::clone(&arrivals);
+    let server = ScriptedServer::start_responding(move |_| {
+        let mut seen = seen.lock().unwrap();
+        seen.push(Instant::now());
+        if seen.len() == 1 {
+            Step::RetryAfterSeconds(429, 1)
+        } else {
+            Step::ok(text_reply("hello"))
+        }
+    })
+    .await;
+    let mut settings = server.settings();
+    settings.retry.max_attempts = 1;
+    let told = client(settings);
+    let other = told.clone();
+    let first = tokio::spawn(async move { call(&told).await });
+    while arrivals.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The 429 is answered by now; a call that starts during the pause waits it out too.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = call(&other)
+        .await
+        .expect("the other call succeeds after the pause");
+    let first = first
+        .await
+        .unwrap()
+        .expect("a throttled turn spends no attempt");
+    assert_eq!(
+        (
+            first.message.content.as_str(),
+            second.message.content.as_str()
+        ),
+        ("hello", "hello")
+    );
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), 3, "one 429, then each call once");
+    for later in &arrivals[1..] {
+        let after = *later - arrivals[0];
+        assert!(
+            after >= Duration::from_millis(950),
+            "a call reached the server {after:?} after the 429, inside its 1 s pause"
+        );
+    }
 }
 
 #[tokio::test]

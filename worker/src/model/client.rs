@@ -204,6 +204,45 @@ pub struct ModelClient {
     circuit: Option<Arc<Circuit>>,
     /// Told what every completion cost, when the run keeps a budget.
     spending: Option<Arc<Spending>>,
+    /// When the server said to slow down (429, 529, 503 with `Retry-After`): every call of this
+    /// client and its clones (the process's conversations) waits it out, not only the one told.
+    pause: Arc<Pause>,
+}
+
+/// A pause every call of a client waits out before its next attempt.
+#[derive(Debug, Default)]
+struct Pause {
+    until: std::sync::Mutex<Option<tokio::time::Instant>>,
+}
+
+impl Pause {
+    /// Holds calls until `until` at least.
+    fn hold_until(&self, until: tokio::time::Instant) {
+        let mut held = self
+            .until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if held.is_none_or(|current| current < until) {
+            *held = Some(until);
+        }
+    }
+
+    /// Waits until no pause holds; returns how long it waited.
+    async fn wait(&self) -> Duration {
+        let started = tokio::time::Instant::now();
+        loop {
+            let until = *self
+                .until
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match until {
+                Some(until) if until > tokio::time::Instant::now() => {
+                    tokio::time::sleep_until(until).await;
+                }
+                _ => return started.elapsed(),
+            }
+        }
+    }
 }
 
 /// What a run's completions have cost so far (USD), counted as each arrives, whichever
@@ -271,6 +310,7 @@ impl ModelClient {
             settings,
             circuit: None,
             spending: None,
+            pause: Arc::default(),
         })
     }
 
@@ -345,12 +385,18 @@ impl ModelClient {
     }
 
     /// One chat completion, with retries. `turn` numbers synthetic tool-call ids.
+    ///
+    /// A server that says to slow down (429, 529, or 503 with `Retry-After`) pauses every call of
+    /// the process until its `Retry-After` (or a backoff) has passed, and the turn is asked again
+    /// without spending one of its attempts: being throttled is not failing, and a burst of it
+    /// neither burns a turn's attempts nor opens the batch's circuit. Only the total wait is
+    /// bounded (`max_total_wait`), past which the outage path takes over.
     pub async fn complete(&self, body: &Value, turn: usize) -> Result<Completion, ModelError> {
         let policy = &self.settings.retry;
         let mut waited = Duration::ZERO;
-        let mut attempt = 0;
+        let (mut attempt, mut throttled) = (0, 0);
         loop {
-            attempt += 1;
+            waited += self.pause.wait().await;
             let error = match self.attempt(body, turn).await {
                 Ok(completion) => {
                     self.tell_circuit(true);
@@ -368,8 +414,9 @@ impl ModelClient {
                 status,
                 message,
             } = error;
-            // A refusal is an answer: the server is up.
-            self.tell_circuit(!matches!(verdict, Verdict::Retry { .. }));
+            let slow_down = is_slow_down(&verdict, status);
+            // A refusal is an answer, and so is being told to slow down: the server is up.
+            self.tell_circuit(slow_down || !matches!(verdict, Verdict::Retry { .. }));
             let message = self.redact(message);
             let (class, retry_after) = match verdict {
                 Verdict::Permanent(class) => {
@@ -388,20 +435,30 @@ impl ModelClient {
                 }
                 Verdict::Retry { class, retry_after } => (class, retry_after),
             };
+            if slow_down {
+                throttled += 1;
+            } else {
+                attempt += 1;
+            }
             let delay = retry_after.map_or_else(
-                || policy.backoff(attempt),
+                || policy.backoff(if slow_down { throttled } else { attempt }),
                 |after| after.min(policy.max_delay),
             );
             if attempt >= policy.max_attempts || waited + delay > policy.max_total_wait {
                 return Err(ModelError::Exhausted {
                     class,
-                    attempts: attempt,
+                    attempts: attempt + throttled,
                     message,
                 });
             }
-            warn!(attempt, %class, status, delay_ms = delay.as_millis(), "model call failed; retrying");
-            tokio::time::sleep(delay).await;
-            waited += delay;
+            if slow_down {
+                warn!(throttled, %class, status, delay_ms = delay.as_millis(), "the model server says to slow down; every call waits");
+                self.pause.hold_until(tokio::time::Instant::now() + delay);
+            } else {
+                warn!(attempt, %class, status, delay_ms = delay.as_millis(), "model call failed; retrying");
+                tokio::time::sleep(delay).await;
+                waited += delay;
+            }
         }
     }
 
@@ -460,6 +517,19 @@ impl ModelClient {
             "model call answered"
         );
         parsed.map_err(|failure| parse_failure(failure, status.as_u16()))
+    }
+}
+
+/// Whether an answer says to slow down rather than that the call failed: 429 (rate limited; an
+/// exhausted quota is permanent, not this), 529 (overloaded), or 503 with a `Retry-After`.
+fn is_slow_down(verdict: &Verdict, status: u16) -> bool {
+    match verdict {
+        Verdict::Retry { class, retry_after } => {
+            *class == ErrorClass::RateLimited
+                || status == 529
+                || (status == 503 && retry_after.is_some())
+        }
+        Verdict::Reject(_) | Verdict::Permanent(_) => false,
     }
 }
 

@@ -3,13 +3,15 @@
 //! One pooled [`ModelClient`] per process. Each [`ModelClient::complete`] call retries what a retry
 //! can fix (408, 429, 5xx, 529, timeouts, connection errors, empty or malformed replies) with
 //! jittered exponential backoff that honours `Retry-After`, within a bounded number of attempts and
-//! a bounded total wait. What a retry cannot fix is classified: prompt-level failures (400, 422,
+//! a bounded total wait; an answer that says to slow down (429, 529, 503 with `Retry-After`)
+//! pauses every call of the client and its clones instead, and spends no attempt. What a retry
+//! cannot fix is classified: prompt-level failures (400, 422,
 //! context length) fail the prompt; configuration failures (401, 403, 402, exhausted quota, 404
 //! on the model path, an unknown model name) stop the batch, because every other prompt would
 //! fail the same way. Retries that run out ([`ModelError::Exhausted`]) stop the batch too, as
 //! transient: an outage says nothing about the prompt. A [`Circuit`] shared by a batch's
-//! conversations sees every attempt, so that a batch stops starting conversations while the
-//! server keeps failing. The table of what becomes what is in `docs/troubleshooting.md`.
+//! conversations sees every attempt (a "slow down" counts as an answer), so that a batch stops
+//! starting conversations while the server keeps failing. The table of what becomes what is in `docs/troubleshooting.md`.
 
 mod circuit;
 mod client;

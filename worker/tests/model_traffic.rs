@@ -1,6 +1,8 @@
-//! Every record's cost and the run's totals, on a real local run: a scripted model server sends
-//! usages with cached tokens (priced by the run's prices) and, for one task, a cost of its own
-//! (`usage.cost`, as `OpenRouter` reports it, taken as it is).
+//! Model traffic on real local runs against a scripted model server: every record's cost and the
+//! run's totals (usages with cached tokens priced by the run's prices, and for one task a cost
+//! of the provider's own, `usage.cost` as `OpenRouter` reports it), a budget that stops the run
+//! and, raised, finishes it, and a burst of "slow down" answers that neither fails a turn nor
+//! stops the batch.
 
 mod common;
 
@@ -252,4 +254,30 @@ async fn a_run_stops_at_its_budget_and_raising_it_finishes_every_record_once() {
         serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
             .unwrap();
     assert_eq!(statistics["cost"]["total"], 0.096);
+}
+
+/// A server that answers the run's first requests with 429s (`Retry-After: 0`, the named test
+/// double), more in a row than the batch's circuit takes before it opens on failures: being
+/// throttled is not failing, so the run finishes with every conversation once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_rate_limits_neither_fails_a_turn_nor_stops_the_batch() {
+    const THROTTLED: usize = 12;
+    let answered = std::sync::atomic::AtomicUsize::new(0);
+    let server = ScriptedServer::start_responding(move |body| {
+        if answered.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < THROTTLED {
+            Step::RetryAfterSeconds(429, 0)
+        } else {
+            model(body)
+        }
+    })
+    .await;
+    let fixture = RunFixture::new(&server.base_url(), 4)
+        .with("/concurrency", json!(2))
+        .with("/model/maxAttempts", json!(2));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect("throttling is waited out, not failed on");
+    assert_eq!(report.merge.trajectories, 4);
+    assert_eq!(report.merge.failed, 0);
+    assert_eq!(server.request_count(), THROTTLED + 4 * 2);
 }
