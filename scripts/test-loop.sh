@@ -42,6 +42,8 @@ export TRAJ_MCP_DIR
 cargo test -p "${package}" --all-features --no-run --quiet
 
 mkdir -p "${out_dir}"
+# A fresh record each time: "in a row" counts this invocation's runs only.
+: >"${out_dir}/summary"
 commit="$(git rev-parse --short HEAD)"
 for ((i = 1; i <= runs; i++)); do
 	log="${out_dir}/run-${i}.log"
