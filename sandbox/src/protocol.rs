@@ -42,6 +42,14 @@
 //!   each under an executor of its own ([`crate::verifier`]), confined as a command is, and
 //!   answers as it answers a file call.
 //!
+//! - **Version 6** adds the [`STOPPED_WAITING`] frame: a caller that checks the limits at each
+//!   command's end learns that a stop came while its shell waited, even when its next command
+//!   was already on its way, so that the command runs in a new shell instead of being blamed
+//!   for a limit its shell's jobs went past. The frame goes to every caller that checks: the
+//!   executor a worker talks to is always the one its own release installs (a pod's
+//!   `install-executor` init container copies it from the worker's image; a local run starts
+//!   the one beside the worker), so both sides speak the same version.
+//!
 //! The worker closing the connection early (a timeout, a cancelled conversation, a session no
 //! longer needed) asks the server to end the command or program and everything it started. A
 //! server older than sessions refuses a versioned line as a bad request (unknown field).
@@ -52,7 +60,7 @@ use crate::files::FileLimits;
 use crate::{LandlockMode, Limits};
 
 /// The newest protocol version this side speaks.
-pub const VERSION: u32 = 5;
+pub const VERSION: u32 = 6;
 
 /// Frames of a session's standard input (worker to server).
 pub const STDIN: u8 = b'i';
@@ -71,6 +79,11 @@ pub const INTERRUPT: u8 = b'k';
 pub const CHECK: u8 = b'l';
 /// The limits held at a [`CHECK`] (server to worker; empty payload).
 pub const CHECKED: u8 = b'L';
+/// The limits were exceeded while the program, a shell whose caller [`CHECK`]s at each
+/// command's end, waited for its next command (server to worker; empty payload; before the
+/// reason and the [`EXIT`]): what its background jobs did, and nothing the caller sent since
+/// its last check reached the shell.
+pub const STOPPED_WAITING: u8 = b'w';
 
 /// A frame of command output (stdout and stderr, interleaved as written).
 pub const OUTPUT: u8 = b'o';
@@ -380,9 +393,10 @@ mod tests {
         let text = String::from_utf8(line.clone()).unwrap();
         assert!(text.contains(r#""step":{"prepare":{"fresh""#), "{text}");
         assert_eq!(Line::parse(&line), Ok(Line::Verifier(verifier)));
-        let future = r#"{"version":6,"request":{"teleport":{}}}"#;
+        let next = VERSION + 1;
+        let future = format!(r#"{{"version":{next},"request":{{"teleport":{{}}}}}}"#);
         let refused = Line::parse(future.as_bytes()).unwrap_err();
-        assert!(refused.contains("version 6"), "{refused}");
+        assert!(refused.contains(&format!("version {next}")), "{refused}");
         let unknown = r#"{"version":2,"request":{"session":{"argv":[],"landlock":"off","x":1}}}"#;
         assert!(Line::parse(unknown.as_bytes()).is_err());
     }

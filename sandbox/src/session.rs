@@ -295,6 +295,9 @@ impl Relay {
         pipes: &mut Pipes,
     ) -> i32 {
         let mut buf = vec![0_u8; protocol::MAX_FRAME_BYTES];
+        // The limits were found exceeded while the shell waited for a command: what its jobs did,
+        // not a command of the caller's (one sent since is still unread, and never runs).
+        let mut while_waiting = false;
         let (status, exceeded) = loop {
             // A shell between commands, with nothing of its own running, uses nothing that grows:
             // no periodic check while it waits for the next command (its caller asks for one at
@@ -375,6 +378,7 @@ impl Relay {
                 // Most commands are over before their first check, as with one executor each.
                 supervisor.restart_checks();
             } else if !idle && let Some(exceeded) = supervisor.check_if_due() {
+                while_waiting = self.caller_checks && !self.command_running;
                 break (None, Some(exceeded));
             }
             // The caller asks once it has read the end of a command, so everything the command
@@ -394,15 +398,23 @@ impl Relay {
                 self.forward(kind, pipes, &mut buf);
             }
         }
-        let exceeded = exceeded.or_else(|| status.and_then(|_| supervisor.check_at_end()));
-        if let Some(exceeded) = exceeded {
-            self.send(
-                protocol::STDERR,
-                format!("\n{REFUSED_PREFIX}{exceeded}\n").as_bytes(),
-            );
-            return LIMIT_EXIT;
+        match exceeded.or_else(|| status.and_then(|_| supervisor.check_at_end())) {
+            Some(exceeded) => self.stopped_at_limit(&exceeded, while_waiting),
+            None => status.unwrap_or(128 + Signal::SIGKILL as i32),
         }
-        status.unwrap_or(128 + Signal::SIGKILL as i32)
+    }
+
+    /// Tells the caller which limit stopped the program (and, when it came while the shell
+    /// waited for a command, that no command of the caller's was running); the exit code.
+    fn stopped_at_limit(&mut self, exceeded: &impl std::fmt::Display, while_waiting: bool) -> i32 {
+        if while_waiting {
+            self.send(protocol::STOPPED_WAITING, &[]);
+        }
+        self.send(
+            protocol::STDERR,
+            format!("\n{REFUSED_PREFIX}{exceeded}\n").as_bytes(),
+        );
+        LIMIT_EXIT
     }
 
     /// Reads what the caller sent and queues it for the program (or, for an [`protocol::INTERRUPT`],

@@ -104,6 +104,9 @@ pub struct ProgramState {
     checks_passed: u64,
     /// The output limit stopped it.
     pub over_output_limit: bool,
+    /// The executor stopped it at a limit while it waited for a command (a shell whose jobs
+    /// went past it): nothing sent since the last check of the limits ran.
+    pub stopped_waiting: bool,
     /// The last bytes of the executor's own messages (a refusal, a limit's reason).
     stderr: Vec<u8>,
 }
@@ -150,6 +153,7 @@ impl Program {
             gone: false,
             checks_passed: 0,
             over_output_limit: false,
+            stopped_waiting: false,
             stderr: Vec::new(),
         }));
         let (notify, changed) = watch::channel(0);
@@ -318,6 +322,7 @@ async fn read_frames(
                 }
                 protocol::PID => state.pid = protocol::parse_exit(bytes),
                 protocol::CHECKED => state.checks_passed += 1,
+                protocol::STOPPED_WAITING => state.stopped_waiting = true,
                 protocol::EXIT => {
                     state.ended =
                         Some(protocol::parse_exit(bytes).map_or(Ended::Lost, Ended::Exited));

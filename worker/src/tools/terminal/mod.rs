@@ -155,6 +155,9 @@ impl Terminal {
         timeout: Duration,
     ) -> ToolOutcome {
         let mut slot = self.shell.lock().await;
+        // A shell stopped before the command reached it is replaced once; a new one stopped
+        // too is past the limit from its start (a workspace a job filled), and the command says so.
+        let mut replaced = false;
         loop {
             let shell = match self.shell(&mut slot, ctx).await {
                 Ok(shell) => shell,
@@ -162,6 +165,9 @@ impl Terminal {
             };
             if let Some(reason) = shell.stopped_while_waiting() {
                 slot.shell = None;
+                if std::mem::replace(&mut replaced, true) {
+                    return ToolOutcome::Err(reason);
+                }
                 slot.stopped_between_calls = Some(reason);
                 continue;
             }
@@ -169,7 +175,10 @@ impl Terminal {
             let (end, kept) = shell
                 .run(command, workdir, timeout, ctx.limits.max_output_bytes)
                 .await;
-            let note = if matches!(end, CommandEnd::NotStarted(_)) {
+            let note = if matches!(
+                end,
+                CommandEnd::NotStarted(_) | CommandEnd::StoppedBeforeIt(_)
+            ) {
                 None
             } else if let Some(reason) = slot.stopped_between_calls.take() {
                 slot.ended_unannounced = false;
@@ -217,6 +226,15 @@ impl Terminal {
                         Some(reason) => ToolOutcome::Err(limit_error(&output, &reason)),
                         None => ToolOutcome::Ok(finished(command, &output, exit_code)),
                     };
+                }
+                CommandEnd::StoppedBeforeIt(reason) => {
+                    // As when the stop is seen before the command: the command runs in a new
+                    // shell, and what the old one's jobs wrote goes with them.
+                    slot.shell = None;
+                    if std::mem::replace(&mut replaced, true) {
+                        return ToolOutcome::Err(reason);
+                    }
+                    slot.stopped_between_calls = Some(reason);
                 }
                 CommandEnd::NotStarted(reason) => {
                     slot.shell = None;

@@ -92,6 +92,10 @@ pub(super) enum CommandEnd {
     },
     /// The shell could not be started: the executor's reason.
     NotStarted(String),
+    /// The sandbox stopped the shell at a limit while it waited for this command (what a job
+    /// left running with `&` did), before the command reached it: the sandbox's reason. The
+    /// command did not run.
+    StoppedBeforeIt(String),
 }
 
 /// A running shell.
@@ -287,7 +291,15 @@ impl Shell {
     /// The shell ended before the marker: what it wrote, and how it ended.
     async fn ended_early(&self) -> CommandEnd {
         let ended = self.program.wait(STOP_WAIT).await;
-        let reason = self.program.state().sandbox_reason();
+        let (reason, stopped_waiting) = {
+            let state = self.program.state();
+            (state.sandbox_reason(), state.stopped_waiting)
+        };
+        // The stop can come after the look before the command and before the command arrived:
+        // the executor says so, and the command is not blamed for it.
+        if stopped_waiting && let Some(reason) = &reason {
+            return CommandEnd::StoppedBeforeIt(reason.clone());
+        }
         match ended {
             Some(Ended::Exited(REFUSED_EXIT)) => CommandEnd::NotStarted(
                 reason.unwrap_or_else(|| "the sandbox refused the shell".to_owned()),
