@@ -396,6 +396,14 @@ fn spec_validations(schema: &mut schemars::Schema) {
         [relative_path("storage.outputPath")],
     );
     add_rules(
+        property(root, &["model"]),
+        [rule(
+            "(has(self.baseUrl) && self.baseUrl != '') != \
+             (has(self.endpoints) && size(self.endpoints) > 0)",
+            "model: set either baseUrl (one endpoint) or endpoints (several), one of them",
+        )],
+    );
+    add_rules(
         property(root, &["model", "baseUrl"]),
         [rule(
             "self.startsWith('http://') || self.startsWith('https://')",

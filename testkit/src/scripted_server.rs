@@ -104,6 +104,8 @@ pub struct ReceivedRequest {
     pub path: String,
     /// The `Authorization` header, if any.
     pub authorization: Option<String>,
+    /// The `x-session-id` header (a conversation's identity, as the worker sends it), if any.
+    pub session: Option<String>,
     /// The JSON body (a JSON string holding the raw text when the body was not JSON).
     pub body: Value,
 }
@@ -124,12 +126,12 @@ enum Mode {
 /// A function from a request's JSON body to the step that answers it.
 pub type Responder = dyn Fn(&Value) -> Step + Send + Sync;
 
-/// A request as recorded: path, `Authorization` header, raw body.
-type Received = (&'static str, Option<String>, Bytes);
+/// A request as recorded: path, `Authorization` and `x-session-id` headers, raw body.
+type Received = (&'static str, Option<String>, Option<String>, Bytes);
 
 struct Shared {
     mode: Mode,
-    /// Paths, `Authorization` headers and raw bodies; parsed only when a test asks, so the
+    /// Paths, headers and raw bodies; parsed only when a test asks, so the
     /// benchmark server spends no CPU on it.
     received: Mutex<Vec<Received>>,
 }
@@ -300,9 +302,10 @@ impl ScriptedServer {
             .cloned()
             .collect();
         raw.into_iter()
-            .map(|(path, authorization, body)| ReceivedRequest {
+            .map(|(path, authorization, session, body)| ReceivedRequest {
                 path: path.to_owned(),
                 authorization,
+                session,
                 body: serde_json::from_slice(&body)
                     .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned())),
             })
@@ -317,7 +320,8 @@ impl ScriptedServer {
     /// 5 s request timeout; tests adjust the public fields they care about.
     pub fn settings(&self) -> ModelSettings {
         ModelSettings {
-            base_url: self.base_url(),
+            base_urls: vec![self.base_url()],
+            routing: trajectory_worker::model::RoutingSettings::default(),
             model: MODEL.to_owned(),
             api_key: None,
             max_tokens: None,
@@ -361,11 +365,14 @@ async fn image_generations(
 }
 
 async fn answer(shared: &Shared, path: &'static str, headers: &HeaderMap, body: Bytes) -> Response {
-    let authorization = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .map(str::to_owned);
-    lock(&shared.received).push((path, authorization, body.clone()));
+    let text = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned)
+    };
+    let (authorization, session) = (text(header::AUTHORIZATION.as_str()), text("x-session-id"));
+    lock(&shared.received).push((path, authorization, session, body.clone()));
     match &shared.mode {
         Mode::Script { steps, default } => {
             let step = lock(steps).pop_front().unwrap_or_else(|| default.clone());

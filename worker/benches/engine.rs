@@ -189,7 +189,8 @@ fn main() -> anyhow::Result<()> {
 /// A fresh client (and connection pool) per measurement, as a batch process has.
 fn engine(base_url: &str) -> anyhow::Result<Engine> {
     let settings = ModelSettings {
-        base_url: base_url.to_owned(),
+        base_urls: vec![base_url.to_owned()],
+        routing: trajectory_worker::model::RoutingSettings::default(),
         model: MODEL.to_owned(),
         api_key: None,
         max_tokens: Some(256),

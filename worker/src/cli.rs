@@ -49,7 +49,8 @@ pub enum Command {
         /// Print periodic progress lines instead of a progress bar.
         #[arg(long)]
         no_progress_bar: bool,
-        /// Use this model server instead of the run file's `spec.model.baseUrl`.
+        /// Use this model server instead of the run file's `spec.model.baseUrl` (or its
+        /// `spec.model.endpoints`).
         #[arg(long, env = "TRAJ_MODEL_BASE_URL")]
         base_url: Option<String>,
     },

@@ -123,8 +123,20 @@ impl Default for DistributionSpec {
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ModelSpec {
-    /// Base URL of the OpenAI-compatible API, including `/v1` (e.g. `http://vllm:8000/v1`).
+    /// Base URL of the OpenAI-compatible API, including `/v1` (e.g. `http://vllm:8000/v1`): the
+    /// model's one endpoint. Servers of the same model behind several URLs go in `endpoints`
+    /// instead; one of the two is set.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub base_url: String,
+    /// Several servers of the same model (replicas), instead of `baseUrl`. Every turn of a
+    /// conversation goes to one of them, chosen by the conversation's identity with a load
+    /// bound (`routing`), so that the server's prefix cache keeps its history; an endpoint that
+    /// keeps failing is taken out for a while and its conversations move to the others.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoints: Vec<EndpointSpec>,
+    /// How conversations are spread over the endpoints, and how their identity is sent.
+    #[serde(default)]
+    pub routing: RoutingSpec,
     /// Model name sent in every request.
     pub name: String,
     /// Secret holding the API key (cluster). Never inline, never logged, never in status.
@@ -167,6 +179,80 @@ pub struct ModelSpec {
     /// (`trajectory-worker local`); a cluster refuses it for now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<BudgetSpec>,
+}
+
+/// One server of the model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointSpec {
+    /// Base URL of its OpenAI-compatible API, including `/v1` (e.g.
+    /// `http://vllm-0.vllm:8000/v1`).
+    pub base_url: String,
+}
+
+/// How a run's conversations are spread over the model's endpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct RoutingSpec {
+    /// `ConversationHash` (every request of a conversation to one endpoint, by the
+    /// conversation's identity) or `RoundRobin` (each request to the next endpoint in turn, for
+    /// servers that keep no cache between requests).
+    #[serde(default)]
+    pub strategy: RoutingStrategy,
+    /// How far above an equal share of a pod's conversations one endpoint may go before a new
+    /// conversation goes to the next endpoint in its order: 1.25 lets one hold a quarter more
+    /// than its share. At least 1.
+    #[serde(default = "default_load_bound")]
+    pub load_bound: f64,
+    /// HTTP header that carries the conversation's identity on each of its requests, for
+    /// gateways and routers that keep a session on one replica (vLLM production-stack's
+    /// session router, llm-d's session affinity); empty sends none.
+    #[serde(default = "default_session_header")]
+    pub session_header: String,
+    /// Also send the conversation's identity as `prompt_cache_key` in the request body, as
+    /// `OpenAI`'s API takes it to route a conversation's requests to one cache. Off by default:
+    /// servers that check their fields strictly refuse a field they do not know.
+    #[serde(default)]
+    pub prompt_cache_key: bool,
+}
+
+/// How requests are spread over the model's endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+pub enum RoutingStrategy {
+    /// Every request of a conversation to one endpoint, chosen by its identity within the load
+    /// bound.
+    #[default]
+    ConversationHash,
+    /// Each request to the next endpoint in turn, whatever its conversation.
+    RoundRobin,
+}
+
+impl Default for RoutingSpec {
+    fn default() -> Self {
+        Self {
+            strategy: RoutingStrategy::default(),
+            load_bound: default_load_bound(),
+            session_header: default_session_header(),
+            prompt_cache_key: false,
+        }
+    }
+}
+
+impl ModelSpec {
+    /// The base URLs of the model's endpoints: `endpoints`, or `baseUrl` alone.
+    pub fn base_urls(&self) -> Vec<String> {
+        if self.endpoints.is_empty() {
+            vec![self.base_url.clone()]
+        } else {
+            self.endpoints
+                .iter()
+                .map(|endpoint| endpoint.base_url.clone())
+                .collect()
+        }
+    }
 }
 
 /// The most a run may spend on its model.
@@ -1092,6 +1178,12 @@ fn default_request_timeout() -> u64 {
 }
 fn default_max_attempts() -> u32 {
     6
+}
+fn default_load_bound() -> f64 {
+    1.25
+}
+fn default_session_header() -> String {
+    "x-session-id".to_owned()
 }
 fn default_max_turns() -> u32 {
     10

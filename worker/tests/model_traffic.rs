@@ -1,16 +1,21 @@
-//! Model traffic on real local runs against a scripted model server: every record's cost and the
+//! Model traffic on real local runs against scripted model servers: every record's cost and the
 //! run's totals (usages with cached tokens priced by the run's prices, and for one task a cost
 //! of the provider's own, `usage.cost` as `OpenRouter` reports it), a budget that stops the run
-//! and, raised, finishes it, and a burst of "slow down" answers that neither fails a turn nor
-//! stops the batch.
+//! and, raised, finishes it, a burst of "slow down" answers that neither fails a turn nor
+//! stops the batch, and conversations spread over several endpoints, each on one, moving off
+//! one that fails.
 
 mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use common::{RunFixture, local_options, no_shutdown, terminal};
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     ScriptedServer, Step, first_user_message, text_reply, tool_calls_reply,
 };
+use trajectory_worker::model::routing::{Endpoints, Route, Strategy};
 use trajectory_worker::run::local::{render_report, run_local};
 
 /// Every request's usage: 1,000 prompt tokens of which 400 were read from the cache, 100
@@ -280,4 +285,134 @@ async fn a_burst_of_rate_limits_neither_fails_a_turn_nor_stops_the_batch() {
     assert_eq!(report.merge.trajectories, 4);
     assert_eq!(report.merge.failed, 0);
     assert_eq!(server.request_count(), THROTTLED + 4 * 2);
+}
+
+/// Three tool calls, then an answer: four turns a conversation.
+fn four_turns(body: &Value) -> Step {
+    let turns = body["messages"].as_array().map_or(0, |messages| {
+        messages.iter().filter(|m| m["role"] == "assistant").count()
+    });
+    if turns < 3 {
+        let (name, arguments) = terminal("true");
+        Step::ok(tool_calls_reply(&[(
+            name,
+            Value::String(arguments.to_string()),
+        )]))
+    } else {
+        Step::ok(text_reply("done"))
+    }
+}
+
+/// The model's endpoints in a run file, each server's base URL, the conversation's identity
+/// sent in the body too.
+fn endpoints(base_urls: &[String]) -> Value {
+    let endpoints: Vec<Value> = base_urls
+        .iter()
+        .map(|url| json!({"baseUrl": url}))
+        .collect();
+    json!({"name": "scripted", "endpoints": endpoints, "maxAttempts": 6,
+           "requestTimeoutSeconds": 10, "routing": {"promptCacheKey": true}})
+}
+
+/// Each server's requests by the conversation that made them (`prompt_cache_key`), with the
+/// session header checked against it.
+fn conversations_at(server: &ScriptedServer) -> BTreeMap<String, usize> {
+    let mut conversations = BTreeMap::new();
+    for request in server.requests() {
+        let identity = request.body["prompt_cache_key"]
+            .as_str()
+            .expect("every request names its conversation")
+            .to_owned();
+        assert_eq!(request.session.as_deref(), Some(identity.as_str()));
+        *conversations.entry(identity).or_default() += 1;
+    }
+    conversations
+}
+
+fn record_ids(fixture: &RunFixture) -> BTreeSet<String> {
+    fixture
+        .lines("trajectories.jsonl")
+        .iter()
+        .map(|line| line["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Every turn of a conversation goes to one of the model's three endpoints, named by the
+/// record's id in a header and in `prompt_cache_key`, and the conversations are spread over all
+/// three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_turn_of_a_conversation_goes_to_one_endpoint_and_all_share_the_load() {
+    let servers = [
+        ScriptedServer::start_responding(four_turns).await,
+        ScriptedServer::start_responding(four_turns).await,
+        ScriptedServer::start_responding(four_turns).await,
+    ];
+    let base_urls: Vec<String> = servers.iter().map(ScriptedServer::base_url).collect();
+    let fixture = RunFixture::new(&base_urls[0], 24).with("/model", endpoints(&base_urls));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    assert_eq!(report.merge.trajectories, 24);
+    let mut seen = BTreeSet::new();
+    for (index, server) in servers.iter().enumerate() {
+        let conversations = conversations_at(server);
+        assert!(
+            conversations.len() >= 3,
+            "endpoint {index} served {} conversations",
+            conversations.len()
+        );
+        for (identity, requests) in conversations {
+            assert_eq!(requests, 4, "every turn of {identity} at endpoint {index}");
+            assert!(
+                seen.insert(identity.clone()),
+                "{identity} went to two endpoints"
+            );
+        }
+    }
+    assert_eq!(seen, record_ids(&fixture));
+}
+
+/// One of three endpoints refuses every connection: it is taken out after its failures, and
+/// the conversations it would have served finish on the others, each once, none failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_conversations_of_an_endpoint_that_fails_finish_on_the_others() {
+    let servers = [
+        ScriptedServer::start_responding(four_turns).await,
+        ScriptedServer::start_responding(four_turns).await,
+    ];
+    let refusing = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}/v1", listener.local_addr().unwrap())
+    };
+    let base_urls = vec![
+        servers[0].base_url(),
+        refusing.clone(),
+        servers[1].base_url(),
+    ];
+    let fixture = RunFixture::new(&base_urls[0], 24).with("/model", endpoints(&base_urls));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect("the other endpoints serve the run");
+    assert_eq!(report.merge.trajectories, 24);
+    assert_eq!(report.merge.failed, 0);
+    let [first, second] = [conversations_at(&servers[0]), conversations_at(&servers[1])];
+    for (identity, requests) in first.iter().chain(&second) {
+        assert_eq!(
+            *requests, 4,
+            "{identity}: every turn on the endpoint it moved to"
+        );
+        assert!(!second.contains_key(identity) || !first.contains_key(identity));
+    }
+    let served: BTreeSet<String> = first.keys().chain(second.keys()).cloned().collect();
+    assert_eq!(served, record_ids(&fixture));
+    // The conversations whose first choice was the refusing endpoint moved.
+    let unloaded = Arc::new(Endpoints::new(&base_urls, Strategy::ConversationHash, 1.25));
+    let moved = served
+        .iter()
+        .filter(|identity| Route::new(Arc::clone(&unloaded), identity).endpoint() == 1)
+        .count();
+    assert!(
+        moved >= 1,
+        "no conversation chose the refusing endpoint first"
+    );
 }

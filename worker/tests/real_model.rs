@@ -37,7 +37,8 @@ fn model_name() -> String {
 #[tokio::test]
 async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
     let client = ModelClient::new(ModelSettings {
-        base_url: model_server(),
+        base_urls: vec![model_server()],
+        routing: trajectory_worker::model::RoutingSettings::default(),
         model: model_name(),
         api_key: None,
         max_tokens: Some(128),
@@ -598,7 +599,8 @@ fn reference_shapes(tool: &str) -> &'static [(&'static [&'static str], &'static 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_streamed_answers_at_once_both_arrive_whole() {
     let client = ModelClient::new(ModelSettings {
-        base_url: model_server(),
+        base_urls: vec![model_server()],
+        routing: trajectory_worker::model::RoutingSettings::default(),
         model: model_name(),
         api_key: None,
         max_tokens: Some(48),

@@ -5,14 +5,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use rand::Rng;
-use reqwest::header::{AUTHORIZATION, HeaderValue, RETRY_AFTER};
+use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue, RETRY_AFTER};
 use serde_json::{Map, Value};
 use tracing::{debug, warn};
 
+use super::routing::{Endpoints, Route, Strategy};
 use super::types::{Completion, Message, ParseFailure, parse_completion};
 use super::{Circuit, ErrorClass, ModelError, Verdict, classify_status, sse};
 use crate::pricing::{Cost, Prices};
-use crate::spec::ModelSpec;
+use crate::spec::{ModelSpec, RoutingSpec, RoutingStrategy};
 
 /// The model API key. Its `Debug` and `Display` never show the value.
 #[derive(Clone)]
@@ -104,7 +105,9 @@ impl RetryPolicy {
 /// Everything that shapes a request, taken from the run spec.
 #[derive(Debug, Clone)]
 pub struct ModelSettings {
-    pub base_url: String,
+    /// The base URLs of the model's endpoints (at least one), without a trailing `/`.
+    pub base_urls: Vec<String>,
+    pub routing: RoutingSettings,
     pub model: String,
     pub api_key: Option<ApiKey>,
     pub max_tokens: Option<u32>,
@@ -119,21 +122,57 @@ pub struct ModelSettings {
     pub prices: Option<Prices>,
 }
 
+/// How conversations are spread over the endpoints and name themselves (`spec.model.routing`).
+#[derive(Debug, Clone)]
+pub struct RoutingSettings {
+    pub strategy: Strategy,
+    pub load_bound: f64,
+    /// The header that carries a conversation's identity, if any.
+    pub session_header: Option<HeaderName>,
+    pub prompt_cache_key: bool,
+}
+
+impl Default for RoutingSettings {
+    fn default() -> Self {
+        let spec = RoutingSpec::default();
+        Self {
+            strategy: Strategy::default(),
+            load_bound: spec.load_bound,
+            session_header: HeaderName::from_bytes(spec.session_header.as_bytes()).ok(),
+            prompt_cache_key: spec.prompt_cache_key,
+        }
+    }
+}
+
 impl ModelSettings {
     /// Settings from the spec, with the key found by [`ApiKey::discover`].
     pub fn from_spec(spec: &ModelSpec, api_key: Option<ApiKey>) -> Result<Self, ModelError> {
-        let url = reqwest::Url::parse(&spec.base_url).map_err(|err| {
-            ModelError::Settings(format!(
-                "spec.model.baseUrl {:?} is not a URL: {err}",
-                spec.base_url
-            ))
-        })?;
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(ModelError::Settings(format!(
-                "spec.model.baseUrl {:?} must be http:// or https://",
-                spec.base_url
-            )));
+        let fields: Vec<String> = if spec.endpoints.is_empty() {
+            vec!["spec.model.baseUrl".to_owned()]
+        } else {
+            (0..spec.endpoints.len())
+                .map(|index| format!("spec.model.endpoints[{index}].baseUrl"))
+                .collect()
+        };
+        let base_urls = spec.base_urls();
+        for (field, base_url) in fields.iter().zip(&base_urls) {
+            let url = reqwest::Url::parse(base_url).map_err(|err| {
+                ModelError::Settings(format!("{field} {base_url:?} is not a URL: {err}"))
+            })?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(ModelError::Settings(format!(
+                    "{field} {base_url:?} must be http:// or https://"
+                )));
+            }
         }
+        let session_header = match spec.routing.session_header.as_str() {
+            "" => None,
+            name => Some(HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                ModelError::Settings(format!(
+                    "spec.model.routing.sessionHeader {name:?} is not an HTTP header name"
+                ))
+            })?),
+        };
         let extra_body = match &spec.extra_body {
             None => Map::new(),
             Some(Value::Object(map)) => map.clone(),
@@ -144,7 +183,19 @@ impl ModelSettings {
             }
         };
         Ok(Self {
-            base_url: spec.base_url.trim_end_matches('/').to_owned(),
+            base_urls: base_urls
+                .iter()
+                .map(|url| url.trim_end_matches('/').to_owned())
+                .collect(),
+            routing: RoutingSettings {
+                strategy: match spec.routing.strategy {
+                    RoutingStrategy::ConversationHash => Strategy::ConversationHash,
+                    RoutingStrategy::RoundRobin => Strategy::RoundRobin,
+                },
+                load_bound: spec.routing.load_bound,
+                session_header,
+                prompt_cache_key: spec.routing.prompt_cache_key,
+            },
             model: spec.name.clone(),
             api_key,
             max_tokens: spec.max_tokens,
@@ -173,7 +224,10 @@ fn reasoning_fields(spec: &ModelSpec) -> Map<String, Value> {
     let Some(reasoning) = &spec.reasoning else {
         return fields;
     };
-    let openrouter = spec.base_url.contains("openrouter");
+    let openrouter = spec
+        .base_urls()
+        .iter()
+        .any(|url| url.contains("openrouter"));
     if reasoning.disabled {
         if openrouter {
             fields.insert("reasoning".into(), serde_json::json!({"effort": "none"}));
@@ -193,20 +247,24 @@ fn reasoning_fields(spec: &ModelSpec) -> Map<String, Value> {
     fields
 }
 
-/// A pooled client for one model endpoint.
+/// A pooled client for the model's endpoints.
 #[derive(Debug, Clone)]
 pub struct ModelClient {
     http: reqwest::Client,
-    url: String,
+    endpoints: Arc<Endpoints>,
+    /// The conversation this clone asks for ([`ModelClient::for_conversation`]): its endpoint
+    /// and its identity.
+    route: Option<Arc<Route>>,
     authorization: Option<HeaderValue>,
     settings: ModelSettings,
     /// Told of every attempt's outcome, when a batch watches this client's calls.
     circuit: Option<Arc<Circuit>>,
     /// Told what every completion cost, when the run keeps a budget.
     spending: Option<Arc<Spending>>,
-    /// When the server said to slow down (429, 529, 503 with `Retry-After`): every call of this
-    /// client and its clones (the process's conversations) waits it out, not only the one told.
-    pause: Arc<Pause>,
+    /// When an endpoint said to slow down (429, 529, 503 with `Retry-After`): every call of
+    /// this client and its clones (the process's conversations) to that endpoint waits it out,
+    /// not only the one told. One an endpoint, in the order of `endpoints`.
+    pauses: Arc<[Pause]>,
 }
 
 /// A pause every call of a client waits out before its next attempt.
@@ -303,15 +361,47 @@ impl ModelClient {
                 Some(value)
             }
         };
+        if settings.base_urls.is_empty() {
+            return Err(ModelError::Settings(
+                "the model has no endpoint (spec.model.baseUrl or spec.model.endpoints)".into(),
+            ));
+        }
+        let endpoints = Arc::new(Endpoints::new(
+            &settings.base_urls,
+            settings.routing.strategy,
+            settings.routing.load_bound,
+        ));
         Ok(Self {
             http,
-            url: format!("{}/chat/completions", settings.base_url),
+            pauses: settings
+                .base_urls
+                .iter()
+                .map(|_| Pause::default())
+                .collect(),
+            endpoints,
+            route: None,
             authorization,
             settings,
             circuit: None,
             spending: None,
-            pause: Arc::default(),
         })
+    }
+
+    /// The same client (one connection pool, the same endpoints), for the conversation of
+    /// `identity`: all its requests go to one endpoint while that endpoint is in, and carry
+    /// the identity ([`RoutingSettings`]). Its endpoint is given up when the last clone of
+    /// the returned client is dropped.
+    #[must_use]
+    pub fn for_conversation(&self, identity: &str) -> Self {
+        Self {
+            route: Some(Arc::new(Route::new(Arc::clone(&self.endpoints), identity))),
+            ..self.clone()
+        }
+    }
+
+    /// The model's endpoints, with the conversations each holds now.
+    pub fn endpoints(&self) -> &Endpoints {
+        &self.endpoints
     }
 
     /// The same client (one connection pool), telling `circuit` of every attempt.
@@ -378,6 +468,11 @@ impl ModelClient {
                 serde_json::json!({"include_usage": true}),
             );
         }
+        if let Some(route) = &self.route
+            && settings.routing.prompt_cache_key
+        {
+            body.insert("prompt_cache_key".into(), route.identity.clone().into());
+        }
         for (key, value) in settings.reasoning_fields.iter().chain(&settings.extra_body) {
             body.insert(key.clone(), value.clone());
         }
@@ -396,9 +491,15 @@ impl ModelClient {
         let mut waited = Duration::ZERO;
         let (mut attempt, mut throttled) = (0, 0);
         loop {
-            waited += self.pause.wait().await;
-            let error = match self.attempt(body, turn).await {
+            // Chosen again for each attempt: one taken out since the last goes to another.
+            let endpoint = self
+                .route
+                .as_ref()
+                .map_or_else(|| self.endpoints.first_in(), |route| route.endpoint());
+            waited += self.pauses[endpoint].wait().await;
+            let error = match self.attempt(endpoint, body, turn).await {
                 Ok(completion) => {
+                    self.endpoints.succeeded(endpoint);
                     self.tell_circuit(true);
                     if let (Some(spending), Some(cost)) =
                         (&self.spending, self.cost_of(&completion))
@@ -416,7 +517,17 @@ impl ModelClient {
             } = error;
             let slow_down = is_slow_down(&verdict, status);
             // A refusal is an answer, and so is being told to slow down: the server is up.
-            self.tell_circuit(slow_down || !matches!(verdict, Verdict::Retry { .. }));
+            let answered = slow_down || !matches!(verdict, Verdict::Retry { .. });
+            self.tell_circuit(answered);
+            if answered {
+                self.endpoints.succeeded(endpoint);
+            } else if (status == 0 || status >= 500) && self.endpoints.failed(endpoint) {
+                warn!(
+                    endpoint = %self.endpoints.get(endpoint).base_url,
+                    "the model endpoint keeps failing; it is taken out for a while and its \
+                     conversations move to the others"
+                );
+            }
             let message = self.redact(message);
             let (class, retry_after) = match verdict {
                 Verdict::Permanent(class) => {
@@ -452,8 +563,8 @@ impl ModelClient {
                 });
             }
             if slow_down {
-                warn!(throttled, %class, status, delay_ms = delay.as_millis(), "the model server says to slow down; every call waits");
-                self.pause.hold_until(tokio::time::Instant::now() + delay);
+                warn!(throttled, %class, status, delay_ms = delay.as_millis(), "the model server says to slow down; every call to it waits");
+                self.pauses[endpoint].hold_until(tokio::time::Instant::now() + delay);
             } else {
                 warn!(attempt, %class, status, delay_ms = delay.as_millis(), "model call failed; retrying");
                 tokio::time::sleep(delay).await;
@@ -481,15 +592,25 @@ impl ModelClient {
         }
     }
 
-    async fn attempt(&self, body: &Value, turn: usize) -> Result<Completion, AttemptError> {
+    async fn attempt(
+        &self,
+        endpoint: usize,
+        body: &Value,
+        turn: usize,
+    ) -> Result<Completion, AttemptError> {
         let started = Instant::now();
         let mut request = self
             .http
-            .post(&self.url)
+            .post(&self.endpoints.get(endpoint).url)
             .timeout(self.settings.request_timeout)
             .json(body);
         if let Some(authorization) = &self.authorization {
             request = request.header(AUTHORIZATION, authorization.clone());
+        }
+        if let (Some(route), Some(header)) = (&self.route, &self.settings.routing.session_header)
+            && let Ok(value) = HeaderValue::from_str(&route.identity)
+        {
+            request = request.header(header, value);
         }
         let response = request.send().await.map_err(transport_error)?;
         let status = response.status();
@@ -649,7 +770,8 @@ mod tests {
         let key = ApiKey::new("sk-very-secret");
         assert!(!format!("{key:?}").contains("secret"));
         let settings = ModelSettings {
-            base_url: "http://127.0.0.1:1/v1".into(),
+            base_urls: vec!["http://127.0.0.1:1/v1".into()],
+            routing: RoutingSettings::default(),
             model: "m".into(),
             api_key: Some(key),
             max_tokens: None,
@@ -702,6 +824,56 @@ mod tests {
     }
 
     #[test]
+    fn a_conversation_sends_its_identity_as_prompt_cache_key_when_asked() {
+        let spec = |routing: serde_json::Value| -> ModelSpec {
+            serde_json::from_value(serde_json::json!({
+                "endpoints": [{"baseUrl": "http://m0/v1"}, {"baseUrl": "http://m1/v1/"}],
+                "name": "m", "routing": routing,
+            }))
+            .unwrap()
+        };
+        let settings = ModelSettings::from_spec(&spec(serde_json::json!({})), None).unwrap();
+        assert_eq!(settings.base_urls, ["http://m0/v1", "http://m1/v1"]);
+        assert_eq!(
+            settings
+                .routing
+                .session_header
+                .as_ref()
+                .map(HeaderName::as_str),
+            Some("x-session-id")
+        );
+        let client = ModelClient::new(settings).unwrap();
+        let conversation = client.for_conversation("run-7-0");
+        assert!(
+            conversation.request_body(None, &[], None)["prompt_cache_key"].is_null(),
+            "off by default"
+        );
+        let keyed = spec(serde_json::json!({"promptCacheKey": true, "sessionHeader": ""}));
+        let settings = ModelSettings::from_spec(&keyed, None).unwrap();
+        assert!(settings.routing.session_header.is_none());
+        let client = ModelClient::new(settings).unwrap();
+        assert!(client.request_body(None, &[], None)["prompt_cache_key"].is_null());
+        let conversation = client.for_conversation("run-7-0");
+        assert_eq!(
+            conversation.request_body(None, &[], None)["prompt_cache_key"],
+            "run-7-0"
+        );
+        // The conversation holds its endpoint from its first request until its last clone goes.
+        let held = conversation.route.as_ref().unwrap().endpoint();
+        let counts = |client: &ModelClient| -> Vec<usize> {
+            client
+                .endpoints()
+                .all()
+                .iter()
+                .map(super::super::routing::Endpoint::conversations)
+                .collect()
+        };
+        assert_eq!(counts(&client)[held], 1);
+        drop(conversation);
+        assert_eq!(counts(&client), [0, 0]);
+    }
+
+    #[test]
     fn a_bad_base_url_is_refused_naming_the_field() {
         let spec: ModelSpec =
             serde_json::from_value(serde_json::json!({"baseUrl": "not a url", "name": "m"}))
@@ -710,5 +882,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("spec.model.baseUrl"), "{error}");
+        let spec: ModelSpec = serde_json::from_value(serde_json::json!({
+            "endpoints": [{"baseUrl": "http://m0/v1"}, {"baseUrl": "ftp://m1"}], "name": "m",
+        }))
+        .unwrap();
+        let error = ModelSettings::from_spec(&spec, None)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("spec.model.endpoints[1].baseUrl"), "{error}");
     }
 }

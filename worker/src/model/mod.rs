@@ -15,11 +15,12 @@
 
 mod circuit;
 mod client;
+pub mod routing;
 mod sse;
 pub mod types;
 
 pub use circuit::Circuit;
-pub use client::{ApiKey, ModelClient, ModelSettings, RetryPolicy, Spending};
+pub use client::{ApiKey, ModelClient, ModelSettings, RetryPolicy, RoutingSettings, Spending};
 pub use types::{
     AssistantMessage, Completion, Message, Reasoning, ReasoningShape, ToolCall, ToolMessage, Usage,
 };

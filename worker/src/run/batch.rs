@@ -1173,7 +1173,7 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
         }
     };
     let sandbox = shared.sandbox_of(prompt_index, sample, row);
-    let (result, verification) = converse(shared, &offered, row, lent, sandbox)
+    let (result, verification) = converse(shared, &offered, (&id, row), lent, sandbox)
         .instrument(info_span!("conversation", prompt_index, sample))
         .await;
     let finished_at = chrono::Utc::now();
@@ -1248,7 +1248,7 @@ struct Verified<'a> {
 async fn converse(
     shared: &Shared,
     offered: &Offered,
-    row: &Row,
+    (id, row): (&str, &Row),
     lent: WorkspaceDir,
     sandbox: Sandbox,
 ) -> (
@@ -1268,8 +1268,9 @@ async fn converse(
         browser: crate::tools::browser::ConversationBrowser::default(),
         terminal: crate::tools::terminal::Terminal::default(),
     };
+    // Every turn on one endpoint, named by the record's id: the same in every attempt and pod.
     let result = run_conversation(
-        &engine.client,
+        &engine.client.for_conversation(id),
         &offered.tools,
         &tool_context,
         &row.prompt,

@@ -62,6 +62,7 @@ pub async fn run_local(
     let mut run_file = RunFile::load(&options.run_file)?;
     if let Some(base_url) = &options.base_url {
         run_file.spec.model.base_url.clone_from(base_url);
+        run_file.spec.model.endpoints.clear();
     }
     note_cluster_only_fields(&run_file);
     let storage_root = match &options.storage {

@@ -246,7 +246,11 @@ mod tests {
         let mut changed = base.clone();
         changed.workers = 99;
         changed.concurrency = 7;
-        changed.model.base_url = "http://b/v1".into();
+        changed.model.base_url = String::new();
+        changed.model.endpoints = vec![crate::spec::EndpointSpec {
+            base_url: "http://b/v1".into(),
+        }];
+        changed.model.routing.load_bound = 2.0;
         changed.suspend = true;
         assert_eq!(spec_hash(&base), spec_hash(&changed));
     }

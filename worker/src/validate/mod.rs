@@ -152,16 +152,45 @@ impl RunSpec {
         );
     }
 
-    fn check_model(&self, violations: &mut Violations) {
+    /// `baseUrl` or `endpoints`, one of them, each an http(s) URL, no endpoint twice.
+    fn check_endpoints(&self, violations: &mut Violations) {
+        let model = &self.model;
+        let is_http = |url: &str| url.starts_with("http://") || url.starts_with("https://");
+        if model.endpoints.is_empty() {
+            violations.check(
+                is_http(&model.base_url),
+                "model.baseUrl",
+                format!("{:?} must be an http:// or https:// URL", model.base_url),
+            );
+            return;
+        }
         violations.check(
-            self.model.base_url.starts_with("http://")
-                || self.model.base_url.starts_with("https://"),
+            model.base_url.is_empty(),
             "model.baseUrl",
-            format!(
-                "{:?} must be an http:// or https:// URL",
-                self.model.base_url
-            ),
+            "set either baseUrl (one endpoint) or endpoints (several), not both".to_owned(),
         );
+        for (index, endpoint) in model.endpoints.iter().enumerate() {
+            let field = format!("model.endpoints[{index}].baseUrl");
+            violations.check(
+                is_http(&endpoint.base_url),
+                &field,
+                format!("{:?} must be an http:// or https:// URL", endpoint.base_url),
+            );
+            let same = |other: &crate::spec::EndpointSpec| {
+                other.base_url.trim_end_matches('/') == endpoint.base_url.trim_end_matches('/')
+            };
+            if let Some(first) = model.endpoints[..index].iter().position(same) {
+                violations.check(
+                    false,
+                    &field,
+                    format!("the same endpoint as model.endpoints[{first}]"),
+                );
+            }
+        }
+    }
+
+    fn check_model(&self, violations: &mut Violations) {
+        self.check_endpoints(violations);
         violations.check(
             !self.model.name.is_empty(),
             "model.name",
@@ -191,6 +220,23 @@ impl RunSpec {
                 "must be a JSON object".to_owned(),
             );
         }
+        let routing = &self.model.routing;
+        violations.check(
+            routing.load_bound.is_finite() && routing.load_bound >= 1.0,
+            "model.routing.loadBound",
+            format!("must be at least 1, got {}", routing.load_bound),
+        );
+        violations.check(
+            routing
+                .session_header
+                .bytes()
+                .all(|byte| byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&byte)),
+            "model.routing.sessionHeader",
+            format!(
+                "{:?} is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~)",
+                routing.session_header
+            ),
+        );
         if let Some(Err(error)) = self.model.pricing.as_ref().map(Prices::from_spec) {
             violations.check(
                 false,
@@ -468,6 +514,45 @@ mod tests {
             "model": {"baseUrl": "http://127.0.0.1:1/v1", "name": "m"},
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn endpoints_replace_the_base_url_and_each_is_checked() {
+        let with = |model: serde_json::Value| -> Vec<String> {
+            let mut spec = minimal();
+            spec.model = serde_json::from_value(model).unwrap();
+            spec.validate().into_iter().map(|v| v.to_string()).collect()
+        };
+        let three = serde_json::json!([
+            {"baseUrl": "http://m0:8000/v1"}, {"baseUrl": "http://m1:8000/v1"},
+            {"baseUrl": "http://m2:8000/v1/"},
+        ]);
+        assert!(with(serde_json::json!({"name": "m", "endpoints": three})).is_empty());
+        assert_eq!(
+            with(serde_json::json!({"name": "m"})),
+            ["spec.model.baseUrl: \"\" must be an http:// or https:// URL"]
+        );
+        assert_eq!(
+            with(
+                serde_json::json!({"name": "m", "baseUrl": "http://m0:8000/v1", "endpoints": three})
+            ),
+            [
+                "spec.model.baseUrl: set either baseUrl (one endpoint) or endpoints (several), not both"
+            ]
+        );
+        let errors = with(serde_json::json!({"name": "m", "endpoints": [
+            {"baseUrl": "http://m0:8000/v1"}, {"baseUrl": "m1:8000"}, {"baseUrl": "http://m0:8000/v1/"},
+        ], "routing": {"loadBound": 0.5, "sessionHeader": "x session"}}));
+        assert_eq!(
+            errors,
+            [
+                "spec.model.endpoints[1].baseUrl: \"m1:8000\" must be an http:// or https:// URL",
+                "spec.model.endpoints[2].baseUrl: the same endpoint as model.endpoints[0]",
+                "spec.model.routing.loadBound: must be at least 1, got 0.5",
+                "spec.model.routing.sessionHeader: \"x session\" is not an HTTP header name \
+                 (letters, digits and !#$%&'*+-.^_`|~)",
+            ]
+        );
     }
 
     #[test]
