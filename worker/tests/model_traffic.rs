@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     ScriptedServer, Step, first_user_message, text_reply, tool_calls_reply,
 };
-use trajectory_worker::model::routing::{Endpoints, Route, Strategy};
+use trajectory_worker::model::routing::{Endpoints, Route};
 use trajectory_worker::run::local::{render_report, run_local};
 
 /// Every request's usage: 1,000 prompt tokens of which 400 were read from the cache, 100
@@ -406,7 +406,11 @@ async fn the_conversations_of_an_endpoint_that_fails_finish_on_the_others() {
     let served: BTreeSet<String> = first.keys().chain(second.keys()).cloned().collect();
     assert_eq!(served, record_ids(&fixture));
     // The conversations whose first choice was the refusing endpoint moved.
-    let unloaded = Arc::new(Endpoints::new(&base_urls, Strategy::ConversationHash, 1.25));
+    let unloaded = Arc::new(Endpoints::new(
+        &base_urls,
+        trajectory_worker::spec::RoutingStrategy::ConversationHash,
+        1.25,
+    ));
     let moved = served
         .iter()
         .filter(|identity| Route::new(Arc::clone(&unloaded), identity).endpoint() == 1)

@@ -9,7 +9,7 @@ use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue, RETRY_AFTER};
 use serde_json::{Map, Value};
 use tracing::{debug, warn};
 
-use super::routing::{Endpoints, Route, Strategy};
+use super::routing::{Endpoints, Route};
 use super::types::{Completion, Message, ParseFailure, parse_completion};
 use super::{Circuit, ErrorClass, ModelError, Verdict, classify_status, sse};
 use crate::pricing::{Cost, Prices};
@@ -125,7 +125,7 @@ pub struct ModelSettings {
 /// How conversations are spread over the endpoints and name themselves (`spec.model.routing`).
 #[derive(Debug, Clone)]
 pub struct RoutingSettings {
-    pub strategy: Strategy,
+    pub strategy: RoutingStrategy,
     pub load_bound: f64,
     /// The header that carries a conversation's identity, if any.
     pub session_header: Option<HeaderName>,
@@ -136,7 +136,7 @@ impl Default for RoutingSettings {
     fn default() -> Self {
         let spec = RoutingSpec::default();
         Self {
-            strategy: Strategy::default(),
+            strategy: spec.strategy,
             load_bound: spec.load_bound,
             session_header: HeaderName::from_bytes(spec.session_header.as_bytes()).ok(),
             prompt_cache_key: spec.prompt_cache_key,
@@ -188,10 +188,7 @@ impl ModelSettings {
                 .map(|url| url.trim_end_matches('/').to_owned())
                 .collect(),
             routing: RoutingSettings {
-                strategy: match spec.routing.strategy {
-                    RoutingStrategy::ConversationHash => Strategy::ConversationHash,
-                    RoutingStrategy::RoundRobin => Strategy::RoundRobin,
-                },
+                strategy: spec.routing.strategy,
                 load_bound: spec.routing.load_bound,
                 session_header,
                 prompt_cache_key: spec.routing.prompt_cache_key,

@@ -16,7 +16,7 @@
 //! first success since clears its record. The conversations that move lose their cached prefix
 //! once, nothing else: their next request goes to the next endpoint in their order.
 //!
-//! [`Strategy::RoundRobin`] sends each request to the next endpoint in turn instead, whatever its
+//! [`RoutingStrategy::RoundRobin`] sends each request to the next endpoint in turn instead, whatever its
 //! conversation: for servers that keep no cache between requests, and as the baseline that shows
 //! what keeping a conversation on one server saves.
 
@@ -25,6 +25,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+use crate::spec::RoutingStrategy;
 
 /// Failed requests in a row that take an endpoint out.
 pub const FAILURES_TO_EJECT: u32 = 3;
@@ -83,21 +85,11 @@ impl Endpoint {
     }
 }
 
-/// How requests are spread over the endpoints.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Strategy {
-    /// Every request of a conversation to one endpoint, by its identity, within the load bound.
-    #[default]
-    ConversationHash,
-    /// Each request to the next endpoint in turn.
-    RoundRobin,
-}
-
 /// The model's endpoints, shared by every conversation of the process.
 #[derive(Debug)]
 pub struct Endpoints {
     servers: Vec<Endpoint>,
-    strategy: Strategy,
+    strategy: RoutingStrategy,
     load_bound: f64,
     /// The round-robin's count of requests.
     turns: AtomicUsize,
@@ -106,7 +98,7 @@ pub struct Endpoints {
 impl Endpoints {
     /// `base_urls` must not be empty (the spec's validation sees to it); `load_bound` is at
     /// least 1.
-    pub fn new(base_urls: &[String], strategy: Strategy, load_bound: f64) -> Self {
+    pub fn new(base_urls: &[String], strategy: RoutingStrategy, load_bound: f64) -> Self {
         assert!(!base_urls.is_empty(), "a model has at least one endpoint");
         Self {
             servers: base_urls.iter().map(|url| Endpoint::new(url)).collect(),
@@ -256,9 +248,9 @@ impl Route {
     }
 
     /// The endpoint for the conversation's next request: the one it holds while that is in,
-    /// else a new one (with [`Strategy::RoundRobin`], the next in turn).
+    /// else a new one (with [`RoutingStrategy::RoundRobin`], the next in turn).
     pub fn endpoint(&self) -> usize {
-        if self.endpoints.strategy == Strategy::RoundRobin {
+        if self.endpoints.strategy == RoutingStrategy::RoundRobin {
             return self.endpoints.next_in_turn();
         }
         let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
@@ -311,7 +303,7 @@ mod tests {
         let urls: Vec<String> = (0..count).map(|i| format!("http://m{i}:8000/v1")).collect();
         Arc::new(Endpoints::new(
             &urls,
-            Strategy::ConversationHash,
+            RoutingStrategy::ConversationHash,
             load_bound,
         ))
     }
@@ -441,7 +433,7 @@ mod tests {
     #[test]
     fn round_robin_sends_each_request_to_the_next_endpoint_that_is_in() {
         let urls: Vec<String> = (0..3).map(|i| format!("http://m{i}:8000/v1")).collect();
-        let endpoints = Arc::new(Endpoints::new(&urls, Strategy::RoundRobin, 1.25));
+        let endpoints = Arc::new(Endpoints::new(&urls, RoutingStrategy::RoundRobin, 1.25));
         let route = Route::new(Arc::clone(&endpoints), "run-0-0");
         let turns: Vec<usize> = (0..6).map(|_| route.endpoint()).collect();
         assert_eq!(turns, [0, 1, 2, 0, 1, 2]);

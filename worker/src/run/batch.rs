@@ -1173,7 +1173,7 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
         }
     };
     let sandbox = shared.sandbox_of(prompt_index, sample, row);
-    let (result, verification) = converse(shared, &offered, (&id, row), lent, sandbox)
+    let (result, verification) = converse(shared, &offered, &id, row, lent, sandbox)
         .instrument(info_span!("conversation", prompt_index, sample))
         .await;
     let finished_at = chrono::Utc::now();
@@ -1248,7 +1248,8 @@ struct Verified<'a> {
 async fn converse(
     shared: &Shared,
     offered: &Offered,
-    (id, row): (&str, &Row),
+    id: &str,
+    row: &Row,
     lent: WorkspaceDir,
     sandbox: Sandbox,
 ) -> (
