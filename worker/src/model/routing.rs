@@ -308,6 +308,13 @@ mod tests {
         ))
     }
 
+    /// `count` conversations of the run, none routed yet.
+    fn routes(endpoints: &Arc<Endpoints>, count: usize) -> Vec<Route> {
+        (0..count)
+            .map(|i| Route::new(Arc::clone(endpoints), &format!("run-{i}-0")))
+            .collect()
+    }
+
     fn counts(endpoints: &Endpoints) -> Vec<usize> {
         endpoints
             .all()
@@ -319,9 +326,7 @@ mod tests {
     #[test]
     fn a_conversation_keeps_its_endpoint_for_every_turn() {
         let endpoints = endpoints(4, 1.25);
-        let routes: Vec<Route> = (0..40)
-            .map(|i| Route::new(Arc::clone(&endpoints), &format!("run-{i}-0")))
-            .collect();
+        let routes = routes(&endpoints, 40);
         let first: Vec<usize> = routes.iter().map(Route::endpoint).collect();
         for _turn in 0..5 {
             let again: Vec<usize> = routes.iter().map(Route::endpoint).collect();
@@ -335,9 +340,7 @@ mod tests {
     #[test]
     fn no_endpoint_holds_more_than_the_load_bound_allows() {
         let endpoints = endpoints(3, 1.25);
-        let routes: Vec<Route> = (0..300)
-            .map(|i| Route::new(Arc::clone(&endpoints), &format!("run-{i}-0")))
-            .collect();
+        let routes = routes(&endpoints, 300);
         for route in &routes {
             route.endpoint();
         }
@@ -364,9 +367,7 @@ mod tests {
     #[test]
     fn an_endpoint_that_keeps_failing_is_taken_out_and_its_conversations_move() {
         let endpoints = endpoints(3, 1.25);
-        let routes: Vec<Route> = (0..30)
-            .map(|i| Route::new(Arc::clone(&endpoints), &format!("run-{i}-0")))
-            .collect();
+        let routes = routes(&endpoints, 30);
         let before: Vec<usize> = routes.iter().map(Route::endpoint).collect();
         let failing = before[0];
         assert!(!endpoints.failed(failing));

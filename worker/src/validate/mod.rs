@@ -155,13 +155,8 @@ impl RunSpec {
     /// `baseUrl` or `endpoints`, one of them, each an http(s) URL, no endpoint twice.
     fn check_endpoints(&self, violations: &mut Violations) {
         let model = &self.model;
-        let is_http = |url: &str| url.starts_with("http://") || url.starts_with("https://");
         if model.endpoints.is_empty() {
-            violations.check(
-                is_http(&model.base_url),
-                "model.baseUrl",
-                format!("{:?} must be an http:// or https:// URL", model.base_url),
-            );
+            check_http_url("model.baseUrl", &model.base_url, violations);
             return;
         }
         violations.check(
@@ -171,11 +166,7 @@ impl RunSpec {
         );
         for (index, endpoint) in model.endpoints.iter().enumerate() {
             let field = format!("model.endpoints[{index}].baseUrl");
-            violations.check(
-                is_http(&endpoint.base_url),
-                &field,
-                format!("{:?} must be an http:// or https:// URL", endpoint.base_url),
-            );
+            check_http_url(&field, &endpoint.base_url, violations);
             let same = |other: &crate::spec::EndpointSpec| {
                 other.base_url.trim_end_matches('/') == endpoint.base_url.trim_end_matches('/')
             };
@@ -408,6 +399,15 @@ fn check_browser(browser: &BrowserSpec, violations: &mut Violations) {
     }
 }
 
+/// A server's base URL: `http://` or `https://`.
+fn check_http_url(field: &str, url: &str, violations: &mut Violations) {
+    violations.check(
+        url.starts_with("http://") || url.starts_with("https://"),
+        field,
+        format!("{url:?} must be an http:// or https:// URL"),
+    );
+}
+
 /// The settings every model endpoint of a tool has: an http(s) base URL, a model, a well-formed
 /// key source and a time limit.
 fn check_endpoint(
@@ -415,11 +415,7 @@ fn check_endpoint(
     (base_url, model, api_key, timeout): (&str, &str, Option<&ValueSource>, u64),
     violations: &mut Violations,
 ) {
-    violations.check(
-        base_url.starts_with("http://") || base_url.starts_with("https://"),
-        &format!("{field}.baseUrl"),
-        format!("{base_url:?} must be an http:// or https:// URL"),
-    );
+    check_http_url(&format!("{field}.baseUrl"), base_url, violations);
     violations.check(
         !model.is_empty(),
         &format!("{field}.model"),
