@@ -65,6 +65,10 @@ step "MCP servers: install (cached)"
 # worker/tests/mcp_tools.rs talks to them (npm's server-everything, PyPI's time and fetch servers).
 TRAJ_MCP_DIR="$(scripts/mcp/install.sh --print-dir)"
 export TRAJ_MCP_DIR
+step "envoy: install (cached)"
+# worker/tests/real_model_admission.rs sheds load with it in front of a real model server.
+TRAJ_ENVOY="$(scripts/envoy/install.sh --print-path)"
+export TRAJ_ENVOY
 step "web tools: searx and python3-doc (apt-get, once)"
 scripts/web/install.sh
 

@@ -20,6 +20,9 @@
 #   MODEL_SERVER_THREADS        threads (default 2)
 #   MODEL_SERVER_OMP_WAIT_POLICY  OMP_WAIT_POLICY of the server (default passive; see below)
 #   MODEL_SERVER_MODEL_ALIAS    model id to serve under (default smollm2-135m-instruct-q4_1)
+#   MODEL_SERVER_CACHE_BYTES    keep the states of earlier prompts in a RAM cache of this size, and
+#                               start a prompt from the longest cached prefix (default: none; the
+#                               server then keeps only its last prompt, like one llama.cpp slot)
 #   and install.sh's (TRAJ_CACHE_DIR, TRAJ_BUILD_JOBS, ...).
 set -euo pipefail
 
@@ -49,6 +52,11 @@ THREADS="${MODEL_SERVER_THREADS:-2}"
 # 2 spinning threads made calls ~10x slower (1 s -> 10 s). passive makes them sleep instead.
 OMP_POLICY="${MODEL_SERVER_OMP_WAIT_POLICY:-passive}"
 if [[ -n "${PORT_REQ}" && ! "${PORT_REQ}" =~ ^[0-9]+$ ]]; then ms_die "MODEL_SERVER_PORT must be a number, got '${PORT_REQ}'"; fi
+CACHE_ARGS=()
+if [[ -n "${MODEL_SERVER_CACHE_BYTES:-}" ]]; then
+	[[ "${MODEL_SERVER_CACHE_BYTES}" =~ ^[0-9]+$ ]] || ms_die "MODEL_SERVER_CACHE_BYTES must be a number, got '${MODEL_SERVER_CACHE_BYTES}'"
+	CACHE_ARGS=(--cache True --cache_type ram --cache_size "${MODEL_SERVER_CACHE_BYTES}")
+fi
 
 VENV="$("${MODEL_SERVER_SCRIPTS_DIR}/install.sh" --print-venv)"
 MS_PY="${VENV}/bin/python"
@@ -70,6 +78,7 @@ if [[ -f "${MS_PID_FILE}" && -f "${MS_PORT_FILE}" && -f "${MS_ENV_FILE}" ]]; the
 	old_port="$(cat "${MS_PORT_FILE}")"
 	old_cmdline="$(tr '\0' ' ' 2>/dev/null <"/proc/${old_pid}/cmdline" || true)"
 	if ms_is_our_server "${old_pid}" && [[ "${old_cmdline}" == *" --model ${MODEL} "* ]] &&
+		if ((${#CACHE_ARGS[@]})); then [[ "${old_cmdline}" == *" ${CACHE_ARGS[*]} "* ]]; else [[ "${old_cmdline}" != *" --cache True "* ]]; fi &&
 		[[ -z "${PORT_REQ}" || "${PORT_REQ}" == "${old_port}" ]] &&
 		grep -qx "export MODEL_SERVER_HOST=${HOST}" "${MS_ENV_FILE}" &&
 		ms_server_healthy "${old_port}" "${CHECK_HOST}"; then
@@ -124,6 +133,7 @@ start_server() {
 		--interrupt_requests False \
 		--host "${HOST}" --port "$1" \
 		--n_ctx "${N_CTX}" --n_threads "${THREADS}" --n_threads_batch "${THREADS}" \
+		"${CACHE_ARGS[@]}" \
 		</dev/null >>"${MS_LOG_FILE}" 2>&1 8>&- &
 	SERVER_PID=$!
 	printf '%s\n' "${SERVER_PID}" >"${MS_PID_FILE}"

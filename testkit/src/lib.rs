@@ -5,7 +5,12 @@
 //!   fixed latency for benchmarks.
 //! - [`chromium`]: headless Chromium, as the tests and benchmarks that open the run report start it.
 //! - [`executor`]: the tool executor, built where the worker's tests look for it.
+//! - [`envoy`]: not a double: Envoy shedding what exceeds a real model server's capacity.
+//! - [`llama_servers`]: not a double: real llama.cpp servers, several at once, with what each
+//!   computed, for the tests and benchmarks of routing over several endpoints.
 
 pub mod chromium;
+pub mod envoy;
 pub mod executor;
+pub mod llama_servers;
 pub mod scripted_server;

@@ -420,3 +420,58 @@ async fn the_conversations_of_an_endpoint_that_fails_finish_on_the_others() {
         "no conversation chose the refusing endpoint first"
     );
 }
+
+/// A conversation alone on an endpoint that refuses every connection moves when its failures
+/// take the endpoint out, with attempts to spare: the failure that takes it out spends none.
+/// (Before, with `maxAttempts` 3, its third failure both took the endpoint out and used up the
+/// turn's last attempt, and the conversation failed instead of moving.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_alone_on_a_dead_endpoint_moves_before_its_attempts_run_out() {
+    let healthy = ScriptedServer::start_responding(four_turns).await;
+    let refusing = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}/v1", listener.local_addr().unwrap())
+    };
+    let base_urls = vec![refusing, healthy.base_url()];
+    // One conversation at a time, so each is alone wherever it goes.
+    let fixture = RunFixture::new(&base_urls[0], 12)
+        .with("/concurrency", json!(1))
+        .with("/workers", json!(1))
+        .with("/model", endpoints(&base_urls))
+        .with("/model/maxAttempts", json!(3));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect("the run finishes");
+    assert_eq!(
+        report.merge.failed,
+        0,
+        "{:?}",
+        fixture.lines("failures.jsonl")
+    );
+    assert_eq!(report.merge.trajectories, 12);
+    let requests_by_conversation = conversations_at(&healthy);
+    assert!(
+        requests_by_conversation
+            .values()
+            .all(|requests| *requests == 4),
+        "{requests_by_conversation:?}"
+    );
+    assert_eq!(
+        requests_by_conversation
+            .keys()
+            .cloned()
+            .collect::<BTreeSet<_>>(),
+        record_ids(&fixture)
+    );
+    let unloaded = Arc::new(Endpoints::new(
+        &base_urls,
+        trajectory_worker::spec::RoutingStrategy::ConversationHash,
+        1.25,
+    ));
+    assert!(
+        requests_by_conversation
+            .keys()
+            .any(|identity| Route::new(Arc::clone(&unloaded), identity).endpoint() == 0),
+        "no conversation chose the refusing endpoint first"
+    );
+}

@@ -7,8 +7,9 @@ use std::time::{Duration, Instant, SystemTime};
 use rand::Rng;
 use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue, RETRY_AFTER};
 use serde_json::{Map, Value};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
+use super::admission::{Admission, Ticket};
 use super::routing::{Endpoints, Route};
 use super::types::{Completion, Message, ParseFailure, parse_completion};
 use super::{Circuit, ErrorClass, ModelError, Verdict, classify_status, sse};
@@ -258,10 +259,34 @@ pub struct ModelClient {
     circuit: Option<Arc<Circuit>>,
     /// Told what every completion cost, when the run keeps a budget.
     spending: Option<Arc<Spending>>,
-    /// When an endpoint said to slow down (429, 529, 503 with `Retry-After`): every call of
-    /// this client and its clones (the process's conversations) to that endpoint waits it out,
-    /// not only the one told. One an endpoint, in the order of `endpoints`.
-    pauses: Arc<[Pause]>,
+    /// What this client and its clones (the process's conversations) may send to each
+    /// endpoint now, in the order of `endpoints`.
+    traffic: Arc<[Traffic]>,
+}
+
+/// How the process's requests to one endpoint are held back.
+#[derive(Debug, Default)]
+struct Traffic {
+    /// When the endpoint said to slow down (429, 529, 503 with `Retry-After`): every call to it
+    /// waits it out, not only the one told.
+    pause: Pause,
+    /// How many may be in flight to it at once, learnt from its answers.
+    admission: Admission,
+}
+
+impl Traffic {
+    /// Waits out any pause, then for room; returns the place and how long pauses held it.
+    async fn admit(&self) -> (Ticket<'_>, Duration) {
+        let mut paused = Duration::ZERO;
+        loop {
+            paused += self.pause.wait().await;
+            let ticket = self.admission.admit().await;
+            // A pause that began while it waited for room holds it too.
+            if !self.pause.holds() {
+                return (ticket, paused);
+            }
+        }
+    }
 }
 
 /// A pause every call of a client waits out before its next attempt.
@@ -280,6 +305,13 @@ impl Pause {
         if held.is_none_or(|current| current < until) {
             *held = Some(until);
         }
+    }
+
+    fn holds(&self) -> bool {
+        self.until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some_and(|until| until > tokio::time::Instant::now())
     }
 
     /// Waits until no pause holds; returns how long it waited.
@@ -331,6 +363,9 @@ pub(super) struct AttemptError {
     verdict: Verdict,
     status: u16,
     message: String,
+    /// A proxy in front of the server shed the request for want of room (Envoy's
+    /// `x-envoy-overloaded` on its 503): the server is busy, not broken.
+    shed: bool,
 }
 
 impl ModelClient {
@@ -370,10 +405,10 @@ impl ModelClient {
         ));
         Ok(Self {
             http,
-            pauses: settings
+            traffic: settings
                 .base_urls
                 .iter()
-                .map(|_| Pause::default())
+                .map(|_| Traffic::default())
                 .collect(),
             endpoints,
             route: None,
@@ -399,6 +434,12 @@ impl ModelClient {
     /// The model's endpoints, with the conversations each holds now.
     pub fn endpoints(&self) -> &Endpoints {
         &self.endpoints
+    }
+
+    /// How many requests of this client and its clones endpoint `index` takes at once now,
+    /// and how many are in flight to it.
+    pub fn admission(&self, index: usize) -> super::admission::Snapshot {
+        self.traffic[index].admission.snapshot()
     }
 
     /// The same client (one connection pool), telling `circuit` of every attempt.
@@ -478,11 +519,13 @@ impl ModelClient {
 
     /// One chat completion, with retries. `turn` numbers synthetic tool-call ids.
     ///
-    /// A server that says to slow down (429, 529, or 503 with `Retry-After`) pauses every call of
-    /// the process until its `Retry-After` (or a backoff) has passed, and the turn is asked again
-    /// without spending one of its attempts: being throttled is not failing, and a burst of it
-    /// neither burns a turn's attempts nor opens the batch's circuit. Only the total wait is
-    /// bounded (`max_total_wait`), past which the outage path takes over.
+    /// A server that says to slow down (429, 529, a 503 with `Retry-After` or shed by a proxy)
+    /// lowers how many requests of the process it takes at once ([`Admission`]); its
+    /// `Retry-After` pauses every call of the process to it until it has passed (without one,
+    /// the call told backs off alone), and the turn is asked again without spending one of its
+    /// attempts: being throttled is not failing, and a burst of it neither burns a turn's
+    /// attempts nor opens the batch's circuit. Only the total wait is bounded
+    /// (`max_total_wait`), past which the outage path takes over.
     pub async fn complete(&self, body: &Value, turn: usize) -> Result<Completion, ModelError> {
         let policy = &self.settings.retry;
         let mut waited = Duration::ZERO;
@@ -493,9 +536,11 @@ impl ModelClient {
                 .route
                 .as_ref()
                 .map_or_else(|| self.endpoints.first_in(), |route| route.endpoint());
-            waited += self.pauses[endpoint].wait().await;
+            let (ticket, paused) = self.traffic[endpoint].admit().await;
+            waited += paused;
             let error = match self.attempt(endpoint, body, turn).await {
                 Ok(completion) => {
+                    ticket.answered();
                     self.endpoints.succeeded(endpoint);
                     self.tell_circuit(true);
                     if let (Some(spending), Some(cost)) =
@@ -507,24 +552,13 @@ impl ModelClient {
                 }
                 Err(error) => error,
             };
+            let (slow_down, moves) = self.note_failure(endpoint, ticket, &error);
             let AttemptError {
                 verdict,
                 status,
                 message,
+                ..
             } = error;
-            let slow_down = is_slow_down(&verdict, status);
-            // A refusal is an answer, and so is being told to slow down: the server is up.
-            let answered = slow_down || !matches!(verdict, Verdict::Retry { .. });
-            self.tell_circuit(answered);
-            if answered {
-                self.endpoints.succeeded(endpoint);
-            } else if (status == 0 || status >= 500) && self.endpoints.failed(endpoint) {
-                warn!(
-                    endpoint = %self.endpoints.get(endpoint).base_url,
-                    "the model endpoint keeps failing; it is taken out for a while and its \
-                     conversations move to the others"
-                );
-            }
             let message = self.redact(message);
             let (class, retry_after) = match verdict {
                 Verdict::Permanent(class) => {
@@ -543,6 +577,9 @@ impl ModelClient {
                 }
                 Verdict::Retry { class, retry_after } => (class, retry_after),
             };
+            if moves {
+                continue;
+            }
             if slow_down {
                 throttled += 1;
             } else {
@@ -559,15 +596,66 @@ impl ModelClient {
                     message,
                 });
             }
-            if slow_down {
+            if slow_down && retry_after.is_some() {
                 warn!(throttled, %class, status, delay_ms = delay.as_millis(), "the model server says to slow down; every call to it waits");
-                self.pauses[endpoint].hold_until(tokio::time::Instant::now() + delay);
+                self.traffic[endpoint]
+                    .pause
+                    .hold_until(tokio::time::Instant::now() + delay);
+            } else if slow_down {
+                // Without a time to wait, the cut in requests at once slows the others; this one
+                // backs off alone.
+                debug!(throttled, %class, status, delay_ms = delay.as_millis(), "the model server says to slow down; this call backs off");
+                tokio::time::sleep(delay).await;
+                waited += delay;
             } else {
                 warn!(attempt, %class, status, delay_ms = delay.as_millis(), "model call failed; retrying");
                 tokio::time::sleep(delay).await;
                 waited += delay;
             }
         }
+    }
+
+    /// Tells the endpoint's admission and health, and the batch's circuit, what a failed attempt
+    /// says. Returns whether it said to slow down, and whether the turn moves to another endpoint
+    /// at once (this failure took its endpoint out, and another is in).
+    fn note_failure(
+        &self,
+        endpoint: usize,
+        ticket: Ticket<'_>,
+        error: &AttemptError,
+    ) -> (bool, bool) {
+        let slow_down = is_slow_down(&error.verdict, error.status, error.shed);
+        // A refusal is an answer, and so is being told to slow down: the server is up.
+        let answered = slow_down || !matches!(error.verdict, Verdict::Retry { .. });
+        if slow_down {
+            if ticket.slowed_down() {
+                let limit = self.traffic[endpoint].admission.snapshot().limit;
+                info!(
+                    endpoint = %self.endpoints.get(endpoint).base_url,
+                    limit = limit.map(f64::floor),
+                    "the model endpoint said to slow down; fewer requests to it at once"
+                );
+            }
+        } else if answered {
+            ticket.answered();
+        }
+        drop(ticket);
+        self.tell_circuit(answered);
+        // The failure that takes an endpoint out moves the turn to another at once, without
+        // spending an attempt: a conversation alone on a dead server would otherwise spend its
+        // attempts there before it could move.
+        let mut moves = false;
+        if answered {
+            self.endpoints.succeeded(endpoint);
+        } else if (error.status == 0 || error.status >= 500) && self.endpoints.failed(endpoint) {
+            moves = self.endpoints.any_in();
+            warn!(
+                endpoint = %self.endpoints.get(endpoint).base_url,
+                "the model endpoint keeps failing; it is taken out for a while and its \
+                 conversations move to the others"
+            );
+        }
+        (slow_down, moves)
     }
 
     fn tell_circuit(&self, answered: bool) {
@@ -617,11 +705,13 @@ impl ModelClient {
                 .get(RETRY_AFTER)
                 .and_then(|value| value.to_str().ok())
                 .and_then(parse_retry_after);
+            let shed = response.headers().contains_key(ENVOY_OVERLOADED);
             let text = response.text().await.unwrap_or_default();
             return Err(AttemptError {
                 verdict: classify_status(status.as_u16(), &text, retry_after),
                 status: status.as_u16(),
                 message: truncate(&self.redact(text), 500),
+                shed,
             });
         }
         let parsed = if self.settings.stream {
@@ -638,14 +728,18 @@ impl ModelClient {
     }
 }
 
+/// The header Envoy sets on the 503 it answers when a circuit breaker sheds a request.
+const ENVOY_OVERLOADED: &str = "x-envoy-overloaded";
+
 /// Whether an answer says to slow down rather than that the call failed: 429 (rate limited; an
-/// exhausted quota is permanent, not this), 529 (overloaded), or 503 with a `Retry-After`.
-fn is_slow_down(verdict: &Verdict, status: u16) -> bool {
+/// exhausted quota is permanent, not this), 529 (overloaded), or 503 with a `Retry-After` or
+/// from a proxy that shed it (`shed`).
+fn is_slow_down(verdict: &Verdict, status: u16, shed: bool) -> bool {
     match verdict {
         Verdict::Retry { class, retry_after } => {
             *class == ErrorClass::RateLimited
                 || status == 529
-                || (status == 503 && retry_after.is_some())
+                || (status == 503 && (retry_after.is_some() || shed))
         }
         Verdict::Reject(_) | Verdict::Permanent(_) => false,
     }
@@ -666,6 +760,7 @@ pub(super) fn transport_error(error: reqwest::Error) -> AttemptError {
         },
         status: 0,
         message: error_chain(&error),
+        shed: false,
     }
 }
 
@@ -696,6 +791,7 @@ pub(super) fn parse_failure(failure: ParseFailure, status: u16) -> AttemptError 
         },
         status,
         message,
+        shed: false,
     }
 }
 

@@ -3,8 +3,10 @@
 //! One pooled [`ModelClient`] per process. Each [`ModelClient::complete`] call retries what a retry
 //! can fix (408, 429, 5xx, 529, timeouts, connection errors, empty or malformed replies) with
 //! jittered exponential backoff that honours `Retry-After`, within a bounded number of attempts and
-//! a bounded total wait; an answer that says to slow down (429, 529, 503 with `Retry-After`)
-//! pauses every call of the client and its clones instead, and spends no attempt. What a retry
+//! a bounded total wait; an answer that says to slow down (429, 529, 503 with `Retry-After` or
+//! shed by a proxy) spends no attempt, lowers how many requests the client and its clones send
+//! that endpoint at once (additive increase, multiplicative decrease: `admission`), and with a
+//! `Retry-After` pauses every call of theirs to it. What a retry
 //! cannot fix is classified: prompt-level failures (400, 422,
 //! context length) fail the prompt; configuration failures (401, 403, 402, exhausted quota, 404
 //! on the model path, an unknown model name) stop the batch, because every other prompt would
@@ -13,6 +15,7 @@
 //! conversations sees every attempt (a "slow down" counts as an answer), so that a batch stops
 //! starting conversations while the server keeps failing. The table of what becomes what is in `docs/troubleshooting.md`.
 
+pub mod admission;
 mod circuit;
 mod client;
 pub mod routing;

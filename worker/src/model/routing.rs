@@ -137,6 +137,14 @@ impl Endpoints {
             .unwrap_or(0)
     }
 
+    /// Whether some endpoint is in now.
+    pub fn any_in(&self) -> bool {
+        let now = Instant::now();
+        self.servers
+            .iter()
+            .any(|endpoint| endpoint.out_until(now).is_none())
+    }
+
     /// The endpoint for a conversation of identity hash `key` that holds none: the first, in
     /// the key's rendezvous order, that is in and under the load bound; when every endpoint is
     /// out, the one that comes back first (a request is never refused for want of a server:

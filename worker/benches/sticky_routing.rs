@@ -1,0 +1,236 @@
+//! Sticky routing against round robin on real servers (issue 25): `trajectory-worker local` (the
+//! release binary, as users run it) over three llama.cpp servers, one thread and a prefix cache
+//! each (`trajectory_testkit::llama_servers`), started afresh for every run.
+//!
+//! ```text
+//! cargo bench -p trajectory-worker --bench sticky_routing
+//! ```
+//!
+//! The model is made to call the terminal on every turn (`tool_choice`), so each conversation is
+//! `STICKY_BENCH_TURNS` terminal calls and a last answer long under either strategy; the runs
+//! differ only in where each request goes. For each case (without a system prompt, and with a
+//! long one shared by every conversation) and each strategy it reports the prompt tokens the
+//! servers computed (their own count: what they could not take from their caches), the prompt
+//! tokens the requests carried (the records' usage), the run's wall time and trajectories per
+//! second; then round robin ÷ sticky for both.
+//!
+//! Knobs (environment): `STICKY_BENCH_PROMPTS` (12), `STICKY_BENCH_TURNS` (6),
+//! `STICKY_BENCH_CONCURRENCY` (4), `STICKY_BENCH_CASES` (`plain,system`),
+//! `STICKY_BENCH_EXECUTOR` (the executor binary; default: `scripts/executor/build.sh`'s).
+
+// Its knobs' helpers only, not its scripted server.
+#[allow(dead_code)]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, ensure};
+use serde_json::{Value, json};
+use trajectory_testkit::llama_servers::{LlamaServer, TERMINAL_TASKS};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
+const STRATEGIES: [&str; 2] = ["ConversationHash", "RoundRobin"];
+
+/// The long system prompt of the `system` case: an agent's instructions, some 250 tokens.
+const SYSTEM_PROMPT: &str = "You are a careful command-line assistant working in a fresh \
+    Linux workspace. You solve the user's task by running shell commands with the terminal \
+    tool, one command per call, and you read each command's output before you decide on the \
+    next one. Prefer small, safe, reversible steps: inspect before you change anything, never \
+    delete files you did not create, and never run commands that need the network or elevated \
+    privileges. When a command fails, read its error message, think about the cause, and try a \
+    corrected command instead of repeating the same one. Keep the working directory and any \
+    files you create inside the workspace. When you create a file, show its contents afterwards \
+    so that the result can be checked. When you count or measure something, print the number \
+    together with a short label. Use standard tools that every Linux system has. Do not install \
+    packages, do not start servers, and do not leave background jobs running. Answer in plain \
+    English, briefly, once the task is done, and say what you ran and what it printed.";
+
+struct Outcome {
+    computed: u64,
+    sent: u64,
+    seconds: f64,
+    trajectories: usize,
+}
+
+fn main() -> anyhow::Result<()> {
+    let prompts = usize::try_from(common::env_number("STICKY_BENCH_PROMPTS", 12)?)?;
+    let turns = common::env_number("STICKY_BENCH_TURNS", 6)?;
+    let concurrency = common::env_number("STICKY_BENCH_CONCURRENCY", 4)?;
+    let cases = std::env::var("STICKY_BENCH_CASES").unwrap_or_else(|_| "plain,system".into());
+    let executor = executor()?;
+    println!(
+        "# sticky_routing: {prompts} conversations, {turns} terminal calls and a last answer \
+         each, {concurrency} at a time, 3 llama.cpp servers (1 thread, 1 GiB prefix cache \
+         each); load average at start {}",
+        common::load_average()
+    );
+    for case in cases.split(',').map(str::trim) {
+        ensure!(
+            matches!(case, "plain" | "system"),
+            "unknown case {case:?} (plain, system)"
+        );
+        let mut outcomes = Vec::new();
+        for strategy in STRATEGIES {
+            let outcome = run(
+                case == "system",
+                strategy,
+                prompts,
+                turns,
+                concurrency,
+                &executor,
+            )?;
+            println!(
+                "{case:>6} {strategy:<16} computed {:>6} prompt tokens of {:>6} sent \
+                 ({:.0} %), {:>5.1} s, {:.3} trajectories/s ({} records)",
+                outcome.computed,
+                outcome.sent,
+                percent(outcome.computed, outcome.sent),
+                outcome.seconds,
+                rate(outcome.trajectories, outcome.seconds),
+                outcome.trajectories,
+            );
+            outcomes.push(outcome);
+        }
+        let (sticky, round_robin) = (&outcomes[0], &outcomes[1]);
+        println!(
+            "{case:>6} round robin / sticky: {:.2}x the prompt tokens computed, {:.2}x the time",
+            ratio(round_robin.computed, sticky.computed),
+            round_robin.seconds / sticky.seconds,
+        );
+    }
+    Ok(())
+}
+
+fn run(
+    system: bool,
+    strategy: &str,
+    prompts: usize,
+    turns: u64,
+    concurrency: u64,
+    executor: &Path,
+) -> anyhow::Result<Outcome> {
+    let dir = tempfile::tempdir()?;
+    let servers: Vec<LlamaServer> = (0..3)
+        .map(|index| {
+            LlamaServer::start(
+                &dir.path().join(format!("server-{index}")),
+                1,
+                Some(1 << 30),
+            )
+        })
+        .collect();
+    let marks: Vec<_> = servers.iter().map(LlamaServer::mark).collect();
+    std::fs::create_dir_all(dir.path().join("datasets"))?;
+    let mut dataset = String::new();
+    for index in 0..prompts {
+        dataset.push_str(
+            &json!({"prompt": TERMINAL_TASKS[index % TERMINAL_TASKS.len()], "n": index})
+                .to_string(),
+        );
+        dataset.push('\n');
+    }
+    std::fs::write(dir.path().join("datasets/prompts.jsonl"), dataset)?;
+    let endpoints: Vec<Value> = servers
+        .iter()
+        .map(|server| json!({"baseUrl": server.base_url}))
+        .collect();
+    let mut agent = json!({"maxTurns": turns, "promptTimeoutSeconds": 1800});
+    if system {
+        agent["ephemeralSystemPrompt"] = json!(SYSTEM_PROMPT);
+    }
+    let file = json!({
+        "apiVersion": "trajectories.dev/v1alpha1",
+        "kind": "TrajectoryRun",
+        "metadata": {"name": "sticky-bench"},
+        "spec": {
+            "dataset": {"path": "datasets/prompts.jsonl"},
+            "batchSize": prompts,
+            "workers": 1,
+            "concurrency": concurrency,
+            "distribution": "terminal_only",
+            "model": {
+                "endpoints": endpoints, "routing": {"strategy": strategy},
+                "name": servers[0].model, "maxTokens": 48, "temperature": 0.0,
+                "requestTimeoutSeconds": 600, "maxAttempts": 3,
+                "extraBody": {"tool_choice": {"type": "function", "function": {"name": "terminal"}}},
+            },
+            "agent": agent,
+            "tools": {"terminal": {"timeoutSeconds": 10}},
+            "storage": {"outputPath": "out"},
+        },
+    });
+    // JSON is YAML.
+    std::fs::write(
+        dir.path().join("run.yaml"),
+        serde_json::to_vec_pretty(&file)?,
+    )?;
+    let started = Instant::now();
+    let status = Command::new(WORKER)
+        .arg("local")
+        .arg(dir.path().join("run.yaml"))
+        .arg("--workspace-root")
+        .arg(dir.path().join("workspaces"))
+        .arg("--executor")
+        .arg(executor)
+        .arg("--no-progress-bar")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("worker.log"))?)
+        .status()
+        .context("cannot start trajectory-worker local")?;
+    let seconds = started.elapsed().as_secs_f64();
+    ensure!(
+        status.success(),
+        "trajectory-worker local failed ({status}); see its log"
+    );
+    let records = std::fs::read_to_string(dir.path().join("out/trajectories.jsonl"))?;
+    let mut sent = 0;
+    let mut trajectories = 0;
+    for line in records.lines() {
+        let record: Value = serde_json::from_str(line)?;
+        sent += record["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+        trajectories += 1;
+    }
+    let computed = servers
+        .iter()
+        .zip(&marks)
+        .map(|(server, mark)| server.prompt_tokens_computed(*mark))
+        .sum();
+    Ok(Outcome {
+        computed,
+        sent,
+        seconds,
+        trajectories,
+    })
+}
+
+/// The executor users run (`scripts/executor/build.sh`'s static build), or
+/// `STICKY_BENCH_EXECUTOR`.
+fn executor() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("STICKY_BENCH_EXECUTOR") {
+        return Ok(PathBuf::from(path));
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/executor/build.sh");
+    let built = Command::new(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("cannot run {}", script.display()))?;
+    ensure!(built.status.success(), "{} failed", script.display());
+    Ok(PathBuf::from(String::from_utf8(built.stdout)?.trim()))
+}
+
+#[allow(clippy::cast_precision_loss)] // token counts, far below 2^52
+fn ratio(numerator: u64, denominator: u64) -> f64 {
+    numerator as f64 / denominator.max(1) as f64
+}
+
+fn percent(part: u64, whole: u64) -> f64 {
+    100.0 * ratio(part, whole)
+}
+
+#[allow(clippy::cast_precision_loss)] // a few records
+fn rate(records: usize, seconds: f64) -> f64 {
+    records as f64 / seconds
+}
