@@ -52,6 +52,9 @@ pub enum Step {
     /// Answers with this status, an OpenAI-style error body and `Retry-After` as an HTTP-date this
     /// far in the future (HTTP-dates have whole seconds, so the real wait is up to 1 s shorter).
     RetryAfterDate(u16, Duration),
+    /// Answers 429 with an OpenAI-style error body and these headers, no `Retry-After` (a
+    /// provider's rate-limit headers, such as `x-ratelimit-reset-requests`).
+    RateLimited(Vec<(&'static str, String)>),
     /// Answers with this status and these bytes verbatim (truncated or malformed JSON).
     Raw(u16, Vec<u8>),
     /// Answers 200 with these chunks as server-sent events, then `data: [DONE]`.
@@ -444,6 +447,21 @@ async fn perform(mut step: Step) -> Response {
                     Some(after),
                     rate_limit_body(),
                 );
+            }
+            Step::RateLimited(headers) => {
+                let mut response = respond(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "application/json",
+                    None,
+                    rate_limit_body(),
+                );
+                for (name, value) in headers {
+                    response.headers_mut().insert(
+                        name,
+                        HeaderValue::from_str(&value).expect("scripts use valid header values"),
+                    );
+                }
+                return response;
             }
             Step::RetryAfterDate(status, after) => {
                 let date = httpdate::fmt_http_date(SystemTime::now() + after);

@@ -18,8 +18,15 @@
 //! started at once (`lockstep`: against a fixed latency they then stay in step, so C requests
 //! arrive together and C replies return together — a worst case for a machine with few cores).
 //!
+//! Each also runs with each kind of model traffic (issue 25): `plain`, one endpoint and the
+//! client as it is, and `routed`, three endpoints (three server processes) with each
+//! conversation routed by its identity (`ModelClient::for_conversation`, as a batch does it) and
+//! every completion priced (`spec.model.pricing`). What `routed` costs more per request is what
+//! routing and pricing add; adaptive concurrency (a lock and a wake-up a request) is in both.
+//!
 //! Knobs (environment): `ENGINE_BENCH_LATENCY_MS` (100), `ENGINE_BENCH_CONCURRENCY`
-//! ("16,256,1000"), `ENGINE_BENCH_ROUNDS` (4), `ENGINE_BENCH_START` ("staggered,lockstep").
+//! ("16,256,1000"), `ENGINE_BENCH_ROUNDS` (4), `ENGINE_BENCH_START` ("staggered,lockstep"),
+//! `ENGINE_BENCH_TRAFFIC` ("plain,routed").
 
 mod common;
 
@@ -35,6 +42,8 @@ use tokio::sync::Semaphore;
 use trajectory_testkit::scripted_server::{MODEL, tool_call_reply};
 use trajectory_worker::agent::{AgentConfig, run_conversation};
 use trajectory_worker::model::{ModelClient, ModelSettings, RetryPolicy};
+use trajectory_worker::pricing::Prices;
+use trajectory_worker::spec::PricingSpec;
 use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
 use trajectory_worker::tools::{
     Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace,
@@ -96,9 +105,26 @@ impl Cpu {
     }
 }
 
+/// How the conversations' requests reach the servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Traffic {
+    Plain,
+    Routed,
+}
+
+impl Traffic {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Plain => "plain",
+            Self::Routed => "routed",
+        }
+    }
+}
+
 /// One measured configuration.
 #[derive(Debug)]
 struct Row {
+    traffic: Traffic,
     start: Start,
     concurrency: usize,
     conversations: usize,
@@ -122,6 +148,7 @@ struct Window {
 /// Everything one conversation needs, shared by all of them.
 #[derive(Debug)]
 struct Engine {
+    traffic: Traffic,
     client: ModelClient,
     tools: Vec<Arc<dyn Tool>>,
     ctx: ToolContext,
@@ -152,34 +179,59 @@ fn main() -> anyhow::Result<()> {
             other => bail!("ENGINE_BENCH_START lists `staggered` and `lockstep`, not {other:?}"),
         })
         .collect::<Result<_, _>>()?;
+    let traffics: Vec<Traffic> = std::env::var("ENGINE_BENCH_TRAFFIC")
+        .unwrap_or_else(|_| "plain,routed".into())
+        .split(',')
+        .map(|traffic| match traffic.trim() {
+            "plain" => Ok(Traffic::Plain),
+            "routed" => Ok(Traffic::Routed),
+            other => bail!("ENGINE_BENCH_TRAFFIC lists `plain` and `routed`, not {other:?}"),
+        })
+        .collect::<Result<_, _>>()?;
     // A thousand connections need more descriptors than the usual soft limit of 1024; the server
     // process inherits the raised limit.
     let most = concurrencies.iter().copied().max().unwrap_or(0);
     common::raise_open_files_limit(u64::try_from(most)? + 100)?;
 
-    let (mut server, base_url) = common::start_server_process(&[(SERVER_ENV, "1")])?;
+    let servers_needed = if traffics.contains(&Traffic::Routed) {
+        3
+    } else {
+        1
+    };
+    let mut servers = Vec::new();
+    let mut base_urls = Vec::new();
+    for _ in 0..servers_needed {
+        let (server, base_url) = common::start_server_process(&[(SERVER_ENV, "1")])?;
+        servers.push(server);
+        base_urls.push(base_url);
+    }
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let rows = runtime.block_on(async {
         let mut rows = Vec::new();
-        for &start in &starts {
-            for &concurrency in &concurrencies {
-                // Whole rounds of C, so that in lockstep the window ends with a round.
-                let conversations =
-                    (rounds * concurrency).max(200).div_ceil(concurrency) * concurrency;
-                let engine = Arc::new(engine(&base_url)?);
-                rows.push(measure(engine, latency, start, concurrency, conversations).await?);
+        for &traffic in &traffics {
+            for &start in &starts {
+                for &concurrency in &concurrencies {
+                    // Whole rounds of C, so that in lockstep the window ends with a round.
+                    let conversations =
+                        (rounds * concurrency).max(200).div_ceil(concurrency) * concurrency;
+                    let engine = Arc::new(engine(&base_urls, traffic)?);
+                    let measured = (traffic, start, concurrency, conversations);
+                    rows.push(measure(engine, latency, measured).await?);
+                }
             }
         }
         anyhow::Ok(rows)
     })?;
     drop(runtime);
 
-    // Closing its stdin tells the server process to exit.
-    drop(server.stdin.take());
-    server.wait()?;
+    // Closing its stdin tells a server process to exit.
+    for mut server in servers {
+        drop(server.stdin.take());
+        server.wait()?;
+    }
     let server_cpu = cpu_time(UsageWho::RUSAGE_CHILDREN)?;
 
     report(&rows, latency, server_cpu);
@@ -187,9 +239,21 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// A fresh client (and connection pool) per measurement, as a batch process has.
-fn engine(base_url: &str) -> anyhow::Result<Engine> {
+fn engine(base_urls: &[String], traffic: Traffic) -> anyhow::Result<Engine> {
+    let (base_urls, prices) = match traffic {
+        Traffic::Plain => (base_urls[..1].to_vec(), None),
+        Traffic::Routed => (
+            base_urls.to_vec(),
+            Some(Prices::from_spec(&PricingSpec {
+                input: Some(2.5),
+                cached_input: Some(1.25),
+                output: Some(10.0),
+                ..PricingSpec::default()
+            })?),
+        ),
+    };
     let settings = ModelSettings {
-        base_urls: vec![base_url.to_owned()],
+        base_urls,
         routing: trajectory_worker::model::RoutingSettings::default(),
         model: MODEL.to_owned(),
         api_key: None,
@@ -200,7 +264,7 @@ fn engine(base_url: &str) -> anyhow::Result<Engine> {
         request_timeout: Duration::from_secs(60),
         stream: false,
         retry: RetryPolicy::default(),
-        prices: None,
+        prices,
     };
     let spec = ToolSpec {
         name: TOOL.into(),
@@ -208,6 +272,7 @@ fn engine(base_url: &str) -> anyhow::Result<Engine> {
         parameters: json!({"type": "object", "properties": {}}),
     };
     Ok(Engine {
+        traffic,
         client: ModelClient::new(settings)?,
         tools: vec![Arc::new(Noop(spec))],
         // The no-op tool never touches its workspace.
@@ -229,9 +294,7 @@ fn engine(base_url: &str) -> anyhow::Result<Engine> {
 async fn measure(
     engine: Arc<Engine>,
     latency: Duration,
-    start: Start,
-    concurrency: usize,
-    conversations: usize,
+    (traffic, start, concurrency, conversations): (Traffic, Start, usize, usize),
 ) -> anyhow::Result<Row> {
     let warm_up = 2 * concurrency;
     let last = warm_up + conversations;
@@ -254,14 +317,13 @@ async fn measure(
         let (engine, window) = (Arc::clone(&engine), Arc::clone(&window));
         tokio::spawn(async move {
             let prompt = format!("Benchmark prompt {index}: call the tool, then answer.");
-            let result = run_conversation(
-                &engine.client,
-                &engine.tools,
-                &engine.ctx,
-                &prompt,
-                &engine.config,
-            )
-            .await;
+            let client = match engine.traffic {
+                Traffic::Plain => engine.client.clone(),
+                Traffic::Routed => engine.client.for_conversation(&format!("bench-{index}-0")),
+            };
+            let result =
+                run_conversation(&client, &engine.tools, &engine.ctx, &prompt, &engine.config)
+                    .await;
             match result {
                 Ok(conversation) if conversation.completed && conversation.api_calls == 2 => {
                     let done = window.completed.fetch_add(1, Ordering::SeqCst) + 1;
@@ -293,6 +355,7 @@ async fn measure(
     let (opened, cpu_opened) = *window.opened.get().context("the window never opened")?;
     let (closed, cpu_closed) = *window.closed.get().context("the window never closed")?;
     Ok(Row {
+        traffic,
         start,
         concurrency,
         conversations,
@@ -314,15 +377,16 @@ fn report(rows: &[Row], latency: Duration, server_cpu: Cpu) {
     );
     println!();
     println!(
-        "| start | C | conversations | elapsed s | throughput conv/s | ideal C/(2×latency) | ratio \
-         | client CPU s / trajectory (user + sys) | mean call as seen by the client ms |"
+        "| traffic | start | C | conversations | elapsed s | throughput conv/s | ideal C/(2×latency) \
+         | ratio | client CPU s / trajectory (user + sys) | mean call as seen by the client ms |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for row in rows {
         let throughput = row.conversations as f64 / row.elapsed.as_secs_f64();
         let per = |time: Duration| time.as_secs_f64() / row.conversations as f64;
         println!(
-            "| {} | {} | {} | {:.3} | {:.1} | {:.1} | {:.3} | {:.6} ({:.6} + {:.6}) | {:.1} |",
+            "| {} | {} | {} | {} | {:.3} | {:.1} | {:.1} | {:.3} | {:.6} ({:.6} + {:.6}) | {:.1} |",
+            row.traffic.as_str(),
             row.start.as_str(),
             row.concurrency,
             row.conversations,
@@ -338,6 +402,25 @@ fn report(rows: &[Row], latency: Duration, server_cpu: Cpu) {
     }
     println!();
     println!("targets: ratio >= 0.95; client CPU <= 0.007 s per trajectory");
+    // What routing and pricing add: routed against plain at the same start and C.
+    for routed in rows.iter().filter(|row| row.traffic == Traffic::Routed) {
+        let plain = rows.iter().find(|row| {
+            row.traffic == Traffic::Plain
+                && row.start == routed.start
+                && row.concurrency == routed.concurrency
+        });
+        if let Some(plain) = plain {
+            // Two requests a conversation.
+            let per_request =
+                |row: &Row| row.cpu.total().as_secs_f64() / (2.0 * row.conversations as f64);
+            println!(
+                "routed - plain, {} C={}: {:+.4} ms client CPU per request (target <= 0.05 ms)",
+                routed.start.as_str(),
+                routed.concurrency,
+                (per_request(routed) - per_request(plain)) * 1000.0,
+            );
+        }
+    }
     println!(
         "server process CPU over the whole run (warm-ups included): {:.2} s user + {:.2} s sys",
         server_cpu.user.as_secs_f64(),

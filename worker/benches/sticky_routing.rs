@@ -125,10 +125,11 @@ fn run(
     std::fs::create_dir_all(dir.path().join("datasets"))?;
     let mut dataset = String::new();
     for index in 0..prompts {
-        dataset.push_str(
-            &json!({"prompt": TERMINAL_TASKS[index % TERMINAL_TASKS.len()], "n": index})
-                .to_string(),
-        );
+        // Each prompt its own: two conversations with the same prompt would share their cached
+        // prefixes, whichever server they went to.
+        let task = TERMINAL_TASKS[index % TERMINAL_TASKS.len()];
+        let prompt = format!("{task} (This is task number {index}.)");
+        dataset.push_str(&json!({ "prompt": prompt }).to_string());
         dataset.push('\n');
     }
     std::fs::write(dir.path().join("datasets/prompts.jsonl"), dataset)?;

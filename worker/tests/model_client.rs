@@ -77,13 +77,46 @@ async fn rate_limit_with_retry_after_as_http_date_is_waited_out() {
 /// spending an attempt: with one attempt a call, both calls still succeed.
 #[tokio::test]
 async fn a_retry_after_pauses_every_call_of_the_process_and_spends_no_attempt() {
+    assert_the_first_answer_pauses_every_call(
+        || Step::RetryAfterSeconds(429, 1),
+        Duration::from_millis(950),
+    )
+    .await;
+}
+
+/// A 429 without `Retry-After` whose rate-limit headers say when the exhausted limit resets (the
+/// named test double: `OpenAI`'s `x-ratelimit-*` headers) pauses every call until then, and
+/// spends no attempt.
+#[tokio::test]
+async fn a_rate_limits_reset_header_pauses_every_call_like_a_retry_after() {
+    assert_the_first_answer_pauses_every_call(
+        || {
+            Step::RateLimited(vec![
+                ("x-ratelimit-remaining-requests", "0".into()),
+                ("x-ratelimit-reset-requests", "1.2s".into()),
+                ("x-ratelimit-remaining-tokens", "80000".into()),
+                ("x-ratelimit-reset-tokens", "10ms".into()),
+            ])
+        },
+        Duration::from_millis(1150),
+    )
+    .await;
+}
+
+/// The server answers the first request with `slow_down`, then "hello": a call told to slow
+/// down and another that starts during the pause both succeed with one attempt each, and neither
+/// reaches the server again until `pause` has passed.
+async fn assert_the_first_answer_pauses_every_call(
+    slow_down: impl Fn() -> Step + Send + Sync + 'static,
+    pause: Duration,
+) {
     let arrivals: Arc<Mutex<Vec<Instant>>> = Arc::default();
     let seen = Arc::clone(&arrivals);
     let server = ScriptedServer::start_responding(move |_| {
         let mut seen = seen.lock().unwrap();
         seen.push(Instant::now());
         if seen.len() == 1 {
-            Step::RetryAfterSeconds(429, 1)
+            slow_down()
         } else {
             Step::ok(text_reply("hello"))
         }
@@ -97,7 +130,7 @@ async fn a_retry_after_pauses_every_call_of_the_process_and_spends_no_attempt() 
     while arrivals.lock().unwrap().is_empty() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    // The 429 is answered by now; a call that starts during the pause waits it out too.
+    // The slow-down is answered by now; a call that starts during the pause waits it out too.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let second = call(&other)
         .await
@@ -114,12 +147,12 @@ async fn a_retry_after_pauses_every_call_of_the_process_and_spends_no_attempt() 
         ("hello", "hello")
     );
     let arrivals = arrivals.lock().unwrap().clone();
-    assert_eq!(arrivals.len(), 3, "one 429, then each call once");
+    assert_eq!(arrivals.len(), 3, "one slow-down, then each call once");
     for later in &arrivals[1..] {
         let after = *later - arrivals[0];
         assert!(
-            after >= Duration::from_millis(950),
-            "a call reached the server {after:?} after the 429, inside its 1 s pause"
+            after >= pause,
+            "a call reached the server {after:?} after the slow-down, inside its pause of {pause:?}"
         );
     }
 }

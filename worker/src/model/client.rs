@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 use tracing::{debug, info, warn};
 
 use super::admission::{Admission, Ticket};
+use super::reset_headers::wait_for_reset;
 use super::routing::{Endpoints, Route};
 use super::types::{Completion, Message, ParseFailure, parse_completion};
 use super::{Circuit, ErrorClass, ModelError, Verdict, classify_status, sse};
@@ -704,7 +705,13 @@ impl ModelClient {
                 .headers()
                 .get(RETRY_AFTER)
                 .and_then(|value| value.to_str().ok())
-                .and_then(parse_retry_after);
+                .and_then(parse_retry_after)
+                .or_else(|| {
+                    // Without a `Retry-After`, a rate limit's own reset says how long to wait.
+                    (status == reqwest::StatusCode::TOO_MANY_REQUESTS)
+                        .then(|| wait_for_reset(response.headers(), chrono::Utc::now()))
+                        .flatten()
+                });
             let shed = response.headers().contains_key(ENVOY_OVERLOADED);
             let text = response.text().await.unwrap_or_default();
             return Err(AttemptError {

@@ -6,7 +6,8 @@
 //! a bounded total wait; an answer that says to slow down (429, 529, 503 with `Retry-After` or
 //! shed by a proxy) spends no attempt, lowers how many requests the client and its clones send
 //! that endpoint at once (additive increase, multiplicative decrease: `admission`), and with a
-//! `Retry-After` pauses every call of theirs to it. What a retry
+//! `Retry-After` (or, on a 429, the provider's rate-limit reset headers: `reset_headers`) pauses
+//! every call of theirs to it. What a retry
 //! cannot fix is classified: prompt-level failures (400, 422,
 //! context length) fail the prompt; configuration failures (401, 403, 402, exhausted quota, 404
 //! on the model path, an unknown model name) stop the batch, because every other prompt would
@@ -18,6 +19,7 @@
 pub mod admission;
 mod circuit;
 mod client;
+mod reset_headers;
 pub mod routing;
 mod sse;
 pub mod types;
