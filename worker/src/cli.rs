@@ -506,6 +506,8 @@ async fn batch_command(
     let landlock = workspaces.check_sandbox(&sandbox).await?;
     let manifest = Manifest::require(&location.run_dir())?;
     let mut engine = Engine::new(&location.plan.spec, workspaces.root())?;
+    // At most `workers` pods run the run's batches at once: each keeps that share of a limit.
+    engine.keep_limits(&location.plan.spec, u64::from(location.plan.spec.workers));
     engine.sandbox = sandbox;
     engine.task_sockets.clone_from(&workspaces.task_sockets);
     engine

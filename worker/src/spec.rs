@@ -158,8 +158,8 @@ pub struct ModelSpec {
     #[serde(default = "default_request_timeout")]
     pub request_timeout_seconds: u64,
     /// Attempts per model call for retryable errors (5xx, timeouts, empty replies). Being told
-    /// to slow down (429, 529, 503 with `Retry-After`) spends none: every call of the worker
-    /// waits it out.
+    /// to slow down (429, 529, a 503 with `Retry-After` or shed by a proxy) spends none: the
+    /// worker sends that endpoint fewer requests at once and waits out the `Retry-After`.
     #[serde(default = "default_max_attempts")]
     pub max_attempts: u32,
     /// Receive completions as server-sent events instead of one JSON body.
@@ -179,6 +179,34 @@ pub struct ModelSpec {
     /// (`trajectory-worker local`); a cluster refuses it for now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<BudgetSpec>,
+    /// The provider's rate limits on the run's key, kept by the run's requests over all its
+    /// pods: a request waits until it fits instead of being refused with a 429.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<LimitsSpec>,
+}
+
+/// Rate limits on a model's key, over every pod of a run. Each pod keeps its share, the limit
+/// divided by `workers` (at most `workers` pods run at once, so the shares never add up to more
+/// than the limit); a local run keeps all of it. Each per-minute limit holds over any 60 s,
+/// not only over calendar minutes, and lets through at least 95 % of it when there is work.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct LimitsSpec {
+    /// Requests a minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<u64>,
+    /// Input tokens a minute, every prompt token counted (cached ones too). A request reserves
+    /// its prompt's size (a token a 4 bytes of its body) and is settled to the usage it reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_tokens_per_minute: Option<u64>,
+    /// Output tokens a minute. A request reserves `maxTokens` (1,024 when unset) and is settled
+    /// to the usage it reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_tokens_per_minute: Option<u64>,
+    /// Requests in flight at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<u64>,
 }
 
 /// One server of the model.

@@ -475,3 +475,54 @@ async fn a_conversation_alone_on_a_dead_endpoint_moves_before_its_attempts_run_o
         "no conversation chose the refusing endpoint first"
     );
 }
+
+/// `spec.model.limits.requestsPerMinute` holds a local run's requests to the limit over any
+/// window, letting its first burst (a twentieth of the limit) through at once and the rest at
+/// 95 % of it: 24 conversations of four turns (96 requests) that would all go within a second
+/// take some seven at 600 a minute, none refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_a_minute_hold_over_any_window_and_wait_instead_of_being_refused() {
+    let arrivals: Arc<std::sync::Mutex<Vec<std::time::Instant>>> = Arc::default();
+    let seen = Arc::clone(&arrivals);
+    let server = ScriptedServer::start_responding(move |body| {
+        seen.lock().unwrap().push(std::time::Instant::now());
+        four_turns(body)
+    })
+    .await;
+    let fixture = RunFixture::new(&server.base_url(), 24)
+        .with("/concurrency", json!(24))
+        .with("/workers", json!(1))
+        .with("/model/limits", json!({"requestsPerMinute": 600}));
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect("the run finishes");
+    assert_eq!(report.merge.trajectories, 24);
+    let mut arrivals = arrivals.lock().unwrap().clone();
+    arrivals.sort();
+    assert_eq!(arrivals.len(), 96);
+    // 30 at once, then one every 60 s / 570.
+    let interval = std::time::Duration::from_secs(60).div_f64(570.0);
+    for seconds in [1_usize, 2, 5] {
+        let window = std::time::Duration::from_secs(seconds as u64);
+        let most = arrivals
+            .iter()
+            .map(|start| {
+                arrivals
+                    .iter()
+                    .filter(|at| **at >= *start && **at < *start + window)
+                    .count()
+            })
+            .max()
+            .unwrap();
+        let allowed = 30 + (seconds * 570).div_ceil(60) + 1;
+        assert!(
+            most <= allowed,
+            "{most} requests within {window:?}, more than the {allowed} the limit lets through"
+        );
+    }
+    let spread = *arrivals.last().unwrap() - arrivals[0];
+    assert!(
+        spread >= interval * 60,
+        "96 requests over {spread:?}: past the burst of 30 they wait their turn"
+    );
+}

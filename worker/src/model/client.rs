@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 use tracing::{debug, info, warn};
 
 use super::admission::{Admission, Ticket};
+use super::limits::{Limits, Reservation};
 use super::reset_headers::wait_for_reset;
 use super::routing::{Endpoints, Route};
 use super::types::{Completion, Message, ParseFailure, parse_completion};
@@ -260,6 +261,8 @@ pub struct ModelClient {
     circuit: Option<Arc<Circuit>>,
     /// Told what every completion cost, when the run keeps a budget.
     spending: Option<Arc<Spending>>,
+    /// This process's share of the key's rate limits (`spec.model.limits`), when it has any.
+    limits: Option<Arc<Limits>>,
     /// What this client and its clones (the process's conversations) may send to each
     /// endpoint now, in the order of `endpoints`.
     traffic: Arc<[Traffic]>,
@@ -417,6 +420,7 @@ impl ModelClient {
             settings,
             circuit: None,
             spending: None,
+            limits: None,
         })
     }
 
@@ -457,6 +461,15 @@ impl ModelClient {
     pub fn with_spending(&self, spending: Arc<Spending>) -> Self {
         Self {
             spending: Some(spending),
+            ..self.clone()
+        }
+    }
+
+    /// The same client, each request waiting until it fits `limits` (shared by its clones).
+    #[must_use]
+    pub fn with_limits(&self, limits: Arc<Limits>) -> Self {
+        Self {
+            limits: Some(limits),
             ..self.clone()
         }
     }
@@ -539,7 +552,19 @@ impl ModelClient {
                 .map_or_else(|| self.endpoints.first_in(), |route| route.endpoint());
             let (ticket, paused) = self.traffic[endpoint].admit().await;
             waited += paused;
-            let error = match self.attempt(endpoint, body, turn).await {
+            let reservation = match &self.limits {
+                Some(limits) => Some(self.reserve(limits, body).await),
+                None => None,
+            };
+            let outcome = self.attempt(endpoint, body, turn).await;
+            if let (Some(limits), Some(reservation)) = (&self.limits, reservation) {
+                let used = outcome.as_ref().map_or((0, 0), |completion| {
+                    let tokens = completion.usage.tokens();
+                    (tokens.prompt, tokens.completion)
+                });
+                limits.settle(reservation, used.0, used.1);
+            }
+            let error = match outcome {
                 Ok(completion) => {
                     ticket.answered();
                     self.endpoints.succeeded(endpoint);
@@ -614,6 +639,21 @@ impl ModelClient {
                 waited += delay;
             }
         }
+    }
+
+    /// Waits until a request with `body` fits the limits, and reserves it: its prompt at a token
+    /// a 4 bytes of the body, its answer at `max_tokens`.
+    async fn reserve<'a>(&self, limits: &'a Limits, body: &Value) -> Reservation<'a> {
+        let input = if limits.counts_input() {
+            serde_json::to_vec(body).map_or(0, |bytes| bytes.len() as u64 / 4)
+        } else {
+            0
+        };
+        let output = self
+            .settings
+            .max_tokens
+            .map_or(DEFAULT_OUTPUT_RESERVED, u64::from);
+        limits.reserve(input, output).await
     }
 
     /// Tells the endpoint's admission and health, and the batch's circuit, what a failed attempt
@@ -734,6 +774,9 @@ impl ModelClient {
         parsed.map_err(|failure| parse_failure(failure, status.as_u16()))
     }
 }
+
+/// Output tokens a request reserves against `spec.model.limits` when `maxTokens` is unset.
+const DEFAULT_OUTPUT_RESERVED: u64 = 1_024;
 
 /// The header Envoy sets on the 503 it answers when a circuit breaker sheds a request.
 const ENVOY_OVERLOADED: &str = "x-envoy-overloaded";

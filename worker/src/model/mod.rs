@@ -19,6 +19,7 @@
 pub mod admission;
 mod circuit;
 mod client;
+pub mod limits;
 mod reset_headers;
 pub mod routing;
 mod sse;

@@ -58,6 +58,7 @@ use crate::hermes::{
     Failure, RecordContext, RecordIdentity, reasoning_stats, system_turn, timestamp,
     write_discarded_record, write_failed_record, write_openai_record, write_trajectory_record,
 };
+use crate::model::limits::Limits;
 use crate::model::{ApiKey, Circuit, ModelClient, ModelSettings};
 use crate::spec::{RunSpec, VerifierSpec};
 use crate::storage::{
@@ -122,6 +123,20 @@ impl Engine {
     pub fn keep_budget(&mut self, budget: Arc<Budget>) {
         self.client = self.client.with_spending(budget.spending());
         self.budget = Some(budget);
+    }
+
+    /// Holds the model's requests to this process's share of `spec.model.limits`, as one of
+    /// `processes` that may run the run's batches at once (its `workers` on a cluster; a local
+    /// run is one). Nothing when the spec sets no limit.
+    pub fn keep_limits(&mut self, spec: &RunSpec, processes: u64) {
+        if let Some(limits) = spec
+            .model
+            .limits
+            .as_ref()
+            .and_then(|limits| Limits::share(limits, processes))
+        {
+            self.client = self.client.with_limits(Arc::new(limits));
+        }
     }
 
     /// Builds the engine around a given client.

@@ -104,6 +104,8 @@ pub async fn run_local(
 
     let mut engine = Engine::new(&location.plan.spec, options.workspace_root.clone())?;
     engine.sandbox = options.sandbox.clone();
+    // One process runs every batch: the whole of each limit is its own.
+    engine.keep_limits(&location.plan.spec, 1);
     if let Some(budget) = &location.plan.spec.model.budget {
         // What earlier runs of this directory spent counts against the same budget.
         let before = budget::spent_on_storage(&run_dir, &manifest)?;

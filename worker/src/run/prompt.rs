@@ -22,6 +22,7 @@ pub async fn run_prompt(
     let run_file = RunFile::load(run_file)?;
     let spec = &run_file.spec;
     let mut engine = Engine::new(spec, workspace_root)?;
+    engine.keep_limits(spec, 1);
     engine.sandbox = sandbox;
     // No plan froze the MCP tools of a single prompt: they are listed now.
     let frozen = engine

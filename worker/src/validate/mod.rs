@@ -249,6 +249,20 @@ impl RunSpec {
                 "needs the model's prices (spec.model.pricing) to hold".to_owned(),
             );
         }
+        if let Some(limits) = &self.model.limits {
+            for (value, field) in [
+                (limits.requests_per_minute, "requestsPerMinute"),
+                (limits.input_tokens_per_minute, "inputTokensPerMinute"),
+                (limits.output_tokens_per_minute, "outputTokensPerMinute"),
+                (limits.max_in_flight, "maxInFlight"),
+            ] {
+                violations.check(
+                    value != Some(0),
+                    &format!("model.limits.{field}"),
+                    "must be at least 1 (unset: no limit)".to_owned(),
+                );
+            }
+        }
     }
 
     fn check_agent_and_tools(&self, violations: &mut Violations) {
@@ -548,6 +562,21 @@ mod tests {
                 "spec.model.routing.sessionHeader: \"x session\" is not an HTTP header name \
                  (letters, digits and !#$%&'*+-.^_`|~)",
             ]
+        );
+    }
+
+    #[test]
+    fn a_limit_of_zero_is_refused_by_name() {
+        let mut spec = minimal();
+        spec.model.limits = Some(crate::spec::LimitsSpec {
+            requests_per_minute: Some(600),
+            output_tokens_per_minute: Some(0),
+            ..crate::spec::LimitsSpec::default()
+        });
+        let errors: Vec<String> = spec.validate().into_iter().map(|v| v.to_string()).collect();
+        assert_eq!(
+            errors,
+            ["spec.model.limits.outputTokensPerMinute: must be at least 1 (unset: no limit)"]
         );
     }
 
