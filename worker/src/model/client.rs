@@ -562,7 +562,7 @@ impl ModelClient {
                     let tokens = completion.usage.tokens();
                     (tokens.prompt, tokens.completion)
                 });
-                limits.settle(reservation, used.0, used.1);
+                limits.settle(reservation, used.0, used.1).await;
             }
             let error = match outcome {
                 Ok(completion) => {

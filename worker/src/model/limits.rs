@@ -9,6 +9,12 @@
 //! the limit and `rate` the rest, never more than the limit in any 60 s, and 95 % of it
 //! sustained. Waiting is in the process, in order of arrival: a request is never sent to be
 //! refused.
+//!
+//! With `spec.model.limits.gubernator` the counts are kept by a Gubernator service for every pod
+//! of the run, and of every run that names the same key, at the whole limit: its leaky bucket
+//! with the same burst and rate, whose `max_wait` makes it queue a reservation and say when it
+//! may go (`SCHEDULED`, `retry_after`) as the meter here does. A pod that cannot reach it keeps
+//! its share with its own meters meanwhile, so the limit holds either way.
 
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
@@ -36,10 +42,8 @@ pub struct Meter {
 impl Meter {
     /// A meter holding `limit` cells in any minute.
     pub fn per_minute(limit: u64) -> Self {
-        let limit = limit.max(1);
-        let burst = (limit / BURST_SHARE).max(1);
         // The burst is paid for out of the limit; one cell a minute goes at least.
-        let rate = (limit - burst.min(limit - 1)).max(1);
+        let (rate, burst) = rate_and_burst(limit);
         let interval = MINUTE.div_f64(rate as f64);
         Self {
             interval,
@@ -88,6 +92,8 @@ impl Meter {
 pub struct Reservation<'a> {
     pub input_tokens: u64,
     pub output_tokens: u64,
+    /// Reserved at the Gubernator (else with this process's meters).
+    shared: bool,
     _in_flight: Option<tokio::sync::SemaphorePermit<'a>>,
 }
 
@@ -99,6 +105,168 @@ pub struct Limits {
     output_tokens: Option<Meter>,
     /// Requests in flight at once.
     in_flight: Option<tokio::sync::Semaphore>,
+    /// The counts every pod shares, when a Gubernator keeps them.
+    shared: Option<Shared>,
+}
+
+/// The three kinds of cells a request takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Requests,
+    InputTokens,
+    OutputTokens,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Requests => "requests",
+            Self::InputTokens => "input-tokens",
+            Self::OutputTokens => "output-tokens",
+        }
+    }
+}
+
+/// A Gubernator's leaky buckets for a key: each kind's limit, as `(rate a minute, burst)`.
+#[derive(Debug)]
+struct Shared {
+    http: reqwest::Client,
+    /// `<url>/v1/GetRateLimits`.
+    endpoint: String,
+    key: String,
+    buckets: Vec<(Kind, u64, u64)>,
+    /// Whether it has failed since it last answered (told once, not a request).
+    failing: std::sync::atomic::AtomicBool,
+}
+
+/// The longest a reservation may be queued at the Gubernator (ms): past it, asked again.
+const MAX_WAIT_MS: u64 = 600_000;
+
+impl Shared {
+    fn new(spec: &crate::spec::GubernatorSpec, limits: &LimitsSpec) -> Self {
+        let buckets = [
+            (Kind::Requests, limits.requests_per_minute),
+            (Kind::InputTokens, limits.input_tokens_per_minute),
+            (Kind::OutputTokens, limits.output_tokens_per_minute),
+        ]
+        .into_iter()
+        .filter_map(|(kind, limit)| {
+            let (rate, burst) = rate_and_burst(limit?);
+            Some((kind, rate, burst))
+        })
+        .collect();
+        Self {
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(5))
+                .build()
+                .unwrap_or_default(),
+            endpoint: format!("{}/v1/GetRateLimits", spec.url.trim_end_matches('/')),
+            key: spec.key.clone(),
+            buckets,
+            failing: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Takes `cells` of each kind (negative: gives them back); returns how long until all of
+    /// them may go. Cells beyond a bucket's burst are taken a burst at a time, each queued.
+    async fn take(&self, cells: &[(Kind, i64)]) -> Result<Duration, String> {
+        let mut items = Vec::new();
+        for (kind, rate, burst) in &self.buckets {
+            let Some(wanted) = cells.iter().find(|(k, _)| k == kind).map(|(_, n)| *n) else {
+                continue;
+            };
+            let burst_cells = i64::try_from(*burst).unwrap_or(i64::MAX);
+            let mut left = wanted;
+            // A refund is capped at the burst by the bucket itself; one item is enough.
+            let chunks = if left < 0 {
+                1
+            } else {
+                left.div_euclid(burst_cells) + 1
+            };
+            for _ in 0..chunks {
+                let hits = left.clamp(-burst_cells, burst_cells);
+                left -= hits;
+                if hits == 0 {
+                    continue;
+                }
+                items.push(serde_json::json!({
+                    "name": "trajectory-model",
+                    "unique_key": format!("{}/{}", self.key, kind.name()),
+                    "hits": hits,
+                    "limit": rate,
+                    "burst": burst,
+                    "duration": 60_000,
+                    "algorithm": "LEAKY_BUCKET",
+                    "max_wait": if hits > 0 { MAX_WAIT_MS } else { 0 },
+                }));
+            }
+        }
+        if items.is_empty() {
+            return Ok(Duration::ZERO);
+        }
+        let response = self
+            .http
+            .post(&self.endpoint)
+            .json(&serde_json::json!({ "requests": items }))
+            .send()
+            .await
+            .map_err(|err| format!("cannot reach the Gubernator at {}: {err}", self.endpoint))?;
+        let status = response.status();
+        let body: serde_json::Value = response.json().await.map_err(|err| {
+            format!(
+                "the Gubernator at {} answered {status}: {err}",
+                self.endpoint
+            )
+        })?;
+        let mut wait = Duration::ZERO;
+        for answer in body["responses"].as_array().into_iter().flatten() {
+            let number = |field: &str| match &answer[field] {
+                serde_json::Value::String(text) => text.parse::<u64>().ok(),
+                value => value.as_u64(),
+            };
+            if let Some(error) = answer["error"].as_str().filter(|error| !error.is_empty()) {
+                return Err(format!("the Gubernator at {}: {error}", self.endpoint));
+            }
+            match answer["status"].as_str().unwrap_or("UNDER_LIMIT") {
+                "UNDER_LIMIT" | "SCHEDULED" => {
+                    wait = wait.max(Duration::from_millis(number("retry_after").unwrap_or(0)));
+                }
+                // Queued longer than `MAX_WAIT_MS`: not counted; asked again after the wait.
+                status => {
+                    return Err(format!(
+                        "the Gubernator at {} answered {status} for key {}",
+                        self.endpoint, self.key
+                    ));
+                }
+            }
+        }
+        Ok(wait)
+    }
+
+    fn note(&self, outcome: &Result<Duration, String>) {
+        use std::sync::atomic::Ordering;
+        match outcome {
+            Ok(_) => {
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!(key = %self.key, "the Gubernator answers again; the pods share the limits through it");
+                }
+            }
+            Err(error) => {
+                if !self.failing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(key = %self.key, %error, "the Gubernator does not answer; this pod keeps its share of the limits meanwhile");
+                }
+            }
+        }
+    }
+}
+
+/// A limit's `(rate a minute, burst)`: a twentieth of it at once, the rest at a steady rate,
+/// so that no 60 s hold more than the limit.
+fn rate_and_burst(limit: u64) -> (u64, u64) {
+    let limit = limit.max(1);
+    let burst = (limit / BURST_SHARE).max(1);
+    let rate = (limit - burst.min(limit - 1)).max(1);
+    (rate, burst)
 }
 
 impl Limits {
@@ -118,6 +286,14 @@ impl Limits {
                         .min(tokio::sync::Semaphore::MAX_PERMITS),
                 )
             }),
+            shared: None,
+        };
+        let limits = Self {
+            shared: spec
+                .gubernator
+                .as_ref()
+                .map(|gubernator| Shared::new(gubernator, spec)),
+            ..limits
         };
         let any = limits.requests.is_some()
             || limits.input_tokens.is_some()
@@ -140,6 +316,24 @@ impl Limits {
             Some(semaphore) => semaphore.acquire().await.ok(),
             None => None,
         };
+        if let Some(shared) = &self.shared {
+            let cells = [
+                (Kind::Requests, 1),
+                (Kind::InputTokens, signed(input_tokens)),
+                (Kind::OutputTokens, signed(output_tokens)),
+            ];
+            let outcome = shared.take(&cells).await;
+            shared.note(&outcome);
+            if let Ok(wait) = outcome {
+                tokio::time::sleep(wait).await;
+                return Reservation {
+                    input_tokens,
+                    output_tokens,
+                    shared: true,
+                    _in_flight: in_flight,
+                };
+            }
+        }
         let now = Instant::now();
         let mut go = now;
         for (meter, cells) in [
@@ -155,6 +349,7 @@ impl Limits {
         Reservation {
             input_tokens,
             output_tokens,
+            shared: false,
             _in_flight: in_flight,
         }
     }
@@ -162,11 +357,31 @@ impl Limits {
     /// The request of `reservation` used `input_tokens` and `output_tokens` (none when it was
     /// refused): its meters are put right.
     #[allow(clippy::needless_pass_by_value)] // settling ends the reservation
-    pub fn settle(&self, reservation: Reservation<'_>, input_tokens: u64, output_tokens: u64) {
+    pub async fn settle(
+        &self,
+        reservation: Reservation<'_>,
+        input_tokens: u64,
+        output_tokens: u64,
+    ) {
         let now = Instant::now();
-        let difference = |used: u64, reserved: u64| {
-            i64::try_from(used).unwrap_or(i64::MAX) - i64::try_from(reserved).unwrap_or(i64::MAX)
-        };
+        let difference = |used: u64, reserved: u64| signed(used) - signed(reserved);
+        if let (Some(shared), true) = (&self.shared, reservation.shared) {
+            let cells = [
+                (
+                    Kind::InputTokens,
+                    difference(input_tokens, reservation.input_tokens),
+                ),
+                (
+                    Kind::OutputTokens,
+                    difference(output_tokens, reservation.output_tokens),
+                ),
+            ];
+            // What was used more is queued behind what others reserved: the next requests wait
+            // for it, not this one, which has gone.
+            let outcome = shared.take(&cells).await;
+            shared.note(&outcome);
+            return;
+        }
         if let Some(meter) = &self.input_tokens {
             meter.adjust(difference(input_tokens, reservation.input_tokens), now);
         }
@@ -174,6 +389,10 @@ impl Limits {
             meter.adjust(difference(output_tokens, reservation.output_tokens), now);
         }
     }
+}
+
+fn signed(cells: u64) -> i64 {
+    i64::try_from(cells).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]
@@ -244,7 +463,7 @@ mod tests {
                 for _ in 0..40 {
                     let reservation = limits.reserve(0, 1_000).await;
                     if settled {
-                        limits.settle(reservation, 0, 100);
+                        limits.settle(reservation, 0, 100).await;
                     }
                 }
                 started.elapsed()

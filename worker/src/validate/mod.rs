@@ -262,6 +262,14 @@ impl RunSpec {
                     "must be at least 1 (unset: no limit)".to_owned(),
                 );
             }
+            if let Some(gubernator) = &limits.gubernator {
+                check_http_url("model.limits.gubernator.url", &gubernator.url, violations);
+                violations.check(
+                    !gubernator.key.trim().is_empty(),
+                    "model.limits.gubernator.key",
+                    "must name the key the counts are kept under".to_owned(),
+                );
+            }
         }
     }
 
@@ -566,17 +574,26 @@ mod tests {
     }
 
     #[test]
-    fn a_limit_of_zero_is_refused_by_name() {
+    fn a_limit_of_zero_and_a_limiter_without_address_or_key_are_refused_by_name() {
         let mut spec = minimal();
         spec.model.limits = Some(crate::spec::LimitsSpec {
             requests_per_minute: Some(600),
             output_tokens_per_minute: Some(0),
+            gubernator: Some(crate::spec::GubernatorSpec {
+                url: "gubernator:1050".into(),
+                key: " ".into(),
+            }),
             ..crate::spec::LimitsSpec::default()
         });
         let errors: Vec<String> = spec.validate().into_iter().map(|v| v.to_string()).collect();
         assert_eq!(
             errors,
-            ["spec.model.limits.outputTokensPerMinute: must be at least 1 (unset: no limit)"]
+            [
+                "spec.model.limits.outputTokensPerMinute: must be at least 1 (unset: no limit)",
+                "spec.model.limits.gubernator.url: \"gubernator:1050\" must be an http:// or \
+                 https:// URL",
+                "spec.model.limits.gubernator.key: must name the key the counts are kept under",
+            ]
         );
     }
 

@@ -621,3 +621,60 @@ pub fn scripted_model(calls: fn(&str) -> Vec<(&'static str, Value)>) -> impl Fn(
 pub fn terminal(command: &str) -> (&'static str, Value) {
     ("terminal", json!({"command": command}))
 }
+
+/// Three tool calls, then an answer: four turns a conversation.
+pub fn four_turns(body: &Value) -> Step {
+    let turns = body["messages"].as_array().map_or(0, |messages| {
+        messages.iter().filter(|m| m["role"] == "assistant").count()
+    });
+    if turns < 3 {
+        let (name, arguments) = terminal("true");
+        Step::ok(tool_calls_reply(&[(
+            name,
+            Value::String(arguments.to_string()),
+        )]))
+    } else {
+        Step::ok(text_reply("done"))
+    }
+}
+
+/// A scripted server answering `four_turns`, and when each request reached it.
+pub async fn recording_four_turns() -> (
+    ScriptedServer,
+    std::sync::Arc<std::sync::Mutex<Vec<std::time::Instant>>>,
+) {
+    let arrivals: std::sync::Arc<std::sync::Mutex<Vec<std::time::Instant>>> =
+        std::sync::Arc::default();
+    let seen = std::sync::Arc::clone(&arrivals);
+    let server = ScriptedServer::start_responding(move |body| {
+        seen.lock().unwrap().push(std::time::Instant::now());
+        four_turns(body)
+    })
+    .await;
+    (server, arrivals)
+}
+
+/// Asserts that no `window`s of `arrivals` (sorted) hold more requests than a limit of 600 a
+/// minute lets through (`spec.model.limits`: a burst of 30, then 570 a minute), for windows of
+/// each of `seconds`.
+pub fn assert_within_600_a_minute(arrivals: &[std::time::Instant], seconds: &[usize]) {
+    for &seconds in seconds {
+        let window = std::time::Duration::from_secs(seconds as u64);
+        let most = arrivals
+            .iter()
+            .map(|start| {
+                arrivals
+                    .iter()
+                    .filter(|at| **at >= *start && **at < *start + window)
+                    .count()
+            })
+            .max()
+            .unwrap_or(0);
+        let allowed = 30 + (seconds * 570).div_ceil(60) + 1;
+        assert!(
+            most <= allowed,
+            "{most} requests within {seconds} s, more than the {allowed} a limit of 600 a minute \
+             lets through"
+        );
+    }
+}
