@@ -6,3 +6,16 @@ export TRAJ_CACHE_DIR="${TRAJ_CACHE_DIR:-${HOME}/.cache/trajectory-operator}"
 RUSTC_ID="$(rustc --version | tr -c 'a-zA-Z0-9.\n' '-')"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-${TRAJ_CACHE_DIR}/cargo-target/${RUSTC_ID}}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+# prune_old_test_binaries DIR: in a cargo deps directory, removes every executable named
+# <target>-<hash> (no extension: test and bench binaries) but the newest of each target.
+prune_old_test_binaries() {
+	local dir="$1"
+	[[ -d "${dir}" ]] || return 0
+	find "${dir}" -maxdepth 1 -type f -executable ! -name '*.*' -printf '%T@ %f\n' |
+		sort -rn |
+		awk '{ name = $2; sub(/-[0-9a-f]+$/, "", name); if (seen[name]++) print $2 }' |
+		while IFS= read -r old; do
+			rm -f "${dir}/${old}" "${dir}/${old}.d"
+		done
+}

@@ -25,6 +25,12 @@ cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
 step "build the tests"
 cargo test --workspace --all-features --no-run --quiet
 
+step "prune test binaries of earlier builds from the cargo cache"
+# Every build of a test target leaves a new ~300 MB executable in deps/ beside the old ones; over
+# many commits they filled the disk until the real node's kubelet reported disk pressure and
+# stopped starting pods. Only the newest of each target is the one cargo runs.
+prune_old_test_binaries "${CARGO_TARGET_DIR}/debug/deps"
+
 step "model server: install (cached)"
 scripts/model-server/install.sh
 
