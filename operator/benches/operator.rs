@@ -686,9 +686,9 @@ async fn main() {
                 };
                 latency(&client, &scratch, &base_url, &mut report).await;
             }
-            "writes" => writes(&client, &base_url, &mut report).await,
+            "writes" => Box::pin(writes(&client, &base_url, &mut report)).await,
             "memory" => memory(&client, &base_url, &mut report).await,
-            "images" => images(&client, &base_url, &mut report).await,
+            "images" => Box::pin(images(&client, &base_url, &mut report)).await,
             other => panic!("unknown part {other:?}: use latency, writes, memory, images"),
         }
         eprintln!("part {part} done");

@@ -117,18 +117,26 @@ pub struct TrajectoryRunStatus {
     /// record was verified.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verification: Option<VerificationStatus>,
-    /// What the kept records' model calls cost, once the merge summed them; absent when the run
-    /// has no prices (`spec.model.pricing`) and the provider reported no cost.
+    /// What the run's model calls cost: so far and projected while its batches run, in all once
+    /// merged; absent when the run has no prices (`spec.model.pricing`) and the provider reported
+    /// no cost.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<CostStatus>,
 }
 
-/// What a merged run's model calls cost.
+/// What a run's model calls cost.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CostStatus {
-    /// The sum over the kept records, a decimal string of at most eight places (`"12.345"`).
+    /// USD spent on the model so far, a decimal string of at most eight places (`"12.345"`):
+    /// while batches run, what the run's pods had spent when the latest batch pod finished (as
+    /// their claims on storage say); once merged, what the whole run spent, conversations without
+    /// a record included (or, for runs whose pods kept no claims, what the kept records cost).
     pub spent: String,
+    /// While batches run: what the whole run will have spent at the rate so far (`spent` over
+    /// the share of batches done).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub projected: Option<String>,
     /// Always `USD`.
     pub currency: String,
 }

@@ -293,6 +293,7 @@ impl ObservedFixture {
             verified: 0,
             passed: 0,
             cost: None,
+            spent: None,
         });
         merged
     }

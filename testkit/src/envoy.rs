@@ -35,21 +35,39 @@ pub struct ProxyCounts {
 pub struct RateLimit {
     pub max_tokens: u32,
     pub per_second: u32,
+    /// Every answer tells the limit a minute as `OpenAI` does (`x-ratelimit-limit-requests`).
+    pub told: bool,
 }
 
 impl SheddingProxy {
     /// Starts Envoy for `upstream` (`host:port` of the model server), shedding past
     /// `max_requests` in flight and `max_pending` queued. Panics when it cannot.
     pub fn start(upstream: &str, max_requests: u32, max_pending: u32) -> Self {
-        Self::with_limits(upstream, (max_requests, max_pending), None)
+        Self::with_limits("127.0.0.1", upstream, (max_requests, max_pending), None)
     }
 
     /// Starts Envoy for `upstream` refusing with a 429 what exceeds `limit`.
     pub fn rate_limited(upstream: &str, limit: RateLimit) -> Self {
-        Self::with_limits(upstream, (100_000, 100_000), Some(limit))
+        Self::rate_limited_on("127.0.0.1", upstream, limit)
+    }
+
+    /// [`SheddingProxy::rate_limited`], listening on `listen` (`0.0.0.0` for pods, which reach
+    /// it at the host's address and [`SheddingProxy::port`]).
+    pub fn rate_limited_on(listen: &str, upstream: &str, limit: RateLimit) -> Self {
+        Self::with_limits(listen, upstream, (100_000, 100_000), Some(limit))
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.base_url
+            .trim_end_matches("/v1")
+            .rsplit_once(':')
+            .and_then(|(_, port)| port.parse().ok())
+            .expect("the base URL ends in a port")
     }
 
     fn with_limits(
+        listen: &str,
         upstream: &str,
         (max_requests, max_pending): (u32, u32),
         rate_limit: Option<RateLimit>,
@@ -61,7 +79,12 @@ impl SheddingProxy {
         let config = dir.path().join("envoy.yaml");
         std::fs::write(
             &config,
-            config_yaml(host, port, (max_requests, max_pending), rate_limit),
+            config_yaml(
+                listen,
+                (host, port),
+                (max_requests, max_pending),
+                rate_limit,
+            ),
         )
         .expect("write envoy.yaml");
         let admin_path = dir.path().join("admin-address");
@@ -164,8 +187,8 @@ impl Drop for SheddingProxy {
 }
 
 fn config_yaml(
-    host: &str,
-    port: &str,
+    listen: &str,
+    (host, port): (&str, &str),
     (max_requests, max_pending): (u32, u32),
     rate_limit: Option<RateLimit>,
 ) -> String {
@@ -186,13 +209,23 @@ fn config_yaml(
             fill = limit.per_second,
         )
     });
+    let told_limit = rate_limit
+        .filter(|limit| limit.told)
+        .map_or_else(String::new, |limit| {
+            format!(
+                "              response_headers_to_add:\n              - {{append_action: \
+                 OVERWRITE_IF_EXISTS_OR_ADD, header: {{key: x-ratelimit-limit-requests, value: \
+                 \"{}\"}}}}\n",
+                limit.per_second * 60
+            )
+        });
     format!(
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
 static_resources:
   listeners:
   - name: model
-    address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
+    address: {{socket_address: {{address: {listen}, port_value: 0}}}}
     filter_chains:
     - filters:
       - name: envoy.filters.network.http_connection_manager
@@ -203,7 +236,7 @@ static_resources:
             virtual_hosts:
             - name: model
               domains: ["*"]
-              routes:
+{told_limit}              routes:
               - match: {{prefix: "/"}}
                 route: {{cluster: model, timeout: 600s}}
           http_filters:

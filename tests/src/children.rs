@@ -18,6 +18,7 @@ pub fn jobs_of_every_stage(run: &ValidatedRun<'_>, settings: &Settings) -> Vec<J
         exists: false,
         parallelism: run.spec.workers,
         tasks: Tasks::Sandbox,
+        held: false,
     };
     vec![
         build::plan_job(run, settings, 1, false),

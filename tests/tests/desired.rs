@@ -64,6 +64,7 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
                 exists: false,
                 parallelism: run.spec.run.workers,
                 tasks: Tasks::Sandbox,
+                held: false,
             },
         ),
         build::merge_job(&valid, &settings, 1, false),
@@ -156,6 +157,7 @@ async fn task_container_pods_need_the_baseline_standard_and_the_unavailable_ones
                 exists: false,
                 parallelism: 1,
                 tasks,
+                held: false,
             },
         )
     };

@@ -478,15 +478,20 @@ async fn check_on_the_api_server(what: &str, mut policy: Value, values: &Value) 
 async fn the_charts_policy_is_accepted_by_the_api_server_and_selects_exactly_the_run_pods() {
     let values = example_values(&["placeholder"]);
     let policy = chart_policies(&values).remove(0);
-    check_on_the_api_server("the chart's NetworkPolicy", policy, &values).await;
+    Box::pin(check_on_the_api_server(
+        "the chart's NetworkPolicy",
+        policy,
+        &values,
+    ))
+    .await;
 }
 
 #[tokio::test]
 async fn the_example_policy_is_accepted_by_the_api_server_and_selects_exactly_the_run_pods() {
-    check_on_the_api_server(
+    Box::pin(check_on_the_api_server(
         "examples/networkpolicy/networkpolicy.yaml",
         read_yaml("networkpolicy.yaml"),
         &example_values(&[]),
-    )
+    ))
     .await;
 }

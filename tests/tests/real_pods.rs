@@ -10,6 +10,7 @@ use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::batch::v1::Job;
@@ -20,6 +21,8 @@ use serde_json::{Value, json};
 use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::reconcile::observe::JobState;
 use trajectory_operator::settings::Settings;
+use trajectory_testkit::envoy::{RateLimit, SheddingProxy};
+use trajectory_testkit::gubernator::Gubernator;
 use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, first_user_message, text_reply, tool_call_reply,
     tool_calls_reply,
@@ -1752,6 +1755,312 @@ async fn a_401_from_the_model_fails_the_run_through_the_exit_code() {
         1,
         "the rest of the dataset was not spent"
     );
+}
+
+/// A scripted model on every address whose calls (a terminal call, then a final answer, 300 ms
+/// each) report 100 input and 100 output tokens.
+async fn model_of_priced_calls() -> ScriptedServer {
+    let usage = json!({"prompt_tokens": 100, "completion_tokens": 100, "total_tokens": 200});
+    let mut tool_call = terminal_call("true");
+    tool_call["usage"] = usage.clone();
+    let mut final_answer = text_reply("done");
+    final_answer["usage"] = usage;
+    ScriptedServer::start_fixed_latency_on(
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        FixedLatency {
+            latency: Duration::from_millis(300),
+            tool_call,
+            final_answer,
+        },
+    )
+    .await
+}
+
+/// Run `name` once it is held at its budget and no pod of its first generation Job runs.
+async fn held_with_no_pod_running(setup: &Setup, name: &str) -> TrajectoryRun {
+    let job_pods = format!("job-name={name}-gen-1");
+    wait_until(
+        "the run held at its budget with no batch pod running",
+        Duration::from_secs(300),
+        || async {
+            let run = setup.runs.get(name).await.ok()?;
+            let suspended = condition(&run, "Suspended")?;
+            let running = setup
+                .pods
+                .list(&ListParams::default().labels(&job_pods))
+                .await
+                .ok()?
+                .items
+                .iter()
+                .any(|pod| {
+                    matches!(
+                        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+                        Some("Running" | "Pending")
+                    )
+                });
+            (suspended == ("True".to_owned(), "BudgetExhausted".to_owned()) && !running)
+                .then_some(run)
+        },
+    )
+    .await
+}
+
+/// Four pods of 32 conversations each against a budget worth 100 model calls: together they
+/// spend no more than the budget (plus what pods growing their allowances at the same moment may
+/// each take for one conversation); the run is then held `Suspended` with reason
+/// `BudgetExhausted`, its Job suspended and no pod left running. Raising the budget finishes it
+/// with every record once: the model is asked again only for the conversations not recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_pods_hold_one_budget_and_raising_it_finishes_the_run_with_every_record_once() {
+    const PROMPTS: usize = 160;
+    const WORKERS: usize = 4;
+    // Each call is priced at exactly 0.001 USD (100 input tokens at $2/M, 100 output at $8/M):
+    // the budget is worth 100 calls, 50 conversations.
+    const CALL_COST: f64 = 0.001;
+    const BUDGET: f64 = 0.1;
+    let setup = Setup::new("pods-budget").await;
+    let model = model_of_priced_calls().await;
+    let model_spec = |max_cost: f64| {
+        json!({
+            "baseUrl": setup.model_url(&model), "name": "scripted", "maxAttempts": 2,
+            "requestTimeoutSeconds": 10,
+            "pricing": {"input": 2.0, "output": 8.0},
+            "budget": {"maxCost": max_cost},
+        })
+    };
+    setup
+        .create_scripted(
+            "budget",
+            &setup.model_url(&model),
+            PROMPTS,
+            &json!({"batchSize": PROMPTS / WORKERS, "workers": WORKERS, "concurrency": 32,
+                    "model": model_spec(BUDGET)}),
+        )
+        .await;
+
+    let held = held_with_no_pod_running(&setup, "budget").await;
+    let jobs: Api<Job> = Api::namespaced(setup.client.clone(), setup.ns());
+    let job = jobs.get("budget-gen-1").await.expect("the generation Job");
+    assert_eq!(job.spec.and_then(|spec| spec.suspend), Some(true));
+    assert_ne!(phase_of(&held), Some(Phase::Failed), "{:#?}", held.status);
+    let run_dir = setup.storage.run_dir(setup.ns(), "budget");
+    let recorded: usize = (0..4)
+        .map(|batch| batch_records(&run_dir, batch).len())
+        .sum();
+    let asked = model.request_count();
+    #[allow(clippy::cast_precision_loss)] // a few hundred calls
+    let spent = asked as f64 * CALL_COST;
+    eprintln!("held: {asked} model calls ({spent:.3} USD of {BUDGET}), {recorded} records");
+    // Pods growing their allowances at one moment may each take one conversation's worth of
+    // the same rest: at most (workers - 1) conversations past the budget.
+    let slack = (WORKERS - 1) as f64 * 2.0 * CALL_COST;
+    assert!(
+        spent <= BUDGET + slack + 1e-9,
+        "{asked} calls: spent {spent} past the budget {BUDGET} and {slack}"
+    );
+    assert!(recorded < PROMPTS, "the budget stopped nothing");
+    // The status shows what the pods said was spent as they stopped.
+    let shown = shown_cost(&held);
+    assert!(
+        shown > BUDGET / 2.0 && shown <= spent + 1e-9,
+        "status.cost.spent {shown} against {spent} asked"
+    );
+    assert!(
+        spent + WORKERS as f64 * 2.0 * CALL_COST > BUDGET,
+        "held at {spent} with room for more than one conversation a pod"
+    );
+
+    // Raised: the same Job runs on; every prompt ends with one record, and the model is asked
+    // only for the conversations that had none.
+    setup
+        .runs
+        .patch(
+            "budget",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"model": model_spec(1.0)}})),
+        )
+        .await
+        .expect("raise the budget");
+    let run = setup.finished("budget", Duration::from_secs(300)).await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    let (indexes, failed) = setup.prompt_indexes("budget");
+    assert_eq!(
+        (indexes, failed),
+        ((0..PROMPTS as u64).collect::<Vec<u64>>(), 0),
+        "every prompt once"
+    );
+    assert_eq!(
+        model.request_count() - asked,
+        2 * (PROMPTS - recorded),
+        "after the raise: two calls for each conversation without a record, none for the others"
+    );
+    assert_eq!(
+        condition(&run, "Suspended"),
+        Some(("False".to_owned(), "Resumed".to_owned()))
+    );
+    // Merged: every call the pods were answered, each conversation's two at least.
+    #[allow(clippy::cast_precision_loss)] // a few hundred calls
+    let asked = model.request_count() as f64 * CALL_COST;
+    let spent = shown_cost(&run);
+    assert!(
+        spent >= 2.0 * PROMPTS as f64 * CALL_COST - 1e-9 && spent <= asked + 1e-9,
+        "status.cost.spent {spent} against {asked} asked"
+    );
+}
+
+/// `status.cost.spent` of `run`, in USD.
+fn shown_cost(run: &TrajectoryRun) -> f64 {
+    let cost = run.status.as_ref().and_then(|status| status.cost.as_ref());
+    cost.and_then(|cost| cost.spent.parse().ok())
+        .unwrap_or_else(|| panic!("no status.cost: {:#?}", run.status))
+}
+
+/// Requests a minute the provider of the shared-limit test allows, and the run's limit.
+const PROVIDER_LIMIT: usize = 300;
+
+/// The pods of a run keep to one provider limit through a real Gubernator while pods come and go:
+/// Envoy's local rate limit (429 past 300 requests a minute) in front of a scripted model that
+/// records when each request reached it; 24 batches run by 4 pods, then 2, then 6 (`workers`
+/// changed mid-run). Over any 60 s the model got at most the limit and, while the run was at
+/// full speed, at least 90 % of it; the provider refused nothing, and no record failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pods_coming_and_going_keep_to_one_provider_limit_through_gubernator() {
+    const PROMPTS: usize = 240;
+    let setup = Setup::new("pods-limits").await;
+    let arrivals: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let seen = Arc::clone(&arrivals);
+    let model = ScriptedServer::start_responding(move |body| {
+        seen.lock().unwrap().push(Instant::now());
+        let answered = body["messages"]
+            .as_array()
+            .is_some_and(|messages| messages.iter().any(|m| m["role"] == "assistant"));
+        Step::ok(if answered {
+            text_reply("done")
+        } else {
+            terminal_call("true")
+        })
+    })
+    .await;
+    let provider = SheddingProxy::rate_limited_on(
+        "0.0.0.0",
+        &model.address().to_string(),
+        RateLimit {
+            max_tokens: 15,
+            per_second: 5,
+            told: false,
+        },
+    );
+    let gubernator = Gubernator::start("0.0.0.0");
+    let gubernator_port = gubernator.url.rsplit_once(':').expect("host:port").1;
+    let model_spec = json!({
+        "baseUrl": format!("http://{}:{}/v1", setup.node.ip, provider.port()),
+        "name": "scripted", "maxAttempts": 2, "requestTimeoutSeconds": 10,
+        "limits": {
+            "requestsPerMinute": PROVIDER_LIMIT,
+            "gubernator": {"url": format!("http://{}:{gubernator_port}", setup.node.ip),
+                           "key": "provider-key"},
+        },
+    });
+    setup
+        .create_scripted(
+            "limits",
+            "unused",
+            PROMPTS,
+            &json!({"batchSize": 10, "workers": 4, "concurrency": 8, "model": model_spec}),
+        )
+        .await;
+
+    // Pods come and go: 4, then 2, then 6 at once.
+    let mut running_pods = Vec::new();
+    let mut workers_changed = Vec::new();
+    let started = Instant::now();
+    let run = loop {
+        let run = setup.runs.get("limits").await.expect("get the run");
+        if phase_of(&run).is_some_and(Phase::is_finished) {
+            break run;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "not finished: {:#?}; pods {:#?}",
+            run.status,
+            pod_summary(&setup.pods).await
+        );
+        running_pods.push(running_batch_pods(&setup, "limits").await);
+        let elapsed = started.elapsed().as_secs();
+        for (at, workers) in [(40, 2), (75, 6)] {
+            if elapsed >= at && !workers_changed.contains(&workers) {
+                workers_changed.push(workers);
+                set_workers(&setup, "limits", workers).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    let (indexes, failed) = setup.prompt_indexes("limits");
+    assert_eq!(
+        (indexes, failed),
+        ((0..PROMPTS as u64).collect::<Vec<u64>>(), 0),
+        "every prompt once, none failed"
+    );
+    let counts = provider.counts();
+    let mut arrivals = arrivals.lock().unwrap().clone();
+    arrivals.sort();
+    let busiest = most_in_any(&arrivals, Duration::from_secs(60));
+    eprintln!(
+        "{} requests in {:?}; busiest 60 s: {busiest} (limit {PROVIDER_LIMIT}); provider: \
+         {counts:?}; running batch pods over time: {running_pods:?}",
+        arrivals.len(),
+        started.elapsed()
+    );
+    assert_eq!(counts.rate_limited, 0, "the provider refused none");
+    assert_eq!(
+        arrivals.len(),
+        2 * PROMPTS,
+        "every request reached the model once"
+    );
+    assert!(busiest <= PROVIDER_LIMIT, "{busiest} requests in 60 s");
+    assert!(
+        busiest * 10 >= PROVIDER_LIMIT * 9,
+        "goodput {busiest} of {PROVIDER_LIMIT} a minute"
+    );
+    let most = running_pods.iter().copied().max().unwrap_or(0);
+    assert!(most >= 5, "pods were added: {running_pods:?}");
+}
+
+/// Batch pods of run `name` running now.
+async fn running_batch_pods(setup: &Setup, name: &str) -> usize {
+    let pods = setup
+        .pods
+        .list(&ListParams::default())
+        .await
+        .expect("list the pods")
+        .items;
+    pods.iter()
+        .filter(|pod| pod.name_any().starts_with(&format!("{name}-gen-")))
+        .filter(|pod| pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        .count()
+}
+
+async fn set_workers(setup: &Setup, name: &str, workers: u32) {
+    setup
+        .runs
+        .patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"workers": workers}})),
+        )
+        .await
+        .expect("change the run's workers");
+}
+
+/// The most of `arrivals` (sorted) within any `window`.
+fn most_in_any(arrivals: &[Instant], window: Duration) -> usize {
+    arrivals
+        .iter()
+        .enumerate()
+        .map(|(first, start)| arrivals[first..].partition_point(|at| *at < *start + window))
+        .max()
+        .unwrap_or(0)
 }
 
 /// An evicted running pod (the Eviction API: SIGTERM, the worker stops cleanly) is not counted as a

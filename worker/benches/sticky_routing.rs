@@ -22,7 +22,7 @@
 #[allow(dead_code)]
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
@@ -59,7 +59,7 @@ fn main() -> anyhow::Result<()> {
     let turns = common::env_number("STICKY_BENCH_TURNS", 6)?;
     let concurrency = common::env_number("STICKY_BENCH_CONCURRENCY", 4)?;
     let cases = std::env::var("STICKY_BENCH_CASES").unwrap_or_else(|_| "plain,system".into());
-    let executor = executor()?;
+    let executor = common::executor("STICKY_BENCH_EXECUTOR")?;
     println!(
         "# sticky_routing: {prompts} conversations, {turns} terminal calls and a last answer \
          each, {concurrency} at a time, 3 llama.cpp servers (1 thread, 1 GiB prefix cache \
@@ -209,19 +209,6 @@ fn run(
 
 /// The executor users run (`scripts/executor/build.sh`'s static build), or
 /// `STICKY_BENCH_EXECUTOR`.
-fn executor() -> anyhow::Result<PathBuf> {
-    if let Some(path) = std::env::var_os("STICKY_BENCH_EXECUTOR") {
-        return Ok(PathBuf::from(path));
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/executor/build.sh");
-    let built = Command::new(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("cannot run {}", script.display()))?;
-    ensure!(built.status.success(), "{} failed", script.display());
-    Ok(PathBuf::from(String::from_utf8(built.stdout)?.trim()))
-}
-
 #[allow(clippy::cast_precision_loss)] // token counts, far below 2^52
 fn ratio(numerator: u64, denominator: u64) -> f64 {
     numerator as f64 / denominator.max(1) as f64

@@ -9,6 +9,7 @@ use tracing::{debug, error, info, warn};
 use crate::contract::LandlockStatus;
 use crate::contract::{WorkerFailure, env, exit, paths, termination_message};
 use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
+use crate::run::ledger::Ledger;
 use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
 use crate::run::manifest::Manifest;
 use crate::run::{RunError, RunFile, RunLocation, load_plan, merge, plan};
@@ -246,11 +247,18 @@ impl RunArgs {
         };
         let message = match result {
             Ok(summary) => termination_message(summary),
-            Err(error) => termination_message(&WorkerFailure::new(
-                &error.to_string(),
-                error.reason(),
-                error.exit_code(),
-            )),
+            Err(error) => {
+                let mut failure =
+                    WorkerFailure::new(&error.to_string(), error.reason(), error.exit_code());
+                if let RunError::BudgetExhausted {
+                    max_cost, spent, ..
+                } = error
+                {
+                    failure.budget = Some(*max_cost);
+                    failure.run_spent = Some(crate::contract::usd_text(*spent));
+                }
+                termination_message(&failure)
+            }
         };
         if let Err(err) = std::fs::write(path, message) {
             error!(path = %path.display(), %err, "cannot write the termination message");
@@ -508,6 +516,13 @@ async fn batch_command(
     let mut engine = Engine::new(&location.plan.spec, workspaces.root())?;
     // At most `workers` pods run the run's batches at once: each keeps that share of a limit.
     engine.keep_limits(&location.plan.spec, u64::from(location.plan.spec.workers));
+    // Likewise for the budget: each pod grows its allowance by a `workers` share of what the
+    // run's other pods leave free.
+    let (spec, run_dir) = (location.plan.spec.clone(), location.run_dir());
+    let ledger = blocking(move || Ledger::for_run(&spec, &run_dir, spec.workers)).await?;
+    if let Some(ledger) = &ledger {
+        engine.keep_ledger(ledger.clone());
+    }
     engine.sandbox = sandbox;
     engine.task_sockets.clone_from(&workspaces.task_sockets);
     engine
@@ -515,5 +530,10 @@ async fn batch_command(
         .clone_from(&workspaces.image_unavailable);
     let mut summary = run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await?;
     summary.landlock = Some(landlock);
+    if let Some(ledger) = ledger {
+        drop(engine);
+        let spent = blocking(move || ledger.finish().map_err(RunError::from)).await?;
+        summary.run_spent = Some(crate::contract::usd_text(spent));
+    }
     Ok(summary)
 }

@@ -602,6 +602,10 @@ pub struct BatchSummary {
     /// Set when the batch stopped early, with the error class (e.g. `unauthorized`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped: Option<String>,
+    /// What the whole run had spent on the model when the batch ended, in USD (a decimal string),
+    /// as the claims of its processes on storage say: present when the run has prices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_spent: Option<String>,
     /// Whether Landlock confined the batch's terminal commands (absent: not checked).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub landlock: Option<LandlockStatus>,
@@ -616,6 +620,14 @@ pub enum LandlockStatus {
     NotEnforced,
     /// Turned off by the run's settings.
     Off,
+}
+
+/// A USD amount as summaries and the run's status write it: a decimal string of at most eight
+/// places (the cent's millionth, where summing floating-point costs leaves its noise).
+pub fn usd_text(amount: f64) -> String {
+    let text = format!("{:.8}", (amount * 1e8).round() / 1e8);
+    let text = text.trim_end_matches('0');
+    text.strip_suffix('.').unwrap_or(text).to_owned()
 }
 
 /// What `merge` reports.
@@ -639,6 +651,11 @@ pub struct MergeSummary {
     /// was priced (`spec.model.pricing`) or its cost reported by the provider.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<String>,
+    /// What the whole run spent on the model, in USD (a decimal string), conversations without a
+    /// record included, as the claims of its processes on storage say: present when they kept
+    /// claims (a run with prices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spent: Option<String>,
 }
 
 #[allow(
@@ -715,12 +732,20 @@ pub fn parse_ranges(text: &str) -> Result<Vec<u32>, String> {
 /// What a worker that stopped on an error reports in its termination message, for the operator's
 /// status: the error, its `PascalCase` reason (`ModelUnauthorized`, `InvalidDataset`, ...) and the
 /// exit code.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct WorkerFailure {
     pub error: String,
     pub reason: String,
     pub exit_code: i32,
+    /// The `spec.model.budget.maxCost` the worker found exhausted (reason `BudgetExhausted`): the
+    /// run is held until the budget is raised past it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<f64>,
+    /// What the whole run had spent when the worker stopped at the budget, in USD (a decimal
+    /// string), as the claims of its processes said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_spent: Option<String>,
 }
 
 impl WorkerFailure {
@@ -733,6 +758,8 @@ impl WorkerFailure {
             error: error.chars().take(Self::MAX_ERROR_CHARS).collect(),
             reason: reason.to_owned(),
             exit_code,
+            budget: None,
+            run_spent: None,
         }
     }
 }
@@ -752,6 +779,14 @@ pub fn termination_message<T: Serialize>(summary: &T) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn amounts_show_to_eight_places_without_trailing_zeros() {
+        assert_eq!(usd_text(0.1 + 0.2), "0.3");
+        assert_eq!(usd_text(12.0), "12");
+        assert_eq!(usd_text(0.000_000_014), "0.00000001");
+        assert_eq!(usd_text(1_234.567_891_234), "1234.56789123");
+    }
 
     #[test]
     fn the_secret_keys_of_tool_settings_reach_the_worker_once_each() {

@@ -173,10 +173,11 @@ pub struct ModelSpec {
     /// totals; unset: only costs the provider reports with the usage (`usage.cost`) count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pricing: Option<PricingSpec>,
-    /// A cap on what the run's model calls cost, priced by `pricing` (which it needs). At the
-    /// budget no new conversation starts: those in flight finish, and the run stops with reason
-    /// `BudgetExhausted`; raising `maxCost` and running again finishes it. Held by local runs
-    /// (`trajectory-worker local`); a cluster refuses it for now.
+    /// A cap on what the run's model calls cost, priced by `pricing` (which it needs), held by
+    /// all of the run's pods together. At the budget no new conversation starts: those in
+    /// flight finish, and the run stops with reason `BudgetExhausted` (on a cluster it is held
+    /// `Suspended`, its generation Jobs suspended); raising `maxCost` finishes it, every record
+    /// once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<BudgetSpec>,
     /// The provider's rate limits on the run's key, kept by the run's requests over all its
@@ -204,6 +205,15 @@ pub struct LimitsSpec {
     /// to the usage it reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_tokens_per_minute: Option<u64>,
+    /// Input and output tokens together a minute, as `OpenAI` counts its tokens-a-minute limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<u64>,
+    /// Whether the limits not set here are learnt from the provider's answers (default true):
+    /// the first `x-ratelimit-limit-requests` / `x-ratelimit-limit-tokens` (`OpenAI`) or
+    /// `anthropic-ratelimit-*-limit` (Anthropic) header it sends is kept from then on, at this
+    /// pod's share (or whole, through `gubernator`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_headers: Option<bool>,
     /// Requests in flight at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<u64>,
@@ -306,7 +316,7 @@ impl ModelSpec {
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct BudgetSpec {
-    /// USD, over the whole run: what the records already on storage cost counts too.
+    /// USD, over the whole run: what earlier runs of the same output spent counts too.
     pub max_cost: f64,
 }
 

@@ -67,6 +67,11 @@ pub enum StorageFault {
 }
 
 impl StorageError {
+    /// The file or directory is not there.
+    pub fn is_not_found(&self) -> bool {
+        self.source.kind() == io::ErrorKind::NotFound
+    }
+
     pub fn fault(&self) -> StorageFault {
         match self.source.kind() {
             io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => StorageFault::Full,
@@ -214,6 +219,11 @@ impl RunDir {
         self.root.join(crate::contract::paths::REPORT_FILE)
     }
     /// Files a plan leaves for the generation pods (its pending lists).
+    /// Where each process spending the run's budget keeps its claim (see `run::budget`).
+    pub fn budget_dir(&self) -> PathBuf {
+        self.root.join("budget")
+    }
+
     pub fn plan_dir(&self) -> PathBuf {
         self.root.join(PLAN_DIR)
     }

@@ -5,7 +5,8 @@
 //!
 //! Two local runs at once, each of which alone may send the whole limit (a local run keeps all
 //! of it): together they keep to one limit, because the Gubernator counts for both, and the
-//! provider never has to refuse a request.
+//! provider never has to refuse a request. And a run whose spec sets no limit learns the
+//! provider's from the headers of its answers.
 
 mod common;
 
@@ -20,20 +21,22 @@ use trajectory_worker::run::local::run_local;
 /// Requests a minute: the runs' limit, and the provider's.
 const LIMIT: usize = 600;
 
+/// The `host:port` of `server`, as Envoy's cluster takes it.
+fn upstream_of(server: &trajectory_testkit::scripted_server::ScriptedServer) -> String {
+    server.address().to_string()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_runs_naming_one_key_keep_to_one_limit_through_a_gubernator() {
     let (server, arrivals) = common::recording_four_turns().await;
-    let upstream = server
-        .base_url()
-        .trim_start_matches("http://")
-        .trim_end_matches("/v1")
-        .to_owned();
+    let upstream = upstream_of(&server);
     // The provider: 600 a minute, a tenth of it at once.
     let provider = SheddingProxy::rate_limited(
         &upstream,
         RateLimit {
             max_tokens: 60,
             per_second: 10,
+            told: false,
         },
     );
     let gubernator = Gubernator::start("127.0.0.1");
@@ -114,5 +117,55 @@ async fn a_run_whose_gubernator_is_unreachable_keeps_its_share() {
     assert!(
         spread >= Duration::from_secs(6),
         "96 requests over {spread:?}"
+    );
+}
+
+/// A run whose spec sets no limit, against a provider that tells its limit in every answer
+/// (`x-ratelimit-limit-requests: 600`, added by Envoy): it learns the limit from the first answers
+/// and keeps to it, so the provider refuses nothing; told not to learn, the same run is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_learns_the_providers_limit_from_its_headers_and_keeps_to_it() {
+    let (server, arrivals) = common::recording_four_turns().await;
+    let upstream = upstream_of(&server);
+    let run = |learn: bool| {
+        let provider = SheddingProxy::rate_limited(
+            &upstream,
+            RateLimit {
+                max_tokens: 30,
+                per_second: 10,
+                told: true,
+            },
+        );
+        let fixture = RunFixture::new(&provider.base_url, 24)
+            .with("/concurrency", json!(8))
+            .with("/workers", json!(1))
+            .with("/model/limits", json!({"fromHeaders": learn}));
+        (provider, fixture)
+    };
+
+    let (provider, fixture) = run(true);
+    let report = run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect("the run finishes");
+    assert_eq!(report.merge.trajectories, 24);
+    let counts = provider.counts();
+    assert_eq!(
+        counts.rate_limited, 0,
+        "the provider refused none: {counts:?}"
+    );
+    let mut learnt = arrivals.lock().unwrap().clone();
+    learnt.sort();
+    assert_eq!(learnt.len(), 96);
+    common::assert_within_600_a_minute(&learnt, &[2, 5]);
+
+    arrivals.lock().unwrap().clear();
+    let (provider, fixture) = run(false);
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect("the run finishes, its refused requests retried");
+    let counts = provider.counts();
+    assert!(
+        counts.rate_limited >= 10,
+        "not learning, the run is refused: {counts:?}"
     );
 }

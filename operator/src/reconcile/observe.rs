@@ -54,6 +54,12 @@ pub struct Observed {
     /// name): why, as the node said, once it counts as unavailable
     /// ([`trajectory_worker::spec::SandboxSpec::image_unavailable_after_seconds`]).
     pub unpullable: BTreeMap<String, String>,
+    /// The highest `spec.model.budget.maxCost` a pod of the latest attempt stopped at, having
+    /// found it spent (read only while the run has a budget).
+    pub budget_exhausted_at: Option<f64>,
+    /// The most any batch pod of the latest attempt said the run had spent as it ended (finished,
+    /// or stopped at the budget), in USD (read only while the run has prices).
+    pub run_spent: Option<f64>,
 }
 
 impl Default for Observed {
@@ -74,6 +80,8 @@ impl Default for Observed {
             image_pages: Vec::new(),
             image_index: None,
             unpullable: BTreeMap::new(),
+            budget_exhausted_at: None,
+            run_spent: None,
         }
     }
 }
@@ -285,7 +293,44 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
         observed.image_pages = pages;
     }
     observed.unpullable = unpullable(&pods, &name, run, &observed.attempts).await?;
+    (observed.budget_exhausted_at, observed.run_spent) =
+        spending_reports(&pods, run, &observed.attempts).await?;
     Ok(observed)
+}
+
+/// What the pods of the latest attempt's Jobs reported of the run's spending: the highest budget
+/// a failed one stopped at, and the most a finished one (or one stopped at the budget) said the
+/// run had spent (nothing is read for a run without prices or a budget).
+async fn spending_reports(
+    pods: &Api<Pod>,
+    run: &TrajectoryRun,
+    attempts: &[ObservedAttempt],
+) -> Result<(Option<f64>, Option<f64>), kube::Error> {
+    let model = &run.spec.run.model;
+    let latest = attempts.iter().map(|attempt| attempt.attempt).max();
+    let (Some(latest), true) = (latest, model.pricing.is_some() || model.budget.is_some()) else {
+        return Ok((None, None));
+    };
+    let highest = |high: Option<f64>, value: f64| Some(high.map_or(value, |high| high.max(value)));
+    let (mut exhausted_at, mut spent) = (None, None);
+    for attempt in attempts.iter().filter(|attempt| attempt.attempt == latest) {
+        for message in termination_messages(pods, &attempt.job.name_any(), None).await? {
+            if let Ok(summary) = serde_json::from_str::<BatchSummary>(&message) {
+                if let Some(run_spent) = summary.run_spent.and_then(|text| text.parse().ok()) {
+                    spent = highest(spent, run_spent);
+                }
+            } else if let Ok(failure) = serde_json::from_str::<WorkerFailure>(&message)
+                && failure.exit_code == exit::BUDGET_EXHAUSTED
+                && let Some(budget) = failure.budget
+            {
+                exhausted_at = highest(exhausted_at, budget);
+                if let Some(run_spent) = failure.run_spent.and_then(|text| text.parse().ok()) {
+                    spent = highest(spent, run_spent);
+                }
+            }
+        }
+    }
+    Ok((exhausted_at, spent))
 }
 
 /// The image groups the operator keeps for a round, one JSON [`ImageGroup`] a line.

@@ -51,6 +51,8 @@ pub enum Reason {
     StorageMissing,
     /// The output directory holds a run of another dataset or spec.
     OutputMismatch,
+    /// The run spent `spec.model.budget`: it is held (`Suspended`) until the budget is raised.
+    BudgetExhausted,
 }
 
 impl Reason {
@@ -75,6 +77,7 @@ impl Reason {
             Self::StoragePermissionDenied => "StoragePermissionDenied",
             Self::StorageMissing => "StorageMissing",
             Self::OutputMismatch => "OutputMismatch",
+            Self::BudgetExhausted => "BudgetExhausted",
         }
     }
 
@@ -130,6 +133,10 @@ pub struct Tally {
     pub landlock: Option<LandlockStatus>,
     /// The rows' images, when they name any.
     pub images: Option<ImageTally>,
+    /// Why the run is held at its budget, while it is (see `decide::hold_at_budget`).
+    pub budget_exhausted: Option<String>,
+    /// What the run spent so far and will at this rate, while its batches run.
+    pub cost: Option<CostStatus>,
 }
 
 /// The rows' images as the generation stage found them (see [`crate::api::ImageStatus`]).
@@ -170,14 +177,15 @@ pub type ConditionSet<'a> = Vec<(ConditionType, bool, Reason, &'a str)>;
 /// A run working in `phase`. kstatus: `Reconciling` (in progress) while work is under way, like a
 /// running Job; while suspended it is what the spec asks for (Current). A run that failed before
 /// (a bad spec, since fixed) no longer has.
-pub fn working(phase: Phase, message: &str, suspended: bool, had_failed: bool) -> ConditionSet<'_> {
+pub fn working<'a>(
+    phase: Phase,
+    message: &'a str,
+    suspended: Option<(Reason, &'a str)>,
+    had_failed: bool,
+) -> ConditionSet<'a> {
     let reason = Reason::working_in(phase);
-    let working = !suspended;
-    let (reconciling_reason, reconciling_message) = if working {
-        (reason, message)
-    } else {
-        (Reason::Suspended, "spec.suspend is set")
-    };
+    let working = suspended.is_none();
+    let (reconciling_reason, reconciling_message) = suspended.unwrap_or((reason, message));
     let mut set = vec![
         (ConditionType::Progressing, working, reason, message),
         (
@@ -226,7 +234,15 @@ pub fn desired(
     now: &Time,
 ) -> TrajectoryRunStatus {
     let generation = run.metadata.generation;
-    let suspended = run.spec.run.suspend;
+    // The user's suspension first: it holds whatever the budget does.
+    let suspended = if run.spec.run.suspend {
+        Some((Reason::Suspended, "spec.suspend is set"))
+    } else {
+        tally
+            .budget_exhausted
+            .as_deref()
+            .map(|message| (Reason::BudgetExhausted, message))
+    };
     let mut status = run.status.clone().unwrap_or_default();
     status.observed_generation = generation;
     if status.start_time.is_none() {
@@ -236,14 +252,10 @@ pub fn desired(
     let had_failed = conditions
         .iter()
         .any(|c| c.type_ == ConditionType::Failed.as_str());
-    let (suspend_reason, suspend_message) = if suspended {
-        (Reason::Suspended, "spec.suspend is set")
-    } else {
-        (Reason::Resumed, "running")
-    };
+    let (suspend_reason, suspend_message) = suspended.unwrap_or((Reason::Resumed, "running"));
     let mut set = vec![(
         ConditionType::Suspended,
-        suspended,
+        suspended.is_some(),
         suspend_reason,
         suspend_message,
     )];
@@ -304,6 +316,9 @@ fn record_tally(status: &mut TrajectoryRunStatus, tally: &Tally) {
                 })
                 .collect(),
         });
+    }
+    if let Some(cost) = &tally.cost {
+        status.cost = Some(cost.clone());
     }
     if let Some(landlock) = tally.landlock {
         status.sandbox = Some(SandboxStatus {

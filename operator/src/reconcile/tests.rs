@@ -229,8 +229,120 @@ fn a_merge_that_priced_records_puts_their_cost_in_the_status() {
         desired.status.cost,
         Some(crate::api::CostStatus {
             spent: "12.3456".to_owned(),
+            projected: None,
             currency: "USD".to_owned(),
         })
+    );
+}
+
+/// [`run`] with prices, and a budget of `max_cost` USD when given.
+fn priced_run(max_cost: Option<f64>) -> TrajectoryRun {
+    TrajectoryRun::test()
+        .named("r")
+        .namespace("ns")
+        .retry(2, 1)
+        .with(|spec| {
+            spec.model.pricing = Some(trajectory_worker::spec::PricingSpec {
+                input: Some(1.0),
+                output: Some(2.0),
+                ..Default::default()
+            });
+            spec.model.budget =
+                max_cost.map(|max_cost| trajectory_worker::spec::BudgetSpec { max_cost });
+        })
+        .build()
+}
+
+#[test]
+fn while_batches_run_the_status_shows_what_was_spent_and_what_the_run_will_cost() {
+    let priced = priced_run(None);
+    let mut observed = ObservedFixture::planned(4)
+        .attempt(JobFixture::generation(1).completed("0"), &[0, 1, 2, 3])
+        .build();
+    let cost = |run: &TrajectoryRun, observed: &Observed| {
+        let status = desired_state(run, observed, &Settings::default(), &now())
+            .unwrap()
+            .status;
+        status.cost.map(|cost| (cost.spent, cost.projected))
+    };
+    assert_eq!(cost(&priced, &observed), None, "no pod reported yet");
+    observed.run_spent = Some(1.25);
+    assert_eq!(
+        cost(&priced, &observed),
+        Some(("1.25".to_owned(), Some("5".to_owned()))),
+        "one batch of four done: four times as much in all"
+    );
+    // The pod that reported more is gone: what the status showed stands.
+    let mut shown = priced.clone();
+    shown.status = Some(crate::api::TrajectoryRunStatus {
+        cost: Some(crate::api::CostStatus {
+            spent: "2.5".to_owned(),
+            projected: None,
+            currency: "USD".to_owned(),
+        }),
+        ..Default::default()
+    });
+    assert_eq!(
+        cost(&shown, &observed).map(|(spent, _)| spent),
+        Some("2.5".to_owned())
+    );
+}
+
+#[test]
+fn a_run_at_its_budget_is_held_suspended_until_the_budget_is_raised() {
+    let with_budget = |max_cost: f64| priced_run(Some(max_cost));
+    let mut observed = ObservedFixture::planned(3)
+        .attempt(JobFixture::generation(1).completed("0"), &[0, 1, 2])
+        .build();
+    let desired = |run: &TrajectoryRun, observed: &Observed| {
+        desired_state(run, observed, &Settings::default(), &now()).unwrap()
+    };
+    let suspend = |desired: &Desired| desired.children.jobs[0].spec.as_ref().unwrap().suspend;
+    let budget_in_plan = |desired: &Desired| {
+        run_plan(desired, "r-gen-1")
+            .spec
+            .model
+            .budget
+            .map(|budget| budget.max_cost)
+    };
+
+    let running = desired(&with_budget(2.0), &observed);
+    assert_eq!(suspend(&running), Some(false));
+    assert_eq!(
+        condition(&running, ConditionType::Suspended),
+        ("False", "Resumed")
+    );
+
+    // A pod stopped at 2 USD: the Job is held, and the run says why.
+    observed.budget_exhausted_at = Some(2.0);
+    let held = desired(&with_budget(2.0), &observed);
+    assert_eq!(names(&held), ["r-gen-1"]);
+    assert_eq!(suspend(&held), Some(true));
+    assert_eq!(
+        condition(&held, ConditionType::Suspended),
+        ("True", "BudgetExhausted")
+    );
+    assert_eq!(condition(&held, ConditionType::Reconciling).0, "False");
+    assert_eq!(held.status.phase, Some(Phase::Running));
+    assert_eq!(
+        held.status.progress.as_deref(),
+        Some("1/3"),
+        "what is done stays done"
+    );
+
+    // Raised: the same Job runs on, its plan (which the pods it starts read) holding the new
+    // budget; the pods that stopped at the old one no longer hold it.
+    let raised = desired(&with_budget(5.0), &observed);
+    assert_eq!(names(&raised), ["r-gen-1"]);
+    assert_eq!(suspend(&raised), Some(false));
+    assert_eq!(budget_in_plan(&raised), Some(5.0));
+    assert_eq!(
+        condition(&raised, ConditionType::Suspended),
+        ("False", "Resumed")
+    );
+    assert_eq!(
+        condition(&raised, ConditionType::Reconciling),
+        ("True", "Generating")
     );
 }
 

@@ -20,7 +20,6 @@ use kube::{Resource, ResourceExt};
 use regex::Regex;
 use serde::Deserialize;
 use trajectory_worker::spec::RunSpec;
-use trajectory_worker::validate::SpecViolation;
 
 use super::children::{ATTEMPT_DIGITS, Component, MAX_NAME_LENGTH, MAX_RUN_NAME_LENGTH};
 use crate::api::{TrajectoryRun, TrajectoryRunStatus};
@@ -125,17 +124,7 @@ impl ValidatedRun<'_> {
 /// Checks `run` once for everything its children need.
 pub fn validate(run: &TrajectoryRun) -> Result<Validation<'_>, Invalid> {
     let spec = &run.spec.run;
-    let mut violations = spec.validate();
-    // Pods of a run share no spending count yet: a budget the cluster could not hold is refused,
-    // never silently ignored.
-    if spec.model.budget.is_some() {
-        violations.push(SpecViolation {
-            field: "spec.model.budget".to_owned(),
-            message: "is held by local runs only for now (trajectory-worker local); remove it \
-                      to run on a cluster"
-                .to_owned(),
-        });
-    }
+    let violations = spec.validate();
     if !violations.is_empty() {
         let message = violations
             .iter()
@@ -281,27 +270,6 @@ mod tests {
 
     fn invalid(run: &TrajectoryRun) -> Invalid {
         validate(run).expect_err("the run is invalid")
-    }
-
-    #[test]
-    fn a_budget_is_refused_on_a_cluster_by_name() {
-        let run = TrajectoryRun::test()
-            .with(|spec| {
-                spec.model.pricing = Some(trajectory_worker::spec::PricingSpec {
-                    input: Some(1.0),
-                    output: Some(2.0),
-                    ..Default::default()
-                });
-                spec.model.budget = Some(trajectory_worker::spec::BudgetSpec { max_cost: 10.0 });
-            })
-            .build();
-        let Ok(Validation::Refused(message)) = validate(&run) else {
-            panic!("a budget on a cluster was not refused");
-        };
-        assert!(
-            message.starts_with("spec.model.budget: is held by local runs only"),
-            "{message}"
-        );
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! What the `engine`, `run_modes` and `sandboxed_terminal` benches share: their knobs, the machine's load,
-//! the open-files limit, and the scripted server in a process of its own.
+//! What the benches share: their knobs, the machine's load, the open-files limit, the sandbox's
+//! executor, and the scripted server in a process of its own.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -94,4 +94,21 @@ pub fn serve_until_stdin_closes(
     drop(server);
     runtime.shutdown_background();
     Ok(())
+}
+
+/// The sandbox's executor binary: the one environment variable `name` names, or the one
+/// `scripts/executor/build.sh` builds (and prints).
+#[allow(dead_code, reason = "the benches that run no sandbox do not call it")]
+pub fn executor(name: &str) -> anyhow::Result<std::path::PathBuf> {
+    if let Some(path) = std::env::var_os(name) {
+        return Ok(path.into());
+    }
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/executor/build.sh");
+    let built = Command::new(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("cannot run {}", script.display()))?;
+    ensure!(built.status.success(), "{} failed", script.display());
+    Ok(String::from_utf8(built.stdout)?.trim().into())
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use rand::Rng;
-use reqwest::header::{AUTHORIZATION, HeaderName, HeaderValue, RETRY_AFTER};
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
 use serde_json::{Map, Value};
 use tracing::{debug, info, warn};
 
@@ -544,6 +544,9 @@ impl ModelClient {
         let policy = &self.settings.retry;
         let mut waited = Duration::ZERO;
         let (mut attempt, mut throttled) = (0, 0);
+        // Serialised once: every attempt sends these bytes, and the input-token limit measures
+        // them.
+        let body = serde_json::to_vec(body).expect("a JSON value serialises");
         loop {
             // Chosen again for each attempt: one taken out since the last goes to another.
             let endpoint = self
@@ -553,10 +556,10 @@ impl ModelClient {
             let (ticket, paused) = self.traffic[endpoint].admit().await;
             waited += paused;
             let reservation = match &self.limits {
-                Some(limits) => Some(self.reserve(limits, body).await),
+                Some(limits) => Some(self.reserve(limits, body.len()).await),
                 None => None,
             };
-            let outcome = self.attempt(endpoint, body, turn).await;
+            let outcome = self.attempt(endpoint, &body, turn).await;
             if let (Some(limits), Some(reservation)) = (&self.limits, reservation) {
                 let used = outcome.as_ref().map_or((0, 0), |completion| {
                     let tokens = completion.usage.tokens();
@@ -641,14 +644,10 @@ impl ModelClient {
         }
     }
 
-    /// Waits until a request with `body` fits the limits, and reserves it: its prompt at a token
-    /// a 4 bytes of the body, its answer at `max_tokens`.
-    async fn reserve<'a>(&self, limits: &'a Limits, body: &Value) -> Reservation<'a> {
-        let input = if limits.counts_input() {
-            serde_json::to_vec(body).map_or(0, |bytes| bytes.len() as u64 / 4)
-        } else {
-            0
-        };
+    /// Waits until a request of a `body_bytes` body fits the limits, and reserves it: its prompt
+    /// at a token a 4 bytes of the body, its answer at `max_tokens`.
+    async fn reserve<'a>(&self, limits: &'a Limits, body_bytes: usize) -> Reservation<'a> {
+        let input = u64::try_from(body_bytes / 4).unwrap_or(u64::MAX);
         let output = self
             .settings
             .max_tokens
@@ -721,7 +720,7 @@ impl ModelClient {
     async fn attempt(
         &self,
         endpoint: usize,
-        body: &Value,
+        body: &[u8],
         turn: usize,
     ) -> Result<Completion, AttemptError> {
         let started = Instant::now();
@@ -729,7 +728,8 @@ impl ModelClient {
             .http
             .post(&self.endpoints.get(endpoint).url)
             .timeout(self.settings.request_timeout)
-            .json(body);
+            .header(CONTENT_TYPE, "application/json")
+            .body(body.to_vec());
         if let Some(authorization) = &self.authorization {
             request = request.header(AUTHORIZATION, authorization.clone());
         }
@@ -739,6 +739,9 @@ impl ModelClient {
             request = request.header(header, value);
         }
         let response = request.send().await.map_err(transport_error)?;
+        if let Some(limits) = &self.limits {
+            limits.learn(response.headers());
+        }
         let status = response.status();
         if !status.is_success() {
             let retry_after = response

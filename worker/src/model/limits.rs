@@ -15,8 +15,14 @@
 //! with the same burst and rate, whose `max_wait` makes it queue a reservation and say when it
 //! may go (`SCHEDULED`, `retry_after`) as the meter here does. A pod that cannot reach it keeps
 //! its share with its own meters meanwhile, so the limit holds either way.
+//!
+//! A limit the spec does not set is learnt from the provider's answers (unless
+//! `fromHeaders: false`): the first `x-ratelimit-limit-requests` / `-tokens` (`OpenAI`) or
+//! `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-limit` (Anthropic) it reports
+//! becomes a meter at this process's share, or a Gubernator bucket at the whole.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -80,6 +86,11 @@ impl Meter {
         });
     }
 
+    /// The cells it lets through at once.
+    fn burst(&self) -> u64 {
+        u64::try_from(self.tolerance.as_nanos() / self.interval.as_nanos().max(1)).unwrap_or(0)
+    }
+
     fn cost(&self, cells: u64) -> Duration {
         self.interval
             .saturating_mul(u32::try_from(cells).unwrap_or(u32::MAX))
@@ -100,29 +111,87 @@ pub struct Reservation<'a> {
 /// This process's share of the run's limits.
 #[derive(Debug)]
 pub struct Limits {
-    requests: Option<Meter>,
-    input_tokens: Option<Meter>,
-    output_tokens: Option<Meter>,
+    /// Processes that may run the run's batches at once: what this one keeps alone is a share.
+    processes: u64,
+    /// A meter of each kind (by [`Kind::index`]) the spec set or the provider told.
+    meters: [OnceLock<Meter>; KINDS],
     /// Requests in flight at once.
     in_flight: Option<tokio::sync::Semaphore>,
     /// The counts every pod shares, when a Gubernator keeps them.
     shared: Option<Shared>,
+    /// Whether limits the spec does not set are learnt from the provider's headers.
+    learn: bool,
+    /// Cells of each kind reserved while it had no meter: a meter learnt later starts with
+    /// them spent (they went out in the minute the provider counts).
+    unmetered: [AtomicU64; KINDS],
 }
 
-/// The three kinds of cells a request takes.
+const KINDS: usize = 4;
+
+/// The kinds of cells a request takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Requests,
     InputTokens,
     OutputTokens,
+    /// Input and output tokens together (`OpenAI`'s tokens a minute).
+    Tokens,
 }
 
 impl Kind {
+    const ALL: [Self; KINDS] = [
+        Self::Requests,
+        Self::InputTokens,
+        Self::OutputTokens,
+        Self::Tokens,
+    ];
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
     fn name(self) -> &'static str {
         match self {
             Self::Requests => "requests",
             Self::InputTokens => "input-tokens",
             Self::OutputTokens => "output-tokens",
+            Self::Tokens => "tokens",
+        }
+    }
+
+    /// The spec's limit of this kind, a minute.
+    fn in_spec(self, spec: &LimitsSpec) -> Option<u64> {
+        match self {
+            Self::Requests => spec.requests_per_minute,
+            Self::InputTokens => spec.input_tokens_per_minute,
+            Self::OutputTokens => spec.output_tokens_per_minute,
+            Self::Tokens => spec.tokens_per_minute,
+        }
+    }
+
+    /// The headers in which providers tell this kind's limit a minute.
+    fn headers(self) -> &'static [&'static str] {
+        match self {
+            Self::Requests => &[
+                "x-ratelimit-limit-requests",
+                "anthropic-ratelimit-requests-limit",
+            ],
+            Self::InputTokens => &["anthropic-ratelimit-input-tokens-limit"],
+            Self::OutputTokens => &["anthropic-ratelimit-output-tokens-limit"],
+            Self::Tokens => &[
+                "x-ratelimit-limit-tokens",
+                "anthropic-ratelimit-tokens-limit",
+            ],
+        }
+    }
+
+    /// The cells a request of `input` and `output` tokens takes of this kind.
+    fn cells(self, input: u64, output: u64) -> u64 {
+        match self {
+            Self::Requests => 1,
+            Self::InputTokens => input,
+            Self::OutputTokens => output,
+            Self::Tokens => input.saturating_add(output),
         }
     }
 }
@@ -134,7 +203,8 @@ struct Shared {
     /// `<url>/v1/GetRateLimits`.
     endpoint: String,
     key: String,
-    buckets: Vec<(Kind, u64, u64)>,
+    /// Each kind's `(rate a minute, burst)` (by [`Kind::index`]), as set or learnt.
+    buckets: [OnceLock<(u64, u64)>; KINDS],
     /// Whether it has failed since it last answered (told once, not a request).
     failing: std::sync::atomic::AtomicBool,
 }
@@ -144,17 +214,11 @@ const MAX_WAIT_MS: u64 = 600_000;
 
 impl Shared {
     fn new(spec: &crate::spec::GubernatorSpec, limits: &LimitsSpec) -> Self {
-        let buckets = [
-            (Kind::Requests, limits.requests_per_minute),
-            (Kind::InputTokens, limits.input_tokens_per_minute),
-            (Kind::OutputTokens, limits.output_tokens_per_minute),
-        ]
-        .into_iter()
-        .filter_map(|(kind, limit)| {
-            let (rate, burst) = rate_and_burst(limit?);
-            Some((kind, rate, burst))
-        })
-        .collect();
+        let buckets = Kind::ALL.map(|kind| {
+            kind.in_spec(limits)
+                .map(rate_and_burst)
+                .map_or_else(OnceLock::new, OnceLock::from)
+        });
         Self {
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(5))
@@ -171,8 +235,8 @@ impl Shared {
     /// them may go. Cells beyond a bucket's burst are taken a burst at a time, each queued.
     async fn take(&self, cells: &[(Kind, i64)]) -> Result<Duration, String> {
         let mut items = Vec::new();
-        for (kind, rate, burst) in &self.buckets {
-            let Some(wanted) = cells.iter().find(|(k, _)| k == kind).map(|(_, n)| *n) else {
+        for &(kind, wanted) in cells {
+            let Some((rate, burst)) = self.buckets[kind.index()].get() else {
                 continue;
             };
             let burst_cells = i64::try_from(*burst).unwrap_or(i64::MAX);
@@ -244,7 +308,6 @@ impl Shared {
     }
 
     fn note(&self, outcome: &Result<Duration, String>) {
-        use std::sync::atomic::Ordering;
         match outcome {
             Ok(_) => {
                 if self.failing.swap(false, Ordering::Relaxed) {
@@ -270,41 +333,80 @@ fn rate_and_burst(limit: u64) -> (u64, u64) {
 }
 
 impl Limits {
-    /// The share of `spec` of one of `pods` processes that may run at once; `None` when it sets
-    /// no limit.
-    pub fn share(spec: &LimitsSpec, pods: u64) -> Option<Self> {
-        let pods = pods.max(1);
-        let share = |limit: Option<u64>| limit.map(|limit| (limit / pods).max(1));
+    /// The share of `spec` of one of `processes` processes that may run at once, learning what
+    /// it does not set from the provider unless it says not to; `None` when there is nothing to
+    /// keep or learn.
+    pub fn share(spec: Option<&LimitsSpec>, processes: u64) -> Option<Self> {
+        let processes = processes.max(1);
+        let default = LimitsSpec::default();
+        let spec = spec.unwrap_or(&default);
+        let share = |limit: u64| (limit / processes).max(1);
         let limits = Self {
-            requests: share(spec.requests_per_minute).map(Meter::per_minute),
-            input_tokens: share(spec.input_tokens_per_minute).map(Meter::per_minute),
-            output_tokens: share(spec.output_tokens_per_minute).map(Meter::per_minute),
-            in_flight: share(spec.max_in_flight).map(|limit| {
+            processes,
+            meters: Kind::ALL.map(|kind| {
+                kind.in_spec(spec)
+                    .map(|limit| Meter::per_minute(share(limit)))
+                    .map_or_else(OnceLock::new, OnceLock::from)
+            }),
+            in_flight: spec.max_in_flight.map(|limit| {
                 tokio::sync::Semaphore::new(
-                    usize::try_from(limit)
+                    usize::try_from(share(limit))
                         .unwrap_or(usize::MAX)
                         .min(tokio::sync::Semaphore::MAX_PERMITS),
                 )
             }),
-            shared: None,
-        };
-        let limits = Self {
             shared: spec
                 .gubernator
                 .as_ref()
                 .map(|gubernator| Shared::new(gubernator, spec)),
-            ..limits
+            learn: spec.from_headers.unwrap_or(true),
+            unmetered: Default::default(),
         };
-        let any = limits.requests.is_some()
-            || limits.input_tokens.is_some()
-            || limits.output_tokens.is_some()
-            || limits.in_flight.is_some();
+        let any = limits.meters.iter().any(|meter| meter.get().is_some())
+            || limits.in_flight.is_some()
+            || limits.learn;
         any.then_some(limits)
     }
 
-    /// Whether it limits input tokens (whose estimate costs a look at the request).
-    pub fn counts_input(&self) -> bool {
-        self.input_tokens.is_some()
+    /// Learns the limits the spec did not set from a provider's answer's headers (the first
+    /// value of each kind it tells).
+    pub fn learn(&self, headers: &reqwest::header::HeaderMap) {
+        if !self.learn {
+            return;
+        }
+        for kind in Kind::ALL {
+            let slot = &self.meters[kind.index()];
+            if slot.get().is_some() {
+                continue;
+            }
+            let Some(limit) = kind.headers().iter().find_map(|name| {
+                headers
+                    .get(*name)?
+                    .to_str()
+                    .ok()?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|limit| *limit > 0)
+            }) else {
+                continue;
+            };
+            let share = (limit / self.processes).max(1);
+            let meter = Meter::per_minute(share);
+            let sent = self.unmetered[kind.index()].load(Ordering::Relaxed);
+            meter.adjust(signed(sent.min(meter.burst())), Instant::now());
+            if slot.set(meter).is_ok() {
+                if let Some(shared) = &self.shared {
+                    let _ = shared.buckets[kind.index()].set(rate_and_burst(limit));
+                }
+                tracing::info!(
+                    kind = kind.name(),
+                    limit,
+                    share,
+                    "learnt the provider's limit a minute from its headers"
+                );
+            }
+        }
     }
 
     /// Waits until a request of about `input_tokens` prompt tokens and at most `output_tokens`
@@ -316,42 +418,37 @@ impl Limits {
             Some(semaphore) => semaphore.acquire().await.ok(),
             None => None,
         };
+        let reservation = |shared| Reservation {
+            input_tokens,
+            output_tokens,
+            shared,
+            _in_flight: in_flight,
+        };
         if let Some(shared) = &self.shared {
-            let cells = [
-                (Kind::Requests, 1),
-                (Kind::InputTokens, signed(input_tokens)),
-                (Kind::OutputTokens, signed(output_tokens)),
-            ];
+            let cells =
+                Kind::ALL.map(|kind| (kind, signed(kind.cells(input_tokens, output_tokens))));
             let outcome = shared.take(&cells).await;
             shared.note(&outcome);
             if let Ok(wait) = outcome {
                 tokio::time::sleep(wait).await;
-                return Reservation {
-                    input_tokens,
-                    output_tokens,
-                    shared: true,
-                    _in_flight: in_flight,
-                };
+                return reservation(true);
             }
         }
         let now = Instant::now();
-        let mut go = now;
-        for (meter, cells) in [
-            (&self.requests, 1),
-            (&self.input_tokens, input_tokens),
-            (&self.output_tokens, output_tokens),
-        ] {
-            if let Some(meter) = meter {
-                go = go.max(meter.reserve(cells, now));
+        let mut go = None;
+        for kind in Kind::ALL {
+            let cells = kind.cells(input_tokens, output_tokens);
+            if let Some(meter) = self.meters[kind.index()].get() {
+                let at = meter.reserve(cells, now);
+                go = Some(go.map_or(at, |go: Instant| go.max(at)));
+            } else if self.learn {
+                self.unmetered[kind.index()].fetch_add(cells, Ordering::Relaxed);
             }
         }
-        tokio::time::sleep_until(go).await;
-        Reservation {
-            input_tokens,
-            output_tokens,
-            shared: false,
-            _in_flight: in_flight,
+        if let Some(go) = go.filter(|go| *go > now) {
+            tokio::time::sleep_until(go).await;
         }
+        reservation(false)
     }
 
     /// The request of `reservation` used `input_tokens` and `output_tokens` (none when it was
@@ -364,29 +461,23 @@ impl Limits {
         output_tokens: u64,
     ) {
         let now = Instant::now();
-        let difference = |used: u64, reserved: u64| signed(used) - signed(reserved);
+        let difference = |kind: Kind| {
+            signed(kind.cells(input_tokens, output_tokens))
+                - signed(kind.cells(reservation.input_tokens, reservation.output_tokens))
+        };
+        let tokens = [Kind::InputTokens, Kind::OutputTokens, Kind::Tokens];
         if let (Some(shared), true) = (&self.shared, reservation.shared) {
-            let cells = [
-                (
-                    Kind::InputTokens,
-                    difference(input_tokens, reservation.input_tokens),
-                ),
-                (
-                    Kind::OutputTokens,
-                    difference(output_tokens, reservation.output_tokens),
-                ),
-            ];
+            let cells = tokens.map(|kind| (kind, difference(kind)));
             // What was used more is queued behind what others reserved: the next requests wait
             // for it, not this one, which has gone.
             let outcome = shared.take(&cells).await;
             shared.note(&outcome);
             return;
         }
-        if let Some(meter) = &self.input_tokens {
-            meter.adjust(difference(input_tokens, reservation.input_tokens), now);
-        }
-        if let Some(meter) = &self.output_tokens {
-            meter.adjust(difference(output_tokens, reservation.output_tokens), now);
+        for kind in tokens {
+            if let Some(meter) = self.meters[kind.index()].get() {
+                meter.adjust(difference(kind), now);
+            }
         }
     }
 }
@@ -420,7 +511,7 @@ mod tests {
             requests_per_minute: Some(600),
             ..LimitsSpec::default()
         };
-        let limits = std::sync::Arc::new(Limits::share(&spec, 1).unwrap());
+        let limits = std::sync::Arc::new(Limits::share(Some(&spec), 1).unwrap());
         let started = Instant::now();
         // Forty callers asking as fast as they are let through, for five minutes.
         let callers = (0..40).map(|_| {
@@ -450,6 +541,65 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_limit_the_spec_does_not_set_is_learnt_from_the_first_answer_that_tells_it() {
+        let spec = LimitsSpec {
+            output_tokens_per_minute: Some(60_000),
+            ..LimitsSpec::default()
+        };
+        let limits = Limits::share(Some(&spec), 4).unwrap();
+        let timed = |count: usize| {
+            let limits = &limits;
+            async move {
+                let started = Instant::now();
+                for _ in 0..count {
+                    let reservation = limits.reserve(0, 0).await;
+                    limits.settle(reservation, 0, 0).await;
+                }
+                started.elapsed()
+            }
+        };
+        assert_eq!(
+            timed(100).await,
+            Duration::ZERO,
+            "nothing limits requests yet"
+        );
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert("x-ratelimit-limit-requests", "2400".parse().unwrap());
+        headers.insert(
+            "anthropic-ratelimit-output-tokens-limit",
+            "1".parse().unwrap(),
+        );
+        limits.learn(&headers);
+        // 600 a minute for each of four pods, its burst of 30 spent by the requests before:
+        // 57 more take 6 s at 570 a minute.
+        let learnt = timed(57).await;
+        assert!(
+            learnt >= Duration::from_secs(5) && learnt <= Duration::from_secs(7),
+            "{learnt:?}"
+        );
+        // Told again, otherwise: the first stands; the spec's output limit was never replaced.
+        headers.insert("x-ratelimit-limit-requests", "1000000".parse().unwrap());
+        limits.learn(&headers);
+        assert!(timed(57).await >= Duration::from_secs(5));
+        assert!(
+            limits.meters[Kind::OutputTokens.index()]
+                .get()
+                .unwrap()
+                .burst()
+                >= 700
+        );
+
+        let off = LimitsSpec {
+            from_headers: Some(false),
+            ..LimitsSpec::default()
+        };
+        assert!(
+            Limits::share(Some(&off), 1).is_none(),
+            "nothing to keep or learn"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn tokens_reserved_too_many_are_given_back() {
         let spec = LimitsSpec {
             output_tokens_per_minute: Some(60_000),
@@ -457,7 +607,7 @@ mod tests {
         };
         // Forty requests each reserve 1,000 tokens (their max tokens) and use 100.
         let run = |settled: bool| {
-            let limits = Limits::share(&spec, 1).unwrap();
+            let limits = Limits::share(Some(&spec), 1).unwrap();
             async move {
                 let started = Instant::now();
                 for _ in 0..40 {
@@ -478,17 +628,20 @@ mod tests {
     }
 
     #[test]
-    fn each_pod_keeps_its_share_and_an_empty_spec_keeps_none() {
+    fn each_pod_keeps_its_share_and_without_limits_only_learns() {
         let spec = LimitsSpec {
             requests_per_minute: Some(1_000),
             max_in_flight: Some(64),
             ..LimitsSpec::default()
         };
-        let share = Limits::share(&spec, 4).unwrap();
+        let share = Limits::share(Some(&spec), 4).unwrap();
         assert_eq!(share.in_flight.as_ref().unwrap().available_permits(), 16);
-        let meter = share.requests.unwrap();
+        let meter = share.meters[Kind::Requests.index()].get().unwrap();
         // 250 a minute: a burst of 12, then 238 a minute.
         assert_eq!(meter.interval, MINUTE.div_f64(238.0));
-        assert!(Limits::share(&LimitsSpec::default(), 4).is_none());
+        assert_eq!(meter.burst(), 12);
+        let learning = Limits::share(None, 4).unwrap();
+        assert!(learning.meters.iter().all(|meter| meter.get().is_none()));
+        assert!(learning.learn);
     }
 }

@@ -45,7 +45,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{Instrument, info, info_span, warn};
 
-use super::budget::{Budget, Ticket};
+use super::ledger::{Admission, Ledger, Ticket};
 use super::manifest::Manifest;
 use super::sampling::{ENOUGH_PASSED, Next, Schedule};
 use super::segments::segment_digest;
@@ -100,8 +100,9 @@ pub struct Engine {
     pub concurrency: usize,
     /// Time in-flight conversations get to finish after a shutdown request.
     pub grace: Duration,
-    /// `spec.model.budget`, when the run keeps one: conversations start only while it has room.
-    pub budget: Option<Arc<Budget>>,
+    /// What the run spends, counted with its other processes when it has prices, and
+    /// `spec.model.budget` when it has one: conversations start only while it has room.
+    pub ledger: Option<Arc<Ledger>>,
 }
 
 impl Engine {
@@ -118,23 +119,18 @@ impl Engine {
         )
     }
 
-    /// Holds the run to `budget`: its client counts what each completion cost into it, and
-    /// conversations start only while it has room.
-    pub fn keep_budget(&mut self, budget: Arc<Budget>) {
-        self.client = self.client.with_spending(budget.spending());
-        self.budget = Some(budget);
+    /// Counts what the run spends in `ledger` (its client adds each completion's cost to it),
+    /// and holds it to the ledger's budget: conversations start only while it has room.
+    pub fn keep_ledger(&mut self, ledger: Arc<Ledger>) {
+        self.client = self.client.with_spending(ledger.spending());
+        self.ledger = Some(ledger);
     }
 
-    /// Holds the model's requests to this process's share of `spec.model.limits`, as one of
-    /// `processes` that may run the run's batches at once (its `workers` on a cluster; a local
-    /// run is one). Nothing when the spec sets no limit.
+    /// Holds the model's requests to this process's share of `spec.model.limits` and of the
+    /// limits the provider tells, as one of `processes` that may run the run's batches at once
+    /// (its `workers` on a cluster; a local run is one).
     pub fn keep_limits(&mut self, spec: &RunSpec, processes: u64) {
-        if let Some(limits) = spec
-            .model
-            .limits
-            .as_ref()
-            .and_then(|limits| Limits::share(limits, processes))
-        {
+        if let Some(limits) = Limits::share(spec.model.limits.as_ref(), processes) {
             self.client = self.client.with_limits(Arc::new(limits));
         }
     }
@@ -184,7 +180,7 @@ impl Engine {
             samples_per_prompt: spec.samples_per_prompt,
             concurrency: usize::try_from(spec.concurrency).unwrap_or(1),
             grace: Duration::from_secs(20),
-            budget: None,
+            ledger: None,
         })
     }
 }
@@ -391,6 +387,7 @@ pub async fn run_batch(
         failed: marker.failed,
         resumed: summary.resumed,
         stopped: None,
+        run_spent: None,
         landlock: None,
     })
 }
@@ -407,6 +404,7 @@ fn done_summary(run_dir: &RunDir, batch: u32) -> Option<BatchSummary> {
         failed: marker.failed,
         resumed: marker.succeeded + marker.discarded + marker.failed,
         stopped: None,
+        run_spent: None,
         landlock: None,
     })
 }
@@ -490,9 +488,20 @@ async fn run_pending(
             if shutdown.is_triggered() {
                 break;
             }
-            let Ok(ticket) = reserve(&shared.engine, &pending) else {
-                over_budget = true;
-                break;
+            let ticket = match admit(&shared.engine, &pending).await? {
+                None => None,
+                Some(Admission::Start(ticket)) => Some(ticket),
+                Some(Admission::Wait) if running.is_empty() => {
+                    // Another batch of this process runs the conversation that tells what one
+                    // costs: look again shortly.
+                    tokio::time::sleep(ADMISSION_RECHECK).await;
+                    continue;
+                }
+                Some(Admission::Wait) => break,
+                Some(Admission::Exhausted) => {
+                    over_budget = true;
+                    break;
+                }
             };
             match pending.take_next() {
                 Next::Run(prompt_index, sample) => {
@@ -583,8 +592,8 @@ fn stopped_early(shared: &Shared, pending: &Schedule, over_budget: bool) -> Opti
     if pending.is_empty() {
         return None;
     }
-    if let (true, Some(budget)) = (over_budget, &shared.engine.budget) {
-        return Some(super::budget::exhausted(budget, pending.len()));
+    if let (true, Some(ledger)) = (over_budget, &shared.engine.ledger) {
+        return Some(super::ledger::exhausted(ledger, pending.len()));
     }
     shared.circuit.is_open().then(|| {
         RunError::ModelUnavailable(format!(
@@ -596,13 +605,15 @@ fn stopped_early(shared: &Shared, pending: &Schedule, over_budget: bool) -> Opti
     })
 }
 
-/// The budget's reservation for the next conversation (`None`: the run keeps no budget, or
-/// nothing is pending), taken before the conversation leaves the schedule, so that one the
-/// budget has no room for stays pending (and runs once the budget is raised); `Err` when it has
-/// no room.
-fn reserve(engine: &Engine, pending: &Schedule) -> Result<Option<Ticket>, ()> {
-    match &engine.budget {
-        Some(budget) if !pending.is_empty() => budget.start().map(Some).ok_or(()),
+/// How soon a batch with nothing in flight asks the budget again after it said to wait.
+const ADMISSION_RECHECK: Duration = Duration::from_millis(100);
+
+/// Whether the budget lets the next conversation start (`None`: the run keeps no budget, or
+/// nothing is pending). Asked before the conversation leaves the schedule, so that one the budget
+/// has no room for stays pending (and runs once the budget is raised).
+async fn admit(engine: &Engine, pending: &Schedule) -> Result<Option<Admission>, RunError> {
+    match &engine.ledger {
+        Some(budget) if !pending.is_empty() => budget.admit().await.map(Some),
         _ => Ok(None),
     }
 }

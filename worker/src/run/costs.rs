@@ -89,13 +89,6 @@ pub fn usd(amount: f64) -> f64 {
     (amount * 1e8).round() / 1e8
 }
 
-/// A USD amount as the run's status shows it: a decimal string of at most eight places.
-pub fn usd_text(amount: f64) -> String {
-    let text = format!("{:.8}", usd(amount));
-    let text = text.trim_end_matches('0');
-    text.strip_suffix('.').unwrap_or(text).to_owned()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,13 +116,5 @@ mod tests {
         assert_eq!(summary["records_priced"], 3);
         assert_eq!(summary["per_trajectory"], 0.1515);
         assert_eq!(Costs::default().summary(), None);
-    }
-
-    #[test]
-    fn amounts_show_to_eight_places_without_trailing_zeros() {
-        assert_eq!(usd_text(0.1 + 0.2), "0.3");
-        assert_eq!(usd_text(12.0), "12");
-        assert_eq!(usd_text(0.000_000_014), "0.00000001");
-        assert_eq!(usd_text(1_234.567_891_234), "1234.56789123");
     }
 }

@@ -15,7 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tracing::info;
 
 use super::batch::{ConversationOutcome, Engine, Progress, Shutdown, run_batch};
-use super::budget::{self, Budget};
+use super::ledger::Ledger;
 use super::{RunError, RunFile, RunLocation, merge, plan};
 use crate::contract::{MergeSummary, PlanSummary};
 use crate::storage::LockError;
@@ -106,10 +106,9 @@ pub async fn run_local(
     engine.sandbox = options.sandbox.clone();
     // One process runs every batch: the whole of each limit is its own.
     engine.keep_limits(&location.plan.spec, 1);
-    if let Some(budget) = &location.plan.spec.model.budget {
-        // What earlier runs of this directory spent counts against the same budget.
-        let before = budget::spent_on_storage(&run_dir, &manifest)?;
-        engine.keep_budget(Budget::new(budget, before));
+    // What earlier runs of this directory spent is in their claims, against the same budget.
+    if let Some(ledger) = Ledger::for_run(&location.plan.spec, &run_dir, 1)? {
+        engine.keep_ledger(ledger);
     }
     let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
     let pending: Vec<u32> = (0..manifest.batch_count())

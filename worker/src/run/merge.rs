@@ -956,7 +956,8 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
         skipped_lines,
         verified: totals.rewards.verified(),
         passed: totals.rewards.passed(),
-        cost: totals.costs.total().map(super::costs::usd_text),
+        cost: totals.costs.total().map(crate::contract::usd_text),
+        spent: super::ledger::spent_by_claims(&run_dir)?.map(crate::contract::usd_text),
     };
     info!(
         trajectories = summary.trajectories,

@@ -4,9 +4,9 @@
 //! reports a summary. Errors carry the exit code of the worker contract ([`crate::contract::exit`]).
 
 pub mod batch;
-pub mod budget;
 mod costs;
 pub mod distributions;
+pub mod ledger;
 pub mod local;
 pub mod manifest;
 pub mod merge;
@@ -71,8 +71,13 @@ pub enum RunError {
     ModelUnavailable(String),
     /// The run reached `spec.model.budget`: no conversation starts any more; what is done stays
     /// done.
-    #[error("budget exhausted: {0}")]
-    BudgetExhausted(String),
+    #[error("budget exhausted: {message}")]
+    BudgetExhausted {
+        message: String,
+        max_cost: f64,
+        /// What the whole run had spent, as the claims said when the budget ran out.
+        spent: f64,
+    },
     /// Stopped by a signal after leaving storage consistent.
     #[error("interrupted; run the same command again to resume")]
     Interrupted,
@@ -100,7 +105,7 @@ impl RunError {
             | Self::OutputInUse(_) => exit::PERMANENT_CONFIG,
             Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
             Self::Interrupted => exit::INTERRUPTED,
-            Self::BudgetExhausted(_) => exit::BUDGET_EXHAUSTED,
+            Self::BudgetExhausted { .. } => exit::BUDGET_EXHAUSTED,
             Self::Storage(error) => match error.fault() {
                 StorageFault::ReadOnly | StorageFault::Denied => exit::PERMANENT_CONFIG,
                 // Full: space can be freed while the Job backs off; the batch checks free space
@@ -132,7 +137,7 @@ impl RunError {
             Self::ModelNotFound(_) => "ModelNotFound",
             Self::ModelUnavailable(_) => "ModelUnavailable",
             Self::Interrupted => "Interrupted",
-            Self::BudgetExhausted(_) => "BudgetExhausted",
+            Self::BudgetExhausted { .. } => "BudgetExhausted",
             Self::RecordsLost(_) => "RecordsLost",
             Self::Internal(_) => "InternalError",
         }

@@ -10,7 +10,8 @@ use trajectory_worker::contract::exit;
 use crate::reconcile::children::CONTAINER;
 
 /// Ignore disruptions (preemption, spot loss, scale-down); fail the Job on a permanent
-/// configuration error; on an Indexed Job, fail only the index on bad batch input.
+/// configuration error; on an Indexed Job, fail only the index on bad batch input, and count
+/// nothing against it for a batch stopped at the budget.
 pub fn failure_policy(indexed: bool) -> PodFailurePolicy {
     let on_exit = |action: &str, code: i32| PodFailurePolicyRule {
         action: action.to_owned(),
@@ -34,6 +35,9 @@ pub fn failure_policy(indexed: bool) -> PodFailurePolicy {
     ];
     if indexed {
         rules.push(on_exit("FailIndex", exit::BAD_BATCH_INPUT));
+        // A batch stopped at the run's budget failed nothing: the operator holds the Job
+        // (suspended) until the budget is raised, and the batch runs again then.
+        rules.push(on_exit("Ignore", exit::BUDGET_EXHAUSTED));
     }
     PodFailurePolicy { rules }
 }

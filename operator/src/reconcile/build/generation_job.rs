@@ -43,7 +43,11 @@ pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard
         // The API server refuses a limit above `completions`; a limit of all of them is the same.
         max_failed_indexes: Some(to_i32(spec.retry.max_failed_batches.min(pending.count()))),
         pod_failure_policy: Some(failure_policy::failure_policy(true)),
-        suspend: asserted_suspend(spec, shard.exists),
+        suspend: if shard.held {
+            Some(true)
+        } else {
+            asserted_suspend(spec, shard.exists)
+        },
         ..job.spec.take().unwrap_or_default()
     });
     job

@@ -43,7 +43,8 @@ pub struct Children {
 }
 
 /// The objects of `wanted`. A Job that does not exist yet comes with its plan `ConfigMap`; an
-/// existing one is asserted alone (its `ConfigMap` is already there, and immutable in effect).
+/// existing one is asserted alone (its `ConfigMap` is already there, and its batches never
+/// change), but for a generation Job of a run with a budget (see [`Shard::held`]).
 pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -> Children {
     let mut children = Children::default();
     for child in wanted {
@@ -69,7 +70,9 @@ pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -
             Child::Generation(shard) => {
                 let job = generation_job(run, settings, shard);
                 // Named like its Job, which a Job recording unavailable rows is not by default.
-                let map = (!shard.exists).then(|| {
+                // With a budget it is applied again: the pods a held Job starts once the budget
+                // was raised read the raised one.
+                let map = (!shard.exists || run.spec.model.budget.is_some()).then(|| {
                     let mut map = plan_config_map(run, shard.component(), Some(&shard.pending));
                     map.metadata.name.clone_from(&job.metadata.name);
                     map

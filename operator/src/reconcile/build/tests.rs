@@ -33,6 +33,7 @@ fn gen_job(run: &TrajectoryRun, attempt: u32, batches: &[u32], exists: bool) -> 
         exists,
         parallelism: run.spec.run.workers,
         tasks: Tasks::Sandbox,
+        held: false,
     };
     generation_job(&valid(run), &settings(), &shard)
 }
@@ -98,6 +99,7 @@ fn children_are_built_for_what_the_decision_wants() {
             exists: false,
             parallelism: 1,
             tasks: Tasks::Sandbox,
+            held: false,
         }),
         Child::Merge {
             round: 1,
@@ -171,6 +173,7 @@ fn generation_job_is_indexed_with_retry_limits_and_failure_policy() {
             ),
             ("FailJob".to_owned(), Some(exit::PERMANENT_CONFIG), None),
             ("FailIndex".to_owned(), Some(exit::BAD_BATCH_INPUT), None),
+            ("Ignore".to_owned(), Some(exit::BUDGET_EXHAUSTED), None),
         ]
     );
 }

@@ -254,6 +254,7 @@ fn window(
                         image: piece.image.clone().unwrap_or_default(),
                         why: why.clone(),
                     },
+                    held: false,
                 });
             }
             (unavailable, _) => live.push(Shard {
@@ -270,6 +271,7 @@ fn window(
                     (None, Some(image)) => Tasks::Image(image.clone()),
                     (None, None) => Tasks::Sandbox,
                 },
+                held: false,
             }),
         }
     }
@@ -290,6 +292,7 @@ fn window(
             exists: false,
             parallelism: 0,
             tasks: piece.image.clone().map_or(Tasks::Sandbox, Tasks::Image),
+            held: false,
         });
     }
     let shares = worker_shares(run.spec.workers, live.len());

@@ -23,7 +23,7 @@ use std::collections::BTreeSet;
 
 use trajectory_worker::contract::{
     ImageGroup, MAX_JOB_COMPLETIONS, MergeSummary, PlanSummary, WorkerFailure, compact_ranges,
-    format_ranges, groups_of_pages, parse_ranges,
+    format_ranges, groups_of_pages, parse_ranges, usd_text,
 };
 
 use self::images::Work;
@@ -119,6 +119,9 @@ pub struct Shard {
     /// has `workers` pods at once however many Jobs it takes.
     pub parallelism: u32,
     pub tasks: Tasks,
+    /// Suspended at the run's budget: its pods are stopped and it starts no more until the budget
+    /// is raised.
+    pub held: bool,
 }
 
 impl Shard {
@@ -322,9 +325,63 @@ fn stages(
         Groups::Unread(outcome) => Some(outcome),
     };
     if let Some(outcome) = generated {
+        if matches!(outcome, Outcome::Working(Phase::Running, _)) {
+            tally.cost = running_cost(run, observed, tally);
+            hold_at_budget(run, observed, tally, work);
+        }
         return outcome;
     }
     merge(run, observed, tally, &mut work.children)
+}
+
+/// What the run spent so far (the most its batch pods reported, never less than the status
+/// showed) and, once some batch is done, what it will have spent at that rate.
+fn running_cost(run: &ValidatedRun<'_>, observed: &Observed, tally: &Tally) -> Option<CostStatus> {
+    let shown = run
+        .status()
+        .and_then(|status| status.cost.as_ref())
+        .and_then(|cost| cost.spent.parse::<f64>().ok());
+    let spent = match (observed.run_spent, shown) {
+        (Some(reported), Some(shown)) => reported.max(shown),
+        (reported, shown) => reported.or(shown)?,
+    };
+    let projected = tally
+        .batches
+        .as_ref()
+        .filter(|batches| batches.completed_count > 0)
+        .map(|batches| {
+            usd_text(spent * f64::from(batches.total) / f64::from(batches.completed_count))
+        });
+    Some(CostStatus {
+        spent: usd_text(spent),
+        projected,
+        currency: "USD".to_owned(),
+    })
+}
+
+/// Holds the generation Jobs (suspended) while a pod of the latest attempt found the run's budget
+/// spent and the budget was not raised since: at the budget no new conversation starts, and the
+/// pods that find it so stop (their batches count as neither done nor failed). Raising
+/// `maxCost` lets the Jobs run on, with the new budget in their plan.
+fn hold_at_budget(run: &ValidatedRun<'_>, observed: &Observed, tally: &mut Tally, work: &mut Work) {
+    let (Some(budget), Some(exhausted_at)) = (&run.spec.model.budget, observed.budget_exhausted_at)
+    else {
+        return;
+    };
+    // Budgets are compared as written (USD amounts, not sums of them).
+    if budget.max_cost > exhausted_at {
+        return;
+    }
+    for child in &mut work.children {
+        if let Child::Generation(shard) = child {
+            shard.held = true;
+        }
+    }
+    tally.budget_exhausted = Some(format!(
+        "the run spent its budget of {} USD (spec.model.budget.maxCost): no conversation starts \
+         and its batch pods are stopped; raise maxCost to finish the run (what is done stays done)",
+        budget.max_cost
+    ));
 }
 
 /// The image groups of the round's plan, as far as the operator has them.
@@ -619,6 +676,7 @@ fn running_shards(run: &ValidatedRun<'_>, shards: &[&ObservedAttempt]) -> Vec<Ch
                 exists: true,
                 parallelism,
                 tasks: Tasks::Sandbox,
+                held: false,
             }))
         })
         .collect()
@@ -731,6 +789,7 @@ fn start_attempt(
             exists: false,
             parallelism,
             tasks: Tasks::Sandbox,
+            held: false,
         }));
     }
     Outcome::Working(Phase::Running, message)
@@ -815,10 +874,16 @@ fn merged(run: &ValidatedRun<'_>, merge: &MergeSummary) -> Merged {
             verified: merge.verified,
             passed: merge.passed,
         }),
-        cost: merge.cost.clone().map(|spent| CostStatus {
-            spent,
-            currency: "USD".to_owned(),
-        }),
+        // What the run spent, when its pods kept claims; else what the kept records cost.
+        cost: merge
+            .spent
+            .clone()
+            .or_else(|| merge.cost.clone())
+            .map(|spent| CostStatus {
+                spent,
+                projected: None,
+                currency: "USD".to_owned(),
+            }),
         output: OutputStatus {
             path: run.output_path.clone(),
             trajectories: merge.trajectories,

@@ -1,0 +1,607 @@
+//! What a run spends on the model, counted across every process that spends it (a local run,
+//! or the pods of a cluster run), and `spec.model.budget`: at most `maxCost` USD over the whole
+//! run.
+//!
+//! Each process keeps a **claim**, a file of its own under the run's `budget/` directory: what it
+//! spent, the conversations it ended and what they cost, and its **allowance**, the part of the
+//! budget it may spend. A conversation reserves, before it starts, what a conversation has cost on
+//! average so far (over every process of the run), and gives the reservation back when it ends
+//! (its real cost is then in the process's spending). When its allowance has no room for the next
+//! conversation, the process reads every claim and grows its allowance by a `1/processes` share
+//! of what nobody holds (at least one conversation's worth while that much is free), so the
+//! allowances of the processes running at once never add up to more than the budget. What is
+//! left when that share cannot hold a conversation is the end of the budget: no new conversation
+//! starts, and the process gives back what it holds beyond what it committed.
+//!
+//! A claim counts as the larger of its allowance and what its process spent while the process
+//! lives, and as what it spent once the process finished (and wrote so). A process killed before
+//! it could write that keeps its whole allowance counted: it may have spent it, and a cap is not
+//! guessed at. Nothing is shared but files each written by one process, so this needs no lock
+//! across nodes (none reaches across NFS clients) and holds on object storage alike.
+//!
+//! A process starting **adopts** a finished claim (renames it to its own name and carries its
+//! figures on), so the run has about as many claims as processes run at once, however many
+//! batches it has: reading every claim stays cheap.
+//!
+//! Until some conversation of the run has ended there is no estimate, and each process runs one
+//! conversation at a time: a run learns what a conversation costs before it starts many.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use tracing::warn;
+
+use super::RunError;
+use crate::model::Spending;
+use crate::spec::{BudgetSpec, RunSpec};
+use crate::storage::{RunDir, StorageError, WriterId, write_atomic};
+
+/// Sums of USD amounts differ from their exact value by far less than this (one millionth of a
+/// cent): a conversation that fits exactly is not refused for a rounding.
+const ROUNDING: f64 = 1e-8;
+
+/// One process's claim, as its file holds it (with what the claims it adopted carried).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Claim {
+    /// USD the process may spend (spent plus reserved stays within it).
+    allowance: f64,
+    /// USD its model calls cost, as of the claim's last write.
+    spent: f64,
+    /// Conversations it ended with a known cost, and what they cost in all: the run's estimate.
+    ended: u64,
+    ended_cost: f64,
+    /// The process ended and wrote its last spending: its allowance no longer counts.
+    finished: bool,
+}
+
+impl Claim {
+    /// What the claim holds of the budget.
+    fn committed(&self) -> f64 {
+        if self.finished {
+            self.spent
+        } else {
+            self.allowance.max(self.spent)
+        }
+    }
+}
+
+/// The other processes' claims, summed, as last read.
+#[derive(Debug, Clone, Copy, Default)]
+struct Others {
+    committed: f64,
+    spent: f64,
+    ended: u64,
+    ended_cost: f64,
+}
+
+/// The run's spending and budget as one process holds them, shared by its batches'
+/// conversations.
+#[derive(Debug)]
+pub struct Ledger {
+    /// `spec.model.budget.maxCost`; without one, the process only counts what it spends.
+    max_cost: Option<f64>,
+    /// How many processes may hold allowances at once: a new allowance is a share of what is free.
+    processes: u32,
+    dir: PathBuf,
+    claim_path: PathBuf,
+    spending: Arc<Spending>,
+    state: Mutex<State>,
+    /// Held while the claims are read and this process's is written (growing is rare, and two
+    /// batches of one process growing at once would only read the same claims twice).
+    growing: Mutex<()>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    allowance: f64,
+    /// The figures of the finished claim this process adopted.
+    carried: Claim,
+    /// USD reserved by this process's conversations in flight, and how many they are.
+    reserved: f64,
+    in_flight: u32,
+    ended: u64,
+    ended_cost: f64,
+    others: Others,
+    finished: bool,
+}
+
+impl State {
+    /// What this process's claim holds of the budget besides its unused allowance: what it spent
+    /// (with what the claim it adopted had), and what its conversations in flight reserved.
+    fn committed(&self, spending: &Spending) -> f64 {
+        self.carried.spent + spending.total() + self.reserved
+    }
+
+    /// What a conversation costs on average over the run, once any ended.
+    fn estimate(&self) -> Option<f64> {
+        let ended = self.ended + self.carried.ended + self.others.ended;
+        let ended_cost = self.ended_cost + self.carried.ended_cost + self.others.ended_cost;
+        #[allow(clippy::cast_precision_loss)] // conversation counts stay far below 2^52
+        (ended > 0).then(|| ended_cost / ended as f64)
+    }
+}
+
+/// Whether a conversation may start.
+#[derive(Debug)]
+pub enum Admission {
+    /// It may: its reservation, given back when dropped.
+    Start(Ticket),
+    /// Not yet: the run knows no conversation's cost, and one of this process is in flight.
+    Wait,
+    /// The budget has no room for it.
+    Exhausted,
+}
+
+/// A conversation's reservation; given back when dropped (or [`Ticket::end`]ed with its cost,
+/// which the next estimates learn from).
+#[derive(Debug)]
+pub struct Ticket {
+    ledger: Arc<Ledger>,
+    reserved: f64,
+}
+
+impl Ledger {
+    /// This process's claim in `run_dir`, on a budget of `spec.maxCost` (when the run has one)
+    /// spent by up to `processes` processes at once: adopts a finished claim, reads the others,
+    /// and takes a first allowance.
+    pub fn open(
+        spec: Option<&BudgetSpec>,
+        run_dir: &RunDir,
+        processes: u32,
+    ) -> Result<Arc<Self>, RunError> {
+        let dir = run_dir.budget_dir();
+        let claim_path = dir.join(format!("{}.json", WriterId::random()));
+        let budget = Arc::new(Self {
+            max_cost: spec.map(|spec| spec.max_cost),
+            processes: processes.max(1),
+            dir,
+            claim_path,
+            spending: Arc::new(Spending::default()),
+            state: Mutex::new(State::default()),
+            growing: Mutex::new(()),
+        });
+        let carried = budget.adopt()?;
+        lock(&budget.state).carried = carried;
+        budget.grow()?;
+        Ok(budget)
+    }
+
+    /// The ledger of a run with prices or a budget (`None` for one without: nothing it spends
+    /// is known), as one of `processes` processes spending it at once.
+    pub fn for_run(
+        spec: &RunSpec,
+        run_dir: &RunDir,
+        processes: u32,
+    ) -> Result<Option<Arc<Self>>, RunError> {
+        let model = &spec.model;
+        if model.pricing.is_none() && model.budget.is_none() {
+            return Ok(None);
+        }
+        Self::open(model.budget.as_ref(), run_dir, processes).map(Some)
+    }
+
+    /// Takes over a finished claim, if there is one: renamed to this process's name, its figures
+    /// carried on in this process's claim.
+    fn adopt(&self) -> Result<Claim, StorageError> {
+        for path in claim_paths(&self.dir)? {
+            match read_claim(&path) {
+                Ok(claim) if claim.finished => {}
+                Ok(_) => continue,
+                // Adopted (and renamed) by another process meanwhile.
+                Err(error) if error.is_not_found() => continue,
+                Err(error) => return Err(error),
+            }
+            // Whatever the rename answers (over NFS a retried rename may report a failure that
+            // happened), the claim is this process's exactly when it is under its name now.
+            let _ = std::fs::rename(&path, &self.claim_path);
+            match read_claim(&self.claim_path) {
+                Ok(claim) => {
+                    return Ok(Claim {
+                        allowance: 0.0,
+                        finished: false,
+                        ..claim
+                    });
+                }
+                Err(error) if error.is_not_found() => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(Claim::default())
+    }
+
+    /// Where the model client counts what each completion cost.
+    pub fn spending(&self) -> Arc<Spending> {
+        self.spending.clone()
+    }
+
+    /// USD spent so far by the whole run: this process, and the others as last read.
+    pub fn spent(&self) -> f64 {
+        let state = lock(&self.state);
+        state.others.spent + state.carried.spent + self.spending.total()
+    }
+
+    /// `spec.model.budget.maxCost`, when the run has a budget.
+    pub fn max_cost(&self) -> Option<f64> {
+        self.max_cost
+    }
+
+    /// Whether the next conversation may start; grows the allowance (reading and writing claims,
+    /// off the async threads) when it has no room.
+    pub async fn admit(self: &Arc<Self>) -> Result<Admission, RunError> {
+        if self.max_cost.is_none() {
+            let mut state = lock(&self.state);
+            return Ok(self.reserve(&mut state, 0.0));
+        }
+        if let Some(admission) = self.admit_within_allowance() {
+            return Ok(admission);
+        }
+        let budget = self.clone();
+        let admission = tokio::task::spawn_blocking(move || {
+            budget.grow()?;
+            if let Some(admission) = budget.admit_within_allowance() {
+                return Ok(admission);
+            }
+            // What this process holds beyond what it committed is too little for a conversation
+            // here, and may be what another process lacks for one.
+            budget.give_back()?;
+            Ok::<_, StorageError>(Admission::Exhausted)
+        });
+        Ok(admission
+            .await
+            .map_err(|err| RunError::Internal(err.to_string()))??)
+    }
+
+    /// Shrinks the allowance to what this process spent and reserved.
+    fn give_back(&self) -> Result<(), StorageError> {
+        let _growing = lock(&self.growing);
+        let claim = {
+            let mut state = lock(&self.state);
+            state.allowance = state.allowance.min(state.committed(&self.spending));
+            self.claim(&state)
+        };
+        self.write(&claim)
+    }
+
+    /// The admission the allowance decides alone; `None` when it has no room.
+    fn admit_within_allowance(self: &Arc<Self>) -> Option<Admission> {
+        let mut state = lock(&self.state);
+        let Some(estimate) = state.estimate() else {
+            if state.in_flight > 0 {
+                return Some(Admission::Wait);
+            }
+            // The run's first conversation here: it shows what one costs.
+            let committed = state.committed(&self.spending);
+            return (committed < state.allowance).then(|| self.reserve(&mut state, 0.0));
+        };
+        let committed = state.committed(&self.spending);
+        (committed < state.allowance && committed + estimate <= state.allowance + ROUNDING)
+            .then(|| self.reserve(&mut state, estimate))
+    }
+
+    fn reserve(self: &Arc<Self>, state: &mut State, estimate: f64) -> Admission {
+        state.reserved += estimate;
+        state.in_flight += 1;
+        Admission::Start(Ticket {
+            ledger: self.clone(),
+            reserved: estimate,
+        })
+    }
+
+    /// Reads the other claims and adds a share of what they leave free to this allowance (with
+    /// no budget, only writes this process's claim).
+    fn grow(&self) -> Result<(), StorageError> {
+        let _growing = lock(&self.growing);
+        let others = self.read_others()?;
+        let claim = {
+            let mut state = lock(&self.state);
+            state.others = others;
+            let Some(max_cost) = self.max_cost else {
+                return self.write(&self.claim(&state));
+            };
+            let mine = state.allowance.max(state.committed(&self.spending));
+            let free = max_cost - others.committed - mine;
+            let share = free / f64::from(self.processes);
+            let grant = match state.estimate() {
+                // At least one conversation's worth while that much is free: shares of a small
+                // rest would each be too small to start one.
+                Some(estimate) => share.max(estimate.min(free)),
+                None => share,
+            };
+            if grant > 0.0 {
+                state.allowance = mine + grant;
+            }
+            self.claim(&state)
+        };
+        self.write(&claim)
+    }
+
+    /// This process's claim as its state says.
+    fn claim(&self, state: &State) -> Claim {
+        Claim {
+            allowance: state.allowance,
+            spent: state.carried.spent + self.spending.total(),
+            ended: state.carried.ended + state.ended,
+            ended_cost: state.carried.ended_cost + state.ended_cost,
+            finished: state.finished,
+        }
+    }
+
+    fn write(&self, claim: &Claim) -> Result<(), StorageError> {
+        let json = serde_json::to_vec(claim).expect("a claim serialises to JSON");
+        write_atomic(&self.claim_path, &json)
+    }
+
+    /// The claims of every other process (a claim that cannot be read is a fault of the storage,
+    /// not room in the budget; one adopted and renamed meanwhile is counted under its new name,
+    /// or was read before).
+    fn read_others(&self) -> Result<Others, StorageError> {
+        let mut others = Others::default();
+        for path in claim_paths(&self.dir)? {
+            if path == self.claim_path {
+                continue;
+            }
+            let claim = match read_claim(&path) {
+                Ok(claim) => claim,
+                Err(error) if error.is_not_found() => continue,
+                Err(error) => return Err(error),
+            };
+            others.committed += claim.committed();
+            others.spent += claim.spent;
+            others.ended += claim.ended;
+            others.ended_cost += claim.ended_cost;
+        }
+        Ok(others)
+    }
+
+    /// Writes this process's last spending as finished (its allowance no longer counts), and
+    /// returns what the whole run spent as the claims then say. Also done when the budget is
+    /// dropped; calling it first reports a failure to write.
+    pub fn finish(&self) -> Result<f64, StorageError> {
+        let claim = {
+            let mut state = lock(&self.state);
+            state.finished = true;
+            self.claim(&state)
+        };
+        self.write(&claim)?;
+        let others = self.read_others()?;
+        lock(&self.state).others = others;
+        Ok(others.spent + claim.spent)
+    }
+}
+
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        if lock(&self.state).finished {
+            return;
+        }
+        if let Err(error) = self.finish() {
+            warn!(%error, "the budget claim could not be marked finished; its allowance stays counted");
+        }
+    }
+}
+
+/// A claim's file: `<writer>.json` (the temp files of writes under way start with a dot).
+fn is_claim(path: &Path) -> bool {
+    let hidden = path
+        .file_name()
+        .and_then(|name| name.to_str())
+        .is_none_or(|name| name.starts_with('.'));
+    !hidden
+        && path
+            .extension()
+            .is_some_and(|extension| extension == "json")
+}
+
+fn read_claim(path: &Path) -> Result<Claim, StorageError> {
+    let bytes = std::fs::read(path).map_err(|error| StorageError::new("reading", path, error))?;
+    serde_json::from_slice(&bytes).map_err(|error| {
+        StorageError::new(
+            "reading",
+            path,
+            std::io::Error::new(std::io::ErrorKind::InvalidData, error),
+        )
+    })
+}
+
+impl Ticket {
+    /// The conversation ended having cost `cost` (USD), if known.
+    pub fn end(self, cost: Option<f64>) {
+        if let Some(cost) = cost {
+            let mut state = lock(&self.ledger.state);
+            state.ended += 1;
+            state.ended_cost += cost;
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut state = lock(&self.ledger.state);
+        state.reserved = (state.reserved - self.reserved).max(0.0);
+        state.in_flight = state.in_flight.saturating_sub(1);
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What every claim in `run_dir` says its process spent (`None` when the run kept none).
+pub fn spent_by_claims(run_dir: &RunDir) -> Result<Option<f64>, StorageError> {
+    let paths = claim_paths(&run_dir.budget_dir())?;
+    if paths.is_empty() {
+        return Ok(None);
+    }
+    let mut spent = 0.0;
+    for path in paths {
+        spent += read_claim(&path)?.spent;
+    }
+    Ok(Some(spent))
+}
+
+/// The claims' files in `dir` (temp files of writes under way are not claims).
+fn claim_paths(dir: &Path) -> Result<Vec<PathBuf>, StorageError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) => return Err(StorageError::new("listing", dir, error)),
+    };
+    let mut paths = Vec::new();
+    for entry in entries {
+        let path = entry
+            .map_err(|error| StorageError::new("listing", dir, error))?
+            .path();
+        if is_claim(&path) {
+            paths.push(path);
+        }
+    }
+    Ok(paths)
+}
+
+/// The error that stops a batch at the run's budget, `not_started` of its conversations not run.
+pub fn exhausted(budget: &Ledger, not_started: usize) -> RunError {
+    let max_cost = budget.max_cost().unwrap_or_default();
+    RunError::BudgetExhausted {
+        message: format!(
+            "the run spent {} USD of its budget of {} USD (spec.model.budget.maxCost), and \
+             {not_started} conversations of a batch were not started; raise the budget and run \
+             again to finish them (what is done stays done)",
+            crate::contract::usd_text(budget.spent()),
+            crate::contract::usd_text(max_cost),
+        ),
+        max_cost,
+        spent: budget.spent(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(run_dir: &RunDir, max_cost: f64, processes: u32) -> Arc<Ledger> {
+        Ledger::open(Some(&BudgetSpec { max_cost }), run_dir, processes).unwrap()
+    }
+
+    async fn start(budget: &Arc<Ledger>) -> Ticket {
+        match budget.admit().await.unwrap() {
+            Admission::Start(ticket) => ticket,
+            other => panic!("expected a start, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_first_conversation_runs_alone_and_then_each_reserves_the_average() {
+        let dir = tempfile::tempdir().unwrap();
+        let budget = open(&RunDir::new(dir.path()), 1.0, 1);
+        let first = start(&budget).await;
+        assert!(matches!(budget.admit().await.unwrap(), Admission::Wait));
+        budget.spending().add(0.25);
+        first.end(Some(0.25));
+        // 0.25 spent: three more fit, each reserving 0.25.
+        let held: Vec<Ticket> = vec![
+            start(&budget).await,
+            start(&budget).await,
+            start(&budget).await,
+        ];
+        assert!(matches!(
+            budget.admit().await.unwrap(),
+            Admission::Exhausted
+        ));
+        drop(held);
+        assert!(matches!(budget.admit().await.unwrap(), Admission::Start(_)));
+    }
+
+    #[tokio::test]
+    async fn processes_at_once_never_hold_more_than_the_budget_and_finished_ones_give_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = RunDir::new(dir.path());
+        let committed = |run_dir: &RunDir| -> f64 {
+            std::fs::read_dir(run_dir.budget_dir())
+                .unwrap()
+                .map(|entry| read_claim(&entry.unwrap().path()).unwrap().committed())
+                .sum()
+        };
+        let budgets: Vec<Arc<Ledger>> = (0..4).map(|_| open(&run_dir, 1.0, 4)).collect();
+        assert!(committed(&run_dir) <= 1.0 + 1e-9, "{}", committed(&run_dir));
+        // Each learns a conversation costs 0.1 and spends until its allowance ends, growing it
+        // from what the others leave free.
+        for budget in &budgets {
+            let ticket = start(budget).await;
+            budget.spending().add(0.1);
+            ticket.end(Some(0.1));
+        }
+        let mut started = 4;
+        for _ in 0..20 {
+            for budget in &budgets {
+                if let Admission::Start(ticket) = budget.admit().await.unwrap() {
+                    budget.spending().add(0.1);
+                    ticket.end(Some(0.1));
+                    started += 1;
+                }
+            }
+        }
+        assert_eq!(
+            started, 10,
+            "a budget of 1.0 holds ten conversations of 0.1"
+        );
+        assert!(committed(&run_dir) <= 1.0 + 1e-9);
+        // Finished, they say what the whole run spent; a process opened on a raised budget
+        // adopts one of their claims (the run keeps four) and starts from what they spent.
+        let spent: Vec<f64> = budgets.iter().map(|b| b.finish().unwrap()).collect();
+        assert!((spent[3] - 1.0).abs() < 1e-9, "{spent:?}");
+        drop(budgets);
+        let raised = open(&run_dir, 1.5, 4);
+        assert_eq!(std::fs::read_dir(run_dir.budget_dir()).unwrap().count(), 4);
+        assert!((raised.spent() - 1.0).abs() < 1e-9, "{}", raised.spent());
+        let mut more = 0;
+        while let Admission::Start(ticket) = raised.admit().await.unwrap() {
+            raised.spending().add(0.1);
+            ticket.end(Some(0.1));
+            more += 1;
+        }
+        assert_eq!(more, 5, "0.5 more holds five");
+        assert!((raised.finish().unwrap() - 1.5).abs() < 1e-9);
+    }
+
+    #[tokio::test]
+    async fn without_a_budget_the_ledger_only_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = RunDir::new(dir.path());
+        let ledgers: Vec<Arc<Ledger>> = (0..2)
+            .map(|_| Ledger::open(None, &run_dir, 2).unwrap())
+            .collect();
+        let mut tickets = Vec::new();
+        for i in 0..40 {
+            match ledgers[i % 2].admit().await.unwrap() {
+                Admission::Start(ticket) => tickets.push(ticket),
+                other => panic!("nothing limits the run: {other:?}"),
+            }
+        }
+        ledgers[0].spending().add(2.5);
+        ledgers[1].spending().add(1.0);
+        drop(tickets);
+        ledgers[0].finish().unwrap();
+        assert!((ledgers[1].finish().unwrap() - 3.5).abs() < 1e-9);
+    }
+
+    #[tokio::test]
+    async fn a_process_that_never_finished_keeps_its_allowance_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = RunDir::new(dir.path());
+        let killed = open(&run_dir, 1.0, 2);
+        let kept = lock(&killed.state).allowance;
+        assert!((kept - 0.5).abs() < 1e-9, "a half share: {kept}");
+        // Killed: its claim is never marked finished.
+        std::mem::forget(killed);
+        let next = open(&run_dir, 1.0, 2);
+        let allowance = lock(&next.state).allowance;
+        assert!(
+            (allowance - 0.25).abs() < 1e-9,
+            "half of the half left: {allowance}"
+        );
+    }
+}
