@@ -20,9 +20,12 @@
 //!
 //! Each also runs with each kind of model traffic (issue 25): `plain`, one endpoint and the
 //! client as it is, and `routed`, three endpoints (three server processes) with each
-//! conversation routed by its identity (`ModelClient::for_conversation`, as a batch does it) and
-//! every completion priced (`spec.model.pricing`). What `routed` costs more per request is what
-//! routing and pricing add; adaptive concurrency (a lock and a wake-up a request) is in both.
+//! conversation routed by its identity (`ModelClient::for_conversation`, as a batch does it),
+//! every completion priced (`spec.model.pricing`), and every request metered against rate limits
+//! that never bind (`spec.model.limits`: requests, input and output tokens a minute, and the
+//! limits not set learnt from the answers' headers). What `routed` costs more per request is what
+//! routing, limiting and pricing add; adaptive concurrency (a lock and a wake-up a request) is in
+//! both.
 //!
 //! Knobs (environment): `ENGINE_BENCH_LATENCY_MS` (100), `ENGINE_BENCH_CONCURRENCY`
 //! ("16,256,1000"), `ENGINE_BENCH_ROUNDS` (4), `ENGINE_BENCH_START` ("staggered,lockstep"),
@@ -41,9 +44,10 @@ use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
 use trajectory_testkit::scripted_server::{MODEL, tool_call_reply};
 use trajectory_worker::agent::{AgentConfig, run_conversation};
+use trajectory_worker::model::limits::Limits;
 use trajectory_worker::model::{ModelClient, ModelSettings, RetryPolicy};
 use trajectory_worker::pricing::Prices;
-use trajectory_worker::spec::PricingSpec;
+use trajectory_worker::spec::{LimitsSpec, PricingSpec};
 use trajectory_worker::tools::sandbox::{LandlockMode, Sandbox};
 use trajectory_worker::tools::{
     Tool, ToolContext, ToolFuture, ToolLimits, ToolOutcome, ToolSpec, Workspace,
@@ -271,9 +275,20 @@ fn engine(base_urls: &[String], traffic: Traffic) -> anyhow::Result<Engine> {
         description: "Does nothing.".into(),
         parameters: json!({"type": "object", "properties": {}}),
     };
+    let mut client = ModelClient::new(settings)?;
+    if traffic == Traffic::Routed {
+        let never_binding = LimitsSpec {
+            requests_per_minute: Some(1 << 40),
+            input_tokens_per_minute: Some(1 << 50),
+            output_tokens_per_minute: Some(1 << 50),
+            ..LimitsSpec::default()
+        };
+        let limits = Limits::share(Some(&never_binding), 1).context("limits are set")?;
+        client = client.with_limits(Arc::new(limits));
+    }
     Ok(Engine {
         traffic,
-        client: ModelClient::new(settings)?,
+        client,
         tools: vec![Arc::new(Noop(spec))],
         // The no-op tool never touches its workspace.
         ctx: ToolContext {

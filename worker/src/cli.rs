@@ -531,7 +531,6 @@ async fn batch_command(
     let mut summary = run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await?;
     summary.landlock = Some(landlock);
     if let Some(ledger) = ledger {
-        drop(engine);
         let spent = blocking(move || ledger.finish().map_err(RunError::from)).await?;
         summary.run_spent = Some(crate::contract::usd_text(spent));
     }

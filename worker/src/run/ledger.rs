@@ -356,18 +356,23 @@ impl Ledger {
     }
 
     /// Writes this process's last spending as finished (its allowance no longer counts), and
-    /// returns what the whole run spent as the claims then say. Also done when the budget is
+    /// returns what the whole run spent as the claims then say. Also done when the ledger is
     /// dropped; calling it first reports a failure to write.
     pub fn finish(&self) -> Result<f64, StorageError> {
+        let claim = self.write_finished()?;
+        let others = self.read_others()?;
+        lock(&self.state).others = others;
+        Ok(others.spent + claim.spent)
+    }
+
+    fn write_finished(&self) -> Result<Claim, StorageError> {
         let claim = {
             let mut state = lock(&self.state);
             state.finished = true;
             self.claim(&state)
         };
         self.write(&claim)?;
-        let others = self.read_others()?;
-        lock(&self.state).others = others;
-        Ok(others.spent + claim.spent)
+        Ok(claim)
     }
 }
 
@@ -376,7 +381,7 @@ impl Drop for Ledger {
         if lock(&self.state).finished {
             return;
         }
-        if let Err(error) = self.finish() {
+        if let Err(error) = self.write_finished() {
             warn!(%error, "the budget claim could not be marked finished; its allowance stays counted");
         }
     }

@@ -254,6 +254,7 @@ impl RunSpec {
                 (limits.requests_per_minute, "requestsPerMinute"),
                 (limits.input_tokens_per_minute, "inputTokensPerMinute"),
                 (limits.output_tokens_per_minute, "outputTokensPerMinute"),
+                (limits.tokens_per_minute, "tokensPerMinute"),
                 (limits.max_in_flight, "maxInFlight"),
             ] {
                 violations.check(
