@@ -602,6 +602,10 @@ pub struct BatchSummary {
     /// Set when the batch stopped early, with the error class (e.g. `unauthorized`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped: Option<String>,
+    /// What the model calls of the batch's records cost, in USD (a decimal string; those of
+    /// earlier attempts included), when any was priced: also in its `.done` marker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<String>,
     /// What the whole run had spent on the model when the batch ended, in USD (a decimal string),
     /// as the claims of its processes on storage say: present when the run has prices.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -105,6 +105,15 @@ async fn records_carry_their_cost_and_the_run_its_totals() {
     assert_eq!(cost["per_trajectory"], 0.2524);
     assert_eq!(cost["currency"], "USD");
     assert_eq!(report.merge.cost.as_deref(), Some("0.5048"));
+    // The run's claims (it has prices) count the same calls: the run spent what its records cost.
+    assert_eq!(report.merge.spent.as_deref(), Some("0.5048"));
+    // Per batch: its `.done` marker (and the batch pod's summary) say what its records cost.
+    let marker: Value = serde_json::from_slice(
+        &std::fs::read(trajectory_worker::storage::RunDir::new(fixture.out()).batch_done(0))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(marker["cost"], "0.5048", "{marker}");
     assert!(
         render_report(&report).contains("cost (USD)       0.5048"),
         "{}",

@@ -250,6 +250,15 @@ pub(crate) struct RecordKey {
     /// A verified record's verdict.
     #[serde(default)]
     pub verification: Option<Verdict>,
+    /// What its model calls cost, when priced or reported.
+    #[serde(default)]
+    pub cost: Option<RecordCost>,
+}
+
+/// A record's `cost`, as bookkeeping reads it.
+#[derive(Debug, Deserialize)]
+pub(crate) struct RecordCost {
+    pub total: f64,
 }
 
 /// Whether a verified record passed.
@@ -267,6 +276,10 @@ struct DoneMarker {
     succeeded: u64,
     discarded: u64,
     failed: u64,
+    /// What the model calls of the batch's records cost (USD, a decimal string), when any was
+    /// priced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cost: Option<String>,
     finished_at: String,
 }
 
@@ -311,6 +324,7 @@ pub async fn run_batch(
         passed,
         mut summary,
         mean_record_bytes,
+        ..
     } = existing_records(&run_dir, batch)?;
     summary.resumed = summary.succeeded + summary.discarded + summary.failed;
     if summary.resumed > 0 {
@@ -371,7 +385,8 @@ pub async fn run_batch(
              marked done and runs again for the missing keys"
         )));
     }
-    let marker = write_done_marker(&run_dir, batch, &on_storage.summary, expected)?;
+    let cost = on_storage.cost.map(crate::contract::usd_text);
+    let marker = write_done_marker(&run_dir, batch, (&on_storage.summary, cost), expected)?;
     // The batch leaves no workspace behind (most were removed while it ran).
     while removals.join_next().await.is_some() {}
     info!(
@@ -387,6 +402,7 @@ pub async fn run_batch(
         failed: marker.failed,
         resumed: summary.resumed,
         stopped: None,
+        cost: marker.cost,
         run_spent: None,
         landlock: None,
     })
@@ -404,6 +420,7 @@ fn done_summary(run_dir: &RunDir, batch: u32) -> Option<BatchSummary> {
         failed: marker.failed,
         resumed: marker.succeeded + marker.discarded + marker.failed,
         stopped: None,
+        cost: marker.cost,
         run_spent: None,
         landlock: None,
     })
@@ -653,7 +670,7 @@ fn spawn_item(
 fn write_done_marker(
     run_dir: &RunDir,
     batch: u32,
-    summary: &BatchSummary,
+    (summary, cost): (&BatchSummary, Option<String>),
     expected: u64,
 ) -> Result<DoneMarker, RunError> {
     let marker = DoneMarker {
@@ -661,6 +678,7 @@ fn write_done_marker(
         succeeded: summary.succeeded,
         discarded: summary.discarded,
         failed: summary.failed,
+        cost,
         finished_at: timestamp(chrono::Utc::now()),
     };
     let recorded = marker.succeeded + marker.discarded + marker.failed;
@@ -768,6 +786,9 @@ struct Existing {
     summary: BatchSummary,
     /// Mean size of its record lines, when it has any.
     mean_record_bytes: Option<u64>,
+    /// What the model calls of all its records cost (every line, a key's records in several
+    /// files each counted: each was paid for), when any was priced.
+    cost: Option<f64>,
 }
 
 /// A dataset read error as the batch reports it: a dataset gone or shorter than the plan recorded
@@ -797,12 +818,16 @@ fn existing_records(run_dir: &RunDir, batch: u32) -> Result<Existing, RunError> 
     });
     let mut keys: HashMap<(u64, u32), ConversationOutcome> = HashMap::with_capacity(lines.len());
     let mut passed_keys: HashSet<(u64, u32)> = HashSet::new();
+    let mut cost: Option<f64> = None;
     for (index, &(start, end)) in lines.iter().enumerate() {
         let Ok(key) = serde_json::from_slice::<RecordKey>(&data[start..end]) else {
             let file = files[read.file_of(index)].records.display();
             warn!(batch, %file, "skipping an unreadable record line");
             continue;
         };
+        if let Some(record_cost) = &key.cost {
+            *cost.get_or_insert(0.0) += record_cost.total;
+        }
         let outcome = match key.status.as_deref() {
             None => ConversationOutcome::Succeeded,
             Some("discarded") => ConversationOutcome::Discarded,
@@ -838,6 +863,7 @@ fn existing_records(run_dir: &RunDir, batch: u32) -> Result<Existing, RunError> 
         passed,
         summary,
         mean_record_bytes,
+        cost,
     })
 }
 

@@ -144,6 +144,7 @@ pub async fn run_local(
     drop(results);
     ticker.abort();
     tracker.finish();
+    finish_ledger(&mut engine).await?;
     if let Some(error) = first_error {
         return Err(error);
     }
@@ -296,6 +297,17 @@ impl Tracker {
 }
 
 /// The end-of-run summary table.
+/// Writes the run's claim finished, before the merge sums the claims (and before an error ends
+/// the run).
+async fn finish_ledger(engine: &mut Engine) -> Result<(), RunError> {
+    if let Some(ledger) = engine.ledger.take() {
+        tokio::task::spawn_blocking(move || ledger.finish())
+            .await
+            .map_err(|err| RunError::Internal(err.to_string()))??;
+    }
+    Ok(())
+}
+
 pub fn render_report(report: &LocalReport) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
