@@ -41,6 +41,9 @@ use crate::storage::{RunDir, StorageError, WriterId, write_atomic};
 /// cent): a conversation that fits exactly is not refused for a rounding.
 const ROUNDING: f64 = 1e-8;
 
+/// How many times the claims are read again when one was renamed while they were read.
+const MAX_CLAIM_READS: u32 = 100;
+
 /// One process's claim, as its file holds it (with what the claims it adopted carried).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -333,26 +336,33 @@ impl Ledger {
         write_atomic(&self.claim_path, &json)
     }
 
-    /// The claims of every other process (a claim that cannot be read is a fault of the storage,
-    /// not room in the budget; one adopted and renamed meanwhile is counted under its new name,
-    /// or was read before).
+    /// The claims of every other process. A claim that cannot be read is a fault of the storage,
+    /// not room in the budget; one gone between the listing and its reading was adopted (renamed)
+    /// by a process starting meanwhile, whose claim under its new name the listing missed, so
+    /// the claims are read again until none is (adoptions are rare: one a process start).
     fn read_others(&self) -> Result<Others, StorageError> {
-        let mut others = Others::default();
-        for path in claim_paths(&self.dir)? {
-            if path == self.claim_path {
-                continue;
+        let mut attempts = 0;
+        'read: loop {
+            let mut others = Others::default();
+            for path in claim_paths(&self.dir)? {
+                if path == self.claim_path {
+                    continue;
+                }
+                let claim = match read_claim(&path) {
+                    Ok(claim) => claim,
+                    Err(error) if error.is_not_found() && attempts < MAX_CLAIM_READS => {
+                        attempts += 1;
+                        continue 'read;
+                    }
+                    Err(error) => return Err(error),
+                };
+                others.committed += claim.committed();
+                others.spent += claim.spent;
+                others.ended += claim.ended;
+                others.ended_cost += claim.ended_cost;
             }
-            let claim = match read_claim(&path) {
-                Ok(claim) => claim,
-                Err(error) if error.is_not_found() => continue,
-                Err(error) => return Err(error),
-            };
-            others.committed += claim.committed();
-            others.spent += claim.spent;
-            others.ended += claim.ended;
-            others.ended_cost += claim.ended_cost;
+            return Ok(others);
         }
-        Ok(others)
     }
 
     /// Writes this process's last spending as finished (its allowance no longer counts), and
