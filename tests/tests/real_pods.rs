@@ -1944,8 +1944,11 @@ async fn pods_coming_and_going_keep_to_one_provider_limit_through_gubernator() {
     let provider = SheddingProxy::rate_limited_on(
         "0.0.0.0",
         &model.address().to_string(),
+        // A tenth of the limit at once: the bucket refills a second's worth at a time, and a
+        // bucket no bigger than the run's own burst (a twentieth) refuses what a smooth 300 a
+        // minute sends just before a refill.
         RateLimit {
-            max_tokens: 15,
+            max_tokens: 30,
             per_second: 5,
             told: false,
         },

@@ -130,8 +130,9 @@ async fn a_run_learns_the_providers_limit_from_its_headers_and_keeps_to_it() {
     let run = |learn: bool| {
         let provider = SheddingProxy::rate_limited(
             &upstream,
+            // A tenth of the limit at once, as above: Envoy refills a second's worth at a time.
             RateLimit {
-                max_tokens: 30,
+                max_tokens: 60,
                 per_second: 10,
                 told: true,
             },
