@@ -80,7 +80,6 @@ use trajectory_worker::tools::terminal::{Flavour, command_script, start_script};
 const SERVER_ENV: &str = "TERMINAL_BENCH_SERVER";
 const TOOL_ENV: &str = "TERMINAL_BENCH_SERVER_TOOL";
 const CALLS_ENV: &str = "TERMINAL_BENCH_SERVER_CALLS";
-const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 /// Shells spawned per measurement of the command's own cost.
 const OWN_COST_SPAWNS: u32 = 500;
 
@@ -269,19 +268,7 @@ fn serve_calls(latency: Duration, tool: Tool, calls: usize) -> anyhow::Result<()
 /// and `scripts/quickstart.sh` use (built, or found built, by that script), or
 /// `TERMINAL_BENCH_EXECUTOR`; a missing one fails the bench.
 fn executor() -> anyhow::Result<PathBuf> {
-    let executor = if let Some(path) = std::env::var_os("TERMINAL_BENCH_EXECUTOR") {
-        PathBuf::from(path)
-    } else {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/executor/build.sh");
-        let built = Command::new(&script)
-            .stderr(Stdio::inherit())
-            .output()
-            .with_context(|| format!("cannot run {}", script.display()))?;
-        ensure!(built.status.success(), "{} failed", script.display());
-        PathBuf::from(String::from_utf8(built.stdout)?.trim())
-    };
-    ensure!(executor.is_file(), "{} is missing", executor.display());
-    Ok(executor)
+    common::executor("TERMINAL_BENCH_EXECUTOR")
 }
 
 /// One row of the table.
@@ -348,28 +335,13 @@ fn run_local(
             "storage": {"outputPath": "out"},
         },
     });
-    // JSON is YAML.
-    fs::write(dir.join("run.yaml"), serde_json::to_vec_pretty(&file)?)?;
+    let children_before = children_cpu()?;
+    let started = Instant::now();
+    let mut worker = common::spawn_local(dir, &file, executor)?;
     let location = RunLocation {
         storage_root: dir.to_path_buf(),
         plan: RunFile::load(&dir.join("run.yaml"))?.to_plan(),
     };
-
-    let children_before = children_cpu()?;
-    let started = Instant::now();
-    let mut worker = Command::new(WORKER)
-        .arg("local")
-        .arg(dir.join("run.yaml"))
-        .arg("--workspace-root")
-        .arg(dir.join("workspaces"))
-        .arg("--executor")
-        .arg(executor)
-        .arg("--no-progress-bar")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(File::create(dir.join("worker.log"))?)
-        .spawn()
-        .context("cannot start trajectory-worker local")?;
     let pid = worker.id();
     let stop = Arc::new(AtomicBool::new(false));
     let watcher = {

@@ -23,7 +23,7 @@
 #[allow(dead_code)]
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -32,8 +32,6 @@ use serde_json::json;
 use trajectory_testkit::envoy::{RateLimit, SheddingProxy};
 use trajectory_testkit::gubernator::Gubernator;
 use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply};
-
-const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 
 struct Outcome {
     answered: usize,
@@ -214,19 +212,5 @@ fn spawn_local(
             "storage": {"outputPath": "out"},
         },
     });
-    // JSON is YAML.
-    std::fs::write(run_dir.join("run.yaml"), serde_json::to_vec_pretty(&file)?)?;
-    Command::new(WORKER)
-        .arg("local")
-        .arg(run_dir.join("run.yaml"))
-        .arg("--workspace-root")
-        .arg(run_dir.join("workspaces"))
-        .arg("--executor")
-        .arg(executor)
-        .arg("--no-progress-bar")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(run_dir.join("worker.log"))?)
-        .spawn()
-        .context("cannot start trajectory-worker local")
+    common::spawn_local(run_dir, &file, executor)
 }

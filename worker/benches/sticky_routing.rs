@@ -23,14 +23,12 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use anyhow::{Context, ensure};
+use anyhow::ensure;
 use serde_json::{Value, json};
 use trajectory_testkit::llama_servers::{LlamaServer, TERMINAL_TASKS};
 
-const WORKER: &str = env!("CARGO_BIN_EXE_trajectory-worker");
 const STRATEGIES: [&str; 2] = ["ConversationHash", "RoundRobin"];
 
 /// The long system prompt of the `system` case: an agent's instructions, some 250 tokens.
@@ -162,25 +160,8 @@ fn run(
             "storage": {"outputPath": "out"},
         },
     });
-    // JSON is YAML.
-    std::fs::write(
-        dir.path().join("run.yaml"),
-        serde_json::to_vec_pretty(&file)?,
-    )?;
     let started = Instant::now();
-    let status = Command::new(WORKER)
-        .arg("local")
-        .arg(dir.path().join("run.yaml"))
-        .arg("--workspace-root")
-        .arg(dir.path().join("workspaces"))
-        .arg("--executor")
-        .arg(executor)
-        .arg("--no-progress-bar")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("worker.log"))?)
-        .status()
-        .context("cannot start trajectory-worker local")?;
+    let status = common::spawn_local(dir.path(), &file, executor)?.wait()?;
     let seconds = started.elapsed().as_secs_f64();
     ensure!(
         status.success(),

@@ -1,5 +1,6 @@
 //! What the benches share: their knobs, the machine's load, the open-files limit, the sandbox's
-//! executor, and the scripted server in a process of its own.
+//! executor, `trajectory-worker local` on a run file, and the scripted server in a process of its
+//! own.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -97,18 +98,45 @@ pub fn serve_until_stdin_closes(
 }
 
 /// The sandbox's executor binary: the one environment variable `name` names, or the one
-/// `scripts/executor/build.sh` builds (and prints).
+/// `scripts/executor/build.sh` builds (and prints); a missing one fails the bench.
 #[allow(dead_code, reason = "the benches that run no sandbox do not call it")]
 pub fn executor(name: &str) -> anyhow::Result<std::path::PathBuf> {
-    if let Some(path) = std::env::var_os(name) {
-        return Ok(path.into());
-    }
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/executor/build.sh");
-    let built = Command::new(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("cannot run {}", script.display()))?;
-    ensure!(built.status.success(), "{} failed", script.display());
-    Ok(String::from_utf8(built.stdout)?.trim().into())
+    let executor: std::path::PathBuf = if let Some(path) = std::env::var_os(name) {
+        path.into()
+    } else {
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/executor/build.sh");
+        let built = Command::new(&script)
+            .stderr(Stdio::inherit())
+            .output()
+            .with_context(|| format!("cannot run {}", script.display()))?;
+        ensure!(built.status.success(), "{} failed", script.display());
+        String::from_utf8(built.stdout)?.trim().into()
+    };
+    ensure!(executor.is_file(), "{} is missing", executor.display());
+    Ok(executor)
+}
+
+/// Writes `file` as `dir/run.yaml` (JSON is YAML) and starts `trajectory-worker local` (the
+/// release binary) on it, workspaces under `dir/workspaces`, its log in `dir/worker.log`.
+#[allow(dead_code, reason = "the benches that run no local run do not call it")]
+pub fn spawn_local(
+    dir: &std::path::Path,
+    file: &Value,
+    executor: &std::path::Path,
+) -> anyhow::Result<Child> {
+    std::fs::write(dir.join("run.yaml"), serde_json::to_vec_pretty(file)?)?;
+    Command::new(env!("CARGO_BIN_EXE_trajectory-worker"))
+        .arg("local")
+        .arg(dir.join("run.yaml"))
+        .arg("--workspace-root")
+        .arg(dir.join("workspaces"))
+        .arg("--executor")
+        .arg(executor)
+        .arg("--no-progress-bar")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("worker.log"))?)
+        .spawn()
+        .context("cannot start trajectory-worker local")
 }

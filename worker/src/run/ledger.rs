@@ -296,13 +296,15 @@ impl Ledger {
     /// no budget, only writes this process's claim).
     fn grow(&self) -> Result<(), StorageError> {
         let _growing = lock(&self.growing);
+        let Some(max_cost) = self.max_cost else {
+            // Nothing to share out: the others' claims are read once, at the end (`finish`).
+            let claim = self.claim(&lock(&self.state));
+            return self.write(&claim);
+        };
         let others = self.read_others()?;
         let claim = {
             let mut state = lock(&self.state);
             state.others = others;
-            let Some(max_cost) = self.max_cost else {
-                return self.write(&self.claim(&state));
-            };
             let mine = state.allowance.max(state.committed(&self.spending));
             let free = max_cost - others.committed - mine;
             let share = free / f64::from(self.processes);
