@@ -75,6 +75,10 @@ step "gubernator: build (cached)"
 # worker/tests/shared_limits.rs keeps two runs' rate limit in it.
 TRAJ_GUBERNATOR="$(scripts/gubernator/build.sh --print-path)"
 export TRAJ_GUBERNATOR
+step "versitygw: build (cached)"
+# worker/tests/object_storage.rs runs the worker on its buckets (a real S3 server).
+TRAJ_VERSITYGW="$(scripts/versitygw/build.sh --print-path)"
+export TRAJ_VERSITYGW
 
 step "envoy: install (cached)"
 # worker/tests/real_model_admission.rs sheds load with it in front of a real model server.

@@ -2,9 +2,7 @@
 //! through (`spec.model.limits.gubernator`): one node, its peer list itself, built by
 //! `scripts/gubernator/build.sh` (or the binary `TRAJ_GUBERNATOR` names). Killed when dropped.
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 /// A running Gubernator.
 #[derive(Debug)]
@@ -12,8 +10,8 @@ pub struct Gubernator {
     child: Child,
     /// Its HTTP address (`http://<host>:<port>`), as `spec.model.limits.gubernator.url` takes it.
     pub url: String,
-    /// Its configuration and log.
-    dir: tempfile::TempDir,
+    /// Its configuration and log, removed when it is dropped.
+    _dir: tempfile::TempDir,
 }
 
 impl Gubernator {
@@ -21,7 +19,7 @@ impl Gubernator {
     /// cannot: a test that needs it must fail loudly.
     pub fn start(host: &str) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
-        let [http, grpc, members] = [free_port(), free_port(), free_port()];
+        let [http, grpc, members] = [crate::free_port(), crate::free_port(), crate::free_port()];
         let config = dir.path().join("gubernator.env");
         std::fs::write(
             &config,
@@ -37,7 +35,7 @@ impl Gubernator {
         )
         .expect("write gubernator.env");
         let binary = crate::installed_binary("TRAJ_GUBERNATOR", "gubernator/build.sh");
-        let child = Command::new(&binary)
+        let mut child = Command::new(&binary)
             .arg("-config")
             .arg(&config)
             .stdin(Stdio::null())
@@ -46,40 +44,30 @@ impl Gubernator {
             .spawn()
             .unwrap_or_else(|err| panic!("cannot start {}: {err}", binary.display()));
         let reach = if host == "0.0.0.0" { "127.0.0.1" } else { host };
-        let mut gubernator = Self {
+        let url = format!("http://{reach}:{http}");
+        crate::wait_until_serving(
+            &mut child,
+            "gubernator",
+            || healthy(&url),
+            || std::fs::read_to_string(dir.path().join("gubernator.log")).unwrap_or_default(),
+        );
+        Self {
             child,
-            url: format!("http://{reach}:{http}"),
-            dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !gubernator.healthy() {
-            if let Some(status) = gubernator.child.try_wait().expect("wait on gubernator") {
-                panic!("gubernator exited ({status}): {}", gubernator.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "gubernator did not become healthy within 30 s: {}",
-                gubernator.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
+            url,
+            _dir: dir,
         }
-        gubernator
     }
+}
 
-    fn healthy(&self) -> bool {
-        Command::new("curl")
-            .args(["-fsS", "--max-time", "2"])
-            .arg(format!("{}/v1/HealthCheck", self.url))
-            .output()
-            .is_ok_and(|output| {
-                output.status.success()
-                    && String::from_utf8_lossy(&output.stdout).contains("\"healthy\"")
-            })
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("gubernator.log")).unwrap_or_default()
-    }
+fn healthy(url: &str) -> bool {
+    Command::new("curl")
+        .args(["-fsS", "--max-time", "2"])
+        .arg(format!("{url}/v1/HealthCheck"))
+        .output()
+        .is_ok_and(|output| {
+            output.status.success()
+                && String::from_utf8_lossy(&output.stdout).contains("\"healthy\"")
+        })
 }
 
 impl Drop for Gubernator {
@@ -87,12 +75,4 @@ impl Drop for Gubernator {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// A port free on loopback a moment ago.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
 }

@@ -9,6 +9,7 @@
 //! - [`gubernator`]: not a double: the rate limiter a run's pods share their limits through.
 //! - [`llama_servers`]: not a double: real llama.cpp servers, several at once, with what each
 //!   computed, for the tests and benchmarks of routing over several endpoints.
+//! - [`versitygw`]: not a double: a real S3 server, for runs on object storage.
 
 pub mod chromium;
 pub mod envoy;
@@ -16,6 +17,7 @@ pub mod executor;
 pub mod gubernator;
 pub mod llama_servers;
 pub mod scripted_server;
+pub mod versitygw;
 
 /// The binary the environment variable `env` names, else the one `script` (under the
 /// repository's `scripts/`, run with `--print-path`) installs or finds cached. Panics with the
@@ -38,4 +40,34 @@ pub(crate) fn installed_binary(env: &str, script: &str) -> std::path::PathBuf {
         String::from_utf8_lossy(&output.stderr)
     );
     std::path::PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
+}
+
+/// A port free on loopback a moment ago.
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Waits up to 30 s for a server just started as `child` until `serves` says it does. Panics
+/// with its log when it exits first or takes longer: a test that needs it must fail loudly.
+pub(crate) fn wait_until_serving(
+    child: &mut std::process::Child,
+    name: &str,
+    serves: impl Fn() -> bool,
+    log: impl Fn() -> String,
+) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !serves() {
+        if let Some(status) = child.try_wait().expect("wait on the server") {
+            panic!("{name} exited ({status}): {}", log());
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{name} did not answer within 30 s: {}",
+            log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }

@@ -727,6 +727,7 @@ impl Kubelet {
         let location = match load_plan(plan_path) {
             Ok(plan) => RunLocation {
                 storage_root: self.storage.clone(),
+                store: trajectory_worker::storage::Store::Volume,
                 plan,
             },
             Err(error) => return report::<()>(Err(error)),

@@ -322,6 +322,7 @@ fn write_run_file(root: &Path, spec: &Value) -> anyhow::Result<RunLocation> {
     let run_file = RunFile::load(&root.join("run.yaml"))?;
     Ok(RunLocation {
         storage_root: root.to_path_buf(),
+        store: trajectory_worker::storage::Store::Volume,
         plan: run_file.to_plan(),
     })
 }

@@ -340,6 +340,7 @@ fn run_local(
     let mut worker = common::spawn_local(dir, &file, executor)?;
     let location = RunLocation {
         storage_root: dir.to_path_buf(),
+        store: trajectory_worker::storage::Store::Volume,
         plan: RunFile::load(&dir.join("run.yaml"))?.to_plan(),
     };
     let pid = worker.id();

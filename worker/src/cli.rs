@@ -42,9 +42,12 @@ pub enum Command {
     Local {
         /// The `TrajectoryRun` YAML.
         run_file: PathBuf,
-        /// Root the dataset and output paths are relative to (default: the run file's directory).
+        /// Root the dataset and output paths are relative to: a directory, or an
+        /// `s3://bucket/prefix` location (default: the run file's directory).
         #[arg(long, env = env::STORAGE_ROOT)]
         storage: Option<PathBuf>,
+        #[command(flatten)]
+        bucket: BucketArgs,
         #[command(flatten)]
         workspaces: WorkspaceArgs,
         /// Print periodic progress lines instead of a progress bar.
@@ -119,12 +122,41 @@ pub struct RunArgs {
     /// A run file instead of a plan (for running a step by hand).
     #[arg(long)]
     pub run_file: Option<PathBuf>,
-    /// Root of the storage volume.
+    /// Root of the storage volume, or an `s3://bucket/prefix` location.
     #[arg(long, env = env::STORAGE_ROOT, default_value = paths::STORAGE_ROOT)]
     pub storage_root: PathBuf,
+    #[command(flatten)]
+    pub bucket: BucketArgs,
     /// Where the summary for the operator is written.
     #[arg(long, env = env::TERMINATION_LOG)]
     pub termination_log: Option<PathBuf>,
+}
+
+/// How to reach the bucket when the storage is an `s3://` location. Credentials are read from
+/// the environment as AWS SDKs read them (`AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`, a
+/// web-identity token, the container credentials endpoint), never from flags.
+#[derive(Debug, Args)]
+pub struct BucketArgs {
+    /// The S3 server's URL (default: AWS's for the region).
+    #[arg(long, env = env::S3_ENDPOINT)]
+    pub s3_endpoint: Option<String>,
+    /// The region requests are signed for (default: `AWS_REGION`, else us-east-1).
+    #[arg(long, env = env::S3_REGION)]
+    pub s3_region: Option<String>,
+    /// Address the bucket as `<endpoint>/<bucket>` instead of `<bucket>.<endpoint>`.
+    #[arg(long, env = env::S3_PATH_STYLE)]
+    pub s3_path_style: bool,
+}
+
+impl BucketArgs {
+    pub fn options(&self) -> crate::storage::BucketOptions {
+        crate::storage::BucketOptions {
+            endpoint: self.s3_endpoint.clone(),
+            region: self.s3_region.clone(),
+            path_style: self.s3_path_style,
+            keys: None,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -232,12 +264,7 @@ impl RunArgs {
                 )));
             }
         };
-        let location = RunLocation {
-            storage_root: self.storage_root.clone(),
-            plan,
-        };
-        location.require_storage()?;
-        Ok(location)
+        RunLocation::open(self.storage_root.clone(), &self.bucket.options(), plan)
     }
 
     /// Writes the summary (or the error) where the operator reads it.
@@ -367,6 +394,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
         Command::Local {
             run_file,
             storage,
+            bucket,
             workspaces,
             no_progress_bar,
             base_url,
@@ -374,6 +402,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             local_command(
                 run_file,
                 storage,
+                bucket.options(),
                 &workspaces,
                 no_progress_bar,
                 base_url,
@@ -467,6 +496,7 @@ async fn blocking<T: Send + 'static>(
 async fn local_command(
     run_file: PathBuf,
     storage: Option<PathBuf>,
+    bucket: crate::storage::BucketOptions,
     workspaces: &WorkspaceArgs,
     no_progress_bar: bool,
     base_url: Option<String>,
@@ -477,6 +507,7 @@ async fn local_command(
     let options = LocalOptions {
         run_file,
         storage,
+        bucket,
         base_url,
         workspace_root: workspaces.root(),
         sandbox,

@@ -15,8 +15,15 @@ use crate::spec::{NamedValue, RunSpec, SecretKeyRef, ToolsSpec};
 pub mod env {
     /// Path of the run plan JSON (a mounted `ConfigMap` in a pod).
     pub const PLAN_PATH: &str = "TRAJ_PLAN_PATH";
-    /// Root of the shared storage volume; dataset and output paths are relative to it.
+    /// Root of the shared storage volume, or an `s3://bucket/prefix` location; dataset and
+    /// output paths are relative to it.
     pub const STORAGE_ROOT: &str = "TRAJ_STORAGE_ROOT";
+    /// The S3 server's URL when the storage is a bucket (default: AWS's for the region).
+    pub const S3_ENDPOINT: &str = "TRAJ_S3_ENDPOINT";
+    /// The region S3 requests are signed for.
+    pub const S3_REGION: &str = "TRAJ_S3_REGION";
+    /// `true`: address the bucket as `<endpoint>/<bucket>` (most self-hosted servers).
+    pub const S3_PATH_STYLE: &str = "TRAJ_S3_PATH_STYLE";
     /// The batch index Kubernetes gives each pod of an Indexed Job.
     pub const JOB_COMPLETION_INDEX: &str = "JOB_COMPLETION_INDEX";
     /// The model API key, from a Secret reference.

@@ -138,6 +138,7 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
     let options = LocalOptions {
         run_file: storage.path().join("run.yaml"),
         storage: None,
+        bucket: trajectory_worker::storage::BucketOptions::default(),
         base_url: Some(model_server()),
         workspace_root: storage.path().join("workspaces"),
         sandbox: common::sandbox(),

@@ -20,7 +20,7 @@ use serde_json::{Map, Value, json};
 
 pub use collect::{Collector, Histogram, Outcome, PER_STRATUM, RecordFacts};
 
-use crate::storage::{RunDir, StorageError, write_atomic};
+use crate::storage::{RunDir, StorageError};
 
 /// Bytes of sampled records the page embeds at most.
 pub const SAMPLE_BYTES: usize = 8 << 20;
@@ -38,7 +38,9 @@ pub fn write(
     collected: Collector,
 ) -> Result<PathBuf, StorageError> {
     let path = run_dir.report();
-    write_atomic(&path, render(statistics, collected).as_bytes())?;
+    run_dir
+        .store()
+        .write_atomic(&path, render(statistics, collected).as_bytes())?;
     Ok(path)
 }
 

@@ -32,8 +32,6 @@
 //! per writer (not per pid: every pod is PID 1).
 
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -61,9 +59,7 @@ use crate::hermes::{
 use crate::model::limits::Limits;
 use crate::model::{ApiKey, Circuit, ModelClient, ModelSettings};
 use crate::spec::{RunSpec, VerifierSpec};
-use crate::storage::{
-    AppendLog, RunDir, StorageError, WriterId, read_files_lines_into, write_atomic,
-};
+use crate::storage::{RecordsWriter, RunDir, StorageError, WriterId};
 use crate::tools::sandbox::{LandlockMode, Place, Sandbox};
 use crate::tools::{Registry, Tool, ToolContext, ToolLimits, ToolSpec, Workspace};
 use crate::verify::{Verification, Verifier};
@@ -318,7 +314,13 @@ pub async fn run_batch(
     // writer that finished in between is seen.
     let writer_id = WriterId::random();
     tracing::Span::current().record("writer", writer_id.as_str());
-    let main_log = AppendLog::create(&run_dir.batch_records_of(batch, &writer_id))?;
+    let openai_path = engine
+        .openai_format
+        .then(|| run_dir.batch_openai_records_of(batch, &writer_id));
+    let records_writer = run_dir.store().records_writer(
+        &run_dir.batch_records_of(batch, &writer_id),
+        openai_path.as_deref(),
+    )?;
     let Existing {
         keys: existing,
         passed,
@@ -330,13 +332,6 @@ pub async fn run_batch(
     if summary.resumed > 0 {
         progress(Progress::Resumed(summary.resumed));
     }
-    let openai_log = if engine.openai_format {
-        Some(AppendLog::create(
-            &run_dir.batch_openai_records_of(batch, &writer_id),
-        )?)
-    } else {
-        None
-    };
     let pending = pending_items(
         rows.len(),
         first_prompt,
@@ -355,7 +350,7 @@ pub async fn run_batch(
         "starting batch"
     );
 
-    let (lines, writer) = spawn_writer(main_log, openai_log);
+    let (lines, writer) = spawn_writer(records_writer);
     let context = BatchContext::new(location, manifest, batch);
     let shared = Arc::new(Shared::new(engine, rows, first_prompt, context));
     let schedule = Schedule::new(pending, engine.passes_per_prompt, passed);
@@ -411,7 +406,7 @@ pub async fn run_batch(
 /// What the batch's `.done` marker records, if it has one (an unreadable marker counts as none:
 /// the batch runs again, resuming from its records).
 fn done_summary(run_dir: &RunDir, batch: u32) -> Option<BatchSummary> {
-    let bytes = std::fs::read(run_dir.batch_done(batch)).ok()?;
+    let bytes = run_dir.store().read(&run_dir.batch_done(batch)).ok()?;
     let marker = serde_json::from_slice::<DoneMarker>(&bytes).ok()?;
     Some(BatchSummary {
         batch,
@@ -443,11 +438,11 @@ fn pending_items(
 
 /// Starts the single writer of the batch's files on the blocking pool; it stops when the sender
 /// is dropped, or at its first error.
-fn spawn_writer(main: AppendLog, openai: Option<AppendLog>) -> (RecordSender, WriterHandle) {
+fn spawn_writer(records: RecordsWriter) -> (RecordSender, WriterHandle) {
     let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
     let (failed, failure) = watch::channel(false);
     let writer = tokio::task::spawn_blocking(move || {
-        let result = write_lines(receiver, main, openai);
+        let result = write_lines(receiver, records);
         if result.is_err() {
             failed.send_replace(true);
         }
@@ -689,7 +684,15 @@ fn write_done_marker(
     }
     let marker_json =
         serde_json::to_vec(&marker).map_err(|err| RunError::Internal(err.to_string()))?;
-    write_atomic(&run_dir.batch_done(batch), &marker_json)?;
+    let store = run_dir.store();
+    if store.is_bucket() {
+        // Of two writers that finished the batch at once, the first one's marker stays (both
+        // counted the same records). An object is never torn, so there is no unreadable marker
+        // to replace, as there can be on a volume.
+        store.create_once(&run_dir.batch_done(batch), &marker_json)?;
+    } else {
+        store.write_atomic(&run_dir.batch_done(batch), &marker_json)?;
+    }
     Ok(marker)
 }
 
@@ -720,18 +723,18 @@ fn read_batch_rows(
         .div_ceil(segment)
         .saturating_mul(segment)
         .min(dataset.bytes);
-    let mut window = vec![0; usize::try_from(window_end - window_start).unwrap_or(usize::MAX)];
-    let mut file = File::open(&path)
-        .map_err(|err| dataset_read_error(&path, err, |err| bad(format!("cannot open: {err}"))))?;
-    file.seek(SeekFrom::Start(window_start))
-        .and_then(|_| file.read_exact(&mut window))
+    let window = location
+        .store
+        .read_range(&path, window_start..window_end)
         .map_err(|err| {
-            dataset_read_error(&path, err, |err| {
-                changed(format!(
-                    "cannot read bytes {window_start}..{window_end}: {err}"
-                ))
-            })
+            dataset_read_error(&path, err.source, |err| bad(format!("cannot open: {err}")))
         })?;
+    if window.len() as u64 != window_end - window_start {
+        return Err(changed(format!(
+            "cannot read bytes {window_start}..{window_end}: the file ends at byte {}",
+            window_start + window.len() as u64
+        )));
+    }
     for (index, bytes) in window
         .chunks(usize::try_from(segment).unwrap_or(usize::MAX))
         .enumerate()
@@ -810,7 +813,9 @@ fn dataset_read_error(
 /// then a discarded, then a failed one: the record merge keeps).
 fn existing_records(run_dir: &RunDir, batch: u32) -> Result<Existing, RunError> {
     let files = run_dir.records_files(batch)?;
-    let read = read_files_lines_into(files.iter().map(|file| file.records.as_path()), Vec::new())?;
+    let read = run_dir
+        .store()
+        .read_files_lines_into(files.iter().map(|file| file.records.as_path()), Vec::new())?;
     let (data, lines) = (&read.data, &read.lines);
     let mean_record_bytes = (!lines.is_empty()).then(|| {
         let bytes: usize = lines.iter().map(|(start, end)| end - start + 1).sum();
@@ -891,6 +896,9 @@ fn require_room(
         .saturating_mul(record)
         .saturating_mul(2)
         .saturating_add(64 * 1024);
+    if run_dir.store().is_bucket() {
+        return Ok(());
+    }
     crate::storage::require_free_space(&run_dir.batches_dir(), needed)
 }
 
@@ -1156,14 +1164,28 @@ struct Lines {
 const COMMIT_INTERVAL: Duration = Duration::from_millis(20);
 
 /// The single writer: appends what arrived since the last commit with one write and one fsync per
-/// file.
+/// file (on a bucket, gathers it into the part being filled, written when full or old enough).
 fn write_lines(
     mut receiver: mpsc::UnboundedReceiver<Lines>,
-    mut main: AppendLog,
-    mut openai: Option<AppendLog>,
+    mut records: RecordsWriter,
 ) -> Result<(), RunError> {
+    let runtime = tokio::runtime::Handle::current();
     let mut last_commit: Option<Instant> = None;
-    while let Some(first) = receiver.blocking_recv() {
+    loop {
+        let first = match records.deadline() {
+            None => receiver.blocking_recv(),
+            Some(deadline) => {
+                let next = tokio::time::timeout_at(deadline.into(), receiver.recv());
+                match runtime.block_on(next) {
+                    Ok(next) => next,
+                    Err(_elapsed) => {
+                        records.flush()?;
+                        continue;
+                    }
+                }
+            }
+        };
+        let Some(first) = first else { break };
         if let Some(wait) = last_commit.and_then(|at| COMMIT_INTERVAL.checked_sub(at.elapsed())) {
             std::thread::sleep(wait);
         }
@@ -1172,19 +1194,14 @@ fn write_lines(
         while let Ok(more) = receiver.try_recv() {
             group.push(more);
         }
-        if let Some(log) = openai.as_mut() {
-            let lines: Vec<&[u8]> = group
-                .iter()
-                .filter_map(|lines| lines.openai.as_deref())
-                .collect();
-            if !lines.is_empty() {
-                log.append_lines(&lines)?;
-            }
-        }
-        // The main file is the source of truth, so it is written last.
-        let lines: Vec<&[u8]> = group.iter().map(|lines| lines.main.as_slice()).collect();
-        main.append_lines(&lines)?;
+        let group: Vec<(&[u8], Option<&[u8]>)> = group
+            .iter()
+            .map(|lines| (lines.main.as_slice(), lines.openai.as_deref()))
+            .collect();
+        records.append(&group)?;
     }
+    // The batch ended (done, stopped or interrupted): what is gathered is written.
+    records.flush()?;
     Ok(())
 }
 

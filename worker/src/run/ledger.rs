@@ -35,7 +35,7 @@ use tracing::warn;
 use super::RunError;
 use crate::model::Spending;
 use crate::spec::{BudgetSpec, RunSpec};
-use crate::storage::{RunDir, StorageError, WriterId, write_atomic};
+use crate::storage::{RunDir, StorageError, Store, WriterId};
 
 /// Sums of USD amounts differ from their exact value by far less than this (one millionth of a
 /// cent): a conversation that fits exactly is not refused for a rounding.
@@ -89,6 +89,7 @@ pub struct Ledger {
     processes: u32,
     dir: PathBuf,
     claim_path: PathBuf,
+    store: Store,
     spending: Arc<Spending>,
     state: Mutex<State>,
     /// Held while the claims are read and this process's is written (growing is rare, and two
@@ -161,6 +162,7 @@ impl Ledger {
             processes: processes.max(1),
             dir,
             claim_path,
+            store: run_dir.store().clone(),
             spending: Arc::new(Spending::default()),
             state: Mutex::new(State::default()),
             growing: Mutex::new(()),
@@ -187,9 +189,15 @@ impl Ledger {
 
     /// Takes over a finished claim, if there is one: renamed to this process's name, its figures
     /// carried on in this process's claim.
+    ///
+    /// On a bucket there is no rename that only one of two processes can win: every process
+    /// keeps a claim of its own there (a run has one per pod that spent, not one per pod at once).
     fn adopt(&self) -> Result<Claim, StorageError> {
-        for path in claim_paths(&self.dir)? {
-            match read_claim(&path) {
+        if self.store.is_bucket() {
+            return Ok(Claim::default());
+        }
+        for path in claim_paths(&self.store, &self.dir)? {
+            match read_claim(&self.store, &path) {
                 Ok(claim) if claim.finished => {}
                 Ok(_) => continue,
                 // Adopted (and renamed) by another process meanwhile.
@@ -199,7 +207,7 @@ impl Ledger {
             // Whatever the rename answers (over NFS a retried rename may report a failure that
             // happened), the claim is this process's exactly when it is under its name now.
             let _ = std::fs::rename(&path, &self.claim_path);
-            match read_claim(&self.claim_path) {
+            match read_claim(&self.store, &self.claim_path) {
                 Ok(claim) => {
                     return Ok(Claim {
                         allowance: 0.0,
@@ -335,7 +343,7 @@ impl Ledger {
 
     fn write(&self, claim: &Claim) -> Result<(), StorageError> {
         let json = serde_json::to_vec(claim).expect("a claim serialises to JSON");
-        write_atomic(&self.claim_path, &json)
+        self.store.write_atomic(&self.claim_path, &json)
     }
 
     /// The claims of every other process. A claim that cannot be read is a fault of the storage,
@@ -346,11 +354,11 @@ impl Ledger {
         let mut attempts = 0;
         'read: loop {
             let mut others = Others::default();
-            for path in claim_paths(&self.dir)? {
+            for path in claim_paths(&self.store, &self.dir)? {
                 if path == self.claim_path {
                     continue;
                 }
-                let claim = match read_claim(&path) {
+                let claim = match read_claim(&self.store, &path) {
                     Ok(claim) => claim,
                     Err(error) if error.is_not_found() && attempts < MAX_CLAIM_READS => {
                         attempts += 1;
@@ -411,8 +419,8 @@ fn is_claim(path: &Path) -> bool {
             .is_some_and(|extension| extension == "json")
 }
 
-fn read_claim(path: &Path) -> Result<Claim, StorageError> {
-    let bytes = std::fs::read(path).map_err(|error| StorageError::new("reading", path, error))?;
+fn read_claim(store: &Store, path: &Path) -> Result<Claim, StorageError> {
+    let bytes = store.read(path)?;
     serde_json::from_slice(&bytes).map_err(|error| {
         StorageError::new(
             "reading",
@@ -449,34 +457,25 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// What every claim in `run_dir` says its process spent (`None` when the run kept none).
 pub fn spent_by_claims(run_dir: &RunDir) -> Result<Option<f64>, StorageError> {
-    let paths = claim_paths(&run_dir.budget_dir())?;
+    let paths = claim_paths(run_dir.store(), &run_dir.budget_dir())?;
     if paths.is_empty() {
         return Ok(None);
     }
     let mut spent = 0.0;
     for path in paths {
-        spent += read_claim(&path)?.spent;
+        spent += read_claim(run_dir.store(), &path)?.spent;
     }
     Ok(Some(spent))
 }
 
 /// The claims' files in `dir` (temp files of writes under way are not claims).
-fn claim_paths(dir: &Path) -> Result<Vec<PathBuf>, StorageError> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(error) => return Err(StorageError::new("listing", dir, error)),
-    };
-    let mut paths = Vec::new();
-    for entry in entries {
-        let path = entry
-            .map_err(|error| StorageError::new("listing", dir, error))?
-            .path();
-        if is_claim(&path) {
-            paths.push(path);
-        }
-    }
-    Ok(paths)
+fn claim_paths(store: &Store, dir: &Path) -> Result<Vec<PathBuf>, StorageError> {
+    Ok(store
+        .list(dir)?
+        .into_iter()
+        .map(|name| dir.join(name))
+        .filter(|path| is_claim(path))
+        .collect())
 }
 
 /// The error that stops a batch at the run's budget, `not_started` of its conversations not run.
@@ -539,7 +538,11 @@ mod tests {
         let committed = |run_dir: &RunDir| -> f64 {
             std::fs::read_dir(run_dir.budget_dir())
                 .unwrap()
-                .map(|entry| read_claim(&entry.unwrap().path()).unwrap().committed())
+                .map(|entry| {
+                    read_claim(&Store::Volume, &entry.unwrap().path())
+                        .unwrap()
+                        .committed()
+                })
                 .sum()
         };
         let budgets: Vec<Arc<Ledger>> = (0..4).map(|_| open(&run_dir, 1.0, 4)).collect();

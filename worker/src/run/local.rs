@@ -18,7 +18,7 @@ use super::batch::{ConversationOutcome, Engine, Progress, Shutdown, run_batch};
 use super::ledger::Ledger;
 use super::{RunError, RunFile, RunLocation, merge, plan};
 use crate::contract::{MergeSummary, PlanSummary};
-use crate::storage::LockError;
+use crate::storage::{BucketOptions, LockError};
 use crate::tools::sandbox::Sandbox;
 
 /// How progress is shown.
@@ -34,8 +34,11 @@ pub enum ProgressMode {
 #[derive(Debug, Clone)]
 pub struct LocalOptions {
     pub run_file: PathBuf,
-    /// Root of "the storage volume"; defaults to the run file's directory.
+    /// Root of "the storage volume" (or an `s3://bucket/prefix` location); defaults to the run
+    /// file's directory.
     pub storage: Option<PathBuf>,
+    /// How to reach the bucket when `storage` is one.
+    pub bucket: BucketOptions,
     /// Overrides `spec.model.baseUrl` (an operational field: it does not change the spec hash).
     pub base_url: Option<String>,
     pub workspace_root: PathBuf,
@@ -48,6 +51,8 @@ pub struct LocalOptions {
 #[derive(Debug, Clone)]
 pub struct LocalReport {
     pub run_dir: PathBuf,
+    /// The merged run's `statistics.json`, as merge wrote it (`None` when it cannot be read).
+    pub statistics: Option<serde_json::Value>,
     pub plan: PlanSummary,
     pub merge: MergeSummary,
     pub elapsed: Duration,
@@ -72,10 +77,7 @@ pub async fn run_local(
             .parent()
             .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
     };
-    let location = RunLocation {
-        storage_root,
-        plan: run_file.to_plan(),
-    };
+    let location = RunLocation::open(storage_root, &options.bucket, run_file.to_plan())?;
     // Two local runs on one directory would run the same conversations twice and race on every
     // file; the second is refused while the first holds the lock.
     let _lock = location.run_dir().lock().map_err(|error| match error {
@@ -155,8 +157,14 @@ pub async fn run_local(
     let merge_summary = tokio::task::spawn_blocking(move || merge::merge(&merge_location))
         .await
         .map_err(|err| RunError::Internal(err.to_string()))??;
+    let statistics = run_dir
+        .store()
+        .read(&run_dir.statistics())
+        .ok()
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok());
     Ok(LocalReport {
         run_dir: run_dir.root().to_path_buf(),
+        statistics,
         plan: plan_summary,
         merge: merge_summary,
         elapsed: started.elapsed(),
@@ -335,10 +343,8 @@ pub fn render_report(report: &LocalReport) -> String {
     if let Some(cost) = &merge.cost {
         let _ = writeln!(out, "  cost (USD)     {cost:>8}");
     }
-    let statistics = std::fs::read(report.run_dir.join("statistics.json"))
-        .ok()
-        .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok());
-    if let Some(tools) = statistics
+    if let Some(tools) = report
+        .statistics
         .as_ref()
         .and_then(|s| s.get("tool_statistics"))
         .and_then(|t| t.as_object())

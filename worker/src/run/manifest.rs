@@ -100,7 +100,7 @@ impl Manifest {
                 path.display()
             ))
         };
-        match std::fs::read(&path) {
+        match run_dir.store().read(&path) {
             Ok(bytes) => {
                 let Version { version } =
                     serde_json::from_slice(&bytes).map_err(|err| not_understood(&err))?;
@@ -114,8 +114,8 @@ impl Manifest {
                     .map(Some)
                     .map_err(|err| not_understood(&err))
             }
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(err) => Err(crate::storage::StorageError::new("reading", &path, err).into()),
+            Err(err) if err.is_not_found() => Ok(None),
+            Err(err) => Err(err.into()),
         }
     }
 

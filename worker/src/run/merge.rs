@@ -22,6 +22,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::BufRead as _;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
@@ -34,10 +35,7 @@ use super::{RunError, RunLocation};
 use crate::contract::{MergeSummary, compact_ranges, format_ranges};
 use crate::json_scan;
 use crate::report;
-use crate::storage::{
-    Context, RunDir, StorageError, read_files_lines_into, read_whole_lines, sync_dir, temp_path,
-    write_atomic, write_lines,
-};
+use crate::storage::{Context, FilesLines, RunDir, StorageError, Store, temp_path, write_lines};
 
 /// The fields of a record line that merge and statistics read; the conversation is skipped.
 #[derive(Debug, Deserialize)]
@@ -353,7 +351,7 @@ const SYNC_EVERY_BYTES: u64 = 32 << 20;
 /// merge reads and validates the next batches, and the sync before the rename only waits for the
 /// last stretch. The helper's sync error, if any, fails the output: a failed sync on Linux clears
 /// the error, so the final sync alone could not be trusted to report it.
-struct Output {
+struct FileOutput {
     path: PathBuf,
     temp: PathBuf,
     file: File,
@@ -366,7 +364,52 @@ struct Output {
     )>,
 }
 
+/// A merged output: a file on a volume, an upload to a bucket (which appears whole when it
+/// completes, and not at all before).
+enum Output {
+    File(FileOutput),
+    Object {
+        output: crate::storage::Output,
+        bytes: u64,
+    },
+}
+
 impl Output {
+    fn create(store: &Store, path: PathBuf) -> Result<Self, StorageError> {
+        Ok(match store {
+            Store::Volume => Self::File(FileOutput::create(path)?),
+            Store::Bucket(_) => Self::Object {
+                output: store.output(&path)?,
+                bytes: 0,
+            },
+        })
+    }
+
+    fn lines(&mut self, lines: &[&[u8]]) -> Result<(), StorageError> {
+        match self {
+            Self::File(file) => file.lines(lines),
+            Self::Object { output, bytes } => {
+                for line in lines {
+                    output
+                        .write_all(line)
+                        .and_then(|()| output.write_all(b"\n"))
+                        .at("writing", output.path())?;
+                    *bytes += line.len() as u64 + 1;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn finish(self) -> Result<u64, StorageError> {
+        match self {
+            Self::File(file) => file.finish(),
+            Self::Object { output, bytes } => output.finish().map(|()| bytes),
+        }
+    }
+}
+
+impl FileOutput {
     fn create(path: PathBuf) -> Result<Self, StorageError> {
         let temp = temp_path(&path);
         let file = File::create(&temp).at("creating", &temp)?;
@@ -424,7 +467,7 @@ impl Output {
     }
 }
 
-impl Drop for Output {
+impl Drop for FileOutput {
     /// A merge that stopped at an error leaves no temp file: it can be as large as the output.
     fn drop(&mut self) {
         if !self.renamed {
@@ -650,7 +693,9 @@ fn sort_batch(
     skipped_lines: &mut u64,
 ) -> Result<SortedBatch, RunError> {
     let files = run_dir.records_files(batch)?;
-    let read = read_files_lines_into(files.iter().map(|file| file.records.as_path()), buffer)?;
+    let read = run_dir
+        .store()
+        .read_files_lines_into(files.iter().map(|file| file.records.as_path()), buffer)?;
     let viewed = ViewLines::new(&read.data, &read.lines);
     let mut order: Vec<(u64, u32, u8, usize)> = Vec::with_capacity(read.lines.len());
     let mut views = Vec::with_capacity(read.lines.len());
@@ -707,7 +752,7 @@ fn sort_batch(
         if openai && rank == 0 {
             let index = match &mut openai_lines[*file] {
                 Some(index) => index,
-                slot => slot.insert(openai_index(&files[*file].openai)?),
+                slot => slot.insert(openai_index(run_dir.store(), &files[*file].openai)?),
             };
             let twin = index
                 .remove(&(prompt_index, sample))
@@ -782,10 +827,13 @@ struct Outputs {
 impl Outputs {
     fn create(run_dir: &RunDir, openai: bool) -> Result<Self, RunError> {
         Ok(Self {
-            trajectories: Output::create(run_dir.trajectories())?,
-            failures: Output::create(run_dir.failures())?,
+            trajectories: Output::create(run_dir.store(), run_dir.trajectories())?,
+            failures: Output::create(run_dir.store(), run_dir.failures())?,
             openai: if openai {
-                Some(Output::create(run_dir.trajectories_openai())?)
+                Some(Output::create(
+                    run_dir.store(),
+                    run_dir.trajectories_openai(),
+                )?)
             } else {
                 None
             },
@@ -834,7 +882,9 @@ impl Outputs {
             if let Some(out) = self.openai {
                 out.finish()?;
             }
-            write_atomic(&run_dir.statistics(), &statistics_json)?;
+            run_dir
+                .store()
+                .write_atomic(&run_dir.statistics(), &statistics_json)?;
             // Last, so that a trajectories file on storage always comes with its statistics.
             let bytes = self.trajectories.finish()?;
             if let Some(report) = report {
@@ -944,7 +994,7 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
 
     let statistics = statistics(location, &manifest, &mut totals, &missing);
     let bytes = outputs.finish(&run_dir, &statistics, totals.report.take())?;
-    sync_dir(run_dir.root())?;
+    run_dir.store().sync_dir(run_dir.root())?;
     if !missing.is_empty() {
         warn!(missing = %format_ranges(&compact_ranges(missing.iter().copied())), "merged with batches not done");
     }
@@ -975,7 +1025,7 @@ type OpenaiLine = (Option<String>, Vec<u8>);
 type OpenaiIndex = HashMap<(u64, u32), Vec<OpenaiLine>>;
 
 /// `OpenAI`-form lines of one writer by key, in file order; its records file decides which are kept.
-fn openai_index(path: &Path) -> Result<OpenaiIndex, RunError> {
+fn openai_index(store: &Store, path: &Path) -> Result<OpenaiIndex, RunError> {
     #[derive(Deserialize)]
     struct Key {
         prompt_index: u64,
@@ -984,7 +1034,7 @@ fn openai_index(path: &Path) -> Result<OpenaiIndex, RunError> {
         #[serde(default)]
         finished_at: Option<String>,
     }
-    let (data, lines) = read_whole_lines(path)?;
+    let FilesLines { data, lines, .. } = store.read_files_lines_into([path], Vec::new())?;
     let mut index = OpenaiIndex::new();
     for (start, end) in lines {
         if let Ok(key) = serde_json::from_slice::<Key>(&data[start..end]) {

@@ -22,7 +22,7 @@ use serde::Deserialize;
 
 use crate::contract::{RunPlan, exit};
 use crate::spec::RunSpec;
-use crate::storage::{StorageError, StorageFault};
+use crate::storage::{Bucket, BucketOptions, ObjectUrl, StorageError, StorageFault, Store};
 
 /// Why a run mode stopped.
 #[derive(Debug, thiserror::Error)]
@@ -107,7 +107,9 @@ impl RunError {
             Self::Interrupted => exit::INTERRUPTED,
             Self::BudgetExhausted { .. } => exit::BUDGET_EXHAUSTED,
             Self::Storage(error) => match error.fault() {
-                StorageFault::ReadOnly | StorageFault::Denied => exit::PERMANENT_CONFIG,
+                StorageFault::ReadOnly | StorageFault::Denied | StorageFault::Missing => {
+                    exit::PERMANENT_CONFIG
+                }
                 // Full: space can be freed while the Job backs off; the batch checks free space
                 // before it spends a token, so a retry on a full volume costs nothing.
                 StorageFault::Full | StorageFault::Transient => exit::TRANSIENT,
@@ -124,6 +126,7 @@ impl RunError {
                 StorageFault::Full => "StorageFull",
                 StorageFault::ReadOnly => "StorageReadOnly",
                 StorageFault::Denied => "StoragePermissionDenied",
+                StorageFault::Missing => "StorageMissing",
             },
             Self::StorageMissing(_) => "StorageMissing",
             Self::OutputInUse(_) => "OutputInUse",
@@ -270,17 +273,61 @@ fn check_spec(path: &Path, spec: &RunSpec) -> Result<(), RunError> {
     )))
 }
 
-/// Where a run's files live: the storage root and the plan.
+/// Where a run's files live: the storage root (a directory, or an `s3://bucket/prefix`
+/// location), the store that reaches it, and the plan.
 #[derive(Debug, Clone)]
 pub struct RunLocation {
     pub storage_root: PathBuf,
+    pub store: Store,
     pub plan: RunPlan,
 }
 
 impl RunLocation {
+    /// The run's location under `storage_root`: a volume's directory, or, for an `s3://` URL, the
+    /// bucket's prefix reached with `bucket` (checked at once: a bucket that is not there, or
+    /// refuses these credentials, fails here, before anything is read).
+    pub fn open(
+        storage_root: PathBuf,
+        bucket: &BucketOptions,
+        plan: RunPlan,
+    ) -> Result<Self, RunError> {
+        let text = storage_root.to_string_lossy();
+        if !crate::storage::object::is_object_location(&text) {
+            let location = Self {
+                storage_root,
+                store: Store::Volume,
+                plan,
+            };
+            location.require_storage()?;
+            return Ok(location);
+        }
+        let url = ObjectUrl::parse(&text).map_err(RunError::Spec)?;
+        let client = Bucket::open(&url, bucket).map_err(|error| {
+            RunError::Spec(format!("cannot reach the bucket of {url}: {error}"))
+        })?;
+        if let Err(error) = client.check() {
+            let error = StorageError::new("listing", &url.root(), error);
+            return Err(match error.fault() {
+                StorageFault::Missing => RunError::StorageMissing(format!(
+                    "the bucket {:?} does not exist (storage {url})",
+                    url.bucket
+                )),
+                _ => error.into(),
+            });
+        }
+        Ok(Self {
+            storage_root: url.root(),
+            store: Store::Bucket(std::sync::Arc::new(client)),
+            plan,
+        })
+    }
+
     /// Fails when the storage root is not a directory: the volume is not mounted (or mounted
     /// elsewhere), which no retry of the same pod spec fixes.
     pub fn require_storage(&self) -> Result<(), RunError> {
+        if self.store.is_bucket() {
+            return Ok(());
+        }
         match std::fs::metadata(&self.storage_root) {
             Ok(metadata) if metadata.is_dir() => Ok(()),
             Ok(_) => Err(RunError::StorageMissing(format!(
@@ -299,7 +346,10 @@ impl RunLocation {
     }
 
     pub fn run_dir(&self) -> crate::storage::RunDir {
-        crate::storage::RunDir::new(self.storage_root.join(&self.plan.output_path))
+        crate::storage::RunDir::on(
+            self.store.clone(),
+            self.storage_root.join(&self.plan.output_path),
+        )
     }
 
     pub fn dataset_path(&self) -> PathBuf {
@@ -325,8 +375,10 @@ impl RunLocation {
         let bad = |why: String| {
             RunError::BadBatchInput(format!("the plan's pending list {}: {why}", path.display()))
         };
-        let text =
-            std::fs::read_to_string(&path).map_err(|err| pending_list_read_error(&path, err))?;
+        let text = self
+            .store
+            .read_to_string(&path)
+            .map_err(|err| pending_list_read_error(&path, err.source))?;
         match crate::contract::nth_in_ranges(&text, slot) {
             Ok(Some(batch)) => Ok(batch),
             Ok(None) => Err(bad(format!(

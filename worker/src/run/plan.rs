@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{Read, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -30,7 +30,7 @@ use crate::dataset::{
 };
 use crate::distribution::Distribution;
 use crate::spec::RunSpec;
-use crate::storage::{Context, RunDir, StorageError, sync_dir, temp_path, write_atomic_with};
+use crate::storage::{Context, Output, RunDir, StorageError, Store};
 use crate::tools::Registry;
 use crate::tools::mcp::{FrozenServer, discover_blocking};
 use crate::tools::sandbox::Sandbox;
@@ -95,8 +95,8 @@ struct Layout<'a> {
     in_batch: u64,
     /// The image of the batch being laid out (a position in `images` from 1; 0: none).
     batch_image: u32,
-    invalid_out: BufWriter<File>,
-    invalid_temp: &'a Path,
+    invalid_out: Output,
+    invalid_path: &'a Path,
     /// The images rows name, each once, in order, with their positions from 1.
     images: Vec<String>,
     image_positions: HashMap<String, u32>,
@@ -107,7 +107,7 @@ struct Layout<'a> {
 }
 
 impl<'a> Layout<'a> {
-    fn new(spec: &RunSpec, invalid_out: BufWriter<File>, invalid_temp: &'a Path) -> Self {
+    fn new(spec: &RunSpec, invalid_out: Output, invalid_path: &'a Path) -> Self {
         Self {
             max_samples: spec.dataset.max_samples.unwrap_or(u64::MAX),
             batch_size: u64::from(spec.batch_size),
@@ -125,7 +125,7 @@ impl<'a> Layout<'a> {
                 spec.samples_per_prompt,
             )),
             invalid_out,
-            invalid_temp,
+            invalid_path,
             images: Vec::new(),
             image_positions: HashMap::new(),
             batch_images: Vec::new(),
@@ -210,7 +210,7 @@ impl Layout<'_> {
         serde_json::to_writer(&mut self.invalid_out, &entry)
             .map_err(std::io::Error::from)
             .and_then(|()| self.invalid_out.write_all(b"\n"))
-            .at("writing", self.invalid_temp)
+            .at("writing", self.invalid_path)
     }
 
     fn end_batch(&mut self) {
@@ -286,7 +286,7 @@ struct Scanned {
     prompts: u64,
     invalid: u64,
     bytes: u64,
-    invalid_out: BufWriter<File>,
+    invalid_out: Output,
     images: Vec<String>,
     batch_images: Vec<u32>,
     first_prompts: Vec<u64>,
@@ -351,19 +351,26 @@ impl<'a> ReadAhead<'a> {
 }
 
 /// Reads, digests, validates and lays out the whole dataset.
+/// `read_ahead` is the file's when the dataset is one (none for a bucket's stream).
 fn scan(
-    file: &File,
+    dataset: impl Read,
+    mut read_ahead: Option<ReadAhead<'_>>,
     spec: &RunSpec,
     dataset_path: &Path,
-    invalid_out: BufWriter<File>,
-    invalid_temp: &Path,
+    invalid_out: Output,
+    invalid_path: &Path,
 ) -> Result<Scanned, RunError> {
-    let read_error = |err: std::io::Error| {
-        RunError::InvalidDataset(format!("cannot read {}: {err}", dataset_path.display()))
+    let from_bucket = read_ahead.is_none();
+    let read_error = |err: std::io::Error| -> RunError {
+        if from_bucket {
+            // The bucket's failures (its retries spent), not the dataset's.
+            StorageError::new("reading", dataset_path, err).into()
+        } else {
+            RunError::InvalidDataset(format!("cannot read {}: {err}", dataset_path.display()))
+        }
     };
-    let mut layout = Layout::new(spec, invalid_out, invalid_temp);
-    let mut read_ahead = ReadAhead::new(file);
-    let mut blocks = LineBlocks::new(file, BLOCK_BYTES, MAX_LINE_BYTES);
+    let mut layout = Layout::new(spec, invalid_out, invalid_path);
+    let mut blocks = LineBlocks::new(dataset, BLOCK_BYTES, MAX_LINE_BYTES);
     let mut segments = SegmentHasher::new();
     let mut offset = 0u64;
     // Set once `maxSamples` prompts are laid out: the validators may skip the rest.
@@ -394,7 +401,9 @@ fn scan(
         let mut reading = true;
         loop {
             if reading && sent - received < BLOCKS_IN_FLIGHT {
-                read_ahead.before_reading(offset);
+                if let Some(read_ahead) = read_ahead.as_mut() {
+                    read_ahead.before_reading(offset);
+                }
                 match blocks
                     .next_block(&mut |chunk| {
                         segments.update(chunk);
@@ -543,18 +552,8 @@ pub fn plan_in(
     let run_dir = location.run_dir();
     let (catalog, mcp_tools) = tool_catalog(spec, &run_dir)?;
     let dataset_path = location.dataset_path();
-    let file = File::open(&dataset_path).map_err(|err| {
-        RunError::InvalidDataset(format!(
-            "cannot open spec.dataset.path {}: {err}",
-            dataset_path.display()
-        ))
-    })?;
-
-    std::fs::create_dir_all(run_dir.root()).at("creating", run_dir.root())?;
-    let invalid_path = run_dir.invalid();
-    let invalid_temp = temp_path(&invalid_path);
-    let invalid_out = BufWriter::new(File::create(&invalid_temp).at("creating", &invalid_temp)?);
-
+    let store = run_dir.store();
+    // Dropped unfinished on an error, the invalid lines' output leaves nothing behind.
     let Scanned {
         digest,
         segment_digests,
@@ -568,16 +567,7 @@ pub fn plan_in(
         batch_images,
         first_prompts,
         rows_with_images,
-    } = match scan(&file, spec, &dataset_path, invalid_out, &invalid_temp) {
-        Ok(scanned) => scanned,
-        Err(error) => {
-            let _ = std::fs::remove_file(&invalid_temp);
-            return Err(error);
-        }
-    };
-    let file = invalid_out
-        .into_inner()
-        .map_err(|err| StorageError::new("writing", &invalid_temp, err.into_error()))?;
+    } = scan_dataset(location, &run_dir, &dataset_path)?;
 
     let dataset = DatasetInfo {
         path: spec.dataset.path.clone(),
@@ -589,32 +579,20 @@ pub fn plan_in(
         segment_bytes: SEGMENT_BYTES,
         segment_digests,
     };
-    let fail = |error: RunError| {
-        let _ = std::fs::remove_file(&invalid_temp);
-        Err(error)
-    };
-    if let Err(error) =
-        refuse_what_cannot_run(&dataset, &dataset_path, environment, &rows_with_images)
-    {
-        return fail(error);
-    }
+    refuse_what_cannot_run(&dataset, &dataset_path, environment, &rows_with_images)?;
     let layout = ImageLayout {
         batches,
         images,
         batch_images,
         first_prompts,
     };
-    let manifest = match run_manifest(location, dataset, catalog, mcp_tools, layout) {
-        Ok(manifest) => manifest,
-        Err(error) => return fail(error),
-    };
-    file.sync_all().at("syncing", &invalid_temp)?;
-    std::fs::rename(&invalid_temp, &invalid_path).at("renaming into place", &invalid_path)?;
+    let manifest = run_manifest(location, dataset, catalog, mcp_tools, layout)?;
+    invalid_out.finish()?;
     // Streamed: a run of a million batches has a manifest of tens of megabytes.
-    write_atomic_with(&run_dir.manifest(), |out| {
-        serde_json::to_writer(out, &manifest).map_err(std::io::Error::from)
+    store.write_with(&run_dir.manifest(), |out| {
+        serde_json::to_writer(std::io::BufWriter::new(out), &manifest).map_err(std::io::Error::from)
     })?;
-    sync_dir(run_dir.root())?;
+    store.sync_dir(run_dir.root())?;
 
     let mut done = run_dir.done_batches()?;
     done.retain(|id| *id < manifest.batch_count());
@@ -640,6 +618,49 @@ pub fn plan_in(
         run_dir.root().display()
     );
     Ok((manifest, summary))
+}
+
+/// Opens the dataset (a file read in place, or an object streamed once) and the run's
+/// `invalid.jsonl` output, and scans the one into the other.
+fn scan_dataset(
+    location: &RunLocation,
+    run_dir: &RunDir,
+    dataset_path: &Path,
+) -> Result<Scanned, RunError> {
+    let opened = |err: std::io::Error| -> RunError {
+        if err.kind() == std::io::ErrorKind::NotFound || !location.store.is_bucket() {
+            RunError::InvalidDataset(format!(
+                "cannot open spec.dataset.path {}: {err}",
+                dataset_path.display()
+            ))
+        } else {
+            StorageError::new("opening", dataset_path, err).into()
+        }
+    };
+    let spec = &location.plan.spec;
+    let store = run_dir.store();
+    let invalid_path = run_dir.invalid();
+    match store {
+        Store::Volume => {
+            let file = File::open(dataset_path).map_err(opened)?;
+            store.create_dir_all(run_dir.root())?;
+            let invalid_out = store.output(&invalid_path)?;
+            let read_ahead = Some(ReadAhead::new(&file));
+            scan(
+                &file,
+                read_ahead,
+                spec,
+                dataset_path,
+                invalid_out,
+                &invalid_path,
+            )
+        }
+        Store::Bucket(bucket) => {
+            let stream = bucket.reader(dataset_path).map_err(opened)?;
+            let invalid_out = store.output(&invalid_path)?;
+            scan(stream, None, spec, dataset_path, invalid_out, &invalid_path)
+        }
+    }
 }
 
 /// The names of every tool the run's distribution can offer, and its MCP servers' tools.
@@ -778,17 +799,18 @@ fn hand_off(
         .as_mut()
         .filter(|images| images.index.is_some())
     {
+        let store = run_dir.store();
         let dir = run_dir.root().join(&index);
-        std::fs::create_dir_all(&dir).at("creating", &dir)?;
+        store.create_dir_all(&dir)?;
         let pages = image_pages(&groups, TERMINATION_MESSAGE_LIMIT);
         for page in &pages {
             let path = run_dir.root().join(image_page_path(&index, page.page));
-            write_atomic_with(&path, |out| {
+            store.write_with(&path, |out| {
                 serde_json::to_writer(out, page).map_err(std::io::Error::from)
             })?;
         }
-        sync_dir(&dir)?;
-        sync_dir(&run_dir.plan_dir())?;
+        store.sync_dir(&dir)?;
+        store.sync_dir(&run_dir.plan_dir())?;
         images.pages = u32::try_from(pages.len()).unwrap_or(u32::MAX);
         info!(
             groups = groups.len(),
@@ -799,9 +821,16 @@ fn hand_off(
     }
     if slots {
         let path = run_dir.root().join(&name);
-        write_atomic_with(&path, |out| writeln!(out, "{}", Ranges(&pending)))?;
+        // Never an earlier plan's list: its pods may still read it.
+        let list = format!("{}\n", Ranges(&pending));
+        if !run_dir.store().create_once(&path, list.as_bytes())? {
+            return Err(RunError::Internal(format!(
+                "the new pending list {} exists already",
+                path.display()
+            )));
+        }
         // `plan/` may be new: its entry in the run directory must be durable too.
-        sync_dir(run_dir.root())?;
+        run_dir.store().sync_dir(run_dir.root())?;
         info!(
             pending = summary.pending_count(),
             ranges = pending.len(),
@@ -822,7 +851,7 @@ pub fn image_page(location: &RunLocation, index: &str, page: u32) -> Result<Imag
         )));
     }
     let path = location.run_dir().root().join(&relative);
-    let text = std::fs::read_to_string(&path).at("reading", &path)?;
+    let text = location.store.read_to_string(&path)?;
     let read: ImagePage = serde_json::from_str(&text).map_err(|err| {
         RunError::BadBatchInput(format!(
             "{}: not a page of an image index: {err}",
@@ -941,6 +970,7 @@ mod tests {
         .unwrap();
         RunLocation {
             storage_root: root.to_path_buf(),
+            store: crate::storage::Store::Volume,
             plan: crate::contract::RunPlan {
                 name: "t".into(),
                 namespace: "local".into(),

@@ -57,6 +57,7 @@ pub fn local_options(fixture: &RunFixture) -> LocalOptions {
     LocalOptions {
         run_file: fixture.run_file(),
         storage: None,
+        bucket: trajectory_worker::storage::BucketOptions::default(),
         base_url: None,
         workspace_root: fixture.workspaces(),
         sandbox: sandbox(),
@@ -145,6 +146,7 @@ impl RunFixture {
         let run_file = RunFile::load(&self.run_file()).expect("the fixture's run file is valid");
         RunLocation {
             storage_root: self.root().to_path_buf(),
+            store: trajectory_worker::storage::Store::Volume,
             plan: run_file.to_plan(),
         }
     }

@@ -28,9 +28,15 @@
 //! of entries in `batches/`, and every batch pod (and merge, for every batch) listing those would
 //! cost the run quadratic work on NFS.
 
+pub mod object;
+mod store;
+
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, IoSlice, Read, Write};
 use std::path::{Path, PathBuf};
+
+pub use object::{AccessKeys, Bucket, BucketMissing, BucketOptions, ObjectUrl};
+pub use store::{Output, PART_AGE, PART_RECORDS, RecordsWriter, Store};
 
 /// An I/O failure, with the path it happened on.
 #[derive(Debug, thiserror::Error)]
@@ -62,8 +68,11 @@ pub enum StorageFault {
     Full,
     /// The volume is mounted read-only (EROFS): no retry of the same pod spec can write.
     ReadOnly,
-    /// The pod's user may not write there (EACCES, EPERM): no retry can either.
+    /// The pod's user may not write there (EACCES, EPERM), or the bucket refuses these
+    /// credentials: no retry can either.
     Denied,
+    /// The bucket does not exist: no retry creates it.
+    Missing,
 }
 
 impl StorageError {
@@ -73,6 +82,13 @@ impl StorageError {
     }
 
     pub fn fault(&self) -> StorageFault {
+        if self
+            .source
+            .get_ref()
+            .is_some_and(<dyn std::error::Error + Send + Sync>::is::<BucketMissing>)
+        {
+            return StorageFault::Missing;
+        }
         match self.source.kind() {
             io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => StorageFault::Full,
             io::ErrorKind::ReadOnlyFilesystem => StorageFault::ReadOnly,
@@ -120,11 +136,26 @@ const PLAN_DIR: &str = "plan";
 #[derive(Debug, Clone)]
 pub struct RunDir {
     root: PathBuf,
+    store: Store,
 }
 
 impl RunDir {
+    /// A run directory on a volume.
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        Self { root: root.into() }
+        Self::on(Store::Volume, root)
+    }
+
+    /// A run directory in `store` (on a bucket, `root` is its `s3://` location).
+    pub fn on(store: Store, root: impl Into<PathBuf>) -> Self {
+        Self {
+            root: root.into(),
+            store,
+        }
+    }
+
+    /// Where the directory's files are, and the operations on them.
+    pub fn store(&self) -> &Store {
+        &self.store
     }
 
     pub fn root(&self) -> &Path {
@@ -170,28 +201,24 @@ impl RunDir {
     /// on every run.
     pub fn records_files(&self, batch: u32) -> Result<Vec<RecordsFile>, StorageError> {
         let mut files = Vec::new();
-        let legacy = self.legacy_batch_records(batch);
-        match fs::symlink_metadata(&legacy) {
-            Ok(_) => files.push(RecordsFile {
-                records: legacy,
-                openai: self.legacy_batch_openai_records(batch),
-            }),
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-            Err(err) => return Err(StorageError::new("reading metadata of", &legacy, err)),
-        }
-        let dir = self.batch_dir(batch);
-        let entries = match fs::read_dir(&dir) {
-            Ok(entries) => entries,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(files),
-            Err(err) => return Err(StorageError::new("listing", &dir, err)),
-        };
-        let mut writers = Vec::new();
-        for entry in entries {
-            let name = entry.at("listing", &dir)?.file_name();
-            if let Some(writer) = name.to_str().and_then(WriterId::of_records_file) {
-                writers.push(writer);
+        // Workers wrote single records files before object storage existed.
+        if !self.store.is_bucket() {
+            let legacy = self.legacy_batch_records(batch);
+            match fs::symlink_metadata(&legacy) {
+                Ok(_) => files.push(RecordsFile {
+                    records: legacy,
+                    openai: self.legacy_batch_openai_records(batch),
+                }),
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                Err(err) => return Err(StorageError::new("reading metadata of", &legacy, err)),
             }
         }
+        let mut writers: Vec<WriterId> = self
+            .store
+            .list(&self.batch_dir(batch))?
+            .iter()
+            .filter_map(|name| WriterId::of_records_file(name))
+            .collect();
         writers.sort_unstable();
         files.extend(writers.into_iter().map(|writer| RecordsFile {
             records: self.batch_records_of(batch, &writer),
@@ -249,36 +276,23 @@ impl RunDir {
     /// a reader sees the marker whole or not at all.
     pub fn remove_done_markers(&self, batches: &[u32]) -> Result<(), StorageError> {
         for &batch in batches {
-            let path = self.batch_done(batch);
-            match fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-                Err(err) => return Err(StorageError::new("removing", &path, err)),
-            }
+            self.store.remove(&self.batch_done(batch))?;
         }
-        sync_dir(&self.batches_dir())
+        self.store.sync_dir(&self.batches_dir())
     }
 
     /// Ids of batches with a completion marker, ascending.
     pub fn done_batches(&self) -> Result<Vec<u32>, StorageError> {
-        let dir = self.batches_dir();
-        let entries = match fs::read_dir(&dir) {
-            Ok(entries) => entries,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(err) => return Err(StorageError::new("listing", &dir, err)),
-        };
-        let mut done = Vec::new();
-        for entry in entries {
-            let name = entry.at("listing", &dir)?.file_name();
-            let name = name.to_string_lossy();
-            if let Some(id) = name
-                .strip_prefix("batch-")
-                .and_then(|rest| rest.strip_suffix(".done"))
-                .and_then(|digits| digits.parse().ok())
-            {
-                done.push(id);
-            }
-        }
+        let mut done: Vec<u32> = self
+            .store
+            .list(&self.batches_dir())?
+            .iter()
+            .filter_map(|name| {
+                name.strip_prefix("batch-")
+                    .and_then(|rest| rest.strip_suffix(".done"))
+                    .and_then(|digits| digits.parse().ok())
+            })
+            .collect();
         done.sort_unstable();
         Ok(done)
     }
@@ -366,7 +380,7 @@ pub fn temp_path(path: &Path) -> PathBuf {
 /// dropped, or when the process dies).
 #[derive(Debug)]
 pub struct RunDirLock {
-    _lock: nix::fcntl::Flock<File>,
+    _lock: Option<nix::fcntl::Flock<File>>,
 }
 
 /// Why a run directory could not be locked.
@@ -388,7 +402,12 @@ impl RunDir {
     /// Takes the directory's lock, without waiting. `flock` serialises processes on one machine
     /// (what two `local` runs are); it does not reach across NFS clients, which is why batches on
     /// a cluster do not rely on it (see `run::batch`).
+    ///
+    /// A bucket has no lock that a dead process lets go of: a run there is not locked.
     pub fn lock(&self) -> Result<RunDirLock, LockError> {
+        if self.store.is_bucket() {
+            return Ok(RunDirLock { _lock: None });
+        }
         fs::create_dir_all(&self.root).at("creating", &self.root)?;
         let path = self.lock_file();
         let file = OpenOptions::new()
@@ -398,7 +417,7 @@ impl RunDir {
             .open(&path)
             .at("opening", &path)?;
         match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => Ok(RunDirLock { _lock: lock }),
+            Ok(lock) => Ok(RunDirLock { _lock: Some(lock) }),
             Err((_, nix::errno::Errno::EWOULDBLOCK)) => Err(LockError::Held(path)),
             Err((_, errno)) => Err(StorageError::new("locking", &path, errno.into()).into()),
         }
@@ -524,10 +543,32 @@ pub struct FilesLines {
 }
 
 impl FilesLines {
+    /// Appends the whole lines of one more file's bytes (its torn tail left out).
+    pub fn push_file(&mut self, bytes: &[u8]) {
+        let file_start = self.data.len();
+        self.data.extend_from_slice(bytes);
+        let end = split_lines(&self.data, file_start, &mut self.lines);
+        self.data.truncate(end);
+    }
+
     /// The index of the file that line `line` came from.
     pub fn file_of(&self, line: usize) -> usize {
         self.starts.partition_point(|start| *start <= line) - 1
     }
+}
+
+/// Records the non-empty lines of `data[from..]` in `lines`; returns where the whole lines end
+/// (past the last newline).
+fn split_lines(data: &[u8], from: usize, lines: &mut LineRanges) -> usize {
+    let mut start = from;
+    for end in memchr::memchr_iter(b'\n', &data[from..]) {
+        let end = from + end;
+        if end > start {
+            lines.push((start, end));
+        }
+        start = end + 1;
+    }
+    start
 }
 
 /// The whole lines of each file (a missing file has none), into a reused buffer. Each file's torn
@@ -551,15 +592,8 @@ pub fn read_files_lines_into<'a>(
             Err(err) if err.kind() == io::ErrorKind::NotFound => {}
             Err(err) => return Err(StorageError::new("reading", path, err)),
         }
-        let mut start = file_start;
-        for end in memchr::memchr_iter(b'\n', &data[file_start..]) {
-            let end = file_start + end;
-            if end > start {
-                lines.push((start, end));
-            }
-            start = end + 1;
-        }
-        data.truncate(start);
+        let end = split_lines(&data, file_start, &mut lines);
+        data.truncate(end);
     }
     Ok(FilesLines {
         data,

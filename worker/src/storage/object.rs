@@ -1,0 +1,506 @@
+//! A run's storage in an S3 bucket (AWS S3 or any S3-compatible server).
+//!
+//! The run modes work on paths; on a bucket those paths are `s3://<bucket>/<key>` and name
+//! objects. [`Bucket`] gives the few operations the write path needs, blocking, so the same code
+//! runs on a volume and on a bucket:
+//! - reads whole, by byte range, or streamed;
+//! - puts of whole objects, overwriting or conditional (`If-None-Match: *`: created once, by the
+//!   first writer; what locks and renames give on a filesystem);
+//! - listings of the names under a prefix;
+//! - streamed uploads that appear whole when they complete (multipart past one part).
+//!
+//! The client retries throttling (503 `SlowDown`, 429), 5xx, timeouts and broken connections with
+//! jittered backoff for up to [`RETRY_TIMEOUT`]; what is left is reported as an [`io::Error`]
+//! whose kind says what it means to the run (see [`super::StorageError::fault`]). Credentials come
+//! from the environment as AWS SDKs read them (keys, a web-identity token on EKS, the container
+//! credentials endpoint of EKS Pod Identity), never from the run's spec.
+
+use std::future::Future;
+use std::io::{self, Read, Write};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::aws::{AmazonS3, AmazonS3Builder, S3ConditionalPut};
+use object_store::path::Path as Key;
+use object_store::{
+    BackoffConfig, ClientOptions, MultipartUpload, ObjectStore, ObjectStoreExt, PutMode,
+    PutOptions, PutPayload, RetryConfig,
+};
+
+/// The scheme of object-storage locations.
+pub const SCHEME: &str = "s3://";
+
+/// How long one operation may be retried before it is reported.
+pub const RETRY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The size of each part of a multipart upload (S3 takes parts of 5 MiB to 5 GiB).
+const PART_SIZE: usize = 16 << 20;
+
+/// Chunks of a streamed read waiting for the reader.
+const READ_AHEAD: usize = 8;
+
+/// Whether `text` names a location in object storage.
+pub fn is_object_location(text: &str) -> bool {
+    text.starts_with(SCHEME)
+}
+
+/// An `s3://bucket/prefix` URL: where a run's files live in object storage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectUrl {
+    pub bucket: String,
+    /// The key prefix, without leading or trailing `/` (empty: the bucket's root).
+    pub prefix: String,
+}
+
+impl ObjectUrl {
+    /// Parses `s3://bucket[/prefix]`; the error says what is wrong with it.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let rest = text
+            .strip_prefix(SCHEME)
+            .ok_or_else(|| format!("{text:?} is not an s3:// URL"))?;
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        // S3's bucket naming rules: 3 to 63 lowercase letters, digits, dots and hyphens.
+        let valid_bucket = (3..=63).contains(&bucket.len())
+            && bucket.bytes().all(|byte| {
+                byte.is_ascii_lowercase() || byte.is_ascii_digit() || b".-".contains(&byte)
+            });
+        if !valid_bucket {
+            return Err(format!(
+                "{text:?}: {bucket:?} is not a bucket name (3 to 63 lowercase letters, digits, dots \
+                 and hyphens)"
+            ));
+        }
+        let prefix = prefix.trim_matches('/');
+        if prefix
+            .split('/')
+            .any(|part| part == "." || part == ".." || (part.is_empty() && !prefix.is_empty()))
+        {
+            return Err(format!(
+                "{text:?}: the prefix may not hold empty, \".\" or \"..\" segments"
+            ));
+        }
+        Ok(Self {
+            bucket: bucket.to_owned(),
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    /// The location as a path, the form the run modes join file names to.
+    pub fn root(&self) -> PathBuf {
+        if self.prefix.is_empty() {
+            PathBuf::from(format!("{SCHEME}{}", self.bucket))
+        } else {
+            PathBuf::from(format!("{SCHEME}{}/{}", self.bucket, self.prefix))
+        }
+    }
+}
+
+impl std::fmt::Display for ObjectUrl {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "{}", self.root().display())
+    }
+}
+
+/// How to reach the bucket's server.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BucketOptions {
+    /// The server's URL (`https://s3.eu-west-1.amazonaws.com`, `http://minio:9000`); AWS's own
+    /// for the region when unset.
+    pub endpoint: Option<String>,
+    /// The region requests are signed for (default: `AWS_REGION`, else `us-east-1`).
+    pub region: Option<String>,
+    /// Address buckets as `<endpoint>/<bucket>` rather than `<bucket>.<endpoint>`: most
+    /// self-hosted servers need it.
+    pub path_style: bool,
+    /// Keys given by a program that embeds the worker (its tests); the command line never sets
+    /// them, and without them the environment's credentials are used.
+    pub keys: Option<AccessKeys>,
+}
+
+/// An access key pair.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AccessKeys {
+    pub id: String,
+    pub secret: String,
+}
+
+impl std::fmt::Debug for AccessKeys {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("AccessKeys")
+            .field("id", &self.id)
+            .field("secret", &"<redacted>")
+            .finish()
+    }
+}
+
+/// The bucket is not there: every operation would fail the same way.
+#[derive(Debug, thiserror::Error)]
+#[error("the bucket {bucket:?} does not exist (or this identity may not see it)")]
+pub struct BucketMissing {
+    pub bucket: String,
+}
+
+/// One bucket, reached through a client that retries what can be retried.
+pub struct Bucket {
+    url: ObjectUrl,
+    store: Arc<AmazonS3>,
+    /// The client's own runtime: its operations are driven here and waited for by blocking
+    /// calls, from plain threads and async tasks alike (a blocking wait on another runtime's
+    /// future from inside a runtime would deadlock or panic).
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl std::fmt::Debug for Bucket {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Bucket")
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Bucket {
+    fn drop(&mut self) {
+        // Dropping a runtime waits for its tasks, which an async context must not do.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl Bucket {
+    /// A client for `url`'s bucket; checks nothing on the network (see [`Self::check`]).
+    pub fn open(url: &ObjectUrl, options: &BucketOptions) -> io::Result<Self> {
+        let mut builder = AmazonS3Builder::from_env()
+            .with_bucket_name(&url.bucket)
+            .with_conditional_put(S3ConditionalPut::ETagMatch)
+            .with_virtual_hosted_style_request(!options.path_style)
+            .with_retry(RetryConfig {
+                backoff: BackoffConfig {
+                    init_backoff: Duration::from_millis(100),
+                    max_backoff: Duration::from_secs(10),
+                    base: 2.0,
+                },
+                max_retries: 15,
+                retry_timeout: RETRY_TIMEOUT,
+            })
+            .with_client_options(
+                ClientOptions::new()
+                    .with_connect_timeout(Duration::from_secs(10))
+                    .with_timeout(Duration::from_secs(60)),
+            );
+        if let Some(keys) = &options.keys {
+            builder = builder
+                .with_access_key_id(&keys.id)
+                .with_secret_access_key(&keys.secret);
+        }
+        if let Some(endpoint) = &options.endpoint {
+            builder = builder
+                .with_endpoint(endpoint)
+                .with_allow_http(endpoint.starts_with("http://"));
+        }
+        let region = options
+            .region
+            .clone()
+            .or_else(|| std::env::var("AWS_REGION").ok())
+            .or_else(|| std::env::var("AWS_DEFAULT_REGION").ok())
+            .unwrap_or_else(|| "us-east-1".to_owned());
+        builder = builder.with_region(region);
+        let store = builder
+            .build()
+            .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, error.to_string()))?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("object-storage")
+            .enable_all()
+            .build()?;
+        Ok(Self {
+            url: url.clone(),
+            store: Arc::new(store),
+            runtime: Some(runtime),
+        })
+    }
+
+    pub fn url(&self) -> &ObjectUrl {
+        &self.url
+    }
+
+    /// Lists the run's prefix once: fails with [`BucketMissing`] when the bucket is not there,
+    /// and with the server's answer when it cannot be reached or refuses these credentials.
+    pub fn check(&self) -> io::Result<()> {
+        let root = self.url.root();
+        self.list(&root).map(drop)
+    }
+
+    /// The object key of `path` (`s3://<bucket>/<key>`).
+    fn key(&self, path: &Path) -> io::Result<Key> {
+        let text = path.to_str().unwrap_or_default();
+        let key = text
+            .strip_prefix(SCHEME)
+            .and_then(|rest| rest.strip_prefix(self.url.bucket.as_str()))
+            .and_then(|rest| rest.strip_prefix('/').or(rest.is_empty().then_some("")))
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{} is not in the bucket {}",
+                        path.display(),
+                        self.url.bucket
+                    ),
+                )
+            })?;
+        Key::parse(key).map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, error))
+    }
+
+    /// Runs `future` on the client's runtime and waits for it.
+    fn block<T: Send + 'static>(
+        &self,
+        future: impl Future<Output = object_store::Result<T>> + Send + 'static,
+    ) -> io::Result<T> {
+        let runtime = self
+            .runtime
+            .as_ref()
+            .expect("the runtime lives as long as the bucket");
+        let task = runtime.spawn(future);
+        match futures::executor::block_on(task) {
+            Ok(result) => result.map_err(|error| self.io_error(&error)),
+            Err(join) => Err(io::Error::other(format!(
+                "object storage task failed: {join}"
+            ))),
+        }
+    }
+
+    /// What an error of the client means to the run, as an [`io::Error`] kind.
+    fn io_error(&self, error: &object_store::Error) -> io::Error {
+        use object_store::Error as E;
+        let text = error.to_string();
+        if text.contains("NoSuchBucket") {
+            return io::Error::other(BucketMissing {
+                bucket: self.url.bucket.clone(),
+            });
+        }
+        let kind = match error {
+            E::NotFound { .. } => io::ErrorKind::NotFound,
+            E::AlreadyExists { .. } | E::Precondition { .. } | E::NotModified { .. } => {
+                io::ErrorKind::AlreadyExists
+            }
+            E::PermissionDenied { .. } | E::Unauthenticated { .. } => {
+                io::ErrorKind::PermissionDenied
+            }
+            E::InvalidPath { .. } | E::NotSupported { .. } | E::NotImplemented { .. } => {
+                io::ErrorKind::Unsupported
+            }
+            _ if text.contains("AccessDenied")
+                || text.contains("InvalidAccessKeyId")
+                || text.contains("SignatureDoesNotMatch") =>
+            {
+                io::ErrorKind::PermissionDenied
+            }
+            _ => io::ErrorKind::Other,
+        };
+        io::Error::new(kind, text)
+    }
+
+    /// The whole object (`NotFound` when there is none).
+    pub fn read(&self, path: &Path) -> io::Result<Bytes> {
+        let (store, key) = (self.store.clone(), self.key(path)?);
+        self.block(async move { store.get(&key).await?.bytes().await })
+    }
+
+    /// Bytes `range` of the object.
+    pub fn read_range(&self, path: &Path, range: Range<u64>) -> io::Result<Bytes> {
+        if range.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let (store, key) = (self.store.clone(), self.key(path)?);
+        self.block(async move { store.get_range(&key, range).await })
+    }
+
+    /// The object's size.
+    pub fn size(&self, path: &Path) -> io::Result<u64> {
+        let (store, key) = (self.store.clone(), self.key(path)?);
+        self.block(async move { store.head(&key).await.map(|meta| meta.size) })
+    }
+
+    /// The object as a stream of bytes, fetched ahead of the reader a few chunks at a time.
+    pub fn reader(&self, path: &Path) -> io::Result<ObjectReader> {
+        let (store, key) = (self.store.clone(), self.key(path)?);
+        let mut stream = self
+            .block(async move { store.get(&key).await })?
+            .into_stream();
+        let (sender, receiver) = std::sync::mpsc::sync_channel(READ_AHEAD);
+        let runtime = self
+            .runtime
+            .as_ref()
+            .expect("the runtime lives as long as the bucket");
+        let bucket = self.url.bucket.clone();
+        runtime.spawn_blocking(move || {
+            let handle = tokio::runtime::Handle::current();
+            while let Some(chunk) = handle.block_on(stream.next()) {
+                let chunk = chunk.map_err(|error| {
+                    io::Error::other(format!("reading from the bucket {bucket}: {error}"))
+                });
+                let failed = chunk.is_err();
+                if sender.send(chunk).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        Ok(ObjectReader {
+            receiver,
+            chunk: Bytes::new(),
+        })
+    }
+
+    /// Writes the whole object, replacing any.
+    pub fn put(&self, path: &Path, contents: Bytes) -> io::Result<()> {
+        let (store, key) = (self.store.clone(), self.key(path)?);
+        self.block(async move { store.put(&key, PutPayload::from(contents)).await.map(drop) })
+    }
+
+    /// Creates the object only if there is none (`AlreadyExists` otherwise): of two writers, the
+    /// first one's object stays.
+    pub fn put_new(&self, path: &Path, contents: Bytes) -> io::Result<()> {
+        let (store, key) = (self.store.clone(), self.key(path)?);
+        let options = PutOptions {
+            mode: PutMode::Create,
+            ..PutOptions::default()
+        };
+        self.block(async move {
+            store
+                .put_opts(&key, PutPayload::from(contents), options)
+                .await
+                .map(drop)
+        })
+    }
+
+    /// Deletes the object (one that is not there is fine).
+    pub fn delete(&self, path: &Path) -> io::Result<()> {
+        let (store, key) = (self.store.clone(), self.key(path)?);
+        match self.block(async move { store.delete(&key).await }) {
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+            result => result,
+        }
+    }
+
+    /// The names directly under `dir` (objects and "directories" alike), unordered; none when
+    /// there is nothing under it.
+    pub fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        let (store, key) = (self.store.clone(), self.key(dir)?);
+        let listing = self.block(async move {
+            let prefix = (!key.as_ref().is_empty()).then_some(key);
+            store.list_with_delimiter(prefix.as_ref()).await
+        })?;
+        let names = listing
+            .objects
+            .iter()
+            .map(|object| &object.location)
+            .chain(&listing.common_prefixes)
+            .filter_map(|location| location.filename().map(str::to_owned))
+            .collect();
+        Ok(names)
+    }
+
+    /// A streamed upload of `path`; nothing appears until [`ObjectWriter::finish`].
+    pub fn writer(self: &Arc<Self>, path: &Path) -> io::Result<ObjectWriter> {
+        Ok(ObjectWriter {
+            bucket: self.clone(),
+            key: self.key(path)?,
+            buffer: Vec::new(),
+            upload: None,
+        })
+    }
+}
+
+/// A streamed read of one object.
+#[derive(Debug)]
+pub struct ObjectReader {
+    receiver: std::sync::mpsc::Receiver<io::Result<Bytes>>,
+    chunk: Bytes,
+}
+
+impl Read for ObjectReader {
+    fn read(&mut self, buffer: &mut [u8]) -> io::Result<usize> {
+        while self.chunk.is_empty() {
+            match self.receiver.recv() {
+                Ok(chunk) => self.chunk = chunk?,
+                // The stream ended.
+                Err(_) => return Ok(0),
+            }
+        }
+        let count = buffer.len().min(self.chunk.len());
+        buffer[..count].copy_from_slice(&self.chunk.split_to(count));
+        Ok(count)
+    }
+}
+
+/// An object written as a stream: one put when it stays under a part, a multipart upload past
+/// that, completed (the object appears whole) by [`Self::finish`]; dropped unfinished, the upload
+/// is aborted and nothing appears.
+#[derive(Debug)]
+pub struct ObjectWriter {
+    bucket: Arc<Bucket>,
+    key: Key,
+    buffer: Vec<u8>,
+    upload: Option<Box<dyn MultipartUpload>>,
+}
+
+impl ObjectWriter {
+    fn send_part(&mut self) -> io::Result<()> {
+        if self.upload.is_none() {
+            let (store, key) = (self.bucket.store.clone(), self.key.clone());
+            self.upload = Some(
+                self.bucket
+                    .block(async move { store.put_multipart(&key).await })?,
+            );
+        }
+        let part = std::mem::take(&mut self.buffer);
+        let upload = self.upload.as_mut().expect("started above");
+        let sent = upload.put_part(PutPayload::from(part));
+        self.bucket.block(sent)
+    }
+
+    /// Makes the object appear, whole.
+    pub fn finish(mut self) -> io::Result<()> {
+        let Some(mut upload) = self.upload.take() else {
+            let contents = Bytes::from(std::mem::take(&mut self.buffer));
+            let (store, key) = (self.bucket.store.clone(), self.key.clone());
+            return self
+                .bucket
+                .block(async move { store.put(&key, PutPayload::from(contents)).await.map(drop) });
+        };
+        if !self.buffer.is_empty() {
+            let part = std::mem::take(&mut self.buffer);
+            self.bucket.block(upload.put_part(PutPayload::from(part)))?;
+        }
+        self.bucket
+            .block(async move { upload.complete().await.map(drop) })
+    }
+}
+
+impl Write for ObjectWriter {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        self.buffer.extend_from_slice(data);
+        if self.buffer.len() >= PART_SIZE {
+            self.send_part()?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for ObjectWriter {
+    fn drop(&mut self) {
+        if let Some(mut upload) = self.upload.take() {
+            let _ = self.bucket.block(async move { upload.abort().await });
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! Runs on object storage, against a real S3 server (versitygw with its POSIX backend, built from
+//! its Go module by `scripts/versitygw/build.sh`): the bucket operations the write path relies
+//! on, a whole `local` run on a bucket against the same run on a volume, and the errors a
+//! missing bucket or refused credentials give.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{RunFixture, WORKER, parse_lines, terminal_server};
+use serde_json::Value;
+use trajectory_testkit::versitygw::{ACCESS_KEY, SECRET_KEY, Versitygw};
+use trajectory_worker::contract::exit;
+use trajectory_worker::storage::{
+    AccessKeys, Bucket, BucketOptions, ObjectUrl, RunDir, StorageError, StorageFault, Store,
+};
+
+const BUCKET: &str = "trajectories";
+
+fn options(server: &Versitygw) -> BucketOptions {
+    BucketOptions {
+        endpoint: Some(server.endpoint.clone()),
+        region: None,
+        path_style: true,
+        keys: Some(AccessKeys {
+            id: ACCESS_KEY.into(),
+            secret: SECRET_KEY.into(),
+        }),
+    }
+}
+
+fn bucket(server: &Versitygw, url: &str) -> Arc<Bucket> {
+    let url = ObjectUrl::parse(url).unwrap();
+    Arc::new(Bucket::open(&url, &options(server)).unwrap())
+}
+
+#[test]
+fn a_real_s3_server_gives_conditional_puts_ranges_listings_and_whole_multipart_uploads() {
+    let server = Versitygw::start("127.0.0.1");
+    server.create_bucket(BUCKET);
+    let bucket = bucket(&server, "s3://trajectories/runs");
+    let store = Store::Bucket(bucket.clone());
+    let path = |key: &str| PathBuf::from(format!("s3://trajectories/runs/{key}"));
+
+    // Created once: the second writer's put is refused and the first one's object stays.
+    assert!(
+        store
+            .create_once(&path("b/batch-1.done"), b"first")
+            .unwrap()
+    );
+    assert!(
+        !store
+            .create_once(&path("b/batch-1.done"), b"second")
+            .unwrap()
+    );
+    assert_eq!(store.read(&path("b/batch-1.done")).unwrap(), b"first");
+
+    store
+        .write_atomic(&path("b/x.jsonl"), b"0123456789")
+        .unwrap();
+    assert_eq!(store.read_range(&path("b/x.jsonl"), 3..7).unwrap(), b"3456");
+    let mut names = store.list(&path("b")).unwrap();
+    names.sort();
+    assert_eq!(names, ["batch-1.done", "x.jsonl"]);
+    assert!(store.list(&path("nothing-here")).unwrap().is_empty());
+    assert!(store.read(&path("absent")).unwrap_err().is_not_found());
+    store.remove(&path("b/x.jsonl")).unwrap();
+    store.remove(&path("b/x.jsonl")).unwrap();
+    assert!(store.read_optional(&path("b/x.jsonl")).unwrap().is_none());
+
+    // Past one part (16 MiB) an output is a multipart upload: nothing is there until it
+    // completes, and then all of it is; one dropped unfinished leaves nothing.
+    let line = [b'x'; 1023];
+    let mut output = store.output(&path("big.jsonl")).unwrap();
+    for _ in 0..(40 << 10) {
+        output.write_all(&line).unwrap();
+        output.write_all(b"\n").unwrap();
+    }
+    assert!(store.read_optional(&path("big.jsonl")).unwrap().is_none());
+    output.finish().unwrap();
+    let mut streamed = Vec::new();
+    store
+        .open(&path("big.jsonl"))
+        .unwrap()
+        .read_to_end(&mut streamed)
+        .unwrap();
+    assert_eq!(streamed.len(), 40 << 20);
+    assert!(streamed.chunks(1024).all(|chunk| chunk[..1023] == line));
+    let mut abandoned = store.output(&path("abandoned.jsonl")).unwrap();
+    abandoned.write_all(&vec![b'y'; 20 << 20]).unwrap();
+    drop(abandoned);
+    assert!(
+        store
+            .read_optional(&path("abandoned.jsonl"))
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// What differs between two runs of the same conversations: when they ran and how long.
+fn without_timing(mut record: Value) -> Value {
+    fn strip(value: &mut Value) {
+        match value {
+            Value::Object(map) => {
+                map.retain(|key, _| {
+                    !(key.ends_with("_ms")
+                        || key.ends_with("_at")
+                        || key == "timestamp"
+                        || key == "seconds")
+                });
+                map.values_mut().for_each(strip);
+            }
+            Value::Array(items) => items.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    strip(&mut record);
+    record
+}
+
+fn local(fixture: &RunFixture, storage: &str, server: &Versitygw) -> std::process::Output {
+    Command::new(WORKER)
+        .arg("local")
+        .arg(fixture.run_file())
+        .args(["--storage", storage, "--no-progress-bar"])
+        .args(["--s3-endpoint", &server.endpoint, "--s3-path-style"])
+        .arg("--workspace-root")
+        .arg(fixture.workspaces())
+        .envs(server.credentials())
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("the worker binary starts")
+}
+
+fn copy_dataset(fixture: &RunFixture, server: &Versitygw, prefix: &str) {
+    let target = server
+        .bucket_dir(BUCKET)
+        .join(prefix)
+        .join("datasets/prompts.jsonl");
+    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+    std::fs::copy(fixture.dataset(), target).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_run_on_a_bucket_writes_the_records_the_same_run_writes_on_a_volume() {
+    let model = terminal_server(Duration::ZERO).await;
+    let server = Versitygw::start("127.0.0.1");
+    server.create_bucket(BUCKET);
+    let fixture = RunFixture::new(&model.base_url(), 23);
+    copy_dataset(&fixture, &server, "experiments/a");
+
+    let on_volume = local(&fixture, &fixture.root().to_string_lossy(), &server);
+    assert!(
+        on_volume.status.success(),
+        "{}",
+        String::from_utf8_lossy(&on_volume.stderr)
+    );
+    let requests_on_volume = model.request_count();
+    let on_bucket = local(&fixture, "s3://trajectories/experiments/a", &server);
+    let report = String::from_utf8_lossy(&on_bucket.stdout);
+    assert!(
+        on_bucket.status.success(),
+        "{}",
+        String::from_utf8_lossy(&on_bucket.stderr)
+    );
+    assert!(
+        report.contains("s3://trajectories/experiments/a/out/trajectories.jsonl"),
+        "{report}"
+    );
+    // Every conversation ran once more, no more.
+    assert_eq!(model.request_count(), 2 * requests_on_volume);
+
+    let run = server.bucket_dir(BUCKET).join("experiments/a/out");
+    for name in ["trajectories.jsonl", "failures.jsonl"] {
+        let volume: Vec<Value> = parse_lines(&fixture.out().join(name))
+            .into_iter()
+            .map(without_timing)
+            .collect();
+        let bucket: Vec<Value> = parse_lines(&run.join(name))
+            .into_iter()
+            .map(without_timing)
+            .collect();
+        assert_eq!(bucket, volume, "{name}");
+    }
+    assert_eq!(parse_lines(&run.join("trajectories.jsonl")).len(), 23);
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(run.join("statistics.json")).unwrap()).unwrap();
+    assert_eq!(statistics["counts"]["succeeded"], 23);
+    // Each batch's records are parts of at most PART_RECORDS records, beside its marker.
+    let batch = run.join("batches/batch-000000");
+    let parts: Vec<String> = std::fs::read_dir(&batch)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(parts.len(), 1, "{parts:?}");
+    assert!(parts[0].ends_with("-000000.jsonl"), "{parts:?}");
+    assert!(run.join("batches/batch-000000.done").exists());
+
+    // Run again: everything is done, nothing is asked of the model.
+    let again = local(&fixture, "s3://trajectories/experiments/a", &server);
+    assert!(again.status.success());
+    assert_eq!(model.request_count(), 2 * requests_on_volume);
+}
+
+/// The plan on `storage`, as a pod runs it: its exit code and termination message.
+fn plan_on(fixture: &RunFixture, storage: &str, server: &Versitygw, secret: &str) -> (i32, Value) {
+    let log = fixture.root().join("termination-log");
+    let status = Command::new(WORKER)
+        .arg("plan")
+        .arg("--run-file")
+        .arg(fixture.run_file())
+        .args(["--storage-root", storage])
+        .args(["--s3-endpoint", &server.endpoint, "--s3-path-style"])
+        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", secret)
+        .env("TRAJ_TERMINATION_LOG", &log)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("the worker binary starts");
+    let message = std::fs::read(&log).unwrap();
+    (
+        status.code().unwrap(),
+        serde_json::from_slice(&message).unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_bucket_or_refused_credentials_fail_with_a_reason_that_names_the_bucket() {
+    let model = terminal_server(Duration::ZERO).await;
+    let server = Versitygw::start("127.0.0.1");
+    server.create_bucket(BUCKET);
+    let fixture = RunFixture::new(&model.base_url(), 3);
+    copy_dataset(&fixture, &server, "x");
+
+    let (code, message) = plan_on(&fixture, "s3://no-such-bucket/x", &server, SECRET_KEY);
+    assert_eq!(code, exit::PERMANENT_CONFIG, "{message}");
+    assert_eq!(message["reason"], "StorageMissing", "{message}");
+    assert!(
+        message["error"]
+            .as_str()
+            .unwrap()
+            .contains("\"no-such-bucket\""),
+        "{message}"
+    );
+
+    let (code, message) = plan_on(&fixture, "s3://trajectories/x", &server, "not-the-secret");
+    assert_eq!(code, exit::PERMANENT_CONFIG, "{message}");
+    assert_eq!(message["reason"], "StoragePermissionDenied", "{message}");
+    assert!(
+        message["error"]
+            .as_str()
+            .unwrap()
+            .contains("s3://trajectories/x"),
+        "{message}"
+    );
+
+    let (code, message) = plan_on(&fixture, "s3://trajectories/x", &server, SECRET_KEY);
+    assert_eq!(code, 0, "{message}");
+    assert_eq!(message["prompts"], 3, "{message}");
+    let run_dir = RunDir::on(
+        Store::Bucket(bucket(&server, "s3://trajectories/x")),
+        "s3://trajectories/x/out",
+    );
+    assert!(
+        run_dir
+            .store()
+            .read_optional(&run_dir.manifest())
+            .unwrap()
+            .is_some()
+    );
+    let fault = |error: StorageError| error.fault();
+    assert_eq!(
+        fault(
+            Store::Bucket(bucket(&server, "s3://no-such-bucket"))
+                .read(Path::new("s3://no-such-bucket/a"))
+                .unwrap_err()
+        ),
+        StorageFault::Missing
+    );
+}
