@@ -27,6 +27,7 @@ use trajectory_testkit::scripted_server::{
     FixedLatency, ScriptedServer, Step, first_user_message, text_reply, tool_call_reply,
     tool_calls_reply,
 };
+use trajectory_testkit::versitygw::Versitygw;
 use trajectory_tests::e2e::{self, ControllerGuard, phase_of, run_spec, start_controller_with};
 use trajectory_tests::helm;
 use trajectory_tests::real_pods::{
@@ -165,13 +166,7 @@ impl Setup {
 
     /// The records of run `name`: `trajectories.jsonl` and `failures.jsonl`, each trajectory checked.
     fn prompt_indexes(&self, name: &str) -> (Vec<u64>, usize) {
-        let dir = self.storage.run_dir(self.ns(), name);
-        let records = jsonl_lines(&dir.join("trajectories.jsonl"));
-        let failures = jsonl_lines(&dir.join("failures.jsonl"));
-        let mut indexes: Vec<u64> = records.iter().map(check_record).collect();
-        indexes.extend(failures.iter().filter_map(|f| f["prompt_index"].as_u64()));
-        indexes.sort_unstable();
-        (indexes, failures.len())
+        prompt_indexes_in(&self.storage.run_dir(self.ns(), name))
     }
 
     /// Waits until run `name` of `prompts` prompts, all in one batch, has succeeded in one pod
@@ -226,8 +221,15 @@ impl Setup {
     /// the model `model_name` at `model_url` until it ends, and checks that it succeeded in pods of
     /// the real node with one valid record per prompt.
     async fn run_the_quickstart(&self, model_url: &str, model_name: &str) {
+        let run = quickstart_run(model_url, model_name, &self.storage);
+        let run_dir = self.storage.run_dir(self.ns(), "quickstart");
+        self.run_to_success(run, &run_dir).await;
+    }
+
+    /// Runs the quickstart `run` until it ends, and checks that it succeeded in pods of the real
+    /// node with one valid record per prompt in `run_dir` (where this machine sees its files).
+    async fn run_to_success(&self, run: TrajectoryRun, run_dir: &Path) {
         let setup = self;
-        let run = quickstart_run(model_url, model_name, &setup.storage);
         let started = Instant::now();
         setup
             .runs
@@ -249,7 +251,7 @@ impl Setup {
         let prompts = status.prompts.expect("prompt counts");
         assert_eq!(prompts.total, 8);
         assert_eq!(prompts.succeeded + prompts.discarded + prompts.failed, 8);
-        let (indexes, failed) = setup.prompt_indexes("quickstart");
+        let (indexes, failed) = prompt_indexes_in(run_dir);
         assert_eq!(indexes, (0..8).collect::<Vec<u64>>(), "every prompt once");
         assert_eq!(
             status.output.map(|o| o.trajectories),
@@ -278,6 +280,16 @@ impl Setup {
             });
         assert!(on_node, "every pod ran on the real node");
     }
+}
+
+/// The prompt indexes of the records and failures in `dir`, sorted, and the number of failures.
+fn prompt_indexes_in(dir: &Path) -> (Vec<u64>, usize) {
+    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
+    let failures = jsonl_lines(&dir.join("failures.jsonl"));
+    let mut indexes: Vec<u64> = records.iter().map(check_record).collect();
+    indexes.extend(failures.iter().filter_map(|f| f["prompt_index"].as_u64()));
+    indexes.sort_unstable();
+    (indexes, failures.len())
 }
 
 /// The first tool turn of every record run `run_dir` wrote, in the order written.
@@ -372,6 +384,81 @@ fn assert_two_requests_per_conversation(model: &ScriptedServer, conversations: u
 
 fn condition(run: &TrajectoryRun, type_: &str) -> Option<(String, String)> {
     e2e::condition(run.status.as_ref()?, type_).map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+/// The quickstart on a bucket of a real S3 server (versitygw) instead of a volume: no pod mounts
+/// storage, the keys reach the worker container from a Secret, and plan, generation and merge
+/// work on objects to `Succeeded` with one valid record per prompt, every batch marked done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_quickstart_runs_in_real_pods_on_a_bucket_with_no_volume() {
+    let setup = Setup::new("pods-bucket").await;
+    let (model_url, model_name) = model_server_for_pods(&setup.node);
+    let server = Versitygw::start("0.0.0.0");
+    server.create_bucket("trajectories");
+    let datasets = server
+        .bucket_dir("trajectories")
+        .join("experiments/datasets");
+    std::fs::create_dir_all(&datasets).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/quickstart/datasets/quickstart.jsonl"),
+        datasets.join("quickstart.jsonl"),
+    )
+    .unwrap();
+    let keys: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
+        "metadata": {"name": "bucket-keys"},
+        "stringData": {
+            "AWS_ACCESS_KEY_ID": trajectory_testkit::versitygw::ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": trajectory_testkit::versitygw::SECRET_KEY,
+        },
+    }))
+    .unwrap();
+    Api::namespaced(setup.client.clone(), setup.ns())
+        .create(&PostParams::default(), &keys)
+        .await
+        .expect("create the bucket's Secret");
+    let port = server.endpoint.rsplit_once(':').expect("host:port").1;
+    let mut run = quickstart_run(&model_url, &model_name, &setup.storage);
+    run.spec.run.storage = serde_json::from_value(json!({"object": {
+        "url": "s3://trajectories/experiments",
+        "endpoint": format!("http://{}:{port}", setup.node.ip),
+        "pathStyle": true,
+        "credentialsSecret": "bucket-keys",
+    }}))
+    .unwrap();
+    let run_dir = server
+        .bucket_dir("trajectories")
+        .join("experiments/runs")
+        .join(setup.ns())
+        .join("quickstart");
+    setup.run_to_success(run, &run_dir).await;
+    for batch in 0..3 {
+        assert!(
+            run_dir
+                .join(format!("batches/batch-{batch:06}.done"))
+                .exists(),
+            "batch {batch} marked done on the bucket"
+        );
+    }
+    // Nothing of the run went to the volume.
+    assert!(!setup.storage.dir.join("runs").exists());
+    let pods = setup
+        .pods
+        .list(&ListParams::default())
+        .await
+        .expect("list pods")
+        .items;
+    for pod in &pods {
+        let volumes = pod.spec.as_ref().and_then(|spec| spec.volumes.clone());
+        assert!(
+            volumes
+                .iter()
+                .flatten()
+                .all(|volume| volume.persistent_volume_claim.is_none()),
+            "{} mounts no claim",
+            pod.name_any()
+        );
+    }
 }
 
 /// The shipped quickstart (eight prompts, the small llama.cpp model, `terminal_only`) goes plan →

@@ -122,7 +122,8 @@ pub struct RunArgs {
     /// A run file instead of a plan (for running a step by hand).
     #[arg(long)]
     pub run_file: Option<PathBuf>,
-    /// Root of the storage volume, or an `s3://bucket/prefix` location.
+    /// Root of the storage volume, or an `s3://bucket/prefix` location (a plan whose
+    /// `spec.storage.object` names a bucket is on that bucket).
     #[arg(long, env = env::STORAGE_ROOT, default_value = paths::STORAGE_ROOT)]
     pub storage_root: PathBuf,
     #[command(flatten)]
@@ -264,7 +265,7 @@ impl RunArgs {
                 )));
             }
         };
-        RunLocation::open(self.storage_root.clone(), &self.bucket.options(), plan)
+        RunLocation::of_plan(self.storage_root.clone(), &self.bucket.options(), plan)
     }
 
     /// Writes the summary (or the error) where the operator reads it.

@@ -58,6 +58,7 @@
 //! ```
 
 pub mod contract;
+pub mod object_url;
 pub mod pricing;
 pub mod spec;
 pub mod template;

@@ -1175,9 +1175,42 @@ pub struct StorageSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
     pub volume: Option<Value>,
-    /// Output directory relative to the volume; defaults to `runs/<namespace>/<name>`.
+    /// Object storage instead of a volume: the dataset (`spec.dataset.path`) and the run's
+    /// directory (`outputPath`) are keys under an S3 bucket's prefix, and no pod mounts a
+    /// volume. Refused together with `volume`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object: Option<ObjectStorageSpec>,
+    /// Output directory relative to the volume (or the bucket's prefix); defaults to
+    /// `runs/<namespace>/<name>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_path: Option<String>,
+}
+
+/// An S3 bucket (AWS S3 or any S3-compatible server) that holds a run's dataset and files.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ObjectStorageSpec {
+    /// `s3://<bucket>/<prefix>`: the dataset path and the output path are keys under the
+    /// prefix.
+    pub url: String,
+    /// The S3 server's URL (`https://s3.eu-west-1.amazonaws.com`, `http://minio.storage:9000`);
+    /// AWS's own for the region when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// The region requests are signed for (default: the pod's `AWS_REGION`, else `us-east-1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+    /// Address the bucket as `<endpoint>/<bucket>` rather than `<bucket>.<endpoint>` (most
+    /// self-hosted servers need it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub path_style: bool,
+    /// A Secret in the run's namespace holding `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`
+    /// (and `AWS_SESSION_TOKEN` if the keys are temporary), given to the worker container alone,
+    /// never to a container the model's commands run in. Unset: the pod's workload identity
+    /// (EKS IRSA or Pod Identity through the service account of `spec.podTemplate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret: Option<String>,
 }
 
 /// Retry limits.

@@ -41,7 +41,7 @@ pub enum Invalid {
     #[error("the run has no uid or namespace: it was not read from the API server")]
     NotStored,
     #[error(
-        "spec.storage.volume is required on a cluster: a volume every pod of the run can mount, e.g. {{persistentVolumeClaim: {{claimName: trajectories}}}} on a ReadWriteMany claim"
+        "spec.storage.volume or spec.storage.object is required on a cluster: a volume every pod of the run can mount, e.g. {{persistentVolumeClaim: {{claimName: trajectories}}}} on a ReadWriteMany claim, or a bucket, e.g. {{url: s3://my-bucket/trajectories}}"
     )]
     MissingVolume,
     #[error("spec.storage.volume is not a Kubernetes volume source: {0}")]
@@ -97,8 +97,9 @@ pub struct ValidatedRun<'a> {
     pub overrides: PodOverrides,
     /// `spec.sandbox.resources`, parsed: the sandbox container's.
     pub sandbox_resources: Option<ResourceRequirements>,
-    /// `spec.storage.volume` as the pod's `data` volume.
-    pub data_volume: Volume,
+    /// `spec.storage.volume` as the pod's `data` volume; none when the run is on a bucket
+    /// (`spec.storage.object`, which the pods read from their plan).
+    pub data_volume: Option<Volume>,
     /// The output directory relative to the storage volume.
     pub output_path: String,
     /// Only [`validate`] makes a `ValidatedRun`.
@@ -174,11 +175,15 @@ fn check_name(name: &str) -> Result<(), Invalid> {
     })
 }
 
-fn data_volume(spec: &RunSpec) -> Result<Volume, Invalid> {
+fn data_volume(spec: &RunSpec) -> Result<Option<Volume>, Invalid> {
+    if spec.storage.object.is_some() {
+        // Validated with the spec: never together with a volume.
+        return Ok(None);
+    }
     let source = spec.storage.volume.clone().ok_or(Invalid::MissingVolume)?;
     let mut volume: Volume = serde_json::from_value(source).map_err(Invalid::InvalidVolume)?;
     DATA_VOLUME.clone_into(&mut volume.name);
-    Ok(volume)
+    Ok(Some(volume))
 }
 
 /// The sandbox container's resources. Only `requests` and `limits`: an unknown key (a typo,
@@ -317,6 +322,20 @@ mod tests {
             .with(|spec| spec.storage.volume = Some(json!({"hostPath": 7})))
             .build();
         assert_eq!(invalid(&bad).label(), "InvalidVolume");
+
+        let on_a_bucket = TrajectoryRun::test()
+            .with(|spec| {
+                spec.storage.volume = None;
+                spec.storage.object = Some(trajectory_worker::spec::ObjectStorageSpec {
+                    url: "s3://trajectories".into(),
+                    ..Default::default()
+                });
+            })
+            .build();
+        let Ok(Validation::Valid(valid)) = validate(&on_a_bucket) else {
+            panic!("a run on a bucket needs no volume");
+        };
+        assert!(valid.data_volume.is_none());
     }
 
     #[test]
@@ -378,7 +397,7 @@ mod tests {
         };
         assert_eq!(valid.name, "coding-v1");
         assert_eq!(valid.output_path, "runs/research/coding-v1");
-        assert_eq!(valid.data_volume.name, DATA_VOLUME);
+        assert_eq!(valid.data_volume.as_ref().unwrap().name, DATA_VOLUME);
         assert_eq!(
             valid
                 .overrides

@@ -70,14 +70,7 @@ pub async fn run_local(
         run_file.spec.model.endpoints.clear();
     }
     note_cluster_only_fields(&run_file);
-    let storage_root = match &options.storage {
-        Some(root) => root.clone(),
-        None => options
-            .run_file
-            .parent()
-            .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
-    };
-    let location = RunLocation::open(storage_root, &options.bucket, run_file.to_plan())?;
+    let location = local_location(options, &run_file)?;
     // Two local runs on one directory would run the same conversations twice and race on every
     // file; the second is refused while the first holds the lock.
     let _lock = location.run_dir().lock().map_err(|error| match error {
@@ -171,6 +164,24 @@ pub async fn run_local(
     })
 }
 
+/// Where a local run's files are: `--storage` wins; else the run file's bucket, if it names one;
+/// else its directory.
+fn local_location(options: &LocalOptions, run_file: &RunFile) -> Result<RunLocation, RunError> {
+    match &options.storage {
+        Some(root) => RunLocation::open(root.clone(), &options.bucket, run_file.to_plan()),
+        None if run_file.spec.storage.object.is_some() => {
+            RunLocation::of_plan(PathBuf::new(), &options.bucket, run_file.to_plan())
+        }
+        None => {
+            let directory = options
+                .run_file
+                .parent()
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+            RunLocation::open(directory, &options.bucket, run_file.to_plan())
+        }
+    }
+}
+
 fn note_cluster_only_fields(run_file: &RunFile) {
     let spec = &run_file.spec;
     let ignored: Vec<&str> = [
@@ -178,6 +189,14 @@ fn note_cluster_only_fields(run_file: &RunFile) {
         (spec.sandbox.image.is_some(), "sandbox.image"),
         (spec.queue_name.is_some(), "queueName"),
         (spec.storage.volume.is_some(), "storage.volume"),
+        // Locally the keys come from this machine's environment (AWS_ACCESS_KEY_ID, ...).
+        (
+            spec.storage
+                .object
+                .as_ref()
+                .is_some_and(|object| object.credentials_secret.is_some()),
+            "storage.object.credentialsSecret",
+        ),
         (
             spec.model.api_key_secret_ref.is_some(),
             "model.apiKeySecretRef",

@@ -322,6 +322,25 @@ impl RunLocation {
         })
     }
 
+    /// The run's location as its plan says: the bucket of `spec.storage.object` when it names
+    /// one (reached as it says, where `flags` do not say otherwise), else `storage_root`.
+    pub fn of_plan(
+        storage_root: PathBuf,
+        flags: &BucketOptions,
+        plan: RunPlan,
+    ) -> Result<Self, RunError> {
+        let Some(object) = plan.spec.storage.object.clone() else {
+            return Self::open(storage_root, flags, plan);
+        };
+        let options = BucketOptions {
+            endpoint: flags.endpoint.clone().or(object.endpoint),
+            region: flags.region.clone().or(object.region),
+            path_style: flags.path_style || object.path_style,
+            keys: flags.keys.clone(),
+        };
+        Self::open(PathBuf::from(object.url), &options, plan)
+    }
+
     /// Fails when the storage root is not a directory: the volume is not mounted (or mounted
     /// elsewhere), which no retry of the same pod spec fixes.
     pub fn require_storage(&self) -> Result<(), RunError> {

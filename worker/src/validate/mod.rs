@@ -356,6 +356,24 @@ impl RunSpec {
     }
 
     fn check_storage_and_distribution(&self, violations: &mut Violations) {
+        if let Some(object) = &self.storage.object {
+            violations.check(
+                self.storage.volume.is_none(),
+                "storage.object",
+                "is refused together with storage.volume: a run's files are on one or the other"
+                    .to_owned(),
+            );
+            if let Err(why) = crate::object_url::ObjectUrl::parse(&object.url) {
+                violations.check(false, "storage.object.url", why);
+            }
+            if let Some(endpoint) = &object.endpoint {
+                violations.check(
+                    endpoint.starts_with("https://") || endpoint.starts_with("http://"),
+                    "storage.object.endpoint",
+                    format!("{endpoint:?} must be an http:// or https:// URL"),
+                );
+            }
+        }
         if let Some(output) = &self.storage.output_path {
             violations.check(
                 is_relative_clean_path(output),
@@ -626,6 +644,32 @@ mod tests {
                 "spec.distribution.terminal"
             ]
         );
+    }
+
+    #[test]
+    fn a_bucket_is_refused_with_a_volume_and_its_url_and_endpoint_are_checked() {
+        let mut spec = minimal();
+        spec.storage.object = Some(crate::spec::ObjectStorageSpec {
+            url: "s3://trajectories/runs".into(),
+            endpoint: Some("http://minio.storage:9000".into()),
+            ..crate::spec::ObjectStorageSpec::default()
+        });
+        assert!(spec.validate().is_empty(), "{:?}", spec.validate());
+        spec.storage.volume = Some(serde_json::json!({"emptyDir": {}}));
+        spec.storage.object = Some(crate::spec::ObjectStorageSpec {
+            url: "s3://Not_A_Bucket/../x".into(),
+            endpoint: Some("minio:9000".into()),
+            ..crate::spec::ObjectStorageSpec::default()
+        });
+        let violations: Vec<String> = spec.validate().iter().map(ToString::to_string).collect();
+        assert_eq!(violations.len(), 3, "{violations:?}");
+        assert!(violations[0].starts_with("spec.storage.object: is refused together with"));
+        assert!(
+            violations[1].starts_with("spec.storage.object.url: "),
+            "{violations:?}"
+        );
+        assert!(violations[1].contains("\"Not_A_Bucket\" is not a bucket name"));
+        assert!(violations[2].starts_with("spec.storage.object.endpoint: "));
     }
 
     #[test]

@@ -119,20 +119,16 @@ pub fn pod_spec(
         // namespace's Services goes into it.
         enable_service_links: (slots > 0).then_some(false),
         volumes: Some(
-            [
-                Volume {
-                    name: volumes::PLAN.to_owned(),
-                    config_map: Some(ConfigMapVolumeSource {
-                        name: job_name.to_owned(),
-                        ..ConfigMapVolumeSource::default()
-                    }),
-                    ..Volume::default()
-                },
-                run.data_volume.clone(),
-                empty_dir(volumes::WORKSPACE),
-                empty_dir(volumes::TMP),
-            ]
-            .into_iter()
+            std::iter::once(Volume {
+                name: volumes::PLAN.to_owned(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: job_name.to_owned(),
+                    ..ConfigMapVolumeSource::default()
+                }),
+                ..Volume::default()
+            })
+            .chain(run.data_volume.clone())
+            .chain([empty_dir(volumes::WORKSPACE), empty_dir(volumes::TMP)])
             .chain(
                 sandboxed
                     .then(|| {
@@ -318,12 +314,18 @@ fn worker_container(
     slots: u32,
 ) -> Container {
     let overrides = &run.overrides;
-    let mut volume_mounts = vec![
-        mount(volumes::PLAN, paths::PLAN_DIR, true),
-        mount(DATA_VOLUME, paths::STORAGE_ROOT, false),
-        mount(volumes::WORKSPACE, paths::WORKSPACE_ROOT, false),
-        mount(volumes::TMP, "/tmp", false),
-    ];
+    let mut volume_mounts: Vec<VolumeMount> =
+        std::iter::once(mount(volumes::PLAN, paths::PLAN_DIR, true))
+            .chain(
+                run.data_volume
+                    .is_some()
+                    .then(|| mount(DATA_VOLUME, paths::STORAGE_ROOT, false)),
+            )
+            .chain([
+                mount(volumes::WORKSPACE, paths::WORKSPACE_ROOT, false),
+                mount(volumes::TMP, "/tmp", false),
+            ])
+            .collect();
     if has_sandbox(run, component, tasks) {
         volume_mounts.push(mount(
             volumes::SANDBOX_SOCKET,
@@ -428,6 +430,36 @@ fn environment(
     };
     if let Some(key) = &run.spec.model.api_key_secret_ref {
         env_vars.push(secret(env::MODEL_API_KEY.to_owned(), key));
+    }
+    // The bucket's keys, as every S3 client reads them; the worker's alone.
+    if let Some(name) = run
+        .spec
+        .storage
+        .object
+        .as_ref()
+        .and_then(|object| object.credentials_secret.as_ref())
+    {
+        for (key, optional) in [
+            ("AWS_ACCESS_KEY_ID", false),
+            ("AWS_SECRET_ACCESS_KEY", false),
+            ("AWS_SESSION_TOKEN", true),
+        ] {
+            let mut var = secret(
+                key.to_owned(),
+                &SecretKeyRef {
+                    name: name.clone(),
+                    key: key.to_owned(),
+                },
+            );
+            if let Some(selector) = var
+                .value_from
+                .as_mut()
+                .and_then(|from| from.secret_key_ref.as_mut())
+            {
+                selector.optional = Some(optional);
+            }
+            env_vars.push(var);
+        }
     }
     // The tools' backend keys (web search, MCP and HTTP tool headers): the worker's alone.
     env_vars.extend(

@@ -642,6 +642,65 @@ fn storage_volume_is_mounted_as_the_data_volume() {
 }
 
 #[test]
+fn a_run_on_a_bucket_mounts_no_storage_and_gives_its_keys_to_the_worker_container_alone() {
+    let run = TrajectoryRun::test()
+        .with(|spec| {
+            spec.storage.volume = None;
+            spec.storage.object = Some(trajectory_worker::spec::ObjectStorageSpec {
+                url: "s3://trajectories/experiments".into(),
+                credentials_secret: Some("bucket-keys".into()),
+                ..Default::default()
+            });
+        })
+        .build();
+    for job in [
+        plan_job(&valid(&run), &settings(), 1, false),
+        gen_job(&run, 1, &[0], false),
+    ] {
+        let pod_spec = pod(&job);
+        assert!(
+            pod_spec.volumes.iter().flatten().all(|v| v.name != "data"),
+            "no data volume"
+        );
+        let worker = &pod_spec.containers[0];
+        assert!(
+            worker
+                .volume_mounts
+                .iter()
+                .flatten()
+                .all(|m| m.mount_path != paths::STORAGE_ROOT)
+        );
+        for key in [
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN",
+        ] {
+            assert_eq!(
+                secret_of(&job, key),
+                ("bucket-keys".to_owned(), key.to_owned())
+            );
+            let selector = env_value(&job, key)
+                .and_then(|var| var.value_from.as_ref())
+                .and_then(|from| from.secret_key_ref.as_ref())
+                .unwrap();
+            assert_eq!(selector.optional, Some(key == "AWS_SESSION_TOKEN"), "{key}");
+        }
+        // The containers the model's commands may run in get none of it.
+        for container in pod_spec.init_containers.iter().flatten() {
+            assert!(
+                container
+                    .env
+                    .iter()
+                    .flatten()
+                    .all(|var| !var.name.starts_with("AWS_")),
+                "{}",
+                container.name
+            );
+        }
+    }
+}
+
+#[test]
 fn queue_name_labels_the_job_for_kueue_and_creates_it_suspended() {
     let cases = [
         // (exists, spec.suspend) -> suspend asserted by the operator
