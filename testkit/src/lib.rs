@@ -10,12 +10,14 @@
 //! - [`llama_servers`]: not a double: real llama.cpp servers, several at once, with what each
 //!   computed, for the tests and benchmarks of routing over several endpoints.
 //! - [`versitygw`]: not a double: a real S3 server, for runs on object storage.
+//! - [`s3_faults`]: a proxy in front of it that throttles, cuts or stalls chosen requests.
 
 pub mod chromium;
 pub mod envoy;
 pub mod executor;
 pub mod gubernator;
 pub mod llama_servers;
+pub mod s3_faults;
 pub mod scripted_server;
 pub mod versitygw;
 

@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::batch::v1::{Job, JobStatus};
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec, Secret};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
@@ -236,6 +236,8 @@ pub type Crash = dyn Fn(&str, Option<u32>, &[Played]) -> Option<i32> + Send + Sy
 pub struct Kubelet {
     pub pods: Api<Pod>,
     pub maps: Api<ConfigMap>,
+    /// Where the values of `secretKeyRef` variables are read, as a kubelet reads them.
+    pub secrets: Api<Secret>,
     pub runs: Api<TrajectoryRun>,
     pub run: String,
     pub storage: PathBuf,
@@ -289,6 +291,7 @@ impl Kubelet {
         Self {
             pods: Api::namespaced(client.clone(), namespace),
             maps: Api::namespaced(client.clone(), namespace),
+            secrets: Api::namespaced(client.clone(), namespace),
             runs: Api::namespaced(client.clone(), namespace),
             run: run.to_owned(),
             storage: scratch.storage(),
@@ -455,7 +458,8 @@ impl Kubelet {
             ran: crash.is_none(),
         };
         if let (Some(binary), None) = (&self.worker_binary, crash) {
-            self.start_process(binary, pod, container, played, &pod_dir);
+            let secrets = self.secret_values(container).await;
+            self.start_process(binary, pod, container, played, &pod_dir, &secrets);
             return true;
         }
         let (exit_code, message) = if let Some(code) = crash {
@@ -536,6 +540,38 @@ impl Kubelet {
     /// environment ([`process_env`]), its output in `log` in the pod's directory, and a task that
     /// reports its end — exit code, or 128 + the signal that ended it, as a container runtime
     /// does (137 for `SIGKILL`) — with the termination log as the message.
+    /// The values of the container's `secretKeyRef` variables, by variable: a key missing from
+    /// its Secret is left out when the reference is optional, and fails the test otherwise.
+    async fn secret_values(&self, container: &Container) -> BTreeMap<String, String> {
+        let mut values = BTreeMap::new();
+        for var in container.env.iter().flatten() {
+            let Some(selector) = var
+                .value_from
+                .as_ref()
+                .and_then(|from| from.secret_key_ref.as_ref())
+            else {
+                continue;
+            };
+            let secret =
+                self.secrets.get(&selector.name).await.unwrap_or_else(|e| {
+                    panic!("the Secret {} of {}: {e}", selector.name, var.name)
+                });
+            let value = secret
+                .data
+                .as_ref()
+                .and_then(|data| data.get(&selector.key))
+                .map(|bytes| String::from_utf8_lossy(&bytes.0).into_owned());
+            match value {
+                Some(value) => {
+                    values.insert(var.name.clone(), value);
+                }
+                None if selector.optional == Some(true) => {}
+                None => panic!("the Secret {} has no key {}", selector.name, selector.key),
+            }
+        }
+        values
+    }
+
     fn start_process(
         &self,
         binary: &Path,
@@ -543,6 +579,7 @@ impl Kubelet {
         container: &Container,
         mut played: Played,
         pod_dir: &Path,
+        secrets: &BTreeMap<String, String>,
     ) {
         let log_path = pod_dir.join("log");
         let log = std::fs::File::create(&log_path)
@@ -552,7 +589,7 @@ impl Kubelet {
             .args(container.args.iter().flatten())
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .envs(process_env(pod, container, &self.storage, pod_dir))
+            .envs(process_env(pod, container, &self.storage, pod_dir, secrets))
             .current_dir(pod_dir)
             .stdin(std::process::Stdio::null())
             .stdout(log)
@@ -1036,6 +1073,7 @@ fn process_env(
     container: &Container,
     storage: &Path,
     pod_dir: &Path,
+    secrets: &BTreeMap<String, String>,
 ) -> Vec<(String, OsString)> {
     let field = |path: &str| -> Option<String> {
         let (map, key) = path.strip_suffix("']")?.split_once("['")?;
@@ -1062,10 +1100,20 @@ fn process_env(
         // The test-kubelet runs no sandbox container: its workers start their executors
         // themselves, as a local run does.
         .filter(|var| var.name != env::SANDBOX_SOCKET)
+        .filter(|var| {
+            // An optional key its Secret does not hold: the variable is not set.
+            let from_secret = var
+                .value_from
+                .as_ref()
+                .is_some_and(|from| from.secret_key_ref.is_some());
+            !from_secret || secrets.contains_key(&var.name)
+        })
         .map(|var| {
             let value = if let Some(path) = mounted(&var.name) {
                 path.into_os_string()
             } else if let Some(value) = &var.value {
+                value.into()
+            } else if let Some(value) = secrets.get(&var.name) {
                 value.into()
             } else {
                 let Some(path) = var

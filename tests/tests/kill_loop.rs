@@ -33,6 +33,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::Secret;
 use kube::Api;
 use kube::api::PostParams;
 use rand::rngs::StdRng;
@@ -41,6 +42,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use trajectory_operator::api::{Phase, TrajectoryRun, TrajectoryRunStatus};
 use trajectory_testkit::scripted_server::{ScriptedServer, first_user_message};
+use trajectory_testkit::versitygw::{ACCESS_KEY, SECRET_KEY, Versitygw};
 use trajectory_tests::e2e::{
     ControllerGuard, Kubelet, Scratch, batch_records, job_status, jsonl, model_with_latency,
     phase_of, run_spec, start_controller_in, write_dataset,
@@ -76,6 +78,22 @@ const TIMEOUT: Duration = Duration::from_secs(600);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_run_through_50_kills_3_operator_restarts_and_a_status_wipe_generates_each_prompt_once() {
+    Box::pin(kill_loop(None)).await;
+}
+
+/// The same on a bucket of a real S3 server: a kill there also loses the records of the part
+/// its writer had not written yet, which the ledger counts as in flight (they have no record on
+/// storage), so the same bound holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_a_bucket_a_run_through_50_kills_3_operator_restarts_and_a_wipe_generates_each_prompt_once()
+ {
+    let server = Versitygw::start("127.0.0.1");
+    server.create_bucket("trajectories");
+    Box::pin(kill_loop(Some(&server))).await;
+}
+
+/// The kill loop, on a volume, or on `bucket`'s bucket `trajectories` when given.
+async fn kill_loop(bucket: Option<&Versitygw>) {
     let seed = std::env::var("TRAJ_KILL_LOOP_SEED")
         .ok()
         .map_or_else(rand::random, |seed| {
@@ -87,10 +105,8 @@ async fn a_run_through_50_kills_3_operator_restarts_and_a_status_wipe_generates_
     let namespace = TestNamespace::create(&client, "e2e-kill-loop").await;
     let ns = namespace.name();
     let scratch = Scratch::new();
-    write_dataset(
-        &scratch.storage(),
-        usize::try_from(PROMPTS).expect("a count"),
-    );
+    let (storage, spec_storage) = storage_of_the_run(bucket, &client, ns, &scratch).await;
+    write_dataset(&storage, usize::try_from(PROMPTS).expect("a count"));
     // Each call takes a while, so that kills find conversations in flight.
     let model = model_with_latency(Duration::from_millis(100)).await;
     let mut kubelet = Kubelet::new(&client, ns, "chaos", &scratch);
@@ -101,7 +117,7 @@ async fn a_run_through_50_kills_3_operator_restarts_and_a_status_wipe_generates_
         ns,
         kubelet: &kubelet,
         model: &model,
-        out: scratch.storage().join(format!("runs/{ns}/chaos")),
+        out: storage.join(format!("runs/{ns}/chaos")),
         rng: StdRng::seed_from_u64(seed),
         faults: Faults(VecDeque::new()),
         ledger: Ledger::default(),
@@ -120,6 +136,7 @@ async fn a_run_through_50_kills_3_operator_restarts_and_a_status_wipe_generates_
             "workers": 6,
             "concurrency": 4,
             "retry": {"perBatch": PER_BATCH_RETRIES, "maxFailedBatches": 0},
+            "storage": spec_storage,
         }),
     );
     chaos
@@ -171,6 +188,37 @@ async fn a_run_through_50_kills_3_operator_restarts_and_a_status_wipe_generates_
     assert_every_record_written_once(&chaos.out);
     assert_requests_were_not_redone(&ledger, requests, wasted);
     assert_each_kill_was_a_failed_pod_and_every_other_pod_succeeded(&client, ns, &kubelet).await;
+}
+
+/// Where the run's files are as this test sees them, and the spec's `storage` for it: the
+/// scratch volume, or the bucket `trajectories` of `bucket` (its keys in a Secret of `ns`).
+async fn storage_of_the_run(
+    bucket: Option<&Versitygw>,
+    client: &kube::Client,
+    ns: &str,
+    scratch: &Scratch,
+) -> (PathBuf, Value) {
+    let Some(server) = bucket else {
+        return (scratch.storage(), json!({"volume": {"emptyDir": {}}}));
+    };
+    let prefix = server.bucket_dir("trajectories").join("chaos");
+    std::fs::create_dir_all(prefix.join("datasets")).expect("the dataset's prefix");
+    let keys: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "bucket-keys"},
+        "stringData": {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY},
+    }))
+    .expect("a Secret");
+    Api::<Secret>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &keys)
+        .await
+        .expect("create the bucket's Secret");
+    let object = json!({"object": {
+        "url": "s3://trajectories/chaos",
+        "endpoint": server.endpoint,
+        "pathStyle": true,
+        "credentialsSecret": "bucket-keys",
+    }});
+    (prefix, object)
 }
 
 /// The run and the faults done to it.

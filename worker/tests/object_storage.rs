@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use common::{RunFixture, WORKER, parse_lines, terminal_server};
 use serde_json::Value;
+use trajectory_testkit::s3_faults::{Fault, FaultProxy, Kind, Rule};
 use trajectory_testkit::versitygw::{ACCESS_KEY, SECRET_KEY, Versitygw};
 use trajectory_worker::contract::exit;
 use trajectory_worker::storage::{
@@ -123,11 +124,21 @@ fn without_timing(mut record: Value) -> Value {
 }
 
 fn local(fixture: &RunFixture, storage: &str, server: &Versitygw) -> std::process::Output {
+    local_through(fixture, storage, server, &server.endpoint)
+}
+
+/// `local` on `storage`, reaching `server` at `endpoint` (the server's own, or a proxy's).
+fn local_through(
+    fixture: &RunFixture,
+    storage: &str,
+    server: &Versitygw,
+    endpoint: &str,
+) -> std::process::Output {
     Command::new(WORKER)
         .arg("local")
         .arg(fixture.run_file())
         .args(["--storage", storage, "--no-progress-bar"])
-        .args(["--s3-endpoint", &server.endpoint, "--s3-path-style"])
+        .args(["--s3-endpoint", endpoint, "--s3-path-style"])
         .arg("--workspace-root")
         .arg(fixture.workspaces())
         .envs(server.credentials())
@@ -154,7 +165,8 @@ async fn a_local_run_on_a_bucket_writes_the_records_the_same_run_writes_on_a_vol
     let fixture = RunFixture::new(&model.base_url(), 23);
     copy_dataset(&fixture, &server, "experiments/a");
 
-    let on_volume = local(&fixture, &fixture.root().to_string_lossy(), &server);
+    let on_volume =
+        tokio::task::block_in_place(|| local(&fixture, &fixture.root().to_string_lossy(), &server));
     assert!(
         on_volume.status.success(),
         "{}",
@@ -284,4 +296,68 @@ async fn a_missing_bucket_or_refused_credentials_fail_with_a_reason_that_names_t
         ),
         StorageFault::Missing
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttling_cut_connections_and_a_stall_are_retried_and_lose_or_redo_nothing() {
+    let model = terminal_server(Duration::ZERO).await;
+    let server = Versitygw::start("127.0.0.1");
+    server.create_bucket(BUCKET);
+    let proxy = FaultProxy::start(&server.endpoint).await;
+    let fixture = RunFixture::new(&model.base_url(), 23);
+    copy_dataset(&fixture, &server, "faults");
+    let rules = [
+        // The plan's listing of done markers, and a part of batch 1: throttled.
+        (Kind::List, "", Fault::SlowDown),
+        (Kind::Put, "batch-000001/w-", Fault::SlowDown),
+        // A part of batch 2 and batch 3's marker land, and their answers are lost: the retry
+        // finds its own object, not another writer's.
+        (Kind::Put, "batch-000002/w-", Fault::ResetAfter),
+        (Kind::Put, "batch-000003.done", Fault::ResetAfter),
+        // A batch's read of its rows waits 5 s.
+        (
+            Kind::Get,
+            "datasets/prompts.jsonl",
+            Fault::Stall(Duration::from_secs(5)),
+        ),
+        // The merged output's upload: throttled.
+        (Kind::Put, "out/trajectories.jsonl", Fault::SlowDown),
+    ];
+    for (kind, key_part, fault) in rules {
+        proxy.fault(Rule {
+            kind,
+            key_part: key_part.into(),
+            fault,
+        });
+    }
+    // The proxy and the model answer on this runtime while the worker runs.
+    let run = tokio::task::block_in_place(|| {
+        local_through(
+            &fixture,
+            "s3://trajectories/faults",
+            &server,
+            &proxy.endpoint,
+        )
+    });
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert_eq!(
+        proxy.pending(),
+        0,
+        "every fault was done: {:?}",
+        proxy.faulted()
+    );
+    // No conversation ran twice, none is missing.
+    assert_eq!(model.request_count(), 2 * 23);
+    let out = server.bucket_dir(BUCKET).join("faults/out");
+    let records = parse_lines(&out.join("trajectories.jsonl"));
+    let mut keys: Vec<u64> = records
+        .iter()
+        .map(|record| record["prompt_index"].as_u64().unwrap())
+        .collect();
+    keys.sort_unstable();
+    assert_eq!(keys, (0..23).collect::<Vec<u64>>());
 }

@@ -35,6 +35,11 @@ use object_store::{
 /// How long one operation may be retried before it is reported.
 pub const RETRY_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// Attempts after the first of the writes the client does not retry itself.
+const OWN_RETRIES: u32 = 4;
+/// The pause before such an attempt, times its number.
+const OWN_BACKOFF: Duration = Duration::from_millis(250);
+
 /// The size of each part of a multipart upload (S3 takes parts of 5 MiB to 5 GiB).
 const PART_SIZE: usize = 16 << 20;
 
@@ -301,26 +306,54 @@ impl Bucket {
 
     /// Creates the object only if there is none (`AlreadyExists` otherwise): of two writers, the
     /// first one's object stays.
-    pub fn put_new(&self, path: &Path, contents: Bytes) -> io::Result<()> {
-        let (store, key) = (self.store.clone(), self.key(path)?);
-        let options = PutOptions {
-            mode: PutMode::Create,
-            ..PutOptions::default()
-        };
-        self.block(async move {
-            store
-                .put_opts(&key, PutPayload::from(contents), options)
-                .await
-                .map(drop)
-        })
+    ///
+    /// A put whose connection broke after it was sent may have landed; the client retries some
+    /// of those and this retries the others, a few times. A put refused because the object
+    /// exists with exactly these bytes finds its own earlier attempt, which landed though its
+    /// answer was lost (the objects written once have names of their writer's own, so no other
+    /// writer's object has them).
+    pub fn put_new(&self, path: &Path, contents: &Bytes) -> io::Result<()> {
+        let mut attempt = 0;
+        loop {
+            let (store, key) = (self.store.clone(), self.key(path)?);
+            let options = PutOptions {
+                mode: PutMode::Create,
+                ..PutOptions::default()
+            };
+            let payload = PutPayload::from(contents.clone());
+            let result =
+                self.block(async move { store.put_opts(&key, payload, options).await.map(drop) });
+            match result {
+                // The client may have retried too (a connection closed before the answer).
+                Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
+                    return match self.read(path) {
+                        Ok(held) if held == *contents => Ok(()),
+                        _ => Err(error),
+                    };
+                }
+                Err(error) if error.kind() == io::ErrorKind::Other && attempt < OWN_RETRIES => {
+                    attempt += 1;
+                    std::thread::sleep(OWN_BACKOFF * attempt);
+                }
+                result => return result,
+            }
+        }
     }
 
-    /// Deletes the object (one that is not there is fine).
+    /// Deletes the object (one that is not there is fine). Retried here too: the client does not
+    /// retry a delete whose connection broke, and deleting again is harmless.
     pub fn delete(&self, path: &Path) -> io::Result<()> {
-        let (store, key) = (self.store.clone(), self.key(path)?);
-        match self.block(async move { store.delete(&key).await }) {
-            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
-            result => result,
+        let mut attempt = 0;
+        loop {
+            let (store, key) = (self.store.clone(), self.key(path)?);
+            match self.block(async move { store.delete(&key).await }) {
+                Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+                Err(error) if error.kind() == io::ErrorKind::Other && attempt < OWN_RETRIES => {
+                    attempt += 1;
+                    std::thread::sleep(OWN_BACKOFF * attempt);
+                }
+                result => return result,
+            }
         }
     }
 

@@ -126,7 +126,7 @@ impl Store {
                 }
                 super::write_atomic(path, contents).map(|()| true)
             }
-            Self::Bucket(bucket) => match bucket.put_new(path, Bytes::copy_from_slice(contents)) {
+            Self::Bucket(bucket) => match bucket.put_new(path, &Bytes::copy_from_slice(contents)) {
                 Ok(()) => Ok(true),
                 Err(error) if error.kind() == io::ErrorKind::AlreadyExists => Ok(false),
                 Err(error) => Err(StorageError::new("creating", path, error)),
@@ -386,11 +386,11 @@ impl Parts {
         if let Some(openai) = &self.openai {
             let path = Self::part_path(openai, part);
             let twin = Bytes::from(std::mem::take(&mut self.twin));
-            self.bucket.put_new(&path, twin).at("writing", &path)?;
+            self.bucket.put_new(&path, &twin).at("writing", &path)?;
         }
         let path = Self::part_path(&self.records, part);
         let main = Bytes::from(std::mem::take(&mut self.main));
-        self.bucket.put_new(&path, main).at("writing", &path)?;
+        self.bucket.put_new(&path, &main).at("writing", &path)?;
         self.written += 1;
         self.count = 0;
         self.since = None;
