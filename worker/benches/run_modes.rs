@@ -37,10 +37,19 @@
 //!
 //!   `largest` opens the largest page a report can be, its sample at its budget.
 //!
-//! Knobs (environment): `RUN_MODES_BENCH_PARTS` ("merge,report,largest,plan,local"),
+//! - **object** (not in the default parts): the same plan and merge on a bucket of a real S3
+//!   server (versitygw, on this machine), each against copying the same bytes with the AWS CLI
+//!   (`aws s3 cp`: the dataset downloaded; the batch objects downloaded and one output of their
+//!   size uploaded), median of the repeats, warm; then the S3 requests a `local` run makes per
+//!   1,000 trajectories (counted by a proxy in front of the server), by kind, at batch sizes 10
+//!   and 100.
+//!
+//! Knobs (environment): `RUN_MODES_BENCH_PARTS` ("merge,report,largest,plan,local"; add
+//! "object" for the bucket's),
 //! `RUN_MODES_BENCH_REPORT_RECORDS` (1000000), `RUN_MODES_BENCH_MERGE_MIB`
 //! (1024), `RUN_MODES_BENCH_PLAN_MIB` (1024), `RUN_MODES_BENCH_REPEATS` (3), `RUN_MODES_BENCH_COLD`
-//! (1; 0 skips the cold-cache runs), `RUN_MODES_BENCH_DIR` (the system temp dir; the data and a
+//! (1; 0 skips the cold-cache runs), `RUN_MODES_BENCH_EXECUTOR` (the executor the object part's
+//! local runs use; default: `scripts/executor/build.sh`'s), `RUN_MODES_BENCH_DIR` (the system temp dir; the data and a
 //! copy of it must fit), `RUN_MODES_BENCH_LATENCY_MS` (50), `RUN_MODES_BENCH_CONCURRENCY` (256),
 //! `RUN_MODES_BENCH_PROMPTS` (10000), `RUN_MODES_BENCH_KEEP` (0; 1 keeps the generated data, for
 //! profiling `trajectory-worker merge` or `plan` on it). For a quick run:
@@ -66,7 +75,9 @@ use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
 use trajectory_testkit::chromium::CHROMIUM;
+use trajectory_testkit::s3_faults::{FaultProxy, Kind};
 use trajectory_testkit::scripted_server::{MODEL, tool_call_reply};
+use trajectory_testkit::versitygw::Versitygw;
 use trajectory_worker::agent::{Conversation, run_conversation};
 use trajectory_worker::hermes::{RecordContext, timestamp, trajectory_record};
 use trajectory_worker::model::types::{parse_arguments, tool_call};
@@ -178,6 +189,9 @@ fn main() -> anyhow::Result<()> {
     }
     if knobs.wants("local") {
         local_bench(&root.path().join("local"), &knobs)?;
+    }
+    if knobs.wants("object") {
+        object_bench(&knobs)?;
     }
     println!("\nload average at end {}", load_average());
     if knobs.keep {
@@ -1526,4 +1540,311 @@ fn tail_lines(
         }
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// object: plan and merge on a bucket, and the requests a run makes
+
+/// A command of the worker, or of the AWS CLI, reaching `server` with its keys.
+fn against(server: &Versitygw, program: &Path) -> Command {
+    let mut command = Command::new(program);
+    command
+        .envs(server.credentials())
+        .env("AWS_DEFAULT_REGION", "us-east-1")
+        .stdin(Stdio::null());
+    command
+}
+
+fn worker_on(server: &Versitygw, endpoint: &str, args: &[&str]) -> Command {
+    let mut command = against(server, Path::new(WORKER));
+    command.args(["--log-format", "json"]).args(args).args([
+        "--s3-endpoint",
+        endpoint,
+        "--s3-path-style",
+    ]);
+    command
+}
+
+fn aws_s3(server: &Versitygw, aws: &Path, args: &[&str]) -> Command {
+    let mut command = against(server, aws);
+    command
+        .args([
+            "--endpoint-url",
+            &server.endpoint,
+            "s3",
+            "cp",
+            "--only-show-errors",
+        ])
+        .args(args);
+    command
+}
+
+/// Medians of `repeats` alternating runs of `ours` and `theirs` (each after `before`).
+fn alternate(
+    repeats: usize,
+    mut before: impl FnMut() -> anyhow::Result<()>,
+    mut ours: impl FnMut() -> anyhow::Result<Duration>,
+    mut theirs: impl FnMut() -> anyhow::Result<Duration>,
+) -> anyhow::Result<(Duration, Duration)> {
+    let (mut our_times, mut their_times) = (Vec::new(), Vec::new());
+    for round in 0..repeats {
+        for step in 0..2 {
+            before()?;
+            if (round + step) % 2 == 0 {
+                our_times.push(ours()?);
+            } else {
+                their_times.push(theirs()?);
+            }
+        }
+    }
+    println!("  ours {}; aws {}", list(&our_times), list(&their_times));
+    Ok((median(&our_times), median(&their_times)))
+}
+
+fn object_bench(knobs: &Knobs) -> anyhow::Result<()> {
+    let aws = PathBuf::from(
+        String::from_utf8(
+            Command::new(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../scripts/awscli/install.sh"
+            ))
+            .arg("--print-path")
+            .output()?
+            .stdout,
+        )?
+        .trim(),
+    );
+    let server = Versitygw::start("127.0.0.1");
+    server.create_bucket("bench");
+    let bucket = server.bucket_dir("bench");
+    println!(
+        "\n## object storage: versitygw {} (POSIX backend under {})",
+        server.endpoint,
+        bucket.display()
+    );
+    object_plan(&server, &aws, knobs)?;
+    object_merge(&server, &aws, knobs)?;
+    object_requests(&server, knobs)
+}
+
+/// The plan of a dataset in the bucket against downloading it.
+fn object_plan(server: &Versitygw, aws: &Path, knobs: &Knobs) -> anyhow::Result<()> {
+    let dir = server.bucket_dir("bench").join("plan");
+    fs::create_dir_all(dir.join("datasets"))?;
+    let (bytes, rows) = write_plan_dataset(&dir.join("datasets/prompts.jsonl"), knobs.plan_bytes)?;
+    write_run_file(
+        &dir,
+        &json!({
+            "dataset": {"path": "datasets/prompts.jsonl"},
+            "distribution": {"file": 100},
+            "model": {"baseUrl": "http://127.0.0.1:9/v1", "name": "bench-model"},
+            "storage": {"outputPath": "out"},
+        }),
+    )?;
+    let run_file = dir.join("run.yaml");
+    let run_file = run_file.to_str().context("a UTF-8 path")?;
+    println!(
+        "\nplan: {rows} rows, {:.0} MiB in the bucket",
+        bytes as f64 / MIB as f64
+    );
+    let (plan, download) = alternate(
+        knobs.repeats,
+        || {
+            let _ = fs::remove_dir_all(dir.join("out"));
+            Ok(())
+        },
+        || {
+            run_timed(&mut worker_on(
+                server,
+                &server.endpoint,
+                &[
+                    "plan",
+                    "--run-file",
+                    run_file,
+                    "--storage-root",
+                    "s3://bench/plan",
+                ],
+            ))
+            .map(|(elapsed, _)| elapsed)
+        },
+        || {
+            run_timed(&mut aws_s3(
+                server,
+                aws,
+                &["s3://bench/plan/datasets/prompts.jsonl", "-"],
+            ))
+            .map(|(elapsed, _)| elapsed)
+        },
+    )?;
+    println!(
+        "plan on the bucket {}, aws s3 cp (download) {}: **{:.2}x**",
+        seconds(plan),
+        seconds(download),
+        plan.as_secs_f64() / download.as_secs_f64()
+    );
+    fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// The merge of the batches in the bucket against downloading them and uploading as much.
+fn object_merge(server: &Versitygw, aws: &Path, knobs: &Knobs) -> anyhow::Result<()> {
+    let bucket = server.bucket_dir("bench");
+    let dir = bucket.join("merge");
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let templates = record_templates(&mut rng, 1);
+    let MergeRun {
+        location,
+        batch_bytes,
+        ..
+    } = generate_merge_run(
+        &dir,
+        &mut rng,
+        &templates,
+        RunSize::Bytes(knobs.merge_bytes),
+    )?;
+    let run_dir = location.run_dir();
+    let outputs = merge_outputs(&run_dir);
+    let run_file = dir.join("run.yaml");
+    let run_file = run_file.to_str().context("a UTF-8 path")?;
+    let scratch = tempfile::tempdir_in(&knobs.dir)?;
+    let upload = scratch.path().join("upload.jsonl");
+    {
+        // One file of the batches' size, for the upload.
+        let mut file = BufWriter::new(File::create(&upload)?);
+        let chunk = vec![b'x'; 1 << 20];
+        let mut left = batch_bytes;
+        while left > 0 {
+            let size = usize::try_from(left.min(1 << 20))?;
+            file.write_all(&chunk[..size])?;
+            left -= size as u64;
+        }
+        file.into_inner()?.sync_all()?;
+    }
+    let download_dir = scratch.path().join("download");
+    let (merge, copy) = alternate(
+        knobs.repeats,
+        || {
+            remove_files(&outputs)?;
+            let _ = fs::remove_dir_all(&download_dir);
+            let _ = fs::remove_dir_all(bucket.join("copy"));
+            Ok(())
+        },
+        || {
+            run_timed(&mut worker_on(
+                server,
+                &server.endpoint,
+                &[
+                    "merge",
+                    "--run-file",
+                    run_file,
+                    "--storage-root",
+                    "s3://bench/merge",
+                ],
+            ))
+            .map(|(elapsed, _)| elapsed)
+        },
+        || {
+            let started = Instant::now();
+            let target = download_dir.to_str().context("a UTF-8 path")?;
+            run_timed(&mut aws_s3(
+                server,
+                aws,
+                &["--recursive", "s3://bench/merge/out/batches/", target],
+            ))?;
+            let file = upload.to_str().context("a UTF-8 path")?;
+            run_timed(&mut aws_s3(
+                server,
+                aws,
+                &[file, "s3://bench/copy/upload.jsonl"],
+            ))?;
+            Ok(started.elapsed())
+        },
+    )?;
+    println!(
+        "merge of {:.0} MiB on the bucket {}, aws s3 cp (download the batches, upload as much) {}: **{:.2}x**",
+        batch_bytes as f64 / MIB as f64,
+        seconds(merge),
+        seconds(copy),
+        merge.as_secs_f64() / copy.as_secs_f64()
+    );
+    fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// The S3 requests of a `local` run of `knobs.prompts` prompts (at most 1,000 per batch size)
+/// through a counting proxy, per 1,000 trajectories.
+fn object_requests(server: &Versitygw, knobs: &Knobs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    let proxy = runtime.block_on(FaultProxy::start(&server.endpoint));
+    let (mut model, base_url) = start_server_process(&[(SERVER_ENV, "1")])?;
+    let prompts = knobs.prompts.min(1_000);
+    let executor = common::executor("RUN_MODES_BENCH_EXECUTOR")?;
+    let executor = executor.to_str().context("a UTF-8 path")?;
+    println!("\nS3 requests of a local run of {prompts} prompts, per 1,000 trajectories:");
+    println!("| batch size | list | get | head | put | delete | all |");
+    println!("|---|---|---|---|---|---|---|");
+    for batch_size in [10, 100] {
+        let dir = server
+            .bucket_dir("bench")
+            .join(format!("requests-{batch_size}"));
+        fs::create_dir_all(dir.join("datasets"))?;
+        let mut dataset = String::new();
+        for index in 0..prompts {
+            dataset.push_str(&json!({"prompt": format!("Task {index}")}).to_string());
+            dataset.push('\n');
+        }
+        fs::write(dir.join("datasets/prompts.jsonl"), dataset)?;
+        write_run_file(
+            &dir,
+            &json!({
+                "dataset": {"path": "datasets/prompts.jsonl"},
+                "batchSize": batch_size,
+                "workers": 4,
+                "concurrency": 16,
+                "distribution": {"file": 100},
+                "model": {"baseUrl": base_url, "name": MODEL},
+                "storage": {"outputPath": "out"},
+            }),
+        )?;
+        let before = proxy.counts();
+        let storage = format!("s3://bench/requests-{batch_size}");
+        let run_file = dir.join("run.yaml");
+        let run_file = run_file.to_str().context("a UTF-8 path")?;
+        let workspaces = tempfile::tempdir_in(&knobs.dir)?;
+        let workspace_root = workspaces.path().to_str().context("a UTF-8 path")?;
+        run_timed(&mut worker_on(
+            server,
+            &proxy.endpoint,
+            &[
+                "local",
+                run_file,
+                "--storage",
+                &storage,
+                "--no-progress-bar",
+                "--workspace-root",
+                workspace_root,
+                "--executor",
+                executor,
+            ],
+        ))?;
+        let after = proxy.counts();
+        let count = |kind: Kind| {
+            let made =
+                after.get(&kind).copied().unwrap_or(0) - before.get(&kind).copied().unwrap_or(0);
+            made as f64 * 1000.0 / prompts as f64
+        };
+        let kinds = [Kind::List, Kind::Get, Kind::Head, Kind::Put, Kind::Delete];
+        let all: f64 = kinds.iter().map(|kind| count(*kind)).sum();
+        println!(
+            "| {batch_size} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {all:.0} |",
+            count(Kind::List),
+            count(Kind::Get),
+            count(Kind::Head),
+            count(Kind::Put),
+            count(Kind::Delete)
+        );
+    }
+    drop(model.stdin.take());
+    let _ = model.wait();
+    Ok(())
 }
