@@ -52,6 +52,7 @@ struct Shared {
     rules: VecDeque<Rule>,
     counts: BTreeMap<Kind, u64>,
     faulted: Vec<(Kind, String, Fault)>,
+    answered: Vec<(Kind, String, u16)>,
 }
 
 /// A running proxy.
@@ -110,6 +111,11 @@ impl FaultProxy {
     /// The faults done so far: the request's kind, its path, the fault.
     pub fn faulted(&self) -> Vec<(Kind, String, Fault)> {
         lock(&self.shared).faulted.clone()
+    }
+
+    /// The server's answers so far: the request's kind, its path, the status.
+    pub fn answered(&self) -> Vec<(Kind, String, u16)> {
+        lock(&self.shared).answered.clone()
     }
 
     /// Rules not used yet.
@@ -194,6 +200,9 @@ async fn forward(State(upstream): State<Upstream>, request: Request) -> Response
             .body(Body::empty())
             .expect("a response");
     };
+    lock(&upstream.shared)
+        .answered
+        .push((kind, path.clone(), answer.status().as_u16()));
     let mut response = Response::builder().status(answer.status());
     for (name, value) in answer.headers() {
         response = response.header(name, value);

@@ -254,6 +254,10 @@ pub struct Kubelet {
     /// in the background, so that several pods run at once and a process can be killed
     /// ([`Kubelet::kill`]). Pods deleted while their process runs are not stopped.
     pub worker_binary: Option<PathBuf>,
+    /// For a run on a bucket (`spec.storage.object`), how the steps played in this process reach
+    /// it (its keys included: the Secret's values of a real pod); `storage` is then where this
+    /// machine sees the bucket's prefix.
+    pub bucket: Option<trajectory_worker::storage::BucketOptions>,
     /// The pods whose worker process runs, by name.
     running: Arc<Mutex<BTreeMap<String, RunningPod>>>,
 }
@@ -301,6 +305,7 @@ impl Kubelet {
             crash: Box::new(|_, _, _| None),
             hold: BTreeSet::new(),
             worker_binary: None,
+            bucket: None,
             running: Arc::default(),
         }
     }
@@ -761,13 +766,19 @@ impl Kubelet {
                 ),
             }
         }
-        let location = match load_plan(plan_path) {
-            Ok(plan) => RunLocation {
+        let location = match (load_plan(plan_path), &self.bucket) {
+            (Ok(plan), None) => RunLocation {
                 storage_root: self.storage.clone(),
                 store: trajectory_worker::storage::Store::Volume,
                 plan,
             },
-            Err(error) => return report::<()>(Err(error)),
+            (Ok(plan), Some(bucket)) => {
+                match RunLocation::of_plan(self.storage.clone(), bucket, plan) {
+                    Ok(location) => location,
+                    Err(error) => return report::<()>(Err(error)),
+                }
+            }
+            (Err(error), _) => return report::<()>(Err(error)),
         };
         match mode {
             // As `trajectory-worker plan` does: the summary cut to fit the termination message,

@@ -37,6 +37,7 @@ use trajectory_operator::leader::LeaseConfig;
 use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::service::{self, Exit};
 use trajectory_operator::settings::Settings;
+use trajectory_testkit::versitygw::Versitygw;
 use trajectory_tests::e2e::{
     ControllerGuard, Kubelet, NO_NODE, Played, Scratch, assert_image_run, children, condition,
     count_live_children, done_batches, job_status, jsonl, mark_done, model, phase_events, phase_of,
@@ -1526,22 +1527,60 @@ fn drop_record(run_dir: &Path, batch: u32, prompt: u64) -> usize {
 /// pod of any shard works a batch that was not done, and no done batch gets a pod.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_resume_of_a_million_batches_forty_percent_done_at_random_plans_only_the_rest() {
+    Box::pin(resume_of_a_million_batches(None)).await;
+}
+
+/// The same, the dataset, the markers and the pending list in a bucket of a real S3 server: the
+/// plan streams the dataset and lists the 400,000 markers from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resume_of_a_million_batches_forty_percent_done_planned_from_a_bucket_plans_only_the_rest()
+ {
+    let server = Versitygw::start("127.0.0.1");
+    server.create_bucket("trajectories");
+    Box::pin(resume_of_a_million_batches(Some(&server))).await;
+}
+
+/// A resume of a million batches, 40 % done, on a volume, or on `bucket`'s bucket `trajectories`.
+async fn resume_of_a_million_batches(bucket: Option<&Versitygw>) {
     const BATCHES: u32 = 1_000_000;
     const DONE: u32 = 400_000;
     let mut setup = Setup::without_controller("e2e-sparse").await;
     setup.scratch = Scratch::in_memory();
     let (client, ns, model, scratch) = (&setup.client, setup.ns(), &setup.model, &setup.scratch);
-    write_dataset(
-        &scratch.storage(),
-        usize::try_from(BATCHES).expect("a count"),
-    );
-    let extra = json!({"batchSize": 1, "workers": 6});
+    let (storage, mut extra) = match bucket {
+        None => (scratch.storage(), json!({})),
+        Some(server) => {
+            let object = json!({"object": {
+                "url": "s3://trajectories/sparse",
+                "endpoint": server.endpoint,
+                "pathStyle": true,
+            }});
+            (
+                server.bucket_dir("trajectories").join("sparse"),
+                json!({"storage": object}),
+            )
+        }
+    };
+    std::fs::create_dir_all(storage.join("datasets")).expect("the datasets directory");
+    write_dataset(&storage, usize::try_from(BATCHES).expect("a count"));
+    extra["batchSize"] = json!(1);
+    extra["workers"] = json!(6);
     let spec = run_spec(&model.base_url(), &extra);
-    let output = scratch.storage().join(spec.run.output_path(ns, "sparse"));
+    let output = storage.join(spec.run.output_path(ns, "sparse"));
 
     // An earlier run on the same storage planned the dataset and finished 400,000 batches at
     // random (their markers are written here: generating them would take 400,000 conversations).
-    let kubelet = Kubelet::new(client, ns, "sparse", scratch);
+    let mut kubelet = Kubelet::new(client, ns, "sparse", scratch);
+    if bucket.is_some() {
+        kubelet.storage.clone_from(&storage);
+        kubelet.bucket = Some(trajectory_worker::storage::BucketOptions {
+            keys: Some(trajectory_worker::storage::AccessKeys {
+                id: trajectory_testkit::versitygw::ACCESS_KEY.into(),
+                secret: trajectory_testkit::versitygw::SECRET_KEY.into(),
+            }),
+            ..Default::default()
+        });
+    }
     kubelet.plan_an_earlier_run(ns, &spec.run).await;
     let done = random_batches(BATCHES, DONE, 14);
     mark_done(&output.join("batches"), &done);

@@ -361,3 +361,160 @@ async fn throttling_cut_connections_and_a_stall_are_retried_and_lose_or_redo_not
     keys.sort_unstable();
     assert_eq!(keys, (0..23).collect::<Vec<u64>>());
 }
+
+/// A step of the run (`plan`, `batch 0`, `merge`) on the bucket's `prefix`, as a pod runs it, its
+/// termination message at `<fixture>/termination-log-<name>`.
+fn step_on_bucket(
+    fixture: &RunFixture,
+    server: &Versitygw,
+    endpoint: &str,
+    prefix: &str,
+    name: &str,
+    args: &[&str],
+) -> std::process::Child {
+    let mut command = Command::new(WORKER);
+    command
+        .args(args)
+        .arg("--run-file")
+        .arg(fixture.run_file())
+        .args(["--storage-root", &format!("s3://trajectories/{prefix}")])
+        .args(["--s3-endpoint", endpoint, "--s3-path-style"]);
+    // Only `batch` runs conversations and so takes a workspace root.
+    if args[0] == "batch" {
+        command.arg("--workspace-root").arg(fixture.workspaces());
+    }
+    command
+        .envs(server.credentials())
+        .env(
+            "TRAJ_TERMINATION_LOG",
+            fixture.root().join(format!("termination-log-{name}")),
+        )
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the worker binary starts")
+}
+
+/// Waits for a step to end well; returns its termination message.
+fn finished(fixture: &RunFixture, name: &str, child: std::process::Child) -> Value {
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "{name}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let log = fixture.root().join(format!("termination-log-{name}"));
+    serde_json::from_slice(&std::fs::read(log).unwrap()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_plans_and_two_writers_at_once_on_a_bucket_overwrite_nothing_and_keep_each_key_once() {
+    const N: u64 = 24;
+    let model = terminal_server(Duration::from_millis(30)).await;
+    let server = Versitygw::start("127.0.0.1");
+    server.create_bucket(BUCKET);
+    let fixture = RunFixture::new(&model.base_url(), 24)
+        .with("/batchSize", serde_json::json!(N))
+        .with("/concurrency", serde_json::json!(2));
+    copy_dataset(&fixture, &server, "two");
+    let out = server.bucket_dir(BUCKET).join("two/out");
+    // Counts what the server answered each request.
+    let proxy = FaultProxy::start(&server.endpoint).await;
+    let step = |name: &str, args: &[&str]| {
+        step_on_bucket(&fixture, &server, &proxy.endpoint, "two", name, args)
+    };
+
+    // Two plans at once: the first one's manifest stays, and both report the same plan. The
+    // first manifest write is held 2 s, so that the other plan finds no manifest either.
+    proxy.fault(Rule {
+        kind: Kind::Put,
+        key_part: "/manifest.json".into(),
+        fault: Fault::Stall(Duration::from_secs(2)),
+    });
+    let plans = tokio::task::block_in_place(|| {
+        let a = step("plan-a", &["plan"]);
+        let b = step("plan-b", &["plan"]);
+        [
+            finished(&fixture, "plan-a", a),
+            finished(&fixture, "plan-b", b),
+        ]
+    });
+    assert_eq!(plans[0]["prompts"], N);
+    assert_eq!(plans[0]["datasetDigest"], plans[1]["datasetDigest"]);
+    assert_eq!(plans[0]["specHash"], plans[1]["specHash"]);
+    let manifest = std::fs::read(out.join("manifest.json")).unwrap();
+    let manifest_puts: Vec<u16> = proxy
+        .answered()
+        .into_iter()
+        .filter(|(kind, path, _)| *kind == Kind::Put && path.ends_with("/manifest.json"))
+        .map(|(_, _, status)| status)
+        .collect();
+    assert_eq!(
+        manifest_puts
+            .iter()
+            .filter(|status| **status == 200)
+            .count(),
+        1,
+        "one plan wrote the manifest, the other was refused: {manifest_puts:?}"
+    );
+
+    // Two writers of the one batch at once: each its own parts, one marker.
+    let summaries = tokio::task::block_in_place(|| {
+        let a = step("a", &["batch", "0"]);
+        let b = step("b", &["batch", "0"]);
+        [finished(&fixture, "a", a), finished(&fixture, "b", b)]
+    });
+    let started: u64 = summaries
+        .iter()
+        .map(|summary| N - summary["resumed"].as_u64().unwrap())
+        .sum();
+    // Every conversation a writer started ran to its end: two requests each, none lost.
+    assert_eq!(model.request_count() as u64, 2 * started);
+    assert!(started <= 2 * N, "{started}");
+    let writers: std::collections::BTreeSet<String> =
+        std::fs::read_dir(out.join("batches/batch-000000"))
+            .unwrap()
+            .map(|entry| {
+                let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+                // w-<writer>-<part>.jsonl
+                name.split('-').nth(1).unwrap().to_owned()
+            })
+            .collect();
+    assert_eq!(
+        writers.len(),
+        2,
+        "both wrote parts of their own: {writers:?}"
+    );
+
+    let merged = tokio::task::block_in_place(|| {
+        let merge = step("merge", &["merge"]);
+        finished(&fixture, "merge", merge)
+    });
+    assert_eq!(merged["trajectories"], N, "{merged}");
+    let mut keys: Vec<u64> = parse_lines(&out.join("trajectories.jsonl"))
+        .iter()
+        .map(|record| record["prompt_index"].as_u64().unwrap())
+        .collect();
+    keys.sort_unstable();
+    assert_eq!(keys, (0..N).collect::<Vec<u64>>(), "each key once");
+    // Nothing written once was written twice: parts, the marker, the manifest.
+    let mut created = std::collections::BTreeMap::<String, usize>::new();
+    for (kind, path, status) in proxy.answered() {
+        if kind == Kind::Put && status == 200 && !path.contains("/out/trajectories") {
+            *created.entry(path).or_default() += 1;
+        }
+    }
+    let twice: Vec<&String> = created
+        .iter()
+        .filter(|(path, count)| **count > 1 && !path.ends_with("invalid.jsonl"))
+        .map(|(path, _)| path)
+        .collect();
+    assert!(twice.is_empty(), "written twice: {twice:?}");
+    assert_eq!(
+        std::fs::read(out.join("manifest.json")).unwrap(),
+        manifest,
+        "no step wrote the manifest again"
+    );
+}

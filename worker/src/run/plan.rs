@@ -467,14 +467,14 @@ struct ImageLayout {
 
 /// The manifest already on storage, if this run wrote it (a manifest of another dataset or spec is
 /// an error, and so is one that laid the batches out otherwise: a worker of before rows' images
-/// were honoured), or a new one.
+/// were honoured), or a new one; and whether it was on storage.
 fn run_manifest(
     location: &RunLocation,
     dataset: DatasetInfo,
     catalog: Vec<String>,
     mcp_tools: Vec<FrozenServer>,
     layout: ImageLayout,
-) -> Result<Manifest, RunError> {
+) -> Result<(Manifest, bool), RunError> {
     let spec = &location.plan.spec;
     let run_dir = location.run_dir();
     let spec_hash = spec_hash(spec);
@@ -500,27 +500,30 @@ fn run_manifest(
                     run_dir.root().display()
                 )));
             }
-            Ok(existing)
+            Ok((existing, true))
         }
-        None => Ok(Manifest {
-            version: MANIFEST_VERSION,
-            run: RunIdentity {
-                name: location.plan.name.clone(),
-                namespace: location.plan.namespace.clone(),
-                uid: location.plan.uid.clone(),
+        None => Ok((
+            Manifest {
+                version: MANIFEST_VERSION,
+                run: RunIdentity {
+                    name: location.plan.name.clone(),
+                    namespace: location.plan.namespace.clone(),
+                    uid: location.plan.uid.clone(),
+                },
+                created_at: crate::hermes::timestamp(chrono::Utc::now()),
+                dataset,
+                spec_hash,
+                batch_size: spec.batch_size,
+                samples_per_prompt: spec.samples_per_prompt,
+                tool_catalog: catalog,
+                mcp_tools,
+                batches: layout.batches,
+                images: layout.images,
+                batch_images: layout.batch_images,
+                first_prompts: layout.first_prompts,
             },
-            created_at: crate::hermes::timestamp(chrono::Utc::now()),
-            dataset,
-            spec_hash,
-            batch_size: spec.batch_size,
-            samples_per_prompt: spec.samples_per_prompt,
-            tool_catalog: catalog,
-            mcp_tools,
-            batches: layout.batches,
-            images: layout.images,
-            batch_images: layout.batch_images,
-            first_prompts: layout.first_prompts,
-        }),
+            false,
+        )),
     }
 }
 
@@ -586,13 +589,14 @@ pub fn plan_in(
         batch_images,
         first_prompts,
     };
-    let manifest = run_manifest(location, dataset, catalog, mcp_tools, layout)?;
+    let (manifest, existed) = run_manifest(location, dataset, catalog, mcp_tools, layout)?;
     invalid_out.finish()?;
-    // Streamed: a run of a million batches has a manifest of tens of megabytes.
-    store.write_with(&run_dir.manifest(), |out| {
-        serde_json::to_writer(std::io::BufWriter::new(out), &manifest).map_err(std::io::Error::from)
-    })?;
-    store.sync_dir(run_dir.root())?;
+    let manifest = if existed && store.is_bucket() {
+        // Objects are not torn: the one there is whole, and writing it again costs a put of it.
+        manifest
+    } else {
+        write_manifest(&run_dir, manifest)?
+    };
 
     let mut done = run_dir.done_batches()?;
     done.retain(|id| *id < manifest.batch_count());
@@ -618,6 +622,44 @@ pub fn plan_in(
         run_dir.root().display()
     );
     Ok((manifest, summary))
+}
+
+/// Writes the run's manifest. On a volume it is written again whole (the same one when it existed).
+/// On a bucket it is created once: of two plans at once the first one's stays, and the other
+/// takes it up, as it would have found it had it started later; one that is there already is
+/// not written again.
+fn write_manifest(run_dir: &RunDir, manifest: Manifest) -> Result<Manifest, RunError> {
+    let store = run_dir.store();
+    let path = run_dir.manifest();
+    if !store.is_bucket() {
+        // Streamed: a run of a million batches has a manifest of tens of megabytes.
+        store.write_with(&path, |out| {
+            serde_json::to_writer(std::io::BufWriter::new(out), &manifest)
+                .map_err(std::io::Error::from)
+        })?;
+        store.sync_dir(run_dir.root())?;
+        return Ok(manifest);
+    }
+    let json = serde_json::to_vec(&manifest).map_err(|err| RunError::Internal(err.to_string()))?;
+    if store.create_once(&path, &json)? {
+        return Ok(manifest);
+    }
+    let existing = Manifest::require(run_dir)?;
+    if existing.dataset.digest != manifest.dataset.digest
+        || existing.spec_hash != manifest.spec_hash
+        || existing.batches != manifest.batches
+    {
+        return Err(RunError::OutputMismatch(format!(
+            "{} was written by another plan meanwhile, for dataset {} and spec {}, but this plan \
+             has dataset {} and spec {}; use another spec.storage.outputPath",
+            path.display(),
+            existing.dataset.digest,
+            existing.spec_hash,
+            manifest.dataset.digest,
+            manifest.spec_hash
+        )));
+    }
+    Ok(existing)
 }
 
 /// Opens the dataset (a file read in place, or an object streamed once) and the run's
