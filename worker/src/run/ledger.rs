@@ -196,7 +196,10 @@ impl Ledger {
         if self.store.is_bucket() {
             return Ok(Claim::default());
         }
-        for path in claim_paths(&self.store, &self.dir)? {
+        let finished_names = claim_paths(&self.store, &self.dir)?
+            .into_iter()
+            .filter(|path| is_finished_name(path));
+        for path in finished_names {
             match read_claim(&self.store, &path) {
                 Ok(claim) if claim.finished => {}
                 Ok(_) => continue,
@@ -354,8 +357,9 @@ impl Ledger {
         let mut attempts = 0;
         'read: loop {
             let mut others = Others::default();
+            let finished = finished_path(&self.claim_path);
             for path in claim_paths(&self.store, &self.dir)? {
-                if path == self.claim_path {
+                if path == self.claim_path || path == finished {
                     continue;
                 }
                 let claim = match read_claim(&self.store, &path) {
@@ -392,6 +396,14 @@ impl Ledger {
             self.claim(&state)
         };
         self.write(&claim)?;
+        if !self.store.is_bucket() {
+            // Adoptable from now on, under a name no live claim has: a claim adopted a moment
+            // ago still reads finished under its adopter's name until the adopter writes it, and
+            // a second adopter taking it then would count its spending twice.
+            let finished = finished_path(&self.claim_path);
+            std::fs::rename(&self.claim_path, &finished)
+                .map_err(|error| StorageError::new("renaming", &finished, error))?;
+        }
         Ok(claim)
     }
 }
@@ -407,7 +419,26 @@ impl Drop for Ledger {
     }
 }
 
-/// A claim's file: `<writer>.json` (the temp files of writes under way start with a dot).
+/// The prefix of a finished claim's name, the only claims a starting process adopts.
+const FINISHED_PREFIX: &str = "finished-";
+
+/// The name a finished claim of `claim` (`<writer>.json`) takes: `finished-<writer>.json`.
+fn finished_path(claim: &Path) -> PathBuf {
+    let name = claim
+        .file_name()
+        .map(|name| name.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    claim.with_file_name(format!("{FINISHED_PREFIX}{name}"))
+}
+
+fn is_finished_name(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|name| name.to_str())
+        .is_some_and(|name| name.starts_with(FINISHED_PREFIX))
+}
+
+/// A claim's file: `<writer>.json` while its process runs, `finished-<writer>.json` once it
+/// finished (the temp files of writes under way start with a dot).
 fn is_claim(path: &Path) -> bool {
     let hidden = path
         .file_name()
@@ -606,6 +637,35 @@ mod tests {
         drop(tickets);
         ledgers[0].finish().unwrap();
         assert!((ledgers[1].finish().unwrap() - 3.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_claim_adopted_a_moment_ago_is_not_adopted_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = RunDir::new(dir.path());
+        let first = Ledger::open(None, &run_dir, 2).unwrap();
+        first.spending().add(0.042);
+        assert!((first.finish().unwrap() - 0.042).abs() < 1e-9);
+        drop(first);
+        // A second process adopts it: renamed to its own name, where it reads finished until
+        // that process writes it (here, never: it is caught in between).
+        let adopter_path = run_dir.budget_dir().join("0123456789abcdef.json");
+        let finished = claim_paths(&Store::Volume, &run_dir.budget_dir()).unwrap();
+        assert_eq!(finished.len(), 1);
+        assert!(is_finished_name(&finished[0]), "{finished:?}");
+        std::fs::rename(&finished[0], &adopter_path).unwrap();
+        // A third process starting then finds no finished claim to adopt...
+        let third = Ledger::open(None, &run_dir, 2).unwrap();
+        assert!(lock(&third.state).carried.spent.abs() < 1e-12, "adopted nothing");
+        // ...so when the adopter writes its claim (carrying the same spending), the run's total
+        // counts it once.
+        std::fs::write(
+            &adopter_path,
+            r#"{"allowance":0.0,"spent":0.042,"ended":0,"endedCost":0.0,"finished":false}"#,
+        )
+        .unwrap();
+        assert!((third.finish().unwrap() - 0.042).abs() < 1e-9);
+        assert!((spent_by_claims(&run_dir).unwrap().unwrap() - 0.042).abs() < 1e-9);
     }
 
     #[tokio::test]

@@ -309,7 +309,8 @@ impl RunLocation {
             let error = StorageError::new("listing", &url.root(), error);
             return Err(match error.fault() {
                 StorageFault::Missing => RunError::StorageMissing(format!(
-                    "the bucket {:?} does not exist (storage {url})",
+                    "the bucket {:?} does not exist, or these credentials may not see it \
+                     (listing {url})",
                     url.bucket
                 )),
                 _ => error.into(),
