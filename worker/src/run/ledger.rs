@@ -656,7 +656,10 @@ mod tests {
         std::fs::rename(&finished[0], &adopter_path).unwrap();
         // A third process starting then finds no finished claim to adopt...
         let third = Ledger::open(None, &run_dir, 2).unwrap();
-        assert!(lock(&third.state).carried.spent.abs() < 1e-12, "adopted nothing");
+        assert!(
+            lock(&third.state).carried.spent.abs() < 1e-12,
+            "adopted nothing"
+        );
         // ...so when the adopter writes its claim (carrying the same spending), the run's total
         // counts it once.
         std::fs::write(
