@@ -344,7 +344,17 @@ impl Ledger {
         }
     }
 
+    /// Writes the claim while the process runs. Once it finished, its claim is under its finished
+    /// name: a late write (an admission that ends after the batch) must not bring the live name
+    /// back beside it, which would count its spending twice.
     fn write(&self, claim: &Claim) -> Result<(), StorageError> {
+        if claim.finished {
+            return Ok(());
+        }
+        self.write_any(claim)
+    }
+
+    fn write_any(&self, claim: &Claim) -> Result<(), StorageError> {
         let json = serde_json::to_vec(claim).expect("a claim serialises to JSON");
         self.store.write_atomic(&self.claim_path, &json)
     }
@@ -395,7 +405,7 @@ impl Ledger {
             state.finished = true;
             self.claim(&state)
         };
-        self.write(&claim)?;
+        self.write_any(&claim)?;
         if !self.store.is_bucket() {
             // Adoptable from now on, under a name no live claim has: a claim adopted a moment
             // ago still reads finished under its adopter's name until the adopter writes it, and
