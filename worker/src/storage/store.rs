@@ -3,7 +3,8 @@
 //! On a volume they keep the disciplines of the module above (renames of fsynced temp files,
 //! append-only files read to their last newline). On a bucket an object appears whole or not at
 //! all, so a put replaces a rename; appends become immutable parts (see [`RecordsWriter`]); what
-//! must be created once (a batch's completion marker) is a conditional put.
+//! must be created once (a batch's completion marker, the manifest, a pending list) is a
+//! conditional put.
 
 use std::io::{self, Read, Write};
 use std::ops::Range;
