@@ -123,7 +123,7 @@ async fn run_all_turns(fixture: &common::RunFixture, prompts: u64, max_turns: u3
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversations_kept_on_one_of_three_real_servers_compute_far_fewer_prompt_tokens() {
     let _turn = ONE_AT_A_TIME.lock().await;
-    let max_turns = 6;
+    let max_turns = 8;
     let mut computed = Vec::new();
     for strategy in ["ConversationHash", "RoundRobin"] {
         let servers = Servers::start(3);
