@@ -323,6 +323,20 @@ fn run_timed(command: &mut Command) -> anyhow::Result<(Duration, String)> {
     Ok((elapsed, stderr))
 }
 
+/// The plan benchmarks' run file under `root`: the dataset of [`write_plan_dataset`], the
+/// default batch size (10: the most batches, so the biggest manifest).
+fn write_plan_run_file(root: &Path) -> anyhow::Result<RunLocation> {
+    write_run_file(
+        root,
+        &json!({
+            "dataset": {"path": "datasets/prompts.jsonl"},
+            "distribution": {"file": 100},
+            "model": {"baseUrl": "http://127.0.0.1:9/v1", "name": "bench-model"},
+            "storage": {"outputPath": "out"},
+        }),
+    )
+}
+
 /// A run file for a run under `root`, `outputPath: out`.
 fn write_run_file(root: &Path, spec: &Value) -> anyhow::Result<RunLocation> {
     let file = json!({
@@ -1006,16 +1020,7 @@ fn plan_bench(dir: &Path, knobs: &Knobs, cold: bool) -> anyhow::Result<()> {
     let dataset_path = dir.join("datasets/prompts.jsonl");
     let generating = Instant::now();
     let (bytes, rows) = write_plan_dataset(&dataset_path, knobs.plan_bytes)?;
-    // The default batch size (10): the most batches, so the biggest manifest.
-    write_run_file(
-        dir,
-        &json!({
-            "dataset": {"path": "datasets/prompts.jsonl"},
-            "distribution": {"file": 100},
-            "model": {"baseUrl": "http://127.0.0.1:9/v1", "name": "bench-model"},
-            "storage": {"outputPath": "out"},
-        }),
-    )?;
+    write_plan_run_file(dir)?;
     println!(
         "\n## plan: dataset of {rows} rows, {:.0} MiB (mean {} bytes a row), batch size 10, generated in {:.0} s",
         bytes as f64 / MIB as f64,
@@ -1632,15 +1637,7 @@ fn object_plan(server: &Versitygw, aws: &Path, knobs: &Knobs) -> anyhow::Result<
     let dir = server.bucket_dir("bench").join("plan");
     fs::create_dir_all(dir.join("datasets"))?;
     let (bytes, rows) = write_plan_dataset(&dir.join("datasets/prompts.jsonl"), knobs.plan_bytes)?;
-    write_run_file(
-        &dir,
-        &json!({
-            "dataset": {"path": "datasets/prompts.jsonl"},
-            "distribution": {"file": 100},
-            "model": {"baseUrl": "http://127.0.0.1:9/v1", "name": "bench-model"},
-            "storage": {"outputPath": "out"},
-        }),
-    )?;
+    write_plan_run_file(&dir)?;
     let run_file = dir.join("run.yaml");
     let run_file = run_file.to_str().context("a UTF-8 path")?;
     println!(

@@ -313,41 +313,46 @@ impl Bucket {
     /// answer was lost (the objects written once have names of their writer's own, so no other
     /// writer's object has them).
     pub fn put_new(&self, path: &Path, contents: &Bytes) -> io::Result<()> {
-        let mut attempt = 0;
-        loop {
-            let (store, key) = (self.store.clone(), self.key(path)?);
+        let key = self.key(path)?;
+        let result = Self::with_own_retries(|| {
+            let (store, key) = (self.store.clone(), key.clone());
             let options = PutOptions {
                 mode: PutMode::Create,
                 ..PutOptions::default()
             };
             let payload = PutPayload::from(contents.clone());
-            let result =
-                self.block(async move { store.put_opts(&key, payload, options).await.map(drop) });
-            match result {
-                // The client may have retried too (a connection closed before the answer).
-                Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
-                    return match self.read(path) {
-                        Ok(held) if held == *contents => Ok(()),
-                        _ => Err(error),
-                    };
-                }
-                Err(error) if error.kind() == io::ErrorKind::Other && attempt < OWN_RETRIES => {
-                    attempt += 1;
-                    std::thread::sleep(OWN_BACKOFF * attempt);
-                }
-                result => return result,
-            }
+            self.block(async move { store.put_opts(&key, payload, options).await.map(drop) })
+        });
+        match result {
+            // The client may have retried too (a connection closed before the answer).
+            Err(error) if error.kind() == io::ErrorKind::AlreadyExists => match self.read(path) {
+                Ok(held) if held == *contents => Ok(()),
+                _ => Err(error),
+            },
+            result => result,
         }
     }
 
     /// Deletes the object (one that is not there is fine). Retried here too: the client does not
     /// retry a delete whose connection broke, and deleting again is harmless.
     pub fn delete(&self, path: &Path) -> io::Result<()> {
+        let key = self.key(path)?;
+        let result = Self::with_own_retries(|| {
+            let (store, key) = (self.store.clone(), key.clone());
+            self.block(async move { store.delete(&key).await })
+        });
+        match result {
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+            result => result,
+        }
+    }
+
+    /// Runs `operation` again, a few times with a growing pause, while it fails in a way that
+    /// may pass (an `Other` error: a broken connection, a server error past the client's retries).
+    fn with_own_retries<T>(mut operation: impl FnMut() -> io::Result<T>) -> io::Result<T> {
         let mut attempt = 0;
         loop {
-            let (store, key) = (self.store.clone(), self.key(path)?);
-            match self.block(async move { store.delete(&key).await }) {
-                Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+            match operation() {
                 Err(error) if error.kind() == io::ErrorKind::Other && attempt < OWN_RETRIES => {
                     attempt += 1;
                     std::thread::sleep(OWN_BACKOFF * attempt);
