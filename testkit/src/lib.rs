@@ -21,6 +21,28 @@ pub mod s3_faults;
 pub mod scripted_server;
 pub mod versitygw;
 
+/// `record` without what differs between two runs of the same conversations: when they ran and
+/// how long (keys ending `_ms` or `_at`, `timestamp`, `seconds`), at any depth.
+pub fn without_timing(mut record: serde_json::Value) -> serde_json::Value {
+    fn strip(value: &mut serde_json::Value) {
+        match value {
+            serde_json::Value::Object(map) => {
+                map.retain(|key, _| {
+                    !(key.ends_with("_ms")
+                        || key.ends_with("_at")
+                        || key == "timestamp"
+                        || key == "seconds")
+                });
+                map.values_mut().for_each(strip);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    strip(&mut record);
+    record
+}
+
 /// The binary the environment variable `env` names, else the one `script` (under the
 /// repository's `scripts/`, run with `--print-path`) installs or finds cached. Panics with the
 /// script's message when it cannot.

@@ -226,21 +226,20 @@ impl Setup {
         self.run_to_success(run, &run_dir).await;
     }
 
-    /// Runs the quickstart `run` until it ends, and checks that it succeeded in pods of the real
-    /// node with one valid record per prompt in `run_dir` (where this machine sees its files).
+    /// Runs `run` (the quickstart, under any name) until it ends, and checks that it succeeded in
+    /// pods of the real node with one valid record per prompt in `run_dir` (where this machine
+    /// sees its files).
     async fn run_to_success(&self, run: TrajectoryRun, run_dir: &Path) {
         let setup = self;
         let started = Instant::now();
+        let name = run.name_any();
         setup
             .runs
             .create(&PostParams::default(), &run)
             .await
             .expect("create the quickstart run");
-        let run = setup.finished("quickstart", Duration::from_secs(600)).await;
-        eprintln!(
-            "the quickstart run took {:?} in real pods",
-            started.elapsed()
-        );
+        let run = setup.finished(&name, Duration::from_secs(600)).await;
+        eprintln!("the run {name} took {:?} in real pods", started.elapsed());
         let status = run.status.clone().expect("a status");
         assert_eq!(
             status.phase,
@@ -259,9 +258,10 @@ impl Setup {
         );
         // Every stage ran in a pod of the real node.
         let jobs: Api<Job> = Api::namespaced(setup.client.clone(), setup.ns());
-        for job in ["quickstart-plan", "quickstart-gen-1", "quickstart-merge"] {
+        for stage in ["plan", "gen-1", "merge"] {
+            let job = format!("{name}-{stage}");
             let succeeded = jobs
-                .get(job)
+                .get(&job)
                 .await
                 .unwrap_or_else(|e| panic!("Job {job}: {e}"))
                 .status
@@ -386,13 +386,23 @@ fn condition(run: &TrajectoryRun, type_: &str) -> Option<(String, String)> {
     e2e::condition(run.status.as_ref()?, type_).map(|c| (c.status.clone(), c.reason.clone()))
 }
 
-/// The quickstart on a bucket of a real S3 server (versitygw) instead of a volume: no pod mounts
-/// storage, the keys reach the worker container from a Secret, and plan, generation and merge
-/// work on objects to `Succeeded` with one valid record per prompt, every batch marked done.
+/// The quickstart on a bucket of a real S3 server (versitygw) and, at the same time, on the volume,
+/// both against one scripted model: comparing records needs the same replies to the same prompts
+/// (the quickstart with the llama.cpp model is `the_quickstart_run_succeeds_in_real_pods`). No pod
+/// of the bucket's run mounts storage, the keys reach the worker container from a Secret, plan,
+/// generation and merge work on objects to `Succeeded` with every batch marked done, and the
+/// records and failures are the volume run's but for when they ran; two model requests per
+/// conversation in all, none redone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_quickstart_runs_in_real_pods_on_a_bucket_with_no_volume() {
+async fn the_quickstart_in_real_pods_on_a_bucket_with_no_volume_writes_the_records_it_writes_on_a_volume()
+ {
     let setup = Setup::new("pods-bucket").await;
-    let (model_url, model_name) = model_server_for_pods(&setup.node);
+    let model = scripted_model(Duration::ZERO, "echo $((6 * 7)) answers; uname -s").await;
+    let model_url = setup.model_url(&model);
+    let quickstart = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/quickstart");
+    setup
+        .storage
+        .add_dataset(&quickstart.join("datasets/quickstart.jsonl"));
     let server = Versitygw::start("0.0.0.0");
     server.create_bucket("trajectories");
     let datasets = server
@@ -400,8 +410,7 @@ async fn the_quickstart_runs_in_real_pods_on_a_bucket_with_no_volume() {
         .join("experiments/datasets");
     std::fs::create_dir_all(&datasets).unwrap();
     std::fs::copy(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../examples/quickstart/datasets/quickstart.jsonl"),
+        quickstart.join("datasets/quickstart.jsonl"),
         datasets.join("quickstart.jsonl"),
     )
     .unwrap();
@@ -418,36 +427,62 @@ async fn the_quickstart_runs_in_real_pods_on_a_bucket_with_no_volume() {
         .await
         .expect("create the bucket's Secret");
     let port = server.endpoint.rsplit_once(':').expect("host:port").1;
-    let mut run = quickstart_run(&model_url, &model_name, &setup.storage);
-    run.spec.run.storage = serde_json::from_value(json!({"object": {
+    let on_volume = quickstart_run(&model_url, "scripted", &setup.storage);
+    let mut on_bucket = quickstart_run(&model_url, "scripted", &setup.storage);
+    on_bucket.metadata.name = Some("quickstart-on-bucket".to_owned());
+    on_bucket.spec.run.storage = serde_json::from_value(json!({"object": {
         "url": "s3://trajectories/experiments",
         "endpoint": format!("http://{}:{port}", setup.node.ip),
         "pathStyle": true,
         "credentialsSecret": "bucket-keys",
     }}))
     .unwrap();
-    let run_dir = server
+    let volume_dir = setup.storage.run_dir(setup.ns(), "quickstart");
+    let bucket_dir = server
         .bucket_dir("trajectories")
         .join("experiments/runs")
         .join(setup.ns())
-        .join("quickstart");
-    setup.run_to_success(run, &run_dir).await;
+        .join("quickstart-on-bucket");
+    tokio::join!(
+        setup.run_to_success(on_volume, &volume_dir),
+        setup.run_to_success(on_bucket, &bucket_dir),
+    );
+    assert_two_requests_per_conversation(&model, 2 * 8);
+    for name in ["trajectories.jsonl", "failures.jsonl"] {
+        let records = |dir: &Path| -> Vec<Value> {
+            jsonl_lines(&dir.join(name))
+                .into_iter()
+                .map(trajectory_testkit::without_timing)
+                .collect()
+        };
+        assert_eq!(records(&bucket_dir), records(&volume_dir), "{name}");
+    }
+    assert_eq!(jsonl_lines(&bucket_dir.join("trajectories.jsonl")).len(), 8);
     for batch in 0..3 {
         assert!(
-            run_dir
+            bucket_dir
                 .join(format!("batches/batch-{batch:06}.done"))
                 .exists(),
             "batch {batch} marked done on the bucket"
         );
     }
-    // Nothing of the run went to the volume.
-    assert!(!setup.storage.dir.join("runs").exists());
+    // Nothing of the bucket's run went to the volume, and none of its pods mounts a claim.
+    assert!(
+        !setup
+            .storage
+            .run_dir(setup.ns(), "quickstart-on-bucket")
+            .exists()
+    );
     let pods = setup
         .pods
-        .list(&ListParams::default())
+        .list(&ListParams::default().labels("trajectories.dev/run=quickstart-on-bucket"))
         .await
         .expect("list pods")
         .items;
+    assert!(
+        pods.len() >= 3,
+        "plan, generation and merge pods: {pods:#?}"
+    );
     for pod in &pods {
         let volumes = pod.spec.as_ref().and_then(|spec| spec.volumes.clone());
         assert!(

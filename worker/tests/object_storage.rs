@@ -15,6 +15,7 @@ use common::{RunFixture, WORKER, parse_lines, terminal_server};
 use serde_json::Value;
 use trajectory_testkit::s3_faults::{Fault, FaultProxy, Kind, Rule};
 use trajectory_testkit::versitygw::{ACCESS_KEY, SECRET_KEY, Versitygw};
+use trajectory_testkit::without_timing;
 use trajectory_worker::contract::exit;
 use trajectory_worker::storage::{
     AccessKeys, Bucket, BucketOptions, ObjectUrl, RunDir, StorageError, StorageFault, Store,
@@ -102,27 +103,6 @@ fn a_real_s3_server_gives_conditional_puts_ranges_listings_and_whole_multipart_u
     );
 }
 
-/// What differs between two runs of the same conversations: when they ran and how long.
-fn without_timing(mut record: Value) -> Value {
-    fn strip(value: &mut Value) {
-        match value {
-            Value::Object(map) => {
-                map.retain(|key, _| {
-                    !(key.ends_with("_ms")
-                        || key.ends_with("_at")
-                        || key == "timestamp"
-                        || key == "seconds")
-                });
-                map.values_mut().for_each(strip);
-            }
-            Value::Array(items) => items.iter_mut().for_each(strip),
-            _ => {}
-        }
-    }
-    strip(&mut record);
-    record
-}
-
 fn local(fixture: &RunFixture, storage: &str, server: &Versitygw) -> std::process::Output {
     local_through(fixture, storage, server, &server.endpoint)
 }
@@ -157,12 +137,15 @@ fn copy_dataset(fixture: &RunFixture, server: &Versitygw, prefix: &str) {
     std::fs::copy(fixture.dataset(), target).unwrap();
 }
 
+/// The shipped quickstart run, locally on a bucket of a real S3 server and on a volume, against
+/// the same scripted model (so that both runs see the same replies): the same records but for
+/// when they ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_local_run_on_a_bucket_writes_the_records_the_same_run_writes_on_a_volume() {
+async fn the_quickstart_locally_on_a_bucket_writes_the_records_it_writes_on_a_volume() {
     let model = terminal_server(Duration::ZERO).await;
     let server = Versitygw::start("127.0.0.1");
     server.create_bucket(BUCKET);
-    let fixture = RunFixture::new(&model.base_url(), 23);
+    let fixture = RunFixture::quickstart(&model.base_url());
     copy_dataset(&fixture, &server, "experiments/a");
 
     let on_volume =
@@ -173,6 +156,11 @@ async fn a_local_run_on_a_bucket_writes_the_records_the_same_run_writes_on_a_vol
         String::from_utf8_lossy(&on_volume.stderr)
     );
     let requests_on_volume = model.request_count();
+    assert_eq!(
+        requests_on_volume,
+        2 * 8,
+        "a tool call and an answer per prompt"
+    );
     let on_bucket = local(&fixture, "s3://trajectories/experiments/a", &server);
     let report = String::from_utf8_lossy(&on_bucket.stdout);
     assert!(
@@ -199,10 +187,10 @@ async fn a_local_run_on_a_bucket_writes_the_records_the_same_run_writes_on_a_vol
             .collect();
         assert_eq!(bucket, volume, "{name}");
     }
-    assert_eq!(parse_lines(&run.join("trajectories.jsonl")).len(), 23);
+    assert_eq!(parse_lines(&run.join("trajectories.jsonl")).len(), 8);
     let statistics: Value =
         serde_json::from_slice(&std::fs::read(run.join("statistics.json")).unwrap()).unwrap();
-    assert_eq!(statistics["counts"]["succeeded"], 23);
+    assert_eq!(statistics["counts"]["succeeded"], 8);
     // Each batch's records are parts of at most PART_RECORDS records, beside its marker.
     let batch = run.join("batches/batch-000000");
     let parts: Vec<String> = std::fs::read_dir(&batch)

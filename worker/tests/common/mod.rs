@@ -104,6 +104,26 @@ impl RunFixture {
         fixture
     }
 
+    /// The shipped quickstart (`examples/quickstart/run.yaml` and its dataset) as a fixture:
+    /// its spec as it is but for the model's URL and where the dataset and outputs live.
+    pub fn quickstart(base_url: &str) -> Self {
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/quickstart");
+        let dataset = std::fs::read_to_string(examples.join("datasets/quickstart.jsonl"))
+            .expect("the quickstart's dataset");
+        let lines: Vec<String> = dataset.lines().map(str::to_owned).collect();
+        let run: Value = serde_yaml::from_str(
+            &std::fs::read_to_string(examples.join("run.yaml")).expect("the quickstart's run file"),
+        )
+        .expect("the quickstart's run file is YAML");
+        let mut fixture = Self::with_lines(base_url, &lines);
+        fixture.spec = run["spec"].clone();
+        fixture.spec["model"]["baseUrl"] = json!(base_url);
+        fixture.spec["dataset"]["path"] = json!("datasets/prompts.jsonl");
+        fixture.spec["storage"] = json!({"outputPath": "out"});
+        fixture.write_run_file();
+        fixture
+    }
+
     pub fn with(mut self, pointer: &str, value: Value) -> Self {
         let (parent, key) = pointer.rsplit_once('/').expect("a JSON pointer with a key");
         self.spec.pointer_mut(parent).expect("parent exists")[key] = value;
