@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Starts the local OpenAI-compatible model server (llama-cpp-python, SmolLM2-135M-Instruct Q4_1,
-# chat format chatml-function-calling) on 127.0.0.1 (or MODEL_SERVER_HOST) in the background,
-# installing it first if needed.
+# chat format chatml-function-calling unless MODEL_SERVER_CHAT_FORMAT says otherwise) on 127.0.0.1
+# (or MODEL_SERVER_HOST) in the background, installing it first if needed.
 # Waits until GET /v1/models answers, then writes and prints ${TRAJ_MODEL_SERVER_DIR}/env:
 #   export MODEL_BASE_URL=http://127.0.0.1:<port>/v1
 #   export MODEL_NAME=<the model id the server reports>
@@ -20,6 +20,13 @@
 #   MODEL_SERVER_THREADS        threads (default 2)
 #   MODEL_SERVER_OMP_WAIT_POLICY  OMP_WAIT_POLICY of the server (default passive; see below)
 #   MODEL_SERVER_MODEL_ALIAS    model id to serve under (default smollm2-135m-instruct-q4_1)
+#   MODEL_SERVER_CHAT_FORMAT    llama-cpp-python's chat format (default chatml-function-calling: the
+#                               tools' schemas go into the system message, tool calls are parsed
+#                               from what the model writes, and tool results are left out of the
+#                               prompts of tool-calling turns); "model" takes the model's own chat
+#                               template from its GGUF, as vLLM and llama-server do: every message
+#                               is written as it is, tool results included, and a tool call is made
+#                               only when the request's tool_choice names the function
 #   MODEL_SERVER_CACHE_BYTES    keep the states of earlier prompts in a RAM cache of this size, and
 #                               start a prompt from the longest cached prefix (default: none; the
 #                               server then keeps only its last prompt, like one llama.cpp slot)
@@ -52,6 +59,12 @@ THREADS="${MODEL_SERVER_THREADS:-2}"
 # 2 spinning threads made calls ~10x slower (1 s -> 10 s). passive makes them sleep instead.
 OMP_POLICY="${MODEL_SERVER_OMP_WAIT_POLICY:-passive}"
 if [[ -n "${PORT_REQ}" && ! "${PORT_REQ}" =~ ^[0-9]+$ ]]; then ms_die "MODEL_SERVER_PORT must be a number, got '${PORT_REQ}'"; fi
+CHAT_FORMAT="${MODEL_SERVER_CHAT_FORMAT:-chatml-function-calling}"
+case "${CHAT_FORMAT}" in
+model) CHAT_ARGS=() ;;
+*[!a-z0-9-]* | "") ms_die "MODEL_SERVER_CHAT_FORMAT must be a llama-cpp-python chat format or 'model', got '${CHAT_FORMAT}'" ;;
+*) CHAT_ARGS=(--chat_format "${CHAT_FORMAT}") ;;
+esac
 CACHE_ARGS=()
 if [[ -n "${MODEL_SERVER_CACHE_BYTES:-}" ]]; then
 	[[ "${MODEL_SERVER_CACHE_BYTES}" =~ ^[0-9]+$ ]] || ms_die "MODEL_SERVER_CACHE_BYTES must be a number, got '${MODEL_SERVER_CACHE_BYTES}'"
@@ -79,6 +92,7 @@ if [[ -f "${MS_PID_FILE}" && -f "${MS_PORT_FILE}" && -f "${MS_ENV_FILE}" ]]; the
 	old_cmdline="$(tr '\0' ' ' 2>/dev/null <"/proc/${old_pid}/cmdline" || true)"
 	if ms_is_our_server "${old_pid}" && [[ "${old_cmdline}" == *" --model ${MODEL} "* ]] &&
 		if ((${#CACHE_ARGS[@]})); then [[ "${old_cmdline}" == *" ${CACHE_ARGS[*]} "* ]]; else [[ "${old_cmdline}" != *" --cache True "* ]]; fi &&
+		if ((${#CHAT_ARGS[@]})); then [[ "${old_cmdline}" == *" ${CHAT_ARGS[*]} "* ]]; else [[ "${old_cmdline}" != *" --chat_format "* ]]; fi &&
 		[[ -z "${PORT_REQ}" || "${PORT_REQ}" == "${old_port}" ]] &&
 		grep -qx "export MODEL_SERVER_HOST=${HOST}" "${MS_ENV_FILE}" &&
 		ms_server_healthy "${old_port}" "${CHECK_HOST}"; then
@@ -129,7 +143,7 @@ start_server() {
 		setsid "${MS_PY}" -m llama_cpp.server \
 		--model "${MODEL}" \
 		--model_alias "${MODEL_SERVER_MODEL_ALIAS}" \
-		--chat_format chatml-function-calling \
+		"${CHAT_ARGS[@]}" \
 		--interrupt_requests False \
 		--host "${HOST}" --port "$1" \
 		--n_ctx "${N_CTX}" --n_threads "${THREADS}" --n_threads_batch "${THREADS}" \

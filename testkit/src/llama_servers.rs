@@ -24,6 +24,43 @@ pub const TERMINAL_TASKS: [&str; 6] = [
     "Write hello to a file and count its characters.",
 ];
 
+/// The long system prompt of runs that share one: an agent's instructions, some 250 tokens.
+pub const SYSTEM_PROMPT: &str = "You are a careful command-line assistant working in a fresh \
+    Linux workspace. You solve the user's task by running shell commands with the terminal \
+    tool, one command per call, and you read each command's output before you decide on the \
+    next one. Prefer small, safe, reversible steps: inspect before you change anything, never \
+    delete files you did not create, and never run commands that need the network or elevated \
+    privileges. When a command fails, read its error message, think about the cause, and try a \
+    corrected command instead of repeating the same one. Keep the working directory and any \
+    files you create inside the workspace. When you create a file, show its contents afterwards \
+    so that the result can be checked. When you count or measure something, print the number \
+    together with a short label. Use standard tools that every Linux system has. Do not install \
+    packages, do not start servers, and do not leave background jobs running. Answer in plain \
+    English, briefly, once the task is done, and say what you ran and what it printed.";
+
+/// How a server writes a conversation into the model's prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatFormat {
+    /// llama-cpp-python's `chatml-function-calling`: the tools' schemas in the system message
+    /// (when there is one), tool calls parsed from what the model writes, tool results left out
+    /// of the prompts of tool-calling turns. The suite's default server.
+    FunctionCalling,
+    /// The model's own chat template from its GGUF, as vLLM and llama-server use it: every
+    /// message as it is, tool results included, so a conversation's prompt grows with each
+    /// result; a tool call only when the request's `tool_choice` names the function.
+    ModelTemplate,
+}
+
+impl ChatFormat {
+    /// `scripts/model-server/start.sh`'s `MODEL_SERVER_CHAT_FORMAT`.
+    fn start_sh_value(self) -> &'static str {
+        match self {
+            Self::FunctionCalling => "chatml-function-calling",
+            Self::ModelTemplate => "model",
+        }
+    }
+}
+
 /// One running server.
 #[derive(Debug)]
 pub struct LlamaServer {
@@ -40,10 +77,15 @@ pub struct LlamaServer {
 pub struct LogMark(usize);
 
 impl LlamaServer {
-    /// Starts a server with `threads` threads and a prompt cache of `cache_bytes` (none: only
-    /// its last prompt), its state under `state` (created). Panics, with the script's output,
-    /// when it cannot start: a test that needs it must fail loudly.
-    pub fn start(state: &Path, threads: u32, cache_bytes: Option<u64>) -> Self {
+    /// Starts a server with `threads` threads, a prompt cache of `cache_bytes` (none: only its
+    /// last prompt) and `chat_format`, its state under `state` (created). Panics, with the
+    /// script's output, when it cannot start: a test that needs it must fail loudly.
+    pub fn start(
+        state: &Path,
+        threads: u32,
+        cache_bytes: Option<u64>,
+        chat_format: ChatFormat,
+    ) -> Self {
         std::fs::create_dir_all(state).expect("the server's state directory");
         let script = scripts_dir().join("start.sh");
         let output = Command::new(&script)
@@ -58,6 +100,7 @@ impl LlamaServer {
                     .map(|bytes| bytes.to_string())
                     .unwrap_or_default(),
             )
+            .env("MODEL_SERVER_CHAT_FORMAT", chat_format.start_sh_value())
             .output()
             .unwrap_or_else(|err| panic!("cannot run {}: {err}", script.display()));
         assert!(
@@ -120,6 +163,28 @@ impl LlamaServer {
             .lines()
             .filter(|line| line.contains("\"POST /v1/chat/completions HTTP/1.1\" 200"))
             .count()
+    }
+
+    /// Has the server compute `system_prompt` once, as the server of a long run has long before
+    /// any one conversation: one completion of a token after it. A request that starts with the
+    /// same system message then finds it in the cache, whichever conversation it belongs to.
+    /// Panics when the server does not answer.
+    pub async fn warm(&self, system_prompt: &str) {
+        let response = reqwest::Client::new()
+            .post(format!("{}/chat/completions", self.base_url))
+            .json(&serde_json::json!({
+                "model": self.model,
+                "messages": [
+                    {"role": "system", "content": system_prompt},
+                    {"role": "user", "content": "Hello."},
+                ],
+                "max_tokens": 1,
+            }))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .unwrap_or_else(|err| panic!("warming {}: {err}", self.base_url));
+        drop(response);
     }
 
     /// Kills the server at once (SIGKILL): a server that dies, not one that shuts down.

@@ -8,15 +8,20 @@
 //!
 //! The model is made to call the terminal on every turn (`tool_choice`), so each conversation is
 //! `STICKY_BENCH_TURNS` terminal calls and a last answer long under either strategy; the runs
-//! differ only in where each request goes. For each case (without a system prompt, and with a
-//! long one shared by every conversation) and each strategy it reports the prompt tokens the
+//! differ only in where each request goes. For each case (`plain`: without a system prompt;
+//! `system`: with a long one shared by every conversation; `warm`: the same with each server
+//! having computed it before the run, as the servers of a long run have) and each strategy it
+//! reports the prompt tokens the
 //! servers computed (their own count: what they could not take from their caches), the prompt
 //! tokens the requests carried (the records' usage), the run's wall time and trajectories per
 //! second; then round robin ÷ sticky for both.
 //!
 //! Knobs (environment): `STICKY_BENCH_PROMPTS` (12), `STICKY_BENCH_TURNS` (6),
-//! `STICKY_BENCH_CONCURRENCY` (4), `STICKY_BENCH_CASES` (`plain,system`),
-//! `STICKY_BENCH_EXECUTOR` (the executor binary; default: `scripts/executor/build.sh`'s).
+//! `STICKY_BENCH_CONCURRENCY` (4), `STICKY_BENCH_CASES` (`plain,system,warm`),
+//! `STICKY_BENCH_CHAT_FORMAT` (`model`: the model's own template, which keeps tool results in
+//! the prompt as vLLM's and llama-server's do; `function-calling`: llama-cpp-python's
+//! `chatml-function-calling`, which leaves them out), `STICKY_BENCH_EXECUTOR` (the executor
+//! binary; default: `scripts/executor/build.sh`'s).
 
 // Its knobs' helpers only, not its scripted server.
 #[allow(dead_code)]
@@ -27,23 +32,9 @@ use std::time::Instant;
 
 use anyhow::ensure;
 use serde_json::{Value, json};
-use trajectory_testkit::llama_servers::{LlamaServer, TERMINAL_TASKS};
+use trajectory_testkit::llama_servers::{ChatFormat, LlamaServer, SYSTEM_PROMPT, TERMINAL_TASKS};
 
 const STRATEGIES: [&str; 2] = ["ConversationHash", "RoundRobin"];
-
-/// The long system prompt of the `system` case: an agent's instructions, some 250 tokens.
-const SYSTEM_PROMPT: &str = "You are a careful command-line assistant working in a fresh \
-    Linux workspace. You solve the user's task by running shell commands with the terminal \
-    tool, one command per call, and you read each command's output before you decide on the \
-    next one. Prefer small, safe, reversible steps: inspect before you change anything, never \
-    delete files you did not create, and never run commands that need the network or elevated \
-    privileges. When a command fails, read its error message, think about the cause, and try a \
-    corrected command instead of repeating the same one. Keep the working directory and any \
-    files you create inside the workspace. When you create a file, show its contents afterwards \
-    so that the result can be checked. When you count or measure something, print the number \
-    together with a short label. Use standard tools that every Linux system has. Do not install \
-    packages, do not start servers, and do not leave background jobs running. Answer in plain \
-    English, briefly, once the task is done, and say what you ran and what it printed.";
 
 struct Outcome {
     computed: u64,
@@ -56,27 +47,33 @@ fn main() -> anyhow::Result<()> {
     let prompts = usize::try_from(common::env_number("STICKY_BENCH_PROMPTS", 12)?)?;
     let turns = common::env_number("STICKY_BENCH_TURNS", 6)?;
     let concurrency = common::env_number("STICKY_BENCH_CONCURRENCY", 4)?;
-    let cases = std::env::var("STICKY_BENCH_CASES").unwrap_or_else(|_| "plain,system".into());
+    let cases = std::env::var("STICKY_BENCH_CASES").unwrap_or_else(|_| "plain,system,warm".into());
     let executor = common::executor("STICKY_BENCH_EXECUTOR")?;
+    let chat_format = match std::env::var("STICKY_BENCH_CHAT_FORMAT").as_deref() {
+        Err(_) | Ok("model") => ChatFormat::ModelTemplate,
+        Ok("function-calling") => ChatFormat::FunctionCalling,
+        Ok(other) => anyhow::bail!(
+            "STICKY_BENCH_CHAT_FORMAT: unknown chat format {other:?} (model, function-calling)"
+        ),
+    };
     println!(
         "# sticky_routing: {prompts} conversations, {turns} terminal calls and a last answer \
          each, {concurrency} at a time, 3 llama.cpp servers (1 thread, 1 GiB prefix cache \
-         each); load average at start {}",
+         each, {chat_format:?}); load average at start {}",
         common::load_average()
     );
     for case in cases.split(',').map(str::trim) {
         ensure!(
-            matches!(case, "plain" | "system"),
-            "unknown case {case:?} (plain, system)"
+            matches!(case, "plain" | "system" | "warm"),
+            "unknown case {case:?} (plain, system, warm)"
         );
         let mut outcomes = Vec::new();
         for strategy in STRATEGIES {
             let outcome = run(
-                case == "system",
+                case,
                 strategy,
-                prompts,
-                turns,
-                concurrency,
+                chat_format,
+                (prompts, turns, concurrency),
                 &executor,
             )?;
             println!(
@@ -102,11 +99,10 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn run(
-    system: bool,
+    case: &str,
     strategy: &str,
-    prompts: usize,
-    turns: u64,
-    concurrency: u64,
+    chat_format: ChatFormat,
+    (prompts, turns, concurrency): (usize, u64, u64),
     executor: &Path,
 ) -> anyhow::Result<Outcome> {
     let dir = tempfile::tempdir()?;
@@ -116,9 +112,16 @@ fn run(
                 &dir.path().join(format!("server-{index}")),
                 1,
                 Some(1 << 30),
+                chat_format,
             )
         })
         .collect();
+    if case == "warm" {
+        let runtime = tokio::runtime::Runtime::new()?;
+        for server in &servers {
+            runtime.block_on(server.warm(SYSTEM_PROMPT));
+        }
+    }
     let marks: Vec<_> = servers.iter().map(LlamaServer::mark).collect();
     std::fs::create_dir_all(dir.path().join("datasets"))?;
     let mut dataset = String::new();
@@ -136,7 +139,7 @@ fn run(
         .map(|server| json!({"baseUrl": server.base_url}))
         .collect();
     let mut agent = json!({"maxTurns": turns, "promptTimeoutSeconds": 1800});
-    if system {
+    if case != "plain" {
         agent["ephemeralSystemPrompt"] = json!(SYSTEM_PROMPT);
     }
     let file = json!({

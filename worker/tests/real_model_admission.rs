@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use trajectory_testkit::envoy::SheddingProxy;
-use trajectory_testkit::llama_servers::LlamaServer;
+use trajectory_testkit::llama_servers::{ChatFormat, LlamaServer};
 use trajectory_worker::model::{Message, ModelClient, ModelSettings, RetryPolicy, RoutingSettings};
 
 /// Requests the proxy lets reach the server at once.
@@ -29,7 +29,7 @@ const TURNS: usize = 10;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_in_flight_settle_near_what_a_shedding_proxy_lets_through() {
     let state = tempfile::tempdir().unwrap();
-    let server = LlamaServer::start(state.path(), 2, None);
+    let server = LlamaServer::start(state.path(), 2, None, ChatFormat::FunctionCalling);
     let upstream = server
         .base_url
         .trim_start_matches("http://")

@@ -8,18 +8,24 @@
 //! strategy routes it: the two runs send the same conversations to fresh servers, and what
 //! differs is only what the servers had to compute, counted from their own logs.
 //!
-//! No system prompt: this server's chat template writes the tools' schemas into the system
-//! message only when there is one (some 1,200 tokens), and leaves tool results out of the
-//! tool-calling turns' prompts, so histories stay short. A shared system prompt is then computed
-//! once a server under either strategy (every conversation starts with it, so both find it
-//! cached) and hides what routing changes; `docs/benchmarks.md` has the figures with one.
+//! Every conversation starts with one long system prompt that they all share, as agents' do, and
+//! the servers write prompts with the model's own chat template (as vLLM and llama-server do), so
+//! a conversation's prompt grows with each tool result. The shared prompt costs each server the
+//! same under either strategy, once, and in a run of thousands of conversations nothing; the
+//! servers compute it before the six conversations here (where it would otherwise be a fifth of
+//! all that sticky routing computes), so that what is counted is what routing changes: whether a
+//! conversation's own history is found where its next turn goes. (With llama-cpp-python's `chatml-function-calling` format
+//! instead, tool results are left out of the prompts of tool-calling turns and the histories stay
+//! too short to tell the strategies apart: `docs/benchmarks.md` has both.)
 //!
 //! The tests take turns (one set of servers at a time): the machine has two cores.
 
 mod common;
 
 use serde_json::{Value, json};
-use trajectory_testkit::llama_servers::{LlamaServer, LogMark, TERMINAL_TASKS};
+use trajectory_testkit::llama_servers::{
+    ChatFormat, LlamaServer, LogMark, SYSTEM_PROMPT, TERMINAL_TASKS,
+};
 use trajectory_worker::run::local::run_local;
 
 /// Each server's prompt cache: room for the states of every turn of the runs here (a state is
@@ -37,7 +43,14 @@ impl Servers {
     fn start(count: usize) -> Self {
         let state = tempfile::tempdir().expect("temp dir");
         let servers = (0..count)
-            .map(|index| LlamaServer::start(&state.path().join(index.to_string()), 1, CACHE_BYTES))
+            .map(|index| {
+                LlamaServer::start(
+                    &state.path().join(index.to_string()),
+                    1,
+                    CACHE_BYTES,
+                    ChatFormat::ModelTemplate,
+                )
+            })
             .collect();
         Self {
             servers,
@@ -61,7 +74,7 @@ impl Servers {
 
 /// A run of `prompts` over `servers` with `strategy`, `concurrency` conversations at a time, a
 /// server holding at most `load_bound` times its share of them, each `max_turns` terminal calls
-/// long.
+/// long, all under [`SYSTEM_PROMPT`].
 fn fixture(
     servers: &Servers,
     prompts: &[&str],
@@ -94,7 +107,10 @@ fn fixture(
         )
         .with(
             "/agent",
-            json!({"maxTurns": max_turns, "promptTimeoutSeconds": 900}),
+            json!({
+                "maxTurns": max_turns, "promptTimeoutSeconds": 900,
+                "ephemeralSystemPrompt": SYSTEM_PROMPT,
+            }),
         )
         .with("/tools", json!({"terminal": {"timeoutSeconds": 10}}))
 }
@@ -121,12 +137,16 @@ async fn run_all_turns(fixture: &common::RunFixture, prompts: u64, max_turns: u3
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conversations_kept_on_one_of_three_real_servers_compute_far_fewer_prompt_tokens() {
+async fn conversations_under_one_long_system_prompt_kept_on_one_of_three_real_servers_compute_half_the_prompt_tokens()
+ {
     let _turn = ONE_AT_A_TIME.lock().await;
     let max_turns = 8;
     let mut computed = Vec::new();
     for strategy in ["ConversationHash", "RoundRobin"] {
         let servers = Servers::start(3);
+        for server in &servers.servers {
+            server.warm(SYSTEM_PROMPT).await;
+        }
         // Four at a time over three servers: round robin does not happen to keep a conversation
         // on one server, and the default load bound (1.25) lets a server hold two.
         let fixture = fixture(&servers, &TERMINAL_TASKS, strategy, (4, 1.25), max_turns);
