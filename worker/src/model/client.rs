@@ -337,21 +337,36 @@ impl Pause {
 }
 
 /// What a run's completions have cost so far (USD), counted as each arrives, whichever
-/// conversation and batch asked: a budget's measure of what was spent.
+/// conversation and batch asked: a budget's measure of what was spent. A conversation's own
+/// spending is [`Spending::part_of`] its process's.
 #[derive(Debug, Default)]
 pub struct Spending {
     /// In billionths of a USD: exact enough (each completion rounds by at most half of one), and
     /// added to without a lock by every conversation.
     nano_usd: AtomicU64,
+    /// The spending this is part of, which counts everything counted here too.
+    whole: Option<Arc<Spending>>,
 }
 
 impl Spending {
-    /// Counts `usd` more.
+    /// A spending of its own whose every amount also counts in `whole`.
+    pub fn part_of(whole: &Arc<Self>) -> Arc<Self> {
+        Arc::new(Self {
+            nano_usd: AtomicU64::new(0),
+            whole: Some(Arc::clone(whole)),
+        })
+    }
+
+    /// Counts `usd` more (here and in what this is part of).
     pub fn add(&self, usd: f64) {
         // Costs are at least 0 and far below u64::MAX billionths (18 billion USD).
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let nano = (usd.max(0.0) * 1e9).round() as u64;
-        self.nano_usd.fetch_add(nano, Ordering::Relaxed);
+        let mut spending = Some(self);
+        while let Some(counted) = spending {
+            counted.nano_usd.fetch_add(nano, Ordering::Relaxed);
+            spending = counted.whole.as_deref();
+        }
     }
 
     /// USD counted so far.

@@ -57,7 +57,7 @@ use crate::hermes::{
     write_discarded_record, write_failed_record, write_openai_record, write_trajectory_record,
 };
 use crate::model::limits::Limits;
-use crate::model::{ApiKey, Circuit, ModelClient, ModelSettings};
+use crate::model::{ApiKey, Circuit, ModelClient, ModelSettings, Spending};
 use crate::spec::{RunSpec, VerifierSpec};
 use crate::storage::{RecordsWriter, RunDir, StorageError, WriterId};
 use crate::tools::sandbox::{LandlockMode, Place, Sandbox};
@@ -642,7 +642,12 @@ fn spawn_item(
 ) {
     let (shared, shutdown) = (Arc::clone(shared), shutdown.clone());
     running.spawn(async move {
-        let work = run_item(&shared, prompt_index, sample);
+        let work = run_item(
+            &shared,
+            prompt_index,
+            sample,
+            ticket.as_ref().map(Ticket::spending),
+        );
         let result = tokio::select! {
             result = work => Some(result),
             () = async { shutdown.wait().await; tokio::time::sleep(shared.engine.grace).await } => None,
@@ -1208,8 +1213,14 @@ fn write_lines(
 /// The failure class of a conversation whose row's image could not be pulled.
 pub const IMAGE_UNAVAILABLE: &str = "image_unavailable";
 
-/// Runs one (prompt, sample) and renders its record line.
-async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
+/// Runs one (prompt, sample) and renders its record line; its model calls count into
+/// `spending` (its budget's ticket's) when the run has a budget.
+async fn run_item(
+    shared: &Shared,
+    prompt_index: u64,
+    sample: u32,
+    spending: Option<Arc<Spending>>,
+) -> Item {
     let (engine, context) = (&shared.engine, &shared.context);
     let row =
         &shared.rows[usize::try_from(prompt_index - shared.first_prompt).unwrap_or(usize::MAX)];
@@ -1242,7 +1253,13 @@ async fn run_item(shared: &Shared, prompt_index: u64, sample: u32) -> Item {
         }
     };
     let sandbox = shared.sandbox_of(prompt_index, sample, row);
-    let (result, verification) = converse(shared, &offered, &id, row, lent, sandbox)
+    // Every turn on one endpoint, named by the record's id: the same in every attempt and pod.
+    let client = engine.client.for_conversation(&id);
+    let client = match spending {
+        Some(spending) => client.with_spending(spending),
+        None => client,
+    };
+    let (result, verification) = converse(shared, &offered, &client, row, lent, sandbox)
         .instrument(info_span!("conversation", prompt_index, sample))
         .await;
     let finished_at = chrono::Utc::now();
@@ -1317,7 +1334,7 @@ struct Verified<'a> {
 async fn converse(
     shared: &Shared,
     offered: &Offered,
-    id: &str,
+    client: &ModelClient,
     row: &Row,
     lent: WorkspaceDir,
     sandbox: Sandbox,
@@ -1338,9 +1355,8 @@ async fn converse(
         browser: crate::tools::browser::ConversationBrowser::default(),
         terminal: crate::tools::terminal::Terminal::default(),
     };
-    // Every turn on one endpoint, named by the record's id: the same in every attempt and pod.
     let result = run_conversation(
-        &engine.client.for_conversation(id),
+        client,
         &offered.tools,
         &tool_context,
         &row.prompt,

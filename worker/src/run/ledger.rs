@@ -9,7 +9,9 @@
 //! (its real cost is then in the process's spending). When its allowance has no room for the next
 //! conversation, the process reads every claim and grows its allowance by a `1/processes` share
 //! of what nobody holds (at least one conversation's worth while that much is free), so the
-//! allowances of the processes running at once never add up to more than the budget. What is
+//! allowances of the processes running at once never add up to more than the budget. A
+//! conversation in flight holds the larger of its reservation and what it has spent so far
+//! (its calls count in the process's spending as they are answered, not twice). What is
 //! left when that share cannot hold a conversation is the end of the budget: no new conversation
 //! starts, and the process gives back what it holds beyond what it committed.
 //!
@@ -102,9 +104,10 @@ struct State {
     allowance: f64,
     /// The figures of the finished claim this process adopted.
     carried: Claim,
-    /// USD reserved by this process's conversations in flight, and how many they are.
-    reserved: f64,
-    in_flight: u32,
+    /// The reservations of this process's conversations in flight.
+    in_flight: Vec<Reservation>,
+    /// The next reservation's [`Reservation::id`].
+    next_reservation: u64,
     ended: u64,
     ended_cost: f64,
     others: Others,
@@ -113,9 +116,15 @@ struct State {
 
 impl State {
     /// What this process's claim holds of the budget besides its unused allowance: what it spent
-    /// (with what the claim it adopted had), and what its conversations in flight reserved.
+    /// (with what the claim it adopted had, and what its conversations in flight spent so far),
+    /// and what those conversations reserved beyond what they spent.
     fn committed(&self, spending: &Spending) -> f64 {
-        self.carried.spent + spending.total() + self.reserved
+        let unspent: f64 = self
+            .in_flight
+            .iter()
+            .map(|reservation| (reservation.amount - reservation.spent.total()).max(0.0))
+            .sum();
+        self.carried.spent + spending.total() + unspent
     }
 
     /// What a conversation costs on average over the run, once any ended.
@@ -138,12 +147,21 @@ pub enum Admission {
     Exhausted,
 }
 
+/// What a conversation in flight reserved, and what it has spent so far.
+#[derive(Debug)]
+struct Reservation {
+    id: u64,
+    amount: f64,
+    spent: Arc<Spending>,
+}
+
 /// A conversation's reservation; given back when dropped (or [`Ticket::end`]ed with its cost,
 /// which the next estimates learn from).
 #[derive(Debug)]
 pub struct Ticket {
     ledger: Arc<Ledger>,
-    reserved: f64,
+    reservation: u64,
+    spent: Arc<Spending>,
 }
 
 impl Ledger {
@@ -282,7 +300,7 @@ impl Ledger {
     fn admit_within_allowance(self: &Arc<Self>) -> Option<Admission> {
         let mut state = lock(&self.state);
         let Some(estimate) = state.estimate() else {
-            if state.in_flight > 0 {
+            if !state.in_flight.is_empty() {
                 return Some(Admission::Wait);
             }
             // The run's first conversation here: it shows what one costs.
@@ -295,11 +313,18 @@ impl Ledger {
     }
 
     fn reserve(self: &Arc<Self>, state: &mut State, estimate: f64) -> Admission {
-        state.reserved += estimate;
-        state.in_flight += 1;
+        let id = state.next_reservation;
+        state.next_reservation += 1;
+        let spent = Spending::part_of(&self.spending);
+        state.in_flight.push(Reservation {
+            id,
+            amount: estimate,
+            spent: Arc::clone(&spent),
+        });
         Admission::Start(Ticket {
             ledger: self.clone(),
-            reserved: estimate,
+            reservation: id,
+            spent,
         })
     }
 
@@ -472,6 +497,12 @@ fn read_claim(store: &Store, path: &Path) -> Result<Claim, StorageError> {
 }
 
 impl Ticket {
+    /// Where the conversation counts what its calls cost: part of the process's spending, and
+    /// what its reservation is settled against while it runs.
+    pub fn spending(&self) -> Arc<Spending> {
+        Arc::clone(&self.spent)
+    }
+
     /// The conversation ended having cost `cost` (USD), if known.
     pub fn end(self, cost: Option<f64>) {
         if let Some(cost) = cost {
@@ -485,8 +516,9 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut state = lock(&self.ledger.state);
-        state.reserved = (state.reserved - self.reserved).max(0.0);
-        state.in_flight = state.in_flight.saturating_sub(1);
+        state
+            .in_flight
+            .retain(|reservation| reservation.id != self.reservation);
     }
 }
 
@@ -570,6 +602,37 @@ mod tests {
         ));
         drop(held);
         assert!(matches!(budget.admit().await.unwrap(), Admission::Start(_)));
+    }
+
+    #[tokio::test]
+    async fn what_a_conversation_in_flight_spent_counts_once_within_its_reservation() {
+        let dir = tempfile::tempdir().unwrap();
+        let budget = open(&RunDir::new(dir.path()), 1.0, 1);
+        let first = start(&budget).await;
+        first.spending().add(0.25);
+        first.end(Some(0.25));
+        // Two conversations reserve 0.25 each and make their first call, of 0.125.
+        let held = [start(&budget).await, start(&budget).await];
+        for ticket in &held {
+            ticket.spending().add(0.125);
+        }
+        assert!((budget.spent() - 0.5).abs() < 1e-9, "{}", budget.spent());
+        // Their calls are inside their reservations: 0.75 is committed, and a fourth fits.
+        // (Counted on top of them, 1.0 was, and the run stopped with a quarter unspent.)
+        let fourth = start(&budget).await;
+        assert!(matches!(
+            budget.admit().await.unwrap(),
+            Admission::Exhausted
+        ));
+        // Past its reservation, a conversation holds what it spent.
+        drop(fourth);
+        held[0].spending().add(0.375);
+        assert!(matches!(
+            budget.admit().await.unwrap(),
+            Admission::Exhausted
+        ));
+        drop(held);
+        assert!((budget.spent() - 0.875).abs() < 1e-9, "{}", budget.spent());
     }
 
     #[tokio::test]
