@@ -106,8 +106,6 @@ struct State {
     carried: Claim,
     /// The reservations of this process's conversations in flight.
     in_flight: Vec<Reservation>,
-    /// The next reservation's [`Reservation::id`].
-    next_reservation: u64,
     ended: u64,
     ended_cost: f64,
     others: Others,
@@ -147,10 +145,10 @@ pub enum Admission {
     Exhausted,
 }
 
-/// What a conversation in flight reserved, and what it has spent so far.
+/// What a conversation in flight reserved, and what it has spent so far (its own spending,
+/// which also tells its ticket's reservation apart).
 #[derive(Debug)]
 struct Reservation {
-    id: u64,
     amount: f64,
     spent: Arc<Spending>,
 }
@@ -160,7 +158,6 @@ struct Reservation {
 #[derive(Debug)]
 pub struct Ticket {
     ledger: Arc<Ledger>,
-    reservation: u64,
     spent: Arc<Spending>,
 }
 
@@ -313,17 +310,13 @@ impl Ledger {
     }
 
     fn reserve(self: &Arc<Self>, state: &mut State, estimate: f64) -> Admission {
-        let id = state.next_reservation;
-        state.next_reservation += 1;
         let spent = Spending::part_of(&self.spending);
         state.in_flight.push(Reservation {
-            id,
             amount: estimate,
             spent: Arc::clone(&spent),
         });
         Admission::Start(Ticket {
             ledger: self.clone(),
-            reservation: id,
             spent,
         })
     }
@@ -518,7 +511,7 @@ impl Drop for Ticket {
         let mut state = lock(&self.ledger.state);
         state
             .in_flight
-            .retain(|reservation| reservation.id != self.reservation);
+            .retain(|reservation| !Arc::ptr_eq(&reservation.spent, &self.spent));
     }
 }
 
