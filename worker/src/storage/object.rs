@@ -300,7 +300,11 @@ impl Bucket {
 
     /// Writes the whole object, replacing any.
     pub fn put(&self, path: &Path, contents: Bytes) -> io::Result<()> {
-        let (store, key) = (self.store.clone(), self.key(path)?);
+        self.put_key(self.key(path)?, contents)
+    }
+
+    fn put_key(&self, key: Key, contents: Bytes) -> io::Result<()> {
+        let store = self.store.clone();
         self.block(async move { store.put(&key, PutPayload::from(contents)).await.map(drop) })
     }
 
@@ -443,10 +447,7 @@ impl ObjectWriter {
     pub fn finish(mut self) -> io::Result<()> {
         let Some(mut upload) = self.upload.take() else {
             let contents = Bytes::from(std::mem::take(&mut self.buffer));
-            let (store, key) = (self.bucket.store.clone(), self.key.clone());
-            return self
-                .bucket
-                .block(async move { store.put(&key, PutPayload::from(contents)).await.map(drop) });
+            return self.bucket.put_key(self.key.clone(), contents);
         };
         if !self.buffer.is_empty() {
             let part = std::mem::take(&mut self.buffer);
