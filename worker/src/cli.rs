@@ -560,11 +560,36 @@ async fn batch_command(
     engine
         .image_unavailable
         .clone_from(&workspaces.image_unavailable);
-    let mut summary = run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await?;
-    summary.landlock = Some(landlock);
-    if let Some(ledger) = ledger {
-        let spent = blocking(move || ledger.finish().map_err(RunError::from)).await?;
-        summary.run_spent = Some(crate::contract::usd_text(spent));
+    let result = run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await;
+    let Some(ledger) = ledger else {
+        return result.map(|summary| crate::contract::BatchSummary {
+            landlock: Some(landlock),
+            ..summary
+        });
+    };
+    match result {
+        Ok(mut summary) => {
+            summary.landlock = Some(landlock);
+            let spent = blocking(move || ledger.finish().map_err(RunError::from)).await?;
+            summary.run_spent = Some(crate::contract::usd_text(spent));
+            Ok(summary)
+        }
+        // What the claims said when the budget had no room lags: this pod's conversations in
+        // flight then, and the other pods', went on spending. The report is what the operator
+        // shows as the run's spending, so it is read again once this pod's claim is final.
+        Err(RunError::BudgetExhausted {
+            max_cost,
+            not_started,
+            ..
+        }) => {
+            let spent = blocking(move || ledger.finish().map_err(RunError::from)).await?;
+            Err(RunError::BudgetExhausted {
+                max_cost,
+                spent,
+                not_started,
+            })
+        }
+        // Other stops leave the claim to the ledger's drop, which marks it finished.
+        Err(error) => Err(error),
     }
-    Ok(summary)
 }

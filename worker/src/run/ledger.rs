@@ -546,17 +546,10 @@ fn claim_paths(store: &Store, dir: &Path) -> Result<Vec<PathBuf>, StorageError> 
 
 /// The error that stops a batch at the run's budget, `not_started` of its conversations not run.
 pub fn exhausted(budget: &Ledger, not_started: usize) -> RunError {
-    let max_cost = budget.max_cost().unwrap_or_default();
     RunError::BudgetExhausted {
-        message: format!(
-            "the run spent {} USD of its budget of {} USD (spec.model.budget.maxCost), and \
-             {not_started} conversations of a batch were not started; raise the budget and run \
-             again to finish them (what is done stays done)",
-            crate::contract::usd_text(budget.spent()),
-            crate::contract::usd_text(max_cost),
-        ),
-        max_cost,
+        max_cost: budget.max_cost().unwrap_or_default(),
         spent: budget.spent(),
+        not_started,
     }
 }
 

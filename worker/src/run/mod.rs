@@ -71,12 +71,19 @@ pub enum RunError {
     ModelUnavailable(String),
     /// The run reached `spec.model.budget`: no conversation starts any more; what is done stays
     /// done.
-    #[error("budget exhausted: {message}")]
+    #[error(
+        "budget exhausted: the run spent {} USD of its budget of {} USD \
+         (spec.model.budget.maxCost), and {not_started} conversations of a batch were not \
+         started; raise the budget and run again to finish them (what is done stays done)",
+        crate::contract::usd_text(*.spent),
+        crate::contract::usd_text(*.max_cost)
+    )]
     BudgetExhausted {
-        message: String,
         max_cost: f64,
-        /// What the whole run had spent, as the claims said when the budget ran out.
+        /// What the whole run had spent, as the claims said when the batch stopped.
         spent: f64,
+        /// The batch's conversations that were not started.
+        not_started: usize,
     },
     /// Stopped by a signal after leaving storage consistent.
     #[error("interrupted; run the same command again to resume")]
