@@ -576,13 +576,20 @@ async fn batch_command(
         }
         // What the claims said when the budget had no room lags: this pod's conversations in
         // flight then, and the other pods', went on spending. The report is what the operator
-        // shows as the run's spending, so it is read again once this pod's claim is final.
+        // shows as the run's spending, so it is read again once this pod's claim is final; if
+        // that fails, the stop at the budget is still what the pod reports.
         Err(RunError::BudgetExhausted {
             max_cost,
+            spent,
             not_started,
-            ..
         }) => {
-            let spent = blocking(move || ledger.finish().map_err(RunError::from)).await?;
+            let spent = match blocking(move || ledger.finish().map_err(RunError::from)).await {
+                Ok(spent) => spent,
+                Err(error) => {
+                    warn!(%error, "the run's spending could not be read again at the budget");
+                    spent
+                }
+            };
             Err(RunError::BudgetExhausted {
                 max_cost,
                 spent,
