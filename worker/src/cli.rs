@@ -560,43 +560,32 @@ async fn batch_command(
     engine
         .image_unavailable
         .clone_from(&workspaces.image_unavailable);
-    let result = run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await;
+    let mut result = run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await;
+    if let Ok(summary) = &mut result {
+        summary.landlock = Some(landlock);
+    }
     let Some(ledger) = ledger else {
-        return result.map(|summary| crate::contract::BatchSummary {
-            landlock: Some(landlock),
-            ..summary
-        });
+        return result;
     };
-    match result {
-        Ok(mut summary) => {
-            summary.landlock = Some(landlock);
+    match &mut result {
+        Ok(summary) => {
             let spent = blocking(move || ledger.finish().map_err(RunError::from)).await?;
             summary.run_spent = Some(crate::contract::usd_text(spent));
-            Ok(summary)
         }
         // What the claims said when the budget had no room lags: this pod's conversations in
         // flight then, and the other pods', went on spending. The report is what the operator
         // shows as the run's spending, so it is read again once this pod's claim is final; if
         // that fails, the stop at the budget is still what the pod reports.
-        Err(RunError::BudgetExhausted {
-            max_cost,
-            spent,
-            not_started,
-        }) => {
-            let spent = match blocking(move || ledger.finish().map_err(RunError::from)).await {
-                Ok(spent) => spent,
+        Err(RunError::BudgetExhausted { spent, .. }) => {
+            match blocking(move || ledger.finish().map_err(RunError::from)).await {
+                Ok(now) => *spent = now,
                 Err(error) => {
                     warn!(%error, "the run's spending could not be read again at the budget");
-                    spent
                 }
-            };
-            Err(RunError::BudgetExhausted {
-                max_cost,
-                spent,
-                not_started,
-            })
+            }
         }
         // Other stops leave the claim to the ledger's drop, which marks it finished.
-        Err(error) => Err(error),
+        Err(_) => {}
     }
+    result
 }
