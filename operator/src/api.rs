@@ -72,8 +72,8 @@ pub struct TrajectoryRunStatus {
     /// The `metadata.generation` of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Standard conditions: `Ready`, `Progressing`, `Succeeded`, `Failed`, `Suspended`, and the
-    /// kstatus pair `Reconciling` / `Stalled`.
+    /// Standard conditions: `Ready`, `Progressing`, `Succeeded`, `Failed`, `Suspended`, the
+    /// kstatus pair `Reconciling` / `Stalled`, and `Admitted` for a run naming a Kueue queue.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
@@ -313,10 +313,14 @@ pub enum ConditionType {
     Reconciling,
     /// kstatus: the run cannot make progress without a change.
     Stalled,
+    /// A run naming a Kueue queue (`spec.queueName`): whether Kueue admitted its Jobs; the reason
+    /// (`Admitted`, `Queued`, `Preempted`, `Evicted`, `Deactivated`) and message say where a Job
+    /// waits and why.
+    Admitted,
 }
 
 impl ConditionType {
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::Ready,
         Self::Progressing,
         Self::Succeeded,
@@ -324,6 +328,7 @@ impl ConditionType {
         Self::Suspended,
         Self::Reconciling,
         Self::Stalled,
+        Self::Admitted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -335,6 +340,7 @@ impl ConditionType {
             Self::Suspended => "Suspended",
             Self::Reconciling => "Reconciling",
             Self::Stalled => "Stalled",
+            Self::Admitted => "Admitted",
         }
     }
 }

@@ -12,7 +12,9 @@
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceDefinition, JSON,
+};
 use kube::CustomResourceExt;
 use serde_json::json;
 
@@ -29,8 +31,24 @@ pub const REGENERATE: &str =
 pub const NAME: &str = "trajectoryruns.trajectories.dev";
 
 /// The CRD object.
+///
+/// Its `status` defaults to `{observedGeneration: -1}`, as Flux's own CRDs do: a run the operator
+/// has not seen yet then reads "in progress" to kstatus (Flux's health checks, `kubectl wait`),
+/// where a run without a status would read "current" and pass a health check before any work.
 pub fn definition() -> CustomResourceDefinition {
-    TrajectoryRun::crd()
+    let mut crd = TrajectoryRun::crd();
+    for version in &mut crd.spec.versions {
+        let status = version
+            .schema
+            .as_mut()
+            .and_then(|schema| schema.open_api_v3_schema.as_mut())
+            .and_then(|schema| schema.properties.as_mut())
+            .and_then(|properties| properties.get_mut("status"));
+        if let Some(status) = status {
+            status.default = Some(JSON(json!({ "observedGeneration": -1 })));
+        }
+    }
+    crd
 }
 
 /// The admission policy for the rules the CRD schema cannot hold (see the module docs).

@@ -331,7 +331,14 @@ impl Kubelet {
         for pod in list.items {
             let pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
             let seen = self.seen(&pod.name_any());
-            if !pending || seen {
+            // A pod with scheduling gates (Kueue's, on an elastic Job's new pod until its slice is
+            // admitted) is not scheduled, so no kubelet starts it.
+            let gated = pod
+                .spec
+                .as_ref()
+                .and_then(|spec| spec.scheduling_gates.as_ref())
+                .is_some_and(|gates| !gates.is_empty());
+            if !pending || seen || gated {
                 continue;
             }
             if pod.metadata.deletion_timestamp.is_some() {

@@ -11,6 +11,7 @@
 //!   processes of the worker's command line, the crate's `e2e-worker` binary).
 //! - [`children`] builds a run's Jobs with the operator's own builder, without a controller.
 //! - [`helm`] renders the Helm chart with the helm binary `scripts/helm/build.sh` builds.
+//! - [`kueue`] runs a real Kueue beside the cluster (`scripts/kueue/build.sh`) for queued runs.
 //! - [`real_pods`] runs in real pods on the real node (`scripts/cluster/up.sh --real-node`): the
 //!   node and its imported images, a shared `hostPath` volume, the model as pods reach it.
 //!
@@ -21,6 +22,7 @@ pub mod children;
 pub mod crds;
 pub mod e2e;
 pub mod helm;
+pub mod kueue;
 pub mod real_pods;
 
 pub use crds::install_crds;

@@ -409,7 +409,7 @@ fn granted(objects: &[Value]) -> BTreeSet<(String, String)> {
 }
 
 /// Granted but never requested as such, each for a reason the request counter cannot show.
-const GRANTED_UNREQUESTED: [(&str, &str, &str); 6] = [
+const GRANTED_UNREQUESTED: [(&str, &str, &str); 8] = [
     (
         "create",
         "jobs",
@@ -439,6 +439,16 @@ const GRANTED_UNREQUESTED: [(&str, &str, &str); 6] = [
         "delete",
         "configmaps",
         "only a run whose rows name images deletes ConfigMaps, with their Jobs",
+    ),
+    (
+        "list",
+        "workloads",
+        "only a run naming a Kueue queue reads its Workloads (kueue.rs runs them)",
+    ),
+    (
+        "patch",
+        "workloads",
+        "only a queued run that is suspended or held deactivates its Workloads (kueue.rs)",
     ),
 ];
 

@@ -7,13 +7,14 @@
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 
 use super::build::Children;
 use super::children::MANAGER;
 use super::observe::Observed;
+use super::queue::{STOPPED_BY_RUN, workload_resource};
 use crate::api::{TrajectoryRun, TrajectoryRunStatus};
 
 /// Applies the `ConfigMap`s and Jobs of `run`.
@@ -30,13 +31,7 @@ pub async fn apply(
             .await?;
     }
     let jobs: Api<Job> = Api::namespaced(client.clone(), namespace);
-    let existing: Vec<&Job> = observed
-        .plan_job
-        .iter()
-        .chain(observed.attempts.iter().map(|attempt| &attempt.job))
-        .chain(observed.merge_job.iter())
-        .chain(observed.image_pages_job.iter())
-        .collect();
+    let existing: Vec<&Job> = observed.jobs().collect();
     for job in &desired.jobs {
         let name = job.name_any();
         let Some(current) = existing.iter().find(|j| j.name_any() == name) else {
@@ -56,6 +51,31 @@ pub async fn apply(
             }
             let patch = Patch::Merge(json!({ "spec": spec }));
             jobs.patch(&name, &PatchParams::default(), &patch).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Sets `spec.active` of the Kueue Workloads `changes` (name, active), served at `version`: a
+/// Workload the run deactivates is marked so ([`STOPPED_BY_RUN`]), and only such a one is
+/// activated again (see [`super::queue`]). One already gone is fine.
+pub async fn activate(
+    client: &Client,
+    namespace: &str,
+    version: &str,
+    changes: &[(String, bool)],
+) -> Result<(), kube::Error> {
+    let workloads: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), namespace, &workload_resource(version));
+    for (name, active) in changes {
+        let mark = (!active).then_some("true");
+        let patch = Patch::Merge(json!({
+            "metadata": { "annotations": { STOPPED_BY_RUN: mark } },
+            "spec": { "active": active },
+        }));
+        match workloads.patch(name, &PatchParams::default(), &patch).await {
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            other => drop(other?),
         }
     }
     Ok(())

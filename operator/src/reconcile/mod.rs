@@ -19,7 +19,9 @@
 //!   existing ones, and the status write.
 //! - [`status`]: the status vocabulary (reasons, condition sets, Events) and write pacing.
 //!
-//! [`children`] names and labels every child; [`context`] is what every reconcile shares;
+//! [`children`] names and labels every child; [`queue`] reads the Kueue Workloads of a queued
+//! run's Jobs (observe reads them, decide says which to stop or start, apply patches them);
+//! [`context`] is what every reconcile shares;
 //! [`error`] says which stage failed and whether retrying can help.
 
 mod api_error;
@@ -30,6 +32,7 @@ pub mod context;
 pub mod decide;
 pub mod error;
 pub mod observe;
+pub mod queue;
 pub mod status;
 pub mod validate;
 
@@ -98,19 +101,32 @@ async fn pipeline(run: &TrajectoryRun, ctx: &Context) -> Result<Action, Error> {
     apply::apply(&ctx.client, &namespace, &observed, &desired.children)
         .await
         .map_err(Error::apply(run))?;
+    if let Some(queue) = &observed.queue {
+        apply::activate(&ctx.client, &namespace, queue.version, &desired.activate)
+            .await
+            .map_err(Error::apply(run))?;
+    }
     let action = write_paced(ctx, run, &desired.status).await?;
+    if action != Action::await_change() {
+        return Ok(action);
+    }
     // Pods are not watched: a pull that fails shows in a pod's status alone, so a run with image
-    // Jobs running looks again after a while.
-    Ok(
-        match (desired.watch_pulls, action == Action::await_change()) {
-            (true, true) => Action::requeue(PULL_CHECK_INTERVAL),
-            _ => action,
-        },
-    )
+    // Jobs running looks again after a while. Nor are Kueue's Workloads: a Job waiting in its
+    // queue changes only once admitted.
+    Ok(if desired.watch_queue {
+        Action::requeue(QUEUE_CHECK_INTERVAL)
+    } else if desired.watch_pulls {
+        Action::requeue(PULL_CHECK_INTERVAL)
+    } else {
+        action
+    })
 }
 
 /// How often a run whose rows' images are being pulled looks at its pods.
 const PULL_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How often a queued run whose Jobs are not all admitted looks at their Workloads.
+const QUEUE_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Everything the run should have now: its children and its status.
 #[derive(Debug, Clone, Default)]
@@ -120,6 +136,10 @@ pub struct Desired {
     pub delete: Vec<String>,
     /// Jobs of rows naming an image run: their pods are looked at again after a while.
     pub watch_pulls: bool,
+    /// Kueue Workloads whose `spec.active` to set (a queued run stopped or resumed), by name.
+    pub activate: Vec<(String, bool)>,
+    /// A queued Job is not running yet: its Workload is looked at again after a while.
+    pub watch_queue: bool,
     pub status: TrajectoryRunStatus,
 }
 
@@ -142,6 +162,8 @@ pub fn desired_state(
     Ok(Desired {
         children,
         delete: decision.delete.clone(),
+        activate: decision.admissions.activate.clone(),
+        watch_queue: decision.admissions.recheck,
         watch_pulls: decision.children.iter().any(|child| {
             matches!(child, Child::Generation(shard) if matches!(shard.tasks, Tasks::Image(_)))
         }),

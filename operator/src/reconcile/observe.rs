@@ -20,6 +20,7 @@ use trajectory_worker::contract::{
 };
 
 use super::children::{CONTAINER, Component, annotations, image_index_name, labels};
+use super::queue::{self, ObservedQueue};
 use crate::api::TrajectoryRun;
 
 /// What the controller read about a run's children.
@@ -60,6 +61,9 @@ pub struct Observed {
     /// The most any batch pod of the latest attempt said the run had spent as it ended (finished,
     /// or stopped at the budget), in USD (read only while the run has prices).
     pub run_spent: Option<f64>,
+    /// The Kueue Workloads of the round's Jobs, for a run that names a queue; `None` without a
+    /// queue or when the cluster serves no Workload API.
+    pub queue: Option<ObservedQueue>,
 }
 
 impl Default for Observed {
@@ -82,7 +86,19 @@ impl Default for Observed {
             unpullable: BTreeMap::new(),
             budget_exhausted_at: None,
             run_spent: None,
+            queue: None,
         }
+    }
+}
+
+impl Observed {
+    /// Every Job of the round: plan, image pages, generation attempts, merge.
+    pub fn jobs(&self) -> impl Iterator<Item = &Job> {
+        self.plan_job
+            .iter()
+            .chain(self.image_pages_job.iter())
+            .chain(self.attempts.iter().map(|attempt| &attempt.job))
+            .chain(self.merge_job.iter())
     }
 }
 
@@ -282,20 +298,28 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
         .as_ref()
         .filter(|job| JobState::of(job) == JobState::Complete && observed.image_index.is_none())
     {
-        let mut pages: Vec<ImagePage> =
-            termination_messages(&pods, &job.name_any(), Some("Succeeded"))
-                .await?
-                .iter()
-                .filter_map(|message| serde_json::from_str(message).ok())
-                .collect();
-        pages.sort_by_key(|page| page.page);
-        pages.dedup_by_key(|page| page.page);
-        observed.image_pages = pages;
+        observed.image_pages = image_pages(&pods, job).await?;
     }
     observed.unpullable = unpullable(&pods, &name, run, &observed.attempts).await?;
     (observed.budget_exhausted_at, observed.run_spent) =
         spending_reports(&pods, run, &observed.attempts).await?;
+    if run.spec.run.queue_name.is_some() {
+        let uids: Vec<String> = observed.jobs().filter_map(ResourceExt::uid).collect();
+        observed.queue = queue::observe(client, &namespace, &uids).await?;
+    }
     Ok(observed)
+}
+
+/// The pages the succeeded pods of the image pages Job `job` reported, in page order.
+async fn image_pages(pods: &Api<Pod>, job: &Job) -> Result<Vec<ImagePage>, kube::Error> {
+    let mut pages: Vec<ImagePage> = termination_messages(pods, &job.name_any(), Some("Succeeded"))
+        .await?
+        .iter()
+        .filter_map(|message| serde_json::from_str(message).ok())
+        .collect();
+    pages.sort_by_key(|page| page.page);
+    pages.dedup_by_key(|page| page.page);
+    Ok(pages)
 }
 
 /// What the pods of the latest attempt's Jobs reported of the run's spending: the highest budget

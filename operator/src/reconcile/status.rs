@@ -53,6 +53,16 @@ pub enum Reason {
     OutputMismatch,
     /// The run spent `spec.model.budget`: it is held (`Suspended`) until the budget is raised.
     BudgetExhausted,
+    /// Kueue admitted the run's Jobs (condition `Admitted`).
+    Admitted,
+    /// A Job waits in its Kueue queue (for quota, or for its Workload).
+    Queued,
+    /// A Job was preempted by a workload of higher priority and waits to be admitted again.
+    Preempted,
+    /// A Job was evicted by Kueue for another reason (the message names it).
+    Evicted,
+    /// A Job's Workload is deactivated: by the run while it is stopped, or by someone else.
+    Deactivated,
 }
 
 impl Reason {
@@ -78,6 +88,11 @@ impl Reason {
             Self::StorageMissing => "StorageMissing",
             Self::OutputMismatch => "OutputMismatch",
             Self::BudgetExhausted => "BudgetExhausted",
+            Self::Admitted => "Admitted",
+            Self::Queued => "Queued",
+            Self::Preempted => "Preempted",
+            Self::Evicted => "Evicted",
+            Self::Deactivated => "Deactivated",
         }
     }
 
@@ -137,6 +152,27 @@ pub struct Tally {
     pub budget_exhausted: Option<String>,
     /// What the run spent so far and will at this rate, while its batches run.
     pub cost: Option<CostStatus>,
+    /// Where a queued run's Jobs stand in Kueue (the `Admitted` condition); `None` keeps it.
+    pub admission: Option<AdmissionTally>,
+}
+
+/// What a queued run's `Admitted` condition says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdmissionTally {
+    pub admitted: bool,
+    pub reason: Reason,
+    pub message: String,
+}
+
+impl AdmissionTally {
+    /// Not admitted, for `reason`.
+    pub fn waiting(reason: Reason, message: String) -> Self {
+        Self {
+            admitted: false,
+            reason,
+            message,
+        }
+    }
 }
 
 /// The rows' images as the generation stage found them (see [`crate::api::ImageStatus`]).
@@ -260,6 +296,14 @@ pub fn desired(
         suspend_message,
     )];
     record_tally(&mut status, tally);
+    if let Some(admission) = &tally.admission {
+        set.push((
+            ConditionType::Admitted,
+            admission.admitted,
+            admission.reason,
+            &admission.message,
+        ));
+    }
     match outcome {
         Outcome::Working(phase, message) => {
             status.phase = Some(*phase);

@@ -9,13 +9,15 @@ use std::collections::BTreeMap;
 use super::{asserted_suspend, failure_policy, job_shell, job_shell_named, to_i32};
 use crate::reconcile::children::annotations;
 use crate::reconcile::decide::{Shard, Tasks};
+use crate::reconcile::queue::ELASTIC_JOB;
 use crate::reconcile::validate::ValidatedRun;
 use crate::settings::Settings;
 
 /// The Indexed Job of one shard of a generation attempt.
 ///
 /// `shard.exists` says whether the Job is already there: with a Kueue queue the Job is created
-/// suspended and Kueue owns `suspend` afterwards, so the operator stops asserting it.
+/// suspended and Kueue owns `suspend` afterwards, so the operator stops asserting it (see
+/// `asserted_suspend`).
 pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard) -> Job {
     let spec = run.spec;
     let pending = &shard.pending;
@@ -24,7 +26,7 @@ pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard
         Tasks::Sandbox => job_shell(run, settings, component),
         tasks => job_shell_named(run, settings, component, &shard.job_name(run), tasks),
     };
-    let annotations = match &shard.tasks {
+    let mut annotations = match &shard.tasks {
         Tasks::Sandbox => BTreeMap::new(),
         Tasks::Image(image) => BTreeMap::from([(annotations::IMAGE.to_owned(), image.clone())]),
         Tasks::Unavailable { image, why } => BTreeMap::from([
@@ -32,6 +34,12 @@ pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard
             (annotations::IMAGE_UNAVAILABLE.to_owned(), why.clone()),
         ]),
     };
+    // `workers` changed mid-run changes the Job's parallelism: elastic, Kueue resizes its
+    // Workload in place; otherwise it would evict the Job (every pod, every conversation in
+    // flight) and queue it again.
+    if spec.queue_name.is_some() {
+        annotations.insert(ELASTIC_JOB.to_owned(), "true".to_owned());
+    }
     if !annotations.is_empty() {
         job.metadata.annotations = Some(annotations);
     }
@@ -43,11 +51,7 @@ pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard
         // The API server refuses a limit above `completions`; a limit of all of them is the same.
         max_failed_indexes: Some(to_i32(spec.retry.max_failed_batches.min(pending.count()))),
         pod_failure_policy: Some(failure_policy::failure_policy(true)),
-        suspend: if shard.held {
-            Some(true)
-        } else {
-            asserted_suspend(spec, shard.exists)
-        },
+        suspend: asserted_suspend(spec, shard.exists, shard.held),
         ..job.spec.take().unwrap_or_default()
     });
     job

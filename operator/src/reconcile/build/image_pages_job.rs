@@ -39,7 +39,7 @@ pub fn image_pages_job(
         parallelism: Some(to_i32(pages.min(run.spec.workers).max(1))),
         backoff_limit_per_index: Some(to_i32(run.spec.retry.per_batch)),
         pod_failure_policy: Some(failure_policy::failure_policy(true)),
-        suspend: asserted_suspend(run.spec, exists),
+        suspend: asserted_suspend(run.spec, exists, false),
         ..spec
     });
     job

@@ -48,6 +48,9 @@ pub struct Children {
 pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -> Children {
     let mut children = Children::default();
     for child in wanted {
+        if stopped_before_created(run, child) {
+            continue;
+        }
         let (map, job) = match child {
             Child::Plan { round, exists } => (
                 (!exists).then(|| plan_config_map(run, Component::Plan { round: *round }, None)),
@@ -185,15 +188,33 @@ fn job_shell_named(
     }
 }
 
-/// The Job's `suspend` as the operator asserts it: the run's `suspend` wins; with a Kueue queue
-/// the Job is created suspended and Kueue alone unsuspends it once admitted (asserting `false`
-/// afterwards would start it past the queue's quota); otherwise the Job runs.
-fn asserted_suspend(spec: &RunSpec, exists: bool) -> Option<bool> {
+/// The Job's `suspend` as the operator asserts it. With a Kueue queue the Job is created
+/// suspended and Kueue alone changes it afterwards: asserting `false` would start it past the
+/// queue's quota, and asserting `true` while its Workload is admitted makes Kueue unsuspend it
+/// again at once (a loop of pods created and killed); a stopped queued run deactivates its
+/// Workloads instead (`reconcile::queue`). Otherwise the Job runs unless the run is suspended or
+/// the Job `held` at the budget.
+fn asserted_suspend(spec: &RunSpec, exists: bool, held: bool) -> Option<bool> {
     match (&spec.queue_name, exists) {
-        _ if spec.suspend => Some(true),
         (Some(_), true) => None,
         (Some(_), false) => Some(true),
-        (None, _) => Some(false),
+        (None, _) => Some(spec.suspend || held),
+    }
+}
+
+/// A queued Job the run would create while it is stopped (suspended, or held at its budget) is
+/// not created yet: Kueue would admit it and start its pods before the operator could deactivate
+/// its Workload.
+fn stopped_before_created(run: &ValidatedRun<'_>, child: &Child) -> bool {
+    if run.spec.queue_name.is_none() {
+        return false;
+    }
+    match child {
+        Child::Plan { exists, .. }
+        | Child::ImagePages { exists, .. }
+        | Child::Merge { exists, .. } => !exists && run.spec.suspend,
+        Child::Generation(shard) => !shard.exists && (run.spec.suspend || shard.held),
+        Child::ImageIndex { .. } => false,
     }
 }
 
@@ -210,7 +231,7 @@ fn single_pod_job(
         parallelism: Some(1),
         backoff_limit: Some(to_i32(run.spec.retry.per_batch)),
         pod_failure_policy: Some(failure_policy::failure_policy(false)),
-        suspend: asserted_suspend(run.spec, exists),
+        suspend: asserted_suspend(run.spec, exists, false),
         ..job.spec.take().unwrap_or_default()
     });
     job

@@ -703,10 +703,13 @@ fn a_run_on_a_bucket_mounts_no_storage_and_gives_its_keys_to_the_worker_containe
 #[test]
 fn queue_name_labels_the_job_for_kueue_and_creates_it_suspended() {
     let cases = [
-        // (exists, spec.suspend) -> suspend asserted by the operator
+        // (exists, spec.suspend) -> suspend asserted by the operator: created suspended, and never
+        // asserted once it exists, also while the run is suspended (Kueue would unsuspend it
+        // again at once; the run deactivates its Workload instead).
         (false, false, Some(true)),
+        (false, true, Some(true)),
         (true, false, None),
-        (true, true, Some(true)),
+        (true, true, None),
     ];
     for (exists, suspend, expected) in cases {
         let run = TrajectoryRun::test()
@@ -748,6 +751,41 @@ fn queue_name_labels_the_job_for_kueue_and_creates_it_suspended() {
         .build();
     let job = gen_job(&suspended, 1, &[0], true);
     assert_eq!(job.spec.as_ref().unwrap().suspend, Some(true));
+}
+
+#[test]
+fn a_queued_generation_job_is_elastic_and_a_stopped_queued_run_creates_no_job() {
+    let queued = TrajectoryRun::test()
+        .with(|spec| spec.queue_name = Some("team-a".into()))
+        .build();
+    let job = gen_job(&queued, 1, &[0], false);
+    assert_eq!(
+        job.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(crate::reconcile::queue::ELASTIC_JOB))
+            .map(String::as_str),
+        Some("true")
+    );
+    let plain = gen_job(&TrajectoryRun::test().build(), 1, &[0], false);
+    assert!(plain.metadata.annotations.is_none());
+
+    let wanted = [Child::Plan {
+        round: 1,
+        exists: false,
+    }];
+    for (queue, suspend, jobs) in [(true, true, 0), (true, false, 1), (false, true, 1)] {
+        let run = TrajectoryRun::test()
+            .with(|spec| spec.queue_name = queue.then(|| "team-a".into()))
+            .with(|spec| spec.suspend = suspend)
+            .build();
+        let built = children(&valid(&run), &settings(), &wanted);
+        assert_eq!(
+            (built.jobs.len(), built.config_maps.len()),
+            (jobs, jobs),
+            "queue {queue}, suspend {suspend}"
+        );
+    }
 }
 
 #[test]

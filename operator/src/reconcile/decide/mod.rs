@@ -26,6 +26,7 @@ use trajectory_worker::contract::{
     format_ranges, groups_of_pages, parse_ranges, usd_text,
 };
 
+use self::admission::Admissions;
 use self::images::Work;
 
 use super::children::{
@@ -39,6 +40,7 @@ use crate::api::{
     VerificationStatus,
 };
 
+pub mod admission;
 pub mod images;
 
 /// What the run should have now, before it is built into objects.
@@ -52,6 +54,8 @@ pub struct Decision {
     pub delete: Vec<String>,
     pub outcome: Outcome,
     pub tally: Tally,
+    /// For a run that names a Kueue queue: its Workloads to stop or start.
+    pub admissions: Admissions,
 }
 
 impl Decision {
@@ -63,6 +67,7 @@ impl Decision {
             delete: Vec::new(),
             outcome: Outcome::Failed(Reason::InvalidSpec, message),
             tally: Tally::default(),
+            admissions: Admissions::default(),
         }
     }
 }
@@ -269,11 +274,14 @@ pub fn decide(run: &ValidatedRun<'_>, observed: &Observed) -> Decision {
         ..Tally::default()
     };
     let outcome = stages(run, observed, &mut tally, &mut work);
+    let admissions = admission::decide(run, observed, &work.children);
+    tally.admission.clone_from(&admissions.tally);
     Decision {
         children: work.children,
         delete: work.delete,
         outcome,
         tally,
+        admissions,
     }
 }
 

@@ -1,0 +1,192 @@
+//! Admission: for a run that names a Kueue queue, which of its Workloads to stop or start and
+//! what the run's status says of where its Jobs wait (see [`crate::reconcile::queue`] for why a
+//! queued run is stopped through its Workloads and never by suspending its Jobs).
+
+use super::{Child, Shard};
+use crate::reconcile::children::Component;
+use crate::reconcile::observe::Observed;
+use crate::reconcile::queue::{Admission as Queued, QueuedWorkload};
+use crate::reconcile::status::{AdmissionTally, Reason};
+use crate::reconcile::validate::ValidatedRun;
+
+/// What a queued run does with its Workloads now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Admissions {
+    /// Workloads whose `spec.active` to set, by name.
+    pub activate: Vec<(String, bool)>,
+    /// What the run's `Admitted` condition says (none without a live queued Job).
+    pub tally: Option<AdmissionTally>,
+    /// A live Job is not running yet (no Workload yet, waiting for quota, evicted): its queue is
+    /// looked at again after a while, since a Workload's progress in its queue does not change
+    /// the Job the controller watches.
+    pub recheck: bool,
+}
+
+/// The Job of `child`, if it is one that exists, with whether the run stops it now (the run is
+/// suspended, or its generation Jobs are held at the budget).
+fn live_job(run: &ValidatedRun<'_>, child: &Child) -> Option<(String, bool)> {
+    let suspended = run.spec.suspend;
+    match child {
+        Child::Plan {
+            round,
+            exists: true,
+        } => Some((run.child_name(Component::Plan { round: *round }), suspended)),
+        Child::ImagePages {
+            round,
+            exists: true,
+            ..
+        } => Some((
+            run.child_name(Component::ImagePages { round: *round }),
+            suspended,
+        )),
+        Child::Merge {
+            round,
+            exists: true,
+        } => Some((
+            run.child_name(Component::Merge { round: *round }),
+            suspended,
+        )),
+        Child::Generation(
+            shard @ Shard {
+                exists: true, held, ..
+            },
+        ) => Some((shard.job_name(run), suspended || *held)),
+        _ => None,
+    }
+}
+
+/// The Workloads to set and the run's admission, from its live Jobs' Workloads.
+pub fn decide(run: &ValidatedRun<'_>, observed: &Observed, children: &[Child]) -> Admissions {
+    let mut admissions = Admissions::default();
+    let Some(queue_name) = run.spec.queue_name.as_deref() else {
+        return admissions;
+    };
+    let Some(queue) = &observed.queue else {
+        // No Workload API: the Jobs wait suspended for a Kueue that is not there.
+        admissions.tally = Some(AdmissionTally::waiting(
+            Reason::Queued,
+            format!(
+                "spec.queueName is {queue_name} but the cluster serves no Kueue Workload API \
+                 (kueue.x-k8s.io): the Jobs stay suspended until Kueue is installed and admits \
+                 them"
+            ),
+        ));
+        return admissions;
+    };
+    // The first Job not running says where the run waits; all admitted, the last says by whom.
+    let mut waiting: Option<AdmissionTally> = None;
+    let mut admitted: Option<AdmissionTally> = None;
+    for (job, stopped) in children.iter().filter_map(|child| live_job(run, child)) {
+        let workloads: Vec<&QueuedWorkload> = queue
+            .workloads
+            .iter()
+            .filter(|w| w.job == job && w.admission != Queued::Finished)
+            .collect();
+        if workloads.is_empty() {
+            admissions.recheck = true;
+            waiting.get_or_insert_with(|| {
+                AdmissionTally::waiting(
+                    Reason::Queued,
+                    format!(
+                        "Job {job} waits for Kueue to create its Workload in LocalQueue \
+                         {queue_name}"
+                    ),
+                )
+            });
+            continue;
+        }
+        for workload in workloads {
+            let (tally, change) = admission_of(&job, workload, stopped);
+            admissions.activate.extend(change);
+            if tally.admitted {
+                admitted = Some(tally);
+            } else {
+                // A Job stopped by the run waits for the run, not for its queue.
+                admissions.recheck |= !stopped;
+                waiting.get_or_insert(tally);
+            }
+        }
+    }
+    admissions.tally = waiting.or(admitted);
+    admissions
+}
+
+/// What one Workload of `job` says, and the change of its `spec.active` the run asks for.
+fn admission_of(
+    job: &str,
+    workload: &QueuedWorkload,
+    stopped: bool,
+) -> (AdmissionTally, Option<(String, bool)>) {
+    let name = &workload.name;
+    if stopped {
+        let change = workload.active.then(|| (name.clone(), false));
+        let tally = AdmissionTally::waiting(
+            Reason::Deactivated,
+            format!(
+                "the run is stopped: Workload {name} of Job {job} is deactivated \
+                 (spec.active: false), its pods stopped and its quota released"
+            ),
+        );
+        return (tally, change);
+    }
+    if !workload.active {
+        if workload.stopped_by_run {
+            let tally = AdmissionTally::waiting(
+                Reason::Queued,
+                format!("Workload {name} of Job {job} is activated again and waits for admission"),
+            );
+            return (tally, Some((name.clone(), true)));
+        }
+        let tally = AdmissionTally::waiting(
+            Reason::Deactivated,
+            format!(
+                "Workload {name} of Job {job} was deactivated outside the run (by an \
+                 administrator, or by Kueue at its requeuing limit): set its spec.active to \
+                 true to queue it again"
+            ),
+        );
+        return (tally, None);
+    }
+    let evicted_before = match workload.evictions {
+        0 => String::new(),
+        1 => "; evicted once before, its finished batches kept".to_owned(),
+        n => format!("; evicted {n} times before, its finished batches kept"),
+    };
+    let tally = match &workload.admission {
+        Queued::Admitted { cluster_queue } => AdmissionTally {
+            admitted: true,
+            reason: Reason::Admitted,
+            message: format!(
+                "Job {job} admitted by ClusterQueue {cluster_queue} (Workload {name}){evicted_before}"
+            ),
+        },
+        Queued::Evicted { reason, message } if reason == "Preempted" => AdmissionTally::waiting(
+            Reason::Preempted,
+            format!(
+                "Job {job} was preempted and waits to be admitted again, its finished batches \
+                 kept: {message}"
+            ),
+        ),
+        Queued::Evicted { reason, message } => AdmissionTally::waiting(
+            Reason::Evicted,
+            format!("Job {job} was evicted by Kueue ({reason}) and waits in its queue: {message}"),
+        ),
+        Queued::Waiting { message } => AdmissionTally::waiting(
+            Reason::Queued,
+            format!(
+                "Job {job} waits in its queue (Workload {name}): {}{evicted_before}",
+                if message.is_empty() {
+                    "not admitted yet"
+                } else {
+                    message
+                }
+            ),
+        ),
+        Queued::Finished => AdmissionTally {
+            admitted: true,
+            reason: Reason::Admitted,
+            message: format!("Job {job} finished (Workload {name})"),
+        },
+    };
+    (tally, None)
+}
