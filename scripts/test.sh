@@ -80,6 +80,12 @@ step "versitygw: build (cached)"
 TRAJ_VERSITYGW="$(scripts/versitygw/build.sh --print-path)"
 export TRAJ_VERSITYGW
 
+step "kueue: build (cached)"
+# tests/tests/kueue.rs runs queued runs through it, beside the control plane.
+TRAJ_KUEUE="$(scripts/kueue/build.sh --print-path)"
+TRAJ_KUEUE_SRC="$(scripts/kueue/build.sh --print-src)"
+export TRAJ_KUEUE TRAJ_KUEUE_SRC
+
 step "envoy: install (cached)"
 # worker/tests/real_model_admission.rs sheds load with it in front of a real model server.
 TRAJ_ENVOY="$(scripts/envoy/install.sh --print-path)"
