@@ -190,3 +190,78 @@ fn admission_of(
     };
     (tally, None)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workload(active: bool, stopped_by_run: bool, admission: Queued) -> QueuedWorkload {
+        QueuedWorkload {
+            name: "job-q-gen-1-x".into(),
+            job: "q-gen-1".into(),
+            active,
+            stopped_by_run,
+            admission,
+            evictions: 0,
+        }
+    }
+
+    fn admitted() -> Queued {
+        Queued::Admitted {
+            cluster_queue: "cq".into(),
+        }
+    }
+
+    #[test]
+    fn a_stopped_run_deactivates_an_active_workload_once() {
+        let (tally, change) = admission_of("q-gen-1", &workload(true, false, admitted()), true);
+        assert_eq!(change, Some(("job-q-gen-1-x".into(), false)));
+        assert_eq!((tally.admitted, tally.reason), (false, Reason::Deactivated));
+        let (_, change) = admission_of("q-gen-1", &workload(false, true, admitted()), true);
+        assert_eq!(change, None, "already deactivated: nothing to write");
+    }
+
+    #[test]
+    fn a_resumed_run_activates_only_what_it_deactivated() {
+        let stopped = Queued::Evicted {
+            reason: "Deactivated".into(),
+            message: String::new(),
+        };
+        let (tally, change) =
+            admission_of("q-gen-1", &workload(false, true, stopped.clone()), false);
+        assert_eq!(change, Some(("job-q-gen-1-x".into(), true)));
+        assert_eq!(tally.reason, Reason::Queued);
+        let (tally, change) = admission_of("q-gen-1", &workload(false, false, stopped), false);
+        assert_eq!(change, None, "someone else's deactivation stays");
+        assert_eq!(tally.reason, Reason::Deactivated);
+        assert!(tally.message.contains("spec.active"), "{}", tally.message);
+    }
+
+    #[test]
+    fn a_preempted_or_waiting_workload_says_why_and_an_admitted_one_its_evictions() {
+        let preempted = Queued::Evicted {
+            reason: "Preempted".into(),
+            message: "Preempted to accommodate a workload".into(),
+        };
+        let (tally, change) = admission_of("q-gen-1", &workload(true, false, preempted), false);
+        assert_eq!(
+            (tally.admitted, tally.reason, change),
+            (false, Reason::Preempted, None)
+        );
+        let waiting = Queued::Waiting {
+            message: "insufficient quota for cpu".into(),
+        };
+        let (tally, _) = admission_of("q-gen-1", &workload(true, false, waiting), false);
+        assert_eq!(tally.reason, Reason::Queued);
+        assert!(tally.message.contains("insufficient quota for cpu"));
+        let mut again = workload(true, false, admitted());
+        again.evictions = 1;
+        let (tally, _) = admission_of("q-gen-1", &again, false);
+        assert!(tally.admitted);
+        assert!(
+            tally.message.contains("evicted once before"),
+            "{}",
+            tally.message
+        );
+    }
+}
