@@ -16,6 +16,10 @@
 //!   once, the operator's API requests by verb and resource, and its memory at the end; it asserts
 //!   what the end-to-end test of many images does (`assert_image_run`; docs/benchmarks.md,
 //!   "Task images").
+//! - **kueue** (only when named): a run of 20 batches through a real Kueue's queue against the same
+//!   run without one: apply → plan Job admitted, apply → first model request, the run's time and
+//!   the operator's API writes (Kueue built by `scripts/kueue/build.sh`, or `TRAJ_KUEUE` and
+//!   `TRAJ_KUEUE_SRC`).
 //!
 //! Runs are driven as in the end-to-end tests (`trajectory_tests::e2e`): the test-kubelet plays
 //! the pods with the worker's real steps on a scratch directory and a scripted model; the real Job
@@ -24,7 +28,8 @@
 //! ```sh
 //! scripts/cluster/with-cluster.sh cargo bench -p trajectory-operator --bench operator
 //! ```
-//! Knobs: `OPERATOR_BENCH_PARTS` (`latency,writes,memory`; `images` runs only when named),
+//! Knobs: `OPERATOR_BENCH_PARTS` (`latency,writes,memory`; `images` and `kueue` run only when
+//! named),
 //! `OPERATOR_BENCH_BATCHES` (10000), `OPERATOR_BENCH_DONE_PERCENT` (0: the latency part's runs
 //! resume over that share of their batches done at random by an earlier run),
 //! `OPERATOR_BENCH_ROUNDS` (3), `OPERATOR_BENCH_RUNS` (200), `OPERATOR_BENCH_IMAGE_ROWS` (10000),
@@ -50,9 +55,11 @@ use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::reconcile::children::labels;
 use trajectory_operator::reconcile::observe::JobState;
 use trajectory_tests::e2e::{
-    Kubelet, Scratch, assert_image_run, count_live_children, http_get, mark_done, model, phase_of,
-    plan_termination_message, random_batches, run_spec, write_dataset, write_image_dataset,
+    Kubelet, NO_NODE, Scratch, assert_image_run, count_live_children, http_get, mark_done, model,
+    phase_of, plan_termination_message, random_batches, run_spec, write_dataset,
+    write_image_dataset,
 };
+use trajectory_tests::kueue::Kueue;
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::contract::{MAX_JOB_COMPLETIONS, parse_ranges};
 
@@ -563,6 +570,108 @@ fn requests_since(
         .collect()
 }
 
+/// Part 5 (only when named): a queued run through a real Kueue (`tests/src/kueue.rs`) against
+/// the same run without a queue, `OPERATOR_BENCH_ROUNDS` rounds each: apply → plan Job created,
+/// apply → plan Job admitted (unsuspended), apply → first model request, the run's time, and the
+/// operator's API writes (and its Workload requests) from its own counter.
+async fn kueue(client: &Client, report: &mut String) {
+    let rounds: usize = knob("OPERATOR_BENCH_ROUNDS", 3);
+    let kueue = Kueue::shared(client).await;
+    let _ = writeln!(
+        report,
+        "\n### Kueue: a run of 20 batches through a queue and without one\n\n| round | queue | apply → plan Job ms | apply → plan Job admitted ms | apply → first model request ms | run s | writes in all | Workload lists | Workload patches | status writes |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for round in 0..rounds {
+        for queued in [true, false] {
+            let scratch = Scratch::new();
+            write_dataset(&scratch.storage(), 20);
+            let namespace = kueue
+                .namespace(client, "bench-kueue", "team-a", ("16", "32Gi"), &json!({}))
+                .await;
+            let ns = namespace.name();
+            let operator = Operator::start(ns, 3000, &scratch.0.join("operator-kueue.log")).await;
+            let runs: Api<TrajectoryRun> = Api::namespaced(client.clone(), ns);
+            let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let before = operator.requests().await;
+            let model = trajectory_tests::e2e::model().await;
+            let mut extra = json!({
+                "batchSize": 1, "workers": 8,
+                "podTemplate": {
+                    "nodeSelector": {NO_NODE.0: NO_NODE.1},
+                    "resources": {"requests": {"cpu": "500m", "memory": "64Mi"}},
+                },
+            });
+            if queued {
+                extra["queueName"] = json!("team-a");
+            }
+            let started = Instant::now();
+            runs.create(
+                &PostParams::default(),
+                &TrajectoryRun::new("queued", run_spec(&model.base_url(), &extra)),
+            )
+            .await
+            .expect("create the run");
+            let kubelet = Kubelet::new(client, ns, "queued", &scratch);
+            let (mut created, mut admitted, mut first_request) = (None, None, None);
+            let run = loop {
+                if admitted.is_none()
+                    && let Ok(job) = jobs.get("queued-plan").await
+                {
+                    created.get_or_insert_with(|| started.elapsed());
+                    if job.spec.as_ref().and_then(|s| s.suspend) == Some(false) {
+                        admitted.get_or_insert_with(|| started.elapsed());
+                    }
+                }
+                if admitted.is_some() {
+                    kubelet.play_pending().await;
+                }
+                if first_request.is_none() && model.request_count() > 0 {
+                    first_request = Some(started.elapsed());
+                }
+                let run = runs.get("queued").await.expect("the run");
+                if matches!(phase_of(&run), Some(Phase::Succeeded | Phase::Failed)) {
+                    break run;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(600),
+                    "the run did not finish: {:#?}",
+                    run.status
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            };
+            let elapsed = started.elapsed();
+            assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let delta = requests_since(&before, &operator.requests().await);
+            let count = |verbs: &[&str], resource: &str| -> u64 {
+                delta
+                    .iter()
+                    .filter(|((verb, res), _)| {
+                        verbs.contains(&verb.as_str()) && (resource.is_empty() || res == resource)
+                    })
+                    .map(|(_, count)| count)
+                    .sum()
+            };
+            let show = |at: Option<Duration>| at.map_or_else(|| "-".to_owned(), ms);
+            let _ = writeln!(
+                report,
+                "| {round} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} |",
+                if queued { "team-a" } else { "none" },
+                show(created),
+                show(admitted),
+                show(first_request),
+                elapsed.as_secs_f64(),
+                count(&["create", "patch", "update", "delete"], ""),
+                count(&["list"], "workloads"),
+                count(&["patch"], "workloads"),
+                count(&["patch", "update"], "trajectoryruns/status"),
+            );
+            eprintln!("kueue round {round}, queued {queued}: {elapsed:?}");
+        }
+    }
+}
+
 /// Part 4: a run of `rows` rows over `images` images, each row naming its image (one generation
 /// Job per image, at most `workers` running), as the end-to-end test
 /// `a_run_over_many_images_keeps_its_jobs_within_the_window_and_cleans_them_up` drives it, at
@@ -689,7 +798,8 @@ async fn main() {
             "writes" => Box::pin(writes(&client, &base_url, &mut report)).await,
             "memory" => memory(&client, &base_url, &mut report).await,
             "images" => Box::pin(images(&client, &base_url, &mut report)).await,
-            other => panic!("unknown part {other:?}: use latency, writes, memory, images"),
+            "kueue" => Box::pin(kueue(&client, &mut report)).await,
+            other => panic!("unknown part {other:?}: use latency, writes, memory, images, kueue"),
         }
         eprintln!("part {part} done");
     }

@@ -216,7 +216,12 @@ impl Kueue {
 
 /// The API of one of Kueue's kinds, in `namespace` or cluster-wide.
 pub fn kueue_api(client: &Client, kind: &str, namespace: Option<&str>) -> Api<DynamicObject> {
-    let plural = format!("{}s", kind.to_lowercase());
+    let lower = kind.to_lowercase();
+    let plural = if lower.ends_with('s') {
+        format!("{lower}es")
+    } else {
+        format!("{lower}s")
+    };
     let resource = ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("kueue.x-k8s.io", WORKLOAD_VERSION, kind),
         &plural,

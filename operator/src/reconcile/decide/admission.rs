@@ -77,11 +77,15 @@ pub fn decide(run: &ValidatedRun<'_>, observed: &Observed, children: &[Child]) -
     let mut waiting: Option<AdmissionTally> = None;
     let mut admitted: Option<AdmissionTally> = None;
     for (job, stopped) in children.iter().filter_map(|child| live_job(run, child)) {
-        let workloads: Vec<&QueuedWorkload> = queue
-            .workloads
-            .iter()
-            .filter(|w| w.job == job && w.admission != Queued::Finished)
+        let of_job = || queue.workloads.iter().filter(|w| w.job == job);
+        let workloads: Vec<&QueuedWorkload> = of_job()
+            .filter(|w| w.admission != Queued::Finished)
             .collect();
+        if workloads.is_empty() && of_job().next().is_some() {
+            // Its Job ended (or an elastic Job's slice was replaced and the new one is not
+            // listed yet): nothing of it waits.
+            continue;
+        }
         if workloads.is_empty() {
             admissions.recheck = true;
             waiting.get_or_insert_with(|| {
@@ -107,7 +111,22 @@ pub fn decide(run: &ValidatedRun<'_>, observed: &Observed, children: &[Child]) -
             }
         }
     }
-    admissions.tally = waiting.or(admitted);
+    let creating = children.iter().any(|child| match child {
+        Child::Plan { exists, .. }
+        | Child::ImagePages { exists, .. }
+        | Child::Merge { exists, .. } => !exists,
+        Child::Generation(shard) => !shard.exists,
+        Child::ImageIndex { .. } => false,
+    });
+    admissions.tally = waiting.or(admitted).or_else(|| {
+        // No Job waits and none is about to be created (a finished run has no children): its
+        // Jobs were all admitted.
+        (!creating && !queue.workloads.is_empty()).then(|| AdmissionTally {
+            admitted: true,
+            reason: Reason::Admitted,
+            message: "every Job of the run was admitted; none waits in its queue".to_owned(),
+        })
+    });
     admissions
 }
 
