@@ -717,7 +717,7 @@ async fn a_preempted_run_keeps_its_progress_and_finishes_once_when_readmitted() 
     );
     let (status, _, message) = setup.admitted("low").await.expect("Admitted");
     assert!(
-        status == "True" && message.contains("evicted once before"),
+        status == "True" && message.contains("evicted a Job once"),
         "{message}"
     );
 }

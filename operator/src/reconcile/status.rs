@@ -211,7 +211,9 @@ pub struct Merged {
 pub type ConditionSet<'a> = Vec<(ConditionType, bool, Reason, &'a str)>;
 
 /// A run working in `phase`. kstatus: `Reconciling` (in progress) while work is under way, like a
-/// running Job; while suspended it is what the spec asks for (Current). A run that failed before
+/// running Job; while suspended `Reconciling` is false but so is `Ready`, which kstatus also reads
+/// as in progress: a Flux health check waits on a suspended run until it resumes and finishes
+/// (examples/gitops/README.md says how to read it as current instead). A run that failed before
 /// (a bad spec, since fixed) no longer has.
 pub fn working<'a>(
     phase: Phase,

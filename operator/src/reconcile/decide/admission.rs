@@ -121,10 +121,16 @@ pub fn decide(run: &ValidatedRun<'_>, observed: &Observed, children: &[Child]) -
     admissions.tally = waiting.or(admitted).or_else(|| {
         // No Job waits and none is about to be created (a finished run has no children): its
         // Jobs were all admitted.
+        let evictions: u32 = queue.workloads.iter().map(|w| w.evictions).sum();
+        let evicted = match evictions {
+            0 => String::new(),
+            1 => "; Kueue evicted a Job once, its finished batches kept".to_owned(),
+            n => format!("; Kueue evicted its Jobs {n} times, their finished batches kept"),
+        };
         (!creating && !queue.workloads.is_empty()).then(|| AdmissionTally {
             admitted: true,
             reason: Reason::Admitted,
-            message: "every Job of the run was admitted; none waits in its queue".to_owned(),
+            message: format!("every Job of the run was admitted; none waits in its queue{evicted}"),
         })
     });
     admissions
