@@ -79,6 +79,10 @@ step "versitygw: build (cached)"
 # worker/tests/object_storage.rs runs the worker on its buckets (a real S3 server).
 TRAJ_VERSITYGW="$(scripts/versitygw/build.sh --print-path)"
 export TRAJ_VERSITYGW
+step "gitops health: build (cached)"
+# tests/tests/gitops.rs judges runs with Flux's kstatus and Argo CD's health code (one Go program).
+TRAJ_GITOPS_HEALTH="$(scripts/gitops-health/build.sh --print-path)"
+export TRAJ_GITOPS_HEALTH
 
 step "kueue: build (cached)"
 # tests/tests/kueue.rs runs queued runs through it, beside the control plane.

@@ -1,6 +1,10 @@
 -- Argo CD health check for trajectories.dev/TrajectoryRun (Lua 5.1, as Argo CD's gopher-lua runs it).
--- Install it under resource.customizations.health.trajectories.dev_TrajectoryRun in argocd-cm
--- (argocd-cm.yaml next to this file embeds this exact text).
+-- Install it under resource.customizations.health.trajectories.dev_TrajectoryRun in argocd-cm. It
+-- needs no standard library beyond base and table: a script from argocd-cm runs without string and
+-- math unless resource.customizations.useOpenLibs.trajectories.dev_TrajectoryRun is "true".
+-- The source is examples/gitops/argocd/resource_customizations/trajectories.dev/TrajectoryRun/health.lua
+-- (upstream's layout, with health_test.yaml and testdata/); examples/gitops/argocd/health.lua and
+-- argocd-cm.yaml hold this exact text (tests/tests/gitops.rs fails when they differ).
 --
 --   Progressing  not yet reconciled, a spec change not yet acted on, or Planning/Running/Merging
 --   Suspended    spec.suspend is set (the Suspended condition): pods stopped, done batches stay done
