@@ -22,8 +22,9 @@ use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::reconcile::children::labels;
 use trajectory_testkit::scripted_server::ScriptedServer;
 use trajectory_tests::e2e::{
-    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, condition, done_batches, jsonl, model,
-    phase_of, pods_of_index, run_spec, start_controller_in, write_dataset,
+    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, assert_image_run, condition,
+    count_live_children, done_batches, jsonl, model, phase_of, pods_of_index, run_spec,
+    start_controller_in, write_dataset, write_image_dataset,
 };
 use trajectory_tests::kueue::{Kueue, holds, job_of, kueue_api, workloads};
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
@@ -383,8 +384,10 @@ async fn a_run_beyond_its_queues_quota_waits_with_the_reason_and_runs_once_quota
     .await;
     assert_eq!(reason, "Queued", "{message}");
     assert!(
-        message.contains("small-plan") && message.contains("cpu"),
-        "it names the Job and the resource short: {message}"
+        message.contains("small-plan")
+            && message.contains(&format!("LocalQueue {QUEUE}"))
+            && message.contains("cpu"),
+        "it names the Job, the queue and the resource short: {message}"
     );
     // Held for a while: still waiting, never failed, no pod.
     tokio::time::sleep(Duration::from_secs(8)).await;
@@ -769,4 +772,49 @@ async fn a_deleted_queued_run_leaves_no_job_workload_or_pod() {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// A queued run whose rows name images: each image's generation Job is admitted through its own
+/// Workload (the operator never unsuspends a queued Job, so a finished run means every one was),
+/// at most `workers` of them at once, and the run succeeds as it does without a queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_queued_run_over_images_admits_each_images_job_and_succeeds() {
+    let setup = Setup::new("kq-images", ("10", "10Gi"), &json!({})).await;
+    let (rows, images, workers) = (24, 4, 2);
+    write_image_dataset(&setup.scratch.storage(), rows, images);
+    let created = Instant::now();
+    let kubelet = setup
+        .create(
+            "images",
+            &json!({
+                "dataset": {"path": "datasets/images.jsonl"},
+                "batchSize": 4, "workers": workers, "concurrency": 4,
+            }),
+        )
+        .await;
+    let (stop, counting) = count_live_children(&setup.client, setup.ns(), created);
+    let run = kubelet
+        .serve_until(
+            "the queued image run to end",
+            Duration::from_secs(300),
+            finished,
+        )
+        .await;
+    let _ = stop.send(());
+    let live = counting.await.expect("the counter");
+    assert_image_run(
+        &setup.client,
+        setup.ns(),
+        &run,
+        &kubelet,
+        (rows, images, workers),
+        live,
+    )
+    .await;
+    let (status, reason, message) = setup.admitted("images").await.expect("Admitted");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "Admitted"),
+        "{message}"
+    );
 }

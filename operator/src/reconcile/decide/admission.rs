@@ -100,7 +100,7 @@ pub fn decide(run: &ValidatedRun<'_>, observed: &Observed, children: &[Child]) -
             continue;
         }
         for workload in workloads {
-            let (tally, change) = admission_of(&job, workload, stopped);
+            let (tally, change) = admission_of(&job, queue_name, workload, stopped);
             admissions.activate.extend(change);
             if tally.admitted {
                 admitted = Some(tally);
@@ -139,6 +139,7 @@ pub fn decide(run: &ValidatedRun<'_>, observed: &Observed, children: &[Child]) -
 /// What one Workload of `job` says, and the change of its `spec.active` the run asks for.
 fn admission_of(
     job: &str,
+    queue_name: &str,
     workload: &QueuedWorkload,
     stopped: bool,
 ) -> (AdmissionTally, Option<(String, bool)>) {
@@ -158,7 +159,10 @@ fn admission_of(
         if workload.stopped_by_run {
             let tally = AdmissionTally::waiting(
                 Reason::Queued,
-                format!("Workload {name} of Job {job} is activated again and waits for admission"),
+                format!(
+                    "Workload {name} of Job {job} is activated again and waits in LocalQueue \
+                     {queue_name}"
+                ),
             );
             return (tally, Some((name.clone(), true)));
         }
@@ -194,12 +198,15 @@ fn admission_of(
         ),
         Queued::Evicted { reason, message } => AdmissionTally::waiting(
             Reason::Evicted,
-            format!("Job {job} was evicted by Kueue ({reason}) and waits in its queue: {message}"),
+            format!(
+                "Job {job} was evicted by Kueue ({reason}) and waits in LocalQueue {queue_name}: \
+                 {message}"
+            ),
         ),
         Queued::Waiting { message } => AdmissionTally::waiting(
             Reason::Queued,
             format!(
-                "Job {job} waits in its queue (Workload {name}): {}{evicted_before}",
+                "Job {job} waits in LocalQueue {queue_name} (Workload {name}): {}{evicted_before}",
                 if message.is_empty() {
                     "not admitted yet"
                 } else {
@@ -239,10 +246,20 @@ mod tests {
 
     #[test]
     fn a_stopped_run_deactivates_an_active_workload_once() {
-        let (tally, change) = admission_of("q-gen-1", &workload(true, false, admitted()), true);
+        let (tally, change) = admission_of(
+            "q-gen-1",
+            "team-a",
+            &workload(true, false, admitted()),
+            true,
+        );
         assert_eq!(change, Some(("job-q-gen-1-x".into(), false)));
         assert_eq!((tally.admitted, tally.reason), (false, Reason::Deactivated));
-        let (_, change) = admission_of("q-gen-1", &workload(false, true, admitted()), true);
+        let (_, change) = admission_of(
+            "q-gen-1",
+            "team-a",
+            &workload(false, true, admitted()),
+            true,
+        );
         assert_eq!(change, None, "already deactivated: nothing to write");
     }
 
@@ -252,11 +269,16 @@ mod tests {
             reason: "Deactivated".into(),
             message: String::new(),
         };
-        let (tally, change) =
-            admission_of("q-gen-1", &workload(false, true, stopped.clone()), false);
+        let (tally, change) = admission_of(
+            "q-gen-1",
+            "team-a",
+            &workload(false, true, stopped.clone()),
+            false,
+        );
         assert_eq!(change, Some(("job-q-gen-1-x".into(), true)));
         assert_eq!(tally.reason, Reason::Queued);
-        let (tally, change) = admission_of("q-gen-1", &workload(false, false, stopped), false);
+        let (tally, change) =
+            admission_of("q-gen-1", "team-a", &workload(false, false, stopped), false);
         assert_eq!(change, None, "someone else's deactivation stays");
         assert_eq!(tally.reason, Reason::Deactivated);
         assert!(tally.message.contains("spec.active"), "{}", tally.message);
@@ -268,7 +290,12 @@ mod tests {
             reason: "Preempted".into(),
             message: "Preempted to accommodate a workload".into(),
         };
-        let (tally, change) = admission_of("q-gen-1", &workload(true, false, preempted), false);
+        let (tally, change) = admission_of(
+            "q-gen-1",
+            "team-a",
+            &workload(true, false, preempted),
+            false,
+        );
         assert_eq!(
             (tally.admitted, tally.reason, change),
             (false, Reason::Preempted, None)
@@ -276,12 +303,17 @@ mod tests {
         let waiting = Queued::Waiting {
             message: "insufficient quota for cpu".into(),
         };
-        let (tally, _) = admission_of("q-gen-1", &workload(true, false, waiting), false);
+        let (tally, _) = admission_of("q-gen-1", "team-a", &workload(true, false, waiting), false);
         assert_eq!(tally.reason, Reason::Queued);
         assert!(tally.message.contains("insufficient quota for cpu"));
+        assert!(
+            tally.message.contains("LocalQueue team-a"),
+            "{}",
+            tally.message
+        );
         let mut again = workload(true, false, admitted());
         again.evictions = 1;
-        let (tally, _) = admission_of("q-gen-1", &again, false);
+        let (tally, _) = admission_of("q-gen-1", "team-a", &again, false);
         assert!(tally.admitted);
         assert!(
             tally.message.contains("evicted once before"),
