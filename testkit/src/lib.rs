@@ -47,19 +47,33 @@ pub fn without_timing(mut record: serde_json::Value) -> serde_json::Value {
 /// repository's `scripts/`, run with `--print-path`) installs or finds cached. Panics with the
 /// script's message when it cannot.
 pub(crate) fn installed_binary(env: &str, script: &str) -> std::path::PathBuf {
-    if let Ok(path) = std::env::var(env) {
-        return std::path::PathBuf::from(path);
+    installed(env, script, "--print-path")
+}
+
+/// The path the environment variable `env` names (checked to exist), else the one `script`
+/// (under the repository's `scripts/`) prints when run with `flag`, building or installing what
+/// it names if needed. Panics with the script's message when it cannot: a test that needs the
+/// component must fail loudly.
+pub fn installed(env: &str, script: &str, flag: &str) -> std::path::PathBuf {
+    if let Some(path) = std::env::var_os(env) {
+        let path = std::path::PathBuf::from(path);
+        assert!(
+            path.exists(),
+            "{env}={} does not exist: unset it, or run scripts/{script} {flag}",
+            path.display()
+        );
+        return path;
     }
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../scripts")
         .join(script);
     let output = std::process::Command::new(&script)
-        .arg("--print-path")
+        .arg(flag)
         .output()
         .unwrap_or_else(|err| panic!("cannot run {}: {err}", script.display()));
     assert!(
         output.status.success(),
-        "{} failed: {}",
+        "{} {flag} failed, and {env} is unset: {}",
         script.display(),
         String::from_utf8_lossy(&output.stderr)
     );

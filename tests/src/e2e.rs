@@ -1082,6 +1082,50 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<String> 
     Some(response)
 }
 
+/// Checks a finished run of the 10 prompts of [`write_dataset`] in the 4 batches of [`run_spec`]:
+/// `Succeeded`, every batch done and none failed, each batch's pod run once, every prompt generated
+/// exactly once (`model_requests`, the model's count, is 20: a conversation redone would ask
+/// more) and merged once in dataset order. `context` is added to the message of a run that did not
+/// succeed.
+pub fn assert_succeeded_once(
+    run: &TrajectoryRun,
+    kubelet: &Kubelet,
+    model_requests: usize,
+    context: &str,
+) {
+    let status = run.status.clone().expect("a status");
+    assert_eq!(
+        status.phase,
+        Some(Phase::Succeeded),
+        "{status:#?}; played {:#?}{context}",
+        kubelet.played()
+    );
+    let batches = status.batches.as_ref().expect("batch counts");
+    assert_eq!(
+        (batches.completed.as_str(), batches.failed.as_str()),
+        ("0-3", ""),
+        "every batch done, none counted as failed"
+    );
+    let mut ran: Vec<u32> = kubelet
+        .played()
+        .iter()
+        .filter(|p| p.mode == "batch" && p.ran)
+        .filter_map(|p| p.batch)
+        .collect();
+    ran.sort_unstable();
+    assert_eq!(ran, [0, 1, 2, 3], "{:#?}", kubelet.played());
+    assert_eq!(model_requests, 20, "a conversation was generated twice");
+    let namespace = run.namespace().unwrap_or_default();
+    let out = kubelet
+        .storage
+        .join(run.spec.run.output_path(&namespace, &run.name_any()));
+    let indexes: Vec<u64> = jsonl(&out.join("trajectories.jsonl"))
+        .iter()
+        .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
+        .collect();
+    assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
+}
+
 /// The environment of the pod's worker container as the process sees it: its literal values and
 /// the values it takes from the pod's labels and annotations (the Job controller's
 /// `JOB_COMPLETION_INDEX`), with the contract's paths mapped onto what this kubelet mounts — the

@@ -24,6 +24,7 @@ use kube::{Api, Client};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
+use trajectory_testkit::installed;
 
 use crate::{TestNamespace, wait_for_object, wait_until};
 
@@ -54,8 +55,8 @@ impl Kueue {
     }
 
     async fn start(client: &Client) -> Self {
-        let binary = tool_path("TRAJ_KUEUE", "--print-path");
-        let source = tool_path("TRAJ_KUEUE_SRC", "--print-src");
+        let binary = installed("TRAJ_KUEUE", "kueue/build.sh", "--print-path");
+        let source = installed("TRAJ_KUEUE_SRC", "kueue/build.sh", "--print-src");
         apply_crds(client, &source.join("config/components/crd/bases")).await;
         let namespaces: Api<Namespace> = Api::all(client.clone());
         apply(
@@ -273,26 +274,6 @@ where
     )
     .await
     .unwrap_or_else(|e| panic!("applying {name}: {e}"));
-}
-
-/// The path `scripts/kueue/build.sh FLAG` prints (building Kueue if needed), or the one `env`
-/// names.
-fn tool_path(env: &str, flag: &str) -> PathBuf {
-    if let Ok(path) = std::env::var(env) {
-        return PathBuf::from(path);
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kueue/build.sh");
-    let output = Command::new(&script)
-        .arg(flag)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-    assert!(
-        output.status.success(),
-        "{} {flag} failed: {}",
-        script.display(),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
 }
 
 /// Applies Kueue's CRDs (the bases: no conversion webhooks) and waits until each is established.

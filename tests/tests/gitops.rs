@@ -78,28 +78,11 @@ fn health_lua() -> PathBuf {
 fn gitops_health() -> &'static Path {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
     BINARY.get_or_init(|| {
-        if let Some(path) = std::env::var_os("TRAJ_GITOPS_HEALTH") {
-            let path = PathBuf::from(path);
-            assert!(
-                path.is_file(),
-                "TRAJ_GITOPS_HEALTH={} is not a file: build it with scripts/gitops-health/build.sh",
-                path.display()
-            );
-            return path;
-        }
-        let script =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/gitops-health/build.sh");
-        let output = Command::new(&script)
-            .arg("--print-path")
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-        assert!(
-            output.status.success(),
-            "{} failed, and TRAJ_GITOPS_HEALTH is unset: {}",
-            script.display(),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
+        trajectory_testkit::installed(
+            "TRAJ_GITOPS_HEALTH",
+            "gitops-health/build.sh",
+            "--print-path",
+        )
     })
 }
 

@@ -22,8 +22,8 @@ use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::reconcile::children::labels;
 use trajectory_testkit::scripted_server::ScriptedServer;
 use trajectory_tests::e2e::{
-    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, assert_image_run, condition,
-    count_live_children, done_batches, jsonl, model, phase_of, pods_of_index, run_spec,
+    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, assert_image_run, assert_succeeded_once,
+    condition, count_live_children, done_batches, model, phase_of, pods_of_index, run_spec,
     start_controller_in, write_dataset, write_image_dataset,
 };
 use trajectory_tests::kueue::{Kueue, holds, job_of, kueue_api, workloads};
@@ -149,47 +149,26 @@ impl Setup {
         ))
     }
 
-    /// Checks a finished run: `Succeeded`, all 4 batches done, none failed, every prompt generated
-    /// exactly once (20 model calls: a batch whose finished work was redone would ask more) and
-    /// merged once in dataset order.
+    /// Checks a finished run: every prompt once ([`assert_succeeded_once`]).
     fn assert_succeeded_once(&self, run: &TrajectoryRun, kubelet: &Kubelet) {
-        let name = run.name_any();
-        let status = run.status.clone().expect("a status");
-        assert_eq!(
-            status.phase,
-            Some(Phase::Succeeded),
-            "{status:#?}; played {:#?}; Kueue: {}",
-            kubelet.played(),
-            self.kueue.log_tail()
-        );
-        let batches = status.batches.as_ref().expect("batch counts");
-        assert_eq!(
-            (batches.completed.as_str(), batches.failed.as_str()),
-            ("0-3", ""),
-            "no batch counted as failed"
-        );
-        let mut ran: Vec<u32> = kubelet
-            .played()
-            .iter()
-            .filter(|p| p.mode == "batch" && p.ran)
-            .filter_map(|p| p.batch)
-            .collect();
-        ran.sort_unstable();
-        assert_eq!(ran, [0, 1, 2, 3], "{:#?}", kubelet.played());
-        assert_eq!(
-            self.model.request_count(),
-            20,
-            "a conversation was generated twice"
-        );
-        let out = self
-            .scratch
-            .storage()
-            .join(format!("runs/{}/{name}", self.ns()));
-        let indexes: Vec<u64> = jsonl(&out.join("trajectories.jsonl"))
-            .iter()
-            .map(|line| line["prompt_index"].as_u64().expect("prompt_index"))
-            .collect();
-        assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
+        let context = format!("; Kueue: {}", self.kueue.log_tail());
+        assert_succeeded_once(run, kubelet, self.model.request_count(), &context);
+    }
+
+    /// Plays the run until batches 0-2 are done, batch 3 held; returns the pending pod of batch 3
+    /// of the generation Job `job`.
+    async fn hold_the_last_batch(&self, kubelet: &mut Kubelet, job: &str) -> Pod {
+        kubelet.hold = BTreeSet::from([3]);
+        kubelet
+            .serve_until("three batches done", Duration::from_secs(120), |run| {
+                done_batches(run) >= 3
+            })
+            .await;
+        let pods = self.pods();
+        wait_until("the pod of batch 3", Duration::from_secs(30), || async {
+            pods_of_index(&pods, job, 3).await.into_iter().next()
+        })
+        .await
     }
 
     /// The Workload of Job `job` that is not finished.
@@ -423,21 +402,10 @@ async fn a_run_beyond_its_queues_quota_waits_with_the_reason_and_runs_once_quota
 async fn a_suspended_queued_run_stays_stopped_and_resumes_where_it_stopped() {
     let setup = Setup::new("kq-suspend", ("10", "10Gi"), &json!({})).await;
     let mut kubelet = setup.create("pause", &json!({})).await;
-    kubelet.hold = BTreeSet::from([3]);
-    kubelet
-        .serve_until("three batches done", Duration::from_secs(120), |run| {
-            done_batches(run) >= 3
-        })
-        .await;
-    let pods = setup.pods();
-    let held = wait_until("the pod of batch 3", Duration::from_secs(30), || async {
-        pods_of_index(&pods, "pause-gen-1", 3)
-            .await
-            .into_iter()
-            .next()
-    })
-    .await
-    .name_any();
+    let held = setup
+        .hold_the_last_batch(&mut kubelet, "pause-gen-1")
+        .await
+        .name_any();
 
     setup.patch_spec("pause", &json!({"suspend": true})).await;
     setup
@@ -481,20 +449,7 @@ async fn a_queued_run_held_at_its_budget_stays_stopped_until_the_budget_is_raise
     let mut kubelet = setup
         .create("held", &json!({"model": model_with(&setup, &budget)}))
         .await;
-    kubelet.hold = BTreeSet::from([3]);
-    kubelet
-        .serve_until("three batches done", Duration::from_secs(120), |run| {
-            done_batches(run) >= 3
-        })
-        .await;
-    let pods = setup.pods();
-    let pod = wait_until("the pod of batch 3", Duration::from_secs(30), || async {
-        pods_of_index(&pods, "held-gen-1", 3)
-            .await
-            .into_iter()
-            .next()
-    })
-    .await;
+    let pod = setup.hold_the_last_batch(&mut kubelet, "held-gen-1").await;
     let image = pod
         .spec
         .as_ref()
@@ -774,13 +729,16 @@ async fn a_deleted_queued_run_leaves_no_job_workload_or_pod() {
     }
 }
 
-/// A queued run whose rows name images: each image's generation Job is admitted through its own
-/// Workload (the operator never unsuspends a queued Job, so a finished run means every one was),
-/// at most `workers` of them at once, and the run succeeds as it does without a queue.
+/// A queued run whose rows name images: the image pages Job and each image's generation Job are
+/// admitted through Workloads of their own (the operator never unsuspends a queued Job, so a
+/// finished run means every one was), at most `workers` of them at once, and the run succeeds as
+/// it does without a queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_queued_run_over_images_admits_each_images_job_and_succeeds() {
     let setup = Setup::new("kq-images", ("10", "10Gi"), &json!({})).await;
-    let (rows, images, workers) = (24, 4, 2);
+    // Enough images that the plan's summary cannot list them all: the image pages Job (read
+    // through the queue too) reports them.
+    let (rows, images, workers) = (120, 60, 4);
     write_image_dataset(&setup.scratch.storage(), rows, images);
     let created = Instant::now();
     let kubelet = setup
