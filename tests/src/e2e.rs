@@ -1126,6 +1126,17 @@ pub fn assert_succeeded_once(
     assert_eq!(indexes, (0..10).collect::<Vec<u64>>());
 }
 
+/// Checks that `batch` ran exactly once, and not on `held`, the pod that held it before the run
+/// was stopped: a pod of the resumed Job ran it.
+pub fn assert_ran_once_on_a_new_pod(kubelet: &Kubelet, batch: u32, held: &str) {
+    let played = kubelet.played();
+    let ran: Vec<&Played> = played.iter().filter(|p| p.batch == Some(batch)).collect();
+    assert!(
+        ran.len() == 1 && ran[0].pod != held,
+        "batch {batch} ran once, on a pod of the resumed Job: {ran:#?}"
+    );
+}
+
 /// The environment of the pod's worker container as the process sees it: its literal values and
 /// the values it takes from the pod's labels and annotations (the Job controller's
 /// `JOB_COMPLETION_INDEX`), with the contract's paths mapped onto what this kubelet mounts — the

@@ -39,10 +39,11 @@ use trajectory_operator::service::{self, Exit};
 use trajectory_operator::settings::Settings;
 use trajectory_testkit::versitygw::Versitygw;
 use trajectory_tests::e2e::{
-    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, assert_image_run, assert_succeeded_once,
-    children, condition, count_live_children, done_batches, job_status, jsonl, mark_done, model,
-    phase_events, phase_of, plan_termination_message, pods_of_index, printed_row, random_batches,
-    run_spec, snapshot, start_controller_in, write_dataset, write_image_dataset,
+    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, assert_image_run,
+    assert_ran_once_on_a_new_pod, assert_succeeded_once, children, condition, count_live_children,
+    done_batches, job_status, jsonl, mark_done, model, phase_events, phase_of,
+    plan_termination_message, pods_of_index, printed_row, random_batches, run_spec, snapshot,
+    start_controller_in, write_dataset, write_image_dataset,
 };
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
 use trajectory_worker::contract::{exit, paths};
@@ -657,12 +658,7 @@ async fn a_suspended_run_stops_its_pods_and_resumes_where_it_stopped() {
         )
         .await;
     setup.assert_succeeded_once(&run, &kubelet);
-    let played = kubelet.played();
-    let batch_3: Vec<&Played> = played.iter().filter(|p| p.batch == Some(3)).collect();
-    assert!(
-        batch_3.len() == 1 && batch_3[0].pod != held,
-        "batch 3 ran once, on a pod of the resumed Job: {batch_3:#?}"
-    );
+    assert_ran_once_on_a_new_pod(&kubelet, 3, &held);
     assert_eq!(
         condition_status(&run, "Suspended").as_deref(),
         Some("False")

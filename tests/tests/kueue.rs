@@ -22,9 +22,9 @@ use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_operator::reconcile::children::labels;
 use trajectory_testkit::scripted_server::ScriptedServer;
 use trajectory_tests::e2e::{
-    ControllerGuard, Kubelet, NO_NODE, Played, Scratch, assert_image_run, assert_succeeded_once,
-    condition, count_live_children, done_batches, model, phase_of, pods_of_index, run_spec,
-    start_controller_in, write_dataset, write_image_dataset,
+    ControllerGuard, Kubelet, NO_NODE, Scratch, assert_image_run, assert_ran_once_on_a_new_pod,
+    assert_succeeded_once, condition, count_live_children, done_batches, model, phase_of,
+    pods_of_index, run_spec, start_controller_in, write_dataset, write_image_dataset,
 };
 use trajectory_tests::kueue::{Kueue, holds, job_of, kueue_api, workloads};
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
@@ -169,6 +169,17 @@ impl Setup {
             pods_of_index(&pods, job, 3).await.into_iter().next()
         })
         .await
+    }
+
+    /// Lets every batch run, plays the run to its end and checks that it finished with every
+    /// prompt once ([`Setup::assert_succeeded_once`]).
+    async fn finish_once(&self, kubelet: &mut Kubelet, what: &str) -> TrajectoryRun {
+        kubelet.hold.clear();
+        let run = kubelet
+            .serve_until(what, Duration::from_secs(180), finished)
+            .await;
+        self.assert_succeeded_once(&run, kubelet);
+        run
     }
 
     /// The Workload of Job `job` that is not finished.
@@ -417,21 +428,10 @@ async fn a_suspended_queued_run_stays_stopped_and_resumes_where_it_stopped() {
     assert_eq!((status.as_str(), reason.as_str()), ("False", "Deactivated"));
 
     setup.patch_spec("pause", &json!({"suspend": false})).await;
-    kubelet.hold.clear();
-    let run = kubelet
-        .serve_until(
-            "the resumed run to finish",
-            Duration::from_secs(180),
-            finished,
-        )
+    let run = setup
+        .finish_once(&mut kubelet, "the resumed run to finish")
         .await;
-    setup.assert_succeeded_once(&run, &kubelet);
-    let played = kubelet.played();
-    let batch_3: Vec<&Played> = played.iter().filter(|p| p.batch == Some(3)).collect();
-    assert!(
-        batch_3.len() == 1 && batch_3[0].pod != held,
-        "batch 3 ran once, on a pod of the resumed Job: {batch_3:#?}"
-    );
+    assert_ran_once_on_a_new_pod(&kubelet, 3, &held);
     assert_eq!(
         run.status.as_ref().and_then(|s| s.attempt),
         Some(1),
@@ -482,15 +482,9 @@ async fn a_queued_run_held_at_its_budget_stays_stopped_until_the_budget_is_raise
     setup
         .patch_spec("held", &json!({"model": model_with(&setup, &raised)}))
         .await;
-    kubelet.hold.clear();
-    let run = kubelet
-        .serve_until(
-            "the run to finish once the budget is raised",
-            Duration::from_secs(180),
-            finished,
-        )
+    setup
+        .finish_once(&mut kubelet, "the run to finish once the budget is raised")
         .await;
-    setup.assert_succeeded_once(&run, &kubelet);
 }
 
 /// The run's `model` with `extra` fields (prices, budget).
@@ -571,11 +565,7 @@ async fn changing_workers_of_a_queued_run_resizes_it_without_a_requeue() {
     let (status, _, message) = setup.admitted("scale").await.expect("Admitted");
     assert_eq!(status, "True", "{message}");
 
-    kubelet.hold.clear();
-    let run = kubelet
-        .serve_until("the run to finish", Duration::from_secs(180), finished)
-        .await;
-    setup.assert_succeeded_once(&run, &kubelet);
+    setup.finish_once(&mut kubelet, "the run to finish").await;
 }
 
 /// A workload of higher priority preempts a running queued run: its pods go, nothing it finished
@@ -659,15 +649,9 @@ async fn a_preempted_run_keeps_its_progress_and_finishes_once_when_readmitted() 
     jobs.delete("urgent", &DeleteParams::background())
         .await
         .expect("delete the urgent Job");
-    kubelet.hold.clear();
-    let run = kubelet
-        .serve_until(
-            "the readmitted run to finish",
-            Duration::from_secs(180),
-            finished,
-        )
+    setup
+        .finish_once(&mut kubelet, "the readmitted run to finish")
         .await;
-    setup.assert_succeeded_once(&run, &kubelet);
     assert_eq!(
         setup.model.request_count() - requests_before,
         8,
