@@ -16,6 +16,34 @@ cd "${REPO_ROOT}"
 
 step() { printf '\n==> %s (%(%H:%M:%S)T)\n' "$1" -1 >&2; }
 
+step "Go tools: build in the background (cached)"
+# The tools built from Go modules (Kueue, Karpenter, gitops-health, gubernator, versitygw, helm,
+# crane) are mostly module downloads on a new machine: building them side by side with the cargo
+# builds and the model server below overlaps those waits. Each is waited for before its first use.
+mkdir -p "${TRAJ_CACHE_DIR}/logs"
+go_tools_log="${TRAJ_CACHE_DIR}/logs/go-tools-$(date +%Y%m%d-%H%M%S).log"
+(
+  set -e
+  for tool in kueue karpenter gitops-health gubernator versitygw helm registry; do
+    printf '== %s (%(%H:%M:%S)T)\n' "${tool}" -1
+    nice -n 10 "scripts/${tool}/build.sh"
+  done
+  printf '== built (%(%H:%M:%S)T)\n' -1
+) >"${go_tools_log}" 2>&1 &
+go_tools=$!
+# A suite that stops early stops the chain after the tool being built (each lands whole or not).
+trap '[[ -z "${go_tools}" ]] || kill "${go_tools}" 2>/dev/null || true' EXIT
+wait_for_go_tools() {
+  [[ -n "${go_tools}" ]] || return 0
+  if ! wait "${go_tools}"; then
+    cat "${go_tools_log}" >&2
+    echo "the Go tools' build failed (log above: ${go_tools_log})" >&2
+    exit 1
+  fi
+  go_tools=""
+  grep '^== ' "${go_tools_log}" >&2
+}
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -49,6 +77,9 @@ export TRAJ_NODE_IMAGES="${images_dir}/trajectory-worker-test.tar ${images_dir}/
 
 step "control plane and kubelet: build (cached)"
 scripts/cluster/build.sh --real-node
+
+step "Go tools: wait for the background build"
+wait_for_go_tools
 
 step "image registry: crane (cached)"
 scripts/registry/build.sh
@@ -89,6 +120,11 @@ step "kueue: build (cached)"
 TRAJ_KUEUE="$(scripts/kueue/build.sh --print-path)"
 TRAJ_KUEUE_SRC="$(scripts/kueue/build.sh --print-src)"
 export TRAJ_KUEUE TRAJ_KUEUE_SRC
+step "karpenter: build (cached)"
+# tests/tests/autoscaling.rs scales kwok nodes for runs with it (its kwok provider).
+TRAJ_KARPENTER="$(scripts/karpenter/build.sh --print-path)"
+TRAJ_KARPENTER_SRC="$(scripts/karpenter/build.sh --print-src)"
+export TRAJ_KARPENTER TRAJ_KARPENTER_SRC
 
 step "envoy: install (cached)"
 # worker/tests/real_model_admission.rs sheds load with it in front of a real model server.

@@ -403,8 +403,8 @@ mod tests {
         }
         for key in &keys {
             let name = key.trim_matches('`');
-            let error = serde_json::from_value::<PodOverrides>(serde_json::json!({ name: 1 }))
-                .expect_err("1 is no valid value of any key")
+            let error = serde_json::from_value::<PodOverrides>(serde_json::json!({ name: true }))
+                .expect_err("true is no valid value of any key")
                 .to_string();
             assert!(
                 !error.contains("unknown field"),

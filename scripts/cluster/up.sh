@@ -228,6 +228,22 @@ api_get() {
 }
 api_readyz() { [[ "$(api_get /readyz)" == "ok" ]]; }
 kubectl() { "${K8S_BIN_DIR}/kubectl" --kubeconfig "${DIR}/kubeconfig" "$@"; }
+
+# kwok's default stages, its pod stages kept off the pods the tests' own kubelet plays (tests/src/e2e.rs):
+# those select the node label trajectories.dev/e2e-kubelet, and once an autoscaler (Karpenter's kwok
+# provider) gives them a kwok node of that label, they are bound there but run, end and are deleted by
+# the test-kubelet, as on a real node, not by kwok.
+test_kubelet_stages() {
+	awk '
+		/^---/ { pod = 0 }
+		/^    kind: Pod$/ { pod = 1 }
+		{ print }
+		pod && /^    matchExpressions:$/ {
+			print "    - key: \x27.spec.nodeSelector[\"trajectories.dev/e2e-kubelet\"]\x27"
+			print "      operator: \x27DoesNotExist\x27"
+		}
+	' "${KWOK_STAGES_FILE}"
+}
 # nodes_ready: all KWOK_NODES fake nodes report Ready (one list; `kubectl wait` goes node by node).
 nodes_ready() {
 	local ready
@@ -352,9 +368,12 @@ start_components() {
 	fi
 
 	if [[ "${NODES}" -gt 0 ]]; then
+		test_kubelet_stages >"${DIR}/kwok-stages.yaml"
+		[[ "$(grep -c 'trajectories.dev/e2e-kubelet' "${DIR}/kwok-stages.yaml")" -eq 3 ]] ||
+			die "kwok's pod stages (ready, complete, delete) not found in ${KWOK_STAGES_FILE}"
 		start kwok "${KWOK_BIN_DIR}/kwok" \
 			--kubeconfig="${DIR}/kubeconfig" \
-			--config="${KWOK_STAGES_FILE}" \
+			--config="${DIR}/kwok-stages.yaml" \
 			--manage-all-nodes=false \
 			--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
 			--node-lease-duration-seconds=40 \

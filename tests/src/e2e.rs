@@ -37,7 +37,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec, Secret};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
@@ -214,6 +214,26 @@ pub fn run_spec(base_url: &str, extra: &Value) -> TrajectoryRunSpec {
     TrajectoryRunSpec::from(spec)
 }
 
+/// Creates the run `name` of [`run_spec`] with `spec` and then `extra` in its spec (the keys of
+/// `extra` win).
+pub async fn create_run(
+    runs: &Api<TrajectoryRun>,
+    base_url: &str,
+    name: &str,
+    mut spec: Value,
+    extra: &Value,
+) {
+    for (key, value) in extra.as_object().into_iter().flatten() {
+        spec[key] = value.clone();
+    }
+    runs.create(
+        &kube::api::PostParams::default(),
+        &TrajectoryRun::new(name, run_spec(base_url, &spec)),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("create the run {name}: {e}"));
+}
+
 /// What the test-kubelet did with one pod.
 #[derive(Debug, Clone)]
 pub struct Played {
@@ -227,6 +247,8 @@ pub struct Played {
     pub exit_code: i32,
     /// Whether the worker step ran (false when the test made the pod fail without running it).
     pub ran: bool,
+    /// The node the pod was bound to, if any.
+    pub node: Option<String>,
 }
 
 /// Decides, per pod about to be played, whether it crashes (exit code) before running the worker.
@@ -258,6 +280,10 @@ pub struct Kubelet {
     /// it (its keys included: the Secret's values of a real pod); `storage` is then where this
     /// machine sees the bucket's prefix.
     pub bucket: Option<trajectory_worker::storage::BucketOptions>,
+    /// Plays only pods the scheduler bound to a node (an autoscaler's kwok node, labelled to match
+    /// the run's node selector), and ends a deleted bound pod as a kubelet does: its process sent
+    /// `SIGTERM`, `SIGKILL` once the pod's grace period has passed, then the pod removed.
+    pub on_nodes: bool,
     /// The pods whose worker process runs, by name.
     running: Arc<Mutex<BTreeMap<String, RunningPod>>>,
 }
@@ -267,6 +293,9 @@ pub struct Kubelet {
 struct RunningPod {
     batch: Option<u32>,
     started: Instant,
+    pid: Option<u32>,
+    /// When the process was sent `SIGTERM` (its pod deleted).
+    terminated: Option<Instant>,
     /// Tells the task waiting for the process to `SIGKILL` it.
     kill: Option<oneshot::Sender<()>>,
 }
@@ -306,6 +335,7 @@ impl Kubelet {
             hold: BTreeSet::new(),
             worker_binary: None,
             bucket: None,
+            on_nodes: false,
             running: Arc::default(),
         }
     }
@@ -329,6 +359,21 @@ impl Kubelet {
             .expect("list the run's pods");
         let mut count = 0;
         for pod in list.items {
+            if self.on_nodes {
+                // An unscheduled pod has no kubelet yet.
+                if pod
+                    .spec
+                    .as_ref()
+                    .and_then(|spec| spec.node_name.as_ref())
+                    .is_none()
+                {
+                    continue;
+                }
+                if pod.metadata.deletion_timestamp.is_some() {
+                    self.end_deleted(&pod).await;
+                    continue;
+                }
+            }
             let pending = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
             let seen = self.seen(&pod.name_any());
             // A pod with scheduling gates (Kueue's, on an elastic Job's new pod until its slice is
@@ -384,6 +429,57 @@ impl Kubelet {
             // Gone already: the Job controller let go of it.
             Err(kube::Error::Api(status)) if status.code == 404 => {}
             Err(e) => panic!("stopping the deleted pod {name}: {e}"),
+        }
+    }
+
+    /// Ends a deleted pod bound to a node, one step per call, as a kubelet does: a running process
+    /// is sent `SIGTERM` (the worker finishes its conversations in flight and exits), then
+    /// `SIGKILL` once the pod's grace period has passed; a pod never started is stopped; an ended
+    /// one is removed (deleted with no grace), which lets a drained node go.
+    async fn end_deleted(&self, pod: &Pod) {
+        let name = pod.name_any();
+        let grace = Duration::from_secs(
+            pod.metadata
+                .deletion_grace_period_seconds
+                .and_then(|seconds| u64::try_from(seconds).ok())
+                .unwrap_or(30),
+        );
+        let kill = {
+            let mut running = self.running.lock().expect("not poisoned");
+            match running.get_mut(&name) {
+                Some(process) => match process.terminated {
+                    None => {
+                        process.terminated = Some(Instant::now());
+                        if let Some(pid) = process.pid.and_then(|pid| i32::try_from(pid).ok()) {
+                            // An error means the process has just ended; its end is reported.
+                            let _ = nix::sys::signal::kill(
+                                nix::unistd::Pid::from_raw(pid),
+                                nix::sys::signal::Signal::SIGTERM,
+                            );
+                        }
+                        return;
+                    }
+                    Some(sent) if sent.elapsed() >= grace => process.kill.take(),
+                    Some(_) => return,
+                },
+                None => None,
+            }
+        };
+        if let Some(kill) = kill {
+            let _ = kill.send(());
+            return;
+        }
+        if !self.seen(&name) {
+            self.stop(pod).await;
+        }
+        match self
+            .pods
+            .delete(&name, &DeleteParams::default().grace_period(0))
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => panic!("removing the ended pod {name}: {e}"),
         }
     }
 
@@ -468,6 +564,7 @@ impl Kubelet {
             phase,
             exit_code: exit::OK,
             ran: crash.is_none(),
+            node: spec.node_name.clone(),
         };
         if let (Some(binary), None) = (&self.worker_binary, crash) {
             let secrets = self.secret_values(container).await;
@@ -616,6 +713,8 @@ impl Kubelet {
             RunningPod {
                 batch: played.batch,
                 started: Instant::now(),
+                pid: child.id(),
+                terminated: None,
                 kill: Some(kill),
             },
         );
@@ -907,7 +1006,9 @@ async fn report_status(
             }],
         }
     });
-    pods.patch_status(pod, &PatchParams::default(), &Patch::Merge(&patch))
+    // A strategic merge, as a kubelet's: the conditions others set (`DisruptionTarget`, which
+    // the Job's pod failure policy reads) stay.
+    pods.patch_status(pod, &PatchParams::default(), &Patch::Strategic(&patch))
         .await
         .map(drop)
 }
@@ -1106,10 +1207,12 @@ pub fn assert_succeeded_once(
         ("0-3", ""),
         "every batch done, none counted as failed"
     );
+    // A pod stopped by SIGTERM (a drained node) left its batch for the next pod; the test that
+    // stops one checks it.
     let mut ran: Vec<u32> = kubelet
         .played()
         .iter()
-        .filter(|p| p.mode == "batch" && p.ran)
+        .filter(|p| p.mode == "batch" && p.ran && p.exit_code != exit::INTERRUPTED)
         .filter_map(|p| p.batch)
         .collect();
     ran.sort_unstable();

@@ -11,22 +11,21 @@
 //! ([`Kueue::namespace`] makes them), so that the other tests' Jobs never meet a webhook whose
 //! server may be gone.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
 use base64::Engine as _;
 use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
-use kube::runtime::wait::conditions;
 use kube::{Api, Client};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 use trajectory_testkit::installed;
 
-use crate::{TestNamespace, wait_for_object, wait_until};
+use crate::sidecar::{FIELD_MANAGER, Sidecar, apply, apply_crds, free_port};
+use crate::{TestNamespace, wait_until};
 
 /// The label of namespaces whose Jobs Kueue's Job webhooks see.
 pub const NAMESPACE_LABEL: &str = "trajectories.dev/kueue-test";
@@ -34,15 +33,10 @@ pub const NAMESPACE_LABEL: &str = "trajectories.dev/kueue-test";
 /// The Workload API the tests read (Kueue's stored version).
 pub const WORKLOAD_VERSION: &str = "v1beta2";
 
-const FIELD_MANAGER: &str = "trajectory-tests-kueue";
-
 /// A running Kueue.
 #[derive(Debug)]
 pub struct Kueue {
-    /// The shell that ends Kueue when its standard input closes: held, never waited on.
-    _supervisor: Child,
-    /// Its log file.
-    pub log: PathBuf,
+    pub process: Sidecar,
     _dir: tempfile::TempDir,
 }
 
@@ -57,7 +51,7 @@ impl Kueue {
     async fn start(client: &Client) -> Self {
         let binary = installed("TRAJ_KUEUE", "kueue/build.sh", "--print-path");
         let source = installed("TRAJ_KUEUE_SRC", "kueue/build.sh", "--print-src");
-        apply_crds(client, &source.join("config/components/crd/bases")).await;
+        apply_crds(client, &[source.join("config/components/crd/bases")]).await;
         let namespaces: Api<Namespace> = Api::all(client.clone());
         apply(
             &namespaces,
@@ -95,44 +89,25 @@ impl Kueue {
             ),
         )
         .expect("write Kueue's configuration");
-        let log = dir.path().join("kueue.log");
         let kubeconfig = std::env::var("KUBECONFIG").expect("KUBECONFIG names the test cluster");
-        // The shell waits on its standard input: when this process ends, the pipe closes and the
-        // shell kills Kueue.
-        let mut supervisor = Command::new("bash")
-            .args([
-                "-c",
-                r#""$0" "$@" & kueue=$!; cat >/dev/null; kill "$kueue"; wait "$kueue""#,
-            ])
-            .arg(&binary)
-            .arg("--config")
-            .arg(&config)
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .args([
-                "--feature-gates=VisibilityOnDemand=false",
-                "--zap-log-level=2",
-            ])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("Kueue's log"))
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
-        let ready = wait_ready(&mut supervisor, health, &log);
-        tokio::time::timeout(Duration::from_secs(60), ready)
-            .await
-            .unwrap_or_else(|_| {
-                panic!(
-                    "Kueue was not ready within 60 s: {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                )
-            });
+        let process = Sidecar::start(
+            "Kueue",
+            &binary,
+            &[
+                "--config".as_ref(),
+                config.as_os_str(),
+                "--kubeconfig".as_ref(),
+                kubeconfig.as_ref(),
+                "--feature-gates=VisibilityOnDemand=false".as_ref(),
+                "--zap-log-level=2".as_ref(),
+            ],
+            std::iter::empty::<(&str, &str)>(),
+            dir.path().join("kueue.log"),
+            (health, "/readyz"),
+        )
+        .await;
         register_webhooks(client, &source, webhook, &ca).await;
-        Self {
-            _supervisor: supervisor,
-            log,
-            _dir: dir,
-        }
+        Self { process, _dir: dir }
     }
 
     /// A test namespace whose Jobs Kueue manages, with a `LocalQueue` named `queue` admitting
@@ -206,13 +181,6 @@ impl Kueue {
         )
         .await;
     }
-
-    /// The last lines of Kueue's log, for a failing test's message.
-    pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
-    }
 }
 
 /// The API of one of Kueue's kinds, in `namespace` or cluster-wide.
@@ -261,56 +229,6 @@ pub fn job_of(workload: &DynamicObject) -> String {
         .find(|owner| owner.kind == "Job")
         .map(|owner| owner.name.clone())
         .unwrap_or_default()
-}
-
-async fn apply<K>(api: &Api<K>, name: &str, object: &Value)
-where
-    K: Clone + std::fmt::Debug + serde::de::DeserializeOwned + serde::Serialize,
-{
-    api.patch(
-        name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(object),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("applying {name}: {e}"));
-}
-
-/// Applies Kueue's CRDs (the bases: no conversion webhooks) and waits until each is established.
-async fn apply_crds(client: &Client, dir: &Path) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let mut names = Vec::new();
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
-        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
-        .filter(|path| path.extension().is_some_and(|ext| ext == "yaml"))
-        .collect();
-    files.sort();
-    for file in files {
-        let text = std::fs::read_to_string(&file).expect("read a Kueue CRD");
-        for document in serde_yaml::Deserializer::from_str(&text) {
-            let value = Value::deserialize(document).expect("a CRD");
-            if value.is_null() {
-                continue;
-            }
-            let name = value["metadata"]["name"]
-                .as_str()
-                .expect("a named CRD")
-                .to_owned();
-            apply(&crds, &name, &value).await;
-            names.push(name);
-        }
-    }
-    for name in names {
-        wait_for_object(
-            &crds,
-            &name,
-            "Established",
-            Duration::from_secs(30),
-            conditions::is_crd_established(),
-        )
-        .await;
-    }
 }
 
 /// A CA and a serving certificate for `127.0.0.1` (`tls.crt`, `tls.key`) in `dir`; returns the
@@ -385,24 +303,6 @@ fn make_certificates(dir: &Path) -> Vec<u8> {
     std::fs::read(dir.join("ca.crt")).expect("the CA")
 }
 
-/// Waits until Kueue's health endpoint says ready; panics with its log when it exits first.
-async fn wait_ready(supervisor: &mut Child, health: u16, log: &Path) {
-    let address = std::net::SocketAddr::from(([127, 0, 0, 1], health));
-    loop {
-        if let Some(status) = supervisor.try_wait().expect("wait on Kueue") {
-            panic!(
-                "Kueue exited ({status}): {}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        let answer = crate::e2e::http_get(address, "/readyz").await;
-        if answer.is_some_and(|response| response.starts_with("HTTP/1.1 200")) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 /// Registers Kueue's Job and Kueue-kind webhooks from its own manifest, by URL on loopback; the
 /// Job webhooks only for namespaces labelled [`NAMESPACE_LABEL`].
 async fn register_webhooks(client: &Client, source: &Path, port: u16, ca: &[u8]) {
@@ -474,12 +374,4 @@ async fn register_webhooks(client: &Client, source: &Path, port: u16, ca: &[u8])
         },
     )
     .await;
-}
-
-/// A port free on loopback a moment ago.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
 }

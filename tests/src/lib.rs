@@ -11,7 +11,9 @@
 //!   processes of the worker's command line, the crate's `e2e-worker` binary).
 //! - [`children`] builds a run's Jobs with the operator's own builder, without a controller.
 //! - [`helm`] renders the Helm chart with the helm binary `scripts/helm/build.sh` builds.
-//! - [`kueue`] runs a real Kueue beside the cluster (`scripts/kueue/build.sh`) for queued runs.
+//! - [`kueue`] runs a real Kueue beside the cluster (`scripts/kueue/build.sh`) for queued runs, and
+//!   [`karpenter`] Karpenter with its kwok provider (`scripts/karpenter/build.sh`) for autoscaled
+//!   ones, each a [`sidecar`] process.
 //! - [`real_pods`] runs in real pods on the real node (`scripts/cluster/up.sh --real-node`): the
 //!   node and its imported images, a shared `hostPath` volume, the model as pods reach it.
 //!
@@ -22,8 +24,10 @@ pub mod children;
 pub mod crds;
 pub mod e2e;
 pub mod helm;
+pub mod karpenter;
 pub mod kueue;
 pub mod real_pods;
+pub mod sidecar;
 
 pub use crds::install_crds;
 

@@ -27,6 +27,7 @@ use trajectory_operator::reconcile::children::Component;
 use trajectory_operator::reconcile::validate::{Validation, validate};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::children::jobs_of_every_stage;
+use trajectory_tests::karpenter::install_karpenter_crds;
 use trajectory_tests::{TestNamespace, client, install_crds};
 use trajectory_worker::run::RunFile;
 
@@ -194,6 +195,8 @@ async fn check_object(client: &Client, namespace: &str, object: Value) -> Result
 async fn every_example_is_accepted_by_the_api_server_and_the_operator() {
     let client = client().await;
     install_crds(&client).await;
+    // So that the Karpenter NodePool of examples/karpenter/ is checked against its own schema.
+    install_karpenter_crds(&client).await;
     let namespace = TestNamespace::create(&client, "examples").await;
     let ns = namespace.name();
 
@@ -238,6 +241,7 @@ async fn every_example_is_accepted_by_the_api_server_and_the_operator() {
         "examples/kueue/run.yaml",
         "examples/spot/run.yaml",
         "examples/resume/run.yaml",
+        "examples/karpenter/run.yaml",
     ] {
         assert!(
             cluster_runs
@@ -247,10 +251,10 @@ async fn every_example_is_accepted_by_the_api_server_and_the_operator() {
             "{expected} was not checked; found {files:?}"
         );
     }
-    for kind in ["(Deployment)", "(NetworkPolicy)"] {
+    for kind in ["(Deployment)", "(NetworkPolicy)", "(NodePool)"] {
         assert!(
             others.iter().any(|place| place.contains(kind)),
-            "no {kind} was checked (the vLLM Deployment, examples/networkpolicy/): {others:?}"
+            "no {kind} was checked (the vLLM Deployment, examples/networkpolicy/, examples/karpenter/): {others:?}"
         );
     }
 }

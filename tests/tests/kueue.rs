@@ -23,8 +23,8 @@ use trajectory_operator::reconcile::children::labels;
 use trajectory_testkit::scripted_server::ScriptedServer;
 use trajectory_tests::e2e::{
     ControllerGuard, Kubelet, NO_NODE, Scratch, assert_image_run, assert_ran_once_on_a_new_pod,
-    assert_succeeded_once, condition, count_live_children, done_batches, model, phase_of,
-    pods_of_index, run_spec, start_controller_in, write_dataset, write_image_dataset,
+    assert_succeeded_once, condition, count_live_children, create_run, done_batches, model,
+    phase_of, pods_of_index, start_controller_in, write_dataset, write_image_dataset,
 };
 use trajectory_tests::kueue::{Kueue, holds, job_of, kueue_api, workloads};
 use trajectory_tests::{TestNamespace, client, install_crds, wait_until};
@@ -80,23 +80,14 @@ impl Setup {
     /// Creates the run `name` through the queue, its pods asking [`POD_CPU`], with `extra` in its
     /// spec; returns a kubelet for its pods.
     async fn create(&self, name: &str, extra: &Value) -> Kubelet {
-        let mut spec = json!({
+        let spec = json!({
             "queueName": QUEUE,
             "podTemplate": {
                 "nodeSelector": {NO_NODE.0: NO_NODE.1},
                 "resources": {"requests": {"cpu": POD_CPU, "memory": "64Mi"}},
             },
         });
-        for (key, value) in extra.as_object().into_iter().flatten() {
-            spec[key] = value.clone();
-        }
-        self.runs
-            .create(
-                &PostParams::default(),
-                &TrajectoryRun::new(name, run_spec(&self.model.base_url(), &spec)),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("create the run {name}: {e}"));
+        create_run(&self.runs, &self.model.base_url(), name, spec, extra).await;
         Kubelet::new(&self.client, self.ns(), name, &self.scratch)
     }
 
@@ -151,7 +142,7 @@ impl Setup {
 
     /// Checks a finished run: every prompt once ([`assert_succeeded_once`]).
     fn assert_succeeded_once(&self, run: &TrajectoryRun, kubelet: &Kubelet) {
-        let context = format!("; Kueue: {}", self.kueue.log_tail());
+        let context = format!("; Kueue: {}", self.kueue.process.log_tail());
         assert_succeeded_once(run, kubelet, self.model.request_count(), &context);
     }
 
@@ -219,7 +210,7 @@ impl Setup {
             assert!(
                 settling.elapsed() < Duration::from_secs(30),
                 "the stopped Job's spec never stayed the same for 3 s; Kueue: {}",
-                self.kueue.log_tail()
+                self.kueue.process.log_tail()
             );
             tokio::time::sleep(Duration::from_millis(250)).await;
             let now = jobs.get(job).await.expect("the Job").metadata.generation;
@@ -246,7 +237,7 @@ impl Setup {
                 "the stopped Job's spec changed after {:?} (suspend flipped): {:#?}; Kueue: {}",
                 started.elapsed(),
                 now.spec,
-                self.kueue.log_tail()
+                self.kueue.process.log_tail()
             );
             let created: Vec<String> = self
                 .pods()

@@ -247,6 +247,12 @@ pub struct PodOverrides {
     /// Extra environment; the worker contract's variables are set after it and win.
     pub env: Option<Vec<EnvVar>>,
     pub image_pull_secrets: Option<Vec<LocalObjectReference>>,
+    /// Annotations of the pods (e.g. `karpenter.sh/do-not-disrupt: "true"`, which keeps an
+    /// autoscaler from consolidating a node while a batch runs on it).
+    pub annotations: Option<BTreeMap<String, String>>,
+    /// How long a stopped pod (a drained node, a preemption) has to finish its conversations in
+    /// flight after `SIGTERM`, before they are killed and redone elsewhere.
+    pub termination_grace_period_seconds: Option<u32>,
 }
 
 impl PodOverrides {
@@ -357,6 +363,16 @@ mod tests {
                 .build();
             assert!(validate(&run).is_ok(), "{good}");
         }
+    }
+
+    #[test]
+    fn a_negative_termination_grace_is_refused_naming_it() {
+        let run = TrajectoryRun::test()
+            .with_pod_template(json!({"terminationGracePeriodSeconds": -1}))
+            .build();
+        let error = invalid(&run).to_string();
+        assert!(error.starts_with("spec.podTemplate is invalid"), "{error}");
+        assert!(error.contains("-1"), "{error}");
     }
 
     #[test]

@@ -174,6 +174,7 @@ fn job_shell_named(
     let template = PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(pod_labels),
+            annotations: run.overrides.annotations.clone(),
             ..ObjectMeta::default()
         }),
         spec: Some(pod_spec::pod_spec(run, settings, component, &name, tasks)),

@@ -102,6 +102,7 @@ pub fn pod_spec(
         tolerations: overrides.tolerations,
         affinity: overrides.affinity,
         image_pull_secrets: overrides.image_pull_secrets,
+        termination_grace_period_seconds: overrides.termination_grace_period_seconds.map(i64::from),
         security_context: Some(PodSecurityContext {
             run_as_non_root: Some(true),
             // A fresh volume is usually root's: with its driver honouring fsGroup, the kubelet

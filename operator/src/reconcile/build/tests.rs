@@ -58,6 +58,17 @@ fn pod(job: &Job) -> &PodSpec {
     job.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
 }
 
+/// The metadata of the Job's pods.
+fn pod_metadata(job: &Job) -> &ObjectMeta {
+    job.spec
+        .as_ref()
+        .unwrap()
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+}
+
 /// The Secret (name, key) the worker's variable `name` comes from; it must have no inline value.
 fn secret_of(job: &Job, name: &str) -> (String, String) {
     let var = env_value(job, name).unwrap_or_else(|| panic!("{name} in the worker's env"));
@@ -250,14 +261,7 @@ fn children_carry_common_labels_and_a_controller_owner_reference() {
         assert_eq!(owner.controller, Some(true));
         assert_eq!(owner.block_owner_deletion, Some(true));
     }
-    let pod_labels = job
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .metadata
-        .as_ref()
-        .unwrap();
+    let pod_labels = pod_metadata(&job);
     assert_eq!(
         pod_labels.labels.as_ref().unwrap()[labels::RUN],
         "coding-v1"
@@ -802,10 +806,17 @@ fn pod_template_fields_reach_the_pods() {
         "priorityClassName": "batch-low",
         "env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}, {"name": "TRAJ_STORAGE_ROOT", "value": "/elsewhere"}],
         "imagePullSecrets": [{"name": "registry"}],
+        "annotations": {"karpenter.sh/do-not-disrupt": "true"},
+        "terminationGracePeriodSeconds": 600,
     }))
     .build();
     let job = gen_job(&run, 1, &[0], false);
     let pod = pod(&job);
+    assert_eq!(
+        pod_metadata(&job).annotations.as_ref().unwrap()["karpenter.sh/do-not-disrupt"],
+        "true"
+    );
+    assert_eq!(pod.termination_grace_period_seconds, Some(600));
     let container = &pod.containers[0];
     assert_eq!(
         container.image.as_deref(),
