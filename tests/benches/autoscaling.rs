@@ -6,12 +6,17 @@
 //! - **apply → first node Ready** and, for each of the run's pods, **pending → bound**: from the
 //!   first time the pod is seen unbound to the first time it is seen bound to a node;
 //! - **run end → nodes removed**: from `Succeeded` until the pool has no node left (Karpenter's
-//!   consolidation of empty nodes, `consolidateAfter: 0s`).
+//!   consolidation of empty nodes, `consolidateAfter: 0s`), with Karpenter's default disruption
+//!   budget (`nodes: 10%`, one node at a time in a small pool) and with a budget of `100%` for
+//!   empty nodes.
 //!
 //! ```sh
-//! scripts/cluster/with-cluster.sh cargo bench -p trajectory-tests --bench autoscaling
+//! TRAJ_E2E_WORKER=$CARGO_TARGET_DIR/debug/e2e-worker \
+//!   scripts/cluster/with-cluster.sh cargo bench -p trajectory-tests --bench autoscaling
 //! ```
-//! Knobs: `AUTOSCALING_BENCH_ROUNDS` (3), `AUTOSCALING_BENCH_WORKERS` (4).
+//! Knobs: `AUTOSCALING_BENCH_ROUNDS` (3), `AUTOSCALING_BENCH_WORKERS` (4), `TRAJ_E2E_WORKER` (the
+//! worker's command line the test-kubelet runs, with `trajectory-executor` beside it: the tests'
+//! build, `$CARGO_TARGET_DIR/debug/e2e-worker`; `cargo bench` builds no executor).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -68,16 +73,32 @@ impl Binding {
 async fn main() {
     let rounds: usize = knob("AUTOSCALING_BENCH_ROUNDS", 3);
     let workers: u32 = knob("AUTOSCALING_BENCH_WORKERS", 4);
-    let worker = PathBuf::from(env!("CARGO_BIN_EXE_e2e-worker"));
+    let worker = std::env::var_os("TRAJ_E2E_WORKER").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_e2e-worker")),
+        PathBuf::from,
+    );
+    let executor = worker.with_file_name("trajectory-executor");
+    assert!(
+        executor.is_file(),
+        "{} is not there: the worker runs the model's commands with it. Point TRAJ_E2E_WORKER at \
+         an e2e-worker that has it beside it (the tests' build: $CARGO_TARGET_DIR/debug/e2e-worker)",
+        executor.display()
+    );
     let mut report = format!(
         "\n### Autoscaling: a run of 4 batches, {workers} workers of 1.2 CPUs on Karpenter's 2-CPU kwok nodes\n\n\
-         | round | apply → first node Ready ms | pending → bound ms (median, max; pods) | nodes (at once) | run s | run end → nodes removed s |\n\
-         |---:|---:|---:|---:|---:|---:|\n"
+         | round | empty nodes removed at once | apply → first node Ready ms | pending → bound ms (min, median, max; pods) | nodes (at once) | run s | run end → nodes removed s |\n\
+         |---:|---|---:|---:|---:|---:|---:|\n"
     );
-    for round in 0..rounds {
+    for (round, empty_budget) in
+        (0..rounds).flat_map(|round| [(round, None), (round, Some("100%"))])
+    {
+        let settings = PoolSettings {
+            empty_budget: empty_budget.map(str::to_owned),
+            ..PoolSettings::default()
+        };
         let setup = Autoscaled::new(
             "bench-autoscaling",
-            &PoolSettings::default(),
+            &settings,
             Duration::from_millis(500),
             worker.clone(),
         )
@@ -104,9 +125,12 @@ async fn main() {
         waits.sort_unstable();
         let median = waits.get(waits.len() / 2).copied().unwrap_or_default();
         let max = waits.last().copied().unwrap_or_default();
+        let min = waits.first().copied().unwrap_or_default();
         let line = format!(
-            "| {round} | {} | {}, {}; {} | {} ({}) | {:.1} | {:.1} |",
+            "| {round} | {} | {} | {}, {}, {}; {} | {} ({}) | {:.1} | {:.1} |",
+            empty_budget.unwrap_or("10% (the default budget)"),
             seen.first_node.map_or(0, ms),
+            ms(min),
             ms(median),
             ms(max),
             waits.len(),

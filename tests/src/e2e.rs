@@ -214,8 +214,8 @@ pub fn run_spec(base_url: &str, extra: &Value) -> TrajectoryRunSpec {
     TrajectoryRunSpec::from(spec)
 }
 
-/// Creates the run `name` of [`run_spec`] with `spec` and then `extra` in its spec (the keys of
-/// `extra` win).
+/// Creates the run `name` of [`run_spec`] with `spec` and then `extra` in its spec: the keys of
+/// `extra` win, and its `podTemplate` keys are added to those of `spec`.
 pub async fn create_run(
     runs: &Api<TrajectoryRun>,
     base_url: &str,
@@ -224,7 +224,17 @@ pub async fn create_run(
     extra: &Value,
 ) {
     for (key, value) in extra.as_object().into_iter().flatten() {
-        spec[key] = value.clone();
+        match (
+            key.as_str(),
+            spec.get_mut(key).and_then(Value::as_object_mut),
+        ) {
+            ("podTemplate", Some(template)) => {
+                for (field, setting) in value.as_object().into_iter().flatten() {
+                    template.insert(field.clone(), setting.clone());
+                }
+            }
+            _ => spec[key] = value.clone(),
+        }
     }
     runs.create(
         &kube::api::PostParams::default(),

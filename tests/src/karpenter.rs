@@ -49,6 +49,10 @@ pub struct PoolSettings {
     pub cpu_limit: String,
     /// `disruption.consolidateAfter`.
     pub consolidate_after: String,
+    /// How many empty nodes Karpenter may remove at once (a `disruption.budgets` entry for the
+    /// reason `Empty`, Karpenter's default of `10%` kept for the other reasons); `None`: the
+    /// default for every reason, which removes one node at a time from a pool of fewer than 20.
+    pub empty_budget: Option<String>,
 }
 
 impl Default for PoolSettings {
@@ -56,6 +60,7 @@ impl Default for PoolSettings {
         Self {
             cpu_limit: "16".to_owned(),
             consolidate_after: "0s".to_owned(),
+            empty_budget: None,
         }
     }
 }
@@ -117,6 +122,15 @@ impl Karpenter {
 
     /// Applies pool `name` with `settings` (made by [`Karpenter::pool`]).
     pub async fn set_pool(&self, client: &Client, name: &str, settings: &PoolSettings) {
+        // Karpenter applies the most restrictive budget of those that match a reason: the
+        // default's 10% must leave out `Empty` for a larger budget of empty nodes to count.
+        let budgets = match &settings.empty_budget {
+            None => vec![json!({"nodes": "10%"})],
+            Some(nodes) => vec![
+                json!({"nodes": nodes, "reasons": ["Empty"]}),
+                json!({"nodes": "10%", "reasons": ["Drifted", "Underutilized"]}),
+            ],
+        };
         apply(
             &karpenter_api(client, "karpenter.sh", "v1", "NodePool"),
             name,
@@ -144,6 +158,7 @@ impl Karpenter {
                     "disruption": {
                         "consolidationPolicy": "WhenEmptyOrUnderutilized",
                         "consolidateAfter": settings.consolidate_after,
+                        "budgets": budgets,
                     },
                 },
             }),
@@ -336,15 +351,19 @@ impl Autoscaled {
     }
 
     /// A setup with the default pool, and the run `name` created in it, one conversation at a time
-    /// per pod; each model call takes `latency`.
+    /// per pod, with `extra` in its spec; each model call takes `latency`.
     pub async fn with_run(
         prefix: &str,
         latency: Duration,
-        name: &str,
+        (name, extra): (&str, &Value),
         worker: PathBuf,
     ) -> (Self, Kubelet) {
         let setup = Self::new(prefix, &PoolSettings::default(), latency, worker).await;
-        let kubelet = setup.create(name, &json!({"concurrency": 1})).await;
+        let mut spec = json!({"concurrency": 1});
+        for (key, value) in extra.as_object().into_iter().flatten() {
+            spec[key] = value.clone();
+        }
+        let kubelet = setup.create(name, &spec).await;
         (setup, kubelet)
     }
 

@@ -46,6 +46,9 @@ impl Sidecar {
         K: AsRef<OsStr>,
         V: AsRef<OsStr>,
     {
+        // Kueue logs to standard error, Karpenter to standard output: both go to the log.
+        let output = std::fs::File::create(&log).expect("the controller's log");
+        let errors = output.try_clone().expect("a second handle on the log");
         // The shell waits on its standard input: when this process ends, the pipe closes and the
         // shell kills the controller.
         let mut supervisor = Command::new("bash")
@@ -57,8 +60,8 @@ impl Sidecar {
             .args(args)
             .envs(env)
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("the controller's log"))
+            .stdout(output)
+            .stderr(errors)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
         let ready = wait_ready(name, &mut supervisor, health, path, &log);

@@ -40,7 +40,7 @@ async fn a_run_that_fits_no_node_gets_karpenter_nodes_runs_there_and_they_go_aft
     let (setup, kubelet) = Autoscaled::with_run(
         "e2e-scale-up",
         Duration::from_millis(500),
-        "scaled",
+        ("scaled", &json!({})),
         worker(),
     )
     .await;
@@ -80,21 +80,42 @@ async fn a_run_that_fits_no_node_gets_karpenter_nodes_runs_there_and_they_go_aft
 /// asking the model again for any finished conversation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_removed_mid_run_costs_no_finished_conversation_and_no_batch_failure() {
-    // One conversation at a time: a batch of 3 takes about 2.4 s, long enough to be drained.
+    // One conversation at a time: a batch of 3 takes about 3.6 s, long enough to be drained
+    // (Karpenter evicted its pod 0.15 s after the deletion here; the test prints it).
+    // The pods' own grace period, which Karpenter's drain honours.
+    let grace = 45;
     let (setup, kubelet) = Autoscaled::with_run(
         "e2e-node-gone",
-        Duration::from_millis(400),
-        "drained",
+        Duration::from_millis(600),
+        (
+            "drained",
+            &json!({"podTemplate": {"terminationGracePeriodSeconds": grace}}),
+        ),
         worker(),
     )
     .await;
     let claims = karpenter_api(&setup.client, "karpenter.sh", "v1", "NodeClaim");
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), setup.ns());
     let mut victim: Option<(String, u32, String)> = None;
+    let mut drained_grace = None;
+    let mut claim_deleted = Instant::now();
     let mut seen = Seen::default();
     let run = setup
         .drive(&kubelet, &mut seen, succeeded, async |_, _| {
-            if victim.is_some() {
+            if let Some((pod, _, _)) = &victim {
+                // The drained pod stays, terminating, until its process has ended.
+                if drained_grace.is_none()
+                    && let Ok(pod) = pods.get(pod).await
+                {
+                    drained_grace = pod.metadata.deletion_grace_period_seconds;
+                    if drained_grace.is_some() {
+                        eprintln!(
+                            "pod {} evicted {} ms after its NodeClaim was deleted",
+                            pod.name_any(),
+                            claim_deleted.elapsed().as_millis()
+                        );
+                    }
+                }
                 return;
             }
             // A batch of three prompts, into its first conversation.
@@ -119,10 +140,16 @@ async fn a_node_removed_mid_run_costs_no_finished_conversation_and_no_batch_fail
                 .delete(&claim.name_any(), &DeleteParams::default())
                 .await
                 .expect("delete the NodeClaim");
+            claim_deleted = Instant::now();
             victim = Some((running.pod, running.batch, node));
         })
         .await;
     let (pod, batch, node) = victim.expect("a batch was running on a node");
+    assert_eq!(
+        drained_grace,
+        Some(grace),
+        "the drain gave pod {pod} the grace period of spec.podTemplate"
+    );
     setup.assert_succeeded_on_the_pool(&run, &kubelet, &seen);
     let played = kubelet.played();
     let drained = played

@@ -28,6 +28,7 @@ use trajectory_operator::reconcile::validate::{Validation, validate};
 use trajectory_operator::settings::Settings;
 use trajectory_tests::children::jobs_of_every_stage;
 use trajectory_tests::karpenter::install_karpenter_crds;
+use trajectory_tests::kueue::Kueue;
 use trajectory_tests::{TestNamespace, client, install_crds};
 use trajectory_worker::run::RunFile;
 
@@ -195,8 +196,11 @@ async fn check_object(client: &Client, namespace: &str, object: Value) -> Result
 async fn every_example_is_accepted_by_the_api_server_and_the_operator() {
     let client = client().await;
     install_crds(&client).await;
-    // So that the Karpenter NodePool of examples/karpenter/ is checked against its own schema.
+    // So that the Karpenter NodePool of examples/karpenter/ is checked against its own schema,
+    // and the Kueue queues of examples/kueue/ by Kueue's own webhooks (which a Kueue of another
+    // test binary, gone since, may have left registered).
     install_karpenter_crds(&client).await;
+    Kueue::shared(&client).await;
     let namespace = TestNamespace::create(&client, "examples").await;
     let ns = namespace.name();
 
@@ -251,10 +255,16 @@ async fn every_example_is_accepted_by_the_api_server_and_the_operator() {
             "{expected} was not checked; found {files:?}"
         );
     }
-    for kind in ["(Deployment)", "(NetworkPolicy)", "(NodePool)"] {
+    for kind in [
+        "(Deployment)",
+        "(NetworkPolicy)",
+        "(NodePool)",
+        "(ClusterQueue)",
+        "(LocalQueue)",
+    ] {
         assert!(
             others.iter().any(|place| place.contains(kind)),
-            "no {kind} was checked (the vLLM Deployment, examples/networkpolicy/, examples/karpenter/): {others:?}"
+            "no {kind} was checked (the vLLM Deployment, examples/networkpolicy/, examples/karpenter/, examples/kueue/): {others:?}"
         );
     }
 }
