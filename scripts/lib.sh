@@ -19,3 +19,18 @@ prune_old_test_binaries() {
 			rm -f "${dir}/${old}" "${dir}/${old}.d"
 		done
 }
+
+# prune_incremental DIR LIMIT_GB: removes cargo's incremental caches under DIR/incremental when they
+# hold more than LIMIT_GB. They grow with every build of every test target and are never collected:
+# on one machine over many sessions they reached 21 GB and filled the disk mid-build. Without them
+# the next build recompiles the workspace's own crates once (the dependencies stay built).
+prune_incremental() {
+	local dir="$1/incremental" limit_gb="$2" used_kb
+	[[ -d "${dir}" ]] || return 0
+	used_kb="$(du -sk "${dir}" | cut -f1)"
+	if ((used_kb > limit_gb * 1024 * 1024)); then
+		echo "removing ${dir}: $((used_kb / 1024 / 1024)) GB, over ${limit_gb} GB" >&2
+		rm -rf "${dir}"
+	fi
+}
+

@@ -44,6 +44,9 @@ wait_for_go_tools() {
   grep '^== ' "${go_tools_log}" >&2
 }
 
+step "prune cargo's incremental caches past ${TRAJ_INCREMENTAL_LIMIT_GB:-8} GB"
+prune_incremental "${CARGO_TARGET_DIR}/debug" "${TRAJ_INCREMENTAL_LIMIT_GB:-8}"
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
