@@ -24,7 +24,10 @@
 //! - dozens of batch processes `SIGKILL`ed at random moments of one run (the kill loop,
 //!   `tests/tests/kill_loop.rs`), each kill's conversations in flight counted exactly: with
 //!   [`Kubelet::worker_binary`] set the kubelet runs each pod as a process of the worker's command
-//!   line, several at once, and [`Kubelet::kill`] kills one.
+//!   line, several at once, and [`Kubelet::kill`] kills one;
+//! - a run's pods on the kwok nodes an autoscaler makes for them (`tests/tests/autoscaling.rs`):
+//!   with [`Kubelet::on_nodes`] set it runs only pods bound to a node, and ends a drained one as a
+//!   kubelet does (`SIGTERM`, then `SIGKILL` past its grace), which kwok would complete instead.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
