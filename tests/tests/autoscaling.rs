@@ -229,7 +229,12 @@ async fn a_node_pool_limit_below_the_runs_need_leaves_it_waiting_never_failed() 
                 .items
                 .into_iter()
                 .filter_map(|event| event.message)
-                .find(|message| message.contains("exceed limits for nodepool"))
+                .find(|message| {
+                    message.contains(&format!(
+                        "exceed limits for nodepool (NodePool={})",
+                        setup.pool.name
+                    ))
+                })
         },
     )
     .await;
