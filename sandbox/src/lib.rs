@@ -42,6 +42,7 @@ pub mod file;
 pub mod files;
 mod limits;
 pub mod protocol;
+pub mod reach;
 pub mod run;
 pub mod serve;
 pub mod session;
@@ -118,6 +119,11 @@ pub enum ImageFiles {
     /// someone else's (a user's home, other checkouts).
     #[default]
     Hidden,
+    /// These directories too, to read and run programs from, nothing else: toolchains a user
+    /// installed under the home directory (a pyenv version, a conda environment), named on
+    /// purpose by the run (`spec.sandbox.toolDirs`, `local --tool-dir`). Only for a machine that is
+    /// not a container of the task's image, as [`ImageFiles::Hidden`].
+    Named(Vec<PathBuf>),
     /// Every top-level directory of the container's image too (a task's repository at
     /// `/testbed`, its tools), read-only, but these (the conversations' workspaces, the
     /// sessions' directories, the executor's own) and `/run` and `/var`, where Kubernetes mounts
@@ -138,7 +144,7 @@ impl ImageFiles {
     /// The private paths of [`ImageFiles::ReadableExcept`] or [`ImageFiles::WritableExcept`].
     pub fn private(&self) -> &[PathBuf] {
         match self {
-            Self::Hidden => &[],
+            Self::Hidden | Self::Named(_) => &[],
             Self::ReadableExcept(private) | Self::WritableExcept(private) => private,
         }
     }

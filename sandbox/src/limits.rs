@@ -132,13 +132,52 @@ pub(crate) struct Supervisor {
 #[derive(Debug)]
 struct Disk {
     /// At the command's start: a workspace already past its limit (the files of an earlier
-    /// command) is not this command's fault, as long as it does not grow.
+    /// command, or of a background job under an executor of its own) is not this command's
+    /// fault, as long as it does not grow. 0 when it was under its limit without a walk.
     at_start: u64,
     /// At the last walk, with the filesystem's used bytes then.
     walked: u64,
     filesystem_then: u64,
     next_walk: Instant,
     walk_cost: Duration,
+}
+
+impl Disk {
+    /// The most the workspace can hold now, given the filesystem's used bytes now: what the last
+    /// walk saw plus what the filesystem grew by since.
+    fn at_most(&self, filesystem_now: u64) -> u64 {
+        self.walked
+            .saturating_add(filesystem_now.saturating_sub(self.filesystem_then))
+    }
+
+    fn walk(&mut self, workspace: &Path, filesystem_now: u64) {
+        let started = Instant::now();
+        self.walked = workspace_bytes(workspace);
+        self.filesystem_then = filesystem_now;
+        self.walk_cost = started.elapsed();
+        self.next_walk = Instant::now() + self.walk_cost * WALK_TIME_SHARE;
+    }
+}
+
+/// The workspace past its limit at a command's end, by what was there before the command (a
+/// background job's files, an earlier command's): not the command's fault, but the model is
+/// told, so that it makes room before a command that writes is stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PastLimit {
+    limit: u64,
+    holds: u64,
+}
+
+impl fmt::Display for PastLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (limit, holds) = (human_bytes(self.limit), human_bytes(self.holds));
+        if limit == holds {
+            write!(f, "The workspace is past its limit of {limit}")?;
+        } else {
+            write!(f, "The workspace holds {holds}, past its limit of {limit}")?;
+        }
+        f.write_str(": delete files to make room; a command that writes more is stopped")
+    }
 }
 
 impl Supervisor {
@@ -167,13 +206,29 @@ impl Supervisor {
         }
     }
 
-    /// Starts the checks' schedule again, as for a new command: the first check
-    /// [`FIRST_CHECK`] from now.
-    pub(crate) fn restart_checks(&mut self) {
+    /// A new command of a long-lived shell starts: the first check [`FIRST_CHECK`] from now, and
+    /// the workspace's baseline taken again, so that the command is blamed only for making it
+    /// grow past its limit, not for what filled it since the last command (a background job
+    /// under an executor of its own). A walk only when `statvfs` says the workspace could be
+    /// past its limit (under it, any size past the limit at a check is the command's), or when
+    /// it is cheap: space freed elsewhere on the filesystem meanwhile can hide a job's writes
+    /// from `statvfs`, and the command would be blamed for them.
+    pub(crate) fn command_started(&mut self) {
         if self.next_check.is_some() {
             self.interval = FIRST_CHECK;
             self.next_check = Some(Instant::now() + FIRST_CHECK);
         }
+        let limit = self.limits.workspace_bytes;
+        let Some(disk) = self.disk.as_mut() else {
+            return;
+        };
+        let filesystem_now = filesystem_used(&self.workspace);
+        disk.at_start = if disk.at_most(filesystem_now) > limit || disk.walk_cost < CHEAP_WALK {
+            disk.walk(&self.workspace, filesystem_now);
+            disk.walked
+        } else {
+            0
+        };
     }
 
     /// When the next check is due.
@@ -212,36 +267,45 @@ impl Supervisor {
     }
 
     /// The last check, once the command has ended by itself: a file cut short by `RLIMIT_FSIZE`
-    /// (or written between two checks) still leaves the workspace past its limit. A walk whatever
+    /// (or written between two checks) still leaves the workspace past its limit. A walk whenever
+    /// `statvfs` says the workspace could be past its limit, however recent the last: growth
+    /// left unseen now would be the next command's baseline, and never blamed. A walk whatever
     /// `statvfs` says if the workspace is small enough to walk cheaply: space freed elsewhere on
     /// the filesystem meanwhile (another conversation deleting files) can hide the command's
     /// writes from `statvfs`, and no later check would catch them.
     pub(crate) fn check_at_end(&mut self) -> Option<Exceeded> {
-        let cheap = self
-            .disk
+        self.check_workspace(None)
+    }
+
+    /// After a [`Self::check_at_end`] that blamed nothing: the workspace still past its limit,
+    /// which that check has just measured (it walks whenever the workspace could be past it).
+    pub(crate) fn past_limit(&self) -> Option<PastLimit> {
+        let limit = self.limits.workspace_bytes;
+        self.disk
             .as_ref()
-            .is_some_and(|disk| disk.walk_cost < CHEAP_WALK);
-        self.check_workspace((!cheap).then(Instant::now))
+            .filter(|disk| disk.walked > limit)
+            .map(|disk| PastLimit {
+                limit,
+                holds: disk.walked,
+            })
     }
 
     /// Checks the workspace; `now` for a check during the command, which walks only when the
     /// filesystem's growth says it could be past its limit, and not more often than the walk's
-    /// cost allows.
+    /// cost allows; `None` for the check at its end ([`Self::check_at_end`]).
     fn check_workspace(&mut self, now: Option<Instant>) -> Option<Exceeded> {
         let limit = self.limits.workspace_bytes;
         let disk = self.disk.as_mut()?;
         let filesystem_now = filesystem_used(&self.workspace);
-        let at_most = disk
-            .walked
-            .saturating_add(filesystem_now.saturating_sub(disk.filesystem_then));
-        if now.is_some_and(|now| at_most <= limit || now < disk.next_walk) {
+        let under = disk.at_most(filesystem_now) <= limit;
+        let skip = match now {
+            Some(now) => under || now < disk.next_walk,
+            None => under && disk.walk_cost >= CHEAP_WALK,
+        };
+        if skip {
             return None;
         }
-        let started = Instant::now();
-        disk.walked = workspace_bytes(&self.workspace);
-        disk.filesystem_then = filesystem_now;
-        disk.walk_cost = started.elapsed();
-        disk.next_walk = Instant::now() + disk.walk_cost * WALK_TIME_SHARE;
+        disk.walk(&self.workspace, filesystem_now);
         (disk.walked > limit && disk.walked > disk.at_start).then_some(Exceeded::Workspace {
             limit,
             seen: disk.walked,
@@ -431,6 +495,51 @@ mod tests {
         assert!(matches!(
             supervisor.check_at_end(),
             Some(Exceeded::Workspace { limit, seen }) if limit == 64 << 10 && seen > 256 << 10
+        ));
+    }
+
+    #[test]
+    fn a_workspace_filled_between_commands_is_not_the_next_ones_fault() {
+        let dir = tempfile::tempdir().unwrap();
+        let limits = Limits {
+            workspace_bytes: 64 << 10,
+            ..Limits::NONE
+        };
+        let mut supervisor = Supervisor::start(dir.path(), limits);
+        assert_eq!(supervisor.check_at_end(), None);
+        assert_eq!(supervisor.past_limit(), None);
+        // A background job, under an executor of its own, fills the workspace between commands.
+        let fill = dir.path().join("fill");
+        std::fs::write(&fill, vec![1_u8; 256 << 10]).unwrap();
+        supervisor.command_started();
+        assert_eq!(supervisor.check_at_end(), None);
+        let past = supervisor
+            .past_limit()
+            .expect("the workspace is past its limit");
+        assert!(past.holds >= 256 << 10, "{past:?}");
+        assert!(
+            past.to_string()
+                .contains("past its limit of 64 KiB: delete files to make room"),
+            "{past}"
+        );
+        // A command that makes it grow further is blamed.
+        supervisor.command_started();
+        std::fs::write(dir.path().join("more"), vec![1_u8; 64 << 10]).unwrap();
+        assert!(matches!(
+            supervisor.check_at_end(),
+            Some(Exceeded::Workspace { seen, .. }) if seen > 256 << 10
+        ));
+        // Once it is under its limit again, a command that takes it past is blamed too.
+        std::fs::remove_file(&fill).unwrap();
+        std::fs::remove_file(dir.path().join("more")).unwrap();
+        supervisor.command_started();
+        assert_eq!(supervisor.check_at_end(), None);
+        assert_eq!(supervisor.past_limit(), None);
+        supervisor.command_started();
+        std::fs::write(&fill, vec![1_u8; 128 << 10]).unwrap();
+        assert!(matches!(
+            supervisor.check_at_end(),
+            Some(Exceeded::Workspace { limit, .. }) if limit == 64 << 10
         ));
     }
 

@@ -50,6 +50,12 @@
 //!   `install-executor` init container copies it from the worker's image; a local run starts
 //!   the one beside the worker), so both sides speak the same version.
 //!
+//! - **Version 7** gives the [`CHECKED`] frame a payload: empty when the limits hold with room,
+//!   else a UTF-8 note for the model on a limit the shell is past through no fault of the
+//!   command that just ended (a workspace a background job filled, which stops only a command
+//!   that makes it grow). A caller of version 6 ignored the payload, and one of version 7 reads
+//!   an empty payload from an older server as no note.
+//!
 //! The worker closing the connection early (a timeout, a cancelled conversation, a session no
 //! longer needed) asks the server to end the command or program and everything it started. A
 //! server older than sessions refuses a versioned line as a bad request (unknown field).
@@ -60,7 +66,7 @@ use crate::files::FileLimits;
 use crate::{LandlockMode, Limits};
 
 /// The newest protocol version this side speaks.
-pub const VERSION: u32 = 6;
+pub const VERSION: u32 = 7;
 
 /// Frames of a session's standard input (worker to server).
 pub const STDIN: u8 = b'i';
@@ -77,7 +83,9 @@ pub const PID: u8 = b'p';
 pub const INTERRUPT: u8 = b'k';
 /// Check the limits now (worker to server; empty payload).
 pub const CHECK: u8 = b'l';
-/// The limits held at a [`CHECK`] (server to worker; empty payload).
+/// The limits held at a [`CHECK`] (server to worker): since version 7 a UTF-8 note for the
+/// model when the workspace is still past its limit without the command being at fault, empty
+/// otherwise (and always before).
 pub const CHECKED: u8 = b'L';
 /// The limits were exceeded while the program, a shell whose caller [`CHECK`]s at each
 /// command's end, waited for its next command (server to worker; empty payload; before the

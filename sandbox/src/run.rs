@@ -80,6 +80,7 @@ use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid, waitpid};
 use nix::unistd::{Pid, getppid};
 
 use crate::limits::{Supervisor, apply_rlimits};
+use crate::reach::{SYSTEM_READ_ONLY, command_path, image_dirs};
 use crate::{
     DEFAULT_PATH, ImageFiles, LIMIT_EXIT, LandlockMode, Limits, PASSED_ENV, REFUSED_EXIT,
     REFUSED_PREFIX,
@@ -91,21 +92,6 @@ pub const SUBCOMMAND: &str = "run";
 /// The Landlock ABI whose features are asked for: filesystem rights up to truncate and ioctl on
 /// devices, and the signal and abstract-socket scopes. Older kernels get what they support.
 const LANDLOCK_ABI: ABI = ABI::V6;
-
-/// Read-only (and executable) system paths. `/run` and `/var` are left out on purpose: a pod's
-/// `ServiceAccount` token and Secrets are mounted there (`/var/run` is usually a link to `/run`).
-const SYSTEM_READ_ONLY: [&str; 12] = [
-    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/proc",
-    "/sys", "/dev",
-];
-
-/// Top-level directories never readable through [`ImageFiles::ReadableExcept`]: Kubernetes
-/// mounts a pod's `ServiceAccount` token and Secrets under them.
-pub(crate) const NEVER_READABLE: [&str; 2] = ["/run", "/var"];
-
-/// The kernel's interfaces: read as system paths, never opened for writing as an image's files
-/// are in a task container.
-const KERNEL_INTERFACES: [&str; 3] = ["/proc", "/sys", "/dev"];
 
 /// Devices a command may write (and read).
 const WRITABLE_DEVICES: [&str; 4] = ["/dev/null", "/dev/zero", "/dev/full", "/dev/tty"];
@@ -194,6 +180,9 @@ pub fn landlock_enforced(executor: &Path, workspace: &Path) -> std::io::Result<b
     Ok(status.success())
 }
 
+/// The flag naming [`ImageFiles::Named`]'s directories.
+const READABLE_DIRS: &str = "--readable-dirs";
+
 /// The flags of both executors (`run` and `session`): Landlock, the limits, the parent.
 #[derive(Debug)]
 pub(crate) struct Confinement {
@@ -222,15 +211,16 @@ impl Confinement {
         cmd: &mut Command,
     ) {
         // A list that cannot be written down (a ':' in a path) leaves the image hidden: closed.
-        let flag = match image_files {
-            ImageFiles::Hidden => None,
-            ImageFiles::ReadableExcept(_) => Some("--image-readable-except"),
-            ImageFiles::WritableExcept(_) => Some("--image-writable-except"),
+        let (flag, paths) = match image_files {
+            ImageFiles::Hidden => (None, &[][..]),
+            ImageFiles::Named(dirs) => (Some(READABLE_DIRS), &dirs[..]),
+            ImageFiles::ReadableExcept(private) => (Some("--image-readable-except"), &private[..]),
+            ImageFiles::WritableExcept(private) => (Some("--image-writable-except"), &private[..]),
         };
         if let Some(flag) = flag
-            && let Ok(private) = std::env::join_paths(image_files.private())
+            && let Ok(paths) = std::env::join_paths(paths)
         {
-            cmd.arg(flag).arg(private);
+            cmd.arg(flag).arg(paths);
         }
         cmd.arg("--landlock")
             .arg(landlock.as_str())
@@ -290,6 +280,13 @@ impl Confinement {
                 self.limits.workspace_bytes = number("--max-workspace", &value()?)?;
             }
             Some("--parent") => self.parent = Some(Pid::from_raw(number("--parent", &value()?)?)),
+            Some(READABLE_DIRS) => {
+                let dirs: Vec<PathBuf> = std::env::split_paths(&value()?).collect();
+                if dirs.iter().any(|dir| !dir.is_absolute()) {
+                    return Err(format!("{READABLE_DIRS} takes absolute paths"));
+                }
+                self.image_files = ImageFiles::Named(dirs);
+            }
             Some(flag @ ("--image-readable-except" | "--image-writable-except")) => {
                 let private: Vec<PathBuf> = std::env::split_paths(&value()?).collect();
                 // Each must name the top-level directory it keeps private.
@@ -377,15 +374,28 @@ pub(crate) fn signal_descriptor(signals: &[Signal]) -> Result<SignalFd, String> 
     SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC).map_err(|err| format!("no signalfd: {err}"))
 }
 
+/// An executor once confined ([`confine_executor`]).
+pub(crate) struct Confined {
+    /// Where the signals that end it early arrive.
+    pub(crate) signals: SignalFd,
+    /// The supervisor of its limits.
+    pub(crate) supervisor: Supervisor,
+    /// The `PATH` of what it starts: this process's, less the entries Landlock keeps it from
+    /// running programs from, after the named tool directories' ([`command_path`]). A shim under
+    /// the home directory first on the user's `PATH` would otherwise shadow the system's program
+    /// of that name with one the command is refused.
+    pub(crate) path: OsString,
+}
+
 /// What an executor does before it starts anything the model or a tool chose: the signals that
-/// end it early on a descriptor (returned), ending with `parent`, a child subreaper, no
-/// capabilities, Landlock with `writable` as the one writable directory, the rlimits; and the
-/// supervisor of `limits` over `writable` (returned).
+/// end it early on a descriptor, ending with `parent`, a child subreaper, no capabilities,
+/// Landlock with `writable` as the one writable directory, the rlimits; and the supervisor of
+/// `limits` over `writable`.
 pub(crate) fn confine_executor(
     parent: Pid,
     writable: &Path,
     confinement: &Confinement,
-) -> Result<(SignalFd, Supervisor), String> {
+) -> Result<Confined, String> {
     let limits = confinement.limits;
     let signal_fd = signal_descriptor(&[
         Signal::SIGCHLD,
@@ -404,18 +414,28 @@ pub(crate) fn confine_executor(
     nix::sys::prctl::set_child_subreaper(true)
         .map_err(|err| format!("cannot become a child subreaper: {err}"))?;
     drop_privileges()?;
-    confine(writable, confinement.landlock, &confinement.image_files)?;
+    let enforced = confine(writable, confinement.landlock, &confinement.image_files)?;
     apply_rlimits(&limits)?;
-    Ok((signal_fd, Supervisor::start(writable, limits)))
+    let path = std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into());
+    let path = command_path(&path, &confinement.image_files, enforced).path;
+    Ok(Confined {
+        signals: signal_fd,
+        supervisor: Supervisor::start(writable, limits),
+        path,
+    })
 }
 
 fn execute(args: &ExecutorArgs) -> Result<i32, String> {
-    let (signal_fd, mut supervisor) =
-        confine_executor(args.parent, &args.workspace, &args.confinement)?;
+    let Confined {
+        signals: signal_fd,
+        mut supervisor,
+        path,
+    } = confine_executor(args.parent, &args.workspace, &args.confinement)?;
 
     let shell = spawn_shell(
         &args.command,
         &args.workspace,
+        &path,
         args.confinement.image_files.is_task_container(),
     )
     .map_err(|err| format!("could not start the shell: {err}"))?;
@@ -509,54 +529,27 @@ pub(crate) fn drop_privileges() -> Result<(), String> {
     Ok(())
 }
 
-/// Applies the Landlock rules to this process (and so to everything it starts).
+/// Applies the Landlock rules to this process (and so to everything it starts); whether the
+/// kernel enforces them.
 pub(crate) fn confine(
     workspace: &Path,
     mode: LandlockMode,
     image_files: &ImageFiles,
-) -> Result<(), String> {
+) -> Result<bool, String> {
     if mode == LandlockMode::Off {
-        return Ok(());
+        return Ok(false);
     }
     let status =
         landlock_rules(workspace, image_files).map_err(|err| format!("Landlock: {err}"))?;
     match (status, mode) {
-        (RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced, _)
-        | (RulesetStatus::NotEnforced, LandlockMode::Auto) => Ok(()),
+        (RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced, _) => Ok(true),
+        (RulesetStatus::NotEnforced, LandlockMode::Auto) => Ok(false),
         (RulesetStatus::NotEnforced, _) => Err(
             "Landlock is required (--landlock required) but this kernel does not enforce it; \
              the command was not run"
                 .to_owned(),
         ),
     }
-}
-
-/// The top-level entries of `/` that [`ImageFiles`] opens (to read, or in a task container to
-/// write too): none, or all but the private ones and [`NEVER_READABLE`].
-fn readable_image_dirs(image_files: &ImageFiles) -> Vec<PathBuf> {
-    let private = image_files.private();
-    if matches!(image_files, ImageFiles::Hidden) {
-        return Vec::new();
-    }
-    let Ok(entries) = std::fs::read_dir("/") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
-        .filter(|path| {
-            let kernel = image_files.is_task_container()
-                && KERNEL_INTERFACES
-                    .iter()
-                    .any(|kernel| Path::new(kernel) == path);
-            let never = NEVER_READABLE.iter().any(|never| Path::new(never) == path);
-            !(kernel || never || private.iter().any(|private| top_level(private) == *path))
-        })
-        .collect()
-}
-
-/// `/a` of `/a/b/c`.
-fn top_level(path: &Path) -> PathBuf {
-    path.components().take(2).collect()
 }
 
 /// Read-only system paths, writable devices, and `workspace` writable; the image's top-level
@@ -581,10 +574,7 @@ fn landlock_rules(
         .scope(Scope::from_all(abi))?
         .create()?
         .add_rules(path_beneath_rules(SYSTEM_READ_ONLY, read))?
-        .add_rules(path_beneath_rules(
-            readable_image_dirs(image_files),
-            image_access,
-        ))?
+        .add_rules(path_beneath_rules(image_dirs(image_files), image_access))?
         .add_rules(path_beneath_rules(
             WRITABLE_DEVICES,
             AccessFs::from_file(abi),
@@ -608,12 +598,13 @@ fn landlock_rules(
 fn spawn_shell(
     command: &OsStr,
     workspace: &Path,
+    path: &OsStr,
     task_container: bool,
 ) -> std::io::Result<std::process::Child> {
     use std::os::unix::process::CommandExt;
     std::env::set_current_dir(workspace)?;
     let spawn = |shell: &str| {
-        let mut cmd = Command::new(on_path(shell));
+        let mut cmd = Command::new(on_path(shell, path));
         cmd.arg0(shell).process_group(0);
         cmd.arg("-c").arg(command);
         // In a task container the image's environment stays (`command` kept it).
@@ -623,7 +614,7 @@ fn spawn_shell(
                 .env("TMPDIR", workspace);
             pass_environment(&mut cmd);
         }
-        cmd.env("TERM", "dumb").spawn()
+        cmd.env("PATH", path).env("TERM", "dumb").spawn()
     };
     match spawn("bash") {
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => spawn("sh"),
@@ -646,13 +637,12 @@ pub(crate) fn lower_priority(shell: Pid) {
     }
 }
 
-/// Where `program` is on this process's `PATH` (the one the shell gets): the first entry holding
-/// an executable file of that name, as `execvp` would pick. `program` itself when none does (the
-/// spawn then fails with `NotFound`).
-pub(crate) fn on_path(program: &str) -> PathBuf {
+/// Where `program` is on `path` (the one the shell gets): the first entry holding an executable
+/// file of that name, as `execvp` would pick. `program` itself when none does (the spawn then
+/// fails with `NotFound`).
+pub(crate) fn on_path(program: &str, path: &OsStr) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
-    let path = std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into());
-    std::env::split_paths(&path)
+    std::env::split_paths(path)
         .map(|dir| {
             // An empty entry is the current directory, to execvp.
             let dir = if dir.as_os_str().is_empty() {
@@ -853,7 +843,7 @@ pub(crate) mod tests {
     fn a_readable_image_keeps_its_private_top_level_directories_and_run_and_var() {
         let private =
             ImageFiles::ReadableExcept(vec!["/workspace/c1".into(), "/tmp/sessions".into()]);
-        let readable = readable_image_dirs(&private);
+        let readable = image_dirs(&private);
         let at_root: Vec<PathBuf> = std::fs::read_dir("/")
             .unwrap()
             .map(|entry| entry.unwrap().path())
@@ -863,7 +853,7 @@ pub(crate) mod tests {
             .collect();
         assert_eq!(readable.len(), at_root.len(), "{readable:?}");
         assert!(at_root.iter().all(|path| readable.contains(path)));
-        assert!(readable_image_dirs(&ImageFiles::Hidden).is_empty());
+        assert!(image_dirs(&ImageFiles::Hidden).is_empty());
         let with = |private: &str| {
             parse_args(args(&[
                 "--workspace",

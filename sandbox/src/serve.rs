@@ -266,7 +266,7 @@ impl Places {
                 .private()
                 .iter()
                 .map(PathBuf::as_path)
-                .chain(crate::run::NEVER_READABLE.iter().map(Path::new))
+                .chain(crate::reach::NEVER_READABLE.iter().map(Path::new))
                 .any(|private| private.components().nth(1) == top.components().nth(1));
             if private {
                 return Err(format!(

@@ -28,11 +28,11 @@ use nix::sys::signal::Signal;
 use nix::sys::signalfd::SignalFd;
 use nix::unistd::Pid;
 
-use crate::limits::Supervisor;
+use crate::limits::{Exceeded, Supervisor};
 use crate::protocol::{self, SessionRequest};
 use crate::run::{
-    Confinement, children_of, confine_executor, kill_all_but, kill_all_descendants, lower_priority,
-    on_path, pass_environment, poll_timeout_until, reap_exited,
+    Confined, Confinement, children_of, confine_executor, kill_all_but, kill_all_descendants,
+    lower_priority, on_path, pass_environment, poll_timeout_until, reap_exited,
 };
 use crate::{ImageFiles, LIMIT_EXIT, REFUSED_EXIT, REFUSED_PREFIX};
 
@@ -217,8 +217,11 @@ impl Relay {
         } else {
             None
         };
-        let (signal_fd, mut supervisor) =
-            confine_executor(args.parent, &args.dir, &args.confinement)?;
+        let Confined {
+            signals: signal_fd,
+            mut supervisor,
+            path,
+        } = confine_executor(args.parent, &args.dir, &args.confinement)?;
 
         // Close-on-exec: only the program's own ends, put on its descriptors, are inherited; a copy
         // of the writing end of its standard input would keep it from ever seeing its end.
@@ -248,7 +251,7 @@ impl Relay {
                 if name.contains('/') {
                     PathBuf::from(name)
                 } else {
-                    on_path(name)
+                    on_path(name, &path)
                 }
             },
         );
@@ -257,6 +260,7 @@ impl Relay {
             Command::new(&program)
                 .arg0(&args.argv[0])
                 .args(&args.argv[1..])
+                .env("PATH", &path)
                 .stdin(Stdio::from(stdin_r))
                 .stdout(Stdio::from(stdout_w))
                 .stderr(Stdio::from(stderr_w))
@@ -372,12 +376,17 @@ impl Relay {
                 }
                 at += 1;
             }
+            // Before the command reaches the shell, so that the workspace's baseline holds nothing
+            // it wrote; most commands are over before their first check, as with one executor each.
+            let command_started = std::mem::take(&mut pipes.command_started);
+            if command_started {
+                supervisor.command_started();
+            }
             // Writable inputs (or ones whose reader is gone: the write below says which).
             flush_inputs(pipes);
-            if std::mem::take(&mut pipes.command_started) {
-                // Most commands are over before their first check, as with one executor each.
-                supervisor.restart_checks();
-            } else if !idle && let Some(exceeded) = supervisor.check_if_due() {
+            if !(command_started || idle)
+                && let Some(exceeded) = supervisor.check_if_due()
+            {
                 while_waiting = self.caller_checks && !self.command_running;
                 break (None, Some(exceeded));
             }
@@ -385,10 +394,9 @@ impl Relay {
             // wrote is already relayed.
             if std::mem::take(&mut pipes.check_requested) {
                 self.command_running = false;
-                if let Some(exceeded) = supervisor.check_at_end() {
+                if let Some(exceeded) = self.check_at_end(supervisor) {
                     break (None, Some(exceeded));
                 }
-                self.send(protocol::CHECKED, &[]);
             }
         };
         kill_all_descendants(pid);
@@ -402,6 +410,22 @@ impl Relay {
             Some(exceeded) => self.stopped_at_limit(&exceeded, while_waiting),
             None => status.unwrap_or(128 + Signal::SIGKILL as i32),
         }
+    }
+
+    /// The check the caller asked for at a command's end: the limit the command went past, or
+    /// else a [`protocol::CHECKED`] frame.
+    fn check_at_end(&mut self, supervisor: &mut Supervisor) -> Option<Exceeded> {
+        if let Some(exceeded) = supervisor.check_at_end() {
+            return Some(exceeded);
+        }
+        // A workspace still past its limit that the command did not fill: the model is told, so
+        // that it makes room before a command that writes is stopped.
+        let note = supervisor
+            .past_limit()
+            .map(|past| past.to_string())
+            .unwrap_or_default();
+        self.send(protocol::CHECKED, note.as_bytes());
+        None
     }
 
     /// Tells the caller which limit stopped the program (and, when it came while the shell

@@ -1,6 +1,6 @@
 //! The command line: `local`, `plan`, `batch`, `merge`, `prompt` and `distributions`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
@@ -10,11 +10,13 @@ use crate::contract::LandlockStatus;
 use crate::contract::{WorkerFailure, env, exit, paths, termination_message};
 use crate::run::batch::{Engine, Shutdown, ShutdownTrigger, run_batch, shutdown_channel};
 use crate::run::ledger::Ledger;
-use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local};
+use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local, shown_paths};
 use crate::run::manifest::Manifest;
 use crate::run::{RunError, RunFile, RunLocation, load_plan, merge, plan};
 use crate::spec::{LandlockSetting, SandboxSpec};
+use crate::tools::sandbox::tool_dirs::{self, Guarded, NamedDir};
 use crate::tools::sandbox::{LandlockMode, Sandbox};
+use trajectory_sandbox::DEFAULT_PATH;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -170,6 +172,12 @@ pub struct WorkspaceArgs {
     /// `spec.sandbox.landlock`).
     #[arg(long, env = env::LANDLOCK, value_parser = parse_landlock)]
     pub landlock: Option<LandlockMode>,
+    /// A directory of this machine that terminal commands may read and run programs from besides
+    /// the system's (a toolchain under the home directory: a pyenv version, a conda environment),
+    /// as `spec.sandbox.toolDirs` names them; added to the run's. Repeat it, or separate several
+    /// with ':' in the variable. Local runs (`local`, `prompt`).
+    #[arg(long = "tool-dir", env = env::TOOL_DIRS, value_delimiter = ':')]
+    pub tool_dirs: Vec<String>,
     /// The `trajectory-executor` binary that runs each terminal command (default: the one next to
     /// this program, else the one on PATH).
     #[arg(long, env = env::EXECUTOR)]
@@ -244,6 +252,72 @@ impl WorkspaceArgs {
                 Ok(LandlockStatus::NotEnforced)
             }
         }
+    }
+
+    /// Opens the run's tool directories and this command's `--tool-dir`s to the commands of a
+    /// local `sandbox`, once checked against `guarded` (what the commands must not reach besides
+    /// the home directory and the workspaces) and, where Landlock confines the commands, once
+    /// each one's Python runs there; says which entries of `PATH` the commands cannot run
+    /// programs from. Returns the sandbox and those entries.
+    async fn open_tool_dirs(
+        &self,
+        sandbox: Sandbox,
+        spec: &SandboxSpec,
+        landlock: LandlockStatus,
+        guarded: Vec<Guarded>,
+    ) -> Result<(Sandbox, Vec<PathBuf>), RunError> {
+        let named: Vec<NamedDir> = spec
+            .tool_dirs
+            .iter()
+            .enumerate()
+            .map(|(index, dir)| NamedDir {
+                place: format!("spec.sandbox.toolDirs[{index}]"),
+                dir: dir.clone(),
+            })
+            .chain(self.tool_dirs.iter().map(|dir| NamedDir {
+                place: "--tool-dir".to_owned(),
+                dir: dir.clone(),
+            }))
+            .collect();
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let guarded: Vec<Guarded> = home
+            .iter()
+            .map(|home| Guarded::new("the home directory", home))
+            .chain([Guarded::whole("the conversations' workspaces", self.root())])
+            .chain(
+                std::env::var_os(env::MODEL_API_KEY_FILE)
+                    .map(|file| Guarded::new("the model's key file", file)),
+            )
+            .chain(guarded)
+            .collect();
+        let dirs = tool_dirs::resolve(&named, &guarded, home.as_deref()).map_err(RunError::Spec)?;
+        let mut sandbox = sandbox.with_tool_dirs(dirs);
+        if landlock != LandlockStatus::Enforced {
+            // What the executor does where the kernel has no Landlock; said so, the terminal
+            // does not take a file's own permissions for the sandbox's refusal.
+            sandbox.landlock = LandlockMode::Off;
+            return Ok((sandbox, Vec::new()));
+        }
+        let scratch = tempfile::Builder::new()
+            .prefix("tool-dirs-check-")
+            .tempdir_in(self.root())
+            .map_err(|err| RunError::Internal(format!("cannot create a workspace: {err}")))?;
+        tool_dirs::check_interpreters(&sandbox, scratch.path())
+            .await
+            .map_err(RunError::Spec)?;
+        let dropped = sandbox.command_files().map_or_else(Vec::new, |files| {
+            let path = std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into());
+            trajectory_sandbox::reach::command_path(&path, &files, true).dropped
+        });
+        if !dropped.is_empty() {
+            eprintln!(
+                "terminal commands' PATH leaves out {}: the sandbox cannot run programs there \
+                 (to give the commands a toolchain from there, name its directory in \
+                 spec.sandbox.toolDirs or with --tool-dir)",
+                shown_paths(&dropped, home.as_deref())
+            );
+        }
+        Ok((sandbox, dropped))
     }
 
     fn root(&self) -> PathBuf {
@@ -455,8 +529,12 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             toolsets,
             workspaces,
         } => {
-            let sandbox = workspaces.sandbox(&RunFile::load(&run_file)?.spec.sandbox);
-            workspaces.check_sandbox(&sandbox).await?;
+            let spec = RunFile::load(&run_file)?.spec.sandbox;
+            let sandbox = workspaces.sandbox(&spec);
+            let landlock = workspaces.check_sandbox(&sandbox).await?;
+            let (sandbox, _) = workspaces
+                .open_tool_dirs(sandbox, &spec, landlock, Vec::new())
+                .await?;
             let record = crate::run::prompt::run_prompt(
                 &run_file,
                 &prompt,
@@ -503,8 +581,30 @@ async fn local_command(
     base_url: Option<String>,
     shutdown: &Shutdown,
 ) -> Result<(), RunError> {
-    let sandbox = workspaces.sandbox(&RunFile::load(&run_file)?.spec.sandbox);
-    workspaces.check_sandbox(&sandbox).await?;
+    let run = RunFile::load(&run_file)?;
+    let sandbox = workspaces.sandbox(&run.spec.sandbox);
+    let landlock = workspaces.check_sandbox(&sandbox).await?;
+    // The run's storage on this machine: what --storage names, else the run file's directory
+    // (unless the run's storage is a bucket).
+    let storage_dir = match &storage {
+        Some(root) if !root.to_string_lossy().starts_with("s3://") => Some(root.clone()),
+        Some(_) => None,
+        None if run.spec.storage.object.is_some() => None,
+        None => Some(
+            run_file
+                .parent()
+                .filter(|dir| !dir.as_os_str().is_empty())
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
+        ),
+    };
+    let guarded = storage_dir
+        .into_iter()
+        .map(|dir| Guarded::whole("the run's storage", dir))
+        .chain([Guarded::new("the run file", run_file.clone())])
+        .collect();
+    let (sandbox, path_dropped) = workspaces
+        .open_tool_dirs(sandbox, &run.spec.sandbox, landlock, guarded)
+        .await?;
     let options = LocalOptions {
         run_file,
         storage,
@@ -512,6 +612,7 @@ async fn local_command(
         base_url,
         workspace_root: workspaces.root(),
         sandbox,
+        path_dropped,
         progress: if no_progress_bar {
             ProgressMode::Lines
         } else {

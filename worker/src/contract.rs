@@ -38,6 +38,9 @@ pub mod env {
     pub const WORKSPACE_ROOT: &str = "TRAJ_WORKSPACE_ROOT";
     /// Landlock confinement of terminal commands: `auto`, `required` or `off`.
     pub const LANDLOCK: &str = "TRAJ_LANDLOCK";
+    /// Directories (':'-separated) a local run's terminal commands may read and run programs
+    /// from besides the system's: `local --tool-dir`.
+    pub const TOOL_DIRS: &str = "TRAJ_TOOL_DIRS";
     /// `json` or `pretty` log output.
     pub const LOG_FORMAT: &str = "TRAJ_LOG_FORMAT";
     /// The `trajectory-executor` binary a worker starts for each terminal command.

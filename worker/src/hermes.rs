@@ -346,6 +346,8 @@ struct TrajectoryRecord<'a> {
     turns: Vec<Turn<'a>>,
     stats: Vec<(String, ToolCounts)>,
     reasoning: ReasoningStats,
+    /// The paths the sandbox refused that the terminal's notes named, by prefix.
+    sandbox_refusals: std::collections::BTreeMap<String, u64>,
 }
 
 impl<'a> TrajectoryRecord<'a> {
@@ -360,6 +362,7 @@ impl<'a> TrajectoryRecord<'a> {
             turns: sharegpt_turns(conversation, system),
             stats: tool_stats(&conversation.messages, context.catalog),
             reasoning: reasoning_stats(&conversation.messages),
+            sandbox_refusals: crate::tools::terminal::refusal_counts(&conversation.messages),
         }
     }
 }
@@ -525,6 +528,9 @@ impl Serialize for TrajectoryRecord<'_> {
             record.serialize_entry("filter", filter)?;
         }
         record.serialize_entry("source", context.source)?;
+        if !self.sandbox_refusals.is_empty() {
+            record.serialize_entry("sandbox_refusals", &self.sandbox_refusals)?;
+        }
         record.end()
     }
 }

@@ -1000,6 +1000,20 @@ pub struct SandboxSpec {
     /// registry says does not exist or may not be read, or a malformed reference, counts at once.
     #[serde(default = "default_image_unavailable_after_seconds")]
     pub image_unavailable_after_seconds: u64,
+    /// Directories of the machine that a local run's commands may read and run programs from,
+    /// besides their workspace and the system's (`/usr`, `/bin`, `/etc`, `/opt`, ...): a
+    /// toolchain installed under the home directory, such as a pyenv version
+    /// (`~/.pyenv/versions/3.12.7`), a conda environment (`~/miniconda3/envs/tools`), nvm's Node
+    /// or `~/.cargo`. Each is absolute or starts with `~/`. A directory's `bin`, when it has one,
+    /// goes first on the commands' `PATH`, in the order named. An interpreter needs its whole
+    /// prefix: for Python, the directory that `python3 -c 'import sys; print(sys.base_prefix)'`
+    /// prints (a virtual environment's base interpreter lives there: name both). Refused at start:
+    /// the home directory itself, and any directory that holds the run's storage, the model's key
+    /// file or the conversations' workspaces; a named Python that does not run in the sandbox.
+    /// Local runs only (`trajectory-worker local` and `prompt`, whose `--tool-dir` adds more); a
+    /// cluster's sandbox container has the directories of its image.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_dirs: Vec<String>,
 }
 
 /// One prefix of [`SandboxSpec::image_rewrite`].
@@ -1022,6 +1036,7 @@ impl Default for SandboxSpec {
             resources: None,
             image_rewrite: Vec::new(),
             image_unavailable_after_seconds: default_image_unavailable_after_seconds(),
+            tool_dirs: Vec::new(),
         }
     }
 }

@@ -31,7 +31,7 @@ use trajectory_sandbox::protocol::VerifierStep;
 use trajectory_sandbox::verifier::TEST_SCRIPT;
 
 use crate::spec::VerifierSpec;
-use crate::tools::sandbox::Sandbox;
+use crate::tools::sandbox::{Sandbox, shell_quoted};
 
 /// Row fields holding a verifier command, in the order they are looked for.
 pub const COMMAND_FIELDS: [&str; 2] = ["test", "verify"];
@@ -174,11 +174,6 @@ impl Places {
             shell_quoted(&self.logs_dir),
         )
     }
-}
-
-/// `text` as one word of a POSIX shell.
-fn shell_quoted(text: &str) -> String {
-    format!("'{}'", text.replace('\'', r"'\''"))
 }
 
 /// Runs `verifier` in the environment a conversation left: its workspace `workspace`, or the task

@@ -338,3 +338,53 @@ fn discarded_and_failed_records_are_python_json_lines_in_their_key_order() {
             .contains(r#""duration_ms": 0, "#)
     );
 }
+
+#[test]
+fn the_paths_the_sandbox_refused_are_counted_by_prefix_after_the_source() {
+    let refused = "[The sandbox refused /var/cache/x, /tmp/a \"b\": this conversation's commands \
+                   may read and run programs only in its workspace and the system's directories \
+                   (/usr, /bin, /etc, /opt, ...). Use programs and files from those instead]";
+    let mut refusing = conversation();
+    refusing.messages.insert(
+        3,
+        Message::Tool(ToolMessage {
+            tool_call_id: "call_1".into(),
+            name: "terminal".into(),
+            content:
+                json!({"output": format!("cat: ...\n{refused}"), "exit_code": 1, "error": null})
+                    .to_string(),
+        }),
+    );
+    let source = Map::new();
+    let started = chrono::Utc.with_ymd_and_hms(2026, 3, 5, 14, 2, 10).unwrap();
+    let context = RecordContext {
+        id: "abc-1-0",
+        prompt_index: 1,
+        sample: 0,
+        batch: 0,
+        model: "hermes-test",
+        toolsets_used: &[],
+        tools_offered: &[],
+        system_turn: None,
+        catalog: &[],
+        started_at: started,
+        finished_at: started,
+        source: &source,
+        verification: None,
+        discarded_by: None,
+    };
+    let mut line = Vec::new();
+    write_trajectory_record(&mut line, &refusing, &context);
+    let line = String::from_utf8(line).unwrap();
+    assert!(
+        line.ends_with(r#""source": {}, "sandbox_refusals": {"/tmp": 1, "/var": 1}}"#),
+        "{line}"
+    );
+    let mut plain = Vec::new();
+    write_trajectory_record(&mut plain, &conversation(), &context);
+    assert!(
+        !String::from_utf8(plain)
+            .unwrap()
+            .contains("sandbox_refusals")
+    );
+}

@@ -142,6 +142,7 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
         base_url: Some(model_server()),
         workspace_root: storage.path().join("workspaces"),
         sandbox: common::sandbox(),
+        path_dropped: Vec::new(),
         progress: ProgressMode::Lines,
     };
     let report = run_local(&options, &common::no_shutdown())

@@ -22,13 +22,13 @@ use trajectory_worker::run::local::run_local;
 /// A word only one conversation's tool call and output contain.
 const NEEDLE: &str = "needle-xyzzy";
 
-/// Six prompts, one at a time: two that call the terminal and answer, one the server refuses
-/// (a failed record), one that calls tools until it runs out of turns, and two that answer at
-/// once.
+/// Six prompts, one at a time: two that call the terminal and answer (one of them is refused
+/// `/var` by the sandbox), one the server refuses (a failed record), one that calls tools until
+/// it runs out of turns, and two that answer at once.
 async fn run_with_every_outcome() -> (ScriptedServer, RunFixture) {
     let call = |command: &str| Step::ok(tool_call_reply("terminal", &json!({"command": command})));
     let script = vec![
-        call("echo alpha"),
+        call("echo alpha; ls /var"),
         Step::ok(text_reply("done")),
         call(&format!("echo {NEEDLE}")),
         Step::ok(text_reply("done")),
@@ -258,6 +258,8 @@ fn assert_figures_are_the_runs(dom: &str, statistics: &Value, fixture: &RunFixtu
         attribute(dom, "combo", "terminal+file", "conversations"),
         "5"
     );
+    assert_eq!(statistics["sandbox_refusals"], json!({"/var": 1}));
+    assert_eq!(attribute(dom, "prefix", "/var", "refusals"), "1");
 }
 
 /// What the model does in each task of the verified run.
@@ -306,6 +308,10 @@ async fn the_report_of_a_verified_run_shows_its_rewards_and_each_verifiers_verdi
     let profile = tempfile::tempdir().unwrap();
     let dom = load(&page, "", profile.path());
     assert_verification_figures_are_the_runs(&dom, &statistics);
+    assert!(
+        statistics.get("sandbox_refusals").is_none() && !dom.contains("data-prefix="),
+        "a run the sandbox refused nothing shows no refusals"
+    );
     for (fragment, expected) in [("reward=1", 2), ("reward=0", 2), ("reward=not+verified", 1)] {
         assert_eq!(
             listed(&load(&page, fragment, profile.path())),

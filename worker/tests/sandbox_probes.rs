@@ -78,10 +78,15 @@ impl Probe {
         server.push(Step::ok(tool_calls_reply(&calls)));
 
         let binaries = tempfile::tempdir().unwrap();
+        let tools = ToolDir::new();
         let command = match uid {
             None => Command::new(WORKER),
             Some(uid) => {
-                let worker = as_user(uid, binaries.path(), &[fixture.root(), secrets.path()]);
+                let worker = as_user(
+                    uid,
+                    binaries.path(),
+                    &[fixture.root(), secrets.path(), tools.path()],
+                );
                 let mut command = Command::new("setpriv");
                 command
                     .arg(format!("--reuid={uid}"))
@@ -91,7 +96,7 @@ impl Probe {
                 command
             }
         };
-        let child = local_run(command, &fixture)
+        let child = local_run(command, &fixture, &tools)
             .arg("--landlock")
             .arg(landlock)
             .env(env::MODEL_API_KEY, KEY)
@@ -187,15 +192,43 @@ fn as_user(uid: u32, dir: &Path, owned: &[&Path]) -> PathBuf {
     worker
 }
 
+/// A tool directory (`--tool-dir`) holding `bin/probe-tool`, which every probe's run names, so
+/// that each probe holds with the setting in use; outside the storage, removed on drop.
+struct ToolDir(tempfile::TempDir);
+
+/// What `probe-tool` prints.
+const PROBE_TOOL_SAYS: &str = "tool-dir-in-use";
+
+impl ToolDir {
+    fn new() -> Self {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin");
+        std::fs::create_dir(&bin).unwrap();
+        let tool = bin.join("probe-tool");
+        std::fs::write(&tool, format!("#!/bin/sh\necho {PROBE_TOOL_SAYS}\n")).unwrap();
+        for path in [dir.path(), &bin, &tool] {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        Self(dir)
+    }
+
+    fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
 /// `worker` (the worker binary, or what runs it) told to run the fixture's run locally, its
-/// workspaces beside the storage.
-fn local_run(mut worker: Command, fixture: &RunFixture) -> Command {
+/// workspaces beside the storage, with `tools` open to the commands.
+fn local_run(mut worker: Command, fixture: &RunFixture, tools: &ToolDir) -> Command {
     worker
         .arg("local")
         .arg(fixture.run_file())
         .arg("--no-progress-bar")
         .arg("--workspace-root")
-        .arg(fixture.workspaces());
+        .arg(fixture.workspaces())
+        .arg("--tool-dir")
+        .arg(tools.path());
     worker
 }
 
@@ -262,6 +295,8 @@ fn escape_attempts(
         "echo made > mine.txt && cat mine.txt && echo $HOME $TMPDIR".to_owned(),
         // 11: who the commands run as.
         "id -u".to_owned(),
+        // 12: the run's tool directory is open to the commands, on their PATH.
+        "probe-tool".to_owned(),
     ]
 }
 
@@ -311,6 +346,7 @@ fn assert_layers_beside_landlock_hold(probe: &Probe) {
     assert_nothing_outlived_the_conversation(&probe.landlock);
     let ws = probe.output(10);
     assert!(ws.starts_with("made\n"), "{ws}");
+    assert_eq!(probe.output(12), PROBE_TOOL_SAYS);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -448,7 +484,8 @@ async fn a_fork_bomb_a_memory_hog_and_a_disk_filler_stop_only_their_own_conversa
             json!({"limits": {"processes": 64, "memoryBytes": 256 << 20, "workspaceBytes": 64 << 20}}),
         );
     let started = std::time::Instant::now();
-    let child = local_run(Command::new(WORKER), &fixture)
+    let tools = ToolDir::new();
+    let child = local_run(Command::new(WORKER), &fixture, &tools)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -727,7 +764,8 @@ async fn background_jobs_that_try_to_outlive_escape_or_spy_fail_under_landlock()
             &planted,
         ))
         .unwrap();
-    let child = local_run(Command::new(WORKER), &fixture)
+    let tools = ToolDir::new();
+    let child = local_run(Command::new(WORKER), &fixture, &tools)
         .arg("--landlock")
         .arg("required")
         .env(env::MODEL_API_KEY, KEY)

@@ -1010,6 +1010,54 @@ async fn one_huge_file_stops_at_the_workspace_limit_and_can_be_deleted(place: Wh
     assert_eq!(again["output"], "ok");
 }
 
+/// A background job, under an executor of its own, fills the workspace past its limit and is
+/// stopped; the workspace stays full. The conversation's shell, started before, blames none of
+/// the model's next commands for it: they run, told that the workspace is past its limit, until
+/// one makes it grow; once the big file is deleted, commands run as before, with no note.
+async fn a_workspace_a_job_filled_can_be_cleaned(place: Where) {
+    let neighbours = Neighbours::new(place);
+    let ctx = &neighbours.offender;
+    let first = ok(call(ctx, json!({"command": "echo started"})).await);
+    assert_eq!(first["output"], "started", "{first}");
+    let filler = start_job(ctx, "yes > fill").await;
+    let waited = process(
+        ctx,
+        json!({"action": "wait", "session_id": filler, "timeout": 30}),
+    )
+    .await;
+    assert_eq!(waited["termination_source"], "sandbox.limit", "{waited}");
+    let fill = ctx.workspace.root().join("fill");
+    assert!(std::fs::metadata(&fill).unwrap().len() > 64 << 20);
+    let listed = ok(call(ctx, json!({"command": "ls"})).await);
+    assert_eq!(listed["exit_code"], 0, "{listed}");
+    let listed = listed["output"].as_str().unwrap();
+    // The job's file is cut at the limit plus one byte: its size reads as the limit's.
+    assert!(
+        listed.starts_with(
+            "[The workspace is past its limit of 64 MiB: delete files to make room; a command \
+             that writes more is stopped]\n"
+        ),
+        "{listed}"
+    );
+    assert!(listed.lines().any(|line| line == "fill"), "{listed}");
+    let grown = call(ctx, json!({"command": "head -c 1M /dev/zero > more"})).await;
+    let ToolOutcome::Err(error) = grown else {
+        panic!("a command that grows a full workspace must be stopped: {grown:?}");
+    };
+    assert!(
+        error.starts_with("the command exceeded the sandbox's workspace limit (64 MiB"),
+        "{error}"
+    );
+    let cleaned = ok(call(ctx, json!({"command": "rm fill; echo room"})).await);
+    let cleaned = cleaned["output"].as_str().unwrap();
+    assert!(cleaned.ends_with("]\nroom"), "{cleaned}");
+    assert!(!cleaned.contains("[The workspace"), "{cleaned}");
+    assert!(!fill.exists());
+    let next = ok(call(ctx, json!({"command": "head -c 1M /dev/zero > f; echo ok"})).await);
+    assert_eq!(next["output"], "ok", "{next}");
+    assert_eq!(next["exit_code"], 0, "{next}");
+}
+
 async fn a_runaway_job_is_stopped_at_its_limit_with_the_reason(place: Where) {
     let neighbours = Neighbours::new(place);
     let ctx = &neighbours.offender;
@@ -1064,6 +1112,7 @@ in_both_places!(
     memory_hog_is_stopped_at_the_memory_limit,
     disk_filler_is_stopped_at_the_workspace_limit,
     one_huge_file_stops_at_the_workspace_limit_and_can_be_deleted,
+    a_workspace_a_job_filled_can_be_cleaned,
 );
 
 in_both_places!(
@@ -1298,4 +1347,83 @@ async fn in_a_task_container_the_file_tools_work_on_its_files_as_the_terminal_do
         std::fs::read_to_string(image_dir.0.join("src/app.py")).unwrap(),
         "print('patched')\n"
     );
+}
+
+/// A file outside the workspace is refused by Landlock; the model is told why, in one note
+/// naming the path, where the worker can judge the sandbox (a local run), and only for paths
+/// outside what the conversation may read.
+#[tokio::test]
+async fn a_path_the_sandbox_refuses_is_named_in_a_note_in_a_local_run() {
+    let outside = tempfile::tempdir().unwrap();
+    let secret = outside.path().join("notes.txt");
+    std::fs::write(&secret, "private").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("mine.txt"), "mine").unwrap();
+    let ctx = context(Where::Local, dir.path(), ToolLimits::default());
+    assert!(
+        ctx.sandbox.landlock_enforced(dir.path()).await.unwrap(),
+        "this kernel enforces Landlock (the test needs it to mean anything)"
+    );
+    let expected_note = format!(
+        "[The sandbox refused {}: this conversation's commands may read and run programs only in \
+         its workspace and the system's directories (/usr, /bin, /etc, /opt, ...). Use programs \
+         and files from those instead]",
+        secret.display()
+    );
+
+    let refused = ok(call(
+        &ctx,
+        json!({"command": format!("cat {}", secret.display())}),
+    )
+    .await);
+    assert_eq!(
+        refused["output"],
+        format!(
+            "cat: {}: Permission denied\n{expected_note}",
+            secret.display()
+        ),
+        "{refused}"
+    );
+    assert_eq!(refused["exit_code"], 1, "{refused}");
+
+    // Inside the workspace: read, and a refusal there (a file's mode) is not the sandbox's.
+    let mine = ok(call(&ctx, json!({"command": "cat mine.txt"})).await);
+    assert_eq!(mine["output"], "mine", "{mine}");
+    let inside = ok(call(
+        &ctx,
+        json!({"command": "echo \"cat: $PWD/mine.txt: Permission denied\""}),
+    )
+    .await);
+    assert!(!inside.to_string().contains("[The sandbox"), "{inside}");
+
+    // A background job's output gets the same note.
+    let job = start_job(&ctx, &format!("cat {}", secret.display())).await;
+    let waited = process(
+        &ctx,
+        json!({"action": "wait", "session_id": job, "timeout": 30}),
+    )
+    .await;
+    assert!(
+        waited["output"]
+            .as_str()
+            .is_some_and(|output| output.ends_with(&expected_note)),
+        "{waited}"
+    );
+    ctx.close().await;
+
+    // In a pod the sandbox container's image decides what is readable: no note.
+    let pod_dir = tempfile::tempdir().unwrap();
+    let pod = context(Where::Pod, pod_dir.path(), ToolLimits::default());
+    let in_pod = ok(call(
+        &pod,
+        json!({"command": format!("cat {}", secret.display())}),
+    )
+    .await);
+    assert!(
+        in_pod["output"]
+            .as_str()
+            .is_some_and(|output| output.ends_with(": Permission denied")),
+        "{in_pod}"
+    );
+    pod.close().await;
 }

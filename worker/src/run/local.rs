@@ -44,6 +44,9 @@ pub struct LocalOptions {
     pub workspace_root: PathBuf,
     /// How terminal commands are confined.
     pub sandbox: Sandbox,
+    /// The entries of this machine's `PATH` that the confined commands cannot run programs from,
+    /// and so do not get: said again in the summary.
+    pub path_dropped: Vec<PathBuf>,
     pub progress: ProgressMode,
 }
 
@@ -56,6 +59,8 @@ pub struct LocalReport {
     pub plan: PlanSummary,
     pub merge: MergeSummary,
     pub elapsed: Duration,
+    /// The entries of this machine's `PATH` the commands did not get ([`LocalOptions`]).
+    pub path_dropped: Vec<PathBuf>,
 }
 
 /// Runs plan, every pending batch and merge.
@@ -161,6 +166,7 @@ pub async fn run_local(
         plan: plan_summary,
         merge: merge_summary,
         elapsed: started.elapsed(),
+        path_dropped: options.path_dropped.clone(),
     })
 }
 
@@ -389,6 +395,17 @@ pub fn render_report(report: &LocalReport) -> String {
             }
         }
     }
+    if let Some(statistics) = &report.statistics {
+        out.push_str(&refusal_lines(statistics));
+    }
+    if !report.path_dropped.is_empty() {
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let _ = writeln!(
+            out,
+            "\n  the commands' PATH left out {}: the sandbox cannot run programs there",
+            shown_paths(&report.path_dropped, home.as_deref())
+        );
+    }
     let _ = writeln!(
         out,
         "\n  trajectories: {}",
@@ -413,4 +430,61 @@ pub fn render_report(report: &LocalReport) -> String {
             .display()
     );
     out
+}
+
+/// `paths` for people, comma-separated, the home directory written `~`.
+pub fn shown_paths(paths: &[PathBuf], home: Option<&Path>) -> String {
+    paths
+        .iter()
+        .map(
+            |path| match home.and_then(|home| path.strip_prefix(home).ok()) {
+                Some(below) => format!("~/{}", below.display()),
+                None => path.display().to_string(),
+            },
+        )
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The summary's lines on `statistics.json`'s `sandbox_refusals`: where the commands were
+/// refused, so that a researcher sees what to open (`spec.sandbox.toolDirs`) or to stop using
+/// without reading the statistics. Empty when there were none.
+fn refusal_lines(statistics: &serde_json::Value) -> String {
+    use std::fmt::Write as _;
+    let Some(refusals) = statistics["sandbox_refusals"]
+        .as_object()
+        .filter(|refusals| !refusals.is_empty())
+    else {
+        return String::new();
+    };
+    let mut out = format!(
+        "\n  {:<24} {:>7}   (paths outside the commands' reach; the model was told why)\n",
+        "sandbox refused", "count"
+    );
+    for (prefix, count) in refusals {
+        let _ = writeln!(out, "  {:<24} {:>7}", prefix, count.as_u64().unwrap_or(0));
+    }
+    out.push_str(
+        "  to give the commands a toolchain, name its directory: --tool-dir or spec.sandbox.toolDirs\n",
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_lists_the_sandboxs_refusals_by_prefix_only_when_there_were_some() {
+        assert_eq!(refusal_lines(&serde_json::json!({"counts": {}})), "");
+        assert_eq!(
+            refusal_lines(&serde_json::json!({"sandbox_refusals": {"/tmp": 3, "~/.pyenv": 12}})),
+            "\n  sandbox refused            count   (paths outside the commands' reach; the model \
+             was told why)\n  \
+             /tmp                           3\n  \
+             ~/.pyenv                      12\n  \
+             to give the commands a toolchain, name its directory: --tool-dir or \
+             spec.sandbox.toolDirs\n"
+        );
+    }
 }

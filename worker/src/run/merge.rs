@@ -77,6 +77,9 @@ struct RecordView<'a> {
     /// What its model calls cost, when priced or reported.
     #[serde(default)]
     cost: Option<super::costs::CostView>,
+    /// The paths the sandbox refused its commands, by prefix.
+    #[serde(default, borrow)]
+    sandbox_refusals: BTreeMap<Cow<'a, str>, u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -189,6 +192,8 @@ struct Totals {
     /// Conversations of rows naming an image, by the image's position in the manifest: how many
     /// ran in a container of it, and how many were recorded `image_unavailable`.
     task_images: BTreeMap<u32, (u64, u64)>,
+    /// Paths the sandbox refused the commands of every kept record, by prefix.
+    sandbox_refusals: BTreeMap<String, u64>,
     /// What `report.html` shows beyond the statistics (`None`: no report is written).
     report: Option<report::Collector>,
 }
@@ -229,6 +234,9 @@ impl Totals {
         self.completion_tokens += other.completion_tokens;
         self.reasoning_tokens += other.reasoning_tokens;
         self.durations.extend(other.durations);
+        for (prefix, count) in other.sandbox_refusals {
+            *self.sandbox_refusals.entry(prefix).or_default() += count;
+        }
         for (image, (ran, unavailable)) in other.task_images {
             let entry = self.task_images.entry(image).or_default();
             entry.0 += ran;
@@ -261,6 +269,10 @@ impl Totals {
         }
         if let Some(cost) = &view.cost {
             self.costs.add(cost, view.status.is_none());
+        }
+        // Every kept record's: a discarded conversation met the sandbox's walls as well.
+        for (prefix, count) in &view.sandbox_refusals {
+            *self.sandbox_refusals.entry(prefix.to_string()).or_default() += count;
         }
         if let (Some(reward), Some(verification)) = (view.reward, &view.verification) {
             self.rewards.add(super::rewards::VerifiedRecord {
@@ -305,6 +317,12 @@ impl Totals {
 }
 
 impl Totals {
+    /// `statistics.json`'s `sandbox_refusals`: the paths the sandbox refused the commands, by
+    /// prefix, as the records' notes named them. `None` when there were none.
+    fn sandbox_refusals(&self) -> Option<serde_json::Value> {
+        (!self.sandbox_refusals.is_empty()).then(|| json!(self.sandbox_refusals))
+    }
+
     /// Counts a kept record of a row that names the image at `image` in the manifest.
     fn add_task_image(&mut self, image: u32, view: &RecordView<'_>) {
         let entry = self.task_images.entry(image).or_default();
@@ -1181,6 +1199,9 @@ fn statistics(
     if let Some(task_images) = totals.task_images() {
         statistics["task_images"] = task_images;
     }
+    if let Some(refusals) = totals.sandbox_refusals() {
+        statistics["sandbox_refusals"] = refusals;
+    }
     if let Some(mut verification) = totals.rewards.summary() {
         let not_run = totals
             .discarded_by
@@ -1284,6 +1305,29 @@ mod tests {
             totals.task_images(),
             Some(json!({"images": 3, "pulled": 2, "unavailable": 1,
                         "conversations": {"ran": 3, "image_unavailable": 2}}))
+        );
+    }
+
+    #[test]
+    fn sandbox_refusals_are_summed_over_every_kept_record_and_reader() {
+        let lines: [&[u8]; 3] = [
+            br#"{"prompt_index": 0, "sandbox_refusals": {"~/.pyenv": 2, "/tmp": 1}}"#,
+            br#"{"prompt_index": 1, "status": "discarded", "filter": "f", "sandbox_refusals": {"~/.pyenv": 1}}"#,
+            br#"{"prompt_index": 2}"#,
+        ];
+        let mut totals = Totals::new(false);
+        assert_eq!(totals.sandbox_refusals(), None, "absent when none");
+        for line in lines {
+            let view: RecordView<'_> = serde_json::from_slice(line).unwrap();
+            totals.add(&view, line);
+        }
+        let mut other = Totals::new(false);
+        let line = br#"{"prompt_index": 3, "sandbox_refusals": {"/home/alice": 4, "/tmp": 2}}"#;
+        other.add(&serde_json::from_slice(line).unwrap(), line);
+        totals.absorb(other);
+        assert_eq!(
+            totals.sandbox_refusals(),
+            Some(json!({"~/.pyenv": 3, "/tmp": 3, "/home/alice": 4}))
         );
     }
 

@@ -18,6 +18,7 @@
 
 mod program;
 mod session;
+pub mod tool_dirs;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -66,8 +67,13 @@ impl TaskDir {
 /// Where the executor is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Place {
-    /// The `trajectory-executor` binary the worker starts for each command.
-    Local { executor: PathBuf },
+    /// The `trajectory-executor` binary the worker starts for each command, and the directories
+    /// of this machine the commands may read and run programs from besides the system's
+    /// (`spec.sandbox.toolDirs`, checked by [`crate::validate`] before a run starts).
+    Local {
+        executor: PathBuf,
+        tool_dirs: Vec<PathBuf>,
+    },
     /// The socket of the sandbox container's `trajectory-executor serve`.
     Pod { socket: PathBuf },
 }
@@ -78,6 +84,7 @@ impl Sandbox {
         Self {
             place: Place::Local {
                 executor: executor.into(),
+                tool_dirs: Vec::new(),
             },
             landlock,
             limits: Limits::DEFAULT,
@@ -134,6 +141,34 @@ impl Sandbox {
         Some(Self::pod(PathBuf::from(socket), landlock).with_limits(spec.limits.into()))
     }
 
+    /// The same sandbox with `dirs` readable and their programs runnable by the commands (local
+    /// runs; a pod's sandbox container has its image's directories).
+    #[must_use]
+    pub fn with_tool_dirs(mut self, dirs: Vec<PathBuf>) -> Self {
+        if let Place::Local { tool_dirs, .. } = &mut self.place {
+            *tool_dirs = dirs;
+        }
+        self
+    }
+
+    /// The directories named by [`Sandbox::with_tool_dirs`].
+    pub fn tool_dirs(&self) -> &[PathBuf] {
+        match &self.place {
+            Place::Local { tool_dirs, .. } => tool_dirs,
+            Place::Pod { .. } => &[],
+        }
+    }
+
+    /// What the commands may read besides their workspace, where the worker knows it: a local
+    /// run's (the system's directories and [`Sandbox::tool_dirs`]); `None` in a pod, whose
+    /// sandbox container's image decides.
+    pub fn command_files(&self) -> Option<trajectory_sandbox::ImageFiles> {
+        match &self.place {
+            Place::Local { tool_dirs, .. } => Some(local_files(tool_dirs)),
+            Place::Pod { .. } => None,
+        }
+    }
+
     /// The same sandbox with other limits on each command.
     #[must_use]
     pub fn with_limits(self, limits: Limits) -> Self {
@@ -145,13 +180,16 @@ impl Sandbox {
     /// where the workspaces are.
     pub async fn landlock_enforced(&self, workspace_root: &Path) -> std::io::Result<bool> {
         match &self.place {
-            Place::Local { executor } => {
+            Place::Local {
+                executor,
+                tool_dirs,
+            } => {
                 let status = tokio::process::Command::from(trajectory_sandbox::run::command(
                     executor,
                     workspace_root,
                     LandlockMode::Required,
                     Limits::NONE,
-                    &trajectory_sandbox::ImageFiles::Hidden,
+                    &local_files(tool_dirs),
                     Duration::ZERO,
                     "true",
                 ))
@@ -174,6 +212,20 @@ impl Sandbox {
                 Ok(code == 0)
             }
         }
+    }
+}
+
+/// `text` as one word of a POSIX shell.
+pub(crate) fn shell_quoted(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+/// What the commands of a local run may read besides their workspace and the system's.
+fn local_files(tool_dirs: &[PathBuf]) -> trajectory_sandbox::ImageFiles {
+    if tool_dirs.is_empty() {
+        trajectory_sandbox::ImageFiles::Hidden
+    } else {
+        trajectory_sandbox::ImageFiles::Named(tool_dirs.to_vec())
     }
 }
 
@@ -212,13 +264,16 @@ impl Sandbox {
     ) -> std::io::Result<CommandRun> {
         let mut tail = OutputTail::new(keep);
         let exit_code = match &self.place {
-            Place::Local { executor } => {
+            Place::Local {
+                executor,
+                tool_dirs,
+            } => {
                 let cmd = trajectory_sandbox::run::command(
                     executor,
                     workspace,
                     self.landlock,
                     self.limits,
-                    &trajectory_sandbox::ImageFiles::Hidden,
+                    &local_files(tool_dirs),
                     ONCE_GRACE,
                     command,
                 );
@@ -263,12 +318,15 @@ impl Sandbox {
             landlock: self.landlock,
         };
         match &self.place {
-            Place::Local { executor } => {
+            Place::Local {
+                executor,
+                tool_dirs,
+            } => {
                 let cmd = trajectory_sandbox::verifier::command(
                     executor,
                     workspace,
                     self.landlock,
-                    &trajectory_sandbox::ImageFiles::Hidden,
+                    &local_files(tool_dirs),
                 );
                 answer_locally(cmd, &serde_json::to_vec(&request)?).await
             }

@@ -291,6 +291,13 @@ impl RunSpec {
             "must be at least 1".to_owned(),
         );
         self.check_web(violations);
+        for (index, dir) in self.sandbox.tool_dirs.iter().enumerate() {
+            violations.check(
+                tool_dir_problem(dir).is_none(),
+                &format!("sandbox.toolDirs[{index}]"),
+                tool_dir_problem(dir).unwrap_or_default(),
+            );
+        }
         if let Some(browser) = &self.tools.browser {
             check_browser(browser, violations);
         }
@@ -534,6 +541,30 @@ fn check_image_gen(image_gen: &ImageGenSpec, violations: &mut Violations) {
 }
 
 /// True for a non-empty relative path with no `..`, root or empty components.
+/// What is wrong with `dir` as a [`crate::spec::SandboxSpec::tool_dirs`] entry, read without the
+/// machine it names (the run checks it there at start).
+pub fn tool_dir_problem(dir: &str) -> Option<String> {
+    let below_home = dir.strip_prefix("~/");
+    if !(dir.starts_with('/') || below_home.is_some()) {
+        return Some(format!("{dir:?} must be an absolute path or start with ~/"));
+    }
+    if dir.contains(':') {
+        return Some(format!("{dir:?} holds a ':', which a PATH cannot carry"));
+    }
+    let rest = below_home.unwrap_or(dir).trim_matches('/');
+    if rest.is_empty() || rest.split('/').all(|part| part.is_empty() || part == ".") {
+        return Some(format!(
+            "{dir:?} would open {} to the model's commands: name the toolchain's own directory",
+            if below_home.is_some() {
+                "the whole home directory"
+            } else {
+                "the whole filesystem"
+            }
+        ));
+    }
+    None
+}
+
 pub fn is_relative_clean_path(path: &str) -> bool {
     !path.is_empty()
         && !path.starts_with('/')
@@ -612,6 +643,38 @@ mod tests {
                 "spec.model.limits.gubernator.url: \"gubernator:1050\" must be an http:// or \
                  https:// URL",
                 "spec.model.limits.gubernator.key: must name the key the counts are kept under",
+            ]
+        );
+    }
+
+    #[test]
+    fn tool_dirs_must_be_absolute_or_under_home_and_not_the_whole_of_either() {
+        let mut spec = minimal();
+        spec.sandbox.tool_dirs = [
+            "~/.pyenv/versions/3.12.7",
+            "/opt/conda/envs/x",
+            "relative/bin",
+            "~",
+            "~/",
+            "/",
+            "~/./",
+            "/a:/b",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        let errors: Vec<String> = spec.validate().into_iter().map(|v| v.to_string()).collect();
+        assert_eq!(
+            errors,
+            [
+                "spec.sandbox.toolDirs[2]: \"relative/bin\" must be an absolute path or start with ~/",
+                "spec.sandbox.toolDirs[3]: \"~\" must be an absolute path or start with ~/",
+                "spec.sandbox.toolDirs[4]: \"~/\" would open the whole home directory to the \
+                 model's commands: name the toolchain's own directory",
+                "spec.sandbox.toolDirs[5]: \"/\" would open the whole filesystem to the model's \
+                 commands: name the toolchain's own directory",
+                "spec.sandbox.toolDirs[6]: \"~/./\" would open the whole home directory to the \
+                 model's commands: name the toolchain's own directory",
+                "spec.sandbox.toolDirs[7]: \"/a:/b\" holds a ':', which a PATH cannot carry",
             ]
         );
     }

@@ -61,6 +61,7 @@ pub fn local_options(fixture: &RunFixture) -> LocalOptions {
         base_url: None,
         workspace_root: fixture.workspaces(),
         sandbox: sandbox(),
+        path_dropped: Vec::new(),
         progress: ProgressMode::Lines,
     }
 }

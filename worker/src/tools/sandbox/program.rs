@@ -102,6 +102,9 @@ pub struct ProgramState {
     pub gone: bool,
     /// Checks of the limits that passed ([`Program::check_limits`]).
     checks_passed: u64,
+    /// The executor's note with the last check that passed (protocol version 7): a limit the
+    /// program is past without its last command being at fault (a workspace a job filled).
+    past_limit: Option<String>,
     /// The output limit stopped it.
     pub over_output_limit: bool,
     /// The executor stopped it at a limit while it waited for a command (a shell whose jobs
@@ -112,6 +115,12 @@ pub struct ProgramState {
 }
 
 impl ProgramState {
+    /// What the executor said with the last check of the limits that passed, when the program
+    /// is still past one without being at fault (a workspace a job filled): a note for the model.
+    pub fn past_limit(&self) -> Option<&str> {
+        self.past_limit.as_deref()
+    }
+
     /// Why the executor refused or stopped the program: its last message, without the
     /// [`REFUSED_PREFIX`] it starts with.
     pub fn sandbox_reason(&self) -> Option<String> {
@@ -152,6 +161,7 @@ impl Program {
             ended: None,
             gone: false,
             checks_passed: 0,
+            past_limit: None,
             over_output_limit: false,
             stopped_waiting: false,
             stderr: Vec::new(),
@@ -215,7 +225,8 @@ impl Program {
     }
 
     /// Has the executor check the limits now; true when they hold (false: the program was
-    /// stopped, its end says why, or the connection is gone).
+    /// stopped, its end says why, or the connection is gone). A note that comes with the answer
+    /// is in [`ProgramState::past_limit`].
     pub async fn check_limits(&self) -> bool {
         let before = self.state().checks_passed;
         if self.send(protocol::CHECK, &[]).await.is_err() {
@@ -321,7 +332,11 @@ async fn read_frames(
                     state.stderr.drain(..excess);
                 }
                 protocol::PID => state.pid = protocol::parse_exit(bytes),
-                protocol::CHECKED => state.checks_passed += 1,
+                protocol::CHECKED => {
+                    state.checks_passed += 1;
+                    state.past_limit =
+                        (!bytes.is_empty()).then(|| String::from_utf8_lossy(bytes).into_owned());
+                }
                 protocol::STOPPED_WAITING => state.stopped_waiting = true,
                 protocol::EXIT => {
                     state.ended =

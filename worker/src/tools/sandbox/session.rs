@@ -114,14 +114,21 @@ impl Sandbox {
                 stream.write_all(&protocol::session_line(request)).await?;
                 Ok(stream)
             }
-            Place::Local { executor } => start_local(executor, request),
+            Place::Local {
+                executor,
+                tool_dirs,
+            } => start_local(executor, &super::local_files(tool_dirs), request),
         }
     }
 }
 
 /// Starts the executor here, on one end of a socket pair; returns the other. A session without
 /// a workspace gets a private directory, removed when the executor has ended.
-fn start_local(executor: &Path, request: &SessionRequest) -> std::io::Result<UnixStream> {
+fn start_local(
+    executor: &Path,
+    files: &trajectory_sandbox::ImageFiles,
+    request: &SessionRequest,
+) -> std::io::Result<UnixStream> {
     let private = if request.workspace.is_none() {
         Some(
             tempfile::Builder::new()
@@ -139,10 +146,7 @@ fn start_local(executor: &Path, request: &SessionRequest) -> std::io::Result<Uni
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
     ours.set_nonblocking(true)?;
     let mut command = tokio::process::Command::from(trajectory_sandbox::session::command(
-        executor,
-        &dir,
-        request,
-        &trajectory_sandbox::ImageFiles::Hidden,
+        executor, &dir, request, files,
     ));
     command
         .stdin(std::process::Stdio::from(std::os::fd::OwnedFd::from(

@@ -13,8 +13,10 @@
 
 mod jobs;
 mod output;
+mod refusals;
 mod shell;
 
+pub use refusals::refusal_counts;
 pub use shell::{Flavour, command_script, start_script};
 
 use std::path::{Path, PathBuf};
@@ -53,6 +55,8 @@ pub struct Terminal {
     jobs: Jobs,
     /// The shell's working directory after the last command (`None`: the workspace itself).
     cwd: Mutex<Option<PathBuf>>,
+    /// What its commands may read, to say why one was refused a path.
+    reach: refusals::ConversationReach,
 }
 
 #[derive(Debug, Default)]
@@ -190,18 +194,19 @@ impl Terminal {
             } else {
                 std::mem::take(&mut slot.ended_unannounced).then(|| SHELL_RESET_NOTE.to_owned())
             };
+            let note = with_past_limit(note, end.past_limit());
             let with_note = |output: String| match (note.as_deref(), output.is_empty()) {
                 (None, _) => output,
                 (Some(note), true) => note.to_owned(),
                 (Some(note), false) => format!("{note}\n{output}"),
             };
             match end {
-                CommandEnd::Finished { exit_code, cwd } => {
+                CommandEnd::Finished { exit_code, cwd, .. } => {
                     self.set_cwd(cwd);
                     let output = with_note(kept.render(""));
                     return ToolOutcome::Ok(finished(command, &output, exit_code));
                 }
-                CommandEnd::TimedOut { shell_lost } => {
+                CommandEnd::TimedOut { shell_lost, .. } => {
                     if shell_lost {
                         slot.shell = None;
                     }
@@ -278,6 +283,17 @@ impl Terminal {
                 },
             )
             .await
+    }
+}
+
+/// The notes a command's output starts with: `shell`'s (why it ran in a new shell), then the
+/// sandbox's on a workspace still past its limit, which is the model's to clean up (a job filled
+/// it; a command that makes it grow is stopped).
+fn with_past_limit(shell: Option<String>, past_limit: Option<&str>) -> Option<String> {
+    let past_limit = past_limit.map(|past| format!("[{past}]"));
+    match (shell, past_limit) {
+        (Some(shell), Some(past)) => Some(format!("{shell}\n{past}")),
+        (shell, past) => shell.or(past),
     }
 }
 
@@ -500,7 +516,8 @@ impl Tool for TerminalTool {
                 Some(seconds) => Duration::from_secs(seconds.max(1)),
                 None => ctx.limits.command_timeout,
             };
-            ctx.terminal.run(ctx, command, workdir, timeout).await
+            let outcome = ctx.terminal.run(ctx, command, workdir, timeout).await;
+            ctx.terminal.reach.note_outcome(ctx, outcome)
         })
     }
 }
@@ -581,7 +598,10 @@ impl Tool for ProcessTool {
                 Some(message) if result.as_object().is_some_and(|map| map.len() == 1) => {
                     ToolOutcome::Err(message.to_owned())
                 }
-                _ => ToolOutcome::Ok(result),
+                _ => ctx
+                    .terminal
+                    .reach
+                    .note_outcome(ctx, ToolOutcome::Ok(result)),
             }
         })
     }
@@ -638,6 +658,19 @@ mod tests {
         );
         assert_eq!(workdir_refusal("/w/a b/c-d_e.f~+@=,"), None);
         assert!(workdir_refusal("/w/$(id)").unwrap().contains("'$'"));
+    }
+
+    #[test]
+    fn a_workspace_past_its_limit_is_noted_after_the_new_shells_note() {
+        assert_eq!(with_past_limit(None, None), None);
+        assert_eq!(
+            with_past_limit(None, Some("Full")).as_deref(),
+            Some("[Full]")
+        );
+        assert_eq!(
+            with_past_limit(Some("[New shell]".to_owned()), Some("Full")).as_deref(),
+            Some("[New shell]\n[Full]")
+        );
     }
 
     #[test]

@@ -80,10 +80,20 @@ pub enum Flavour {
 /// How a command ended.
 #[derive(Debug)]
 pub(super) enum CommandEnd {
-    /// It ran to its end; the shell reported its exit code and directory.
-    Finished { exit_code: i32, cwd: PathBuf },
+    /// It ran to its end; the shell reported its exit code and directory. `past_limit`: the
+    /// sandbox's note on a limit the shell is still past without the command being at fault (a
+    /// workspace a job filled), for the model.
+    Finished {
+        exit_code: i32,
+        cwd: PathBuf,
+        past_limit: Option<String>,
+    },
     /// It ran out of time and was killed; `shell_lost` when the shell went with it.
-    TimedOut { shell_lost: bool },
+    /// `past_limit` as for [`CommandEnd::Finished`].
+    TimedOut {
+        shell_lost: bool,
+        past_limit: Option<String>,
+    },
     /// The shell ended while it ran (`exit`, a limit, a crash): the exit code, and the
     /// executor's reason when it stopped the shell.
     ShellEnded {
@@ -96,6 +106,19 @@ pub(super) enum CommandEnd {
     /// left running with `&` did), before the command reached it: the sandbox's reason. The
     /// command did not run.
     StoppedBeforeIt(String),
+}
+
+impl CommandEnd {
+    /// The sandbox's note on a limit the shell is still past after the command, through no
+    /// fault of the command's.
+    pub(super) fn past_limit(&self) -> Option<&str> {
+        match self {
+            Self::Finished { past_limit, .. } | Self::TimedOut { past_limit, .. } => {
+                past_limit.as_deref()
+            }
+            _ => None,
+        }
+    }
 }
 
 /// A running shell.
@@ -251,17 +274,25 @@ impl Shell {
                 if !self.program.check_limits().await {
                     return self.ended_early().await;
                 }
+                let past_limit = self.program.state().past_limit().map(str::to_owned);
                 if interrupted_at.is_some() {
-                    return CommandEnd::TimedOut { shell_lost: false };
+                    return CommandEnd::TimedOut {
+                        shell_lost: false,
+                        past_limit,
+                    };
                 }
                 return CommandEnd::Finished {
                     exit_code,
                     cwd: PathBuf::from(cwd),
+                    past_limit,
                 };
             }
             if self.program.state().ended.is_some() {
                 return match interrupted_at {
-                    Some(_) => CommandEnd::TimedOut { shell_lost: true },
+                    Some(_) => CommandEnd::TimedOut {
+                        shell_lost: true,
+                        past_limit: None,
+                    },
                     None => self.ended_early().await,
                 };
             }
@@ -276,13 +307,19 @@ impl Shell {
                 Err(_) if interrupted_at.is_none() => {
                     interrupted_at = Some(Instant::now());
                     if self.program.interrupt().await.is_err() {
-                        return CommandEnd::TimedOut { shell_lost: true };
+                        return CommandEnd::TimedOut {
+                            shell_lost: true,
+                            past_limit: None,
+                        };
                     }
                 }
                 Err(_) => {
                     // The shell did not come back: it is stuck itself.
                     self.stop().await;
-                    return CommandEnd::TimedOut { shell_lost: true };
+                    return CommandEnd::TimedOut {
+                        shell_lost: true,
+                        past_limit: None,
+                    };
                 }
             }
         }
