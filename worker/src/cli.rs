@@ -645,6 +645,12 @@ async fn batch_command(
     };
     let sandbox = workspaces.sandbox(&location.plan.spec.sandbox);
     let landlock = workspaces.check_sandbox(&sandbox).await?;
+    if !location.plan.spec.sandbox.tool_dirs.is_empty() {
+        info!(
+            "spec.sandbox.toolDirs is for local runs (`local`, `prompt`); a batch's commands \
+             have the directories of their sandbox's image"
+        );
+    }
     let manifest = Manifest::require(&location.run_dir())?;
     let mut engine = Engine::new(&location.plan.spec, workspaces.root())?;
     // At most `workers` pods run the run's batches at once: each keeps that share of a limit.
