@@ -4,8 +4,10 @@
 //! reports a summary. Errors carry the exit code of the worker contract ([`crate::contract::exit`]).
 
 pub mod batch;
+mod conversation;
 mod costs;
 pub mod distributions;
+mod engine;
 pub mod ledger;
 pub mod local;
 pub mod manifest;
