@@ -232,8 +232,8 @@ fn quoted_paths(line: &str) -> Vec<&str> {
     paths
 }
 
-/// The refusals the sandbox's notes in a conversation's tool results named, by path prefix
-/// ([`refusal_prefix`] under the worker's `$HOME`, read only when there is a note). Counted
+/// The paths the sandbox's notes in a conversation's tool results named, each once, by path
+/// prefix ([`refusal_prefix`] under the worker's `$HOME`, read only when there is a note). Counted
 /// from the transcript rather than from state the terminal keeps, so that a conversation
 /// resumed from a stored log counts the refusals of its earlier turns the same.
 pub fn refusal_counts(messages: &[Message]) -> BTreeMap<String, u64> {
@@ -252,37 +252,41 @@ fn noted(message: &Message) -> Option<&str> {
     }
 }
 
-/// [`refusal_counts`] with the home directory `home`.
+/// [`refusal_counts`] with the home directory `home`: each distinct path the notes named counts
+/// once per conversation, so that reading a job's output again (`poll`, `log`), which repeats its
+/// note, counts nothing more.
 fn counts_under(messages: &[Message], home: Option<&Path>) -> BTreeMap<String, u64> {
-    let mut counts = BTreeMap::new();
+    let mut paths = std::collections::BTreeSet::new();
     for content in messages.iter().filter_map(noted) {
         // The note is inside a JSON result's `output`, where a path's quotes and backslashes
         // are escaped: read its strings, not the JSON text.
         match serde_json::from_str::<Value>(content) {
             Ok(Value::Object(map)) => {
                 for text in map.values().filter_map(Value::as_str) {
-                    count_notes(text, home, &mut counts);
+                    noted_paths(text, &mut paths);
                 }
             }
-            _ => count_notes(content, home, &mut counts),
+            _ => noted_paths(content, &mut paths),
         }
+    }
+    let mut counts = BTreeMap::new();
+    for path in paths {
+        *counts
+            .entry(refusal_prefix(Path::new(&path), home))
+            .or_default() += 1;
     }
     counts
 }
 
-/// Adds the paths each note in `text` names to `counts`.
-fn count_notes(text: &str, home: Option<&Path>, counts: &mut BTreeMap<String, u64>) {
+/// Adds the paths each note in `text` names to `paths`.
+fn noted_paths(text: &str, paths: &mut std::collections::BTreeSet<String>) {
     for (at, _) in text.match_indices(NOTE_MARKER) {
         let named = &text[at + NOTE_MARKER.len()..];
         let Some((named, _)) = named.split_once(NOTE_REASON) else {
             continue;
         };
         let named = named.strip_suffix(MORE_PATHS).unwrap_or(named);
-        for path in named_paths(named) {
-            *counts
-                .entry(refusal_prefix(Path::new(path), home))
-                .or_default() += 1;
-        }
+        paths.extend(named_paths(named).into_iter().map(str::to_owned));
     }
 }
 
@@ -463,18 +467,21 @@ mod tests {
                 content,
             })
         };
+        let other = refusal_note("cat: /tmp/y: Permission denied\n", &roots, &[]).unwrap();
+        // The same note twice (a job's output read again) counts its paths once.
         let messages = [
             tool(result.to_string()),
             tool(format!("plain text {note}")),
+            tool(format!("again {other}")),
             Message::User("[The sandbox refused /root/z: this conversation's".to_owned()),
         ];
         let counts = counts_under(&messages, Some(Path::new("/root")));
         assert_eq!(
             counts,
             BTreeMap::from([
-                ("~/a, b".to_owned(), 2),
+                ("~/a, b".to_owned(), 1),
                 ("/tmp".to_owned(), 2),
-                ("~/.pyenv".to_owned(), 2)
+                ("~/.pyenv".to_owned(), 1)
             ])
         );
     }
