@@ -380,11 +380,20 @@ pub(crate) struct Confined {
     pub(crate) signals: SignalFd,
     /// The supervisor of its limits.
     pub(crate) supervisor: Supervisor,
+    /// The kernel enforces its Landlock rules.
+    pub(crate) landlock_enforced: bool,
+}
+
+impl Confined {
     /// The `PATH` of what it starts: this process's, less the entries Landlock keeps it from
     /// running programs from, after the named tool directories' ([`command_path`]). A shim under
     /// the home directory first on the user's `PATH` would otherwise shadow the system's program
-    /// of that name with one the command is refused.
-    pub(crate) path: OsString,
+    /// of that name with one the command is refused. Worked out only by the executors that start
+    /// a program (a file tool's call starts none).
+    pub(crate) fn command_path(&self, image_files: &ImageFiles) -> OsString {
+        let path = std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into());
+        command_path(&path, image_files, self.landlock_enforced).path
+    }
 }
 
 /// What an executor does before it starts anything the model or a tool chose: the signals that
@@ -414,23 +423,23 @@ pub(crate) fn confine_executor(
     nix::sys::prctl::set_child_subreaper(true)
         .map_err(|err| format!("cannot become a child subreaper: {err}"))?;
     drop_privileges()?;
-    let enforced = confine(writable, confinement.landlock, &confinement.image_files)?;
+    let landlock_enforced = confine(writable, confinement.landlock, &confinement.image_files)?;
     apply_rlimits(&limits)?;
-    let path = std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into());
-    let path = command_path(&path, &confinement.image_files, enforced).path;
     Ok(Confined {
         signals: signal_fd,
         supervisor: Supervisor::start(writable, limits),
-        path,
+        landlock_enforced,
     })
 }
 
 fn execute(args: &ExecutorArgs) -> Result<i32, String> {
+    let confined = confine_executor(args.parent, &args.workspace, &args.confinement)?;
+    let path = confined.command_path(&args.confinement.image_files);
     let Confined {
         signals: signal_fd,
         mut supervisor,
-        path,
-    } = confine_executor(args.parent, &args.workspace, &args.confinement)?;
+        ..
+    } = confined;
 
     let shell = spawn_shell(
         &args.command,

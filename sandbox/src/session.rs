@@ -217,11 +217,13 @@ impl Relay {
         } else {
             None
         };
+        let confined = confine_executor(args.parent, &args.dir, &args.confinement)?;
+        let path = confined.command_path(&args.confinement.image_files);
         let Confined {
             signals: signal_fd,
             mut supervisor,
-            path,
-        } = confine_executor(args.parent, &args.dir, &args.confinement)?;
+            ..
+        } = confined;
 
         // Close-on-exec: only the program's own ends, put on its descriptors, are inherited; a copy
         // of the writing end of its standard input would keep it from ever seeing its end.
