@@ -81,7 +81,7 @@ pub fn installed(env: &str, script: &str, flag: &str) -> std::path::PathBuf {
 }
 
 /// A port free on loopback a moment ago.
-pub(crate) fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
         .expect("a free port")

@@ -12,6 +12,7 @@ use std::process::{Command, Output, Stdio};
 
 use common::{RunFixture, WORKER, wait};
 use serde_json::{Value, json};
+use trajectory_testkit::free_port;
 use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
 
 /// A fake home directory with pyenv's layout: `~/.pyenv/shims/python3`, a shim that runs the
@@ -72,15 +73,6 @@ impl FakeHome {
             .expect("the worker binary starts");
         wait(child).await
     }
-}
-
-/// A port nothing listens on now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// The `output` of each tool result the model was sent last, in call order.

@@ -6,13 +6,13 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
+use trajectory_testkit::free_port;
 use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
 use trajectory_worker::run::batch::shutdown_channel;
 use trajectory_worker::run::local::run_local;
@@ -130,14 +130,6 @@ impl Drop for HttpEverything {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Pids of this process's children whose environment holds `marker`.

@@ -12,7 +12,6 @@
 #![allow(dead_code)]
 
 use std::io::Read;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -20,13 +19,7 @@ use std::time::{Duration, Instant};
 /// Debian's `python3-doc` pages (scripts/web/install.sh installs them).
 pub const PYTHON_DOCS: &str = "/usr/share/doc/python3-doc/html";
 
-/// A port free right now on 127.0.0.1.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
-}
+pub use trajectory_testkit::free_port;
 
 /// A child process killed on drop, with its output in a file shown when it fails to start.
 pub struct Process {
