@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::future::join_all;
+use futures::future::{BoxFuture, join_all};
 use serde_json::Value;
 use tracing::{Instrument, debug, info_span};
 
@@ -47,6 +47,68 @@ pub struct Conversation {
     pub cost: Option<Cost>,
     /// Time spent waiting for the model, summed over calls.
     pub model_time: Duration,
+    /// How the conversation took up turns an earlier attempt had finished (`None`: it started
+    /// from its prompt with nothing recorded).
+    pub resume: Option<Resumed>,
+}
+
+impl Conversation {
+    /// A conversation that has only its prompt.
+    pub fn new(prompt: &str) -> Self {
+        Self {
+            messages: vec![Message::User(prompt.to_owned())],
+            api_calls: 0,
+            completed: false,
+            partial: false,
+            usage: Usage::default(),
+            cost: None,
+            model_time: Duration::ZERO,
+            resume: None,
+        }
+    }
+}
+
+/// How a conversation went on from the turns an earlier attempt left in the turn log.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Resumed {
+    /// Turns taken from the log, asked of the model again by no one (0: it started over).
+    pub from_turn: u32,
+    /// Tool calls run again to bring the environment back to where the log left it.
+    pub replayed_calls: u32,
+    /// Calls run again whose output differed from the recorded one, kept by their tool's rule.
+    pub divergences: Vec<Divergence>,
+    /// Why the recorded turns could not be taken up, so the conversation started over.
+    pub restarted: Option<String>,
+    /// Wall-clock time the earlier attempts took until their last turn: it counts towards the
+    /// conversation's budget.
+    pub earlier_time: Duration,
+}
+
+/// A replayed call whose output differed from the one the model saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Divergence {
+    /// The turn (0-based) whose call it was.
+    pub turn: u32,
+    pub tool: String,
+    pub call_id: String,
+}
+
+/// One finished turn: a model reply with tool calls and their results, and what the call cost.
+#[derive(Debug, Clone, Copy)]
+pub struct Turn<'a> {
+    /// Its place in the conversation, 0-based (the number of model calls before it).
+    pub number: u32,
+    pub reply: &'a AssistantMessage,
+    pub results: &'a [ToolMessage],
+    pub usage: Usage,
+    pub cost: Option<Cost>,
+    pub model_time: Duration,
+}
+
+/// Where a conversation's finished turns go before its next model call (the run's turn log):
+/// the call waits until the turn is kept, so a kill loses at most the turn in flight.
+pub trait TurnSink: Send + Sync {
+    fn commit<'a>(&'a self, turn: Turn<'a>) -> BoxFuture<'a, ()>;
 }
 
 /// What a conversation that ended early had spent on the model until then.
@@ -131,20 +193,29 @@ pub async fn run_conversation(
     prompt: &str,
     config: &AgentConfig,
 ) -> Result<Conversation, ConversationError> {
+    continue_conversation(client, tools, ctx, Conversation::new(prompt), config, None).await
+}
+
+/// Runs a conversation on from where `conversation` stands (its prompt only, or the turns an
+/// earlier attempt finished), within what is left of the wall-clock budget; each turn it
+/// finishes is committed to `sink` before the next model call.
+pub async fn continue_conversation(
+    client: &ModelClient,
+    tools: &[Arc<dyn Tool>],
+    ctx: &ToolContext,
+    mut conversation: Conversation,
+    config: &AgentConfig,
+    sink: Option<&dyn TurnSink>,
+) -> Result<Conversation, ConversationError> {
     let budget = config.prompt_timeout;
-    let mut conversation = Conversation {
-        messages: vec![Message::User(prompt.to_owned())],
-        api_calls: 0,
-        completed: false,
-        partial: false,
-        usage: Usage::default(),
-        cost: None,
-        model_time: Duration::ZERO,
-    };
+    let earlier = conversation
+        .resume
+        .as_ref()
+        .map_or(Duration::ZERO, |resume| resume.earlier_time);
     // The conversation lives outside the timed future, so that one cut off keeps what it spent.
     let outcome = tokio::time::timeout(
-        budget,
-        converse(client, tools, ctx, config, &mut conversation),
+        budget.saturating_sub(earlier),
+        converse(client, tools, ctx, config, &mut conversation, sink),
     )
     .instrument(info_span!("conversation"))
     .await;
@@ -165,13 +236,16 @@ async fn converse(
     ctx: &ToolContext,
     config: &AgentConfig,
     conversation: &mut Conversation,
+    sink: Option<&dyn TurnSink>,
 ) -> Result<(), ModelError> {
     let definitions = tool_definitions(tools);
     let system = config.ephemeral_system_prompt.as_deref();
-    let mut turn = 0;
+    // Synthetic call ids are numbered by turn: a resumed conversation goes on numbering.
+    let mut turn = conversation.api_calls as usize;
     while conversation.api_calls < config.max_turns {
         let body = client.request_body(system, &conversation.messages, Some(&definitions));
-        let reply = timed_call(client, &body, turn, conversation).await?;
+        let (reply, spent) = timed_call(client, &body, turn, conversation).await?;
+        let number = conversation.api_calls;
         conversation.api_calls += 1;
         turn += 1;
         if reply.finish_reason.as_deref() == Some("length") {
@@ -180,7 +254,7 @@ async fn converse(
             conversation.partial = true;
             return Ok(());
         }
-        let message = reply.message;
+        let (usage, message) = (reply.usage, reply.message);
         if message.tool_calls.is_empty() {
             conversation.messages.push(Message::Assistant(message));
             conversation.completed = true;
@@ -193,6 +267,17 @@ async fn converse(
                 .map(|call| execute(call, tools, ctx)),
         )
         .await;
+        if let Some(sink) = sink {
+            sink.commit(Turn {
+                number,
+                reply: &message,
+                results: &results,
+                usage,
+                cost: spent.cost,
+                model_time: spent.model_time,
+            })
+            .await;
+        }
         conversation.messages.push(Message::Assistant(message));
         conversation
             .messages
@@ -202,7 +287,7 @@ async fn converse(
         .messages
         .push(Message::User(FINAL_ANSWER_REQUEST.to_owned()));
     let body = client.request_body(system, &conversation.messages, None);
-    let reply = timed_call(client, &body, turn, conversation).await?;
+    let (reply, _) = timed_call(client, &body, turn, conversation).await?;
     // Without tools offered, a server may still emit calls; they cannot run, so they are dropped.
     let message = AssistantMessage {
         tool_calls: Vec::new(),
@@ -212,24 +297,36 @@ async fn converse(
     Ok(())
 }
 
+/// What one model call took: its cost (when priced or reported) and the time waited for it.
+struct CallSpent {
+    cost: Option<Cost>,
+    model_time: Duration,
+}
+
 async fn timed_call(
     client: &ModelClient,
     body: &Value,
     turn: usize,
     conversation: &mut Conversation,
-) -> Result<crate::model::Completion, ModelError> {
+) -> Result<(crate::model::Completion, CallSpent), ModelError> {
     let started = Instant::now();
     let reply = client.complete(body, turn).await?;
-    conversation.model_time += started.elapsed();
+    let model_time = started.elapsed();
+    conversation.model_time += model_time;
     conversation.usage.add(reply.usage);
-    if let Some(cost) = client.cost_of(&reply) {
+    let cost = client.cost_of(&reply);
+    if let Some(cost) = cost {
         Cost::add_to(&mut conversation.cost, cost);
     }
-    Ok(reply)
+    Ok((reply, CallSpent { cost, model_time }))
 }
 
 /// Runs one tool call; unknown tools and invalid arguments go back to the model as tool errors.
-async fn execute(call: &ToolCall, tools: &[Arc<dyn Tool>], ctx: &ToolContext) -> ToolMessage {
+pub(crate) async fn execute(
+    call: &ToolCall,
+    tools: &[Arc<dyn Tool>],
+    ctx: &ToolContext,
+) -> ToolMessage {
     let outcome = match (
         tools.iter().find(|tool| tool.spec().name == call.name),
         &call.arguments,

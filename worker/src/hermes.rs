@@ -531,7 +531,50 @@ impl Serialize for TrajectoryRecord<'_> {
         if !self.sandbox_refusals.is_empty() {
             record.serialize_entry("sandbox_refusals", &self.sandbox_refusals)?;
         }
+        if let Some(resume) = &conversation.resume {
+            record.serialize_entry("resumed_from_turn", &resume.from_turn)?;
+            record.serialize_entry("resume", &ResumeEntry::from(resume))?;
+        }
         record.end()
+    }
+}
+
+/// A resumed record's `resume`: how it took up the turns an earlier attempt left (see
+/// `docs/storage.md`, "The turn log"); field names and their order are its keys.
+#[derive(serde::Serialize)]
+struct ResumeEntry<'a> {
+    from_turn: u32,
+    replayed_calls: u32,
+    divergences: Vec<DivergenceEntry<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    restarted: Option<&'a str>,
+    earlier_ms: u64,
+}
+
+#[derive(serde::Serialize)]
+struct DivergenceEntry<'a> {
+    turn: u32,
+    tool: &'a str,
+    call_id: &'a str,
+}
+
+impl<'a> From<&'a crate::agent::Resumed> for ResumeEntry<'a> {
+    fn from(resume: &'a crate::agent::Resumed) -> Self {
+        Self {
+            from_turn: resume.from_turn,
+            replayed_calls: resume.replayed_calls,
+            divergences: resume
+                .divergences
+                .iter()
+                .map(|divergence| DivergenceEntry {
+                    turn: divergence.turn,
+                    tool: &divergence.tool,
+                    call_id: &divergence.call_id,
+                })
+                .collect(),
+            restarted: resume.restarted.as_deref(),
+            earlier_ms: u64::try_from(resume.earlier_time.as_millis()).unwrap_or(u64::MAX),
+        }
     }
 }
 

@@ -13,7 +13,7 @@
 //! Like [`crate::spec`] it builds with serde alone: [`crate::validate`] refuses prices that
 //! cannot be used before any pod starts, with these words.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::spec::PricingSpec;
@@ -78,7 +78,7 @@ struct TierRates {
 }
 
 /// Where a cost came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CostSource {
     /// The run's prices applied to the usage.
@@ -91,7 +91,7 @@ pub enum CostSource {
 
 /// What one completion, or a whole conversation, cost in USD: the parts the prices give (zero
 /// for a reported cost, which comes whole) and their total.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Cost {
     /// Input tokens neither read from nor written to a cache.
     pub input: f64,

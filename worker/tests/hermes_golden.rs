@@ -87,6 +87,7 @@ fn conversation() -> Conversation {
         },
         cost: None,
         model_time: Duration::from_millis(900),
+        resume: None,
     }
 }
 
@@ -216,6 +217,7 @@ fn inline_think_and_scratchpads_are_kept_and_unparsable_arguments_become_empty_o
         usage: Usage::default(),
         cost: None,
         model_time: Duration::ZERO,
+        resume: None,
     };
     let turns = trajectory_worker::hermes::sharegpt(&conversation, &[terminal_spec()]);
     assert_eq!(

@@ -43,17 +43,18 @@ use tokio::task::{JoinHandle, JoinSet};
 use tracing::{info, warn};
 
 pub use super::conversation::{BELOW_REWARD, ConversationOutcome, IMAGE_UNAVAILABLE};
-use super::conversation::{BatchContext, Item, Shared, lock, run_item, skipped_line};
-pub use super::engine::Engine;
+use super::conversation::{BatchContext, Item, Shared, lock, record_id, run_item, skipped_line};
+pub use super::engine::{Engine, TurnLogging};
 use super::ledger::{Admission, Ticket};
 use super::manifest::Manifest;
 use super::sampling::{Next, Schedule};
 use super::segments::segment_digest;
+use super::turns::{Chains, TurnLog, TurnLogHandle, read_chains};
 use super::{RunError, RunLocation};
 use crate::contract::BatchSummary;
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row, without_bom};
 use crate::hermes::timestamp;
-use crate::storage::{RecordsWriter, RunDir, StorageError, WriterId};
+use crate::storage::{RecordsWriter, RunDir, StorageError, TurnsWriter, WriterId};
 
 /// Tells running batches to stop taking new work.
 #[derive(Debug, Clone)]
@@ -144,6 +145,23 @@ struct DoneMarker {
     finished_at: String,
 }
 
+impl DoneMarker {
+    /// The batch's summary as its marker tells it, with `resumed` records found at its start.
+    fn summary(self, resumed: u64) -> BatchSummary {
+        BatchSummary {
+            batch: self.batch,
+            succeeded: self.succeeded,
+            discarded: self.discarded,
+            failed: self.failed,
+            resumed,
+            stopped: None,
+            cost: self.cost,
+            run_spent: None,
+            landlock: None,
+        }
+    }
+}
+
 /// Runs one batch to completion (or until shutdown or a permanent error): reads its rows, finds
 /// the records every earlier or concurrent writer left, runs every (prompt, sample) without one
 /// while this writer appends their records to its own files, then marks the batch done.
@@ -215,9 +233,23 @@ pub async fn run_batch(
         "starting batch"
     );
 
-    let (lines, writer) = spawn_writer(records_writer);
+    let (lines, writer, failed) = spawn_writer(records_writer);
     let context = BatchContext::new(location, manifest, batch);
-    let shared = Arc::new(Shared::new(engine, rows, first_prompt, context));
+    let turns = start_turn_log(
+        engine,
+        &run_dir,
+        (batch, &writer_id),
+        &context,
+        &pending,
+        failed,
+    )?;
+    let shared = Arc::new(Shared::new(
+        engine,
+        rows,
+        first_prompt,
+        context,
+        (turns.log, turns.chains),
+    ));
     let schedule = Schedule::new(pending, engine.passes_per_prompt, passed);
     let stop = run_pending(&shared, schedule, shutdown, lines, &mut summary, progress).await?;
     shared.stop_reusing_workspaces();
@@ -225,7 +257,7 @@ pub async fn run_batch(
     writer
         .await
         .map_err(|err| RunError::Internal(format!("record writer panicked: {err}")))??;
-
+    let turn_writer = finish_turn_log(&shared, turns.writer).await?;
     if let Some(error) = stop {
         return Err(error);
     }
@@ -233,10 +265,30 @@ pub async fn run_batch(
         return Err(RunError::Interrupted);
     }
     let expected = shared.rows.len() as u64 * u64::from(engine.samples_per_prompt);
+    let marker = mark_done(&run_dir, batch, expected, turn_writer)?;
+    // The batch leaves no workspace behind (most were removed while it ran).
+    while removals.join_next().await.is_some() {}
+    info!(
+        succeeded = marker.succeeded,
+        discarded = marker.discarded,
+        failed = marker.failed,
+        "batch done"
+    );
+    Ok(marker.summary(summary.resumed))
+}
+
+/// Writes the `.done` marker of a batch whose every key has a record, then removes this
+/// writer's turn log.
+fn mark_done(
+    run_dir: &RunDir,
+    batch: u32,
+    expected: u64,
+    turn_writer: Option<TurnsWriter>,
+) -> Result<DoneMarker, RunError> {
     // The marker says what storage holds now, not what this writer counted: records it found at
     // its start may be gone since (a merge that found them missing reopened the batch for them,
     // and a marker written from this writer's count would close it again over the gap).
-    let on_storage = existing_records(&run_dir, batch)?;
+    let on_storage = existing_records(run_dir, batch)?;
     let recorded = on_storage.keys.len() as u64;
     if recorded < expected {
         return Err(RunError::RecordsLost(format!(
@@ -246,26 +298,79 @@ pub async fn run_batch(
         )));
     }
     let cost = on_storage.cost.map(crate::contract::usd_text);
-    let marker = write_done_marker(&run_dir, batch, (&on_storage.summary, cost), expected)?;
-    // The batch leaves no workspace behind (most were removed while it ran).
-    while removals.join_next().await.is_some() {}
-    info!(
-        succeeded = marker.succeeded,
-        discarded = marker.discarded,
-        failed = marker.failed,
-        "batch done"
-    );
-    Ok(BatchSummary {
-        batch,
-        succeeded: marker.succeeded,
-        discarded: marker.discarded,
-        failed: marker.failed,
-        resumed: summary.resumed,
-        stopped: None,
-        cost: marker.cost,
-        run_spent: None,
-        landlock: None,
+    let marker = write_done_marker(run_dir, batch, (&on_storage.summary, cost), expected)?;
+    // Every key has its record: no conversation will be taken up from this writer's turns.
+    if let Some(turn_writer) = turn_writer
+        && let Err(error) = turn_writer.remove()
+    {
+        warn!(%error, "could not remove the batch's turn log");
+    }
+    Ok(marker)
+}
+
+/// A batch's turn log: the way to its writer, the writer's thread, and the chains earlier
+/// attempts left (all empty when the engine keeps no log).
+struct BatchTurns {
+    log: Option<TurnLog>,
+    writer: Option<TurnLogHandle>,
+    chains: Chains,
+}
+
+/// Reads the chains earlier attempts left for the `pending` keys and starts this writer's turn
+/// log, whose failure `failed` signals.
+fn start_turn_log(
+    engine: &Engine,
+    run_dir: &RunDir,
+    (batch, writer_id): (u32, &WriterId),
+    context: &BatchContext,
+    pending: &[(u64, u32)],
+    failed: Arc<watch::Sender<bool>>,
+) -> Result<BatchTurns, RunError> {
+    if engine.turns == TurnLogging::Off {
+        return Ok(BatchTurns {
+            log: None,
+            writer: None,
+            chains: Chains::new(),
+        });
+    }
+    let pending: HashSet<(u64, u32)> = pending.iter().copied().collect();
+    let prefix = &context.id_prefix;
+    let chains = read_chains(run_dir, batch, &pending, |prompt_index, sample| {
+        record_id(prefix, prompt_index, sample)
+    })?;
+    if !chains.is_empty() {
+        let turns: usize = chains.values().map(|chain| chain.entries.len()).sum();
+        info!(
+            conversations = chains.len(),
+            turns, "taking up conversations from the turn log"
+        );
+    }
+    let writer = run_dir
+        .store()
+        .turns_writer(&run_dir.batch_turns_of(batch, writer_id));
+    let (log, handle) = TurnLog::spawn(writer, failed);
+    Ok(BatchTurns {
+        log: Some(log),
+        writer: Some(handle),
+        chains,
     })
+}
+
+/// Ends the turn log's writer once the batch sends no more turns; returns it, for removing the
+/// log once the batch is done.
+async fn finish_turn_log(
+    shared: &Shared,
+    writer: Option<TurnLogHandle>,
+) -> Result<Option<TurnsWriter>, RunError> {
+    if let Some(log) = &shared.turns {
+        log.close();
+    }
+    match writer {
+        Some(handle) => Ok(Some(handle.await.map_err(|err| {
+            RunError::Internal(format!("turn log writer panicked: {err}"))
+        })??)),
+        None => Ok(None),
+    }
 }
 
 /// What the batch's `.done` marker records, if it has one (an unreadable marker counts as none:
@@ -273,16 +378,10 @@ pub async fn run_batch(
 fn done_summary(run_dir: &RunDir, batch: u32) -> Option<BatchSummary> {
     let bytes = run_dir.store().read(&run_dir.batch_done(batch)).ok()?;
     let marker = serde_json::from_slice::<DoneMarker>(&bytes).ok()?;
+    let resumed = marker.succeeded + marker.discarded + marker.failed;
     Some(BatchSummary {
         batch,
-        succeeded: marker.succeeded,
-        discarded: marker.discarded,
-        failed: marker.failed,
-        resumed: marker.succeeded + marker.discarded + marker.failed,
-        stopped: None,
-        cost: marker.cost,
-        run_spent: None,
-        landlock: None,
+        ..marker.summary(resumed)
     })
 }
 
@@ -303,13 +402,16 @@ fn pending_items(
 
 /// Starts the single writer of the batch's files on the blocking pool; it stops when the sender
 /// is dropped, or at its first error.
-fn spawn_writer(records: RecordsWriter) -> (RecordSender, WriterHandle) {
+/// Its failure signal is shared with the turn log's writer: either failing stops the batch.
+fn spawn_writer(records: RecordsWriter) -> (RecordSender, WriterHandle, Arc<watch::Sender<bool>>) {
     let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
     let (failed, failure) = watch::channel(false);
+    let failed = Arc::new(failed);
+    let signal = Arc::clone(&failed);
     let writer = tokio::task::spawn_blocking(move || {
         let result = write_lines(receiver, records);
         if result.is_err() {
-            failed.send_replace(true);
+            signal.send_replace(true);
         }
         result
     });
@@ -319,6 +421,7 @@ fn spawn_writer(records: RecordsWriter) -> (RecordSender, WriterHandle) {
             failure,
         },
         writer,
+        failed,
     )
 }
 

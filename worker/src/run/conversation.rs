@@ -14,9 +14,13 @@ use tracing::{Instrument, info_span, warn};
 
 use super::engine::Engine;
 use super::manifest::Manifest;
+use super::resume::{TakenUp, take_up};
 use super::sampling::ENOUGH_PASSED;
+use super::turns::{Chain, Chains, Start, TurnCommitter, TurnLog};
 use super::{RunError, RunLocation};
-use crate::agent::{Conversation, ConversationError, Spent, run_conversation};
+use crate::agent::{
+    Conversation, ConversationError, Resumed, Spent, TurnSink, continue_conversation,
+};
 use crate::dataset::Row;
 use crate::hermes::{
     Failure, RecordContext, RecordIdentity, reasoning_stats, system_turn, write_discarded_record,
@@ -53,6 +57,11 @@ pub(super) struct Shared {
     pub(super) removals: Mutex<JoinSet<()>>,
     /// Sees every model call of the batch; once open, no conversation starts.
     pub(super) circuit: Arc<Circuit>,
+    /// Where finished turns go (`None`: the engine keeps no turn log).
+    pub(super) turns: Option<TurnLog>,
+    /// The turns earlier attempts finished of keys without a record, each taken by the
+    /// conversation that takes it up.
+    chains: Mutex<Chains>,
 }
 
 pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -74,6 +83,7 @@ impl Shared {
         rows: Vec<Row>,
         first_prompt: u64,
         context: BatchContext,
+        (turns, chains): (Option<TurnLog>, Chains),
     ) -> Self {
         let circuit = Arc::new(Circuit::for_concurrency(engine.concurrency.max(1)));
         let mut engine = engine.clone();
@@ -89,7 +99,14 @@ impl Shared {
             draining: AtomicBool::new(false),
             removals: Mutex::default(),
             context,
+            turns,
+            chains: Mutex::new(chains),
         }
+    }
+
+    /// The record id of a (prompt, sample): the same in every attempt and pod.
+    pub(super) fn record_id(&self, prompt_index: u64, sample: u32) -> String {
+        record_id(&self.context.id_prefix, prompt_index, sample)
     }
 
     /// Where the conversation's commands run: the engine's sandbox, or in a pod of task
@@ -305,14 +322,15 @@ pub(super) async fn run_item(
     let (engine, context) = (&shared.engine, &shared.context);
     let row =
         &shared.rows[usize::try_from(prompt_index - shared.first_prompt).unwrap_or(usize::MAX)];
-    let id = format!("{}-{prompt_index}-{sample}", context.id_prefix);
+    let id = shared.record_id(prompt_index, sample);
     let identity = RecordIdentity {
         id: &id,
         prompt_index,
         sample,
         batch: context.batch,
     };
-    let started_at = chrono::Utc::now();
+    let chain = lock(&shared.chains).remove(&(prompt_index, sample));
+    let started_at = started_at(chain.as_ref());
     if let Some(message) = &engine.image_unavailable {
         let failure = Failure {
             class: IMAGE_UNAVAILABLE,
@@ -340,33 +358,32 @@ pub(super) async fn run_item(
         Some(spending) => client.with_spending(spending),
         None => client,
     };
-    let (result, verification) = converse(shared, &offered, &client, row, lent, sandbox)
-        .instrument(info_span!("conversation", prompt_index, sample))
-        .await;
+    let conversation = Attempt {
+        id: &id,
+        key: (prompt_index, sample),
+        started_at,
+        chain: chain.as_ref(),
+    };
+    let conversed = converse(
+        shared,
+        &offered,
+        &client,
+        row,
+        (lent, sandbox),
+        &conversation,
+    )
+    .instrument(info_span!("conversation", prompt_index, sample))
+    .await;
+    // Not the prompt's fault: every conversation needs a workspace.
+    let (result, verification) = match conversed {
+        Ok(conversed) => conversed,
+        Err(error) => return Item::Stop(error.into()),
+    };
     let finished_at = chrono::Utc::now();
     let conversation = match result {
         Ok(conversation) => conversation,
-        Err(error) if error.is_model_missing() => {
-            return Item::Stop(RunError::ModelNotFound(error.to_string()));
-        }
-        Err(error) if error.is_permanent() => {
-            return Item::Stop(RunError::ModelConfiguration(error.to_string()));
-        }
-        // A budget that ran out while the server was failing was spent waiting on the outage.
-        Err(error)
-            if error.is_transient()
-                || error.is_budget_exhausted() && shared.circuit.is_failing() =>
-        {
-            return Item::Stop(RunError::ModelUnavailable(error.to_string()));
-        }
         Err(error) => {
-            let message = error.to_string();
-            let failure = Failure {
-                class: error.class(),
-                message: &message,
-            };
-            let details = (Some(error.spent()), verification.as_ref());
-            return failed_item(&identity, failure, details, started_at);
+            return unfinished_item(shared, &error, &identity, verification.as_ref(), started_at);
         }
     };
     if engine.require_reasoning && !reasoning_stats(&conversation.messages).has_any_reasoning() {
@@ -401,6 +418,66 @@ pub(super) async fn run_item(
     )
 }
 
+/// The record id of a (prompt, sample) of a run whose spec digest begins with `prefix`.
+pub(super) fn record_id(prefix: &str, prompt_index: u64, sample: u32) -> String {
+    format!("{prefix}-{prompt_index}-{sample}")
+}
+
+/// When the conversation started: now, or when the first attempt of a conversation taken up
+/// did.
+fn started_at(chain: Option<&Chain>) -> chrono::DateTime<chrono::Utc> {
+    chain
+        .and_then(|chain| chain.entries.first())
+        .and_then(|entry| chrono::DateTime::parse_from_rfc3339(&entry.started_at).ok())
+        .map_or_else(chrono::Utc::now, |at| at.with_timezone(&chrono::Utc))
+}
+
+/// Which conversation runs, and what earlier attempts left of it.
+struct Attempt<'a> {
+    id: &'a str,
+    key: (u64, u32),
+    started_at: chrono::DateTime<chrono::Utc>,
+    /// The turns to take up, if an earlier attempt left some.
+    chain: Option<&'a Chain>,
+}
+
+impl Attempt<'_> {
+    /// The n-th background job of the conversation is named alike in every attempt, so a
+    /// replay starts the jobs its transcript names.
+    fn job_seed(&self) -> u64 {
+        let hash = blake3::hash(self.id.as_bytes());
+        u64::from_le_bytes(hash.as_bytes()[..8].try_into().expect("8 bytes"))
+    }
+}
+
+/// What a conversation that ended in `error` comes to: the batch stops (an error no other prompt
+/// gets past, which its prompt is retried after), or its failed record.
+fn unfinished_item(
+    shared: &Shared,
+    error: &ConversationError,
+    identity: &RecordIdentity<'_>,
+    verification: Option<&Verification>,
+    started_at: chrono::DateTime<chrono::Utc>,
+) -> Item {
+    if error.is_model_missing() {
+        return Item::Stop(RunError::ModelNotFound(error.to_string()));
+    }
+    if error.is_permanent() {
+        return Item::Stop(RunError::ModelConfiguration(error.to_string()));
+    }
+    // A budget that ran out while the server was failing was spent waiting on the outage.
+    if error.is_transient() || error.is_budget_exhausted() && shared.circuit.is_failing() {
+        return Item::Stop(RunError::ModelUnavailable(error.to_string()));
+    }
+    let message = error.to_string();
+    let failure = Failure {
+        class: error.class(),
+        message: &message,
+    };
+    let details = (Some(error.spent()), verification);
+    failed_item(identity, failure, details, started_at)
+}
+
 /// A finished conversation and what its verifier found, if the row has one.
 struct Verified<'a> {
     conversation: &'a Conversation,
@@ -417,31 +494,65 @@ async fn converse(
     offered: &Offered,
     client: &ModelClient,
     row: &Row,
-    lent: WorkspaceDir,
-    sandbox: Sandbox,
-) -> (
-    Result<Conversation, ConversationError>,
-    Option<Verification>,
-) {
+    (lent, sandbox): (WorkspaceDir, Sandbox),
+    attempt: &Attempt<'_>,
+) -> Result<
+    (
+        Result<Conversation, ConversationError>,
+        Option<Verification>,
+    ),
+    StorageError,
+> {
     let engine = &shared.engine;
-    let WorkspaceDir {
-        dir,
-        workspace,
-        made,
-    } = lent;
-    let tool_context = ToolContext {
-        workspace,
-        limits: engine.limits.clone(),
-        sandbox,
-        browser: crate::tools::browser::ConversationBrowser::default(),
-        terminal: crate::tools::terminal::Terminal::default(),
-    };
-    let result = run_conversation(
+    let mut lent = lent;
+    let mut tool_context =
+        new_tool_context(engine, lent.workspace.clone(), sandbox.clone(), attempt);
+    let mut start = Conversation::new(&row.prompt);
+    let mut from = Start::Fresh;
+    if let Some(chain) = attempt.chain {
+        match take_up(chain, &row.prompt, &offered.tools, &tool_context).await {
+            TakenUp::Resumed(conversation) => {
+                let earlier = conversation
+                    .resume
+                    .as_ref()
+                    .map_or_else(Default::default, |resume| resume.earlier_time);
+                start = conversation;
+                from = Start::TakenUp(chain, earlier);
+            }
+            TakenUp::StartOver(reason) => {
+                tracing::info!(%reason, "starting the conversation over");
+                // The replay may have changed the workspace: the conversation gets a new one.
+                tool_context.close().await;
+                shared.release_workspace(lent, false, false);
+                lent = shared
+                    .workspace(attempt.key.0, attempt.key.1)
+                    .await
+                    .map_err(|err| {
+                        StorageError::new("creating a workspace in", &engine.workspace_root, err)
+                    })?;
+                tool_context = new_tool_context(engine, lent.workspace.clone(), sandbox, attempt);
+                start.resume = Some(Resumed {
+                    restarted: Some(reason),
+                    ..Resumed::default()
+                });
+                from = Start::Over(chain);
+            }
+        }
+    }
+    let started_at = crate::hermes::timestamp(attempt.started_at);
+    let committer = shared
+        .turns
+        .as_ref()
+        .map(|log| TurnCommitter::new(log, attempt.id, attempt.key, started_at, from));
+    let result = continue_conversation(
         client,
         &offered.tools,
         &tool_context,
-        &row.prompt,
+        start,
         &engine.agent,
+        committer
+            .as_ref()
+            .map(|committer| committer as &dyn TurnSink),
     )
     .await;
     // Nothing of the conversation may run on once its workspace is handed on or removed, or
@@ -458,13 +569,25 @@ async fn converse(
         && result
             .as_ref()
             .is_ok_and(|conversation| only_read_only_tools_ran(conversation, &offered.tools));
-    let lent = WorkspaceDir {
-        dir,
-        workspace: tool_context.workspace,
-        made,
-    };
+    lent.workspace = tool_context.workspace;
     shared.release_workspace(lent, untouched, result.is_ok());
-    (result, verification)
+    Ok((result, verification))
+}
+
+/// The tools' context of one attempt of a conversation, in `workspace`.
+fn new_tool_context(
+    engine: &Engine,
+    workspace: Workspace,
+    sandbox: Sandbox,
+    attempt: &Attempt<'_>,
+) -> ToolContext {
+    ToolContext {
+        workspace,
+        limits: engine.limits.clone(),
+        sandbox,
+        browser: crate::tools::browser::ConversationBrowser::default(),
+        terminal: crate::tools::terminal::Terminal::with_job_seed(attempt.job_seed()),
+    }
 }
 
 /// Runs the row's verifier, if it has one, where the conversation of `tool_context` ran.
@@ -558,7 +681,7 @@ pub const BELOW_REWARD: &str = "below_reward";
 /// The record of a (prompt, sample) that was not run because enough samples of its prompt passed
 /// ([`ENOUGH_PASSED`]).
 pub(super) fn skipped_line(shared: &Shared, prompt_index: u64, sample: u32) -> Vec<u8> {
-    let id = format!("{}-{prompt_index}-{sample}", shared.context.id_prefix);
+    let id = shared.record_id(prompt_index, sample);
     let identity = RecordIdentity {
         id: &id,
         prompt_index,

@@ -52,6 +52,18 @@ pub struct Engine {
     /// What the run spends, counted with its other processes when it has prices, and
     /// `spec.model.budget` when it has one: conversations start only while it has room.
     pub ledger: Option<Arc<Ledger>>,
+    /// Whether finished turns are kept in the batch's turn log, so that a conversation an
+    /// earlier attempt left unfinished is taken up from it (see `run::turns`).
+    pub turns: TurnLogging,
+}
+
+/// What becomes of a conversation's finished turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TurnLogging {
+    /// Each is durable before the next model call; resumes take them up.
+    Logged,
+    /// Kept nowhere until the record (only to measure what the log costs).
+    Off,
 }
 
 impl Engine {
@@ -130,6 +142,7 @@ impl Engine {
             concurrency: usize::try_from(spec.concurrency).unwrap_or(1),
             grace: Duration::from_secs(20),
             ledger: None,
+            turns: TurnLogging::Logged,
         })
     }
 }

@@ -14,9 +14,11 @@ pub mod manifest;
 pub mod merge;
 pub mod plan;
 pub mod prompt;
+mod resume;
 mod rewards;
 pub mod sampling;
 pub mod segments;
+mod turns;
 
 use std::path::{Path, PathBuf};
 

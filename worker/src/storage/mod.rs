@@ -36,7 +36,7 @@ use std::io::{self, IoSlice, Read, Write};
 use std::path::{Path, PathBuf};
 
 pub use object::{AccessKeys, Bucket, BucketMissing, BucketOptions, ObjectUrl};
-pub use store::{Output, PART_AGE, PART_RECORDS, RecordsWriter, Store};
+pub use store::{Output, PART_AGE, PART_RECORDS, RecordsWriter, Store, TurnsWriter};
 
 /// An I/O failure, with the path it happened on.
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +129,9 @@ impl<T> Context<T> for io::Result<T> {
     }
 }
 
+/// How a turn log's name ends (a records file's reader passes it over: a writer id has no dot).
+const TURNS_SUFFIX: &str = ".turns.jsonl";
+
 /// The directory of [`RunDir::plan_dir`], relative to the run directory.
 const PLAN_DIR: &str = "plan";
 
@@ -184,6 +187,26 @@ impl RunDir {
         self.batch_dir(batch)
             .join(format!("w-{}.openai.jsonl", writer.0))
     }
+    /// The turn log of one writer of a batch (see `run::turns`); on a bucket, the base name of
+    /// its parts.
+    pub fn batch_turns_of(&self, batch: u32, writer: &WriterId) -> PathBuf {
+        self.batch_dir(batch)
+            .join(format!("w-{}{TURNS_SUFFIX}", writer.0))
+    }
+
+    /// Every turn log of a batch (each part on a bucket), in name order.
+    pub fn turn_logs(&self, batch: u32) -> Result<Vec<PathBuf>, StorageError> {
+        let dir = self.batch_dir(batch);
+        let mut names: Vec<String> = self
+            .store
+            .list(&dir)?
+            .into_iter()
+            .filter(|name| name.starts_with("w-") && name.ends_with(TURNS_SUFFIX))
+            .collect();
+        names.sort_unstable();
+        Ok(names.into_iter().map(|name| dir.join(name)).collect())
+    }
+
     /// The one records file of a batch as workers before per-writer files wrote it (read, never
     /// written).
     pub fn legacy_batch_records(&self, batch: u32) -> PathBuf {

@@ -264,6 +264,74 @@ impl Store {
     }
 }
 
+impl Store {
+    /// The writer of one process's turn log at `path`, created when it first writes.
+    pub fn turns_writer(&self, path: &Path) -> TurnsWriter {
+        TurnsWriter {
+            store: self.clone(),
+            path: path.to_owned(),
+            log: None,
+            parts: 0,
+        }
+    }
+}
+
+/// Where one process appends the turns its conversations finish: every group is durable when
+/// [`TurnsWriter::append`] returns, because the conversations wait for it before their next
+/// model call. On a volume an append-only file (one write and one fsync per group); on a bucket
+/// one immutable part per group (`w-<writer>-<n>.turns.jsonl`), created once.
+#[derive(Debug)]
+pub struct TurnsWriter {
+    store: Store,
+    path: PathBuf,
+    log: Option<AppendLog>,
+    /// Parts written so far (on a bucket).
+    parts: u32,
+}
+
+impl TurnsWriter {
+    /// Makes `lines` durable, in one write.
+    pub fn append(&mut self, lines: &[&[u8]]) -> Result<(), StorageError> {
+        match &self.store {
+            Store::Volume => {
+                let log = match &mut self.log {
+                    Some(log) => log,
+                    None => self.log.insert(AppendLog::create(&self.path)?),
+                };
+                log.append_lines(lines)
+            }
+            Store::Bucket(bucket) => {
+                let size = lines.iter().map(|line| line.len() + 1).sum();
+                let mut part = Vec::with_capacity(size);
+                for line in lines {
+                    part.extend_from_slice(line);
+                    part.push(b'\n');
+                }
+                let path = Parts::part_path(&self.path, self.parts);
+                bucket
+                    .put_new(&path, &Bytes::from(part))
+                    .at("writing", &path)?;
+                self.parts += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// Removes what this writer wrote: its batch is done, so no conversation will resume from
+    /// it.
+    pub fn remove(mut self) -> Result<(), StorageError> {
+        if let Some(log) = self.log.take() {
+            let path = log.path().to_owned();
+            drop(log);
+            return self.store.remove(&path);
+        }
+        for part in 0..self.parts {
+            self.store.remove(&Parts::part_path(&self.path, part))?;
+        }
+        Ok(())
+    }
+}
+
 /// A file being written by [`Store::output`].
 #[derive(Debug)]
 pub struct Output {

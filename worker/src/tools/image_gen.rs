@@ -21,7 +21,9 @@ use super::args::optional_string_arg;
 use super::endpoint::{self, Endpoint, EndpointError};
 use super::vision::image::{ImageKind, checked_kind, download};
 use super::web::reference_json;
-use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec, Workspace, WorkspaceError};
+use super::{
+    ResumeRule, Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec, Workspace, WorkspaceError,
+};
 use crate::spec::{ImageGenSpec, ImageResponseFormat, ToolsSpec};
 use trajectory_sandbox::files::confine;
 
@@ -232,6 +234,11 @@ impl ImageGenerate {
 impl Tool for ImageGenerate {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    /// The image is generated again (another image, under the same name the model saw).
+    fn on_resume(&self) -> ResumeRule {
+        ResumeRule::RerunKeepGoing
     }
 
     fn call<'a>(&'a self, args: Map<String, Value>, ctx: &'a ToolContext) -> ToolFuture<'a> {

@@ -90,6 +90,36 @@ pub trait Tool: Send + Sync + fmt::Debug {
     fn read_only(&self) -> bool {
         false
     }
+    /// What a conversation resumed from the turn log does with this tool's earlier calls. By
+    /// default a tool that changes nothing keeps its recorded output ([`ResumeRule::Recorded`])
+    /// and any other runs again and must answer as it did ([`ResumeRule::RerunExact`]).
+    fn on_resume(&self) -> ResumeRule {
+        if self.read_only() {
+            ResumeRule::Recorded
+        } else {
+            ResumeRule::RerunExact
+        }
+    }
+}
+
+/// How a resumed conversation brings back what a tool's earlier calls did, so that the
+/// environment is where the conversation left it (see `docs/storage.md`, "The turn log").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeRule {
+    /// The call left nothing in the conversation's environment (or left it outside, where it
+    /// still is: an MCP server's, a web service's): its recorded output stands and it does not
+    /// run again.
+    Recorded,
+    /// The call runs again in the fresh environment; an output that differs from the recorded
+    /// one (a time, a process id, a random number) is noted in the record's divergences and the
+    /// conversation goes on, its transcript keeping what the model saw.
+    RerunKeepGoing,
+    /// The call runs again and must answer exactly as recorded; otherwise the environment is
+    /// not the one the conversation saw and it starts over from its prompt.
+    RerunExact,
+    /// What the call left cannot be brought back (a browser page): a conversation that made it
+    /// starts over from its prompt.
+    StartOver,
 }
 
 /// Per-conversation state shared by every tool call of that conversation.

@@ -39,7 +39,7 @@ use super::args::{non_empty_string_arg, optional_bool_arg, string_arg};
 use super::endpoint::EndpointError;
 use super::sandbox::Sandbox;
 use super::vision::Analyzer;
-use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
+use super::{ResumeRule, Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::{BrowserSpec, ToolsSpec};
 use pool::Pool;
 use session::{Key, Session};
@@ -420,6 +420,12 @@ impl fmt::Debug for BrowserTool {
 impl Tool for BrowserTool {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    /// A page's state (where it was scrolled, what was typed, what the site answered) cannot
+    /// be brought back by calling again.
+    fn on_resume(&self) -> ResumeRule {
+        ResumeRule::StartOver
     }
 
     fn call<'a>(&'a self, args: Map<String, Value>, ctx: &'a ToolContext) -> ToolFuture<'a> {

@@ -11,11 +11,10 @@
 //! [`OUTPUT_LIMIT`] in all, or goes past the sandbox's limits, is stopped with the reason in its
 //! results.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use rand::Rng;
 use serde_json::{Map, Value, json};
 use tokio::time::Instant;
 use trajectory_sandbox::protocol::SessionRequest;
@@ -41,7 +40,37 @@ const KILLED_EXIT: i32 = -15;
 /// The jobs of a conversation.
 #[derive(Debug, Default)]
 pub(super) struct Jobs {
-    jobs: Mutex<Vec<Arc<Job>>>,
+    table: Mutex<Vec<Arc<Job>>>,
+    /// Names the jobs: the n-th job of a conversation gets the same id in every attempt of it
+    /// given the same seed, so a conversation resumed from its turn log (its jobs started again
+    /// by replaying its calls) finds the ids its transcript names.
+    seed: u64,
+    /// How many jobs were started so far.
+    count: AtomicU64,
+}
+
+impl Jobs {
+    pub(super) fn with_seed(seed: u64) -> Self {
+        Self {
+            seed,
+            ..Self::default()
+        }
+    }
+
+    /// The id of the next job: 48 bits of a mix of the seed and the job's number.
+    fn next_id(&self) -> String {
+        let number = self.count.fetch_add(1, Ordering::SeqCst);
+        let mixed = split_mix(self.seed ^ split_mix(number));
+        format!("proc_{:012x}", mixed >> 16)
+    }
+}
+
+/// `SplitMix64`'s finaliser: a bijection of `u64` that spreads nearby inputs far apart.
+fn split_mix(value: u64) -> u64 {
+    let mut z = value.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// One background job.
@@ -68,7 +97,7 @@ struct Status {
 
 impl Jobs {
     fn list(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Job>>> {
-        self.jobs.lock().unwrap_or_else(PoisonError::into_inner)
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Starts `command` as a job in `cwd` of `workspace`, with the variables `exported` sets
@@ -115,7 +144,7 @@ impl Jobs {
             Ok(pid) => pid,
             Err(reason) => return start_failed(&reason),
         };
-        let id = format!("proc_{:012x}", rand::rng().random::<u64>() >> 16);
+        let id = self.next_id();
         let job = Arc::new(Job {
             id: id.clone(),
             command: start.command.to_owned(),

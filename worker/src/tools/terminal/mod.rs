@@ -26,7 +26,7 @@ use std::time::Duration;
 use serde_json::{Map, Value, json};
 
 use super::args::{optional_bool_arg, optional_string_arg, optional_u64_arg, string_arg};
-use super::{Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
+use super::{ResumeRule, Tool, ToolContext, ToolFuture, ToolOutcome, ToolSpec};
 use crate::spec::ToolsSpec;
 use jobs::{JobStart, Jobs};
 use shell::{CommandEnd, Shell};
@@ -49,7 +49,7 @@ pub fn tools(config: &ToolsSpec) -> Vec<Arc<dyn Tool>> {
 
 /// A conversation's terminal: its shell, its background jobs and its working directory, shared
 /// by the `terminal` and `process` tools and followed by the file tools.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Terminal {
     shell: tokio::sync::Mutex<ShellSlot>,
     jobs: Jobs,
@@ -57,6 +57,13 @@ pub struct Terminal {
     cwd: Mutex<Option<PathBuf>>,
     /// What its commands may read, to say why one was refused a path.
     reach: refusals::ConversationReach,
+}
+
+impl Default for Terminal {
+    /// A terminal whose jobs are named from a random seed.
+    fn default() -> Self {
+        Self::with_job_seed(rand::random())
+    }
 }
 
 #[derive(Debug, Default)]
@@ -78,6 +85,16 @@ const SHELL_RESET_NOTE: &str = "[The shell ended in an earlier command (exit, or
      aliases were reset]";
 
 impl Terminal {
+    /// A terminal whose n-th background job gets the same id whenever it is made with `seed`.
+    pub fn with_job_seed(seed: u64) -> Self {
+        Self {
+            shell: tokio::sync::Mutex::default(),
+            jobs: Jobs::with_seed(seed),
+            cwd: Mutex::default(),
+            reach: refusals::ConversationReach::default(),
+        }
+    }
+
     /// The shell's working directory, as it last reported it (`None` before any command).
     pub fn cwd(&self) -> Option<PathBuf> {
         self.cwd
@@ -470,6 +487,13 @@ impl Tool for TerminalTool {
         &self.spec
     }
 
+    /// Commands run again in order rebuild the workspace, the shell's directory and variables,
+    /// and its background jobs; their output often names a time or a process id, so a
+    /// difference is noted, not fatal.
+    fn on_resume(&self) -> ResumeRule {
+        ResumeRule::RerunKeepGoing
+    }
+
     fn call<'a>(&'a self, args: Map<String, Value>, ctx: &'a ToolContext) -> ToolFuture<'a> {
         Box::pin(async move {
             let command = match string_arg(&args, "command") {
@@ -584,6 +608,11 @@ impl ProcessTool {
 impl Tool for ProcessTool {
     fn spec(&self) -> &ToolSpec {
         &self.spec
+    }
+
+    /// A job's output and state depend on when it is polled: run again, differences noted.
+    fn on_resume(&self) -> ResumeRule {
+        ResumeRule::RerunKeepGoing
     }
 
     fn call<'a>(&'a self, args: Map<String, Value>, ctx: &'a ToolContext) -> ToolFuture<'a> {

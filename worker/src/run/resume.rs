@@ -1,0 +1,117 @@
+//! Taking a conversation up from its turn log: the turns an earlier attempt finished become the
+//! conversation's start (no model call repeats them), and its environment is brought back by
+//! replaying the recorded tool calls in the fresh workspace (or task container), each by its
+//! tool's [`ResumeRule`].
+//!
+//! Replay rather than a snapshot of the workspace: a snapshot would have to be taken at every
+//! turn of every conversation (a copy of a repository per turn, on the run's storage) to save
+//! work only when a kill comes, and it misses what lives outside the workspace (a task
+//! container's installed packages, the shell's variables, a background server). Replaying costs
+//! nothing until a resume, runs the calls where they ran (the same sandbox, the same image), and
+//! rebuilds all of it; its price is the time the calls take again and, for calls whose output
+//! depends on time or chance, a difference the rule of their tool decides on.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+
+use super::turns::Chain;
+use crate::agent::{Conversation, Divergence, Resumed, execute};
+use crate::model::{Message, ToolMessage, types::parse_assistant};
+use crate::pricing::Cost;
+use crate::tools::{ResumeRule, Tool, ToolContext};
+
+/// What taking up a chain came to.
+pub(super) enum TakenUp {
+    /// The conversation goes on from its last recorded turn, its environment replayed.
+    Resumed(Conversation),
+    /// The recorded turns cannot be used: the conversation starts over from its prompt, in an
+    /// environment of its own (the replay may have changed this one), for this reason.
+    StartOver(String),
+}
+
+/// Rebuilds the conversation of `chain` on `prompt` and replays its tool calls in `ctx`.
+pub(super) async fn take_up(
+    chain: &Chain,
+    prompt: &str,
+    tools: &[Arc<dyn Tool>],
+    ctx: &ToolContext,
+) -> TakenUp {
+    let mut conversation = Conversation::new(prompt);
+    let mut resumed = Resumed {
+        from_turn: u32::try_from(chain.entries.len()).unwrap_or(u32::MAX),
+        earlier_time: Duration::from_millis(
+            chain.entries.last().map_or(0, |entry| entry.elapsed_ms),
+        ),
+        ..Resumed::default()
+    };
+    // Decided before anything runs: a conversation that must start over leaves no trace here.
+    for entry in &chain.entries {
+        let reply = parse_assistant(&entry.reply, entry.turn as usize);
+        if let Some(call) = reply
+            .tool_calls
+            .iter()
+            .find(|call| rule_of(tools, &call.name) == Some(ResumeRule::StartOver))
+        {
+            return TakenUp::StartOver(format!(
+                "turn {} called {}, whose state a replay cannot bring back",
+                entry.turn, call.name
+            ));
+        }
+    }
+    for entry in &chain.entries {
+        let reply = parse_assistant(&entry.reply, entry.turn as usize);
+        let recorded: Vec<ToolMessage> = entry.results.iter().cloned().map(Into::into).collect();
+        let replayed = join_all(reply.tool_calls.iter().map(|call| async move {
+            let rule = rule_of(tools, &call.name)?;
+            // A call whose arguments did not parse ran nothing.
+            if rule == ResumeRule::Recorded || call.arguments.is_err() {
+                return None;
+            }
+            Some((rule, call, execute(call, tools, ctx).await))
+        }))
+        .await;
+        for (rule, call, result) in replayed.into_iter().flatten() {
+            resumed.replayed_calls += 1;
+            let same = recorded
+                .iter()
+                .find(|recorded| recorded.tool_call_id == call.id)
+                .is_some_and(|recorded| recorded.content == result.content);
+            if same {
+                continue;
+            }
+            if rule == ResumeRule::RerunExact {
+                return TakenUp::StartOver(format!(
+                    "turn {}'s {} call answered otherwise when replayed",
+                    entry.turn, call.name
+                ));
+            }
+            resumed.divergences.push(Divergence {
+                turn: entry.turn,
+                tool: call.name.clone(),
+                call_id: call.id.clone(),
+            });
+        }
+        conversation.messages.push(Message::Assistant(reply));
+        conversation
+            .messages
+            .extend(recorded.into_iter().map(Message::Tool));
+        conversation.api_calls += 1;
+        conversation.usage.add(entry.usage);
+        if let Some(cost) = entry.cost {
+            Cost::add_to(&mut conversation.cost, cost);
+        }
+        conversation.model_time += Duration::from_millis(entry.model_ms);
+    }
+    conversation.resume = Some(resumed);
+    TakenUp::Resumed(conversation)
+}
+
+/// The rule of the tool named `name`, if the conversation was offered one.
+fn rule_of(tools: &[Arc<dyn Tool>], name: &str) -> Option<ResumeRule> {
+    tools
+        .iter()
+        .find(|tool| tool.spec().name == name)
+        .map(|tool| tool.on_resume())
+}
