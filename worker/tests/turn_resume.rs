@@ -1,0 +1,314 @@
+//! A kill costs one turn, not a conversation (issue 42): long conversations (24 tool turns each:
+//! terminal and file tools changing a workspace, a background job started in the first turn and
+//! checked in the last) run in the worker binary, which is `SIGKILL`ed 10 times at random
+//! moments; each successor takes every unfinished conversation up from the turn log.
+//!
+//! What is counted: the scripted model serves every request and counts them; after each kill
+//! the conversations in flight (a request sent, no record on storage) are counted from the
+//! server's requests and the batch's records. The run must ask the model at most once per turn
+//! of every conversation plus once per conversation in flight at each kill (restarting them, as
+//! before the turn log, costs every turn they had). Every record is there once, its transcript
+//! holds each turn once and in order (the script answers by the number of replies a request
+//! holds, so a turn repeated or lost shifts everything after it), and the row's verifier, run in
+//! the workspace the last attempt left, finds every file the transcript wrote and the log the
+//! commands appended to, line for line.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{RunFixture, keys, spawn_worker, tool_responses, worker};
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use trajectory_testkit::scripted_server::{
+    ScriptedServer, Step, first_user_message, text_reply, tool_calls_reply,
+};
+
+/// Conversations of the one batch.
+const PROMPTS: usize = 32;
+/// Tool turns of each conversation; then one more call for the answer.
+const TOOL_TURNS: usize = 24;
+const CALLS_PER_CONVERSATION: u64 = TOOL_TURNS as u64 + 1;
+const KILLS: usize = 10;
+/// What the model takes to answer: conversations last long enough for kills to land mid-way.
+const LATENCY: Duration = Duration::from_millis(25);
+
+/// The call of turn `turn` of the task numbered `task`.
+fn scripted_call(task: usize, turn: usize) -> (&'static str, Value) {
+    match turn {
+        // A background job that keeps a heartbeat file fresh while it lives.
+        0 => (
+            "terminal",
+            json!({
+                "command": "while :; do date +%s > beat.new && mv beat.new beat; sleep 0.2; done",
+                "background": true,
+            }),
+        ),
+        // The job must be alive in the last turn, whichever attempt started it.
+        last if last == TOOL_TURNS - 1 => (
+            "terminal",
+            json!({"command": "test $(( $(date +%s) - $(cat beat) )) -le 2 && echo alive"}),
+        ),
+        odd if odd % 2 == 1 => (
+            "write_file",
+            json!({"path": format!("notes/step-{odd}.txt"), "content": format!("task {task} step {odd}\n")}),
+        ),
+        // Each answer depends on every earlier append: a replay that missed one, or ran one
+        // twice, answers otherwise.
+        even => (
+            "terminal",
+            json!({"command": format!("echo {even} >> log.txt && wc -l < log.txt")}),
+        ),
+    }
+}
+
+/// The task number of a prompt (`task number <n>`).
+fn task_of(prompt: &str) -> usize {
+    prompt
+        .rsplit(' ')
+        .next()
+        .and_then(|number| number.parse().ok())
+        .expect("a fixture prompt ends in its number")
+}
+
+/// The verifier of task `task`: the log the even turns appended and every file the odd turns
+/// wrote, as the transcript says.
+fn verifier(task: usize) -> String {
+    let appends = (2..TOOL_TURNS - 1).filter(|turn| turn % 2 == 0).count();
+    let files: Vec<String> = (1..TOOL_TURNS - 1)
+        .filter(|turn| turn % 2 == 1)
+        .map(|turn| format!("grep -qx 'task {task} step {turn}' notes/step-{turn}.txt"))
+        .collect();
+    format!(
+        "test \"$(wc -l < log.txt)\" -eq {appends} && {}",
+        files.join(" && ")
+    )
+}
+
+/// Requests so far, by task.
+type Requests = Arc<Mutex<HashMap<usize, u64>>>;
+
+async fn scripted_server(requests: Requests) -> ScriptedServer {
+    ScriptedServer::start_responding(move |body| {
+        let task = task_of(first_user_message(body));
+        *requests.lock().unwrap().entry(task).or_default() += 1;
+        let turn = body["messages"].as_array().map_or(0, |messages| {
+            messages
+                .iter()
+                .filter(|message| message["role"] == "assistant")
+                .count()
+        });
+        let step = if turn < TOOL_TURNS {
+            let (name, arguments) = scripted_call(task, turn);
+            Step::ok(tool_calls_reply(&[(
+                name,
+                Value::String(arguments.to_string()),
+            )]))
+        } else {
+            Step::ok(text_reply("done"))
+        };
+        Step::Delay(LATENCY, Box::new(step))
+    })
+    .await
+}
+
+/// The keys with a record in any records file of batch 0 (whole lines only).
+fn recorded(fixture: &RunFixture) -> HashSet<usize> {
+    keys(&fixture.batch_lines(0))
+        .into_iter()
+        .map(|(prompt, _)| usize::try_from(prompt).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_costs_one_turn_per_conversation_in_flight_not_the_conversation() {
+    let requests = Requests::default();
+    let server = scripted_server(Arc::clone(&requests)).await;
+    let lines: Vec<String> = (0..PROMPTS)
+        .map(|task| {
+            json!({"prompt": format!("task number {task}"), "test": verifier(task)}).to_string()
+        })
+        .collect();
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/batchSize", json!(PROMPTS))
+        .with("/concurrency", json!(4))
+        .with("/agent/maxTurns", json!(TOOL_TURNS + 5))
+        .with("/agent/promptTimeoutSeconds", json!(600));
+    assert!(worker(&fixture, &["plan"]).await.success());
+
+    let seed: u64 = std::env::var("TRAJ_TURN_KILL_SEED")
+        .ok()
+        .and_then(|seed| seed.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("kill moments drawn from seed {seed} (TRAJ_TURN_KILL_SEED)");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut in_flight_at_kills = 0;
+    let mut kills = 0;
+    while kills < KILLS {
+        let mut child = spawn_worker(&fixture, &["batch", "0"]);
+        tokio::time::sleep(Duration::from_millis(rng.random_range(200..1_000))).await;
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!(
+                "the batch ended ({status}) before kill {}: make it longer",
+                kills + 1
+            );
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        kills += 1;
+        let asked: HashSet<usize> = requests.lock().unwrap().keys().copied().collect();
+        let done = recorded(&fixture);
+        in_flight_at_kills += asked.difference(&done).count() as u64;
+        common::assert_batch_whole_lines(&fixture, 0, true);
+    }
+    let output = common::wait(spawn_worker(&fixture, &["batch", "0"])).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    let records = fixture.batch_lines(0);
+    let mut tasks = HashSet::new();
+    for record in &records {
+        let task = usize::try_from(record["prompt_index"].as_u64().unwrap()).unwrap();
+        assert!(tasks.insert(task), "task {task} has two records");
+        assert_eq!(record["api_calls"], CALLS_PER_CONVERSATION, "{record}");
+        assert_eq!(record["verification"]["passed"], true, "{record}");
+        let responses = tool_responses(record);
+        assert_eq!(responses.len(), TOOL_TURNS, "{record}");
+        for (turn, response) in responses.iter().enumerate() {
+            let (name, _) = scripted_call(task, turn);
+            assert_eq!(response["name"], name, "turn {turn} of {record}");
+            if turn > 0 && turn < TOOL_TURNS - 1 && turn % 2 == 0 {
+                let lines = format!("{}\n", turn / 2);
+                assert_eq!(response["content"]["output"], lines.trim_end(), "{record}");
+            }
+        }
+        let last = &responses[TOOL_TURNS - 1]["content"];
+        assert_eq!(last["output"], "alive", "{record}");
+        // Only the job's start (its process id) may answer otherwise when replayed.
+        for divergence in record["resume"]["divergences"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            assert_eq!(divergence["turn"], 0, "{record}");
+        }
+    }
+    assert_eq!(tasks.len(), PROMPTS);
+    let resumed: Vec<u64> = records
+        .iter()
+        .filter_map(|record| record["resumed_from_turn"].as_u64())
+        .filter(|turn| *turn > 0)
+        .collect();
+    assert!(
+        !resumed.is_empty(),
+        "no conversation was taken up from its turns"
+    );
+
+    let made: u64 = requests.lock().unwrap().values().sum();
+    let ideal = PROMPTS as u64 * CALLS_PER_CONVERSATION;
+    eprintln!(
+        "{kills} kills: {made} model requests for {ideal} turns; {in_flight_at_kills} \
+         conversations in flight at the kills; {} taken up, from turns {resumed:?} (starting \
+         them over would have asked at least {} requests more)",
+        resumed.len(),
+        resumed.iter().sum::<u64>()
+    );
+    assert!(
+        made <= ideal + in_flight_at_kills,
+        "{made} requests: more than the {ideal} turns plus one per conversation in flight at \
+         each kill ({in_flight_at_kills})"
+    );
+}
+
+/// The turn log's lines of batch 0, over every writer.
+fn logged_turns(fixture: &RunFixture) -> usize {
+    let dir = fixture.out().join("batches/batch-000000");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter(|entry| {
+            entry
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".turns.jsonl")
+        })
+        .map(|entry| common::assert_whole_lines(&entry.path(), true))
+        .sum()
+}
+
+/// A replayed command whose output differs (a random number) follows the terminal's rule: the
+/// difference is noted in the record, and the conversation goes on with what the model saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_command_that_answers_otherwise_is_noted_and_the_conversation_goes_on() {
+    let requests = Arc::new(Mutex::new(0_u64));
+    let counted = Arc::clone(&requests);
+    let server = ScriptedServer::start_responding(move |body| {
+        *counted.lock().unwrap() += 1;
+        let turn = body["messages"].as_array().map_or(0, |messages| {
+            messages
+                .iter()
+                .filter(|message| message["role"] == "assistant")
+                .count()
+        });
+        let call = |command: &str| {
+            let arguments = json!({"command": command}).to_string();
+            Step::ok(tool_calls_reply(&[("terminal", Value::String(arguments))]))
+        };
+        let step = match turn {
+            0 => call("od -An -N8 -tu8 /dev/urandom | tr -d ' ' | tee random.txt"),
+            1 => call("echo kept > kept.txt && echo written"),
+            // Slow enough for the test to kill the worker while it waits.
+            2 => Step::Delay(Duration::from_secs(2), Box::new(call("cat kept.txt"))),
+            _ => Step::ok(text_reply("done")),
+        };
+        Step::Delay(LATENCY, Box::new(step))
+    })
+    .await;
+    let fixture = RunFixture::new(&server.base_url(), 1).with("/batchSize", json!(1));
+    assert!(worker(&fixture, &["plan"]).await.success());
+
+    let mut child = spawn_worker(&fixture, &["batch", "0"]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while logged_turns(&fixture) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "two turns never logged"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let asked_before = *requests.lock().unwrap();
+    let output = common::wait(spawn_worker(&fixture, &["batch", "0"])).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    let records = fixture.batch_lines(0);
+    assert_eq!(records.len(), 1);
+    let record = &records[0];
+    assert_eq!(record["resumed_from_turn"], 2, "{record}");
+    assert_eq!(record["resume"]["replayed_calls"], 2, "{record}");
+    assert_eq!(
+        record["resume"]["divergences"],
+        json!([{"turn": 0, "tool": "terminal", "call_id": record["resume"]["divergences"][0]["call_id"]}]),
+        "{record}"
+    );
+    let responses = tool_responses(record);
+    assert_eq!(responses[2]["content"]["output"], "kept", "{record}");
+    // The successor asked for the third turn (whose call the kill cut) and the answer: the two
+    // turns it took up were not asked again.
+    let asked_after = *requests.lock().unwrap() - asked_before;
+    assert_eq!(asked_after, 2, "{record}");
+    // The fixture's maxTurns (3) tool turns; the answer's call is not counted.
+    assert_eq!(record["api_calls"], 3, "{record}");
+}
