@@ -134,6 +134,8 @@ fn kind_of(method: &Method, query: &str) -> Kind {
         Method::GET => Kind::Get,
         Method::HEAD => Kind::Head,
         Method::DELETE => Kind::Delete,
+        // S3's DeleteObjects (`POST /<bucket>?delete`), which object_store's delete sends.
+        Method::POST if query.contains("delete") => Kind::Delete,
         _ => Kind::Put,
     }
 }
