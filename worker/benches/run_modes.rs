@@ -436,6 +436,7 @@ fn record_templates(rng: &mut Rng, shrink: usize) -> Vec<Map<String, Value>> {
             cost: None,
             model_time: Duration::from_millis(900),
             resume: None,
+            replayed: None,
         };
         let context = RecordContext {
             id: "abcdef123456-0-0",

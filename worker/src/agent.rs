@@ -10,13 +10,12 @@ use std::time::{Duration, Instant};
 
 use futures::future::{BoxFuture, join_all};
 use serde_json::Value;
-use tracing::{Instrument, debug, info_span};
+use tracing::{Instrument, info_span};
 
-use crate::model::{
-    AssistantMessage, Message, ModelClient, ModelError, ToolCall, ToolMessage, Usage,
-};
+use crate::model::{AssistantMessage, Message, ModelClient, ModelError, ToolMessage, Usage};
 use crate::pricing::Cost;
-use crate::tools::{Tool, ToolContext, ToolOutcome};
+use crate::replay::Replay;
+use crate::tools::{Tool, ToolContext, execute};
 
 /// The user message that asks for a final answer once the turn budget is spent.
 pub const FINAL_ANSWER_REQUEST: &str = "You have reached the maximum number of tool-calling turns. \
@@ -50,6 +49,18 @@ pub struct Conversation {
     /// How the conversation took up turns an earlier attempt had finished (`None`: it started
     /// from its prompt with nothing recorded).
     pub resume: Option<Resumed>,
+    /// How many of its tool calls took their output from another run's (`spec.replay.from`).
+    pub replayed: Option<Replayed>,
+}
+
+/// What a conversation took from another run's recording (`spec.replay.from`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Replayed {
+    /// Tool calls whose output was the recording's.
+    pub calls: u32,
+    /// Of those, the ones run afterwards for what they leave in the environment (before the
+    /// first call of the conversation's own).
+    pub ran_for_state: u32,
 }
 
 impl Conversation {
@@ -64,6 +75,7 @@ impl Conversation {
             cost: None,
             model_time: Duration::ZERO,
             resume: None,
+            replayed: None,
         }
     }
 }
@@ -103,6 +115,19 @@ pub struct Turn<'a> {
     pub usage: Usage,
     pub cost: Option<Cost>,
     pub model_time: Duration,
+}
+
+/// What a conversation's loop reports to, and takes from, outside it.
+#[derive(Default)]
+#[allow(
+    missing_debug_implementations,
+    reason = "the sink is a trait object with nothing to show"
+)]
+pub struct Hooks<'a> {
+    /// Where each finished turn goes before the next model call.
+    pub sink: Option<&'a dyn TurnSink>,
+    /// Another run's tool outputs, taken while the calls are its own.
+    pub replay: Option<Replay>,
 }
 
 /// Where a conversation's finished turns go before its next model call (the run's turn log):
@@ -193,19 +218,20 @@ pub async fn run_conversation(
     prompt: &str,
     config: &AgentConfig,
 ) -> Result<Conversation, ConversationError> {
-    continue_conversation(client, tools, ctx, Conversation::new(prompt), config, None).await
+    let start = Conversation::new(prompt);
+    continue_conversation(client, tools, ctx, start, config, Hooks::default()).await
 }
 
 /// Runs a conversation on from where `conversation` stands (its prompt only, or the turns an
 /// earlier attempt finished), within what is left of the wall-clock budget; each turn it
-/// finishes is committed to `sink` before the next model call.
+/// finishes is committed to the hooks' sink before the next model call.
 pub async fn continue_conversation(
     client: &ModelClient,
     tools: &[Arc<dyn Tool>],
     ctx: &ToolContext,
     mut conversation: Conversation,
     config: &AgentConfig,
-    sink: Option<&dyn TurnSink>,
+    mut hooks: Hooks<'_>,
 ) -> Result<Conversation, ConversationError> {
     let budget = config.prompt_timeout;
     let earlier = conversation
@@ -215,10 +241,14 @@ pub async fn continue_conversation(
     // The conversation lives outside the timed future, so that one cut off keeps what it spent.
     let outcome = tokio::time::timeout(
         budget.saturating_sub(earlier),
-        converse(client, tools, ctx, config, &mut conversation, sink),
+        converse(client, tools, ctx, config, &mut conversation, &mut hooks),
     )
     .instrument(info_span!("conversation"))
     .await;
+    conversation.replayed = hooks.replay.map(|replay| Replayed {
+        calls: replay.replayed,
+        ran_for_state: replay.ran_for_state,
+    });
     let spent = Spent {
         usage: conversation.usage,
         cost: conversation.cost,
@@ -236,7 +266,7 @@ async fn converse(
     ctx: &ToolContext,
     config: &AgentConfig,
     conversation: &mut Conversation,
-    sink: Option<&dyn TurnSink>,
+    hooks: &mut Hooks<'_>,
 ) -> Result<(), ModelError> {
     let definitions = tool_definitions(tools);
     let system = config.ephemeral_system_prompt.as_deref();
@@ -260,14 +290,19 @@ async fn converse(
             conversation.completed = true;
             return Ok(());
         }
-        let results = join_all(
-            message
-                .tool_calls
-                .iter()
-                .map(|call| execute(call, tools, ctx)),
-        )
-        .await;
-        if let Some(sink) = sink {
+        let results = match hooks.replay.as_mut() {
+            Some(recorded) => recorded.run_turn(&message.tool_calls, tools, ctx).await,
+            None => {
+                join_all(
+                    message
+                        .tool_calls
+                        .iter()
+                        .map(|call| execute(call, tools, ctx)),
+                )
+                .await
+            }
+        };
+        if let Some(sink) = hooks.sink {
             sink.commit(Turn {
                 number,
                 reply: &message,
@@ -319,43 +354,4 @@ async fn timed_call(
         Cost::add_to(&mut conversation.cost, cost);
     }
     Ok((reply, CallSpent { cost, model_time }))
-}
-
-/// Runs one tool call; unknown tools and invalid arguments go back to the model as tool errors.
-pub(crate) async fn execute(
-    call: &ToolCall,
-    tools: &[Arc<dyn Tool>],
-    ctx: &ToolContext,
-) -> ToolMessage {
-    let outcome = match (
-        tools.iter().find(|tool| tool.spec().name == call.name),
-        &call.arguments,
-    ) {
-        (None, _) => {
-            let available: Vec<_> = tools.iter().map(|tool| tool.spec().name.as_str()).collect();
-            ToolOutcome::Err(format!(
-                "unknown tool {:?}; available tools: {}",
-                call.name,
-                if available.is_empty() {
-                    "none".to_owned()
-                } else {
-                    available.join(", ")
-                }
-            ))
-        }
-        (Some(_), Err(reason)) => {
-            ToolOutcome::Err(format!("invalid arguments for {}: {reason}", call.name))
-        }
-        (Some(tool), Ok(arguments)) => {
-            let started = Instant::now();
-            let outcome = tool.call(arguments.clone(), ctx).await;
-            debug!(tool = %call.name, elapsed_ms = started.elapsed().as_millis(), "tool call finished");
-            outcome
-        }
-    };
-    ToolMessage {
-        tool_call_id: call.id.clone(),
-        name: call.name.clone(),
-        content: outcome.into_content(),
-    }
 }

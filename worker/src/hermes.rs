@@ -535,6 +535,15 @@ impl Serialize for TrajectoryRecord<'_> {
             record.serialize_entry("resumed_from_turn", &resume.from_turn)?;
             record.serialize_entry("resume", &ResumeEntry::from(resume))?;
         }
+        if let Some(replayed) = &conversation.replayed {
+            record.serialize_entry(
+                "replay",
+                &serde_json::json!({
+                    "calls": replayed.calls,
+                    "ran_for_state": replayed.ran_for_state,
+                }),
+            )?;
+        }
         record.end()
     }
 }

@@ -82,6 +82,8 @@ pub mod model;
 #[cfg(feature = "engine")]
 pub mod pyjson;
 #[cfg(feature = "engine")]
+pub mod replay;
+#[cfg(feature = "engine")]
 pub mod report;
 #[cfg(feature = "engine")]
 pub mod run;

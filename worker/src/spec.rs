@@ -59,6 +59,14 @@ pub struct RunSpec {
     /// that name one are verified.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verifier: Option<VerifierSpec>,
+    /// Reuse another run's tool outputs: a conversation whose tool call is the same, at the
+    /// same position, as in the other run's conversation of the same row and sample gets that
+    /// call's recorded output instead of running the tool, until its first call that differs;
+    /// from there its tools run for real. For regenerating a dataset with another model or
+    /// system prompt without paying for the tools of the shared prefix, and for deterministic
+    /// tests of the agent loop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<ReplaySpec>,
     /// Which finished conversations are kept as trajectories.
     #[serde(default)]
     pub filters: FiltersSpec,
@@ -1115,6 +1123,32 @@ pub enum LandlockSetting {
     Required,
     /// Do not use Landlock.
     Off,
+}
+
+/// Where a run's recorded tool outputs come from (`spec.replay`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ReplaySpec {
+    /// Another run's output, relative to the storage volume (absolute paths and `..` are
+    /// refused): its output directory (`trajectories.jsonl` in it is read) or a trajectories
+    /// file (`.jsonl`). Its conversations are matched to this run's by `prompt_index` and
+    /// `sample`, and must have the same prompt.
+    pub from: String,
+}
+
+impl ReplaySpec {
+    /// The trajectories file `from` names, relative to the storage volume.
+    pub fn trajectories(&self) -> String {
+        let named_file = std::path::Path::new(&self.from)
+            .extension()
+            .is_some_and(|extension| extension.eq_ignore_ascii_case("jsonl"));
+        if named_file {
+            self.from.clone()
+        } else {
+            format!("{}/trajectories.jsonl", self.from.trim_end_matches('/'))
+        }
+    }
 }
 
 /// Which conversations are kept.

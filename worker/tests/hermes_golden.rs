@@ -88,6 +88,7 @@ fn conversation() -> Conversation {
         cost: None,
         model_time: Duration::from_millis(900),
         resume: None,
+        replayed: None,
     }
 }
 
@@ -218,6 +219,7 @@ fn inline_think_and_scratchpads_are_kept_and_unparsable_arguments_become_empty_o
         cost: None,
         model_time: Duration::ZERO,
         resume: None,
+        replayed: None,
     };
     let turns = trajectory_worker::hermes::sharegpt(&conversation, &[terminal_spec()]);
     assert_eq!(

@@ -16,6 +16,7 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,6 +26,7 @@ use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     ScriptedServer, Step, first_user_message, text_reply, tool_calls_reply,
 };
+use trajectory_testkit::versitygw::Versitygw;
 
 /// Conversations of the one batch.
 const PROMPTS: usize = 32;
@@ -114,9 +116,75 @@ async fn scripted_server(requests: Requests) -> ScriptedServer {
     .await
 }
 
-/// The keys with a record in any records file of batch 0 (whole lines only).
-fn recorded(fixture: &RunFixture) -> HashSet<usize> {
-    keys(&fixture.batch_lines(0))
+/// Where the run's files are: the fixture's volume, or a prefix of a bucket of a real S3 server.
+enum Storage {
+    Volume,
+    Bucket(Versitygw),
+}
+
+const BUCKET: &str = "trajectories";
+const PREFIX: &str = "kills";
+
+impl Storage {
+    /// A worker process running `args` on the fixture's run.
+    fn spawn(&self, fixture: &RunFixture, args: &[&str]) -> Child {
+        let Self::Bucket(server) = self else {
+            return spawn_worker(fixture, args);
+        };
+        let mut command = Command::new(common::WORKER);
+        command
+            .args(args)
+            .arg("--run-file")
+            .arg(fixture.run_file())
+            .args(["--storage-root", &format!("s3://{BUCKET}/{PREFIX}")])
+            .args(["--s3-endpoint", &server.endpoint, "--s3-path-style"]);
+        if args[0] == "batch" {
+            command.arg("--workspace-root").arg(fixture.workspaces());
+        }
+        command
+            .envs(server.credentials())
+            .env(
+                "TRAJ_TERMINATION_LOG",
+                fixture.root().join("termination-log"),
+            )
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the worker binary starts")
+    }
+
+    /// The whole record lines of batch 0, over every writer (on a bucket, read from the S3
+    /// server's own directory: its POSIX backend keeps each object as a file).
+    fn records(&self, fixture: &RunFixture) -> Vec<Value> {
+        let Self::Bucket(server) = self else {
+            return fixture.batch_lines(0);
+        };
+        let dir = server
+            .bucket_dir(BUCKET)
+            .join(PREFIX)
+            .join("out/batches/batch-000000");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(Result::ok)
+            .map(|entry| entry.path())
+            .filter(|path| {
+                let name = path.file_name().unwrap().to_string_lossy();
+                name.ends_with(".jsonl")
+                    && !name.ends_with(".turns.jsonl")
+                    && !name.ends_with(".openai.jsonl")
+            })
+            .flat_map(|path| common::parse_lines(&path))
+            .collect()
+    }
+}
+
+/// The keys with a record on storage.
+fn recorded(storage: &Storage, fixture: &RunFixture) -> HashSet<usize> {
+    keys(&storage.records(fixture))
         .into_iter()
         .map(|(prompt, _)| usize::try_from(prompt).unwrap())
         .collect()
@@ -124,6 +192,19 @@ fn recorded(fixture: &RunFixture) -> HashSet<usize> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill_costs_one_turn_per_conversation_in_flight_not_the_conversation() {
+    kill_ten_times(Storage::Volume).await;
+}
+
+/// On a bucket a kill also loses the records of the part not yet written; their conversations'
+/// turns are in the turn log's parts, so each costs one request more, not all of its turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_bucket_a_kill_costs_one_turn_per_conversation_in_flight_too() {
+    let server = Versitygw::start("127.0.0.1");
+    server.create_bucket(BUCKET);
+    kill_ten_times(Storage::Bucket(server)).await;
+}
+
+async fn kill_ten_times(storage: Storage) {
     let requests = Requests::default();
     let server = scripted_server(Arc::clone(&requests)).await;
     let lines: Vec<String> = (0..PROMPTS)
@@ -136,7 +217,20 @@ async fn a_kill_costs_one_turn_per_conversation_in_flight_not_the_conversation()
         .with("/concurrency", json!(4))
         .with("/agent/maxTurns", json!(TOOL_TURNS + 5))
         .with("/agent/promptTimeoutSeconds", json!(600));
-    assert!(worker(&fixture, &["plan"]).await.success());
+    if let Storage::Bucket(server) = &storage {
+        let dataset = server
+            .bucket_dir(BUCKET)
+            .join(PREFIX)
+            .join("datasets/prompts.jsonl");
+        std::fs::create_dir_all(dataset.parent().unwrap()).unwrap();
+        std::fs::copy(fixture.dataset(), dataset).unwrap();
+    }
+    let plan = common::wait(storage.spawn(&fixture, &["plan"])).await;
+    assert!(
+        plan.status.success(),
+        "{}",
+        String::from_utf8_lossy(&plan.stderr)
+    );
 
     let seed: u64 = std::env::var("TRAJ_TURN_KILL_SEED")
         .ok()
@@ -147,7 +241,7 @@ async fn a_kill_costs_one_turn_per_conversation_in_flight_not_the_conversation()
     let mut in_flight_at_kills = 0;
     let mut kills = 0;
     while kills < KILLS {
-        let mut child = spawn_worker(&fixture, &["batch", "0"]);
+        let mut child = storage.spawn(&fixture, &["batch", "0"]);
         tokio::time::sleep(Duration::from_millis(rng.random_range(200..1_000))).await;
         if let Some(status) = child.try_wait().unwrap() {
             panic!(
@@ -159,44 +253,22 @@ async fn a_kill_costs_one_turn_per_conversation_in_flight_not_the_conversation()
         child.wait().unwrap();
         kills += 1;
         let asked: HashSet<usize> = requests.lock().unwrap().keys().copied().collect();
-        let done = recorded(&fixture);
+        let done = recorded(&storage, &fixture);
         in_flight_at_kills += asked.difference(&done).count() as u64;
-        common::assert_batch_whole_lines(&fixture, 0, true);
     }
-    let output = common::wait(spawn_worker(&fixture, &["batch", "0"])).await;
+    let output = common::wait(storage.spawn(&fixture, &["batch", "0"])).await;
     assert!(
         output.status.success(),
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
 
-    let records = fixture.batch_lines(0);
+    let records = storage.records(&fixture);
     let mut tasks = HashSet::new();
     for record in &records {
         let task = usize::try_from(record["prompt_index"].as_u64().unwrap()).unwrap();
         assert!(tasks.insert(task), "task {task} has two records");
-        assert_eq!(record["api_calls"], CALLS_PER_CONVERSATION, "{record}");
-        assert_eq!(record["verification"]["passed"], true, "{record}");
-        let responses = tool_responses(record);
-        assert_eq!(responses.len(), TOOL_TURNS, "{record}");
-        for (turn, response) in responses.iter().enumerate() {
-            let (name, _) = scripted_call(task, turn);
-            assert_eq!(response["name"], name, "turn {turn} of {record}");
-            if turn > 0 && turn < TOOL_TURNS - 1 && turn % 2 == 0 {
-                let lines = format!("{}\n", turn / 2);
-                assert_eq!(response["content"]["output"], lines.trim_end(), "{record}");
-            }
-        }
-        let last = &responses[TOOL_TURNS - 1]["content"];
-        assert_eq!(last["output"], "alive", "{record}");
-        // Only the job's start (its process id) may answer otherwise when replayed.
-        for divergence in record["resume"]["divergences"]
-            .as_array()
-            .into_iter()
-            .flatten()
-        {
-            assert_eq!(divergence["turn"], 0, "{record}");
-        }
+        assert_whole_conversation(record, task);
     }
     assert_eq!(tasks.len(), PROMPTS);
     let resumed: Vec<u64> = records
@@ -223,6 +295,33 @@ async fn a_kill_costs_one_turn_per_conversation_in_flight_not_the_conversation()
         "{made} requests: more than the {ideal} turns plus one per conversation in flight at \
          each kill ({in_flight_at_kills})"
     );
+}
+
+/// A record holds each of its task's turns once, in order, with the answers a workspace that
+/// went through every earlier turn gives, and its verifier passed.
+fn assert_whole_conversation(record: &Value, task: usize) {
+    assert_eq!(record["api_calls"], CALLS_PER_CONVERSATION, "{record}");
+    assert_eq!(record["verification"]["passed"], true, "{record}");
+    let responses = tool_responses(record);
+    assert_eq!(responses.len(), TOOL_TURNS, "{record}");
+    for (turn, response) in responses.iter().enumerate() {
+        let (name, _) = scripted_call(task, turn);
+        assert_eq!(response["name"], name, "turn {turn} of {record}");
+        if turn > 0 && turn < TOOL_TURNS - 1 && turn % 2 == 0 {
+            let lines = format!("{}\n", turn / 2);
+            assert_eq!(response["content"]["output"], lines.trim_end(), "{record}");
+        }
+    }
+    let last = &responses[TOOL_TURNS - 1]["content"];
+    assert_eq!(last["output"], "alive", "{record}");
+    // Only the job's start (its process id) may answer otherwise when replayed.
+    for divergence in record["resume"]["divergences"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        assert_eq!(divergence["turn"], 0, "{record}");
+    }
 }
 
 /// The turn log's lines of batch 0, over every writer.

@@ -243,13 +243,16 @@ pub async fn run_batch(
         &pending,
         failed,
     )?;
-    let shared = Arc::new(Shared::new(
+    let recordings = read_recordings(location, first_prompt, rows.len())?;
+    let mut shared = Shared::new(
         engine,
         rows,
         first_prompt,
         context,
         (turns.log, turns.chains),
-    ));
+    );
+    shared.recordings = recordings;
+    let shared = Arc::new(shared);
     let schedule = Schedule::new(pending, engine.passes_per_prompt, passed);
     let stop = run_pending(&shared, schedule, shutdown, lines, &mut summary, progress).await?;
     shared.stop_reusing_workspaces();
@@ -306,6 +309,23 @@ fn mark_done(
         warn!(%error, "could not remove the batch's turn log");
     }
     Ok(marker)
+}
+
+/// The recordings `spec.replay.from` holds for the batch's prompts (none when the run replays
+/// nothing). Each batch reads the whole file once and keeps its own prompts' records.
+fn read_recordings(
+    location: &RunLocation,
+    first_prompt: u64,
+    prompts: usize,
+) -> Result<HashMap<(u64, u32), Arc<crate::replay::Recording>>, RunError> {
+    let Some(data) = location.read_replay_source(None)? else {
+        return Ok(HashMap::new());
+    };
+    let range = first_prompt..first_prompt + prompts as u64;
+    Ok(crate::replay::read_recordings(&data, range)
+        .into_iter()
+        .map(|(key, recording)| (key, Arc::new(recording)))
+        .collect())
 }
 
 /// A batch's turn log: the way to its writer, the writer's thread, and the chains earlier

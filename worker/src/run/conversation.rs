@@ -19,7 +19,7 @@ use super::sampling::ENOUGH_PASSED;
 use super::turns::{Chain, Chains, Start, TurnCommitter, TurnLog};
 use super::{RunError, RunLocation};
 use crate::agent::{
-    Conversation, ConversationError, Resumed, Spent, TurnSink, continue_conversation,
+    Conversation, ConversationError, Hooks, Resumed, Spent, TurnSink, continue_conversation,
 };
 use crate::dataset::Row;
 use crate::hermes::{
@@ -27,6 +27,7 @@ use crate::hermes::{
     write_failed_record, write_openai_record, write_trajectory_record,
 };
 use crate::model::{Circuit, ModelClient, Spending};
+use crate::replay::{Recording, Replay};
 use crate::storage::StorageError;
 use crate::tools::sandbox::{Place, Sandbox};
 use crate::tools::{Tool, ToolContext, ToolSpec, Workspace};
@@ -62,6 +63,8 @@ pub(super) struct Shared {
     /// The turns earlier attempts finished of keys without a record, each taken by the
     /// conversation that takes it up.
     chains: Mutex<Chains>,
+    /// Another run's tool outputs for this batch's keys (`spec.replay.from`).
+    pub(super) recordings: HashMap<(u64, u32), Arc<Recording>>,
 }
 
 pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -101,7 +104,22 @@ impl Shared {
             context,
             turns,
             chains: Mutex::new(chains),
+            recordings: HashMap::new(),
         }
+    }
+
+    /// The recording of a (prompt, sample) whose prompt is `prompt`, if the run replays one.
+    fn recording(&self, key: (u64, u32), prompt: &str) -> Option<Arc<Recording>> {
+        let recording = self.recordings.get(&key)?;
+        if recording.prompt != prompt {
+            warn!(
+                prompt_index = key.0,
+                sample = key.1,
+                "spec.replay.from holds another prompt for this key: its tools run for real"
+            );
+            return None;
+        }
+        Some(Arc::clone(recording))
     }
 
     /// The record id of a (prompt, sample): the same in every attempt and pod.
@@ -544,15 +562,25 @@ async fn converse(
         .turns
         .as_ref()
         .map(|log| TurnCommitter::new(log, attempt.id, attempt.key, started_at, from));
+    let replay = shared.recording(attempt.key, &row.prompt).map(|recording| {
+        let mut replay = Replay::new(recording);
+        // Calls taken up from the turn log already left their environment.
+        replay.skip(&tool_calls(&start));
+        replay
+    });
+    let hooks = Hooks {
+        sink: committer
+            .as_ref()
+            .map(|committer| committer as &dyn TurnSink),
+        replay,
+    };
     let result = continue_conversation(
         client,
         &offered.tools,
         &tool_context,
         start,
         &engine.agent,
-        committer
-            .as_ref()
-            .map(|committer| committer as &dyn TurnSink),
+        hooks,
     )
     .await;
     // Nothing of the conversation may run on once its workspace is handed on or removed, or
@@ -572,6 +600,20 @@ async fn converse(
     lent.workspace = tool_context.workspace;
     shared.release_workspace(lent, untouched, result.is_ok());
     Ok((result, verification))
+}
+
+/// Every tool call of `conversation`, in order.
+fn tool_calls(conversation: &Conversation) -> Vec<crate::model::ToolCall> {
+    conversation
+        .messages
+        .iter()
+        .filter_map(|message| match message {
+            crate::model::Message::Assistant(assistant) => Some(assistant.tool_calls.iter()),
+            _ => None,
+        })
+        .flatten()
+        .cloned()
+        .collect()
 }
 
 /// The tools' context of one attempt of a conversation, in `workspace`.

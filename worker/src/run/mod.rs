@@ -387,6 +387,35 @@ impl RunLocation {
         self.storage_root.join(&self.plan.spec.dataset.path)
     }
 
+    /// The trajectories `spec.replay.from` names, when the run replays another's tool outputs.
+    pub fn replay_source(&self) -> Option<PathBuf> {
+        let replay = self.plan.spec.replay.as_ref()?;
+        Some(self.storage_root.join(replay.trajectories()))
+    }
+
+    /// Reads the first `limit` bytes of the replay source (all of it: `None`); an error names
+    /// `spec.replay.from` when there is no such file.
+    pub fn read_replay_source(&self, limit: Option<u64>) -> Result<Option<Vec<u8>>, RunError> {
+        let Some(path) = self.replay_source() else {
+            return Ok(None);
+        };
+        let read = match limit {
+            Some(limit) => self.store.read_range(&path, 0..limit),
+            None => self.store.read(&path),
+        };
+        read.map(Some).map_err(|error| {
+            if error.is_not_found() {
+                RunError::Spec(format!(
+                    "spec.replay.from: {} does not exist (it names another run's output \
+                     directory, or its trajectories file, relative to the storage root)",
+                    path.display()
+                ))
+            } else {
+                error.into()
+            }
+        })
+    }
+
     /// The batch Job completion index `index` works: through the run plan alone, or, when it has
     /// a [`RunPlan::pending_list`], through its slot in that list on storage, read once and never
     /// expanded. An index past the end of either, or a list missing or unreadable, is bad batch

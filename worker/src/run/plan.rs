@@ -553,6 +553,8 @@ pub fn plan_in(
 ) -> Result<(Manifest, PlanSummary), RunError> {
     let spec = &location.plan.spec;
     let run_dir = location.run_dir();
+    // Refused before the dataset is read, and before any pod starts, rather than in every batch.
+    location.read_replay_source(Some(1))?;
     let (catalog, mcp_tools) = tool_catalog(spec, &run_dir)?;
     let dataset_path = location.dataset_path();
     let store = run_dir.store();

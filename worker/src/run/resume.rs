@@ -17,10 +17,10 @@ use std::time::Duration;
 use futures::future::join_all;
 
 use super::turns::Chain;
-use crate::agent::{Conversation, Divergence, Resumed, execute};
+use crate::agent::{Conversation, Divergence, Resumed};
 use crate::model::{Message, ToolMessage, types::parse_assistant};
 use crate::pricing::Cost;
-use crate::tools::{ResumeRule, Tool, ToolContext};
+use crate::tools::{ResumeRule, Tool, ToolContext, execute};
 
 /// What taking up a chain came to.
 pub(super) enum TakenUp {

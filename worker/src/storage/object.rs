@@ -18,7 +18,7 @@
 use std::future::Future;
 use std::io::{self, Read, Write};
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -348,6 +348,31 @@ impl Bucket {
         match result {
             Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
             result => result,
+        }
+    }
+
+    /// Removes the objects `paths`, up to a thousand in one request (S3's `DeleteObjects`); an
+    /// object that is not there is fine.
+    pub fn delete_all(&self, paths: &[PathBuf]) -> io::Result<()> {
+        use futures::StreamExt;
+        let keys = paths
+            .iter()
+            .map(|path| self.key(path))
+            .collect::<io::Result<Vec<Key>>>()?;
+        let store = self.store.clone();
+        let failures = self.block(async move {
+            let locations = futures::stream::iter(keys.into_iter().map(Ok)).boxed();
+            let results: Vec<object_store::Result<Key>> =
+                store.delete_stream(locations).collect().await;
+            Ok(results
+                .into_iter()
+                .filter_map(Result::err)
+                .filter(|error| !matches!(error, object_store::Error::NotFound { .. }))
+                .collect::<Vec<_>>())
+        })?;
+        match failures.first() {
+            Some(error) => Err(self.io_error(error)),
+            None => Ok(()),
         }
     }
 

@@ -325,10 +325,13 @@ impl TurnsWriter {
             drop(log);
             return self.store.remove(&path);
         }
-        for part in 0..self.parts {
-            self.store.remove(&Parts::part_path(&self.path, part))?;
-        }
-        Ok(())
+        let Store::Bucket(bucket) = &self.store else {
+            return Ok(());
+        };
+        let parts: Vec<PathBuf> = (0..self.parts)
+            .map(|part| Parts::part_path(&self.path, part))
+            .collect();
+        bucket.delete_all(&parts).at("removing", &self.path)
     }
 }
 

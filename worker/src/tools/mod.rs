@@ -44,6 +44,7 @@ pub use endpoint::EndpointError;
 pub use trajectory_sandbox::files::{Workspace, WorkspaceError};
 use trajectory_sandbox::{args, text};
 
+use crate::model::{ToolCall, ToolMessage};
 use crate::spec::ToolsSpec;
 use crate::toolsets;
 
@@ -383,6 +384,41 @@ impl Registry {
                     .map(move |tool| (tool.spec().name.clone(), toolset.name.as_ref()))
             })
             .collect()
+    }
+}
+
+/// Runs one tool call; unknown tools and invalid arguments go back to the model as tool errors.
+pub async fn execute(call: &ToolCall, tools: &[Arc<dyn Tool>], ctx: &ToolContext) -> ToolMessage {
+    let outcome = match (
+        tools.iter().find(|tool| tool.spec().name == call.name),
+        &call.arguments,
+    ) {
+        (None, _) => {
+            let available: Vec<_> = tools.iter().map(|tool| tool.spec().name.as_str()).collect();
+            ToolOutcome::Err(format!(
+                "unknown tool {:?}; available tools: {}",
+                call.name,
+                if available.is_empty() {
+                    "none".to_owned()
+                } else {
+                    available.join(", ")
+                }
+            ))
+        }
+        (Some(_), Err(reason)) => {
+            ToolOutcome::Err(format!("invalid arguments for {}: {reason}", call.name))
+        }
+        (Some(tool), Ok(arguments)) => {
+            let started = std::time::Instant::now();
+            let outcome = tool.call(arguments.clone(), ctx).await;
+            tracing::debug!(tool = %call.name, elapsed_ms = started.elapsed().as_millis(), "tool call finished");
+            outcome
+        }
+    };
+    ToolMessage {
+        tool_call_id: call.id.clone(),
+        name: call.name.clone(),
+        content: outcome.into_content(),
     }
 }
 

@@ -125,6 +125,16 @@ impl RunSpec {
                 self.dataset.path
             ),
         );
+        if let Some(replay) = &self.replay {
+            violations.check(
+                is_relative_clean_path(&replay.from),
+                "replay.from",
+                format!(
+                    "{:?} must be a relative path inside the storage volume, without `..`",
+                    replay.from
+                ),
+            );
+        }
         violations.check(
             !self.dataset.prompt_field.is_empty(),
             "dataset.promptField",
