@@ -350,41 +350,6 @@ async fn throttling_cut_connections_and_a_stall_are_retried_and_lose_or_redo_not
     assert_eq!(keys, (0..23).collect::<Vec<u64>>());
 }
 
-/// A step of the run (`plan`, `batch 0`, `merge`) on the bucket's `prefix`, as a pod runs it, its
-/// termination message at `<fixture>/termination-log-<name>`.
-fn step_on_bucket(
-    fixture: &RunFixture,
-    server: &Versitygw,
-    endpoint: &str,
-    prefix: &str,
-    name: &str,
-    args: &[&str],
-) -> std::process::Child {
-    let mut command = Command::new(WORKER);
-    command
-        .args(args)
-        .arg("--run-file")
-        .arg(fixture.run_file())
-        .args(["--storage-root", &format!("s3://trajectories/{prefix}")])
-        .args(["--s3-endpoint", endpoint, "--s3-path-style"]);
-    // Only `batch` runs conversations and so takes a workspace root.
-    if args[0] == "batch" {
-        command.arg("--workspace-root").arg(fixture.workspaces());
-    }
-    command
-        .envs(server.credentials())
-        .env(
-            "TRAJ_TERMINATION_LOG",
-            fixture.root().join(format!("termination-log-{name}")),
-        )
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the worker binary starts")
-}
-
 /// Waits for a step to end well; returns its termination message.
 fn finished(fixture: &RunFixture, name: &str, child: std::process::Child) -> Value {
     let output = child.wait_with_output().unwrap();
@@ -411,7 +376,7 @@ async fn two_plans_and_two_writers_at_once_on_a_bucket_overwrite_nothing_and_kee
     // Counts what the server answered each request.
     let proxy = FaultProxy::start(&server.endpoint).await;
     let step = |name: &str, args: &[&str]| {
-        step_on_bucket(&fixture, &server, &proxy.endpoint, "two", name, args)
+        common::spawn_on_bucket(&fixture, (&server, &proxy.endpoint), "two", name, args)
     };
 
     // Two plans at once: the first one's manifest stays, and both report the same plan. The

@@ -208,7 +208,11 @@ impl Bucket {
             .as_ref()
             .expect("the runtime lives as long as the bucket");
         let task = runtime.spawn(future);
-        match futures::executor::block_on(task) {
+        // Unconstrained: waited for from inside a task of another runtime, the join handle
+        // would count against that task's cooperative budget, which nothing restores while this
+        // thread blocks; once spent, every poll answers "not yet" and the wait spins forever
+        // (a batch reading its 129th object in one go, as the turn log's parts are read).
+        match futures::executor::block_on(tokio::task::unconstrained(task)) {
             Ok(result) => result.map_err(|error| self.io_error(&error)),
             Err(join) => Err(io::Error::other(format!(
                 "object storage task failed: {join}"

@@ -308,6 +308,41 @@ pub fn worker_command(
     command
 }
 
+/// A step of the run (`plan`, `batch 0`, `merge`) on `prefix` of the bucket `trajectories` of
+/// `server`, reached at `endpoint` (the server's own, or a proxy's), as a pod runs it: its
+/// termination message at `<fixture>/termination-log-<name>`, its stderr piped.
+pub fn spawn_on_bucket(
+    fixture: &RunFixture,
+    (server, endpoint): (&trajectory_testkit::versitygw::Versitygw, &str),
+    prefix: &str,
+    name: &str,
+    args: &[&str],
+) -> std::process::Child {
+    let mut command = Command::new(WORKER);
+    command
+        .args(args)
+        .arg("--run-file")
+        .arg(fixture.run_file())
+        .args(["--storage-root", &format!("s3://trajectories/{prefix}")])
+        .args(["--s3-endpoint", endpoint, "--s3-path-style"]);
+    // Only `batch` runs conversations and so takes a workspace root.
+    if args[0] == "batch" {
+        command.arg("--workspace-root").arg(fixture.workspaces());
+    }
+    command
+        .envs(server.credentials())
+        .env(
+            "TRAJ_TERMINATION_LOG",
+            fixture.root().join(format!("termination-log-{name}")),
+        )
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the worker binary starts")
+}
+
 /// Starts the worker binary on the fixture, its termination message in `<dir>/termination-log`.
 pub fn spawn_worker(fixture: &RunFixture, args: &[&str]) -> std::process::Child {
     worker_command(
