@@ -410,9 +410,7 @@ async fn a_suspended_queued_run_stays_stopped_and_resumes_where_it_stopped() {
         .name_any();
 
     setup.patch_spec("pause", &json!({"suspend": true})).await;
-    setup
-        .assert_stays_stopped(&kubelet, "pause-gen-1", Duration::from_secs(60))
-        .await;
+    Box::pin(setup.assert_stays_stopped(&kubelet, "pause-gen-1", Duration::from_secs(60))).await;
     let run = setup.runs.get("pause").await.expect("the run");
     assert_eq!(condition_status(&run, "Suspended").as_deref(), Some("True"));
     let (status, reason, _) = setup.admitted("pause").await.expect("Admitted");
@@ -460,9 +458,7 @@ async fn a_queued_run_held_at_its_budget_stays_stopped_until_the_budget_is_raise
             &stopped.to_string(),
         )
         .await;
-    setup
-        .assert_stays_stopped(&kubelet, "held-gen-1", Duration::from_secs(60))
-        .await;
+    Box::pin(setup.assert_stays_stopped(&kubelet, "held-gen-1", Duration::from_secs(60))).await;
     let run = setup.runs.get("held").await.expect("the run");
     assert_eq!(
         condition(run.status.as_ref().expect("a status"), "Suspended").map(|c| c.reason.as_str()),
