@@ -206,6 +206,18 @@ impl ScriptedServer {
         Self::serve(LOOPBACK, Mode::Respond(Box::new(responder)))
     }
 
+    /// [`ScriptedServer::start_responding`] listening on `ip` (port picked free).
+    #[allow(
+        clippy::unused_async,
+        reason = "async so that it is called on the tokio runtime it spawns onto"
+    )]
+    pub async fn start_responding_on(
+        ip: IpAddr,
+        responder: impl Fn(&Value) -> Step + Send + Sync + 'static,
+    ) -> Self {
+        Self::serve(ip, Mode::Respond(Box::new(responder)))
+    }
+
     /// Serves the benchmark mode.
     #[allow(
         clippy::unused_async,

@@ -861,6 +861,98 @@ async fn a_task_image_pod_killed_mid_batch_restarts_its_conversations_in_fresh_c
     );
 }
 
+/// A pod of task containers killed (SIGKILL) in the middle of its conversations costs the turn
+/// each was in, not the conversations (issue 42): the Job's next pod takes each up from the turn
+/// log, replays its finished turn in a fresh container of its image (the file it wrote is there
+/// again) and asks the model only for the rest. Four requests before the kill (each
+/// conversation's first turn, then the turn the kill cut), four after (that turn again, then the
+/// answer); starting the conversations over would have made six.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_task_image_pod_killed_mid_conversation_takes_it_up_in_fresh_containers() {
+    let setup = Setup::new("pods-turn-kill").await;
+    let registry = trajectory_tests::real_pods::registry(trajectory_tests::real_pods::HOW_TO_RUN);
+    let glibc = Some(format!("{registry}/tasks/glibc:1"));
+    write_image_rows(
+        &setup,
+        &[
+            (glibc.clone(), None, "glibc", "/testbed"),
+            (glibc, None, "glibc", "/testbed"),
+        ],
+    );
+    let killed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let after_kill = Arc::clone(&killed);
+    let model =
+        ScriptedServer::start_responding_on(IpAddr::V4(Ipv4Addr::UNSPECIFIED), move |body| {
+            let turn = body["messages"].as_array().map_or(0, |messages| {
+                messages
+                    .iter()
+                    .filter(|message| message["role"] == "assistant")
+                    .count()
+            });
+            let command = match turn {
+                0 => "echo from-turn-0 > /testbed/state && echo written",
+                // Before the kill the second turn hangs, so the kill lands in it.
+                1 if !after_kill.load(std::sync::atomic::Ordering::SeqCst) => "sleep 100",
+                1 => "cat /testbed/state",
+                _ => return Step::ok(text_reply("done")),
+            };
+            Step::ok(terminal_call(command))
+        })
+        .await;
+    let spec = json!({
+        "dataset": {"path": "datasets/rows.jsonl"},
+        "batchSize": 2, "workers": 1, "concurrency": 2,
+    });
+    setup
+        .create_scripted("turn-kill", &setup.model_url(&model), 0, &spec)
+        .await;
+    // Both conversations asked for their second turn: their first is in the turn log (a turn is
+    // durable before the next model call).
+    let victim = wait_until(
+        "both conversations in their second turn",
+        Duration::from_secs(180),
+        || async {
+            let pod = pods_of_index(&setup.pods, "turn-kill-gen-1", 0)
+                .await
+                .into_iter()
+                .next()?;
+            (model.request_count() >= 4).then_some(pod)
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let victim = setup.pods.get(&victim.name_any()).await.unwrap();
+    killed.store(true, std::sync::atomic::Ordering::SeqCst);
+    kill_container(&victim);
+
+    let run = setup.finished("turn-kill", Duration::from_secs(300)).await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    let dir = setup.storage.run_dir(setup.ns(), "turn-kill");
+    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
+    assert_eq!(records.len(), 2, "{records:#?}");
+    for record in &records {
+        assert_eq!(record["resumed_from_turn"], 1, "{record}");
+        assert_eq!(record["resume"]["replayed_calls"], 1, "{record}");
+        let results: Vec<&str> = record["conversations"]
+            .as_array()
+            .expect("conversations")
+            .iter()
+            .filter(|turn| turn["from"] == "tool")
+            .filter_map(|turn| turn["value"].as_str())
+            .collect();
+        assert_eq!(results.len(), 2, "{record}");
+        assert!(
+            results[1].contains("from-turn-0"),
+            "the replay wrote the file again in the fresh container: {record}"
+        );
+    }
+    assert_eq!(
+        model.request_count(),
+        8,
+        "four before the kill; after it, the cut turn and the answer of each"
+    );
+}
+
 /// Base64 of a gzipped tar holding `check.sh` with `script`, made by the system's `tar` and
 /// `base64`: a terminal-bench row's `tests_tar`.
 fn tests_tar_of(script: &str) -> String {

@@ -329,6 +329,9 @@ fn logged_turns(fixture: &RunFixture) -> usize {
 
 /// A replayed command whose output differs (a random number) follows the terminal's rule: the
 /// difference is noted in the record, and the conversation goes on with what the model saw.
+/// What the conversation spent, its verifier and `passesPerPrompt` count each turn once: its
+/// usage and cost are its four calls' exactly, its verifier passes in the replayed workspace, and
+/// the prompt's second sample is not run (one pass is enough).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replayed_command_that_answers_otherwise_is_noted_and_the_conversation_goes_on() {
     let requests = Arc::new(Mutex::new(0_u64));
@@ -355,7 +358,17 @@ async fn a_replayed_command_that_answers_otherwise_is_noted_and_the_conversation
         Step::Delay(LATENCY, Box::new(step))
     })
     .await;
-    let fixture = RunFixture::new(&server.base_url(), 1).with("/batchSize", json!(1));
+    let row = json!({"prompt": "task number 0", "test": "test \"$(cat kept.txt)\" = kept"});
+    let fixture = RunFixture::with_lines(&server.base_url(), &[row.to_string()])
+        .with("/batchSize", json!(1))
+        .with("/samplesPerPrompt", json!(2))
+        .with("/verifier", json!({"passesPerPrompt": 1}))
+        // A dollar a token: each call (10 tokens in, 5 out) costs $15.
+        .with(
+            "/model/pricing",
+            json!({"input": 1_000_000, "output": 1_000_000}),
+        )
+        .with("/model/budget", json!({"maxCost": 1000}));
     assert!(worker(&fixture, &["plan"]).await.success());
 
     let mut child = spawn_worker(&fixture, &["batch", "0"]);
@@ -378,8 +391,23 @@ async fn a_replayed_command_that_answers_otherwise_is_noted_and_the_conversation
     );
 
     let records = fixture.batch_lines(0);
-    assert_eq!(records.len(), 1);
-    let record = &records[0];
+    assert_eq!(records.len(), 2, "{records:?}");
+    let record = records
+        .iter()
+        .find(|record| record["sample"] == 0)
+        .expect("sample 0's record");
+    let skipped = records
+        .iter()
+        .find(|record| record["sample"] == 1)
+        .expect("sample 1's record");
+    assert_eq!(skipped["filter"], "enough_passed", "{skipped}");
+    assert_eq!(record["verification"]["passed"], true, "{record}");
+    assert_eq!(
+        record["usage"]["prompt_tokens"], 40,
+        "four calls of 10 tokens in, each once: {record}"
+    );
+    assert_eq!(record["usage"]["completion_tokens"], 20, "{record}");
+    assert_eq!(record["cost"]["total"], 60.0, "{record}");
     assert_eq!(record["resumed_from_turn"], 2, "{record}");
     assert_eq!(record["resume"]["replayed_calls"], 2, "{record}");
     assert_eq!(
@@ -390,7 +418,7 @@ async fn a_replayed_command_that_answers_otherwise_is_noted_and_the_conversation
     let responses = tool_responses(record);
     assert_eq!(responses[2]["content"]["output"], "kept", "{record}");
     // The successor asked for the third turn (whose call the kill cut) and the answer: the two
-    // turns it took up were not asked again.
+    // turns it took up were not asked again, and sample 1 nothing.
     let asked_after = *requests.lock().unwrap() - asked_before;
     assert_eq!(asked_after, 2, "{record}");
     // The fixture's maxTurns (3) tool turns; the answer's call is not counted.

@@ -272,12 +272,25 @@ impl TurnLog {
     }
 }
 
-/// The writer: whatever arrived while the last group was written is the next group.
+/// Commits of the turn log are at least this far apart. Each commit costs a journal commit and
+/// a disk round trip (a volume) or a request the client signs and the server stores (a bucket),
+/// CPU taken from the conversations on the same cores: under load one commit now covers the turns
+/// of many conversations, each waiting at most this much longer for its next model call; when
+/// turns are rare, each is committed as soon as it arrives.
+const COMMIT_INTERVAL: Duration = Duration::from_millis(20);
+
+/// The writer: whatever arrived while the last group was written, and until the commit
+/// interval since the last commit has passed, is the next group.
 fn write_turns(
     mut receiver: mpsc::UnboundedReceiver<Pending>,
     mut writer: TurnsWriter,
 ) -> Result<TurnsWriter, RunError> {
+    let mut last_commit: Option<Instant> = None;
     while let Some(first) = receiver.blocking_recv() {
+        if let Some(wait) = last_commit.and_then(|at| COMMIT_INTERVAL.checked_sub(at.elapsed())) {
+            std::thread::sleep(wait);
+        }
+        last_commit = Some(Instant::now());
         let mut group = vec![first];
         while let Ok(more) = receiver.try_recv() {
             group.push(more);
