@@ -775,6 +775,42 @@ async fn rows_naming_images_run_in_fresh_task_containers_and_a_missing_image_is_
     trajectory_tests::real_pods::assert_nothing_left_on_node(setup.ns(), &["sleep", "97531"]).await;
 }
 
+/// Creates run `name` of the two rows written, one batch worked two at a time against `model`;
+/// once `model` has had `requests` requests, and `settle` later, calls `before_kill` and kills
+/// the worker of the batch's pod.
+async fn run_two_rows_and_kill(
+    setup: &Setup,
+    name: &str,
+    model: &ScriptedServer,
+    (requests, settle): (usize, Duration),
+    before_kill: impl FnOnce(),
+) {
+    let spec = json!({
+        "dataset": {"path": "datasets/rows.jsonl"},
+        "batchSize": 2, "workers": 1, "concurrency": 2,
+    });
+    setup
+        .create_scripted(name, &setup.model_url(model), 0, &spec)
+        .await;
+    let job = format!("{name}-gen-1");
+    let victim = wait_until(
+        "the conversations at the kill's moment",
+        Duration::from_secs(180),
+        || async {
+            let pod = pods_of_index(&setup.pods, &job, 0)
+                .await
+                .into_iter()
+                .next()?;
+            (model.request_count() >= requests).then_some(pod)
+        },
+    )
+    .await;
+    tokio::time::sleep(settle).await;
+    let victim = setup.pods.get(&victim.name_any()).await.unwrap();
+    before_kill();
+    kill_container(&victim);
+}
+
 /// A pod of task containers whose worker is killed (SIGKILL) mid-batch is replaced by its Job's
 /// retry, and the batch's conversations start over in fresh containers of their image: nothing the
 /// killed pod's conversations wrote into the image is there. The new conversations look with the
@@ -807,29 +843,15 @@ async fn a_task_image_pod_killed_mid_batch_restarts_its_conversations_in_fresh_c
         look,
     ])
     .await;
-    let spec = json!({
-        "dataset": {"path": "datasets/rows.jsonl"},
-        "batchSize": 2, "workers": 1, "concurrency": 2,
-    });
-    setup
-        .create_scripted("task-kill", &setup.model_url(&model), 0, &spec)
-        .await;
     // Both conversations asked for their command, which wrote its file and sleeps.
-    let victim = wait_until(
-        "both commands running",
-        Duration::from_secs(180),
-        || async {
-            let pod = pods_of_index(&setup.pods, "task-kill-gen-1", 0)
-                .await
-                .into_iter()
-                .next()?;
-            (model.request_count() >= 2).then_some(pod)
-        },
+    run_two_rows_and_kill(
+        &setup,
+        "task-kill",
+        &model,
+        (2, Duration::from_secs(3)),
+        || {},
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let victim = setup.pods.get(&victim.name_any()).await.unwrap();
-    kill_container(&victim);
 
     let run = setup.finished("task-kill", Duration::from_secs(300)).await;
     assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
@@ -899,31 +921,17 @@ async fn a_task_image_pod_killed_mid_conversation_takes_it_up_in_fresh_container
             Step::ok(terminal_call(command))
         })
         .await;
-    let spec = json!({
-        "dataset": {"path": "datasets/rows.jsonl"},
-        "batchSize": 2, "workers": 1, "concurrency": 2,
-    });
-    setup
-        .create_scripted("turn-kill", &setup.model_url(&model), 0, &spec)
-        .await;
     // Both conversations asked for their second turn: their first is in the turn log (a turn is
     // durable before the next model call).
-    let victim = wait_until(
-        "both conversations in their second turn",
-        Duration::from_secs(180),
-        || async {
-            let pod = pods_of_index(&setup.pods, "turn-kill-gen-1", 0)
-                .await
-                .into_iter()
-                .next()?;
-            (model.request_count() >= 4).then_some(pod)
-        },
+    let before_kill = || killed.store(true, std::sync::atomic::Ordering::SeqCst);
+    run_two_rows_and_kill(
+        &setup,
+        "turn-kill",
+        &model,
+        (4, Duration::from_secs(1)),
+        before_kill,
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let victim = setup.pods.get(&victim.name_any()).await.unwrap();
-    killed.store(true, std::sync::atomic::Ordering::SeqCst);
-    kill_container(&victim);
 
     let run = setup.finished("turn-kill", Duration::from_secs(300)).await;
     assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);

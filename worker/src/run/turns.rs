@@ -7,9 +7,10 @@
 //! (`batches/batch-NNNNNN/w-<writer>.turns.jsonl`; on a bucket one part per group,
 //! `w-<writer>-<n>.turns.jsonl`), with the records' disciplines: it writes only files it
 //! created, one line per turn, a torn tail skipped by readers. One thread writes for every
-//! conversation of the batch and commits what arrived while it was writing with one write and
-//! one fsync (or one object), then lets the conversations go on: under load many turns share a
-//! commit. A batch that finishes removes its own log (every key has its record).
+//! conversation of the batch and commits what arrived since its last commit (at least
+//! [`COMMIT_INTERVAL`] ago) with one write and one fsync (or one object), then lets the
+//! conversations go on: under load many turns share a commit. A batch that finishes removes its
+//! own log (every key has its record).
 //!
 //! # Chains, and why a stale writer cannot mislead a successor
 //!
