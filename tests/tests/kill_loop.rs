@@ -15,7 +15,9 @@
 //! those whose prompt it had sent to the model with no record of that prompt on storage, so also
 //! a finished one whose line the writer had not yet committed (it groups the lines of 20 ms):
 //! a kill can cost more conversations than `concurrency` — and the model requests they had made
-//! (the "wasted" requests). Every request names its prompt, and only one process works a batch
+//! (the "wasted" requests; since the turn log, a conversation killed after its tool turn was
+//! committed is taken up and does not ask for that turn again, so fewer are really lost). Every
+//! request names its prompt, and only one process works a batch
 //! at a time, so the requests for a batch's prompts between one kill of it and the next come
 //! from the process killed there.
 //!
@@ -535,9 +537,11 @@ fn assert_every_record_written_once(out: &Path) {
     );
 }
 
-/// Between the ideal and the ideal plus what the in-flight conversations wasted — and so, per
-/// prompt, no more than its two requests plus those its kills wasted: no finished conversation
-/// was asked for again.
+/// Between the ideal and the ideal plus what the in-flight conversations had asked at the kills
+/// — and so, per prompt, at least its two requests and no more than those plus what its kills cut
+/// off: no finished conversation was asked for again. (Fewer than that is the turn log's doing: a
+/// conversation killed after its tool turn was committed is taken up with only its answer to
+/// ask, issue 42.)
 fn assert_requests_were_not_redone(ledger: &Ledger, requests: u64, wasted: u64) {
     assert_eq!(ledger.prompts.len() as u64, requests);
     let in_flight: u64 = ledger.kills.iter().map(|k| k.in_flight as u64).sum();
@@ -557,13 +561,14 @@ fn assert_requests_were_not_redone(ledger: &Ledger, requests: u64, wasted: u64) 
         .filter_map(|prompt| {
             let made = requests_of.get(&prompt).copied().unwrap_or(0);
             let wasted = ledger.wasted_of.get(&prompt).copied().unwrap_or(0);
-            (made != CALLS_PER_CONVERSATION + wasted).then_some((prompt, made, wasted))
+            (made < CALLS_PER_CONVERSATION || made > CALLS_PER_CONVERSATION + wasted)
+                .then_some((prompt, made, wasted))
         })
         .collect();
     assert!(
         redone.is_empty(),
-        "prompts whose requests are not two plus those wasted by kills (prompt, requests, \
-         wasted): {redone:?}"
+        "prompts whose requests are not between two and two plus those their kills cut off \
+         (prompt, requests, cut off): {redone:?}"
     );
 }
 
