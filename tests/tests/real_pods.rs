@@ -775,9 +775,9 @@ async fn rows_naming_images_run_in_fresh_task_containers_and_a_missing_image_is_
     trajectory_tests::real_pods::assert_nothing_left_on_node(setup.ns(), &["sleep", "97531"]).await;
 }
 
-/// Creates run `name` of the two rows written, one batch worked two at a time against `model`;
-/// once `model` has had `requests` requests, and `settle` later, calls `before_kill` and kills
-/// the worker of the batch's pod.
+/// Creates run `name` of two rows in the glibc task image (started in `/testbed`), one batch
+/// worked two at a time against `model`; once `model` has had `requests` requests, and `settle`
+/// later, calls `before_kill` and kills the worker of the batch's pod.
 async fn run_two_rows_and_kill(
     setup: &Setup,
     name: &str,
@@ -785,6 +785,15 @@ async fn run_two_rows_and_kill(
     (requests, settle): (usize, Duration),
     before_kill: impl FnOnce(),
 ) {
+    let registry = trajectory_tests::real_pods::registry(trajectory_tests::real_pods::HOW_TO_RUN);
+    let glibc = Some(format!("{registry}/tasks/glibc:1"));
+    write_image_rows(
+        setup,
+        &[
+            (glibc.clone(), None, "glibc", "/testbed"),
+            (glibc, None, "glibc", "/testbed"),
+        ],
+    );
     let spec = json!({
         "dataset": {"path": "datasets/rows.jsonl"},
         "batchSize": 2, "workers": 1, "concurrency": 2,
@@ -819,15 +828,6 @@ async fn run_two_rows_and_kill(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_task_image_pod_killed_mid_batch_restarts_its_conversations_in_fresh_containers() {
     let setup = Setup::new("pods-task-kill").await;
-    let registry = trajectory_tests::real_pods::registry(trajectory_tests::real_pods::HOW_TO_RUN);
-    let glibc = Some(format!("{registry}/tasks/glibc:1"));
-    write_image_rows(
-        &setup,
-        &[
-            (glibc.clone(), None, "glibc", "/testbed"),
-            (glibc, None, "glibc", "/testbed"),
-        ],
-    );
     let leave = "echo killed-pod > /testbed/left-by-killed; echo written; sleep 100";
     let read = |path: &str| {
         (
@@ -892,15 +892,6 @@ async fn a_task_image_pod_killed_mid_batch_restarts_its_conversations_in_fresh_c
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_task_image_pod_killed_mid_conversation_takes_it_up_in_fresh_containers() {
     let setup = Setup::new("pods-turn-kill").await;
-    let registry = trajectory_tests::real_pods::registry(trajectory_tests::real_pods::HOW_TO_RUN);
-    let glibc = Some(format!("{registry}/tasks/glibc:1"));
-    write_image_rows(
-        &setup,
-        &[
-            (glibc.clone(), None, "glibc", "/testbed"),
-            (glibc, None, "glibc", "/testbed"),
-        ],
-    );
     let killed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let after_kill = Arc::clone(&killed);
     let model =

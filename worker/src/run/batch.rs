@@ -49,7 +49,7 @@ use super::ledger::{Admission, Ticket};
 use super::manifest::Manifest;
 use super::sampling::{Next, Schedule};
 use super::segments::segment_digest;
-use super::turns::{Chains, TurnLog, TurnLogHandle, read_chains};
+use super::turns::{Chains, TurnLog, TurnLogHandle, read_chains, spawn_signalling};
 use super::{RunError, RunLocation};
 use crate::contract::BatchSummary;
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row, without_bom};
@@ -427,14 +427,7 @@ fn spawn_writer(records: RecordsWriter) -> (RecordSender, WriterHandle, Arc<watc
     let (sender, receiver) = mpsc::unbounded_channel::<Lines>();
     let (failed, failure) = watch::channel(false);
     let failed = Arc::new(failed);
-    let signal = Arc::clone(&failed);
-    let writer = tokio::task::spawn_blocking(move || {
-        let result = write_lines(receiver, records);
-        if result.is_err() {
-            signal.send_replace(true);
-        }
-        result
-    });
+    let writer = spawn_signalling(Arc::clone(&failed), move || write_lines(receiver, records));
     (
         RecordSender {
             lines: sender,

@@ -46,9 +46,13 @@ pub(super) async fn take_up(
         ),
         ..Resumed::default()
     };
+    let replies: Vec<_> = chain
+        .entries
+        .iter()
+        .map(|entry| parse_assistant(&entry.reply, entry.turn as usize))
+        .collect();
     // Decided before anything runs: a conversation that must start over leaves no trace here.
-    for entry in &chain.entries {
-        let reply = parse_assistant(&entry.reply, entry.turn as usize);
+    for (entry, reply) in chain.entries.iter().zip(&replies) {
         if let Some(call) = reply
             .tool_calls
             .iter()
@@ -60,8 +64,7 @@ pub(super) async fn take_up(
             ));
         }
     }
-    for entry in &chain.entries {
-        let reply = parse_assistant(&entry.reply, entry.turn as usize);
+    for (entry, reply) in chain.entries.iter().zip(replies) {
         let recorded: Vec<ToolMessage> = entry.results.iter().cloned().map(Into::into).collect();
         let replayed = join_all(reply.tool_calls.iter().map(|call| async move {
             let rule = rule_of(tools, &call.name)?;

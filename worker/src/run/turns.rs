@@ -240,13 +240,7 @@ impl TurnLog {
         failed: Arc<watch::Sender<bool>>,
     ) -> (Self, TurnLogHandle) {
         let (sender, receiver) = mpsc::unbounded_channel();
-        let handle = tokio::task::spawn_blocking(move || {
-            let result = write_turns(receiver, writer);
-            if result.is_err() {
-                failed.send_replace(true);
-            }
-            result
-        });
+        let handle = spawn_signalling(failed, move || write_turns(receiver, writer));
         (
             Self {
                 sender: Mutex::new(Some(sender)),
@@ -279,6 +273,21 @@ impl TurnLog {
 /// of many conversations, each waiting at most this much longer for its next model call; when
 /// turns are rare, each is committed as soon as it arrives.
 const COMMIT_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Runs a batch's writer on the blocking pool; its error, if it ends in one, is signalled on
+/// `failed` (the batch stops at once) as well as returned.
+pub(super) fn spawn_signalling<T: Send + 'static>(
+    failed: Arc<watch::Sender<bool>>,
+    write: impl FnOnce() -> Result<T, RunError> + Send + 'static,
+) -> JoinHandle<Result<T, RunError>> {
+    tokio::task::spawn_blocking(move || {
+        let result = write();
+        if result.is_err() {
+            failed.send_replace(true);
+        }
+        result
+    })
+}
 
 /// The writer: whatever arrived while the last group was written, and until the commit
 /// interval since the last commit has passed, is the next group.
