@@ -29,6 +29,7 @@ pub use circuit::Circuit;
 pub use client::{ApiKey, ModelClient, ModelSettings, RetryPolicy, RoutingSettings, Spending};
 pub use types::{
     AssistantMessage, Completion, Message, Reasoning, ReasoningShape, ToolCall, ToolMessage, Usage,
+    WireAssistant,
 };
 
 use std::time::Duration;

@@ -58,8 +58,8 @@ pub struct ToolCall {
     pub arguments: Result<Map<String, Value>, String>,
 }
 
-/// A tool result.
-#[derive(Debug, Clone, PartialEq)]
+/// A tool result (serialised as the turn log keeps it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolMessage {
     pub tool_call_id: String,
     pub name: String,
@@ -165,41 +165,65 @@ impl Message {
                 "content": tool.content,
             }),
             Self::Assistant(message) => {
-                let mut wire = Map::new();
-                wire.insert("role".into(), "assistant".into());
-                // Always send `content`: some servers (llama.cpp among them) answer 500 to an
-                // assistant message that has tool calls but no content key.
-                wire.insert("content".into(), message.content.clone().into());
-                if !message.tool_calls.is_empty() {
-                    let calls = message
-                        .tool_calls
-                        .iter()
-                        .map(|call| {
-                            serde_json::json!({
-                                "id": call.id,
-                                "type": "function",
-                                "function": {"name": call.name, "arguments": call.raw_arguments},
-                            })
-                        })
-                        .collect();
-                    wire.insert("tool_calls".into(), Value::Array(calls));
-                }
-                if let Some(reasoning) = &message.reasoning {
-                    match &reasoning.shape {
-                        ReasoningShape::Reasoning => {
-                            wire.insert("reasoning".into(), reasoning.text.clone().into());
-                        }
-                        ReasoningShape::ReasoningContent => {
-                            wire.insert("reasoning_content".into(), reasoning.text.clone().into());
-                        }
-                        ReasoningShape::Details(details) => {
-                            wire.insert("reasoning_details".into(), details.clone());
-                        }
-                    }
-                }
-                Value::Object(wire)
+                serde_json::to_value(WireAssistant(message)).expect("a reply serialises")
             }
         }
+    }
+}
+
+/// An assistant message as the chat-completions API expects it, serialised straight from the
+/// message (the turn log writes each reply so, without building a [`Value`] first).
+#[derive(Debug)]
+pub struct WireAssistant<'a>(pub &'a AssistantMessage);
+
+impl Serialize for WireAssistant<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+
+        /// A tool call in the wire shape.
+        struct WireCall<'a>(&'a ToolCall);
+        #[derive(Serialize)]
+        struct WireFunction<'a> {
+            name: &'a str,
+            arguments: &'a str,
+        }
+        impl Serialize for WireCall<'_> {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                let call = self.0;
+                let mut map = serializer.serialize_map(Some(3))?;
+                map.serialize_entry("id", &call.id)?;
+                map.serialize_entry("type", "function")?;
+                let function = WireFunction {
+                    name: &call.name,
+                    arguments: &call.raw_arguments,
+                };
+                map.serialize_entry("function", &function)?;
+                map.end()
+            }
+        }
+
+        let message = self.0;
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("role", "assistant")?;
+        // Always send `content`: some servers (llama.cpp among them) answer 500 to an assistant
+        // message that has tool calls but no content key.
+        map.serialize_entry("content", &message.content)?;
+        if !message.tool_calls.is_empty() {
+            let calls: Vec<WireCall<'_>> = message.tool_calls.iter().map(WireCall).collect();
+            map.serialize_entry("tool_calls", &calls)?;
+        }
+        if let Some(reasoning) = &message.reasoning {
+            match &reasoning.shape {
+                ReasoningShape::Reasoning => map.serialize_entry("reasoning", &reasoning.text)?,
+                ReasoningShape::ReasoningContent => {
+                    map.serialize_entry("reasoning_content", &reasoning.text)?;
+                }
+                ReasoningShape::Details(details) => {
+                    map.serialize_entry("reasoning_details", details)?;
+                }
+            }
+        }
+        map.end()
     }
 }
 

@@ -65,7 +65,7 @@ pub(super) async fn take_up(
         }
     }
     for (entry, reply) in chain.entries.iter().zip(replies) {
-        let recorded: Vec<ToolMessage> = entry.results.iter().cloned().map(Into::into).collect();
+        let recorded: Vec<ToolMessage> = entry.results.clone();
         let replayed = join_all(reply.tool_calls.iter().map(|call| async move {
             let rule = rule_of(tools, &call.name)?;
             // A call whose arguments did not parse ran nothing.

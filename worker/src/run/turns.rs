@@ -38,7 +38,7 @@ use tracing::warn;
 
 use super::RunError;
 use crate::agent::{Turn, TurnSink};
-use crate::model::{Message, ToolMessage, Usage};
+use crate::model::{ToolMessage, Usage, WireAssistant};
 use crate::pricing::Cost;
 use crate::storage::{RunDir, TurnsWriter};
 
@@ -64,39 +64,31 @@ pub(super) struct TurnEntry {
     pub(super) elapsed_ms: u64,
     /// The reply in the chat-completions wire shape, as it is sent back to the model.
     pub(super) reply: Value,
-    pub(super) results: Vec<ToolResult>,
+    pub(super) results: Vec<ToolMessage>,
     pub(super) usage: Usage,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) cost: Option<Cost>,
     pub(super) model_ms: u64,
 }
 
-/// A tool's result in a turn entry.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(super) struct ToolResult {
-    pub(super) tool_call_id: String,
-    pub(super) name: String,
-    pub(super) content: String,
-}
-
-impl From<&ToolMessage> for ToolResult {
-    fn from(message: &ToolMessage) -> Self {
-        Self {
-            tool_call_id: message.tool_call_id.clone(),
-            name: message.name.clone(),
-            content: message.content.clone(),
-        }
-    }
-}
-
-impl From<ToolResult> for ToolMessage {
-    fn from(result: ToolResult) -> Self {
-        Self {
-            tool_call_id: result.tool_call_id,
-            name: result.name,
-            content: result.content,
-        }
-    }
+/// A [`TurnEntry`] as a conversation writes it: the same fields, borrowed from the turn.
+#[derive(Serialize)]
+struct TurnLine<'a> {
+    id: &'a str,
+    prompt_index: u64,
+    sample: u32,
+    turn: u32,
+    prev: &'a str,
+    #[serde(skip_serializing_if = "is_zero")]
+    restarts: u32,
+    started_at: &'a str,
+    elapsed_ms: u64,
+    reply: WireAssistant<'a>,
+    results: &'a [ToolMessage],
+    usage: Usage,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cost: Option<Cost>,
+    model_ms: u64,
 }
 
 /// The digest a line's successor links to: 128 bits of BLAKE3, hex.
@@ -382,23 +374,25 @@ impl<'a> TurnCommitter<'a> {
 
 impl TurnSink for TurnCommitter<'_> {
     fn commit<'b>(&'b self, turn: Turn<'b>) -> BoxFuture<'b, ()> {
-        let entry = TurnEntry {
-            id: self.id.to_owned(),
+        let mut prev = super::conversation::lock(&self.prev);
+        let line = TurnLine {
+            id: self.id,
             prompt_index: self.key.0,
             sample: self.key.1,
             turn: turn.number,
-            prev: super::conversation::lock(&self.prev).clone(),
+            prev: &prev,
             restarts: self.restarts,
-            started_at: self.started_at.clone(),
+            started_at: &self.started_at,
             elapsed_ms: millis(self.earlier + self.began.elapsed()),
-            reply: Message::Assistant(turn.reply.clone()).to_wire(),
-            results: turn.results.iter().map(ToolResult::from).collect(),
+            reply: WireAssistant(turn.reply),
+            results: turn.results,
             usage: turn.usage,
             cost: turn.cost,
             model_ms: millis(turn.model_time),
         };
-        let line = serde_json::to_vec(&entry).expect("a turn entry serialises");
-        *super::conversation::lock(&self.prev) = digest(&line);
+        let line = serde_json::to_vec(&line).expect("a turn line serialises");
+        *prev = digest(&line);
+        drop(prev);
         Box::pin(self.log.commit(line))
     }
 }
@@ -458,6 +452,53 @@ mod tests {
         let tie: Vec<_> = all.into_iter().filter(|(hash, _)| *hash != b4.0).collect();
         let chain = longest_chain(tie).unwrap();
         assert_eq!(contents(&chain), ["a0", "a1", "a2", "a3"]);
+    }
+
+    #[test]
+    fn a_line_as_written_reads_back_as_its_entry_with_the_reply_in_wire_shape() {
+        use crate::model::{AssistantMessage, Message, ToolCall};
+        let reply = AssistantMessage {
+            content: "checking".into(),
+            reasoning: None,
+            tool_calls: vec![ToolCall {
+                id: "call_1".into(),
+                name: "terminal".into(),
+                raw_arguments: r#"{"command":"ls"}"#.into(),
+                arguments: Ok(serde_json::Map::new()),
+            }],
+        };
+        let results = [ToolMessage {
+            tool_call_id: "call_1".into(),
+            name: "terminal".into(),
+            content: "a.txt".into(),
+        }];
+        let line = TurnLine {
+            id: "run-0-1",
+            prompt_index: 0,
+            sample: 1,
+            turn: 2,
+            prev: "ab",
+            restarts: 0,
+            started_at: "2026-12-06T00:00:00.000000Z",
+            elapsed_ms: 7,
+            reply: WireAssistant(&reply),
+            results: &results,
+            usage: Usage::default(),
+            cost: None,
+            model_ms: 3,
+        };
+        let entry: TurnEntry = serde_json::from_slice(&serde_json::to_vec(&line).unwrap()).unwrap();
+        assert_eq!(entry.reply, Message::Assistant(reply).to_wire());
+        assert_eq!(entry.results, results);
+        assert_eq!(
+            (
+                entry.id.as_str(),
+                entry.sample,
+                entry.turn,
+                entry.prev.as_str()
+            ),
+            ("run-0-1", 1, 2, "ab")
+        );
     }
 
     #[test]
