@@ -280,26 +280,43 @@ impl Terminal {
     /// Starts a background job from the shell's directory and exported variables; the
     /// `terminal` result.
     async fn start_job(&self, ctx: &ToolContext, command: &str, workdir: Option<&str>) -> Value {
-        let (exported, flavour) = {
-            let mut slot = self.shell.lock().await;
-            match self.shell(&mut slot, ctx).await {
-                Ok(shell) => (shell.exported().await, shell.flavour()),
-                Err(message) => return json!({"output": "", "exit_code": -1, "error": message}),
+        loop {
+            let (exported, flavour) = {
+                let mut slot = self.shell.lock().await;
+                match self.shell(&mut slot, ctx).await {
+                    Ok(shell) => (shell.exported().await, shell.flavour()),
+                    Err(message) => {
+                        return json!({"output": "", "exit_code": -1, "error": message});
+                    }
+                }
+            };
+            let (workspace, cwd) = self.start_place(ctx, workdir);
+            let started = self
+                .jobs
+                .start(
+                    &ctx.sandbox,
+                    JobStart {
+                        command,
+                        workspace: &workspace,
+                        cwd: cwd.as_deref(),
+                        exported: exported.as_deref().unwrap_or(""),
+                        flavour,
+                    },
+                )
+                .await;
+            // An image without bash is found out by the first program it is asked to start: a
+            // job started before any command falls back to `sh`, as a command does.
+            let no_bash = started["error"]
+                .as_str()
+                .is_some_and(|error| error.contains("cannot start bash:"));
+            if flavour == Flavour::Bash && no_bash {
+                let mut slot = self.shell.lock().await;
+                slot.shell = None;
+                slot.posix = true;
+                continue;
             }
-        };
-        let (workspace, cwd) = self.start_place(ctx, workdir);
-        self.jobs
-            .start(
-                &ctx.sandbox,
-                JobStart {
-                    command,
-                    workspace: &workspace,
-                    cwd: cwd.as_deref(),
-                    exported: exported.as_deref().unwrap_or(""),
-                    flavour,
-                },
-            )
-            .await
+            return started;
+        }
     }
 }
 
