@@ -10,6 +10,7 @@
 //! - [`llama_servers`]: not a double: real llama.cpp servers, several at once, with what each
 //!   computed, for the tests and benchmarks of routing over several endpoints.
 //! - [`versitygw`]: not a double: a real S3 server, for runs on object storage.
+//! - [`long_conversation`]: the scripted long conversations the kill tests run and check.
 //! - [`s3_faults`]: a proxy in front of it that throttles, cuts or stalls chosen requests.
 
 pub mod chromium;
@@ -17,6 +18,7 @@ pub mod envoy;
 pub mod executor;
 pub mod gubernator;
 pub mod llama_servers;
+pub mod long_conversation;
 pub mod s3_faults;
 pub mod scripted_server;
 pub mod versitygw;

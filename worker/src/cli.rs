@@ -1,6 +1,7 @@
 //! The command line: `local`, `plan`, `batch`, `merge`, `prompt` and `distributions`.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
@@ -73,6 +74,10 @@ pub enum Command {
         batch: Option<u32>,
         #[command(flatten)]
         workspaces: WorkspaceArgs,
+        /// Seconds the conversations in flight get to finish after SIGTERM; those still running
+        /// then stop, their finished turns kept for the next pod (0: stop at once).
+        #[arg(long, env = env::SHUTDOWN_GRACE_SECONDS, default_value_t = 20)]
+        shutdown_grace_seconds: u64,
     },
     /// Merge the batches into trajectories.jsonl, failures.jsonl and statistics.json.
     Merge(RunArgs),
@@ -499,8 +504,10 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             index,
             batch,
             workspaces,
+            shutdown_grace_seconds,
         } => {
-            let result = batch_command(&run, index, batch, &workspaces, shutdown).await;
+            let grace = Duration::from_secs(shutdown_grace_seconds);
+            let result = batch_command(&run, (index, batch), &workspaces, grace, shutdown).await;
             run.report(&result);
             println!("{}", termination_message(&result?));
             Ok(())
@@ -626,9 +633,9 @@ async fn local_command(
 
 async fn batch_command(
     run: &RunArgs,
-    index: Option<u32>,
-    batch: Option<u32>,
+    (index, batch): (Option<u32>, Option<u32>),
     workspaces: &WorkspaceArgs,
+    grace: Duration,
     shutdown: &Shutdown,
 ) -> Result<crate::contract::BatchSummary, RunError> {
     let location = run.location()?;
@@ -663,6 +670,7 @@ async fn batch_command(
         engine.keep_ledger(ledger.clone());
     }
     engine.sandbox = sandbox;
+    engine.grace = grace;
     engine.task_sockets.clone_from(&workspaces.task_sockets);
     engine
         .image_unavailable

@@ -57,7 +57,23 @@ pub mod env {
     /// The plan's image index (relative to the run's directory) whose page
     /// `JOB_COMPLETION_INDEX` an `image-page` pod reports.
     pub const IMAGE_INDEX: &str = "TRAJ_IMAGE_INDEX";
+    /// Seconds a batch's conversations in flight get to finish after `SIGTERM`; set by the
+    /// operator below the pod's `terminationGracePeriodSeconds` ([`super::shutdown_grace`]).
+    pub const SHUTDOWN_GRACE_SECONDS: &str = "TRAJ_SHUTDOWN_GRACE_SECONDS";
 }
+
+/// What a batch pod's conversations get to finish after `SIGTERM` when its grace period is
+/// `pod_grace` seconds (Kubernetes' default: 30): that, less [`SHUTDOWN_MARGIN_SECONDS`]. The
+/// kubelet stops a pod's sidecars (the sandbox, the task containers) once the worker has ended
+/// or the grace period has passed; the margin ends the conversations first, so none of them runs
+/// a tool in a container that is going away, and lets the worker write what finished and exit.
+pub fn shutdown_grace(pod_grace: Option<u32>) -> u64 {
+    u64::from(pod_grace.unwrap_or(30)).saturating_sub(SHUTDOWN_MARGIN_SECONDS)
+}
+
+/// See [`shutdown_grace`]: the kubelet gives a sidecar at least 2 s, and the worker needs about
+/// as much to write its last records and exit.
+pub const SHUTDOWN_MARGIN_SECONDS: u64 = 5;
 
 /// Every Secret key a tool setting of `tools` refers to, with the environment variable the
 /// worker reads it from: the operator puts exactly these into the worker container (never into the

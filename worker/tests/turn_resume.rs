@@ -15,7 +15,7 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,98 +23,21 @@ use std::time::Duration;
 use common::{RunFixture, keys, spawn_worker, tool_responses, worker};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
-use trajectory_testkit::scripted_server::{
-    ScriptedServer, Step, first_user_message, text_reply, tool_calls_reply,
+use trajectory_testkit::long_conversation::{
+    self, CALLS_PER_CONVERSATION, Requests, TOOL_TURNS, assert_whole_conversation,
 };
+use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_calls_reply};
 use trajectory_testkit::versitygw::Versitygw;
 
 /// Conversations of the one batch.
 const PROMPTS: usize = 32;
-/// Tool turns of each conversation; then one more call for the answer.
-const TOOL_TURNS: usize = 24;
-const CALLS_PER_CONVERSATION: u64 = TOOL_TURNS as u64 + 1;
 const KILLS: usize = 10;
 /// What the model takes to answer: conversations last long enough for kills to land mid-way.
 const LATENCY: Duration = Duration::from_millis(25);
 
-/// The call of turn `turn` of the task numbered `task`.
-fn scripted_call(task: usize, turn: usize) -> (&'static str, Value) {
-    match turn {
-        // A background job that keeps a heartbeat file fresh while it lives.
-        0 => (
-            "terminal",
-            json!({
-                "command": "while :; do date +%s > beat.new && mv beat.new beat; sleep 0.2; done",
-                "background": true,
-            }),
-        ),
-        // The job must be alive in the last turn, whichever attempt started it.
-        last if last == TOOL_TURNS - 1 => (
-            "terminal",
-            // Within 3 s: a replay may have started the job again moments before.
-            json!({"command": "( for i in $(seq 30); do test -s beat && \
-                test $(( $(date +%s) - $(cat beat) )) -le 2 && { echo alive; exit 0; }; \
-                sleep 0.1; done; echo dead )"}),
-        ),
-        odd if odd % 2 == 1 => (
-            "write_file",
-            json!({"path": format!("notes/step-{odd}.txt"), "content": format!("task {task} step {odd}\n")}),
-        ),
-        // Each answer depends on every earlier append: a replay that missed one, or ran one
-        // twice, answers otherwise.
-        even => (
-            "terminal",
-            json!({"command": format!("echo {even} >> log.txt && wc -l < log.txt")}),
-        ),
-    }
-}
-
-/// The task number of a prompt (`task number <n>`).
-fn task_of(prompt: &str) -> usize {
-    prompt
-        .rsplit(' ')
-        .next()
-        .and_then(|number| number.parse().ok())
-        .expect("a fixture prompt ends in its number")
-}
-
-/// The verifier of task `task`: the log the even turns appended and every file the odd turns
-/// wrote, as the transcript says.
-fn verifier(task: usize) -> String {
-    let appends = (2..TOOL_TURNS - 1).filter(|turn| turn % 2 == 0).count();
-    let files: Vec<String> = (1..TOOL_TURNS - 1)
-        .filter(|turn| turn % 2 == 1)
-        .map(|turn| format!("grep -qx 'task {task} step {turn}' notes/step-{turn}.txt"))
-        .collect();
-    format!(
-        "test \"$(wc -l < log.txt)\" -eq {appends} && {}",
-        files.join(" && ")
-    )
-}
-
-/// Requests so far, by task.
-type Requests = Arc<Mutex<HashMap<usize, u64>>>;
-
 async fn scripted_server(requests: Requests) -> ScriptedServer {
     ScriptedServer::start_responding(move |body| {
-        let task = task_of(first_user_message(body));
-        *requests.lock().unwrap().entry(task).or_default() += 1;
-        let turn = body["messages"].as_array().map_or(0, |messages| {
-            messages
-                .iter()
-                .filter(|message| message["role"] == "assistant")
-                .count()
-        });
-        let step = if turn < TOOL_TURNS {
-            let (name, arguments) = scripted_call(task, turn);
-            Step::ok(tool_calls_reply(&[(
-                name,
-                Value::String(arguments.to_string()),
-            )]))
-        } else {
-            Step::ok(text_reply("done"))
-        };
-        Step::Delay(LATENCY, Box::new(step))
+        long_conversation::respond(&requests, LATENCY, body)
     })
     .await
 }
@@ -191,9 +114,7 @@ async fn kill_ten_times(storage: Storage) {
     let requests = Requests::default();
     let server = scripted_server(Arc::clone(&requests)).await;
     let lines: Vec<String> = (0..PROMPTS)
-        .map(|task| {
-            json!({"prompt": format!("task number {task}"), "test": verifier(task)}).to_string()
-        })
+        .map(|task| long_conversation::row(task).to_string())
         .collect();
     let fixture = RunFixture::with_lines(&server.base_url(), &lines)
         .with("/batchSize", json!(PROMPTS))
@@ -247,22 +168,7 @@ async fn kill_ten_times(storage: Storage) {
     );
 
     let records = storage.records(&fixture);
-    let mut tasks = HashSet::new();
-    for record in &records {
-        let task = usize::try_from(record["prompt_index"].as_u64().unwrap()).unwrap();
-        assert!(tasks.insert(task), "task {task} has two records");
-        assert_whole_conversation(record, task);
-    }
-    assert_eq!(tasks.len(), PROMPTS);
-    let resumed: Vec<u64> = records
-        .iter()
-        .filter_map(|record| record["resumed_from_turn"].as_u64())
-        .filter(|turn| *turn > 0)
-        .collect();
-    assert!(
-        !resumed.is_empty(),
-        "no conversation was taken up from its turns"
-    );
+    let resumed = long_conversation::assert_every_task_once(&records, PROMPTS);
 
     let made: u64 = requests.lock().unwrap().values().sum();
     let ideal = PROMPTS as u64 * CALLS_PER_CONVERSATION;
@@ -278,35 +184,6 @@ async fn kill_ten_times(storage: Storage) {
         "{made} requests: more than the {ideal} turns plus one per conversation in flight at \
          each kill ({in_flight_at_kills})"
     );
-}
-
-/// A record holds each of its task's turns once, in order, with the answers a workspace that
-/// went through every earlier turn gives, and its verifier passed.
-fn assert_whole_conversation(record: &Value, task: usize) {
-    assert_eq!(record["api_calls"], CALLS_PER_CONVERSATION, "{record}");
-    assert_eq!(record["verification"]["passed"], true, "{record}");
-    let responses = tool_responses(record);
-    assert_eq!(responses.len(), TOOL_TURNS, "{record}");
-    for (turn, response) in responses.iter().enumerate() {
-        let (name, _) = scripted_call(task, turn);
-        assert_eq!(response["name"], name, "turn {turn} of {record}");
-        if turn > 0 && turn < TOOL_TURNS - 1 && turn % 2 == 0 {
-            let lines = format!("{}\n", turn / 2);
-            assert_eq!(response["content"]["output"], lines.trim_end(), "{record}");
-        }
-    }
-    let last = &responses[TOOL_TURNS - 1]["content"];
-    assert_eq!(last["output"], "alive", "{record}");
-    // Only the job's start (its process id) and its check may answer otherwise when replayed
-    // (the check's timing differs). Every append and file write answers as it did.
-    for divergence in record["resume"]["divergences"]
-        .as_array()
-        .into_iter()
-        .flatten()
-    {
-        let turn = divergence["turn"].as_u64().unwrap();
-        assert!(turn == 0 || turn == TOOL_TURNS as u64 - 1, "{record}");
-    }
 }
 
 /// The turn log's lines of batch 0, over every writer.
@@ -423,4 +300,73 @@ async fn a_replayed_command_that_answers_otherwise_is_noted_and_the_conversation
     assert_eq!(asked_after, 2, "{record}");
     // The fixture's maxTurns (3) tool turns; the answer's call is not counted.
     assert_eq!(record["api_calls"], 3, "{record}");
+}
+
+/// A pod whose grace period leaves its conversations no time (`--shutdown-grace-seconds 0`, as
+/// the operator sets for a grace of 5 s or less) stops them at `SIGTERM` at once: no record is
+/// written after the signal (a tool's answer from a pod whose task containers are being stopped
+/// would be no answer), and the next run takes every conversation up from its last finished turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_no_grace_stops_the_conversations_at_once_and_keeps_their_turns() {
+    const TASKS: usize = 4;
+    let requests = Requests::default();
+    let counted = Arc::clone(&requests);
+    // 100 ms a call: a conversation takes 2.5 s, far longer than the stop may.
+    let server = ScriptedServer::start_responding(move |body| {
+        long_conversation::respond(&counted, Duration::from_millis(100), body)
+    })
+    .await;
+    let lines: Vec<String> = (0..TASKS)
+        .map(|task| long_conversation::row(task).to_string())
+        .collect();
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/batchSize", json!(TASKS))
+        .with("/concurrency", json!(TASKS))
+        .with("/agent/maxTurns", json!(TOOL_TURNS + 5))
+        .with("/agent/promptTimeoutSeconds", json!(600));
+    assert!(worker(&fixture, &["plan"]).await.success());
+
+    let child = spawn_worker(&fixture, &["batch", "0", "--shutdown-grace-seconds", "0"]);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let signalled = std::time::Instant::now();
+    let output =
+        common::signal_after(child, Duration::ZERO, nix::sys::signal::Signal::SIGTERM).await;
+    let stopped_in = signalled.elapsed();
+    assert_eq!(
+        output.status.code(),
+        Some(trajectory_worker::contract::exit::INTERRUPTED),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        stopped_in < Duration::from_millis(1_500),
+        "the worker took {stopped_in:?} to stop: it went on with its conversations"
+    );
+    assert_eq!(fixture.batch_lines(0).len(), 0, "a record after the signal");
+    let logged = logged_turns(&fixture);
+    assert!(logged > 0, "no turn was logged before the signal");
+    let asked_before: u64 = requests.lock().unwrap().values().sum();
+
+    let output = common::wait(spawn_worker(&fixture, &["batch", "0"])).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let records = fixture.batch_lines(0);
+    assert_eq!(records.len(), TASKS, "{records:?}");
+    for record in &records {
+        let task = usize::try_from(record["prompt_index"].as_u64().unwrap()).unwrap();
+        assert_whole_conversation(record, task);
+    }
+    let made: u64 = requests.lock().unwrap().values().sum();
+    let ideal = TASKS as u64 * CALLS_PER_CONVERSATION;
+    eprintln!(
+        "stopped {stopped_in:?} after SIGTERM with {logged} turns logged, {asked_before} \
+         requests; {made} in all for {ideal} turns"
+    );
+    assert!(
+        made <= ideal + TASKS as u64,
+        "{made} requests: more than the {ideal} turns plus the one each conversation was in"
+    );
 }

@@ -613,7 +613,9 @@ async fn admit(engine: &Engine, pending: &Schedule) -> Result<Option<Admission>,
 
 /// Starts one (prompt, sample) as a task of its own, so that conversations (and rendering their
 /// records) use every core. After a shutdown request it gets the engine's grace period to
-/// finish, then ends without a record (`None`).
+/// finish, then ends without a record (`None`); its finished turns stay in the turn log. The
+/// grace ends before the pod's task and sandbox containers are stopped (the operator sets it
+/// below the pod's): a conversation must not go on with an environment that is going away.
 fn spawn_item(
     running: &mut JoinSet<(u64, Option<Item>)>,
     shared: &Arc<Shared>,
@@ -629,9 +631,17 @@ fn spawn_item(
             sample,
             ticket.as_ref().map(Ticket::spending),
         );
+        let grace = shared.engine.grace;
         let result = tokio::select! {
+            // A conversation that would end just as the request comes is stopped all the same.
+            biased;
+            () = async {
+                shutdown.wait().await;
+                if !grace.is_zero() {
+                    tokio::time::sleep(grace).await;
+                }
+            } => None,
             result = work => Some(result),
-            () = async { shutdown.wait().await; tokio::time::sleep(shared.engine.grace).await } => None,
         };
         // What it cost is in the run's spending by now; its reservation goes back, and the next
         // conversations' estimate learns from it.

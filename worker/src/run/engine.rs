@@ -47,7 +47,8 @@ pub struct Engine {
     pub seed: u64,
     pub samples_per_prompt: u32,
     pub concurrency: usize,
-    /// Time in-flight conversations get to finish after a shutdown request.
+    /// Time in-flight conversations get to finish after a shutdown request (zero: they stop at
+    /// once, keeping their finished turns).
     pub grace: Duration,
     /// What the run spends, counted with its other processes when it has prices, and
     /// `spec.model.budget` when it has one: conversations start only while it has room.

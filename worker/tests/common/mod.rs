@@ -521,23 +521,11 @@ pub fn sent_image(request: &ReceivedRequest) -> (String, Vec<u8>) {
     (mime, bytes)
 }
 
-/// The `<tool_response>` payloads of the conversation's tool turns (one call per turn here).
-pub fn tool_responses(record: &Value) -> Vec<Value> {
-    record["conversations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|turn| turn["from"] == "tool")
-        .map(|turn| {
-            let text = turn["value"].as_str().unwrap();
-            let payload = text
-                .strip_prefix("<tool_response>\n")
-                .and_then(|rest| rest.strip_suffix("\n</tool_response>"))
-                .unwrap_or_else(|| panic!("one tool response: {text}"));
-            serde_json::from_str(payload).unwrap()
-        })
-        .collect()
-}
+#[allow(
+    unused_imports,
+    reason = "each test binary compiles this module; not all of them read tool responses"
+)]
+pub use trajectory_testkit::long_conversation::tool_responses;
 
 /// A `trajectory-executor serve` of a test's own, as in a generation pod's sandbox container:
 /// `root` is its workspace root; its socket and its sessions' directories are in a temporary

@@ -29,7 +29,7 @@ use k8s_openapi::api::core::v1::{
     VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use trajectory_worker::contract::{env, paths, secret_env, task_slots};
+use trajectory_worker::contract::{env, paths, secret_env, shutdown_grace, task_slots};
 use trajectory_worker::spec::SecretKeyRef;
 
 use crate::reconcile::children::{CONTAINER, Component};
@@ -408,6 +408,10 @@ fn environment(
                 paths::SANDBOX_SOCKET_FILE
             ),
         ));
+    }
+    if matches!(component, Component::Generate { .. }) {
+        let grace = shutdown_grace(run.overrides.termination_grace_period_seconds);
+        env_vars.push(contract(env::SHUTDOWN_GRACE_SECONDS, &grace.to_string()));
     }
     match tasks {
         Tasks::Sandbox => {}

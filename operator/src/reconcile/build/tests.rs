@@ -817,6 +817,16 @@ fn pod_template_fields_reach_the_pods() {
         "true"
     );
     assert_eq!(pod.termination_grace_period_seconds, Some(600));
+    // The conversations in flight end 5 s before the kubelet may stop the pod's sidecars.
+    let grace = env_value(&job, env::SHUTDOWN_GRACE_SECONDS).and_then(|var| var.value.clone());
+    assert_eq!(grace.as_deref(), Some("595"));
+    let default = gen_job(&TrajectoryRun::test().build(), 1, &[0], false);
+    let grace = env_value(&default, env::SHUTDOWN_GRACE_SECONDS).and_then(|var| var.value.clone());
+    assert_eq!(
+        grace.as_deref(),
+        Some("25"),
+        "Kubernetes' 30 s, less the margin"
+    );
     let container = &pod.containers[0];
     assert_eq!(
         container.image.as_deref(),
