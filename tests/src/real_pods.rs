@@ -319,6 +319,17 @@ pub fn terminated(pod: &Pod) -> Option<(i32, String, String)> {
 /// SIGKILLs every process of the running container of `pod`, from the host: the processes whose
 /// cgroup path names the container id. Returns how many were killed.
 pub fn kill_container(pod: &Pod) -> usize {
+    let killed = kill_container_if_running(pod);
+    assert!(
+        killed > 0,
+        "no process of pod {}'s worker on this host",
+        pod.name_any()
+    );
+    killed
+}
+
+/// As [`kill_container`], for a pod whose worker may have just ended: 0 when it had.
+pub fn kill_container_if_running(pod: &Pod) -> usize {
     let id = pod
         .status
         .as_ref()
@@ -337,10 +348,9 @@ pub fn kill_container(pod: &Pod) -> usize {
             pids.push(pid.to_string());
         }
     }
-    assert!(
-        !pids.is_empty(),
-        "no process of container {id} on this host"
-    );
+    if pids.is_empty() {
+        return 0;
+    }
     let status = std::process::Command::new("kill")
         .arg("-KILL")
         .args(&pids)
