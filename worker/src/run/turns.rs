@@ -266,6 +266,12 @@ impl TurnLog {
 /// turns are rare, each is committed as soon as it arrives.
 const COMMIT_INTERVAL: Duration = Duration::from_millis(20);
 
+/// [`COMMIT_INTERVAL`] on a bucket, where a commit is a PUT: one the store bills (S3 charges per
+/// thousand) and a request the client signs and sends, more CPU than an append. At most 10 a
+/// second per pod, each turn waiting at most 0.1 s more for its next model call (which takes
+/// seconds on the models this serves).
+const BUCKET_COMMIT_INTERVAL: Duration = Duration::from_millis(100);
+
 /// Runs a batch's writer on the blocking pool; its error, if it ends in one, is signalled on
 /// `failed` (the batch stops at once) as well as returned.
 pub(super) fn spawn_signalling<T: Send + 'static>(
@@ -287,9 +293,14 @@ fn write_turns(
     mut receiver: mpsc::UnboundedReceiver<Pending>,
     mut writer: TurnsWriter,
 ) -> Result<TurnsWriter, RunError> {
+    let interval = if writer.is_on_bucket() {
+        BUCKET_COMMIT_INTERVAL
+    } else {
+        COMMIT_INTERVAL
+    };
     let mut last_commit: Option<Instant> = None;
     while let Some(first) = receiver.blocking_recv() {
-        if let Some(wait) = last_commit.and_then(|at| COMMIT_INTERVAL.checked_sub(at.elapsed())) {
+        if let Some(wait) = last_commit.and_then(|at| interval.checked_sub(at.elapsed())) {
             std::thread::sleep(wait);
         }
         last_commit = Some(Instant::now());

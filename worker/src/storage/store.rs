@@ -290,6 +290,11 @@ pub struct TurnsWriter {
 }
 
 impl TurnsWriter {
+    /// Whether each append is an object of its own (a PUT) rather than a write to a file.
+    pub fn is_on_bucket(&self) -> bool {
+        self.store.is_bucket()
+    }
+
     /// Makes `lines` durable, in one write.
     pub fn append(&mut self, lines: &[&[u8]]) -> Result<(), StorageError> {
         match &self.store {
