@@ -260,12 +260,7 @@ async fn a_replayed_command_that_answers_otherwise_is_noted_and_the_conversation
     child.kill().unwrap();
     child.wait().unwrap();
     let asked_before = *requests.lock().unwrap();
-    let output = common::wait(spawn_worker(&fixture, &["batch", "0"])).await;
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert!(worker(&fixture, &["batch", "0"]).await.success());
 
     let records = fixture.batch_lines(0);
     assert_eq!(records.len(), 2, "{records:?}");
@@ -347,12 +342,7 @@ async fn sigterm_with_no_grace_stops_the_conversations_at_once_and_keeps_their_t
     assert!(logged > 0, "no turn was logged before the signal");
     let asked_before: u64 = requests.lock().unwrap().values().sum();
 
-    let output = common::wait(spawn_worker(&fixture, &["batch", "0"])).await;
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert!(worker(&fixture, &["batch", "0"]).await.success());
     let records = fixture.batch_lines(0);
     assert_eq!(records.len(), TASKS, "{records:?}");
     for record in &records {

@@ -181,25 +181,16 @@ impl Serialize for WireAssistant<'_> {
         use serde::ser::SerializeMap;
 
         /// A tool call in the wire shape.
-        struct WireCall<'a>(&'a ToolCall);
+        #[derive(Serialize)]
+        struct WireCall<'a> {
+            id: &'a str,
+            r#type: &'static str,
+            function: WireFunction<'a>,
+        }
         #[derive(Serialize)]
         struct WireFunction<'a> {
             name: &'a str,
             arguments: &'a str,
-        }
-        impl Serialize for WireCall<'_> {
-            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-                let call = self.0;
-                let mut map = serializer.serialize_map(Some(3))?;
-                map.serialize_entry("id", &call.id)?;
-                map.serialize_entry("type", "function")?;
-                let function = WireFunction {
-                    name: &call.name,
-                    arguments: &call.raw_arguments,
-                };
-                map.serialize_entry("function", &function)?;
-                map.end()
-            }
         }
 
         let message = self.0;
@@ -209,7 +200,18 @@ impl Serialize for WireAssistant<'_> {
         // message that has tool calls but no content key.
         map.serialize_entry("content", &message.content)?;
         if !message.tool_calls.is_empty() {
-            let calls: Vec<WireCall<'_>> = message.tool_calls.iter().map(WireCall).collect();
+            let calls: Vec<WireCall<'_>> = message
+                .tool_calls
+                .iter()
+                .map(|call| WireCall {
+                    id: &call.id,
+                    r#type: "function",
+                    function: WireFunction {
+                        name: &call.name,
+                        arguments: &call.raw_arguments,
+                    },
+                })
+                .collect();
             map.serialize_entry("tool_calls", &calls)?;
         }
         if let Some(reasoning) = &message.reasoning {

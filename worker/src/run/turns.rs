@@ -499,6 +499,18 @@ mod tests {
             model_ms: 3,
         };
         let entry: TurnEntry = serde_json::from_slice(&serde_json::to_vec(&line).unwrap()).unwrap();
+        // The wire shape servers take back (content always there, the arguments as sent), and
+        // the same the requests send.
+        let wire = serde_json::json!({
+            "role": "assistant",
+            "content": "checking",
+            "tool_calls": [{
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "terminal", "arguments": r#"{"command":"ls"}"#},
+            }],
+        });
+        assert_eq!(entry.reply, wire);
         assert_eq!(entry.reply, Message::Assistant(reply).to_wire());
         assert_eq!(entry.results, results);
         assert_eq!(
