@@ -103,10 +103,7 @@ async fn a_task_image_pod_killed_mid_batch_restarts_its_conversations_in_fresh_c
     )
     .await;
 
-    let run = setup.finished("task-kill", Duration::from_secs(300)).await;
-    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
-    let dir = setup.storage.run_dir(setup.ns(), "task-kill");
-    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
+    let records = succeeded_records(&setup, "task-kill", Duration::from_secs(300)).await;
     assert_eq!(records.len(), 2, "{records:#?}");
     for record in &records {
         let results: String = record["conversations"]
@@ -174,10 +171,7 @@ async fn a_task_image_pod_killed_mid_conversation_takes_it_up_in_fresh_container
     )
     .await;
 
-    let run = setup.finished("turn-kill", Duration::from_secs(300)).await;
-    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
-    let dir = setup.storage.run_dir(setup.ns(), "turn-kill");
-    let records = jsonl_lines(&dir.join("trajectories.jsonl"));
+    let records = succeeded_records(&setup, "turn-kill", Duration::from_secs(300)).await;
     assert_eq!(records.len(), 2, "{records:#?}");
     for record in &records {
         assert_eq!(record["resumed_from_turn"], 1, "{record}");
@@ -249,14 +243,7 @@ async fn kill_long_conversations(prefix: &str, image: Option<(&str, &str)>) {
     let started = Instant::now();
     let (kills, in_flight_at_kills) = Box::pin(kill_ten_times(&setup, name, &requests)).await;
 
-    let run = setup.finished(name, Duration::from_secs(600)).await;
-    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
-    let records = jsonl_lines(
-        &setup
-            .storage
-            .run_dir(setup.ns(), name)
-            .join("trajectories.jsonl"),
-    );
+    let records = succeeded_records(&setup, name, Duration::from_secs(600)).await;
     let resumed = long_conversation::assert_every_task_once(&records, LONG_TASKS);
     let made: u64 = requests.lock().unwrap().values().sum();
     let ideal = LONG_TASKS as u64 * CALLS_PER_CONVERSATION;
@@ -402,6 +389,18 @@ async fn kill_ten_times(setup: &Setup, name: &str, requests: &Requests) -> (Vec<
         asked_before = asked;
     }
     (kills, in_flight_at_kills)
+}
+
+/// The records of run `name`, once it has succeeded (within `timeout`).
+async fn succeeded_records(setup: &Setup, name: &str, timeout: Duration) -> Vec<Value> {
+    let run = setup.finished(name, timeout).await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    jsonl_lines(
+        &setup
+            .storage
+            .run_dir(setup.ns(), name)
+            .join("trajectories.jsonl"),
+    )
 }
 
 /// A running pod of `job` that is not being deleted, if there is one.
