@@ -352,6 +352,7 @@ impl ScriptedServer {
                 max_total_wait: Duration::from_secs(30),
             },
             prices: None,
+            tokens: None,
         }
     }
 }

@@ -12,7 +12,9 @@ use futures::future::{BoxFuture, join_all};
 use serde_json::Value;
 use tracing::{Instrument, info_span};
 
-use crate::model::{AssistantMessage, Message, ModelClient, ModelError, ToolMessage, Usage};
+use crate::model::{
+    AssistantMessage, CallTokens, Completion, Message, ModelClient, ModelError, ToolMessage, Usage,
+};
 use crate::pricing::Cost;
 use crate::replay::Replay;
 use crate::tools::{Tool, ToolContext, execute};
@@ -51,6 +53,33 @@ pub struct Conversation {
     pub resume: Option<Resumed>,
     /// How many of its tool calls took their output from another run's (`spec.replay.from`).
     pub replayed: Option<Replayed>,
+    /// Every model call in call order, with the tokens the server gave, when the run keeps them
+    /// (`spec.model.tokens`); empty otherwise.
+    pub steps: Vec<Step>,
+}
+
+/// One model call of a conversation, as a trainer reads it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Step {
+    /// Which reply of the conversation the call gave (0-based, among its assistant messages);
+    /// `None` for a reply cut off by the token limit, which the conversation does not keep.
+    pub reply: Option<u32>,
+    #[serde(flatten)]
+    pub tokens: CallTokens,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finish_reason: Option<String>,
+    pub usage: Usage,
+}
+
+impl Step {
+    fn of(completion: &Completion, reply: Option<u32>) -> Self {
+        Self {
+            reply,
+            tokens: completion.tokens.clone().unwrap_or_default(),
+            finish_reason: completion.finish_reason.clone(),
+            usage: completion.usage,
+        }
+    }
 }
 
 /// What a conversation took from another run's recording (`spec.replay.from`).
@@ -76,6 +105,26 @@ impl Conversation {
             model_time: Duration::ZERO,
             resume: None,
             replayed: None,
+            steps: Vec::new(),
+        }
+    }
+
+    /// The assistant messages it holds.
+    fn replies(&self) -> u32 {
+        let replies = self
+            .messages
+            .iter()
+            .filter(|message| matches!(message, Message::Assistant(_)))
+            .count();
+        u32::try_from(replies).unwrap_or(u32::MAX)
+    }
+
+    /// Keeps the call's step, when the run keeps tokens: `kept` says whether its reply becomes
+    /// the conversation's next assistant message.
+    fn record_step(&mut self, client: &ModelClient, completion: &Completion, kept: bool) {
+        if client.settings().tokens.is_some() {
+            let reply = kept.then(|| self.replies());
+            self.steps.push(Step::of(completion, reply));
         }
     }
 }
@@ -115,6 +164,8 @@ pub struct Turn<'a> {
     pub usage: Usage,
     pub cost: Option<Cost>,
     pub model_time: Duration,
+    /// The call's tokens, when the run keeps them.
+    pub step: Option<&'a Step>,
 }
 
 /// What a conversation's loop reports to, and takes from, outside it.
@@ -278,7 +329,9 @@ async fn converse(
         let number = conversation.api_calls;
         conversation.api_calls += 1;
         turn += 1;
-        if reply.finish_reason.as_deref() == Some("length") {
+        let cut_off = reply.finish_reason.as_deref() == Some("length");
+        conversation.record_step(client, &reply, !cut_off);
+        if cut_off {
             // A reply cut off by the token limit is not a usable turn (its tool-call arguments
             // are usually truncated too): stop here, as the reference does.
             conversation.partial = true;
@@ -310,6 +363,7 @@ async fn converse(
                 usage,
                 cost: spent.cost,
                 model_time: spent.model_time,
+                step: conversation.steps.last(),
             })
             .await;
         }
@@ -323,6 +377,7 @@ async fn converse(
         .push(Message::User(FINAL_ANSWER_REQUEST.to_owned()));
     let body = client.request_body(system, &conversation.messages, None);
     let (reply, _) = timed_call(client, &body, turn, conversation).await?;
+    conversation.record_step(client, &reply, true);
     // Without tools offered, a server may still emit calls; they cannot run, so they are dropped.
     let message = AssistantMessage {
         tool_calls: Vec::new(),

@@ -92,4 +92,6 @@ pub mod storage;
 #[cfg(feature = "engine")]
 pub mod tools;
 #[cfg(feature = "engine")]
+pub mod training;
+#[cfg(feature = "engine")]
 pub mod verify;

@@ -192,6 +192,42 @@ pub struct ModelSpec {
     /// pods: a request waits until it fits instead of being refused with a 429.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<LimitsSpec>,
+    /// Ask each call for the server's own token ids and logprobs and keep them, for trainers
+    /// that need them (reinforcement learning, distillation): per call the prompt and
+    /// completion ids and one logprob per sampled token, in `trajectories.tokens.jsonl` beside
+    /// the trajectories (which stay as they are). Unset: nothing is asked or kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokensSpec>,
+}
+
+/// What is asked of the model server for each call's tokens (`spec.model.tokens`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct TokensSpec {
+    /// How the server gives token ids.
+    #[serde(default)]
+    pub request: TokenRequest,
+    /// Alternatives kept for each sampled token with their logprobs, 0 to 20 (0: the sampled
+    /// token's logprob only).
+    #[serde(default)]
+    pub top_logprobs: u8,
+}
+
+/// How a model server gives the token ids of a chat completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+pub enum TokenRequest {
+    /// `return_token_ids` with `logprobs` (vLLM 0.10.2 and later, SGLang): the response carries
+    /// the prompt's ids and the completion's.
+    #[default]
+    ReturnTokenIds,
+    /// llama.cpp's `llama-server`: each logprob carries its token's id, and the prompt's ids are
+    /// asked of the same server's `/apply-template` and `/tokenize` for the same request (the
+    /// steps its chat endpoint takes).
+    LlamaServer,
+    /// `logprobs` only, as hosted APIs give them: no ids (records say `none`).
+    LogprobsOnly,
 }
 
 /// Rate limits on a model's key, over every pod of a run. Each pod keeps its share, the limit

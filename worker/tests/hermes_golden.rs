@@ -89,6 +89,7 @@ fn conversation() -> Conversation {
         model_time: Duration::from_millis(900),
         resume: None,
         replayed: None,
+        steps: Vec::new(),
     }
 }
 
@@ -220,6 +221,7 @@ fn inline_think_and_scratchpads_are_kept_and_unparsable_arguments_become_empty_o
         model_time: Duration::ZERO,
         resume: None,
         replayed: None,
+        steps: Vec::new(),
     };
     let turns = trajectory_worker::hermes::sharegpt(&conversation, &[terminal_spec()]);
     assert_eq!(

@@ -52,6 +52,7 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
             ..RetryPolicy::default()
         },
         prices: None,
+        tokens: None,
     })
     .unwrap();
     let registry = Registry::builtin(&ToolsSpec::default());
@@ -616,6 +617,7 @@ async fn two_streamed_answers_at_once_both_arrive_whole() {
             ..RetryPolicy::default()
         },
         prices: None,
+        tokens: None,
     })
     .unwrap();
     let ask = |topic: &str| {

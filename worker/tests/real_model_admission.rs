@@ -53,6 +53,7 @@ async fn requests_in_flight_settle_near_what_a_shedding_proxy_lets_through() {
             ..RetryPolicy::default()
         },
         prices: None,
+        tokens: None,
     })
     .unwrap();
 

@@ -13,10 +13,11 @@ use super::admission::{Admission, Ticket};
 use super::limits::{Limits, Reservation};
 use super::reset_headers::wait_for_reset;
 use super::routing::{Endpoints, Route};
-use super::types::{Completion, Message, ParseFailure, parse_completion};
+use super::tokens::{self, CallTokens, TokenSettings};
+use super::types::{Completion, Message, ParseFailure, Usage, parse_completion};
 use super::{Circuit, ErrorClass, ModelError, Verdict, classify_status, sse};
 use crate::pricing::{Cost, Prices};
-use crate::spec::{ModelSpec, RoutingSpec, RoutingStrategy};
+use crate::spec::{ModelSpec, RoutingSpec, RoutingStrategy, TokenRequest};
 
 /// The model API key. Its `Debug` and `Display` never show the value.
 #[derive(Clone)]
@@ -123,6 +124,8 @@ pub struct ModelSettings {
     pub retry: RetryPolicy,
     /// What the model's tokens cost (`spec.model.pricing`); `None`: only reported costs count.
     pub prices: Option<Prices>,
+    /// What is asked for each call's token ids and logprobs (`spec.model.tokens`).
+    pub tokens: Option<TokenSettings>,
 }
 
 /// How conversations are spread over the endpoints and name themselves (`spec.model.routing`).
@@ -214,6 +217,7 @@ impl ModelSettings {
                 .map(Prices::from_spec)
                 .transpose()
                 .map_err(|err| ModelError::Settings(err.to_string()))?,
+            tokens: spec.tokens.as_ref().map(TokenSettings::from_spec),
         })
     }
 }
@@ -540,6 +544,9 @@ impl ModelClient {
         {
             body.insert("prompt_cache_key".into(), route.identity.clone().into());
         }
+        if let Some(tokens) = &settings.tokens {
+            tokens.add_request_fields(&mut body);
+        }
         for (key, value) in settings.reasoning_fields.iter().chain(&settings.extra_body) {
             body.insert(key.clone(), value.clone());
         }
@@ -789,7 +796,49 @@ impl ModelClient {
             elapsed_ms = started.elapsed().as_millis(),
             "model call answered"
         );
-        parsed.map_err(|failure| parse_failure(failure, status.as_u16()))
+        let mut completion = parsed.map_err(|failure| parse_failure(failure, status.as_u16()))?;
+        if let Some(tokens) = completion.tokens.as_mut()
+            && self
+                .settings
+                .tokens
+                .is_some_and(|settings| settings.request == TokenRequest::LlamaServer)
+        {
+            self.add_llama_server_prompt_ids(endpoint, body, tokens, completion.usage)
+                .await;
+        }
+        Ok(completion)
+    }
+
+    /// The prompt's ids of a call to a llama.cpp server, asked of the same server for the same
+    /// request; kept only if as many as the prompt tokens it reported. Without them the call's
+    /// ids are not whole, and its record says so: the reply is not asked for again.
+    async fn add_llama_server_prompt_ids(
+        &self,
+        endpoint: usize,
+        body: &[u8],
+        tokens: &mut CallTokens,
+        usage: Usage,
+    ) {
+        let root = tokens::server_root(&self.endpoints.get(endpoint).base_url);
+        match tokens::llama_server_prompt_ids(
+            &self.http,
+            root,
+            body,
+            self.authorization.as_ref(),
+            self.settings.request_timeout,
+        )
+        .await
+        {
+            Ok(ids) if ids.len() as u64 == usage.prompt_tokens => {
+                tokens.prompt_token_ids = Some(ids);
+            }
+            Ok(ids) => warn!(
+                ids = ids.len(),
+                prompt_tokens = usage.prompt_tokens,
+                "the server's prompt ids do not match the prompt tokens it reported; not kept"
+            ),
+            Err(err) => warn!(%err, "the server did not give the prompt's ids; not kept"),
+        }
     }
 }
 
@@ -943,6 +992,7 @@ mod tests {
             stream: false,
             retry: RetryPolicy::default(),
             prices: None,
+            tokens: None,
         };
         let client = ModelClient::new(settings).unwrap();
         assert!(!format!("{client:?}").contains("secret"));

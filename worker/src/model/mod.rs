@@ -23,10 +23,12 @@ pub mod limits;
 mod reset_headers;
 pub mod routing;
 mod sse;
+pub mod tokens;
 pub mod types;
 
 pub use circuit::Circuit;
 pub use client::{ApiKey, ModelClient, ModelSettings, RetryPolicy, RoutingSettings, Spending};
+pub use tokens::{CallTokens, TokenSettings};
 pub use types::{
     AssistantMessage, Completion, Message, Reasoning, ReasoningShape, ToolCall, ToolMessage, Usage,
     WireAssistant,

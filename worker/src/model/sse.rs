@@ -130,6 +130,8 @@ impl Accumulator {
             finish_reason: self.finish_reason,
             usage: self.usage,
             reported_cost: self.reported_cost,
+            // A run that keeps tokens does not stream (validation says so).
+            tokens: None,
         })
     }
 }

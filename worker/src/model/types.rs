@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::tokens::CallTokens;
 use crate::pricing::Tokens;
 
 /// One message of the conversation.
@@ -151,6 +152,8 @@ pub struct Completion {
     /// What it cost, as the provider reported it with the usage (`OpenRouter`'s `usage.cost`,
     /// USD); the run's prices are applied by the client ([`super::ModelClient::cost_of`]).
     pub reported_cost: Option<f64>,
+    /// The token ids and logprobs the server gave with it, if any (`spec.model.tokens`).
+    pub tokens: Option<CallTokens>,
 }
 
 impl Message {
@@ -257,14 +260,17 @@ pub fn parse_completion(body: &[u8], turn: usize) -> Result<Completion, ParseFai
     let message = choice
         .get("message")
         .ok_or_else(|| ParseFailure::Malformed("choice has no `message`".into()))?;
+    let usage = value.get("usage").map(Usage::from_json).unwrap_or_default();
+    let tokens = CallTokens::from_response(&value, usage.prompt_tokens, usage.completion_tokens);
     Ok(Completion {
         message: parse_assistant(message, turn),
         finish_reason: choice
             .get("finish_reason")
             .and_then(Value::as_str)
             .map(str::to_owned),
-        usage: value.get("usage").map(Usage::from_json).unwrap_or_default(),
+        usage,
         reported_cost: value.get("usage").and_then(Usage::reported_cost),
+        tokens: (tokens != CallTokens::default()).then_some(tokens),
     })
 }
 

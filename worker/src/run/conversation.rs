@@ -31,6 +31,7 @@ use crate::replay::{Recording, Replay};
 use crate::storage::StorageError;
 use crate::tools::sandbox::{Place, Sandbox};
 use crate::tools::{Tool, ToolContext, ToolSpec, Workspace};
+use crate::training::append_tokens;
 use crate::verify::{Verification, Verifier};
 
 /// The outcome of one (prompt, sample), for progress displays; ordered from the best record of a
@@ -694,6 +695,15 @@ fn trajectory_item(
     // Sized for a typical record at once: growing a buffer of kilobytes step by step is costly.
     let mut line = Vec::with_capacity(16 * 1024);
     write_trajectory_record(&mut line, verified.conversation, &record_context);
+    // A discarded record goes to failures.jsonl, which has no tokens beside it.
+    if let Some(tokens) = shared.engine.tokens.as_ref().filter(|_| !below_reward) {
+        append_tokens(
+            &mut line,
+            verified.conversation,
+            tokens,
+            (identity.id, identity.prompt_index, identity.sample),
+        );
+    }
     if below_reward {
         return Item::Record {
             outcome: ConversationOutcome::Discarded,

@@ -16,6 +16,7 @@ use crate::spec::{RunSpec, VerifierSpec};
 use crate::storage::StorageError;
 use crate::tools::sandbox::{LandlockMode, Sandbox};
 use crate::tools::{Registry, ToolLimits};
+use crate::training::TokensContext;
 
 /// What a process needs to run conversations, built once and shared by all batches.
 #[derive(Debug, Clone)]
@@ -44,6 +45,9 @@ pub struct Engine {
     /// A prompt's sampling stops once this many of its samples passed.
     pub passes_per_prompt: Option<u32>,
     pub openai_format: bool,
+    /// What each trajectory's tokens line says of the run, when the run keeps tokens
+    /// (`spec.model.tokens`; see [`crate::training`]).
+    pub tokens: Option<TokensContext>,
     pub seed: u64,
     pub samples_per_prompt: u32,
     pub concurrency: usize,
@@ -110,6 +114,16 @@ impl Engine {
             .map_err(|err| RunError::Spec(err.to_string()))?;
         std::fs::create_dir_all(&workspace_root)
             .map_err(|err| StorageError::new("creating", &workspace_root, err))?;
+        let settings = client.settings();
+        let tokens = settings.tokens.map(|tokens| {
+            TokensContext::new(
+                tokens.request,
+                &settings.model,
+                settings.temperature,
+                settings.max_tokens,
+                &settings.extra_body,
+            )
+        });
         Ok(Self {
             client,
             registry,
@@ -138,6 +152,7 @@ impl Engine {
                 .as_ref()
                 .and_then(|verifier| verifier.passes_per_prompt),
             openai_format: spec.openai_format,
+            tokens,
             seed: spec.seed,
             samples_per_prompt: spec.samples_per_prompt,
             concurrency: usize::try_from(spec.concurrency).unwrap_or(1),

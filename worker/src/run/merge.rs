@@ -36,6 +36,7 @@ use crate::contract::{MergeSummary, compact_ranges, format_ranges};
 use crate::json_scan;
 use crate::report;
 use crate::storage::{Context, FilesLines, RunDir, StorageError, Store, temp_path, write_lines};
+use crate::training::{IdSource, TOKENS_KEY, TokensAt, source_of};
 
 /// The fields of a record line that merge and statistics read; the conversation is skipped.
 #[derive(Debug, Deserialize)]
@@ -80,6 +81,10 @@ struct RecordView<'a> {
     /// The paths the sandbox refused its commands, by prefix.
     #[serde(default, borrow)]
     sandbox_refusals: BTreeMap<Cow<'a, str>, u64>,
+    /// Whether the line ends with its tokens (read from whole lines only: a short line has
+    /// them left out).
+    #[serde(default)]
+    tokens: Option<serde::de::IgnoredAny>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -194,6 +199,9 @@ struct Totals {
     task_images: BTreeMap<u32, (u64, u64)>,
     /// Paths the sandbox refused the commands of every kept record, by prefix.
     sandbox_refusals: BTreeMap<String, u64>,
+    /// Trajectories with tokens, by where their ids came from: the server (every call), some
+    /// calls, none.
+    token_sources: [u64; 3],
     /// What `report.html` shows beyond the statistics (`None`: no report is written).
     report: Option<report::Collector>,
 }
@@ -234,6 +242,9 @@ impl Totals {
         self.completion_tokens += other.completion_tokens;
         self.reasoning_tokens += other.reasoning_tokens;
         self.durations.extend(other.durations);
+        for (total, part) in self.token_sources.iter_mut().zip(other.token_sources) {
+            *total += part;
+        }
         for (prefix, count) in other.sandbox_refusals {
             *self.sandbox_refusals.entry(prefix).or_default() += count;
         }
@@ -248,6 +259,16 @@ impl Totals {
     }
 
     /// Counts a kept record; `line` is its whole line.
+    /// Counts a kept trajectory's tokens line by the source of its ids.
+    fn add_tokens(&mut self, tokens: &[u8]) {
+        let slot = match source_of(tokens) {
+            Some(IdSource::Server) => 0,
+            Some(IdSource::Partial) => 1,
+            Some(IdSource::None) | None => 2,
+        };
+        self.token_sources[slot] += 1;
+    }
+
     fn add(&mut self, view: &RecordView<'_>, line: &[u8]) {
         if let Some(collected) = self.report.as_mut() {
             let facts = report::RecordFacts {
@@ -503,32 +524,55 @@ impl Drop for FileOutput {
 struct ViewLines<'a> {
     data: &'a [u8],
     lines: &'a [(usize, usize)],
-    /// The lines with `conversations` left out, one after another.
+    /// The lines with `conversations` (and `tokens`) left out, one after another.
     short: Vec<u8>,
     /// For each line, its range in `short`, when it has one.
     spans: Vec<Option<(usize, usize)>>,
+    /// For each line with a short form, where its tokens are (offsets in the line), if it has
+    /// them.
+    tokens: Vec<Option<TokensAt>>,
 }
 
 impl<'a> ViewLines<'a> {
     fn new(data: &'a [u8], lines: &'a [(usize, usize)]) -> Self {
         let mut short = Vec::with_capacity(lines.len() * 2048);
+        let mut tokens_of = Vec::with_capacity(lines.len());
         let spans = lines
             .iter()
             .map(|&(start, end)| {
                 let line = &data[start..end];
                 let mut conversations = None;
+                let mut tokens = None;
+                let mut after_tokens = false;
                 let sure = json_scan::object_line(line, |field| {
-                    if field.is("conversations") {
+                    if after_tokens {
+                        // The tokens are the last field, or they are not where merge cuts.
+                        false
+                    } else if field.is("conversations") {
                         conversations.replace(field.value.clone()).is_none()
+                    } else if field.is(TOKENS_KEY) {
+                        after_tokens = true;
+                        let key_quote = field.raw_key.as_ptr().addr() - line.as_ptr().addr() - 1;
+                        tokens = TokensAt::of_field(line, key_quote, field.value.clone());
+                        tokens.is_some()
                     } else {
                         !field.key_escaped
                     }
                 });
-                let left_out = conversations.filter(|_| sure)?;
+                let left_out = conversations.filter(|_| sure);
+                tokens_of.push(tokens.clone().filter(|_| left_out.is_some()));
+                let left_out = left_out?;
                 let span_start = short.len();
                 short.extend_from_slice(&line[..left_out.start]);
                 short.extend_from_slice(b"null");
-                short.extend_from_slice(&line[left_out.end..]);
+                match &tokens {
+                    Some(tokens) => {
+                        short.extend_from_slice(&line[left_out.end..tokens.value.start]);
+                        short.extend_from_slice(b"null");
+                        short.extend_from_slice(&line[tokens.value.end..]);
+                    }
+                    None => short.extend_from_slice(&line[left_out.end..]),
+                }
                 Some((span_start, short.len()))
             })
             .collect();
@@ -537,6 +581,7 @@ impl<'a> ViewLines<'a> {
             lines,
             short,
             spans,
+            tokens: tokens_of,
         }
     }
 
@@ -552,6 +597,17 @@ impl<'a> ViewLines<'a> {
             None => serde_json::from_slice(line),
         }
     }
+
+    /// Where the tokens of line `index`, parsed as `view`, are, if it has them.
+    fn tokens(&self, index: usize, view: &RecordView<'_>) -> Option<TokensAt> {
+        if self.spans[index].is_some() {
+            return self.tokens[index].clone();
+        }
+        let (start, end) = self.lines[index];
+        view.tokens
+            .as_ref()
+            .and_then(|_| TokensAt::find(&self.data[start..end]))
+    }
 }
 
 /// One batch, read and sorted by the reader thread, for the writer.
@@ -562,6 +618,9 @@ struct SortedBatch {
     kept: Vec<(usize, usize, bool)>,
     /// The `OpenAI`-form line of each kept trajectory, when the run writes that form.
     openai: Vec<Option<Vec<u8>>>,
+    /// The tokens of each kept trajectory (a byte range of `data`), when it has them, with its
+    /// key.
+    tokens: Vec<(Option<(usize, usize)>, (u64, u32))>,
     /// Set when the batch is marked done but lacks keys; nothing else is then filled in.
     incomplete: Option<Incomplete>,
 }
@@ -725,8 +784,9 @@ fn sort_batch(
                     Some("discarded") => 1,
                     Some(_) => 2,
                 };
+                let tokens = viewed.tokens(index, &view);
                 order.push((view.prompt_index, view.sample, rank, views.len()));
-                views.push((view, *start, *end, read.file_of(index)));
+                views.push((view, *start, *end, read.file_of(index), tokens));
             }
             Err(err) => {
                 *skipped_lines += 1;
@@ -751,6 +811,7 @@ fn sort_batch(
                 data: read.data,
                 kept: Vec::new(),
                 openai: Vec::new(),
+                tokens: Vec::new(),
                 incomplete: Some(incomplete),
             });
         }
@@ -760,13 +821,32 @@ fn sort_batch(
     let mut openai_lines: Vec<Option<OpenaiIndex>> = files.iter().map(|_| None).collect();
     let mut kept = Vec::with_capacity(order.len());
     let mut openai_kept = Vec::new();
+    let mut tokens_kept = Vec::new();
+    // Where a kept line's record ends before its tokens: a `}` goes there once the views are gone.
+    let mut cuts = Vec::new();
     for (prompt_index, sample, rank, position) in order {
-        let (view, start, end, file) = &views[position];
+        let (view, start, end, file, tokens) = &views[position];
         totals.add(view, &read.data[*start..*end]);
         if let Some(image) = image {
             totals.add_task_image(image, view);
         }
-        kept.push((*start, *end, rank == 0));
+        let record_end = match tokens {
+            Some(tokens) => {
+                cuts.push(start + tokens.cut);
+                start + tokens.cut + 1
+            }
+            None => *end,
+        };
+        kept.push((*start, record_end, rank == 0));
+        if rank == 0 {
+            let value = tokens
+                .as_ref()
+                .map(|tokens| (start + tokens.value.start, start + tokens.value.end));
+            if let Some((value_start, value_end)) = value {
+                totals.add_tokens(&read.data[value_start..value_end]);
+            }
+            tokens_kept.push((value, (prompt_index, sample)));
+        }
         if openai && rank == 0 {
             let index = match &mut openai_lines[*file] {
                 Some(index) => index,
@@ -785,10 +865,16 @@ fn sort_batch(
         }
     }
     drop(views);
+    drop(viewed);
+    let mut data = read.data;
+    for cut in cuts {
+        data[cut] = b'}';
+    }
     Ok(SortedBatch {
-        data: read.data,
+        data,
         kept,
         openai: openai_kept,
+        tokens: tokens_kept,
         incomplete: None,
     })
 }
@@ -840,21 +926,22 @@ struct Outputs {
     /// Failed and discarded records.
     failures: Output,
     openai: Option<Output>,
+    /// Each trajectory's tokens, line for line beside `trajectories`.
+    tokens: Option<Output>,
 }
 
 impl Outputs {
-    fn create(run_dir: &RunDir, openai: bool) -> Result<Self, RunError> {
+    fn create(run_dir: &RunDir, openai: bool, tokens: bool) -> Result<Self, RunError> {
+        let optional = |wanted: bool, path| {
+            wanted
+                .then(|| Output::create(run_dir.store(), path))
+                .transpose()
+        };
         Ok(Self {
             trajectories: Output::create(run_dir.store(), run_dir.trajectories())?,
             failures: Output::create(run_dir.store(), run_dir.failures())?,
-            openai: if openai {
-                Some(Output::create(
-                    run_dir.store(),
-                    run_dir.trajectories_openai(),
-                )?)
-            } else {
-                None
-            },
+            openai: optional(openai, run_dir.trajectories_openai())?,
+            tokens: optional(tokens, run_dir.trajectories_tokens())?,
         })
     }
 
@@ -875,6 +962,30 @@ impl Outputs {
             let openai_lines: Vec<&[u8]> =
                 sorted.openai.iter().flatten().map(Vec::as_slice).collect();
             out.lines(&openai_lines)?;
+        }
+        if let Some(out) = self.tokens.as_mut() {
+            // A trajectory without tokens (recorded before the run kept them) keeps its place.
+            let placeholders: Vec<Vec<u8>> = sorted
+                .tokens
+                .iter()
+                .filter(|(value, _)| value.is_none())
+                .map(|(_, (prompt_index, sample))| {
+                    format!(
+                        r#"{{"prompt_index":{prompt_index},"sample":{sample},"tokenization":{{"source":"none"}},"steps":[]}}"#
+                    )
+                    .into_bytes()
+                })
+                .collect();
+            let mut placeholders = placeholders.iter();
+            let token_lines: Vec<&[u8]> = sorted
+                .tokens
+                .iter()
+                .filter_map(|(value, _)| match value {
+                    Some((start, end)) => Some(&sorted.data[*start..*end]),
+                    None => placeholders.next().map(Vec::as_slice),
+                })
+                .collect();
+            out.lines(&token_lines)?;
         }
         Ok(())
     }
@@ -898,6 +1009,9 @@ impl Outputs {
                 .map(|collected| scope.spawn(|| report::write(run_dir, statistics, collected)));
             self.failures.finish()?;
             if let Some(out) = self.openai {
+                out.finish()?;
+            }
+            if let Some(out) = self.tokens {
                 out.finish()?;
             }
             run_dir
@@ -939,7 +1053,7 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
     let run_dir = location.run_dir();
     let manifest = Manifest::require(&run_dir)?;
     let openai = location.plan.spec.openai_format;
-    let mut outputs = Outputs::create(&run_dir, openai)?;
+    let mut outputs = Outputs::create(&run_dir, openai, location.plan.spec.model.tokens.is_some())?;
     let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
     let missing: Vec<u32> = (0..manifest.batch_count())
         .filter(|batch| !done.contains(batch))
@@ -1193,6 +1307,16 @@ fn statistics(
                       "mean": if totals.succeeded == 0 { 0.0 } else { round2(totals.api_calls as f64 / totals.succeeded as f64) }},
         "latency_ms": {"conversation": percentiles(&mut totals.durations)},
     });
+    if spec.model.tokens.is_some() {
+        let [server, partial, none] = totals.token_sources;
+        statistics["token_ids"] = json!({
+            "trajectories": server + partial + none,
+            "server": server,
+            "partial": partial,
+            "none": none,
+            "exact_rate": rate(server, server + partial + none),
+        });
+    }
     if let Some(cost) = totals.costs.summary() {
         statistics["cost"] = cost;
     }

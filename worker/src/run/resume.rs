@@ -106,6 +106,7 @@ pub(super) async fn take_up(
             Cost::add_to(&mut conversation.cost, cost);
         }
         conversation.model_time += Duration::from_millis(entry.model_ms);
+        conversation.steps.extend(entry.step.clone());
     }
     conversation.resume = Some(resumed);
     TakenUp::Resumed(conversation)

@@ -37,7 +37,7 @@ use tokio::task::JoinHandle;
 use tracing::warn;
 
 use super::RunError;
-use crate::agent::{Turn, TurnSink};
+use crate::agent::{Step, Turn, TurnSink};
 use crate::model::{ToolMessage, Usage, WireAssistant};
 use crate::pricing::Cost;
 use crate::storage::{RunDir, TurnsWriter};
@@ -69,6 +69,9 @@ pub(super) struct TurnEntry {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) cost: Option<Cost>,
     pub(super) model_ms: u64,
+    /// The call's tokens, when the run keeps them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) step: Option<Step>,
 }
 
 /// A [`TurnEntry`] as a conversation writes it: the same fields, borrowed from the turn.
@@ -89,6 +92,8 @@ struct TurnLine<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     cost: Option<Cost>,
     model_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    step: Option<&'a Step>,
 }
 
 /// The digest a line's successor links to: 128 bits of BLAKE3, hex.
@@ -400,6 +405,7 @@ impl TurnSink for TurnCommitter<'_> {
             usage: turn.usage,
             cost: turn.cost,
             model_ms: millis(turn.model_time),
+            step: turn.step,
         };
         let line = serde_json::to_vec(&line).expect("a turn line serialises");
         *prev = digest(&line);
@@ -431,6 +437,7 @@ mod tests {
             usage: Usage::default(),
             cost: None,
             model_ms: 0,
+            step: None,
         };
         let line = serde_json::to_vec(&entry).unwrap();
         (digest(&line), entry)
@@ -467,7 +474,7 @@ mod tests {
 
     #[test]
     fn a_line_as_written_reads_back_as_its_entry_with_the_reply_in_wire_shape() {
-        use crate::model::{AssistantMessage, Message, ToolCall};
+        use crate::model::{AssistantMessage, CallTokens, Message, ToolCall};
         let reply = AssistantMessage {
             content: "checking".into(),
             reasoning: None,
@@ -483,6 +490,21 @@ mod tests {
             name: "terminal".into(),
             content: "a.txt".into(),
         }];
+        let step = Step {
+            reply: Some(2),
+            tokens: CallTokens {
+                prompt_token_ids: Some(vec![1, 2, 3]),
+                completion_token_ids: Some(vec![4]),
+                logprobs: vec![-0.25],
+                top_logprobs: Vec::new(),
+            },
+            finish_reason: Some("tool_calls".into()),
+            usage: Usage {
+                prompt_tokens: 3,
+                completion_tokens: 1,
+                ..Usage::default()
+            },
+        };
         let line = TurnLine {
             id: "run-0-1",
             prompt_index: 0,
@@ -497,6 +519,7 @@ mod tests {
             usage: Usage::default(),
             cost: None,
             model_ms: 3,
+            step: Some(&step),
         };
         let entry: TurnEntry = serde_json::from_slice(&serde_json::to_vec(&line).unwrap()).unwrap();
         // The wire shape servers take back (content always there, the arguments as sent), and
@@ -513,6 +536,11 @@ mod tests {
         assert_eq!(entry.reply, wire);
         assert_eq!(entry.reply, Message::Assistant(reply).to_wire());
         assert_eq!(entry.results, results);
+        assert_eq!(
+            entry.step.as_ref(),
+            Some(&step),
+            "a resumed call keeps its tokens"
+        );
         assert_eq!(
             (
                 entry.id.as_str(),

@@ -11,6 +11,9 @@
 //!   batches/batch-000042.jsonl  the single records file of workers before per-writer files
 //!   batches/batch-000042.done   completion marker with counts (temp + fsync + rename)
 //!   trajectories.jsonl          merged output in dataset order
+//!   trajectories.tokens.jsonl   each trajectory's token ids and logprobs, line for line beside
+//!                               it (runs that keep tokens; in the batch files they end each
+//!                               trajectory's line, under `tokens`)
 //!   failures.jsonl              failed and discarded prompts
 //!   statistics.json             counts, tools, reasoning, tokens, latency
 //!   plan/images-<16 hex>/page-<n>.json  the image groups, when a plan's summary could not list
@@ -257,6 +260,12 @@ impl RunDir {
     }
     pub fn trajectories_openai(&self) -> PathBuf {
         self.root.join("trajectories.openai.jsonl")
+    }
+
+    /// Each trajectory's token ids and logprobs, line for line beside `trajectories.jsonl`
+    /// (`spec.model.tokens`).
+    pub fn trajectories_tokens(&self) -> PathBuf {
+        self.root.join("trajectories.tokens.jsonl")
     }
     pub fn failures(&self) -> PathBuf {
         self.root.join("failures.jsonl")

@@ -17,6 +17,10 @@ use crate::spec::{
     BrowserSpec, DistributionSpec, ImageGenSpec, RunSpec, ValueSource, VisionSpec, WebSearchBackend,
 };
 
+/// The most alternatives per token a server is asked for (`OpenAI`'s bound, which vLLM and
+/// llama.cpp's server share by default).
+pub const MAX_TOP_LOGPROBS: u8 = 20;
+
 /// A spec value that is out of bounds, named by its field path.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecViolation {
@@ -257,6 +261,22 @@ impl RunSpec {
                 self.model.pricing.is_some(),
                 "model.budget",
                 "needs the model's prices (spec.model.pricing) to hold".to_owned(),
+            );
+        }
+        if let Some(tokens) = &self.model.tokens {
+            violations.check(
+                tokens.top_logprobs <= MAX_TOP_LOGPROBS,
+                "model.tokens.topLogprobs",
+                format!(
+                    "must be 0 to {MAX_TOP_LOGPROBS}, got {}",
+                    tokens.top_logprobs
+                ),
+            );
+            // A streamed reply's ids arrive spread over its chunks, differently on each server.
+            violations.check(
+                !self.model.stream,
+                "model.tokens",
+                "needs model.stream false: token ids are read from whole responses".to_owned(),
             );
         }
         if let Some(limits) = &self.model.limits {

@@ -1,0 +1,424 @@
+//! What trainers read beside the Hermes record: a trajectory's tokens line.
+//!
+//! When a run keeps tokens (`spec.model.tokens`), each trajectory's record line in its batch
+//! file ends with one more key, `tokens`, written last: the conversation's model calls in call
+//! order, each with the server's prompt and completion ids, the sampled tokens' logprobs, its
+//! finish reason and token counts, and how the ids were had. Merge cuts the key off again: the
+//! record goes to `trajectories.jsonl` byte for byte as a run without tokens writes it, the
+//! value to `trajectories.tokens.jsonl`, line for line beside it. One line holds both until
+//! then, so the tokens are written, resumed and merged exactly once with their record, by the
+//! paths every record takes.
+
+use std::ops::Range;
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use crate::agent::{Conversation, Step};
+use crate::model::{CallTokens, Message};
+use crate::spec::TokenRequest;
+
+/// The top-level key of a record line that holds its tokens; written last.
+pub const TOKENS_KEY: &str = "tokens";
+
+/// The run-wide facts a tokens line carries.
+#[derive(Debug, Clone)]
+pub struct TokensContext {
+    pub request: TokenRequest,
+    /// The model name the requests carry.
+    pub model: String,
+    /// The sampling parameters the requests set (the behaviour policy a trainer must know):
+    /// `temperature`, `max_tokens` and those of `extraBody` that shape sampling.
+    pub sampling: Map<String, Value>,
+}
+
+/// Request fields that shape sampling, as `extraBody` may set them.
+const SAMPLING_FIELDS: &[&str] = &[
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+];
+
+impl TokensContext {
+    /// The context of a run's settings.
+    pub fn new(
+        request: TokenRequest,
+        model: &str,
+        temperature: Option<f64>,
+        max_tokens: Option<u32>,
+        extra_body: &Map<String, Value>,
+    ) -> Self {
+        let mut sampling = Map::new();
+        if let Some(temperature) = temperature {
+            sampling.insert("temperature".into(), temperature.into());
+        }
+        if let Some(max_tokens) = max_tokens {
+            sampling.insert("max_tokens".into(), max_tokens.into());
+        }
+        for field in SAMPLING_FIELDS {
+            if let Some(value) = extra_body.get(*field) {
+                sampling.insert((*field).to_owned(), value.clone());
+            }
+        }
+        Self {
+            request,
+            model: model.to_owned(),
+            sampling,
+        }
+    }
+}
+
+/// Where a conversation's ids came from, as a whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IdSource {
+    /// Every call's prompt and completion ids are the server's own.
+    Server,
+    /// Some calls have the server's ids, others none (a server that gave them only at times).
+    Partial,
+    /// No call has ids (a server that gives logprobs at most).
+    None,
+}
+
+impl IdSource {
+    pub fn of(steps: &[Step]) -> Self {
+        let with_ids = steps.iter().filter(|step| step.tokens.has_ids()).count();
+        match with_ids {
+            0 => Self::None,
+            all if all == steps.len() => Self::Server,
+            _ => Self::Partial,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct TokensLine<'a> {
+    id: &'a str,
+    prompt_index: u64,
+    sample: u32,
+    tokenization: Tokenization<'a>,
+    sampling: &'a Map<String, Value>,
+    steps: Vec<StepLine<'a>>,
+}
+
+#[derive(Serialize)]
+struct Tokenization<'a> {
+    source: IdSource,
+    /// How they were asked for (`spec.model.tokens.request`).
+    request: TokenRequest,
+    model: &'a str,
+}
+
+#[derive(Serialize)]
+struct StepLine<'a> {
+    /// The index in the record's `conversations` of the `gpt` turn this call gave; `null` for a
+    /// reply cut off by the token limit (not kept in the conversation).
+    conversation_index: Option<usize>,
+    #[serde(flatten)]
+    tokens: &'a CallTokens,
+    finish_reason: Option<&'a str>,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    cached_tokens: u64,
+}
+
+/// Appends the conversation's tokens to the record line `line` (one JSON object, its closing
+/// brace last) as its last key. Nothing is appended for a conversation without steps.
+pub fn append_tokens(
+    line: &mut Vec<u8>,
+    conversation: &Conversation,
+    context: &TokensContext,
+    identity: (&str, u64, u32),
+) {
+    if conversation.steps.is_empty() || line.last() != Some(&b'}') {
+        return;
+    }
+    let positions = gpt_turn_positions(&conversation.messages);
+    let steps = conversation
+        .steps
+        .iter()
+        .map(|step| StepLine {
+            conversation_index: step
+                .reply
+                .and_then(|reply| positions.get(reply as usize).copied()),
+            tokens: &step.tokens,
+            finish_reason: step.finish_reason.as_deref(),
+            prompt_tokens: step.usage.prompt_tokens,
+            completion_tokens: step.usage.completion_tokens,
+            cached_tokens: step.usage.cached_tokens,
+        })
+        .collect();
+    let (id, prompt_index, sample) = identity;
+    let tokens = TokensLine {
+        id,
+        prompt_index,
+        sample,
+        tokenization: Tokenization {
+            source: IdSource::of(&conversation.steps),
+            request: context.request,
+            model: &context.model,
+        },
+        sampling: &context.sampling,
+        steps,
+    };
+    line.pop();
+    line.extend_from_slice(b", \"");
+    line.extend_from_slice(TOKENS_KEY.as_bytes());
+    line.extend_from_slice(b"\": ");
+    serde_json::to_writer(&mut *line, &tokens).expect("a tokens line serialises");
+    line.push(b'}');
+}
+
+/// Where a record line's tokens are (byte offsets in the line): the `,` before their key, where
+/// the record without them ends (a `}` there closes it), and their value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokensAt {
+    pub cut: usize,
+    pub value: Range<usize>,
+}
+
+impl TokensAt {
+    /// The tokens of `line` whose key's opening quote is at `key_quote` and whose value spans
+    /// `value`, if they are its last field (as [`append_tokens`] writes them).
+    pub fn of_field(line: &[u8], key_quote: usize, value: Range<usize>) -> Option<Self> {
+        let before = line[..key_quote].trim_ascii_end();
+        let last_field = line[value.end..].trim_ascii() == b"}";
+        (before.last() == Some(&b',') && last_field).then(|| Self {
+            cut: before.len() - 1,
+            value,
+        })
+    }
+
+    /// The tokens of a line known to have them (a line the syntax scan could not vouch for):
+    /// the last `"tokens": ` in it begins them, since they are its last field and hold no key of
+    /// that name.
+    pub fn find(line: &[u8]) -> Option<Self> {
+        let key = format!("\"{TOKENS_KEY}\":");
+        let key_quote = memchr::memmem::rfind(line, key.as_bytes())?;
+        let after = key_quote + key.len();
+        let start = after + (line[after..].len() - line[after..].trim_ascii_start().len());
+        let end = line.trim_ascii_end().len().checked_sub(1)?;
+        let end = start + line[start..end].trim_ascii_end().len();
+        Self::of_field(line, key_quote, start..end)
+    }
+}
+
+/// What a tokens line says of its ids' source, read from its head (where
+/// [`append_tokens`] writes it, before the steps): no need to parse the steps for it.
+pub fn source_of(tokens: &[u8]) -> Option<IdSource> {
+    let head = &tokens[..tokens.len().min(HEAD_BYTES)];
+    let marker = b"\"source\":\"";
+    let at = memchr::memmem::find(head, marker)? + marker.len();
+    let rest = &head[at..];
+    [
+        (b"server\"".as_slice(), IdSource::Server),
+        (b"partial\"".as_slice(), IdSource::Partial),
+        (b"none\"".as_slice(), IdSource::None),
+    ]
+    .into_iter()
+    .find_map(|(word, source)| rest.starts_with(word).then_some(source))
+}
+
+/// Bytes of a tokens line searched for its source: its id, keys and model name come first.
+const HEAD_BYTES: usize = 1024;
+
+/// The index in `conversations` (the Hermes `ShareGPT` turns: the system turn first) of each
+/// assistant message's `gpt` turn, in order. It follows [`crate::hermes::sharegpt_turns`]: a
+/// user message is one turn, an assistant message one, and the tool results after a reply with
+/// calls one together.
+pub fn gpt_turn_positions(messages: &[Message]) -> Vec<usize> {
+    /// Where the walk stands with respect to a reply's tool results.
+    #[derive(PartialEq)]
+    enum Results {
+        /// Not after a reply with calls: a tool message is a turn of its own.
+        None,
+        /// Right after a reply with calls: its first result opens their one turn.
+        Expected,
+        /// Within that turn.
+        Open,
+    }
+    let mut positions = Vec::new();
+    let mut turns = 1; // the system turn
+    let mut results = Results::None;
+    for message in messages {
+        match message {
+            Message::System(_) => {}
+            Message::User(_) => {
+                turns += 1;
+                results = Results::None;
+            }
+            Message::Assistant(assistant) => {
+                positions.push(turns);
+                turns += 1;
+                results = if assistant.tool_calls.is_empty() {
+                    Results::None
+                } else {
+                    Results::Expected
+                };
+            }
+            Message::Tool(_) if results == Results::Open => {}
+            Message::Tool(_) => {
+                turns += 1;
+                if results == Results::Expected {
+                    results = Results::Open;
+                }
+            }
+        }
+    }
+    positions
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{AssistantMessage, ToolMessage, Usage, types::tool_call};
+
+    fn with_calls(calls: usize) -> Message {
+        Message::Assistant(AssistantMessage {
+            tool_calls: (0..calls)
+                .map(|call| tool_call(format!("c{call}"), "terminal".into(), None))
+                .collect(),
+            ..AssistantMessage::default()
+        })
+    }
+
+    fn result() -> Message {
+        Message::Tool(ToolMessage {
+            tool_call_id: "c0".into(),
+            name: "terminal".into(),
+            content: "ok".into(),
+        })
+    }
+
+    #[test]
+    fn gpt_positions_are_those_of_the_sharegpt_turns() {
+        let mut conversation = Conversation::new("do it");
+        conversation.messages.extend([
+            with_calls(2),
+            result(),
+            result(),
+            with_calls(1),
+            result(),
+            Message::User("final answer please".into()),
+            with_calls(0),
+        ]);
+        let turns = crate::hermes::sharegpt(&conversation, &[]);
+        let from_turns: Vec<usize> = turns
+            .iter()
+            .enumerate()
+            .filter(|(_, turn)| turn["from"] == "gpt")
+            .map(|(index, _)| index)
+            .collect();
+        assert_eq!(gpt_turn_positions(&conversation.messages), from_turns);
+        assert_eq!(from_turns, vec![2, 4, 7]);
+    }
+
+    #[test]
+    fn the_tokens_go_last_and_say_where_the_ids_came_from() {
+        let mut conversation = Conversation::new("q");
+        conversation.messages.push(with_calls(0));
+        let step = |ids: bool| Step {
+            reply: Some(0),
+            tokens: CallTokens {
+                prompt_token_ids: ids.then(|| vec![1, 2]),
+                completion_token_ids: ids.then(|| vec![3]),
+                logprobs: vec![-0.5],
+                top_logprobs: Vec::new(),
+            },
+            finish_reason: Some("stop".into()),
+            usage: Usage {
+                prompt_tokens: 2,
+                completion_tokens: 1,
+                ..Usage::default()
+            },
+        };
+        conversation.steps = vec![step(true)];
+        let context = TokensContext::new(
+            TokenRequest::LlamaServer,
+            "m",
+            Some(0.7),
+            None,
+            &serde_json::json!({"seed": 7, "n": 1})
+                .as_object()
+                .unwrap()
+                .clone(),
+        );
+        let mut line = br#"{"conversations": []}"#.to_vec();
+        append_tokens(&mut line, &conversation, &context, ("r-0-0", 0, 0));
+        let record: Value = serde_json::from_slice(&line).unwrap();
+        let keys: Vec<&String> = record.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["conversations", TOKENS_KEY]);
+        let tokens = &record[TOKENS_KEY];
+        assert_eq!(tokens["tokenization"]["source"], "server");
+        assert_eq!(tokens["tokenization"]["request"], "LlamaServer");
+        assert_eq!(
+            tokens["sampling"],
+            serde_json::json!({"temperature": 0.7, "seed": 7})
+        );
+        assert_eq!(tokens["steps"][0]["conversation_index"], 2);
+        assert_eq!(
+            tokens["steps"][0]["prompt_token_ids"],
+            serde_json::json!([1, 2])
+        );
+        conversation.steps.push(step(false));
+        assert_eq!(IdSource::of(&conversation.steps), IdSource::Partial);
+        conversation.steps.remove(0);
+        assert_eq!(IdSource::of(&conversation.steps), IdSource::None);
+        conversation.steps.clear();
+        let mut untouched = b"{}".to_vec();
+        append_tokens(&mut untouched, &conversation, &context, ("r", 0, 0));
+        assert_eq!(untouched, b"{}");
+    }
+
+    #[test]
+    fn the_tokens_are_found_by_field_or_by_search_and_their_source_read_from_the_head() {
+        let mut conversation = Conversation::new("q");
+        conversation.messages.push(with_calls(0));
+        conversation.steps = vec![Step {
+            reply: Some(0),
+            tokens: CallTokens {
+                prompt_token_ids: Some(vec![1]),
+                completion_token_ids: Some(vec![2]),
+                ..CallTokens::default()
+            },
+            finish_reason: None,
+            usage: Usage::default(),
+        }];
+        let context =
+            TokensContext::new(TokenRequest::ReturnTokenIds, "m", None, None, &Map::new());
+        let record = br#"{"conversations": [{"from": "human", "value": "\"tokens\": no"}], "source": {"tokens": {"a": 1}}}"#;
+        let mut line = record.to_vec();
+        append_tokens(&mut line, &conversation, &context, ("r", 3, 1));
+        let found = TokensAt::find(&line).unwrap();
+        let mut cut = line.clone();
+        cut[found.cut] = b'}';
+        assert_eq!(
+            &cut[..=found.cut],
+            record,
+            "the record as written without tokens"
+        );
+        let value: Value = serde_json::from_slice(&line[found.value.clone()]).unwrap();
+        assert_eq!(value["prompt_index"], 3);
+        assert_eq!(
+            source_of(&line[found.value.clone()]),
+            Some(IdSource::Server)
+        );
+        // The scan's field gives the same place.
+        let mut by_field = None;
+        crate::json_scan::object_line(&line, |field| {
+            if field.is(TOKENS_KEY) {
+                let key_quote = field.raw_key.as_ptr().addr() - line.as_ptr().addr() - 1;
+                by_field = TokensAt::of_field(&line, key_quote, field.value.clone());
+            }
+            true
+        });
+        assert_eq!(by_field, Some(found));
+        // A record without tokens has none to find, whatever its fields hold.
+        assert_eq!(TokensAt::find(record), None);
+    }
+}
