@@ -130,16 +130,61 @@ pub fn respond(requests: &Requests, latency: Duration, body: &Value) -> Step {
             .filter(|message| message["role"] == "assistant")
             .count()
     });
-    let step = if turn < TOOL_TURNS {
+    let mut reply = if turn < TOOL_TURNS {
         let (name, arguments) = scripted_call(task, turn);
-        Step::ok(tool_calls_reply(&[(
-            name,
-            Value::String(arguments.to_string()),
-        )]))
+        tool_calls_reply(&[(name, Value::String(arguments.to_string()))])
     } else {
-        Step::ok(text_reply("done"))
+        text_reply("done")
     };
-    Step::Delay(latency, Box::new(step))
+    add_token_ids(&mut reply, task, turn);
+    Step::Delay(latency, Box::new(Step::ok(reply)))
+}
+
+/// Adds to a reply the ids vLLM adds when asked for `return_token_ids`, in its shape (the prompt's
+/// at the top, the completion's in the choice), as many as the reply's usage counts (10 and 5).
+/// The script has no tokenizer: the ids name the task and the turn instead, so that a test sees
+/// which call each recorded step is ([`assert_tokens_once`]).
+pub fn add_token_ids(reply: &mut Value, task: usize, turn: usize) {
+    reply["prompt_token_ids"] = json!([task, turn, 0, 0, 0, 0, 0, 0, 0, 0]);
+    reply["choices"][0]["token_ids"] = json!([completion_id(task, turn), 1, 2, 3, 4]);
+}
+
+fn completion_id(task: usize, turn: usize) -> usize {
+    task * 100 + turn
+}
+
+/// Checks the tokens lines of a merged run of `tasks` conversations: one a task, in order, each
+/// holding every call of its conversation once and in call order (a resumed conversation's
+/// earlier calls taken from the turn log, not asked again), each step pointing at its reply.
+pub fn assert_tokens_once(lines: &[Value], tasks: usize) {
+    assert_eq!(lines.len(), tasks, "one tokens line a conversation");
+    for (task, line) in lines.iter().enumerate() {
+        assert_eq!(line["prompt_index"], task, "dataset order");
+        assert_eq!(
+            line["tokenization"]["source"], "server",
+            "task {task}: {line}"
+        );
+        let steps = line["steps"].as_array().expect("steps");
+        let calls: Vec<(u64, u64, u64)> = steps
+            .iter()
+            .map(|step| {
+                (
+                    step["prompt_token_ids"][1].as_u64().expect("a prompt id"),
+                    step["completion_token_ids"][0]
+                        .as_u64()
+                        .expect("a completion id"),
+                    step["conversation_index"].as_u64().expect("its reply"),
+                )
+            })
+            .collect();
+        let expected: Vec<(u64, u64, u64)> = (0..CALLS_PER_CONVERSATION)
+            .map(|turn| {
+                let id = completion_id(task, usize::try_from(turn).unwrap());
+                (turn, u64::try_from(id).unwrap(), 2 + 2 * turn)
+            })
+            .collect();
+        assert_eq!(calls, expected, "task {task}: every call once, in order");
+    }
 }
 
 /// The tool responses of a record's transcript, parsed (each `<tool_response>` holds the call's

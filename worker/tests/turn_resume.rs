@@ -111,6 +111,7 @@ async fn on_a_bucket_a_kill_costs_one_turn_per_conversation_in_flight_too() {
 }
 
 async fn kill_ten_times(storage: Storage) {
+    let tokens = matches!(storage, Storage::Volume);
     let requests = Requests::default();
     let server = scripted_server(Arc::clone(&requests)).await;
     let lines: Vec<String> = (0..PROMPTS)
@@ -121,6 +122,12 @@ async fn kill_ten_times(storage: Storage) {
         .with("/concurrency", json!(4))
         .with("/agent/maxTurns", json!(TOOL_TURNS + 5))
         .with("/agent/promptTimeoutSeconds", json!(600));
+    // On a volume the run also keeps each call's token ids: a kill must not lose or repeat them.
+    let fixture = if tokens {
+        fixture.with("/model/tokens", json!({"request": "ReturnTokenIds"}))
+    } else {
+        fixture
+    };
     if let Storage::Bucket(server) = &storage {
         let dataset = server
             .bucket_dir(BUCKET)
@@ -184,6 +191,16 @@ async fn kill_ten_times(storage: Storage) {
         "{made} requests: more than the {ideal} turns plus one per conversation in flight at \
          each kill ({in_flight_at_kills})"
     );
+    if tokens {
+        let merge = common::wait(storage.spawn(&fixture, &["merge"])).await;
+        assert!(
+            merge.status.success(),
+            "{}",
+            String::from_utf8_lossy(&merge.stderr)
+        );
+        let lines = common::parse_lines(&fixture.out().join("trajectories.tokens.jsonl"));
+        long_conversation::assert_tokens_once(&lines, PROMPTS);
+    }
 }
 
 /// The turn log's lines of batch 0, over every writer.
