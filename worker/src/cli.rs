@@ -1,5 +1,6 @@
 //! The command line: `local`, `plan`, `batch`, `merge`, `prompt` and `distributions`.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use crate::run::local::{LocalOptions, ProgressMode, render_report, run_local, sh
 use crate::run::manifest::Manifest;
 use crate::run::{RunError, RunFile, RunLocation, load_plan, merge, plan};
 use crate::spec::{LandlockSetting, SandboxSpec};
+use crate::storage::StorageError;
 use crate::tools::sandbox::tool_dirs::{self, Guarded, NamedDir};
 use crate::tools::sandbox::{LandlockMode, Sandbox};
 use trajectory_sandbox::DEFAULT_PATH;
@@ -98,6 +100,23 @@ pub enum Command {
     Report {
         /// The run's output directory (where `statistics.json` and `trajectories.jsonl` are).
         run_dir: PathBuf,
+    },
+    /// Write a merged run's trajectories as a trainer's samples, from the token ids the run
+    /// kept (`spec.model.tokens`; docs/training-data.md), one JSON line each, to stdout or
+    /// `--out`.
+    Export {
+        /// The run's output directory (where `trajectories.jsonl` and
+        /// `trajectories.tokens.jsonl` are).
+        run_dir: PathBuf,
+        /// The trainer's sample shape.
+        #[arg(long, value_enum)]
+        format: crate::export::ExportFormat,
+        /// Leave out trajectories without the server's own ids instead of refusing them.
+        #[arg(long)]
+        force: bool,
+        /// Write here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Run one prompt end to end and print its record.
     Prompt {
@@ -559,6 +578,20 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
         Command::Distributions { run_file } => {
             crate::run::distributions::print(run_file.as_deref())
         }
+        Command::Export {
+            run_dir,
+            format,
+            force,
+            out,
+        } => {
+            let summary =
+                blocking(move || export_to(&run_dir, format, force, out.as_deref())).await?;
+            eprintln!(
+                "exported {} trajectories as {} samples ({} left out without exact ids)",
+                summary.trajectories, summary.samples, summary.skipped
+            );
+            Ok(())
+        }
         Command::Report { run_dir } => {
             let path =
                 blocking(move || merge::rewrite_report(&crate::storage::RunDir::new(run_dir)))
@@ -567,6 +600,35 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             Ok(())
         }
     }
+}
+
+/// [`crate::export::export`] to `out` (a file, written whole or not at all) or stdout.
+fn export_to(
+    run_dir: &Path,
+    format: crate::export::ExportFormat,
+    force: bool,
+    out: Option<&Path>,
+) -> Result<crate::export::ExportSummary, RunError> {
+    let Some(out) = out else {
+        let mut stdout = std::io::BufWriter::new(std::io::stdout().lock());
+        let summary = crate::export::export(run_dir, format, force, &mut stdout)?;
+        stdout
+            .flush()
+            .map_err(|err| StorageError::new("writing", Path::new("<stdout>"), err))?;
+        return Ok(summary);
+    };
+    let temp = out.with_extension("partial");
+    let file =
+        std::fs::File::create(&temp).map_err(|err| StorageError::new("creating", &temp, err))?;
+    let mut writer = std::io::BufWriter::new(file);
+    let summary = crate::export::export(run_dir, format, force, &mut writer)?;
+    writer
+        .into_inner()
+        .map_err(|err| StorageError::new("writing", &temp, err.into_error()))?
+        .sync_all()
+        .map_err(|err| StorageError::new("syncing", &temp, err))?;
+    std::fs::rename(&temp, out).map_err(|err| StorageError::new("renaming", &temp, err))?;
+    Ok(summary)
 }
 
 /// Runs blocking file work off the async runtime's threads.

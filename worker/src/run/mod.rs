@@ -38,6 +38,9 @@ pub enum RunError {
     /// Another `local` run works in the same output directory.
     #[error("{0}")]
     OutputInUse(String),
+    /// A merged run could not be exported (`export`): the message names the file and line.
+    #[error(transparent)]
+    Export(#[from] crate::export::ExportError),
     /// The storage root does not exist (the volume is not mounted where the plan says).
     #[error("{0}")]
     StorageMissing(String),
@@ -113,7 +116,8 @@ impl RunError {
             | Self::ModelNotFound(_)
             | Self::StorageMissing(_)
             | Self::IncompleteBatch(_)
-            | Self::OutputInUse(_) => exit::PERMANENT_CONFIG,
+            | Self::OutputInUse(_)
+            | Self::Export(_) => exit::PERMANENT_CONFIG,
             Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
             Self::Interrupted => exit::INTERRUPTED,
             Self::BudgetExhausted { .. } => exit::BUDGET_EXHAUSTED,
@@ -141,6 +145,7 @@ impl RunError {
             },
             Self::StorageMissing(_) => "StorageMissing",
             Self::OutputInUse(_) => "OutputInUse",
+            Self::Export(_) => "ExportFailed",
             Self::Spec(_) => "InvalidSpec",
             Self::InvalidDataset(_) => "InvalidDataset",
             Self::OutputMismatch(_) => "OutputMismatch",
