@@ -44,6 +44,15 @@ wait_for_go_tools() {
   grep '^== ' "${go_tools_log}" >&2
 }
 
+step "llama-server: build in the background (cached)"
+# llama.cpp's own server (worker/tests/token_ids.rs records its token ids): a C++ build of a few
+# minutes on a new machine, beside the cargo builds.
+llama_server_log="${TRAJ_CACHE_DIR}/logs/llama-server-$(date +%Y%m%d-%H%M%S).log"
+nice -n 10 scripts/llama-server/install.sh >"${llama_server_log}" 2>&1 &
+llama_server=$!
+trap '[[ -z "${go_tools}" ]] || kill "${go_tools}" 2>/dev/null || true
+  [[ -z "${llama_server}" ]] || kill "${llama_server}" 2>/dev/null || true' EXIT
+
 step "prune cargo's incremental caches past ${TRAJ_INCREMENTAL_LIMIT_GB:-8} GB"
 prune_incremental "${CARGO_TARGET_DIR}/debug" "${TRAJ_INCREMENTAL_LIMIT_GB:-8}"
 
@@ -135,6 +144,17 @@ TRAJ_ENVOY="$(scripts/envoy/install.sh --print-path)"
 export TRAJ_ENVOY
 step "web tools: searx and python3-doc (apt-get, once)"
 scripts/web/install.sh
+
+step "llama-server: wait for the background build"
+if ! wait "${llama_server}"; then
+  cat "${llama_server_log}" >&2
+  echo "the llama-server build failed (log above: ${llama_server_log})" >&2
+  exit 1
+fi
+llama_server=""
+cat "${llama_server_log}" >&2
+TRAJ_LLAMA_SERVER="$(scripts/llama-server/install.sh --print-path)"
+export TRAJ_LLAMA_SERVER
 
 step "run the tests with a model server and a control plane with a real node"
 MODEL_SERVER_HOST=0.0.0.0 scripts/model-server/with-model-server.sh \

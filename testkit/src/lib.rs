@@ -17,6 +17,7 @@ pub mod chromium;
 pub mod envoy;
 pub mod executor;
 pub mod gubernator;
+pub mod llama_cpp_server;
 pub mod llama_servers;
 pub mod long_conversation;
 pub mod s3_faults;

@@ -269,6 +269,7 @@ fn engine(base_urls: &[String], traffic: Traffic) -> anyhow::Result<Engine> {
         stream: false,
         retry: RetryPolicy::default(),
         prices,
+        tokens: None,
     };
     let spec = ToolSpec {
         name: TOOL.into(),

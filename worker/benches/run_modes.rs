@@ -437,6 +437,7 @@ fn record_templates(rng: &mut Rng, shrink: usize) -> Vec<Map<String, Value>> {
             model_time: Duration::from_millis(900),
             resume: None,
             replayed: None,
+            steps: Vec::new(),
         };
         let context = RecordContext {
             id: "abcdef123456-0-0",

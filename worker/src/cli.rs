@@ -554,27 +554,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             prompt,
             toolsets,
             workspaces,
-        } => {
-            let spec = RunFile::load(&run_file)?.spec.sandbox;
-            let sandbox = workspaces.sandbox(&spec);
-            let landlock = workspaces.check_sandbox(&sandbox).await?;
-            let (sandbox, _) = workspaces
-                .open_tool_dirs(sandbox, &spec, landlock, Vec::new())
-                .await?;
-            let record = crate::run::prompt::run_prompt(
-                &run_file,
-                &prompt,
-                toolsets,
-                workspaces.root(),
-                sandbox,
-            )
-            .await?;
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&record).unwrap_or_default()
-            );
-            Ok(())
-        }
+        } => prompt_command(&run_file, &prompt, toolsets, &workspaces).await,
         Command::Distributions { run_file } => {
             crate::run::distributions::print(run_file.as_deref())
         }
@@ -583,15 +563,7 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             format,
             force,
             out,
-        } => {
-            let summary =
-                blocking(move || export_to(&run_dir, format, force, out.as_deref())).await?;
-            eprintln!(
-                "exported {} trajectories as {} samples ({} left out without exact ids)",
-                summary.trajectories, summary.samples, summary.skipped
-            );
-            Ok(())
-        }
+        } => blocking(move || export_to(&run_dir, format, force, out.as_deref())).await,
         Command::Report { run_dir } => {
             let path =
                 blocking(move || merge::rewrite_report(&crate::storage::RunDir::new(run_dir)))
@@ -602,8 +574,46 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
     }
 }
 
-/// [`crate::export::export`] to `out` (a file, written whole or not at all) or stdout.
+/// `prompt`: one prompt end to end, its record printed.
+async fn prompt_command(
+    run_file: &Path,
+    prompt: &str,
+    toolsets: Option<Vec<String>>,
+    workspaces: &WorkspaceArgs,
+) -> Result<(), RunError> {
+    let spec = RunFile::load(run_file)?.spec.sandbox;
+    let sandbox = workspaces.sandbox(&spec);
+    let landlock = workspaces.check_sandbox(&sandbox).await?;
+    let (sandbox, _) = workspaces
+        .open_tool_dirs(sandbox, &spec, landlock, Vec::new())
+        .await?;
+    let record =
+        crate::run::prompt::run_prompt(run_file, prompt, toolsets, workspaces.root(), sandbox)
+            .await?;
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&record).unwrap_or_default()
+    );
+    Ok(())
+}
+
+/// [`crate::export::export`] to `out` (a file, written whole or not at all) or stdout, saying
+/// what it wrote on stderr.
 fn export_to(
+    run_dir: &Path,
+    format: crate::export::ExportFormat,
+    force: bool,
+    out: Option<&Path>,
+) -> Result<(), RunError> {
+    let summary = export_into(run_dir, format, force, out)?;
+    eprintln!(
+        "exported {} trajectories as {} samples ({} left out without exact ids)",
+        summary.trajectories, summary.samples, summary.skipped
+    );
+    Ok(())
+}
+
+fn export_into(
     run_dir: &Path,
     format: crate::export::ExportFormat,
     force: bool,

@@ -149,31 +149,28 @@ fn samples(steps: &[StepIds]) -> Vec<Sample> {
                 && prompt[..sample.prompt.len()] == sample.prompt[..]
                 && prompt[sample.prompt.len()..so_far] == sample.response[..]
         });
-        match current.as_mut().filter(|_| extends) {
-            Some(sample) => {
-                let between = &prompt[sample.prompt.len() + sample.response.len()..];
-                sample.response.extend_from_slice(between);
-                sample.mask.extend(std::iter::repeat_n(0, between.len()));
-                sample
-                    .logprobs
-                    .extend(std::iter::repeat_n(0.0, between.len()));
-                sample.response.extend_from_slice(completion);
-                sample.mask.extend(std::iter::repeat_n(1, completion.len()));
-                sample.logprobs.extend(logprobs);
-                sample.calls += 1;
-                sample.finish_reason.clone_from(&step.finish_reason);
-            }
-            None => {
-                done.extend(current.take());
-                current = Some(Sample {
-                    prompt: prompt.clone(),
-                    response: completion.clone(),
-                    mask: vec![1; completion.len()],
-                    logprobs,
-                    calls: 1,
-                    finish_reason: step.finish_reason.clone(),
-                });
-            }
+        if let Some(sample) = current.as_mut().filter(|_| extends) {
+            let between = &prompt[sample.prompt.len() + sample.response.len()..];
+            sample.response.extend_from_slice(between);
+            sample.mask.extend(std::iter::repeat_n(0, between.len()));
+            sample
+                .logprobs
+                .extend(std::iter::repeat_n(0.0, between.len()));
+            sample.response.extend_from_slice(completion);
+            sample.mask.extend(std::iter::repeat_n(1, completion.len()));
+            sample.logprobs.extend(logprobs);
+            sample.calls += 1;
+            sample.finish_reason.clone_from(&step.finish_reason);
+        } else {
+            done.extend(current.take());
+            current = Some(Sample {
+                prompt: prompt.clone(),
+                response: completion.clone(),
+                mask: vec![1; completion.len()],
+                logprobs,
+                calls: 1,
+                finish_reason: step.finish_reason.clone(),
+            });
         }
     }
     done.extend(current);
@@ -320,40 +317,8 @@ pub fn export(
     let mut lines = records.lines().zip(tokens.lines()).enumerate();
     for (number, (record, tokens)) in lines.by_ref() {
         let line = number + 1;
-        let read = |result: std::io::Result<String>, path: &Path| {
-            result.map_err(|source| ExportError::Io {
-                action: "reading",
-                path: path.to_owned(),
-                source,
-            })
-        };
-        let record = read(record, &records_path)?;
-        let tokens = read(tokens, &tokens_path)?;
-        let bad = |path: &Path, message: String| ExportError::Line {
-            path: path.to_owned(),
-            line,
-            message,
-        };
-        let record: Value =
-            serde_json::from_str(&record).map_err(|err| bad(&records_path, err.to_string()))?;
-        let tokens: TokensLine =
-            serde_json::from_str(&tokens).map_err(|err| bad(&tokens_path, err.to_string()))?;
-        let key = (
-            record["prompt_index"].as_u64().unwrap_or(u64::MAX),
-            record["sample"]
-                .as_u64()
-                .and_then(|sample| u32::try_from(sample).ok())
-                .unwrap_or(0),
-        );
-        if key != (tokens.prompt_index, tokens.sample) {
-            return Err(bad(
-                &tokens_path,
-                format!(
-                    "the tokens of {}/{} beside the trajectory of {}/{}: the files are not of one merge",
-                    tokens.prompt_index, tokens.sample, key.0, key.1
-                ),
-            ));
-        }
+        let (record, tokens) = parse_pair((&records_path, record), (&tokens_path, tokens), line)?;
+        let key = (tokens.prompt_index, tokens.sample);
         if tokens.tokenization.source != "server" {
             if force {
                 summary.skipped += 1;
@@ -406,6 +371,50 @@ pub fn export(
         write_line(out, &atropos_group(prompt, &members))?;
     }
     Ok(summary)
+}
+
+/// The trajectory and the tokens line of line `line` of the two files, checked to be of the
+/// same conversation.
+fn parse_pair(
+    (records_path, record): (&Path, std::io::Result<String>),
+    (tokens_path, tokens): (&Path, std::io::Result<String>),
+    line: usize,
+) -> Result<(Value, TokensLine), ExportError> {
+    let read = |result: std::io::Result<String>, path: &Path| {
+        result.map_err(|source| ExportError::Io {
+            action: "reading",
+            path: path.to_owned(),
+            source,
+        })
+    };
+    let record = read(record, records_path)?;
+    let tokens = read(tokens, tokens_path)?;
+    let bad = |path: &Path, message: String| ExportError::Line {
+        path: path.to_owned(),
+        line,
+        message,
+    };
+    let record: Value =
+        serde_json::from_str(&record).map_err(|err| bad(records_path, err.to_string()))?;
+    let tokens: TokensLine =
+        serde_json::from_str(&tokens).map_err(|err| bad(tokens_path, err.to_string()))?;
+    let key = (
+        record["prompt_index"].as_u64().unwrap_or(u64::MAX),
+        record["sample"]
+            .as_u64()
+            .and_then(|sample| u32::try_from(sample).ok())
+            .unwrap_or(0),
+    );
+    if key != (tokens.prompt_index, tokens.sample) {
+        return Err(bad(
+            tokens_path,
+            format!(
+                "the tokens of {}/{} beside the trajectory of {}/{}: the files are not of one merge",
+                tokens.prompt_index, tokens.sample, key.0, key.1
+            ),
+        ));
+    }
+    Ok((record, tokens))
 }
 
 /// One Atropos `ScoredDataGroup` of a prompt's samples.

@@ -1,5 +1,11 @@
 //! Token ids and logprobs in the records (`spec.model.tokens`), on real model servers.
 //!
+//! llama.cpp's own `llama-server` gives each sampled token's id with its logprob, and the prompt's
+//! ids through its `/apply-template` and `/tokenize`: its records must say `server`, each call's
+//! ids counted as the server counted them, each prompt extending the one before, and the ids
+//! must be the server's own: fed back to it as a prompt of ids, a final answer's prompt makes it
+//! sample the same completion again (greedy decoding, no grammar on a call without tools).
+//!
 //! The project's llama-cpp-python server gives logprobs on plain replies and nothing on
 //! tool-call replies, and never ids: its records must say `none`, hold the logprobs it gave, and
 //! leave `trajectories.jsonl` exactly as a run without tokens writes it.
@@ -10,7 +16,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::Value;
+use trajectory_testkit::llama_cpp_server::LlamaCppServer;
+use trajectory_worker::export::{ExportError, ExportFormat, export};
+use trajectory_worker::model::{Message, ModelClient, ModelSettings};
 use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
+use trajectory_worker::spec::ModelSpec;
 use trajectory_worker::training::{TOKENS_KEY, TokensAt};
 
 fn model_server() -> String {
@@ -27,8 +37,17 @@ fn model_name() -> String {
     std::env::var("MODEL_NAME").unwrap_or_else(|_| "smollm2-135m-instruct-q4_1".to_owned())
 }
 
-/// Writes a run of the quickstart's prompts keeping tokens as `request` asks, and runs it.
+/// Writes a run of the quickstart's prompts keeping tokens as `tokens` (YAML) asks, and runs it.
 async fn run_with_tokens(dir: &Path, tokens: &str) -> trajectory_worker::run::local::LocalReport {
+    run_on(dir, &model_server(), &model_name(), tokens).await
+}
+
+async fn run_on(
+    dir: &Path,
+    base_url: &str,
+    model: &str,
+    tokens: &str,
+) -> trajectory_worker::run::local::LocalReport {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/quickstart");
     std::fs::create_dir_all(dir.join("datasets")).unwrap();
     std::fs::copy(
@@ -49,8 +68,8 @@ spec:
   distribution: terminal_only
   seed: 42
   model:
-    baseUrl: {}
-    name: {}
+    baseUrl: {base_url}
+    name: {model}
     maxTokens: 96
     temperature: 0.0
     requestTimeoutSeconds: 60
@@ -58,9 +77,7 @@ spec:
   agent:
     maxTurns: 2
     promptTimeoutSeconds: 300
-",
-        model_server(),
-        model_name()
+"
     );
     std::fs::write(dir.join("run.yaml"), run).unwrap();
     let options = LocalOptions {
@@ -86,13 +103,42 @@ fn lines(path: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// A finished run's trajectories and their tokens lines, most of its prompts succeeded.
+fn merged(report: &trajectory_worker::run::local::LocalReport) -> (Vec<Value>, Vec<Value>) {
+    assert!(
+        report.merge.trajectories >= 4,
+        "most prompts succeed: {:?}",
+        report.merge
+    );
+    let trajectories = lines(&report.run_dir.join("trajectories.jsonl"));
+    let tokens = lines(&report.run_dir.join("trajectories.tokens.jsonl"));
+    assert_eq!(
+        tokens.len(),
+        trajectories.len(),
+        "one tokens line beside each trajectory"
+    );
+    (trajectories, tokens)
+}
+
+/// A JSON count as an index.
+fn index(value: &Value) -> usize {
+    usize::try_from(value.as_u64().unwrap_or_else(|| panic!("a count: {value}"))).unwrap()
+}
+
+fn statistics(run_dir: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(run_dir.join("statistics.json")).unwrap()).unwrap()
+}
+
 /// Every record line of the run's batch files, by key.
 fn batch_lines(run_dir: &Path) -> BTreeMap<(u64, u64), Vec<u8>> {
     let mut found = BTreeMap::new();
     for entry in walkdir::WalkDir::new(run_dir.join("batches")) {
         let entry = entry.unwrap();
         let name = entry.file_name().to_string_lossy().into_owned();
-        if !(name.starts_with("w-") && name.ends_with(".jsonl")) || name.contains(".openai.") {
+        let jsonl = Path::new(&name)
+            .extension()
+            .is_some_and(|extension| extension.eq_ignore_ascii_case("jsonl"));
+        if !(name.starts_with("w-") && jsonl) || name.contains(".openai.") {
             continue;
         }
         for line in std::fs::read(entry.path())
@@ -121,18 +167,7 @@ async fn the_project_server_gives_no_ids_and_its_records_say_so_beside_unchanged
         "    tokens:\n      request: LogprobsOnly\n      topLogprobs: 2",
     )
     .await;
-    assert!(
-        report.merge.trajectories >= 4,
-        "most prompts succeed: {:?}",
-        report.merge
-    );
-    let trajectories = lines(&report.run_dir.join("trajectories.jsonl"));
-    let tokens = lines(&report.run_dir.join("trajectories.tokens.jsonl"));
-    assert_eq!(
-        tokens.len(),
-        trajectories.len(),
-        "one tokens line beside each trajectory"
-    );
+    let (trajectories, tokens) = merged(&report);
     let batch = batch_lines(&report.run_dir);
     let merged = std::fs::read_to_string(report.run_dir.join("trajectories.jsonl")).unwrap();
     let (mut plain_with_logprobs, mut tool_calls) = (0, 0);
@@ -160,7 +195,7 @@ async fn the_project_server_gives_no_ids_and_its_records_say_so_beside_unchanged
         assert_eq!(tokens["tokenization"]["request"], "LogprobsOnly");
         assert_eq!(tokens["sampling"]["temperature"], 0.0);
         let steps = tokens["steps"].as_array().unwrap();
-        let calls = record["api_calls"].as_u64().unwrap() as usize;
+        let calls = index(&record["api_calls"]);
         assert!(
             steps.len() == calls || steps.len() == calls + 1,
             "one step per model call (the last without tools included): {} steps, {calls} calls",
@@ -172,8 +207,7 @@ async fn the_project_server_gives_no_ids_and_its_records_say_so_beside_unchanged
                 step.get("prompt_token_ids").is_none()
                     && step.get("completion_token_ids").is_none()
             );
-            let index = step["conversation_index"].as_u64().unwrap() as usize;
-            let turn = &conversations[index];
+            let turn = &conversations[index(&step["conversation_index"])];
             assert_eq!(turn["from"], "gpt", "{step}");
             let logprobs = step.get("logprobs").and_then(Value::as_array);
             if turn["value"].as_str().unwrap().contains("<tool_call>") {
@@ -208,9 +242,312 @@ async fn the_project_server_gives_no_ids_and_its_records_say_so_beside_unchanged
     }
     assert!(plain_with_logprobs > 0, "some plain replies carry logprobs");
     assert!(tool_calls > 0, "some replies call tools");
-    let statistics: Value =
-        serde_json::from_slice(&std::fs::read(report.run_dir.join("statistics.json")).unwrap())
-            .unwrap();
+    let statistics = statistics(&report.run_dir);
     assert_eq!(statistics["token_ids"]["none"], trajectories.len());
     assert_eq!(statistics["token_ids"]["server"], 0);
+
+    // Without the server's ids there is nothing to train on: the exports refuse, naming the line.
+    let refused = export(&report.run_dir, ExportFormat::Verl, false, &mut Vec::new()).unwrap_err();
+    assert!(
+        matches!(refused, ExportError::NotExact { line: 1, .. }),
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("trajectories.tokens.jsonl:1"),
+        "{refused}"
+    );
+    let mut out = Vec::new();
+    let summary = export(&report.run_dir, ExportFormat::Verl, true, &mut out).unwrap();
+    assert_eq!(
+        usize::try_from(summary.skipped).unwrap(),
+        trajectories.len(),
+        "--force leaves them out"
+    );
+    assert!(out.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama_server_ids_are_the_servers_own_and_each_prompt_extends_the_last() {
+    let storage = tempfile::tempdir().unwrap();
+    let server = LlamaCppServer::start(&storage.path().join("server"), 2, 2).await;
+    let report = run_on(
+        &storage.path().join("run"),
+        &server.base_url,
+        &server.model,
+        "    tokens:\n      request: LlamaServer",
+    )
+    .await;
+    let (trajectories, tokens) = merged(&report);
+    let http = reqwest::Client::new();
+    let (mut steps_seen, mut pairs, mut extended, mut replayed) = (0, 0, 0, 0);
+    // SmolLM2 calls no tool on llama-server (its grammar for tool calls does not bind here), so
+    // the run's conversations are single calls; multi_turn_prompts_extend has several.
+    for (record, tokens) in trajectories.iter().zip(&tokens) {
+        assert_eq!(tokens["tokenization"]["source"], "server", "{tokens}");
+        let steps = tokens["steps"].as_array().unwrap();
+        let ids = |step: &Value, key: &str| -> Vec<u64> {
+            step[key]
+                .as_array()
+                .unwrap_or_else(|| panic!("{key} in {step}"))
+                .iter()
+                .map(|id| id.as_u64().unwrap())
+                .collect()
+        };
+        for (index, step) in steps.iter().enumerate() {
+            steps_seen += 1;
+            let (prompt, completion) = (
+                ids(step, "prompt_token_ids"),
+                ids(step, "completion_token_ids"),
+            );
+            assert_eq!(prompt.len() as u64, step["prompt_tokens"].as_u64().unwrap());
+            assert_eq!(
+                completion.len() as u64,
+                step["completion_tokens"].as_u64().unwrap()
+            );
+            assert_eq!(
+                step["logprobs"].as_array().unwrap().len(),
+                completion.len(),
+                "{step}"
+            );
+            if let Some(next) = steps.get(index + 1) {
+                pairs += 1;
+                let next_prompt = ids(next, "prompt_token_ids");
+                assert!(
+                    next_prompt.starts_with(&prompt),
+                    "call {} of {}: its prompt does not extend the one before",
+                    index + 1,
+                    record["prompt_index"]
+                );
+                let mut whole = prompt.clone();
+                whole.extend(&completion);
+                if next_prompt.starts_with(&whole) {
+                    extended += 1;
+                }
+            }
+            // A reply cut off by the token limit is not in the conversation (index null).
+            let turn = step["conversation_index"]
+                .as_u64()
+                .map(|at| &record["conversations"][usize::try_from(at).unwrap()]);
+            if step["finish_reason"] == "stop"
+                && turn.is_some_and(|turn| !turn["value"].as_str().unwrap().contains("<tool_call>"))
+            {
+                // The server's own ids: the prompt, fed back as ids, samples the same reply.
+                let sampled = sample_again(&http, &server, &prompt, completion.len()).await;
+                assert!(
+                    completion.starts_with(&sampled) && sampled.len() + 1 >= completion.len(),
+                    "the recorded prompt ids sample {sampled:?}, not the recorded {completion:?}"
+                );
+                replayed += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{steps_seen} calls with the server's ids; {pairs} consecutive pairs, each prompt \
+         extending the last; {extended} of them also extending its completion; {replayed} final \
+         answers sampled again from their recorded prompt ids"
+    );
+    assert!(replayed > 0, "final answers sampled again");
+    let (pairs, extended) = multi_turn_prompts_extend(&server).await;
+    eprintln!(
+        "a five-turn conversation: {pairs} consecutive calls, each prompt extending the last; \
+         {extended} of them also extending its completion"
+    );
+    let statistics = statistics(&report.run_dir);
+    assert_eq!(statistics["token_ids"]["server"], trajectories.len());
+
+    check_exports(&report.run_dir, &trajectories, &tokens);
+}
+
+/// Every export of a run: the model's sampled tokens, and only those, trained.
+fn check_exports(run_dir: &Path, trajectories: &[Value], tokens: &[Value]) {
+    let sampled: u64 = tokens
+        .iter()
+        .flat_map(|line| line["steps"].as_array().unwrap())
+        .map(|step| step["completion_tokens"].as_u64().unwrap())
+        .sum();
+    for format in [
+        ExportFormat::Verl,
+        ExportFormat::Skyrl,
+        ExportFormat::Slime,
+        ExportFormat::Atropos,
+        ExportFormat::PrimeRl,
+    ] {
+        let mut out = Vec::new();
+        let summary = export(run_dir, format, false, &mut out).unwrap();
+        assert_eq!(
+            usize::try_from(summary.trajectories).unwrap(),
+            trajectories.len()
+        );
+        let exported: Vec<Value> = out
+            .split(|byte| *byte == b'\n')
+            .filter(|line| !line.is_empty())
+            .map(|line| serde_json::from_slice(line).unwrap())
+            .collect();
+        assert_eq!(
+            trained_tokens(format, &exported),
+            sampled,
+            "{format:?}: the trained tokens are exactly the sampled ones"
+        );
+    }
+}
+
+/// What the server samples greedily, as ids, from the prompt ids `prompt`: `tokens` of them.
+async fn sample_again(
+    http: &reqwest::Client,
+    server: &LlamaCppServer,
+    prompt: &[u64],
+    tokens: usize,
+) -> Vec<u64> {
+    let again: Value = http
+        .post(format!("{}/completion", server.root))
+        .json(&serde_json::json!({
+            "prompt": prompt, "n_predict": tokens,
+            "temperature": 0.0, "return_tokens": true, "cache_prompt": false,
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    again["tokens"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{again}"))
+        .iter()
+        .map(|id| id.as_u64().unwrap())
+        .collect()
+}
+
+/// A conversation of five user turns through the worker's client on `server`, keeping tokens:
+/// every call has the server's ids, and each prompt extends the last prompt (the template
+/// renders the history the same way each time). Returns the consecutive pairs and how many
+/// also extend the last completion (the reply rendered back as sampled).
+async fn multi_turn_prompts_extend(server: &LlamaCppServer) -> (usize, usize) {
+    let spec: ModelSpec = serde_json::from_value(serde_json::json!({
+        "baseUrl": server.base_url, "name": server.model, "maxTokens": 24,
+        "temperature": 0.0, "tokens": {"request": "LlamaServer"},
+    }))
+    .unwrap();
+    let client = ModelClient::new(ModelSettings::from_spec(&spec, None).unwrap()).unwrap();
+    let mut messages = Vec::new();
+    let mut calls: Vec<(Vec<u32>, Vec<u32>)> = Vec::new();
+    for question in [
+        "Name a colour.",
+        "Name another one.",
+        "Which of the two is darker?",
+        "Say it in French.",
+        "Thank you.",
+    ] {
+        messages.push(Message::User(question.to_owned()));
+        let body = client.request_body(None, &messages, None);
+        let completion = client.complete(&body, calls.len()).await.unwrap();
+        let tokens = completion.tokens.clone().expect("the call's tokens");
+        let prompt = tokens.prompt_token_ids.expect("the server's prompt ids");
+        let sampled = tokens
+            .completion_token_ids
+            .expect("the server's completion ids");
+        assert_eq!(prompt.len() as u64, completion.usage.prompt_tokens);
+        assert_eq!(tokens.logprobs.len(), sampled.len());
+        calls.push((prompt, sampled));
+        messages.push(Message::Assistant(completion.message));
+    }
+    let mut extended = 0;
+    for pair in calls.windows(2) {
+        let ((prompt, completion), (next, _)) = (&pair[0], &pair[1]);
+        assert!(next.starts_with(prompt), "each prompt extends the last");
+        let mut whole = prompt.clone();
+        whole.extend(completion);
+        extended += usize::from(next.starts_with(&whole));
+    }
+    (calls.len() - 1, extended)
+}
+
+/// The tokens an export trains, checking each sample's shape as its trainer documents it: the
+/// fields it reads, masks as long as what they mask, logprobs beside every token.
+fn trained_tokens(format: ExportFormat, lines: &[Value]) -> u64 {
+    let numbers = |value: &Value| -> Vec<i64> {
+        value
+            .as_array()
+            .unwrap_or_else(|| panic!("an array: {value}"))
+            .iter()
+            .map(|number| number.as_i64().unwrap())
+            .collect()
+    };
+    let mask_sum = |mask: &[i64]| -> u64 {
+        assert!(mask.iter().all(|bit| *bit == 0 || *bit == 1), "{mask:?}");
+        u64::try_from(mask.iter().sum::<i64>()).unwrap()
+    };
+    let lengths = |line: &Value, keys: &[&str]| {
+        let first = line[keys[0]].as_array().unwrap().len();
+        for key in keys {
+            assert_eq!(
+                line[*key].as_array().unwrap().len(),
+                first,
+                "{format:?} {key}"
+            );
+        }
+    };
+    lines
+        .iter()
+        .map(|line| match format {
+            ExportFormat::Verl => {
+                lengths(
+                    line,
+                    &["response_ids", "response_mask", "response_logprobs"],
+                );
+                assert!(line["num_turns"].as_u64().unwrap() >= 1);
+                assert!(!line["prompt_ids"].as_array().unwrap().is_empty());
+                mask_sum(&numbers(&line["response_mask"]))
+            }
+            ExportFormat::Skyrl => {
+                lengths(line, &["response_ids", "loss_masks", "rollout_logprobs"]);
+                assert!(line["is_last_step"].is_boolean() && line["trajectory_ids"].is_string());
+                mask_sum(&numbers(&line["loss_masks"]))
+            }
+            ExportFormat::Slime => {
+                lengths(line, &["loss_mask", "rollout_log_probs"]);
+                let response = index(&line["response_length"]);
+                assert_eq!(line["loss_mask"].as_array().unwrap().len(), response);
+                assert!(line["tokens"].as_array().unwrap().len() > response);
+                mask_sum(&numbers(&line["loss_mask"]))
+            }
+            ExportFormat::Atropos => {
+                let members = line["tokens"].as_array().unwrap().len();
+                assert_eq!(line["scores"].as_array().unwrap().len(), members);
+                (0..members)
+                    .map(|member| {
+                        let tokens = numbers(&line["tokens"][member]);
+                        let masks = numbers(&line["masks"][member]);
+                        let logprobs = line["inference_logprobs"][member].as_array().unwrap();
+                        assert_eq!((masks.len(), logprobs.len()), (tokens.len(), tokens.len()));
+                        let mut trained = 0;
+                        for ((token, mask), logprob) in tokens.iter().zip(&masks).zip(logprobs) {
+                            if *mask == -100 {
+                                assert_eq!(logprob.as_f64(), Some(1.0));
+                            } else {
+                                assert_eq!(mask, token, "a trained position's mask is its token");
+                                trained += 1;
+                            }
+                        }
+                        trained
+                    })
+                    .sum()
+            }
+            ExportFormat::PrimeRl => line["steps"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|step| {
+                    let tokens = &step["tokens"];
+                    lengths(
+                        tokens,
+                        &["completion_ids", "completion_mask", "completion_logprobs"],
+                    );
+                    lengths(tokens, &["prompt_ids", "prompt_mask"]);
+                    assert_eq!(mask_sum(&numbers(&tokens["prompt_mask"])), 0);
+                    mask_sum(&numbers(&tokens["completion_mask"]))
+                })
+                .sum(),
+        })
+        .sum()
 }

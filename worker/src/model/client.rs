@@ -797,14 +797,12 @@ impl ModelClient {
             "model call answered"
         );
         let mut completion = parsed.map_err(|failure| parse_failure(failure, status.as_u16()))?;
-        if let Some(tokens) = completion.tokens.as_mut()
-            && self
-                .settings
-                .tokens
-                .is_some_and(|settings| settings.request == TokenRequest::LlamaServer)
-        {
-            self.add_llama_server_prompt_ids(endpoint, body, tokens, completion.usage)
-                .await;
+        if let (Some(tokens), Some(settings)) = (completion.tokens.as_mut(), self.settings.tokens) {
+            settings.keep_asked(tokens);
+            if settings.request == TokenRequest::LlamaServer {
+                self.add_llama_server_prompt_ids(endpoint, body, tokens, completion.usage)
+                    .await;
+            }
         }
         Ok(completion)
     }

@@ -6,8 +6,8 @@
 //! they are asked of the server with each call and kept as it gave them, each call's in a
 //! [`CallTokens`]:
 //!
-//! - `ReturnTokenIds` (vLLM, SGLang) sends `return_token_ids` and `logprobs`: the response has
-//!   `prompt_token_ids` (vLLM at its top, SGLang in the choice) and the choice's `token_ids`.
+//! - `ReturnTokenIds` (vLLM, `SGLang`) sends `return_token_ids` and `logprobs`: the response has
+//!   `prompt_token_ids` (vLLM at its top, `SGLang` in the choice) and the choice's `token_ids`.
 //! - `LlamaServer` sends `logprobs`: each logprob of llama.cpp's server carries its token's
 //!   `id`; the prompt's ids are asked of the same server's `/apply-template` and `/tokenize` with
 //!   the same request, the two steps its chat endpoint takes before it evaluates a prompt (the
@@ -43,9 +43,23 @@ impl TokenSettings {
     /// Adds the fields that ask for the tokens to a request body.
     pub fn add_request_fields(&self, body: &mut Map<String, Value>) {
         body.insert("logprobs".into(), true.into());
-        body.insert("top_logprobs".into(), self.top_logprobs.into());
+        let top_logprobs = match self.request {
+            // llama.cpp's server gives no logprobs at all (nor ids) for 0 alternatives; the one
+            // it then sends is dropped again ([`Self::keep_asked`]).
+            TokenRequest::LlamaServer => self.top_logprobs.max(1),
+            TokenRequest::ReturnTokenIds | TokenRequest::LogprobsOnly => self.top_logprobs,
+        };
+        body.insert("top_logprobs".into(), top_logprobs.into());
         if self.request == TokenRequest::ReturnTokenIds {
             body.insert("return_token_ids".into(), true.into());
+        }
+    }
+
+    /// Drops what was asked of the server only to get the rest: alternatives when none were
+    /// wanted.
+    pub fn keep_asked(&self, tokens: &mut CallTokens) {
+        if self.top_logprobs == 0 {
+            tokens.top_logprobs.clear();
         }
     }
 }
@@ -326,7 +340,8 @@ mod tests {
         .add_request_fields(&mut body);
         assert_eq!(
             Value::Object(body),
-            json!({"logprobs": true, "top_logprobs": 0})
+            json!({"logprobs": true, "top_logprobs": 1}),
+            "llama.cpp's server gives nothing for 0 alternatives"
         );
         assert_eq!(server_root("http://h:8080/v1/"), "http://h:8080");
         assert_eq!(server_root("http://h:8080"), "http://h:8080");

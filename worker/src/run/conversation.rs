@@ -535,7 +535,7 @@ async fn converse(
                     .resume
                     .as_ref()
                     .map_or_else(Default::default, |resume| resume.earlier_time);
-                start = conversation;
+                start = *conversation;
                 from = Start::TakenUp(chain, earlier);
             }
             TakenUp::StartOver(reason) => {

@@ -610,6 +610,46 @@ impl<'a> ViewLines<'a> {
     }
 }
 
+/// A kept trajectory's tokens (a byte range of its batch's data, when it has them) and its key.
+type KeptTokens = (Option<(usize, usize)>, (u64, u32));
+
+/// The tokens cut off the kept lines of a batch.
+#[derive(Default)]
+struct TokensCut {
+    /// Where each line's record ends before its tokens: a `}` goes there once the lines are no
+    /// longer borrowed.
+    cuts: Vec<usize>,
+    /// Each kept trajectory's tokens, in output order.
+    kept: Vec<KeptTokens>,
+}
+
+impl TokensCut {
+    /// Takes the kept line at `line` (a range of `data`) whose tokens are at `tokens`, a
+    /// trajectory of key `trajectory` or a failed or discarded record (`None`); returns where its
+    /// record ends.
+    fn take(
+        &mut self,
+        (start, end): (usize, usize),
+        tokens: Option<&TokensAt>,
+        trajectory: Option<(u64, u32)>,
+        data: &[u8],
+        totals: &mut Totals,
+    ) -> usize {
+        let record_end = tokens.map_or(end, |tokens| {
+            self.cuts.push(start + tokens.cut);
+            start + tokens.cut + 1
+        });
+        if let Some(key) = trajectory {
+            let value = tokens.map(|tokens| (start + tokens.value.start, start + tokens.value.end));
+            if let Some((value_start, value_end)) = value {
+                totals.add_tokens(&data[value_start..value_end]);
+            }
+            self.kept.push((value, key));
+        }
+        record_end
+    }
+}
+
 /// One batch, read and sorted by the reader thread, for the writer.
 struct SortedBatch {
     data: Vec<u8>,
@@ -618,9 +658,8 @@ struct SortedBatch {
     kept: Vec<(usize, usize, bool)>,
     /// The `OpenAI`-form line of each kept trajectory, when the run writes that form.
     openai: Vec<Option<Vec<u8>>>,
-    /// The tokens of each kept trajectory (a byte range of `data`), when it has them, with its
-    /// key.
-    tokens: Vec<(Option<(usize, usize)>, (u64, u32))>,
+    /// The tokens of each kept trajectory, in output order.
+    tokens: Vec<KeptTokens>,
     /// Set when the batch is marked done but lacks keys; nothing else is then filled in.
     incomplete: Option<Incomplete>,
 }
@@ -821,32 +860,22 @@ fn sort_batch(
     let mut openai_lines: Vec<Option<OpenaiIndex>> = files.iter().map(|_| None).collect();
     let mut kept = Vec::with_capacity(order.len());
     let mut openai_kept = Vec::new();
-    let mut tokens_kept = Vec::new();
-    // Where a kept line's record ends before its tokens: a `}` goes there once the views are gone.
-    let mut cuts = Vec::new();
+    let mut cut = TokensCut::default();
     for (prompt_index, sample, rank, position) in order {
         let (view, start, end, file, tokens) = &views[position];
         totals.add(view, &read.data[*start..*end]);
         if let Some(image) = image {
             totals.add_task_image(image, view);
         }
-        let record_end = match tokens {
-            Some(tokens) => {
-                cuts.push(start + tokens.cut);
-                start + tokens.cut + 1
-            }
-            None => *end,
-        };
+        let trajectory = (rank == 0).then_some((prompt_index, sample));
+        let record_end = cut.take(
+            (*start, *end),
+            tokens.as_ref(),
+            trajectory,
+            &read.data,
+            totals,
+        );
         kept.push((*start, record_end, rank == 0));
-        if rank == 0 {
-            let value = tokens
-                .as_ref()
-                .map(|tokens| (start + tokens.value.start, start + tokens.value.end));
-            if let Some((value_start, value_end)) = value {
-                totals.add_tokens(&read.data[value_start..value_end]);
-            }
-            tokens_kept.push((value, (prompt_index, sample)));
-        }
         if openai && rank == 0 {
             let index = match &mut openai_lines[*file] {
                 Some(index) => index,
@@ -867,14 +896,14 @@ fn sort_batch(
     drop(views);
     drop(viewed);
     let mut data = read.data;
-    for cut in cuts {
-        data[cut] = b'}';
+    for at in cut.cuts {
+        data[at] = b'}';
     }
     Ok(SortedBatch {
         data,
         kept,
         openai: openai_kept,
-        tokens: tokens_kept,
+        tokens: cut.kept,
         incomplete: None,
     })
 }

@@ -25,7 +25,7 @@ use crate::tools::{ResumeRule, Tool, ToolContext, execute};
 /// What taking up a chain came to.
 pub(super) enum TakenUp {
     /// The conversation goes on from its last recorded turn, its environment replayed.
-    Resumed(Conversation),
+    Resumed(Box<Conversation>),
     /// The recorded turns cannot be used: the conversation starts over from its prompt, in an
     /// environment of its own (the replay may have changed this one), for this reason.
     StartOver(String),
@@ -109,7 +109,7 @@ pub(super) async fn take_up(
         conversation.steps.extend(entry.step.clone());
     }
     conversation.resume = Some(resumed);
-    TakenUp::Resumed(conversation)
+    TakenUp::Resumed(Box::new(conversation))
 }
 
 /// The rule of the tool named `name`, if the conversation was offered one.

@@ -263,22 +263,7 @@ impl RunSpec {
                 "needs the model's prices (spec.model.pricing) to hold".to_owned(),
             );
         }
-        if let Some(tokens) = &self.model.tokens {
-            violations.check(
-                tokens.top_logprobs <= MAX_TOP_LOGPROBS,
-                "model.tokens.topLogprobs",
-                format!(
-                    "must be 0 to {MAX_TOP_LOGPROBS}, got {}",
-                    tokens.top_logprobs
-                ),
-            );
-            // A streamed reply's ids arrive spread over its chunks, differently on each server.
-            violations.check(
-                !self.model.stream,
-                "model.tokens",
-                "needs model.stream false: token ids are read from whole responses".to_owned(),
-            );
-        }
+        self.check_tokens(violations);
         if let Some(limits) = &self.model.limits {
             for (value, field) in [
                 (limits.requests_per_minute, "requestsPerMinute"),
@@ -302,6 +287,26 @@ impl RunSpec {
                 );
             }
         }
+    }
+
+    fn check_tokens(&self, violations: &mut Violations) {
+        let Some(tokens) = &self.model.tokens else {
+            return;
+        };
+        violations.check(
+            tokens.top_logprobs <= MAX_TOP_LOGPROBS,
+            "model.tokens.topLogprobs",
+            format!(
+                "must be 0 to {MAX_TOP_LOGPROBS}, got {}",
+                tokens.top_logprobs
+            ),
+        );
+        // A streamed reply's ids arrive spread over its chunks, differently on each server.
+        violations.check(
+            !self.model.stream,
+            "model.tokens",
+            "needs model.stream false: token ids are read from whole responses".to_owned(),
+        );
     }
 
     fn check_agent_and_tools(&self, violations: &mut Violations) {
