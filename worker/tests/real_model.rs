@@ -20,26 +20,12 @@ use trajectory_worker::spec::ToolsSpec;
 use trajectory_worker::tools::sandbox::LandlockMode;
 use trajectory_worker::tools::{Registry, ToolContext, ToolLimits, Workspace};
 
-fn model_server() -> String {
-    std::env::var("MODEL_BASE_URL").unwrap_or_else(|_| {
-        panic!(
-            "MODEL_BASE_URL is not set: this test needs the real llama.cpp model server. Start it with \
-             `scripts/model-server/start.sh && source /tmp/trajectory-model-server/env`, or run the whole \
-             suite with `scripts/test.sh`"
-        )
-    })
-}
-
-fn model_name() -> String {
-    std::env::var("MODEL_NAME").unwrap_or_else(|_| "smollm2-135m-instruct-q4_1".to_owned())
-}
-
 #[tokio::test]
 async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
     let client = ModelClient::new(ModelSettings {
-        base_urls: vec![model_server()],
+        base_urls: vec![common::model_server()],
         routing: trajectory_worker::model::RoutingSettings::default(),
-        model: model_name(),
+        model: common::model_name(),
         api_key: None,
         max_tokens: Some(128),
         temperature: Some(0.0),
@@ -110,7 +96,7 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
             prompt_index: 0,
             sample: 0,
             batch: 0,
-            model: &model_name(),
+            model: &common::model_name(),
             toolsets_used: &toolsets,
             tools_offered: &offered,
             system_turn: None,
@@ -140,7 +126,7 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
         run_file: storage.path().join("run.yaml"),
         storage: None,
         bucket: trajectory_worker::storage::BucketOptions::default(),
-        base_url: Some(model_server()),
+        base_url: Some(common::model_server()),
         workspace_root: storage.path().join("workspaces"),
         sandbox: common::sandbox(),
         path_dropped: Vec::new(),
@@ -392,13 +378,13 @@ fn fixture_calling(
     lines: &[String],
     max_turns: u32,
 ) -> common::RunFixture {
-    common::RunFixture::with_lines(&model_server(), lines)
+    common::RunFixture::with_lines(&common::model_server(), lines)
         .with("/distribution", serde_json::json!(distribution))
         .with("/concurrency", serde_json::json!(1))
         .with(
             "/model",
             serde_json::json!({
-                "baseUrl": model_server(), "name": model_name(), "maxTokens": 128,
+                "baseUrl": common::model_server(), "name": common::model_name(), "maxTokens": 128,
                 "temperature": 0.0, "requestTimeoutSeconds": 300,
                 "extraBody": {"tool_choice": {"type": "function", "function": {"name": tool}}},
             }),
@@ -602,9 +588,9 @@ fn reference_shapes(tool: &str) -> &'static [(&'static [&'static str], &'static 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_streamed_answers_at_once_both_arrive_whole() {
     let client = ModelClient::new(ModelSettings {
-        base_urls: vec![model_server()],
+        base_urls: vec![common::model_server()],
         routing: trajectory_worker::model::RoutingSettings::default(),
-        model: model_name(),
+        model: common::model_name(),
         api_key: None,
         max_tokens: Some(48),
         temperature: Some(0.0),

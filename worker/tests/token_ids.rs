@@ -23,23 +23,9 @@ use trajectory_worker::run::local::{LocalOptions, ProgressMode, run_local};
 use trajectory_worker::spec::ModelSpec;
 use trajectory_worker::training::{TOKENS_KEY, TokensAt};
 
-fn model_server() -> String {
-    std::env::var("MODEL_BASE_URL").unwrap_or_else(|_| {
-        panic!(
-            "MODEL_BASE_URL is not set: this test needs the real llama.cpp model server. Start it with \
-             `scripts/model-server/start.sh && source /tmp/trajectory-model-server/env`, or run the whole \
-             suite with `scripts/test.sh`"
-        )
-    })
-}
-
-fn model_name() -> String {
-    std::env::var("MODEL_NAME").unwrap_or_else(|_| "smollm2-135m-instruct-q4_1".to_owned())
-}
-
 /// Writes a run of the quickstart's prompts keeping tokens as `tokens` (YAML) asks, and runs it.
 async fn run_with_tokens(dir: &Path, tokens: &str) -> trajectory_worker::run::local::LocalReport {
-    run_on(dir, &model_server(), &model_name(), tokens).await
+    run_on(dir, &common::model_server(), &common::model_name(), tokens).await
 }
 
 async fn run_on(

@@ -724,3 +724,20 @@ pub fn assert_within_600_a_minute(arrivals: &[std::time::Instant], seconds: &[us
         );
     }
 }
+
+/// The real model server's base URL (`MODEL_BASE_URL`, which `scripts/test.sh` exports); a test
+/// that needs it fails saying how to start it.
+pub fn model_server() -> String {
+    std::env::var("MODEL_BASE_URL").unwrap_or_else(|_| {
+        panic!(
+            "MODEL_BASE_URL is not set: this test needs the real llama.cpp model server. Start it with \
+             `scripts/model-server/start.sh && source /tmp/trajectory-model-server/env`, or run the whole \
+             suite with `scripts/test.sh`"
+        )
+    })
+}
+
+/// The model the real model server serves (`MODEL_NAME`).
+pub fn model_name() -> String {
+    std::env::var("MODEL_NAME").unwrap_or_else(|_| "smollm2-135m-instruct-q4_1".to_owned())
+}
