@@ -12,7 +12,8 @@
 #   --print-path  print the command's path on stdout (also when it was already installed)
 #   --force       reinstall even if a complete install exists
 # Warm: prints nothing (except --print-path's path) and takes well under a second.
-# Environment: TRAJ_CACHE_DIR, PIP_TOOL_PYTHON (default python3).
+# Environment: TRAJ_CACHE_DIR, PIP_TOOL_PYTHON (default python3), PIP_TOOL_NO_DEPS (1: install
+#   the requirements alone, for a file that pins the whole closure it needs).
 set -euo pipefail
 
 (($# >= 3)) || {
@@ -72,7 +73,7 @@ log "install: ${REQUIREMENTS##*/scripts/} from PyPI into ${DIR}"
 mkdir -p "${DIR}"
 if ! { "${PYTHON}" -m venv "${DIR}/venv" &&
 	"${DIR}/venv/bin/python" -m pip --disable-pip-version-check --no-input install \
-		--require-hashes --only-binary :all: -r "${REQUIREMENTS}"; } >"${DIR}/install.log" 2>&1 </dev/null; then
+		--require-hashes --only-binary :all: ${PIP_TOOL_NO_DEPS:+--no-deps} -r "${REQUIREMENTS}"; } >"${DIR}/install.log" 2>&1 </dev/null; then
 	tail -n 40 "${DIR}/install.log" >&2
 	rm -rf "${DIR}"
 	die "pip install -r ${REQUIREMENTS} failed"

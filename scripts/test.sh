@@ -44,9 +44,10 @@ wait_for_go_tools() {
   grep '^== ' "${go_tools_log}" >&2
 }
 
-step "llama-server: build in the background (cached)"
-# llama.cpp's own server (worker/tests/token_ids.rs records its token ids): a C++ build of a few
-# minutes on a new machine, beside the cargo builds.
+step "llama.cpp: build in the background (cached)"
+# llama.cpp's libraries, which the model server loads, and its own server (worker/tests/token_ids.rs
+# records its token ids), in one C++ build of ~10 min on a new machine beside the cargo builds; the
+# model server's install below waits for it.
 llama_server_log="${TRAJ_CACHE_DIR}/logs/llama-server-$(date +%Y%m%d-%H%M%S).log"
 nice -n 10 scripts/llama-server/install.sh >"${llama_server_log}" 2>&1 &
 llama_server=$!
@@ -114,6 +115,11 @@ step "MCP servers: install (cached)"
 # worker/tests/mcp_tools.rs talks to them (npm's server-everything, PyPI's time and fetch servers).
 TRAJ_MCP_DIR="$(scripts/mcp/install.sh --print-dir)"
 export TRAJ_MCP_DIR
+step "export formats' validators: install (cached)"
+# worker/tests/token_ids.rs checks the ATIF, ADP, ShareGPT and OpenAI exports with Harbor's
+# validator, ADP's models and Hugging Face datasets (scripts/formats/validate.py).
+TRAJ_FORMATS_PYTHON="$(scripts/formats/install.sh --print-path)"
+export TRAJ_FORMATS_PYTHON
 step "gubernator: build (cached)"
 # worker/tests/shared_limits.rs keeps two runs' rate limit in it.
 TRAJ_GUBERNATOR="$(scripts/gubernator/build.sh --print-path)"
@@ -145,7 +151,7 @@ export TRAJ_ENVOY
 step "web tools: searx and python3-doc (apt-get, once)"
 scripts/web/install.sh
 
-step "llama-server: wait for the background build"
+step "llama.cpp: wait for the background build"
 if ! wait "${llama_server}"; then
   cat "${llama_server_log}" >&2
   echo "the llama-server build failed (log above: ${llama_server_log})" >&2

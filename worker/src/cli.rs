@@ -101,17 +101,20 @@ pub enum Command {
         /// The run's output directory (where `statistics.json` and `trajectories.jsonl` are).
         run_dir: PathBuf,
     },
-    /// Write a merged run's trajectories as a trainer's samples, from the token ids the run
-    /// kept (`spec.model.tokens`; docs/training-data.md), one JSON line each, to stdout or
-    /// `--out`.
+    /// Write a merged run's trajectories in a trainer's or a trajectory tool's format, one JSON
+    /// line each, to stdout or `--out`: a reinforcement-learning trainer's samples from the
+    /// token ids the run kept (`spec.model.tokens`), or ATIF, ADP, `ShareGPT` or `OpenAI`
+    /// messages (docs/training-data.md).
     Export {
         /// The run's output directory (where `trajectories.jsonl` and
         /// `trajectories.tokens.jsonl` are).
         run_dir: PathBuf,
-        /// The trainer's sample shape.
+        /// The format: a trainer's sample shape (needs the server's ids) or a conversation
+        /// format (ATIF, ADP, `ShareGPT`, `OpenAI` messages).
         #[arg(long, value_enum)]
         format: crate::export::ExportFormat,
-        /// Leave out trajectories without the server's own ids instead of refusing them.
+        /// Sample shapes: leave out trajectories without the server's own ids instead of
+        /// refusing them.
         #[arg(long)]
         force: bool,
         /// Write here instead of stdout.
@@ -606,10 +609,14 @@ fn export_to(
     out: Option<&Path>,
 ) -> Result<(), RunError> {
     let summary = export_into(run_dir, format, force, out)?;
-    eprintln!(
-        "exported {} trajectories as {} samples ({} left out without exact ids)",
-        summary.trajectories, summary.samples, summary.skipped
-    );
+    if format.trains_on_ids() {
+        eprintln!(
+            "exported {} trajectories as {} samples ({} left out without exact ids)",
+            summary.trajectories, summary.samples, summary.skipped
+        );
+    } else {
+        eprintln!("exported {} trajectories", summary.trajectories);
+    }
     Ok(())
 }
 

@@ -250,6 +250,9 @@ async fn the_project_server_gives_no_ids_and_its_records_say_so_beside_unchanged
         "--force leaves them out"
     );
     assert!(out.is_empty());
+
+    // The conversation formats need no ids: the tool calls are what they must carry.
+    check_conversation_exports(&report.run_dir, &trajectories, &tokens);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -342,6 +345,123 @@ async fn llama_server_ids_are_the_servers_own_and_each_prompt_extends_the_last()
     assert_eq!(statistics["token_ids"]["server"], trajectories.len());
 
     check_exports(&report.run_dir, &trajectories, &tokens);
+    check_conversation_exports(&report.run_dir, &trajectories, &tokens);
+}
+
+/// How many times `needle` begins a line in the `from` turns of the records.
+fn blocks(trajectories: &[Value], from: &str, needle: &str) -> u64 {
+    trajectories
+        .iter()
+        .flat_map(|record| record["conversations"].as_array().unwrap())
+        .filter(|turn| turn["from"] == from)
+        .map(|turn| {
+            turn["value"]
+                .as_str()
+                .unwrap()
+                .lines()
+                .filter(|line| *line == needle)
+                .count() as u64
+        })
+        .sum()
+}
+
+/// The conversation formats of a run, each checked by the format's own published code
+/// (scripts/formats/validate.py: Harbor's ATIF validator, the Agent Data Protocol's models,
+/// Hugging Face `datasets`), and counted: every call, result and kept id is in each.
+fn check_conversation_exports(run_dir: &Path, trajectories: &[Value], tokens: &[Value]) {
+    let python =
+        trajectory_testkit::installed("TRAJ_FORMATS_PYTHON", "formats/install.sh", "--print-path");
+    let validator = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/formats/validate.py");
+    let records = trajectories.len() as u64;
+    let calls = blocks(trajectories, "gpt", "<tool_call>");
+    let results = blocks(trajectories, "tool", "<tool_response>");
+    let replies = trajectories
+        .iter()
+        .flat_map(|record| record["conversations"].as_array().unwrap())
+        .filter(|turn| turn["from"] == "gpt")
+        .count() as u64;
+    let turns: usize = trajectories
+        .iter()
+        .map(|record| record["conversations"].as_array().unwrap().len())
+        .sum();
+    let with_ids = tokens
+        .iter()
+        .flat_map(|line| line["steps"].as_array().unwrap())
+        .filter(|step| {
+            step["conversation_index"].is_u64() && step["completion_token_ids"].is_array()
+        })
+        .count() as u64;
+    for (format, name) in [
+        (ExportFormat::Atif, "atif"),
+        (ExportFormat::Adp, "adp"),
+        (ExportFormat::Sharegpt, "sharegpt"),
+        (ExportFormat::Openai, "openai"),
+    ] {
+        let mut out = Vec::new();
+        let summary = export(run_dir, format, false, &mut out).unwrap();
+        assert_eq!(summary.trajectories, records, "{name}");
+        let path = run_dir.join(format!("export.{name}.jsonl"));
+        std::fs::write(&path, out).unwrap();
+        let output = std::process::Command::new(&python)
+            .arg(&validator)
+            .arg(name)
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let counts: Value = serde_json::from_slice(&output.stdout).unwrap();
+        eprintln!("{name}: {counts}");
+        if matches!(format, ExportFormat::Atif | ExportFormat::Adp) {
+            // The validators are strict: a key the format does not define fails the line.
+            let text = std::fs::read_to_string(&path).unwrap();
+            let mut first: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+            first["not_in_the_format"] = true.into();
+            let broken = run_dir.join(format!("broken.{name}.jsonl"));
+            std::fs::write(&broken, format!("{first}\n")).unwrap();
+            let output = std::process::Command::new(&python)
+                .arg(&validator)
+                .arg(name)
+                .arg(&broken)
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(
+                !output.status.success()
+                    && stderr.contains(":1:")
+                    && stderr.contains("not_in_the_format"),
+                "{name}: {stderr}"
+            );
+        }
+        let expected = match format {
+            ExportFormat::Atif => serde_json::json!({"documents": records, "agent_steps": replies,
+                "steps_with_ids": with_ids, "tool_calls": calls, "observations": results}),
+            ExportFormat::Adp => serde_json::json!({"trajectories": records,
+                "api_actions": calls, "message_actions": replies - replies_with_calls(trajectories),
+                "tool_results": calls}),
+            ExportFormat::Sharegpt => serde_json::json!({"rows": records,
+                "columns": ["conversations", "id", "prompt_index", "reward", "sample"],
+                "turns": turns}),
+            _ => serde_json::json!({"rows": records,
+                "columns": ["id", "messages", "prompt_index", "reward", "sample", "tools"],
+                "tool_calls": calls, "tool_messages": results}),
+        };
+        assert_eq!(counts, expected, "{name}");
+    }
+}
+
+/// The replies that call tools.
+fn replies_with_calls(trajectories: &[Value]) -> u64 {
+    trajectories
+        .iter()
+        .flat_map(|record| record["conversations"].as_array().unwrap())
+        .filter(|turn| {
+            turn["from"] == "gpt" && turn["value"].as_str().unwrap().contains("\n<tool_call>\n")
+        })
+        .count() as u64
 }
 
 /// Every export of a run: the model's sampled tokens, and only those, trained.
@@ -534,6 +654,7 @@ fn trained_tokens(format: ExportFormat, lines: &[Value]) -> u64 {
                     mask_sum(&numbers(&tokens["completion_mask"]))
                 })
                 .sum(),
+            other => panic!("{other:?} trains on no ids"),
         })
         .sum()
 }

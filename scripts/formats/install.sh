@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs (or reuses) the Python that checks `trajectory-worker export`'s files with each
+# format's own code (scripts/formats/validate.py): Harbor's ATIF models and Hugging Face
+# datasets, hash-pinned in requirements.txt, with scripts/pip-tool.sh:
+#   ${TRAJ_CACHE_DIR:-~/.cache/trajectory-operator}/formats/<key>/venv/
+# Harbor needs Python 3.12 or later: the first of python3.12, python3.13 on PATH or in pyenv's
+# versions is used (FORMATS_PYTHON names another).
+#
+# Usage: install.sh [--print-path] [--force]  (--print-path prints the venv's python)
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+python=""
+pyenv_root="$(pyenv root 2>/dev/null || printf '%s' "${HOME}/.pyenv")"
+for candidate in ${FORMATS_PYTHON:-} python3.12 python3.13 \
+	"${pyenv_root}"/versions/3.12*/bin/python3 "${pyenv_root}"/versions/3.13*/bin/python3; do
+	if "${candidate}" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+		python="${candidate}"
+		break
+	fi
+done
+[[ -n "${python}" ]] || {
+	echo "[formats] no Python 3.12 or later found (Harbor needs it): install one, or name it in FORMATS_PYTHON" >&2
+	exit 1
+}
+PIP_TOOL_PYTHON="${python}" PIP_TOOL_NO_DEPS=1 exec "${HERE}/../pip-tool.sh" formats \
+	"${HERE}/requirements.txt" venv/bin/python "$@"
