@@ -69,6 +69,9 @@ pub struct Step {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finish_reason: Option<String>,
     pub usage: Usage,
+    /// The base URL of the endpoint that answered the call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
 }
 
 impl Step {
@@ -78,6 +81,7 @@ impl Step {
             tokens: completion.tokens.clone().unwrap_or_default(),
             finish_reason: completion.finish_reason.clone(),
             usage: completion.usage,
+            endpoint: completion.endpoint.clone(),
         }
     }
 }

@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::agent::{Conversation, Step};
@@ -102,8 +102,55 @@ struct TokensLine<'a> {
     prompt_index: u64,
     sample: u32,
     tokenization: Tokenization<'a>,
+    /// Per endpoint that answered, its calls and how many gave ids and logprobs: merge counts
+    /// them per endpoint from here, at the line's head, without reading the steps.
+    endpoints: Vec<EndpointCalls>,
     sampling: &'a Map<String, Value>,
     steps: Vec<StepLine<'a>>,
+}
+
+/// One endpoint's calls of a conversation (or, summed by merge, of a run).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointCalls {
+    /// Its base URL (`unknown` for calls of a worker that did not record it).
+    pub endpoint: String,
+    pub calls: u64,
+    /// Calls that came with the server's prompt and completion ids.
+    pub with_ids: u64,
+    /// Calls that came with logprobs.
+    pub with_logprobs: u64,
+}
+
+impl EndpointCalls {
+    /// Each endpoint's calls among `steps`, in the order the endpoints first answered.
+    fn of(steps: &[Step]) -> Vec<Self> {
+        let mut endpoints: Vec<Self> = Vec::new();
+        for step in steps {
+            let name = step.endpoint.as_deref().unwrap_or("unknown");
+            let at = endpoints
+                .iter()
+                .position(|entry| entry.endpoint == name)
+                .unwrap_or_else(|| {
+                    endpoints.push(Self {
+                        endpoint: name.to_owned(),
+                        ..Self::default()
+                    });
+                    endpoints.len() - 1
+                });
+            let entry = &mut endpoints[at];
+            entry.calls += 1;
+            entry.with_ids += u64::from(step.tokens.has_ids());
+            entry.with_logprobs += u64::from(!step.tokens.logprobs.is_empty());
+        }
+        endpoints
+    }
+
+    /// Adds `other`'s counts (of the same endpoint) to these.
+    pub fn add(&mut self, other: &Self) {
+        self.calls += other.calls;
+        self.with_ids += other.with_ids;
+        self.with_logprobs += other.with_logprobs;
+    }
 }
 
 #[derive(Serialize)]
@@ -163,6 +210,7 @@ pub fn append_tokens(
             request: context.request,
             model: &context.model,
         },
+        endpoints: EndpointCalls::of(&conversation.steps),
         sampling: &context.sampling,
         steps,
     };
@@ -222,6 +270,22 @@ pub fn source_of(tokens: &[u8]) -> Option<IdSource> {
     ]
     .into_iter()
     .find_map(|(word, source)| rest.starts_with(word).then_some(source))
+}
+
+/// What a tokens line says of its calls per endpoint, read from its head (where
+/// [`append_tokens`] writes it, before the sampling and the steps); none for a line without it
+/// (a placeholder, or a worker before it).
+pub fn endpoints_of(tokens: &[u8]) -> Vec<EndpointCalls> {
+    let marker = b"\"endpoints\":";
+    let Some(at) = memchr::memmem::find(&tokens[..tokens.len().min(HEAD_BYTES)], marker) else {
+        return Vec::new();
+    };
+    // The value alone: the deserializer stops at its end, the steps after it never read.
+    serde_json::Deserializer::from_slice(&tokens[at + marker.len()..])
+        .into_iter::<Vec<EndpointCalls>>()
+        .next()
+        .and_then(Result::ok)
+        .unwrap_or_default()
 }
 
 /// Bytes of a tokens line searched for its source: its id, keys and model name come first.
@@ -336,6 +400,7 @@ mod tests {
                 completion_tokens: 1,
                 ..Usage::default()
             },
+            endpoint: Some(if ids { "http://a/v1" } else { "http://b/v1" }.into()),
         };
         conversation.steps = vec![step(true)];
         let context = TokensContext::new(
@@ -367,6 +432,21 @@ mod tests {
         );
         conversation.steps.push(step(false));
         assert_eq!(IdSource::of(&conversation.steps), IdSource::Partial);
+        // Per endpoint, at the head: merge reads it there without the steps.
+        let mut line = br#"{"conversations": []}"#.to_vec();
+        append_tokens(&mut line, &conversation, &context, ("r-0-0", 0, 0));
+        let at = TokensAt::find(&line).unwrap();
+        let endpoints = endpoints_of(&line[at.value]);
+        let calls = |endpoint: &str, ids: u64| EndpointCalls {
+            endpoint: endpoint.into(),
+            calls: 1,
+            with_ids: ids,
+            with_logprobs: 1,
+        };
+        assert_eq!(
+            endpoints,
+            [calls("http://a/v1", 1), calls("http://b/v1", 0)]
+        );
         conversation.steps.remove(0);
         assert_eq!(IdSource::of(&conversation.steps), IdSource::None);
         conversation.steps.clear();
@@ -388,6 +468,7 @@ mod tests {
             },
             finish_reason: None,
             usage: Usage::default(),
+            endpoint: None,
         }];
         let context =
             TokensContext::new(TokenRequest::ReturnTokenIds, "m", None, None, &Map::new());

@@ -231,25 +231,18 @@ async fn the_project_server_gives_no_ids_and_its_records_say_so_beside_unchanged
     let statistics = statistics(&report.run_dir);
     assert_eq!(statistics["token_ids"]["none"], trajectories.len());
     assert_eq!(statistics["token_ids"]["server"], 0);
-
-    // Without the server's ids there is nothing to train on: the exports refuse, naming the line.
-    let refused = export(&report.run_dir, ExportFormat::Verl, false, &mut Vec::new()).unwrap_err();
-    assert!(
-        matches!(refused, ExportError::NotExact { line: 1, .. }),
-        "{refused}"
-    );
-    assert!(
-        refused.to_string().contains("trajectories.tokens.jsonl:1"),
-        "{refused}"
-    );
-    let mut out = Vec::new();
-    let summary = export(&report.run_dir, ExportFormat::Verl, true, &mut out).unwrap();
+    let calls: u64 = tokens
+        .iter()
+        .map(|line| line["steps"].as_array().unwrap().len() as u64)
+        .sum();
     assert_eq!(
-        usize::try_from(summary.skipped).unwrap(),
-        trajectories.len(),
-        "--force leaves them out"
+        statistics["token_ids"]["endpoints"],
+        serde_json::json!({common::model_server(): {
+            "calls": calls, "with_ids": 0, "with_logprobs": plain_with_logprobs, "exact_rate": 0.0}}),
+        "every call counted at the one endpoint, logprobs on the plain replies only"
     );
-    assert!(out.is_empty());
+
+    exports_refuse_without_ids(&report.run_dir, trajectories.len());
 
     // The conversation formats need no ids: the tool calls are what they must carry.
     check_conversation_exports(&report.run_dir, &trajectories, &tokens);
@@ -343,9 +336,66 @@ async fn llama_server_ids_are_the_servers_own_and_each_prompt_extends_the_last()
     );
     let statistics = statistics(&report.run_dir);
     assert_eq!(statistics["token_ids"]["server"], trajectories.len());
+    assert_eq!(
+        statistics["token_ids"]["endpoints"],
+        serde_json::json!({&server.base_url: {
+            "calls": steps_seen, "with_ids": steps_seen, "with_logprobs": steps_seen, "exact_rate": 100.0}})
+    );
+    shown_per_endpoint(&report, &server.base_url, steps_seen, trajectories.len());
 
     check_exports(&report.run_dir, &trajectories, &tokens);
     check_conversation_exports(&report.run_dir, &trajectories, &tokens);
+}
+
+/// Without the server's ids there is nothing to train on: the sample formats refuse, naming the
+/// line, and `--force` leaves every trajectory out.
+fn exports_refuse_without_ids(run_dir: &Path, trajectories: usize) {
+    let refused = export(run_dir, ExportFormat::Verl, false, &mut Vec::new()).unwrap_err();
+    assert!(
+        matches!(refused, ExportError::NotExact { line: 1, .. }),
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("trajectories.tokens.jsonl:1"),
+        "{refused}"
+    );
+    let mut out = Vec::new();
+    let summary = export(run_dir, ExportFormat::Verl, true, &mut out).unwrap();
+    assert_eq!(
+        usize::try_from(summary.skipped).unwrap(),
+        trajectories,
+        "--force leaves them out"
+    );
+    assert!(out.is_empty());
+}
+
+/// The run's summary and its report show the ids per endpoint.
+fn shown_per_endpoint(
+    report: &trajectory_worker::run::local::LocalReport,
+    endpoint: &str,
+    steps_seen: u64,
+    trajectories: usize,
+) {
+    let summary = trajectory_worker::run::local::render_report(report);
+    assert!(
+        summary.contains(&format!(
+            "token ids: {trajectories} of {trajectories} trajectories with the server's own"
+        )),
+        "{summary}"
+    );
+    let profile = tempfile::tempdir().unwrap();
+    let dom = trajectory_testkit::chromium::headless(profile.path())
+        .args([
+            "--dump-dom",
+            &format!("file://{}", report.run_dir.join("report.html").display()),
+        ])
+        .output()
+        .unwrap();
+    let dom = String::from_utf8_lossy(&dom.stdout);
+    let row = format!(
+        r#"data-endpoint="{endpoint}" data-calls="{steps_seen}" data-with-ids="{steps_seen}" data-with-logprobs="{steps_seen}""#
+    );
+    assert!(dom.contains(&row), "the report's endpoint row: {row}");
 }
 
 /// How many times `needle` begins a line in the `from` turns of the records.

@@ -590,7 +590,8 @@ impl ModelClient {
                 limits.settle(reservation, used.0, used.1).await;
             }
             let error = match outcome {
-                Ok(completion) => {
+                Ok(mut completion) => {
+                    completion.endpoint = Some(self.endpoints.get(endpoint).base_url.clone());
                     ticket.answered();
                     self.endpoints.succeeded(endpoint);
                     self.tell_circuit(true);

@@ -132,6 +132,7 @@ impl Accumulator {
             reported_cost: self.reported_cost,
             // A run that keeps tokens does not stream (validation says so).
             tokens: None,
+            endpoint: None,
         })
     }
 }

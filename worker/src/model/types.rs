@@ -154,6 +154,8 @@ pub struct Completion {
     pub reported_cost: Option<f64>,
     /// The token ids and logprobs the server gave with it, if any (`spec.model.tokens`).
     pub tokens: Option<CallTokens>,
+    /// The base URL of the endpoint that answered (set by the client that asked).
+    pub endpoint: Option<String>,
 }
 
 impl Message {
@@ -271,6 +273,7 @@ pub fn parse_completion(body: &[u8], turn: usize) -> Result<Completion, ParseFai
         usage,
         reported_cost: value.get("usage").and_then(Usage::reported_cost),
         tokens: (tokens != CallTokens::default()).then_some(tokens),
+        endpoint: None,
     })
 }
 

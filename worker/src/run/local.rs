@@ -341,6 +341,40 @@ async fn finish_ledger(engine: &mut Engine) -> Result<(), RunError> {
     Ok(())
 }
 
+/// How many trajectories carry the server's own ids, and each endpoint's calls with ids and
+/// logprobs (a run that keeps tokens).
+fn token_lines(statistics: &serde_json::Value) -> String {
+    use std::fmt::Write as _;
+    let Some(ids) = statistics.get("token_ids") else {
+        return String::new();
+    };
+    let count = |value: &serde_json::Value, key: &str| value[key].as_u64().unwrap_or(0);
+    let mut out = format!(
+        "\n  token ids: {} of {} trajectories with the server's own (partly: {})\n",
+        count(ids, "server"),
+        count(ids, "trajectories"),
+        count(ids, "partial")
+    );
+    if let Some(endpoints) = ids["endpoints"].as_object() {
+        let _ = writeln!(
+            out,
+            "  {:<40} {:>7} {:>8} {:>9}",
+            "endpoint", "calls", "with ids", "logprobs"
+        );
+        for (endpoint, calls) in endpoints {
+            let _ = writeln!(
+                out,
+                "  {endpoint:<40} {:>7} {:>8} {:>9}",
+                count(calls, "calls"),
+                count(calls, "with_ids"),
+                count(calls, "with_logprobs")
+            );
+        }
+    }
+    out
+}
+
+/// The summary a local run prints when it has merged.
 pub fn render_report(report: &LocalReport) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
@@ -396,6 +430,7 @@ pub fn render_report(report: &LocalReport) -> String {
         }
     }
     if let Some(statistics) = &report.statistics {
+        out.push_str(&token_lines(statistics));
         out.push_str(&refusal_lines(statistics));
     }
     if !report.path_dropped.is_empty() {

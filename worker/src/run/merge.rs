@@ -36,7 +36,7 @@ use crate::contract::{MergeSummary, compact_ranges, format_ranges};
 use crate::json_scan;
 use crate::report;
 use crate::storage::{Context, FilesLines, RunDir, StorageError, Store, temp_path, write_lines};
-use crate::training::{IdSource, TOKENS_KEY, TokensAt, source_of};
+use crate::training::{EndpointCalls, IdSource, TOKENS_KEY, TokensAt, endpoints_of, source_of};
 
 /// The fields of a record line that merge and statistics read; the conversation is skipped.
 #[derive(Debug, Deserialize)]
@@ -202,6 +202,8 @@ struct Totals {
     /// Trajectories with tokens, by where their ids came from: the server (every call), some
     /// calls, none.
     token_sources: [u64; 3],
+    /// Their calls per endpoint, by base URL.
+    token_endpoints: BTreeMap<String, EndpointCalls>,
     /// What `report.html` shows beyond the statistics (`None`: no report is written).
     report: Option<report::Collector>,
 }
@@ -245,6 +247,12 @@ impl Totals {
         for (total, part) in self.token_sources.iter_mut().zip(other.token_sources) {
             *total += part;
         }
+        for (endpoint, calls) in other.token_endpoints {
+            self.token_endpoints
+                .entry(endpoint)
+                .or_default()
+                .add(&calls);
+        }
         for (prefix, count) in other.sandbox_refusals {
             *self.sandbox_refusals.entry(prefix).or_default() += count;
         }
@@ -258,8 +266,8 @@ impl Totals {
         }
     }
 
-    /// Counts a kept record; `line` is its whole line.
-    /// Counts a kept trajectory's tokens line by the source of its ids.
+    /// Counts a kept trajectory's tokens line by the source of its ids, and its calls per
+    /// endpoint.
     fn add_tokens(&mut self, tokens: &[u8]) {
         let slot = match source_of(tokens) {
             Some(IdSource::Server) => 0,
@@ -267,8 +275,15 @@ impl Totals {
             Some(IdSource::None) | None => 2,
         };
         self.token_sources[slot] += 1;
+        for calls in endpoints_of(tokens) {
+            self.token_endpoints
+                .entry(calls.endpoint.clone())
+                .or_default()
+                .add(&calls);
+        }
     }
 
+    /// Counts a kept record; `line` is its whole line.
     fn add(&mut self, view: &RecordView<'_>, line: &[u8]) {
         if let Some(collected) = self.report.as_mut() {
             let facts = report::RecordFacts {
@@ -1268,6 +1283,33 @@ pub(super) fn rate(part: u64, whole: u64) -> f64 {
     }
 }
 
+/// `statistics.json`'s `token_ids`: trajectories by where their ids came from, and calls per
+/// endpoint.
+fn token_statistics(totals: &Totals) -> serde_json::Value {
+    let [server, partial, none] = totals.token_sources;
+    let endpoints: serde_json::Map<String, serde_json::Value> = totals
+        .token_endpoints
+        .iter()
+        .map(|(endpoint, calls)| {
+            let counts = json!({
+                "calls": calls.calls,
+                "with_ids": calls.with_ids,
+                "with_logprobs": calls.with_logprobs,
+                "exact_rate": rate(calls.with_ids, calls.calls),
+            });
+            (endpoint.clone(), counts)
+        })
+        .collect();
+    json!({
+        "trajectories": server + partial + none,
+        "server": server,
+        "partial": partial,
+        "none": none,
+        "exact_rate": rate(server, server + partial + none),
+        "endpoints": endpoints,
+    })
+}
+
 fn statistics(
     location: &RunLocation,
     manifest: &Manifest,
@@ -1337,14 +1379,7 @@ fn statistics(
         "latency_ms": {"conversation": percentiles(&mut totals.durations)},
     });
     if spec.model.tokens.is_some() {
-        let [server, partial, none] = totals.token_sources;
-        statistics["token_ids"] = json!({
-            "trajectories": server + partial + none,
-            "server": server,
-            "partial": partial,
-            "none": none,
-            "exact_rate": rate(server, server + partial + none),
-        });
+        statistics["token_ids"] = token_statistics(totals);
     }
     if let Some(cost) = totals.costs.summary() {
         statistics["cost"] = cost;

@@ -499,6 +499,7 @@ mod tests {
                 top_logprobs: Vec::new(),
             },
             finish_reason: Some("tool_calls".into()),
+            endpoint: Some("http://model-a:8000/v1".into()),
             usage: Usage {
                 prompt_tokens: 3,
                 completion_tokens: 1,
