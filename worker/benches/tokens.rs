@@ -76,7 +76,9 @@ impl Knobs {
 /// `completion` sampled ids, each with its logprob, counted so in the usage.
 fn with_ids(mut reply: Value, prompt: usize, completion: usize) -> Value {
     let ids = |count: usize, from: usize| -> Vec<usize> {
-        (0..count).map(|index| (from + index * 7) % 49_152).collect()
+        (0..count)
+            .map(|index| (from + index * 7) % 49_152)
+            .collect()
     };
     let sampled = ids(completion, 1234);
     reply["prompt_token_ids"] = json!(ids(prompt, 1));
@@ -89,8 +91,7 @@ fn with_ids(mut reply: Value, prompt: usize, completion: usize) -> Value {
         })
         .collect();
     reply["choices"][0]["logprobs"] = json!({ "content": content });
-    reply["usage"] =
-        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
+    reply["usage"] = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
     reply
 }
 
@@ -142,7 +143,8 @@ fn prepare(
         )?;
     }
     dataset.flush()?;
-    let mut model = json!({"baseUrl": base_url, "name": MODEL, "maxAttempts": 3, "requestTimeoutSeconds": 60});
+    let mut model =
+        json!({"baseUrl": base_url, "name": MODEL, "maxAttempts": 3, "requestTimeoutSeconds": 60});
     if tokens {
         model["tokens"] = json!({"request": "ReturnTokenIds"});
     }
@@ -190,14 +192,7 @@ fn run_once(
     let (_trigger, shutdown) = shutdown_channel();
     let cpu_before = cpu_time()?;
     let started = Instant::now();
-    let summary = runtime.block_on(run_batch(
-        engine,
-        location,
-        manifest,
-        0,
-        &shutdown,
-        &|_| {},
-    ))?;
+    let summary = runtime.block_on(run_batch(engine, location, manifest, 0, &shutdown, &|_| {}))?;
     let elapsed = started.elapsed();
     let cpu = cpu_time()?.saturating_sub(cpu_before);
     ensure!(
@@ -315,7 +310,10 @@ fn main() -> anyhow::Result<()> {
             (on.cpu.as_secs_f64() - off.cpu.as_secs_f64()) * 1e6 / calls,
         );
     }
-    println!("\nmedian on ÷ off: **{:.3}** (target ≥ 0.95)", median(ratios));
+    println!(
+        "\nmedian on ÷ off: **{:.3}** (target ≥ 0.95)",
+        median(ratios)
+    );
     drop(runtime);
     for server in [&mut plain_server, &mut ids_server] {
         drop(server.stdin.take());

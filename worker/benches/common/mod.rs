@@ -70,7 +70,10 @@ pub fn start_server_process(envs: &[(&str, &str)]) -> anyhow::Result<(Child, Str
 
 /// The server process: every call answered after `latency`, a conversation's first with
 /// `tool_call` and its second with a final answer; serves until the parent closes stdin.
-#[allow(dead_code, reason = "the benches with servers of their own do not call it")]
+#[allow(
+    dead_code,
+    reason = "the benches with servers of their own do not call it"
+)]
 pub fn serve(latency: Duration, tool_call: Value) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
