@@ -380,8 +380,11 @@ async fn streaming_produces_the_same_completion_as_non_streaming() {
         let streamed = ScriptedServer::start([Step::Sse(sse_events(&reply))]).await;
         let mut settings = streamed.settings();
         settings.stream = true;
-        let expected = call(&client(plain.settings())).await.unwrap();
-        let actual = call(&client(settings)).await.unwrap();
+        let mut expected = call(&client(plain.settings())).await.unwrap();
+        let mut actual = call(&client(settings)).await.unwrap();
+        // Each names the server that answered it; the rest is the same.
+        assert_eq!(expected.endpoint.take(), Some(plain.base_url()));
+        assert_eq!(actual.endpoint.take(), Some(streamed.base_url()));
         assert_eq!(actual, expected);
         assert_eq!(streamed.requests()[0].body["stream"], true);
         assert_eq!(plain.requests()[0].body.get("stream"), None);
