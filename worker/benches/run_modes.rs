@@ -70,8 +70,6 @@ use anyhow::{Context, ensure};
 use chrono::TimeZone;
 use common::{env_number, load_average, raise_open_files_limit, start_server_process};
 use futures::StreamExt;
-use nix::sys::resource::{UsageWho, getrusage};
-use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Map, Value, json};
 use tokio::sync::Semaphore;
 use trajectory_testkit::chromium::CHROMIUM;
@@ -353,14 +351,6 @@ fn write_run_file(root: &Path, spec: &Value) -> anyhow::Result<RunLocation> {
         store: trajectory_worker::storage::Store::Volume,
         plan: run_file.to_plan(),
     })
-}
-
-fn cpu_time() -> anyhow::Result<Duration> {
-    let usage = getrusage(UsageWho::RUSAGE_SELF)?;
-    let micros = |time: TimeVal| u64::try_from(time.num_microseconds()).unwrap_or(0);
-    Ok(Duration::from_micros(
-        micros(usage.user_time()) + micros(usage.system_time()),
-    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1383,7 +1373,7 @@ async fn engine_path(
     let completions = Arc::new(Mutex::new(Vec::with_capacity(texts.len())));
     let failed = Arc::new(AtomicBool::new(false));
     let permits = Arc::new(Semaphore::new(concurrency));
-    let cpu_before = cpu_time()?;
+    let cpu_before = common::cpu_time()?;
     let started = Instant::now();
     if drive == Drive::OneTask {
         let mut finished = futures::stream::iter(0..texts.len())
@@ -1408,7 +1398,7 @@ async fn engine_path(
         return Ok(PathRun {
             elapsed: times.last().copied().unwrap_or_default(),
             completions: times,
-            cpu: cpu_time()?.saturating_sub(cpu_before),
+            cpu: common::cpu_time()?.saturating_sub(cpu_before),
         });
     }
     for index in 0..texts.len() {
@@ -1440,7 +1430,7 @@ async fn engine_path(
         });
     }
     let _all = permits.acquire_many(u32::try_from(concurrency)?).await?;
-    let cpu = cpu_time()?.saturating_sub(cpu_before);
+    let cpu = common::cpu_time()?.saturating_sub(cpu_before);
     ensure!(
         !failed.load(Ordering::SeqCst),
         "an engine-path conversation failed"
@@ -1479,12 +1469,12 @@ fn batch_path(
             .unwrap_or_else(PoisonError::into_inner)
             .push(started.elapsed());
     };
-    let cpu_before = cpu_time()?;
+    let cpu_before = common::cpu_time()?;
     let summary = runtime.block_on(run_batch(
         engine, location, manifest, 0, &shutdown, &progress,
     ))?;
     let elapsed = started.elapsed();
-    let cpu = cpu_time()?.saturating_sub(cpu_before);
+    let cpu = common::cpu_time()?.saturating_sub(cpu_before);
     stop.store(true, Ordering::SeqCst);
     let on_disk = watcher
         .join()

@@ -33,8 +33,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use common::{env_number, load_average, raise_open_files_limit, start_server_process};
-use nix::sys::resource::{UsageWho, getrusage};
-use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{
     FixedLatency, MODEL, ScriptedServer, text_reply, tool_call_reply,
@@ -118,14 +116,6 @@ fn serve(knobs: &Knobs, ids: bool) -> anyhow::Result<()> {
     common::serve_until_stdin_closes(server, runtime)
 }
 
-fn cpu_time() -> anyhow::Result<Duration> {
-    let usage = getrusage(UsageWho::RUSAGE_SELF)?;
-    let micros = |time: TimeVal| u64::try_from(time.num_microseconds()).unwrap_or(0);
-    Ok(Duration::from_micros(
-        micros(usage.user_time()) + micros(usage.system_time()),
-    ))
-}
-
 /// A run under `root` against `base_url`, keeping tokens or not; its plan made.
 fn prepare(
     root: &Path,
@@ -190,11 +180,11 @@ fn run_once(
 ) -> anyhow::Result<BatchRun> {
     let _ = fs::remove_dir_all(location.run_dir().batches_dir());
     let (_trigger, shutdown) = shutdown_channel();
-    let cpu_before = cpu_time()?;
+    let cpu_before = common::cpu_time()?;
     let started = Instant::now();
     let summary = runtime.block_on(run_batch(engine, location, manifest, 0, &shutdown, &|_| {}))?;
     let elapsed = started.elapsed();
-    let cpu = cpu_time()?.saturating_sub(cpu_before);
+    let cpu = common::cpu_time()?.saturating_sub(cpu_before);
     ensure!(
         summary.succeeded == prompts as u64,
         "the batch recorded {summary:?}"

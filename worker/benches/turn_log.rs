@@ -28,8 +28,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use common::{env_number, load_average, raise_open_files_limit, start_server_process};
-use nix::sys::resource::{UsageWho, getrusage};
-use nix::sys::time::{TimeVal, TimeValLike};
 use serde_json::{Value, json};
 use trajectory_testkit::scripted_server::{MODEL, tool_call_reply};
 use trajectory_testkit::versitygw::Versitygw;
@@ -230,11 +228,11 @@ fn run_once(
     prompts: usize,
 ) -> anyhow::Result<Measured> {
     let (_trigger, shutdown) = shutdown_channel();
-    let (cpu_before, io_before) = (cpu_time()?, io_counts()?);
+    let (cpu_before, io_before) = (common::cpu_time()?, io_counts()?);
     let started = Instant::now();
     let summary = runtime.block_on(run_batch(engine, location, manifest, 0, &shutdown, &|_| {}))?;
     let elapsed = started.elapsed();
-    let (cpu, io) = (cpu_time()?.saturating_sub(cpu_before), io_counts()?);
+    let (cpu, io) = (common::cpu_time()?.saturating_sub(cpu_before), io_counts()?);
     ensure!(
         summary.succeeded == prompts as u64,
         "the batch recorded {summary:?}"
@@ -245,14 +243,6 @@ fn run_once(
         written: io.0 - io_before.0,
         writes: io.1 - io_before.1,
     })
-}
-
-fn cpu_time() -> anyhow::Result<Duration> {
-    let usage = getrusage(UsageWho::RUSAGE_SELF)?;
-    let micros = |time: TimeVal| u64::try_from(time.num_microseconds()).unwrap_or(0);
-    Ok(Duration::from_micros(
-        micros(usage.user_time()) + micros(usage.system_time()),
-    ))
 }
 
 /// Bytes the process passed to write calls (`wchar`), and its write calls (`syscw`).

@@ -144,3 +144,18 @@ pub fn spawn_local(
         .spawn()
         .context("cannot start trajectory-worker local")
 }
+
+/// The CPU time (user and system) this process has used so far.
+#[allow(
+    dead_code,
+    reason = "the benches that measure CPU otherwise do not call it"
+)]
+pub fn cpu_time() -> anyhow::Result<Duration> {
+    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF)?;
+    let micros = |time: nix::sys::time::TimeVal| {
+        u64::try_from(nix::sys::time::TimeValLike::num_microseconds(&time)).unwrap_or(0)
+    };
+    Ok(Duration::from_micros(
+        micros(usage.user_time()) + micros(usage.system_time()),
+    ))
+}

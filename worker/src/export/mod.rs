@@ -57,6 +57,12 @@ pub enum ExportFormat {
 }
 
 impl ExportFormat {
+    /// Whether the format reads the tokens file (ATIF carries the ids where kept; the others
+    /// that need none do not open it).
+    fn reads_tokens(self) -> bool {
+        self.trains_on_ids() || self == Self::Atif
+    }
+
     /// Whether the format is made of token ids (and so refuses ids that are not the server's).
     pub fn trains_on_ids(self) -> bool {
         matches!(
@@ -176,34 +182,8 @@ pub fn export(
 ) -> Result<ExportSummary, ExportError> {
     let records_path = run_dir.join("trajectories.jsonl");
     let tokens_path = run_dir.join("trajectories.tokens.jsonl");
-    let open = |path: &Path| {
-        std::fs::File::open(path)
-            .map(BufReader::new)
-            .map_err(|source| ExportError::Io {
-                action: "reading",
-                path: path.to_owned(),
-                source,
-            })
-    };
-    let records = open(&records_path)?;
-    let tokens = match open(&tokens_path) {
-        Ok(tokens) => Some(tokens),
-        Err(ExportError::Io { source, .. })
-            if source.kind() == std::io::ErrorKind::NotFound && !format.trains_on_ids() =>
-        {
-            None
-        }
-        Err(ExportError::Io { path, source, .. })
-            if source.kind() == std::io::ErrorKind::NotFound =>
-        {
-            return Err(ExportError::Line {
-                path,
-                line: 0,
-                message: "missing: the run did not keep tokens (spec.model.tokens)".to_owned(),
-            });
-        }
-        Err(other) => return Err(other),
-    };
+    let records = open_reading(&records_path)?;
+    let tokens = open_tokens(&tokens_path, format)?;
     let mut summary = ExportSummary::default();
     let mut emit = |value: &Value| {
         serde_json::to_writer(&mut *out, value)
@@ -274,6 +254,44 @@ pub fn export(
     }
     rl.finish(&mut emit)?;
     Ok(summary)
+}
+
+fn open_reading(path: &Path) -> Result<BufReader<std::fs::File>, ExportError> {
+    std::fs::File::open(path)
+        .map(BufReader::new)
+        .map_err(|source| ExportError::Io {
+            action: "reading",
+            path: path.to_owned(),
+            source,
+        })
+}
+
+/// The tokens file, if `format` reads it: required by the sample formats, optional for ATIF.
+fn open_tokens(
+    tokens_path: &Path,
+    format: ExportFormat,
+) -> Result<Option<BufReader<std::fs::File>>, ExportError> {
+    Ok(
+        match format.reads_tokens().then(|| open_reading(tokens_path)) {
+            None => None,
+            Some(Ok(tokens)) => Some(tokens),
+            Some(Err(ExportError::Io { source, .. }))
+                if source.kind() == std::io::ErrorKind::NotFound && !format.trains_on_ids() =>
+            {
+                None
+            }
+            Some(Err(ExportError::Io { path, source, .. }))
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                return Err(ExportError::Line {
+                    path,
+                    line: 0,
+                    message: "missing: the run did not keep tokens (spec.model.tokens)".to_owned(),
+                });
+            }
+            Some(Err(other)) => return Err(other),
+        },
+    )
 }
 
 /// The trajectory and the tokens line (if the run kept tokens) of line `line` of the two files,
