@@ -747,6 +747,8 @@ async fn batch_command(
     let ledger = blocking(move || Ledger::for_run(&spec, &run_dir, spec.workers)).await?;
     if let Some(ledger) = &ledger {
         engine.keep_ledger(ledger.clone());
+        // Ends by itself once the ledger is finished.
+        let _refresher = ledger.keep_fresh();
     }
     engine.sandbox = sandbox;
     engine.grace = grace;
@@ -768,10 +770,15 @@ async fn batch_command(
         }
         // What the claims said when the budget had no room lags: this pod's conversations in
         // flight then, and the other pods', went on spending. The report is what the operator
-        // shows as the run's spending, so it is read again once this pod's claim is final; if
-        // that fails, the stop at the budget is still what the pod reports.
+        // shows as the run's spending, so it is read again once this pod's claim is final and
+        // the others had time to write theirs; if that fails, the stop at the budget is still
+        // what the pod reports.
         Err(RunError::BudgetExhausted { spent, .. }) => {
-            match blocking(move || ledger.finish().map_err(RunError::from)).await {
+            let settled = move || {
+                ledger.finish()?;
+                ledger.settled_spent()
+            };
+            match blocking(move || settled().map_err(RunError::from)).await {
                 Ok(now) => *spent = now,
                 Err(error) => {
                     warn!(%error, "the run's spending could not be read again at the budget");

@@ -15,6 +15,12 @@
 //! left when that share cannot hold a conversation is the end of the budget: no new conversation
 //! starts, and the process gives back what it holds beyond what it committed.
 //!
+//! A process writes its claim when it grows or gives back its allowance and, while its spending
+//! changes, every [`CLAIM_REFRESH`] ([`Ledger::keep_fresh`]): what the claims say was spent lags
+//! the truth by a second, not by a whole allowance. A pod stopping at the budget reports the run's
+//! spending from the claims (and the operator shows it), read once every claim had time to be
+//! written again ([`Ledger::settled_spent`]).
+//!
 //! A claim counts as the larger of its allowance and what its process spent while the process
 //! lives, and as what it spent once the process finished (and wrote so). A process killed before
 //! it could write that keeps its whole allowance counted: it may have spent it, and a cap is not
@@ -30,6 +36,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tracing::warn;
@@ -42,6 +49,10 @@ use crate::storage::{RunDir, StorageError, Store, WriterId};
 /// Sums of USD amounts differ from their exact value by far less than this (one millionth of a
 /// cent): a conversation that fits exactly is not refused for a rounding.
 const ROUNDING: f64 = 1e-8;
+
+/// How long a process's claim may say less than it spent: one small write a second at most while
+/// it spends (on object storage, one request).
+pub const CLAIM_REFRESH: Duration = Duration::from_secs(1);
 
 /// How many times the claims are read again when one was renamed while they were read.
 const MAX_CLAIM_READS: u32 = 100;
@@ -95,8 +106,11 @@ pub struct Ledger {
     spending: Arc<Spending>,
     state: Mutex<State>,
     /// Held while the claims are read and this process's is written (growing is rare, and two
-    /// batches of one process growing at once would only read the same claims twice).
+    /// batches of one process growing at once would only read the same claims twice), and while
+    /// it is written finished: a write under way must not bring the live name back after that.
     growing: Mutex<()>,
+    /// This process's claim as last written.
+    written: Mutex<Claim>,
 }
 
 #[derive(Debug, Default)]
@@ -181,6 +195,7 @@ impl Ledger {
             spending: Arc::new(Spending::default()),
             state: Mutex::new(State::default()),
             growing: Mutex::new(()),
+            written: Mutex::new(Claim::default()),
         });
         let carried = budget.adopt()?;
         lock(&budget.state).carried = carried;
@@ -374,7 +389,42 @@ impl Ledger {
 
     fn write_any(&self, claim: &Claim) -> Result<(), StorageError> {
         let json = serde_json::to_vec(claim).expect("a claim serialises to JSON");
-        self.store.write_atomic(&self.claim_path, &json)
+        self.store.write_atomic(&self.claim_path, &json)?;
+        *lock(&self.written) = *claim;
+        Ok(())
+    }
+
+    /// Writes this process's claim when what it says changed since its last write. Skipped while
+    /// another write is under way (a growth writes the same figures).
+    fn refresh(&self) -> Result<(), StorageError> {
+        let Ok(_writing) = self.growing.try_lock() else {
+            return Ok(());
+        };
+        let claim = self.claim(&lock(&self.state));
+        if claim == *lock(&self.written) {
+            return Ok(());
+        }
+        self.write(&claim)
+    }
+
+    /// Writes the claim again every [`CLAIM_REFRESH`] while it changes, until the process
+    /// finishes: the other processes then read what this one spent a second ago, not at its last
+    /// growth. A failed write only leaves its spending behind (its allowance still counts).
+    pub fn keep_fresh(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let ledger = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(CLAIM_REFRESH);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            while !lock(&ledger.state).finished {
+                ticks.tick().await;
+                let writer = Arc::clone(&ledger);
+                match tokio::task::spawn_blocking(move || writer.refresh()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => warn!(%error, "the budget claim could not be written"),
+                    Err(error) => warn!(%error, "the budget claim's write did not finish"),
+                }
+            }
+        })
     }
 
     /// The claims of every other process. A claim that cannot be read is a fault of the storage,
@@ -417,7 +467,18 @@ impl Ledger {
         Ok(others.spent + claim.spent)
     }
 
+    /// What the whole run spent, read again once every live process had time to write its claim
+    /// since (call after [`Ledger::finish`]): the figure a process stopping at the budget reports.
+    pub fn settled_spent(&self) -> Result<f64, StorageError> {
+        std::thread::sleep(2 * CLAIM_REFRESH);
+        let others = self.read_others()?;
+        let mine = lock(&self.written).spent;
+        lock(&self.state).others = others;
+        Ok(others.spent + mine)
+    }
+
     fn write_finished(&self) -> Result<Claim, StorageError> {
+        let _writing = lock(&self.growing);
         let claim = {
             let mut state = lock(&self.state);
             state.finished = true;
@@ -745,5 +806,45 @@ mod tests {
             (allowance - 0.25).abs() < 1e-9,
             "half of the half left: {allowance}"
         );
+    }
+
+    /// The flaw this guards against: a pod stopping at the budget reported the run's spending
+    /// from claims last written when their processes grew their allowances, 0.002 USD of 0.1
+    /// spent, and the operator showed that.
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_says_within_a_second_what_its_process_spent_until_it_finishes() {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = RunDir::new(dir.path());
+        let (spender, reader) = (open(&run_dir, 1.0, 2), open(&run_dir, 1.0, 2));
+        let fresh = spender.keep_fresh();
+        let ticket = start(&spender).await;
+        ticket.spending().add(0.125);
+        // A call answered mid-conversation: not read by the others until the next write...
+        assert!(reader.read_others().unwrap().spent.abs() < 1e-12);
+        let written = || lock(&spender.written).spent;
+        for _ in 0..20 {
+            tokio::time::sleep(CLAIM_REFRESH / 4).await;
+            if (written() - 0.125).abs() < 1e-9 {
+                break;
+            }
+        }
+        // ...which comes within the second, with nothing grown.
+        let others = reader.read_others().unwrap();
+        assert!((others.spent - 0.125).abs() < 1e-9, "{others:?}");
+        ticket.end(Some(0.125));
+        // Finished, its claim is under the finished name alone and the refresher stops: a write
+        // under the live name beside it would count its spending twice.
+        assert!((spender.finish().unwrap() - 0.125).abs() < 1e-9);
+        tokio::time::timeout(2 * CLAIM_REFRESH, fresh)
+            .await
+            .expect("the refresher stops once its process finished")
+            .unwrap();
+        assert_eq!(
+            claim_paths(&Store::Volume, &run_dir.budget_dir())
+                .unwrap()
+                .len(),
+            2
+        );
+        assert!((reader.finish().unwrap() - 0.125).abs() < 1e-9);
     }
 }

@@ -108,6 +108,8 @@ pub async fn run_local(
     engine.keep_limits(&location.plan.spec, 1);
     // What earlier runs of this directory spent is in their claims, against the same budget.
     if let Some(ledger) = Ledger::for_run(&location.plan.spec, &run_dir, 1)? {
+        // Another process on the same directory reads what this one spent (ends once finished).
+        let _refresher = ledger.keep_fresh();
         engine.keep_ledger(ledger);
     }
     let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
