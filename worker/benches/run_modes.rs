@@ -428,6 +428,7 @@ fn record_templates(rng: &mut Rng, shrink: usize) -> Vec<Map<String, Value>> {
             resume: None,
             replayed: None,
             steps: Vec::new(),
+            ..Conversation::new("the prompt is in messages")
         };
         let context = RecordContext {
             id: "abcdef123456-0-0",

@@ -4,6 +4,10 @@
 //! the results in call order; repeat until a reply has no tool calls or `max_turns` calls were
 //! made, and then make one last call without tools asking for a final answer (as the reference
 //! does). A wall-clock budget bounds the whole conversation; dropping it cancels in-flight tools.
+//!
+//! An **episode** answers several user turns of one row in order, in the same environment: once
+//! a turn has its final answer, the next user message is appended and the loop goes on, each
+//! turn a [`Segment`] with its own `max_turns`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -56,6 +60,47 @@ pub struct Conversation {
     /// Every model call in call order, with the tokens the server gave, when the run keeps them
     /// (`spec.model.tokens`); empty otherwise.
     pub steps: Vec<Step>,
+    /// The user turns of the row after the prompt, answered in order (an episode); empty for a
+    /// row of one prompt.
+    pub follow_ups: Vec<String>,
+    /// The user turns answered or under way, in order: the first is the prompt's.
+    pub segments: Vec<Segment>,
+}
+
+/// One user turn of a conversation and what answered it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Which user turn of the row it is (0: the prompt).
+    pub turn: u32,
+    /// Where its user message is in the conversation's messages.
+    pub first_message: usize,
+    /// The conversation's `api_calls` before its first call: it has `max_turns` of its own.
+    pub first_call: u32,
+    /// A final answer ended it (given, or asked for once its `max_turns` were spent).
+    pub ended: bool,
+    /// The model gave its final answer within the segment's `max_turns`.
+    pub completed: bool,
+}
+
+impl Segment {
+    fn new(turn: u32, first_message: usize, first_call: u32) -> Self {
+        Self {
+            turn,
+            first_message,
+            first_call,
+            ended: false,
+            completed: false,
+        }
+    }
+}
+
+/// Where a human turn came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UserOrigin {
+    /// The row: its prompt or one of its later turns.
+    Dataset,
+    /// The loop itself: the request for a final answer once `max_turns` were spent.
+    Harness,
 }
 
 /// One model call of a conversation, as a trainer reads it.
@@ -110,7 +155,85 @@ impl Conversation {
             resume: None,
             replayed: None,
             steps: Vec::new(),
+            follow_ups: Vec::new(),
+            segments: vec![Segment::new(0, 0, 0)],
         }
+    }
+
+    /// A conversation that has only its prompt, with the row's later user turns to answer after
+    /// it in order.
+    pub fn episode(prompt: &str, follow_ups: Vec<String>) -> Self {
+        Self {
+            follow_ups,
+            ..Self::new(prompt)
+        }
+    }
+
+    /// Whether the row has several user turns.
+    pub fn is_episode(&self) -> bool {
+        !self.follow_ups.is_empty()
+    }
+
+    /// Where the user message at `index` of `messages` came from.
+    pub fn user_origin(&self, index: usize) -> UserOrigin {
+        if self
+            .segments
+            .iter()
+            .any(|segment| segment.first_message == index)
+        {
+            UserOrigin::Dataset
+        } else {
+            UserOrigin::Harness
+        }
+    }
+
+    /// The segment under way (every conversation has one from its start).
+    fn segment(&mut self) -> &mut Segment {
+        self.segments
+            .last_mut()
+            .expect("a conversation has a segment from its start")
+    }
+
+    /// The row's next user turn, when the last segment ended and one is left.
+    fn next_follow_up(&self) -> Option<&str> {
+        let last = self.segments.last()?;
+        if !last.ended {
+            return None;
+        }
+        self.follow_ups.get(last.turn as usize).map(String::as_str)
+    }
+
+    /// Appends the row's next user turn as a new segment (see [`Conversation::next_follow_up`]).
+    pub fn begin_next_segment(&mut self) {
+        let Some(text) = self.next_follow_up().map(str::to_owned) else {
+            return;
+        };
+        let turn = self.segments.last().map_or(0, |last| last.turn + 1);
+        self.segments
+            .push(Segment::new(turn, self.messages.len(), self.api_calls));
+        self.messages.push(Message::User(text));
+    }
+
+    /// Ends the segment under way with the reply just appended; `completed`: within its
+    /// `max_turns`.
+    pub fn end_segment(&mut self, completed: bool) {
+        let segment = self.segment();
+        segment.ended = true;
+        segment.completed = completed;
+        self.completed = self.segments.iter().all(|segment| segment.completed)
+            && self.next_follow_up().is_none();
+    }
+
+    /// The model calls the segment under way made so far.
+    fn segment_calls(&self) -> u32 {
+        let first = self.segments.last().map_or(0, |segment| segment.first_call);
+        self.api_calls - first
+    }
+
+    /// Whether a user turn of the row is still to be answered after the segment under way.
+    fn more_to_come(&self) -> bool {
+        let turn = self.segments.last().map_or(0, |segment| segment.turn);
+        (turn as usize) < self.follow_ups.len()
     }
 
     /// The assistant messages it holds.
@@ -163,6 +286,11 @@ pub struct Divergence {
 pub struct Turn<'a> {
     /// Its place in the conversation, 0-based (the number of model calls before it).
     pub number: u32,
+    /// The user turn of the row it answers (0: the prompt).
+    pub segment: u32,
+    /// Its reply answers the loop's request for a final answer (a segment that spent its
+    /// `max_turns`); its results are empty.
+    pub asked_final: bool,
     pub reply: &'a AssistantMessage,
     pub results: &'a [ToolMessage],
     pub usage: Usage,
@@ -315,6 +443,15 @@ pub async fn continue_conversation(
     }
 }
 
+/// What every turn of a conversation's loop uses.
+struct Loop<'a> {
+    client: &'a ModelClient,
+    tools: &'a [Arc<dyn Tool>],
+    ctx: &'a ToolContext,
+    config: &'a AgentConfig,
+    definitions: Vec<Value>,
+}
+
 async fn converse(
     client: &ModelClient,
     tools: &[Arc<dyn Tool>],
@@ -323,16 +460,52 @@ async fn converse(
     conversation: &mut Conversation,
     hooks: &mut Hooks<'_>,
 ) -> Result<(), ModelError> {
-    let definitions = tool_definitions(tools);
+    let parts = Loop {
+        client,
+        tools,
+        ctx,
+        config,
+        definitions: tool_definitions(tools),
+    };
+    loop {
+        // A conversation taken up after a segment's final answer goes on with the next turn.
+        conversation.begin_next_segment();
+        if conversation
+            .segments
+            .last()
+            .is_some_and(|segment| segment.ended)
+        {
+            return Ok(());
+        }
+        answer_segment(&parts, conversation, hooks).await?;
+        if conversation.partial {
+            return Ok(());
+        }
+    }
+}
+
+/// Answers the user turn of the segment under way: tool turns until a reply without calls, or
+/// `max_turns` calls and then one asking for the final answer.
+async fn answer_segment(
+    parts: &Loop<'_>,
+    conversation: &mut Conversation,
+    hooks: &mut Hooks<'_>,
+) -> Result<(), ModelError> {
+    let Loop {
+        client,
+        tools,
+        ctx,
+        config,
+        definitions,
+    } = parts;
     let system = config.ephemeral_system_prompt.as_deref();
-    // Synthetic call ids are numbered by turn: a resumed conversation goes on numbering.
-    let mut turn = conversation.api_calls as usize;
-    while conversation.api_calls < config.max_turns {
-        let body = client.request_body(system, &conversation.messages, Some(&definitions));
-        let (reply, spent) = timed_call(client, &body, turn, conversation).await?;
+    while conversation.segment_calls() < config.max_turns {
+        let body =
+            client.request_body(system, &conversation.messages, Some(definitions.as_slice()));
+        // Synthetic call ids are numbered by turn: a resumed conversation goes on numbering.
         let number = conversation.api_calls;
+        let (reply, spent) = timed_call(client, &body, number as usize, conversation).await?;
         conversation.api_calls += 1;
-        turn += 1;
         let cut_off = reply.finish_reason.as_deref() == Some("length");
         conversation.record_step(client, &reply, !cut_off);
         if cut_off {
@@ -343,8 +516,19 @@ async fn converse(
         }
         let (usage, message) = (reply.usage, reply.message);
         if message.tool_calls.is_empty() {
+            if conversation.more_to_come() {
+                // The episode goes on: a kill from here on takes it up after this answer.
+                commit(
+                    hooks,
+                    conversation,
+                    (number, &message, &[]),
+                    (usage, &spent),
+                    false,
+                )
+                .await;
+            }
             conversation.messages.push(Message::Assistant(message));
-            conversation.completed = true;
+            conversation.end_segment(true);
             return Ok(());
         }
         let results = match hooks.replay.as_mut() {
@@ -359,18 +543,14 @@ async fn converse(
                 .await
             }
         };
-        if let Some(sink) = hooks.sink {
-            sink.commit(Turn {
-                number,
-                reply: &message,
-                results: &results,
-                usage,
-                cost: spent.cost,
-                model_time: spent.model_time,
-                step: conversation.steps.last(),
-            })
-            .await;
-        }
+        commit(
+            hooks,
+            conversation,
+            (number, &message, &results),
+            (usage, &spent),
+            false,
+        )
+        .await;
         conversation.messages.push(Message::Assistant(message));
         conversation
             .messages
@@ -380,15 +560,58 @@ async fn converse(
         .messages
         .push(Message::User(FINAL_ANSWER_REQUEST.to_owned()));
     let body = client.request_body(system, &conversation.messages, None);
-    let (reply, _) = timed_call(client, &body, turn, conversation).await?;
+    let number = conversation.api_calls;
+    let (reply, spent) = timed_call(client, &body, number as usize, conversation).await?;
     conversation.record_step(client, &reply, true);
     // Without tools offered, a server may still emit calls; they cannot run, so they are dropped.
     let message = AssistantMessage {
         tool_calls: Vec::new(),
         ..reply.message
     };
+    if conversation.more_to_come() {
+        // Only the episode's last final-answer call goes uncounted, as in the reference.
+        conversation.api_calls += 1;
+        commit(
+            hooks,
+            conversation,
+            (number, &message, &[]),
+            (reply.usage, &spent),
+            true,
+        )
+        .await;
+    }
     conversation.messages.push(Message::Assistant(message));
+    conversation.end_segment(false);
     Ok(())
+}
+
+/// Commits a finished turn (`number`, its reply and its tool results) to the hooks' sink, if
+/// there is one; `asked_final`: the reply answers the request for a final answer.
+async fn commit(
+    hooks: &Hooks<'_>,
+    conversation: &Conversation,
+    (number, reply, results): (u32, &AssistantMessage, &[ToolMessage]),
+    (usage, spent): (Usage, &CallSpent),
+    asked_final: bool,
+) {
+    let Some(sink) = hooks.sink else {
+        return;
+    };
+    sink.commit(Turn {
+        number,
+        segment: conversation
+            .segments
+            .last()
+            .map_or(0, |segment| segment.turn),
+        asked_final,
+        reply,
+        results,
+        usage,
+        cost: spent.cost,
+        model_time: spent.model_time,
+        step: conversation.steps.last(),
+    })
+    .await;
 }
 
 /// What one model call took: its cost (when priced or reported) and the time waited for it.

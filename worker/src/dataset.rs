@@ -320,6 +320,7 @@ pub enum RejectionReason {
     MissingPrompt,
     PromptNotString,
     EmptyPrompt,
+    InvalidTurns,
 }
 
 impl RejectionReason {
@@ -333,6 +334,7 @@ impl RejectionReason {
             Self::MissingPrompt => "missing_prompt",
             Self::PromptNotString => "prompt_not_string",
             Self::EmptyPrompt => "empty_prompt",
+            Self::InvalidTurns => "invalid_turns",
         }
     }
 }
@@ -431,7 +433,7 @@ struct Images {
 /// The full check of a line the fast path was unsure of.
 fn probe_slowly(text: &str, prompt_field: &str) -> Result<(), Rejection> {
     let mut deserializer = serde_json::Deserializer::from_str(text);
-    let found = ProbeSeed {
+    let (found, turns) = ProbeSeed {
         field: prompt_field,
     }
     .deserialize(&mut deserializer)
@@ -446,6 +448,15 @@ fn probe_slowly(text: &str, prompt_field: &str) -> Result<(), Rejection> {
             reject(RejectionReason::InvalidJson, format!("invalid JSON: {err}"))
         }
     })?;
+    let turns = match turns {
+        Some(value) => {
+            episode_turns(&value).map_err(|why| reject(RejectionReason::InvalidTurns, why))?
+        }
+        None => Vec::new(),
+    };
+    if matches!(found, Found::Chat(_)) && !turns.is_empty() {
+        return Ok(());
+    }
     found.into_result(prompt_field)?;
     Ok(())
 }
@@ -475,7 +486,9 @@ fn surely_valid<'t>(text: &'t str, prompt_field: &str, images: &mut [Option<&'t 
             }
             plain
         } else {
-            !field.key_escaped && !CHAT_FIELDS.iter().any(|chat| field.is(chat))
+            !field.key_escaped
+                && !CHAT_FIELDS.iter().any(|chat| field.is(chat))
+                && !field.is(TURNS_FIELD)
         }
     }) && prompt
 }
@@ -502,6 +515,9 @@ fn blank_string(literal: &str) -> bool {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Row {
     pub prompt: String,
+    /// The row's user turns after the prompt, answered in order in one environment (an episode;
+    /// see [`TURNS_FIELD`]); empty for a row of one prompt.
+    pub follow_ups: Vec<String>,
     pub source: Map<String, Value>,
 }
 
@@ -522,6 +538,21 @@ pub fn parse_row(line: &[u8], prompt_field: &str) -> Result<Row, Rejection> {
             "line is JSON but not an object",
         ));
     };
+    let mut turns = match source.remove(TURNS_FIELD) {
+        Some(value) => {
+            episode_turns(&value).map_err(|why| reject(RejectionReason::InvalidTurns, why))?
+        }
+        None => Vec::new(),
+    };
+    if !source.contains_key(prompt_field) && !turns.is_empty() {
+        // MT-Bench's shape: the first of the turns is the prompt.
+        let prompt = turns.remove(0);
+        return Ok(Row {
+            prompt,
+            follow_ups: turns,
+            source,
+        });
+    }
     let found = match source.get(prompt_field) {
         Some(value) => Found::Prompt(classify_prompt(value)),
         None => Found::Chat(
@@ -537,7 +568,74 @@ pub fn parse_row(line: &[u8], prompt_field: &str) -> Result<Row, Rejection> {
     if source.get(prompt_field).is_some() {
         source.remove(prompt_field);
     }
-    Ok(Row { prompt, source })
+    Ok(Row {
+        prompt,
+        follow_ups: turns,
+        source,
+    })
+}
+
+/// The field of a row that makes it an **episode**: its user turns in order, each a string, or a
+/// list of `{role, content}` messages whose user contents make the turn (BFCL's multi-turn
+/// `question` shape). With the prompt field beside it, they follow the prompt (devops-bench's
+/// `prompt` + `turns`); without, the first is the prompt (MT-Bench's `turns`).
+pub const TURNS_FIELD: &str = "turns";
+
+/// The texts of a row's [`TURNS_FIELD`], or why it has none that can be sent.
+fn episode_turns(value: &Value) -> Result<Vec<String>, String> {
+    let Value::Array(turns) = value else {
+        return Err(format!(
+            "field {TURNS_FIELD:?} is {}, not an array of user turns",
+            kind_of(value)
+        ));
+    };
+    turns
+        .iter()
+        .enumerate()
+        .map(|(index, turn)| {
+            let text = match turn {
+                Value::String(text) => Some(text.clone()),
+                Value::Array(messages) => {
+                    let users: Vec<&str> = messages
+                        .iter()
+                        .filter(|message| {
+                            let role = message.get("role").or_else(|| message.get("from"));
+                            matches!(role.and_then(Value::as_str), Some("user" | "human"))
+                        })
+                        .filter_map(|message| {
+                            message
+                                .get("content")
+                                .or_else(|| message.get("value"))?
+                                .as_str()
+                        })
+                        .collect();
+                    Some(users.join("\n\n"))
+                }
+                _ => None,
+            };
+            text.filter(|text| !text.trim().is_empty()).ok_or_else(|| {
+                format!(
+                    "{TURNS_FIELD}[{index}] is {}: a user turn is a non-empty string or a list \
+                     of messages with a user one",
+                    kind_of(turn)
+                )
+            })
+        })
+        .collect()
+}
+
+/// How a rejection names a JSON value's kind.
+fn kind_of(value: &Value) -> &'static str {
+    match value {
+        Value::String(text) if text.trim().is_empty() => "an empty string",
+        Value::String(_) => "a string",
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::Array(items) if items.is_empty() => "an empty array",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
 }
 
 /// Chat-style rows: the first user turn of one of these lists is the prompt.
@@ -738,6 +836,7 @@ fn chat_prompt(list: &Value) -> Option<String> {
 enum Key {
     Prompt,
     Chat,
+    Turns,
     Other,
 }
 
@@ -760,37 +859,43 @@ impl Visitor<'_> for KeyKind<'_> {
             Key::Prompt
         } else if CHAT_FIELDS.contains(&key) {
             Key::Chat
+        } else if key == TURNS_FIELD {
+            Key::Turns
         } else {
             Key::Other
         })
     }
 }
 
-/// Walks a JSON object, keeping only the prompt field's value and the chat lists.
+/// Walks a JSON object, keeping only the prompt field's value, the chat lists and the turns.
 struct ProbeSeed<'f> {
     field: &'f str,
 }
 
-seed_by_visiting!(ProbeSeed<'_>, Found<Probed>, deserialize_map);
+seed_by_visiting!(
+    ProbeSeed<'_>,
+    (Found<Probed>, Option<Value>),
+    deserialize_map
+);
 
 impl<'de> Visitor<'de> for ProbeSeed<'_> {
-    type Value = Found<Probed>;
+    type Value = (Found<Probed>, Option<Value>);
 
     fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str("a JSON object")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut prompt = None;
-        let mut chat = None;
+        let (mut prompt, mut chat, mut turns) = (None, None, None);
         while let Some(key) = map.next_key_seed(KeyKind { field: self.field })? {
             match key {
                 Key::Prompt => prompt = Some(map.next_value_seed(ProbePrompt)?),
                 Key::Chat if chat.is_none() => chat = chat_prompt(&map.next_value::<Value>()?),
+                Key::Turns => turns = Some(map.next_value::<Value>()?),
                 Key::Chat | Key::Other => map.next_value_seed(Validate)?,
             }
         }
-        Ok(prompt.map_or(Found::Chat(chat), Found::Prompt))
+        Ok((prompt.map_or(Found::Chat(chat), Found::Prompt), turns))
     }
 }
 
@@ -854,7 +959,7 @@ mod tests {
 
     #[test]
     fn probe_and_parse_agree_on_every_kind_of_line() {
-        let cases: [(&[u8], Result<&str, RejectionReason>); 20] = [
+        let cases: [(&[u8], Result<&str, RejectionReason>); 27] = [
             (br#"{"prompt": "hi", "id": 3}"#, Ok("hi")),
             (br#"{"prompt": "a\"b\u00e9\n", "x": [1, {"y": null}]}"#, Ok("a\"b\u{e9}\n")),
             (br#"{"prompt": "\n\t "}"#, Err(RejectionReason::EmptyPrompt)),
@@ -875,6 +980,13 @@ mod tests {
             (br#"{"text": "x"}"#, Err(RejectionReason::MissingPrompt)),
             (br#"{"prompt": 42}"#, Err(RejectionReason::PromptNotString)),
             (br#"{"prompt": "  "}"#, Err(RejectionReason::EmptyPrompt)),
+            (br#"{"prompt": "p", "turns": ["q", "r"]}"#, Ok("p")),
+            (br#"{"turns": ["q", [{"role": "user", "content": "r"}]]}"#, Ok("q")),
+            (br#"{"turns": []}"#, Err(RejectionReason::MissingPrompt)),
+            (br#"{"turns": "q"}"#, Err(RejectionReason::InvalidTurns)),
+            (br#"{"prompt": "p", "turns": ["q", " "]}"#, Err(RejectionReason::InvalidTurns)),
+            (br#"{"prompt": "p", "turns": [[{"role": "assistant", "content": "a"}]]}"#, Err(RejectionReason::InvalidTurns)),
+            (br#"{"prompt": 42, "turns": ["q"]}"#, Err(RejectionReason::PromptNotString)),
         ];
         for (line, expected) in cases {
             let (probe, parse) = both(line);
@@ -899,6 +1011,37 @@ mod tests {
         assert_eq!(
             serde_json::Value::Object(row.source),
             serde_json::json!({"id": "a1", "answer": 4})
+        );
+    }
+
+    #[test]
+    fn turns_follow_the_prompt_or_begin_with_it_and_a_bad_one_is_named() {
+        let after = parse_row(
+            br#"{"prompt": "p", "turns": ["q", "r"], "id": 1}"#,
+            "prompt",
+        );
+        let after = after.unwrap();
+        assert_eq!(
+            (after.prompt.as_str(), after.follow_ups.as_slice()),
+            ("p", &["q".to_owned(), "r".to_owned()][..])
+        );
+        assert_eq!(
+            serde_json::Value::Object(after.source),
+            serde_json::json!({"id": 1})
+        );
+        // BFCL's shape: each turn a list of messages, its user contents the turn.
+        let bfcl = br#"{"turns": [[{"role": "user", "content": "a"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "b"}, {"role": "user", "content": "c"}]]}"#;
+        let bfcl = parse_row(bfcl, "prompt").unwrap();
+        assert_eq!(
+            (bfcl.prompt.as_str(), bfcl.follow_ups.as_slice()),
+            ("a", &["b\n\nc".to_owned()][..])
+        );
+        let bad = parse_row(br#"{"prompt": "p", "turns": ["q", 7]}"#, "prompt").unwrap_err();
+        assert_eq!(bad.reason, RejectionReason::InvalidTurns);
+        assert!(
+            bad.message.contains("turns[1] is a number"),
+            "{}",
+            bad.message
         );
     }
 

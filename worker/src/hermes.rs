@@ -15,7 +15,7 @@ use std::borrow::Cow;
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{Map, Value, json};
 
-use crate::agent::{Conversation, Spent};
+use crate::agent::{Conversation, Spent, UserOrigin};
 use crate::model::{AssistantMessage, Message, ToolMessage, Usage};
 use crate::pricing::{Cost, CostSource};
 use crate::tools::ToolSpec;
@@ -55,6 +55,25 @@ pub fn system_turn(tools: &[ToolSpec]) -> String {
 pub struct Turn<'a> {
     pub from: &'static str,
     pub value: Cow<'a, str>,
+    /// Who wrote it (an episode's record lists them as `turn_origin`).
+    #[serde(skip)]
+    pub origin: Origin,
+    /// The conversation message it starts at (`None`: the system turn).
+    #[serde(skip)]
+    pub message: Option<usize>,
+}
+
+/// Who wrote a turn of a record: a trainer trains on `model` turns only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Origin {
+    System,
+    /// The row: its prompt, or a later turn of an episode.
+    Dataset,
+    /// The agent loop: its request for a final answer.
+    Harness,
+    Model,
+    Tool,
 }
 
 /// The `ShareGPT` turns of a conversation: system, human, then gpt / tool / human turns.
@@ -67,32 +86,47 @@ pub fn sharegpt(conversation: &Conversation, tools: &[ToolSpec]) -> Vec<Value> {
 
 /// [`sharegpt`] as borrowed turns, with the system turn already rendered.
 pub fn sharegpt_turns<'a>(conversation: &'a Conversation, system: Cow<'a, str>) -> Vec<Turn<'a>> {
-    let turn = |from, value| Turn { from, value };
-    let mut turns = vec![turn("system", system)];
-    let mut messages = conversation.messages.iter().peekable();
-    while let Some(message) = messages.next() {
+    let turn = |from, value, origin, message| Turn {
+        from,
+        value,
+        origin,
+        message,
+    };
+    let mut turns = vec![turn("system", system, Origin::System, None)];
+    let mut messages = conversation.messages.iter().enumerate().peekable();
+    while let Some((index, message)) = messages.next() {
+        let at = Some(index);
         match message {
             Message::System(_) => {}
-            Message::User(content) => turns.push(turn("human", Cow::Borrowed(content))),
+            Message::User(content) => {
+                let origin = match conversation.user_origin(index) {
+                    UserOrigin::Dataset => Origin::Dataset,
+                    UserOrigin::Harness => Origin::Harness,
+                };
+                turns.push(turn("human", Cow::Borrowed(content), origin, at));
+            }
             Message::Assistant(assistant) if assistant.tool_calls.is_empty() => {
-                turns.push(turn("gpt", Cow::Owned(final_turn_value(assistant))));
+                let value = Cow::Owned(final_turn_value(assistant));
+                turns.push(turn("gpt", value, Origin::Model, at));
             }
             Message::Assistant(assistant) => {
-                turns.push(turn("gpt", Cow::Owned(tool_call_turn_value(assistant))));
+                let value = Cow::Owned(tool_call_turn_value(assistant));
+                turns.push(turn("gpt", value, Origin::Model, at));
                 let mut responses = Vec::new();
-                while let Some(Message::Tool(result)) = messages.peek() {
+                while let Some((_, Message::Tool(result))) = messages.peek() {
                     responses.push(tool_response(result, assistant, responses.len()));
                     messages.next();
                 }
                 if !responses.is_empty() {
-                    turns.push(turn("tool", Cow::Owned(responses.join("\n"))));
+                    let value = Cow::Owned(responses.join("\n"));
+                    turns.push(turn("tool", value, Origin::Tool, Some(index + 1)));
                 }
             }
             // A tool message without a preceding call cannot happen in our loop; show it anyway.
-            Message::Tool(result) => turns.push(turn(
-                "tool",
-                Cow::Owned(tool_response(result, &AssistantMessage::default(), 0)),
-            )),
+            Message::Tool(result) => {
+                let value = Cow::Owned(tool_response(result, &AssistantMessage::default(), 0));
+                turns.push(turn("tool", value, Origin::Tool, at));
+            }
         }
     }
     turns
@@ -534,6 +568,19 @@ impl Serialize for TrajectoryRecord<'_> {
         if let Some(resume) = &conversation.resume {
             record.serialize_entry("resumed_from_turn", &resume.from_turn)?;
             record.serialize_entry("resume", &ResumeEntry::from(resume))?;
+        }
+        if conversation.is_episode() {
+            let origins: Vec<Origin> = self.turns.iter().map(|turn| turn.origin).collect();
+            record.serialize_entry("turn_origin", &origins)?;
+            let turn_of_message = |message: usize| {
+                self.turns
+                    .iter()
+                    .position(|turn| turn.message == Some(message))
+            };
+            record.serialize_entry(
+                "episode",
+                &crate::episode::EpisodeEntry::of(conversation, turn_of_message, self.turns.len()),
+            )?;
         }
         if let Some(replayed) = &conversation.replayed {
             record.serialize_entry(

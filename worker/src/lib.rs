@@ -74,6 +74,8 @@ pub mod dataset;
 #[cfg(feature = "engine")]
 pub mod distribution;
 #[cfg(feature = "engine")]
+pub mod episode;
+#[cfg(feature = "engine")]
 pub mod export;
 #[cfg(feature = "engine")]
 pub mod hermes;

@@ -90,6 +90,7 @@ fn conversation() -> Conversation {
         resume: None,
         replayed: None,
         steps: Vec::new(),
+        ..Conversation::new("the prompt is in messages")
     }
 }
 
@@ -222,6 +223,7 @@ fn inline_think_and_scratchpads_are_kept_and_unparsable_arguments_become_empty_o
         resume: None,
         replayed: None,
         steps: Vec::new(),
+        ..Conversation::new("the prompt is in messages")
     };
     let turns = trajectory_worker::hermes::sharegpt(&conversation, &[terminal_spec()]);
     assert_eq!(

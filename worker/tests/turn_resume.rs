@@ -203,24 +203,6 @@ async fn kill_ten_times(storage: Storage) {
     }
 }
 
-/// The turn log's lines of batch 0, over every writer.
-fn logged_turns(fixture: &RunFixture) -> usize {
-    let dir = fixture.out().join("batches/batch-000000");
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        return 0;
-    };
-    entries
-        .filter_map(Result::ok)
-        .filter(|entry| {
-            entry
-                .file_name()
-                .to_string_lossy()
-                .ends_with(".turns.jsonl")
-        })
-        .map(|entry| common::assert_whole_lines(&entry.path(), true))
-        .sum()
-}
-
 /// A replayed command whose output differs (a random number) follows the terminal's rule: the
 /// difference is noted in the record, and the conversation goes on with what the model saw.
 /// What the conversation spent, its verifier and `passesPerPrompt` count each turn once: its
@@ -267,7 +249,7 @@ async fn a_replayed_command_that_answers_otherwise_is_noted_and_the_conversation
 
     let mut child = spawn_worker(&fixture, &["batch", "0"]);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while logged_turns(&fixture) < 2 {
+    while common::logged_turns(&fixture) < 2 {
         assert!(
             std::time::Instant::now() < deadline,
             "two turns never logged"
@@ -355,7 +337,7 @@ async fn sigterm_with_no_grace_stops_the_conversations_at_once_and_keeps_their_t
         "the worker took {stopped_in:?} to stop: it went on with its conversations"
     );
     assert_eq!(fixture.batch_lines(0).len(), 0, "a record after the signal");
-    let logged = logged_turns(&fixture);
+    let logged = common::logged_turns(&fixture);
     assert!(logged > 0, "no turn was logged before the signal");
     let asked_before: u64 = requests.lock().unwrap().values().sum();
 

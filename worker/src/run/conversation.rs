@@ -526,10 +526,11 @@ async fn converse(
     let mut lent = lent;
     let mut tool_context =
         new_tool_context(engine, lent.workspace.clone(), sandbox.clone(), attempt);
-    let mut start = Conversation::new(&row.prompt);
+    let mut start = Conversation::episode(&row.prompt, row.follow_ups.clone());
     let mut from = Start::Fresh;
     if let Some(chain) = attempt.chain {
-        match take_up(chain, &row.prompt, &offered.tools, &tool_context).await {
+        let row_turns = (row.prompt.as_str(), row.follow_ups.as_slice());
+        match take_up(chain, row_turns, &offered.tools, &tool_context).await {
             TakenUp::Resumed(conversation) => {
                 let earlier = conversation
                     .resume

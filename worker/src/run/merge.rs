@@ -81,6 +81,9 @@ struct RecordView<'a> {
     /// The paths the sandbox refused its commands, by prefix.
     #[serde(default, borrow)]
     sandbox_refusals: BTreeMap<Cow<'a, str>, u64>,
+    /// An episode's outcome (rows with several user turns).
+    #[serde(default)]
+    episode: Option<super::episodes::EpisodeView>,
     /// Whether the line ends with its tokens (read from whole lines only: a short line has
     /// them left out).
     #[serde(default)]
@@ -204,6 +207,8 @@ struct Totals {
     token_sources: [u64; 3],
     /// Their calls per endpoint, by base URL.
     token_endpoints: BTreeMap<String, EndpointCalls>,
+    /// How the kept records of episodes went.
+    episodes: super::episodes::Episodes,
     /// What `report.html` shows beyond the statistics (`None`: no report is written).
     report: Option<report::Collector>,
 }
@@ -225,6 +230,7 @@ impl Totals {
         }
         self.rewards.absorb(other.rewards);
         self.costs.absorb(other.costs);
+        self.episodes.absorb(other.episodes);
         self.failed += other.failed;
         self.completed += other.completed;
         self.partial += other.partial;
@@ -305,6 +311,9 @@ impl Totals {
         }
         if let Some(cost) = &view.cost {
             self.costs.add(cost, view.status.is_none());
+        }
+        if let Some(episode) = &view.episode {
+            self.episodes.add(episode);
         }
         // Every kept record's: a discarded conversation met the sandbox's walls as well.
         for (prefix, count) in &view.sandbox_refusals {
@@ -1383,6 +1392,9 @@ fn statistics(
     }
     if let Some(cost) = totals.costs.summary() {
         statistics["cost"] = cost;
+    }
+    if let Some(episodes) = totals.episodes.summary() {
+        statistics["episodes"] = episodes;
     }
     if let Some(task_images) = totals.task_images() {
         statistics["task_images"] = task_images;

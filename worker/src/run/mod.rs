@@ -8,6 +8,7 @@ mod conversation;
 mod costs;
 pub mod distributions;
 mod engine;
+mod episodes;
 pub mod ledger;
 pub mod local;
 pub mod manifest;

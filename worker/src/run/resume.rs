@@ -17,7 +17,7 @@ use std::time::Duration;
 use futures::future::join_all;
 
 use super::turns::Chain;
-use crate::agent::{Conversation, Divergence, Resumed};
+use crate::agent::{Conversation, Divergence, FINAL_ANSWER_REQUEST, Resumed};
 use crate::model::{Message, ToolMessage, types::parse_assistant};
 use crate::pricing::Cost;
 use crate::tools::{ResumeRule, Tool, ToolContext, execute};
@@ -31,14 +31,15 @@ pub(super) enum TakenUp {
     StartOver(String),
 }
 
-/// Rebuilds the conversation of `chain` on `prompt` and replays its tool calls in `ctx`.
+/// Rebuilds the conversation of `chain` on `prompt` (and the row's later user turns,
+/// `follow_ups`) and replays its tool calls in `ctx`.
 pub(super) async fn take_up(
     chain: &Chain,
-    prompt: &str,
+    (prompt, follow_ups): (&str, &[String]),
     tools: &[Arc<dyn Tool>],
     ctx: &ToolContext,
 ) -> TakenUp {
-    let mut conversation = Conversation::new(prompt);
+    let mut conversation = Conversation::episode(prompt, follow_ups.to_vec());
     let mut resumed = Resumed {
         from_turn: u32::try_from(chain.entries.len()).unwrap_or(u32::MAX),
         earlier_time: Duration::from_millis(
@@ -52,6 +53,9 @@ pub(super) async fn take_up(
         .map(|entry| parse_assistant(&entry.reply, entry.turn as usize))
         .collect();
     // Decided before anything runs: a conversation that must start over leaves no trace here.
+    if let Some(reason) = segments_out_of_order(chain, follow_ups.len()) {
+        return TakenUp::StartOver(reason);
+    }
     for (entry, reply) in chain.entries.iter().zip(&replies) {
         if let Some(call) = reply
             .tool_calls
@@ -96,10 +100,27 @@ pub(super) async fn take_up(
                 call_id: call.id.clone(),
             });
         }
+        if entry.segment
+            > conversation
+                .segments
+                .last()
+                .map_or(0, |segment| segment.turn)
+        {
+            conversation.begin_next_segment();
+        }
+        if entry.asked_final {
+            conversation
+                .messages
+                .push(Message::User(FINAL_ANSWER_REQUEST.to_owned()));
+        }
+        let ends_segment = reply.tool_calls.is_empty();
         conversation.messages.push(Message::Assistant(reply));
         conversation
             .messages
             .extend(recorded.into_iter().map(Message::Tool));
+        if ends_segment {
+            conversation.end_segment(!entry.asked_final);
+        }
         conversation.api_calls += 1;
         conversation.usage.add(entry.usage);
         if let Some(cost) = entry.cost {
@@ -110,6 +131,28 @@ pub(super) async fn take_up(
     }
     conversation.resume = Some(resumed);
     TakenUp::Resumed(Box::new(conversation))
+}
+
+/// Why the chain's segments cannot be the row's turns in order (each entry in its segment or the
+/// next, that one only after a reply without calls ended the last), if they cannot: a log of
+/// another version of the row, or a bug; the conversation starts over rather than misplace a turn.
+fn segments_out_of_order(chain: &Chain, follow_ups: usize) -> Option<String> {
+    let mut current = 0;
+    let mut ended = false;
+    for entry in &chain.entries {
+        let next = entry.segment == current + 1 && ended;
+        if entry.segment != current && !next || entry.segment as usize > follow_ups {
+            return Some(format!(
+                "turn {} answers user turn {} of a row with {} after user turn {current}",
+                entry.turn,
+                entry.segment,
+                follow_ups + 1
+            ));
+        }
+        current = entry.segment;
+        ended = entry.results.is_empty();
+    }
+    None
 }
 
 /// The rule of the tool named `name`, if the conversation was offered one.

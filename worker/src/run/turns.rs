@@ -52,6 +52,12 @@ pub(super) struct TurnEntry {
     pub(super) sample: u32,
     /// 0-based: the model calls of the conversation before this one.
     pub(super) turn: u32,
+    /// The user turn of the row it answers (0: the prompt; more in an episode).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(super) segment: u32,
+    /// Its reply answers the loop's request for a final answer (its segment spent `max_turns`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) asked_final: bool,
     /// The digest of the line of turn `turn - 1` of this chain; empty for turn 0.
     pub(super) prev: String,
     /// How many times the conversation started over from its prompt because its recorded turns
@@ -81,6 +87,10 @@ struct TurnLine<'a> {
     prompt_index: u64,
     sample: u32,
     turn: u32,
+    #[serde(skip_serializing_if = "is_zero")]
+    segment: u32,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    asked_final: bool,
     prev: &'a str,
     #[serde(skip_serializing_if = "is_zero")]
     restarts: u32,
@@ -396,6 +406,8 @@ impl TurnSink for TurnCommitter<'_> {
             prompt_index: self.key.0,
             sample: self.key.1,
             turn: turn.number,
+            segment: turn.segment,
+            asked_final: turn.asked_final,
             prev: &prev,
             restarts: self.restarts,
             started_at: &self.started_at,
@@ -428,6 +440,8 @@ mod tests {
             prompt_index: 0,
             sample: 0,
             turn,
+            segment: 0,
+            asked_final: false,
             prev: prev.to_owned(),
             restarts: 0,
             started_at: "2026-12-06T00:00:00.000000Z".into(),
@@ -511,6 +525,8 @@ mod tests {
             prompt_index: 0,
             sample: 1,
             turn: 2,
+            segment: 0,
+            asked_final: false,
             prev: "ab",
             restarts: 0,
             started_at: "2026-12-06T00:00:00.000000Z",

@@ -741,3 +741,21 @@ pub fn model_server() -> String {
 pub fn model_name() -> String {
     std::env::var("MODEL_NAME").unwrap_or_else(|_| "smollm2-135m-instruct-q4_1".to_owned())
 }
+
+/// The turn log's lines of batch 0, over every writer.
+pub fn logged_turns(fixture: &RunFixture) -> usize {
+    let dir = fixture.out().join("batches/batch-000000");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter(|entry| {
+            entry
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".turns.jsonl")
+        })
+        .map(|entry| assert_whole_lines(&entry.path(), true))
+        .sum()
+}

@@ -1,0 +1,289 @@
+//! Episodes (issue 43): a row's `turns` are answered in order in one environment. Turn 1 writes
+//! a file and starts an HTTP server in the background; turn 2 reads the file; turn 3 fetches it
+//! from the server turn 1 started. The record keeps Hermes' `conversations`, says who wrote each
+//! turn (`turn_origin`) and where each user turn's segment lies (`episode`); a kill after turn 2
+//! costs only the turn in flight: the successor takes the episode up from the turn log (the
+//! server started again by the replay) and asks the model for turn 3 alone.
+//!
+//! The model is scripted (a test double): it answers by the user turn a request ends in and the
+//! replies since, so a turn repeated, lost or sent out of order shifts what it says.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{RunFixture, spawn_worker, worker};
+use serde_json::{Value, json};
+use trajectory_testkit::free_port;
+use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_call_reply};
+
+const NOTE: &str = "the episode's note";
+
+/// The user turns of the row: the prompt, then two more.
+const TURNS: [&str; 3] = [
+    "Write the note and serve this directory.",
+    "What does the note say?",
+    "Fetch the note from the server you started.",
+];
+
+/// What the scripted model answers to `body`: by the user turn it ends in (the last dataset
+/// message) and the replies since that turn.
+fn respond(body: &Value, port: u16, slow_turn_3: bool) -> Step {
+    let messages = body["messages"].as_array().cloned().unwrap_or_default();
+    let last_user = messages
+        .iter()
+        .rposition(|message| message["role"] == "user")
+        .expect("a request holds a user message");
+    let turn = TURNS
+        .iter()
+        .position(|text| messages[last_user]["content"] == *text)
+        .expect("the last user message is one of the row's turns");
+    let replies = messages[last_user..]
+        .iter()
+        .filter(|message| message["role"] == "assistant")
+        .count();
+    let call = |name: &str, arguments: Value| Step::ok(tool_call_reply(name, &arguments));
+    match (turn, replies) {
+        (0, 0) => call("write_file", json!({"path": "note.txt", "content": NOTE})),
+        (0, 1) => call(
+            "terminal",
+            json!({
+                "command": format!("python3 -m http.server {port} --bind 127.0.0.1"),
+                "background": true,
+            }),
+        ),
+        (0, _) => Step::ok(text_reply("written and served")),
+        (1, 0) => call("read_file", json!({"path": "note.txt"})),
+        (1, _) => Step::ok(text_reply("it says the episode's note")),
+        (2, 0) => {
+            let fetch = call(
+                "terminal",
+                json!({"command": format!(
+                    "for i in $(seq 50); do curl -sf http://127.0.0.1:{port}/note.txt && break; sleep 0.1; done"
+                )}),
+            );
+            // Slow enough for the kill test to kill the worker while it waits.
+            if slow_turn_3 {
+                Step::Delay(Duration::from_secs(2), Box::new(fetch))
+            } else {
+                fetch
+            }
+        }
+        (_, _) => Step::ok(text_reply("fetched it")),
+    }
+}
+
+async fn scripted_model(port: u16, slow_turn_3: bool) -> (ScriptedServer, Arc<Mutex<u64>>) {
+    let requests = Arc::new(Mutex::new(0_u64));
+    let counted = Arc::clone(&requests);
+    let server = ScriptedServer::start_responding(move |body| {
+        *counted.lock().unwrap() += 1;
+        respond(body, port, slow_turn_3)
+    })
+    .await;
+    (server, requests)
+}
+
+fn fixture(server: &ScriptedServer) -> RunFixture {
+    let row = json!({"prompt": TURNS[0], "turns": &TURNS[1..], "task": "episode"});
+    RunFixture::with_lines(&server.base_url(), &[row.to_string()])
+        .with("/batchSize", json!(1))
+        .with("/agent/maxTurns", json!(4))
+}
+
+/// The texts of a record's turns from `from`, in order.
+fn texts<'a>(record: &'a Value, from: &str) -> Vec<&'a str> {
+    record["conversations"]
+        .as_array()
+        .expect("conversations")
+        .iter()
+        .filter(|turn| turn["from"] == from)
+        .map(|turn| turn["value"].as_str().expect("a turn's text"))
+        .collect()
+}
+
+/// The record of the three turns, whole: every user turn once and in order at its segment's
+/// start, each answered; the file turn 1 wrote read in turn 2 and served in turn 3 by the
+/// server turn 1 started.
+fn assert_whole_episode(record: &Value) {
+    assert_eq!(texts(record, "human"), TURNS, "{record}");
+    let tools = texts(record, "tool");
+    assert_eq!(tools.len(), 4, "{record}");
+    assert!(
+        tools[2].contains(NOTE),
+        "turn 2 read the file: {}",
+        tools[2]
+    );
+    assert!(
+        tools[3].contains(NOTE),
+        "turn 3 fetched it from the server: {}",
+        tools[3]
+    );
+    assert_eq!(
+        record["turn_origin"],
+        json!([
+            "system", "dataset", "model", "tool", "model", "tool", "model", "dataset", "model",
+            "tool", "model", "dataset", "model", "tool", "model"
+        ]),
+        "{record}"
+    );
+    assert_eq!(
+        record["turn_origin"].as_array().map(Vec::len),
+        record["conversations"].as_array().map(Vec::len)
+    );
+    assert_eq!(
+        record["episode"],
+        json!({
+            "turns": 3, "answered": 3, "termination_reason": "all_turns_answered",
+            "segments": [
+                {"turn": 0, "start": 1, "end": 7, "completed": true},
+                {"turn": 1, "start": 7, "end": 11, "completed": true},
+                {"turn": 2, "start": 11, "end": 15, "completed": true},
+            ],
+        }),
+        "{record}"
+    );
+    assert_eq!(record["completed"], true, "{record}");
+    // Every call, answers given within `maxTurns` included: turn 1's three, then two and two.
+    assert_eq!(record["api_calls"], 7, "{record}");
+    assert!(record.get("turns").is_none(), "{record}");
+    assert_eq!(record["source"]["task"], "episode", "{record}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_user_turns_are_answered_in_order_in_one_workspace_with_one_shell() {
+    let port = free_port();
+    let (server, requests) = scripted_model(port, false).await;
+    let fixture = fixture(&server);
+    assert!(worker(&fixture, &["plan"]).await.success());
+    assert!(worker(&fixture, &["batch", "0"]).await.success());
+
+    let records = fixture.batch_lines(0);
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_whole_episode(&records[0]);
+    assert_eq!(*requests.lock().unwrap(), 7, "one request per model call");
+    // The server lived as long as the episode, no longer.
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "the episode's server outlived it"
+    );
+
+    // Merged: the statistics and the report count the episode's turns and how it ended.
+    assert!(worker(&fixture, &["merge"]).await.success());
+    let merged = fixture.lines("trajectories.jsonl");
+    assert_eq!(merged.len(), 1);
+    assert_eq!(merged[0]["episode"], records[0]["episode"]);
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        statistics["episodes"],
+        json!({
+            "records": 1, "user_turns": 3, "answered": 3, "answered_rate": 100.0,
+            "by_termination_reason": {"all_turns_answered": 1},
+        }),
+        "{statistics}"
+    );
+    let report = std::fs::read_to_string(fixture.out().join("report.html")).unwrap();
+    assert!(
+        report.contains(r#""episodes":{"#),
+        "the report's data holds the episodes"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_in_the_third_turn_costs_that_turn_and_not_the_episode() {
+    let port = free_port();
+    let (server, requests) = scripted_model(port, true).await;
+    let fixture = fixture(&server);
+    assert!(worker(&fixture, &["plan"]).await.success());
+
+    let mut child = spawn_worker(&fixture, &["batch", "0"]);
+    // Turn 1's two tool turns and answer, turn 2's tool turn and answer: five lines; the kill
+    // comes while turn 3's first call waits.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while common::logged_turns(&fixture) < 5 || *requests.lock().unwrap() < 6 {
+        assert!(
+            Instant::now() < deadline,
+            "five turns never logged, or turn 3 never asked"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let asked_before = *requests.lock().unwrap();
+    assert_eq!(asked_before, 6, "five answered, turn 3's first in flight");
+    assert!(worker(&fixture, &["batch", "0"]).await.success());
+
+    let records = fixture.batch_lines(0);
+    assert_eq!(records.len(), 1, "{records:?}");
+    let record = &records[0];
+    assert_whole_episode(record);
+    assert_eq!(record["resumed_from_turn"], 5, "{record}");
+    // The write and the server's start replayed (the read only reads).
+    assert_eq!(record["resume"]["replayed_calls"], 2, "{record}");
+    assert_eq!(
+        *requests.lock().unwrap() - asked_before,
+        2,
+        "the successor asked for turn 3's two calls only: {record}"
+    );
+}
+
+/// A user turn that spends its `maxTurns` is asked for its final answer (a turn of the loop's,
+/// `harness`, not the row's), and the next user turn still comes, with `maxTurns` of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_out_of_tool_turns_is_asked_to_answer_and_the_next_turn_comes() {
+    let server = ScriptedServer::start_responding(|body| {
+        let tools_offered = body.get("tools").is_some();
+        let messages = body["messages"].as_array().cloned().unwrap_or_default();
+        let last = messages.last().cloned().unwrap_or_default();
+        if !tools_offered {
+            return Step::ok(text_reply("my answer, asked for"));
+        }
+        if last["content"] == TURNS[1] {
+            return Step::ok(text_reply("a second answer"));
+        }
+        Step::ok(tool_call_reply(
+            "terminal",
+            &json!({"command": "echo again"}),
+        ))
+    })
+    .await;
+    let row = json!({"prompt": TURNS[0], "turns": [TURNS[1]]});
+    let fixture = RunFixture::with_lines(&server.base_url(), &[row.to_string()])
+        .with("/batchSize", json!(1))
+        .with("/agent/maxTurns", json!(2));
+    assert!(worker(&fixture, &["plan"]).await.success());
+    assert!(worker(&fixture, &["batch", "0"]).await.success());
+
+    let records = fixture.batch_lines(0);
+    let record = &records[0];
+    assert_eq!(
+        record["turn_origin"],
+        json!([
+            "system", "dataset", "model", "tool", "model", "tool", "harness", "model", "dataset",
+            "model"
+        ]),
+        "{record}"
+    );
+    assert_eq!(
+        record["episode"]["segments"],
+        json!([
+            {"turn": 0, "start": 1, "end": 8, "completed": false},
+            {"turn": 1, "start": 8, "end": 10, "completed": true},
+        ]),
+        "{record}"
+    );
+    assert_eq!(
+        record["episode"]["termination_reason"],
+        "all_turns_answered"
+    );
+    assert_eq!(
+        record["completed"], false,
+        "turn 1 ran out of tool turns: {record}"
+    );
+    // Two tool turns and the answer asked for, then the second turn's answer.
+    assert_eq!(record["api_calls"], 4, "{record}");
+    assert_eq!(server.request_count(), 4);
+}
