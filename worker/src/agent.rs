@@ -65,10 +65,80 @@ pub struct Conversation {
     pub follow_ups: Vec<String>,
     /// The user turns answered or under way, in order: the first is the prompt's.
     pub segments: Vec<Segment>,
+    /// The simulated user of a row with a `user_scenario`, when the run has one
+    /// (`spec.userSimulator`): what it was told and what it wrote and cost.
+    pub user_simulation: Option<UserSimulationState>,
+}
+
+/// A conversation's simulated user: its scenario, and what it said and cost so far.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UserSimulationState {
+    /// The row's `user_scenario` (a `persona` and `instructions`).
+    pub scenario: Value,
+    /// Messages it may write.
+    pub max_turns: u32,
+    /// Messages it wrote.
+    pub turns: u32,
+    /// What asking it cost, every call counted (its stop included).
+    pub usage: Usage,
+    pub cost: Option<Cost>,
+    /// It said a stop marker: the conversation is over.
+    pub stopped: bool,
+}
+
+impl UserSimulationState {
+    pub fn new(scenario: Value, max_turns: u32) -> Self {
+        Self {
+            scenario,
+            max_turns,
+            turns: 0,
+            usage: Usage::default(),
+            cost: None,
+            stopped: false,
+        }
+    }
+
+    /// Whether it may be asked for another message.
+    fn open(&self) -> bool {
+        !self.stopped && self.turns < self.max_turns
+    }
+
+    fn spent(&mut self, usage: Usage, cost: Option<Cost>) {
+        self.usage.add(usage);
+        if let Some(cost) = cost {
+            Cost::add_to(&mut self.cost, cost);
+        }
+    }
+}
+
+/// What a simulated user says next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UserSays {
+    Message(String),
+    /// A stop marker (or nothing): the conversation ends here.
+    Stop,
+}
+
+/// A simulated user's answer, with what asking for it cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimulatedTurn {
+    pub says: UserSays,
+    pub usage: Usage,
+    pub cost: Option<Cost>,
+}
+
+/// A simulated user (`spec.userSimulator`): writes the next user message of a conversation.
+pub trait UserSimulation: Send + Sync {
+    /// Messages it may write in one conversation.
+    fn max_turns(&self) -> u32;
+    fn next_turn<'a>(
+        &'a self,
+        conversation: &'a Conversation,
+    ) -> BoxFuture<'a, Result<SimulatedTurn, ModelError>>;
 }
 
 /// One user turn of a conversation and what answered it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Segment {
     /// Which user turn of the row it is (0: the prompt).
     pub turn: u32,
@@ -80,6 +150,8 @@ pub struct Segment {
     pub ended: bool,
     /// The model gave its final answer within the segment's `max_turns`.
     pub completed: bool,
+    /// A simulated user wrote its message (not the row), at this usage and cost.
+    pub simulated: Option<(Usage, Option<Cost>)>,
 }
 
 impl Segment {
@@ -90,6 +162,7 @@ impl Segment {
             first_call,
             ended: false,
             completed: false,
+            simulated: None,
         }
     }
 }
@@ -101,6 +174,8 @@ pub enum UserOrigin {
     Dataset,
     /// The loop itself: the request for a final answer once `max_turns` were spent.
     Harness,
+    /// The simulated user (`spec.userSimulator`).
+    Simulator,
 }
 
 /// One model call of a conversation, as a trainer reads it.
@@ -157,6 +232,7 @@ impl Conversation {
             steps: Vec::new(),
             follow_ups: Vec::new(),
             segments: vec![Segment::new(0, 0, 0)],
+            user_simulation: None,
         }
     }
 
@@ -171,20 +247,57 @@ impl Conversation {
 
     /// Whether the row has several user turns.
     pub fn is_episode(&self) -> bool {
-        !self.follow_ups.is_empty()
+        !self.follow_ups.is_empty() || self.user_simulation.is_some()
     }
 
     /// Where the user message at `index` of `messages` came from.
     pub fn user_origin(&self, index: usize) -> UserOrigin {
-        if self
+        match self
             .segments
             .iter()
-            .any(|segment| segment.first_message == index)
+            .find(|segment| segment.first_message == index)
         {
-            UserOrigin::Dataset
-        } else {
-            UserOrigin::Harness
+            Some(segment) if segment.simulated.is_some() => UserOrigin::Simulator,
+            Some(_) => UserOrigin::Dataset,
+            None => UserOrigin::Harness,
         }
+    }
+
+    /// Appends what the simulated user wrote as a new segment (its usage and cost counted
+    /// apart from the agent's).
+    pub fn begin_simulated_segment(&mut self, text: String, usage: Usage, cost: Option<Cost>) {
+        let turn = self.segments.last().map_or(0, |last| last.turn + 1);
+        let mut segment = Segment::new(turn, self.messages.len(), self.api_calls);
+        segment.simulated = Some((usage, cost));
+        self.segments.push(segment);
+        self.messages.push(Message::User(text));
+        if let Some(simulation) = &mut self.user_simulation {
+            simulation.turns += 1;
+            simulation.spent(usage, cost);
+        }
+    }
+
+    /// What the simulated user answered: a message begins the next segment, a stop ends the
+    /// conversation.
+    fn take_simulated(&mut self, turn: SimulatedTurn) {
+        match turn.says {
+            UserSays::Message(text) => self.begin_simulated_segment(text, turn.usage, turn.cost),
+            UserSays::Stop => {
+                if let Some(simulation) = &mut self.user_simulation {
+                    simulation.stopped = true;
+                    simulation.spent(turn.usage, turn.cost);
+                }
+            }
+        }
+    }
+
+    /// Whether the simulated user may write the next message once the segment under way ended.
+    fn simulation_open(&self) -> bool {
+        self.next_follow_up().is_none()
+            && self
+                .user_simulation
+                .as_ref()
+                .is_some_and(UserSimulationState::open)
     }
 
     /// The segment under way (every conversation has one from its start).
@@ -234,6 +347,21 @@ impl Conversation {
     fn more_to_come(&self) -> bool {
         let turn = self.segments.last().map_or(0, |segment| segment.turn);
         (turn as usize) < self.follow_ups.len()
+            || self
+                .user_simulation
+                .as_ref()
+                .is_some_and(UserSimulationState::open)
+    }
+
+    /// The simulated user's message that began the segment under way, with its usage and cost,
+    /// while its first turn is being committed (the turn log keeps it for a successor).
+    fn simulated_opening(&self, number: u32) -> Option<SimulatedOpening<'_>> {
+        let segment = self.segments.last()?;
+        let (usage, cost) = segment.simulated?;
+        let Message::User(text) = self.messages.get(segment.first_message)? else {
+            return None;
+        };
+        (segment.first_call == number).then_some(SimulatedOpening { text, usage, cost })
     }
 
     /// The assistant messages it holds.
@@ -291,6 +419,8 @@ pub struct Turn<'a> {
     /// Its reply answers the loop's request for a final answer (a segment that spent its
     /// `max_turns`); its results are empty.
     pub asked_final: bool,
+    /// The simulated user's message its segment began with, when it is that segment's first.
+    pub simulated_user: Option<SimulatedOpening<'a>>,
     pub reply: &'a AssistantMessage,
     pub results: &'a [ToolMessage],
     pub usage: Usage,
@@ -298,6 +428,15 @@ pub struct Turn<'a> {
     pub model_time: Duration,
     /// The call's tokens, when the run keeps them.
     pub step: Option<&'a Step>,
+}
+
+/// A simulated user's message that began a segment, and what asking for it cost.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct SimulatedOpening<'a> {
+    pub text: &'a str,
+    pub usage: Usage,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost: Option<Cost>,
 }
 
 /// What a conversation's loop reports to, and takes from, outside it.
@@ -311,6 +450,8 @@ pub struct Hooks<'a> {
     pub sink: Option<&'a dyn TurnSink>,
     /// Another run's tool outputs, taken while the calls are its own.
     pub replay: Option<Replay>,
+    /// The simulated user, for a conversation with a `user_simulation`.
+    pub simulator: Option<&'a dyn UserSimulation>,
 }
 
 /// Where a conversation's finished turns go before its next model call (the run's turn log):
@@ -475,7 +616,18 @@ async fn converse(
             .last()
             .is_some_and(|segment| segment.ended)
         {
-            return Ok(());
+            let Some(simulator) = hooks.simulator.filter(|_| conversation.simulation_open()) else {
+                return Ok(());
+            };
+            let turn = simulator.next_turn(conversation).await?;
+            conversation.take_simulated(turn);
+            if conversation
+                .user_simulation
+                .as_ref()
+                .is_some_and(|simulation| simulation.stopped)
+            {
+                return Ok(());
+            }
         }
         answer_segment(&parts, conversation, hooks).await?;
         if conversation.partial {
@@ -604,6 +756,7 @@ async fn commit(
             .last()
             .map_or(0, |segment| segment.turn),
         asked_final,
+        simulated_user: conversation.simulated_opening(number),
         reply,
         results,
         usage,

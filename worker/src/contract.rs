@@ -30,6 +30,8 @@ pub mod env {
     pub const MODEL_API_KEY: &str = "TRAJ_MODEL_API_KEY";
     /// A file holding the model API key (a mounted Secret), used when the variable above is unset.
     pub const MODEL_API_KEY_FILE: &str = "TRAJ_MODEL_API_KEY_FILE";
+    /// The simulated user's model API key, from `spec.userSimulator.model.apiKeySecretRef`.
+    pub const USER_SIMULATOR_API_KEY: &str = "TRAJ_USER_SIMULATOR_API_KEY";
     /// The web search backend's API key, from `spec.tools.web.search.apiKeySecretRef`.
     pub const WEB_SEARCH_API_KEY: &str = "TRAJ_WEB_SEARCH_API_KEY";
     /// Where the termination summary is written.

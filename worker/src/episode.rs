@@ -12,8 +12,9 @@ pub struct EpisodeEntry {
     pub turns: usize,
     /// The user turns answered (a final answer ended each).
     pub answered: usize,
-    /// Why the episode ended: `all_turns_answered`, or `cut_off` (a reply ran into the
-    /// server's token limit, and the turns after it were never sent).
+    /// Why the episode ended: `all_turns_answered`; `user_stop` (the simulated user said a
+    /// stop marker); `max_user_turns` (it wrote all the messages it may); `cut_off` (a reply
+    /// ran into the server's token limit, and the turns after it were never sent).
     pub termination_reason: &'static str,
     pub segments: Vec<SegmentEntry>,
 }
@@ -60,16 +61,36 @@ impl EpisodeEntry {
             .iter()
             .filter(|segment| segment.ended)
             .count();
-        let total = conversation.follow_ups.len() + 1;
+        let total = (conversation.follow_ups.len() + 1).max(conversation.segments.len());
+        let simulation = conversation.user_simulation.as_ref();
+        let termination_reason = if answered < total || conversation.partial {
+            "cut_off"
+        } else if simulation.is_some_and(|simulation| simulation.stopped) {
+            "user_stop"
+        } else if simulation.is_some_and(|simulation| simulation.turns >= simulation.max_turns) {
+            "max_user_turns"
+        } else {
+            "all_turns_answered"
+        };
         Self {
             turns: total,
             answered,
-            termination_reason: if answered == total {
-                "all_turns_answered"
-            } else {
-                "cut_off"
-            },
+            termination_reason,
             segments,
         }
     }
+}
+
+/// A record's `user_simulator`: what the simulated user wrote and cost, apart from the agent's
+/// `usage` and `cost`.
+#[derive(Debug, Serialize)]
+pub struct SimulatorEntry<U: Serialize, C: Serialize> {
+    /// Messages it wrote (its stop not counted).
+    pub turns: u32,
+    /// It ended the conversation with a stop marker.
+    pub stopped: bool,
+    /// Its calls' tokens and cost, every call counted (its stop included).
+    pub usage: U,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost: Option<C>,
 }

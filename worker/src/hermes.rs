@@ -72,6 +72,8 @@ pub enum Origin {
     Dataset,
     /// The agent loop: its request for a final answer.
     Harness,
+    /// The simulated user (`spec.userSimulator`).
+    UserSimulator,
     Model,
     Tool,
 }
@@ -102,6 +104,7 @@ pub fn sharegpt_turns<'a>(conversation: &'a Conversation, system: Cow<'a, str>) 
                 let origin = match conversation.user_origin(index) {
                     UserOrigin::Dataset => Origin::Dataset,
                     UserOrigin::Harness => Origin::Harness,
+                    UserOrigin::Simulator => Origin::UserSimulator,
                 };
                 turns.push(turn("human", Cow::Borrowed(content), origin, at));
             }
@@ -569,6 +572,24 @@ impl Serialize for TrajectoryRecord<'_> {
             record.serialize_entry("resumed_from_turn", &resume.from_turn)?;
             record.serialize_entry("resume", &ResumeEntry::from(resume))?;
         }
+        self.serialize_episode(&mut record)?;
+        if let Some(replayed) = &conversation.replayed {
+            record.serialize_entry(
+                "replay",
+                &serde_json::json!({
+                    "calls": replayed.calls,
+                    "ran_for_state": replayed.ran_for_state,
+                }),
+            )?;
+        }
+        record.end()
+    }
+}
+
+impl TrajectoryRecord<'_> {
+    /// An episode's `turn_origin`, `episode` and, with a simulated user, `user_simulator`.
+    fn serialize_episode<M: SerializeMap>(&self, record: &mut M) -> Result<(), M::Error> {
+        let conversation = self.conversation;
         if conversation.is_episode() {
             let origins: Vec<Origin> = self.turns.iter().map(|turn| turn.origin).collect();
             record.serialize_entry("turn_origin", &origins)?;
@@ -582,16 +603,18 @@ impl Serialize for TrajectoryRecord<'_> {
                 &crate::episode::EpisodeEntry::of(conversation, turn_of_message, self.turns.len()),
             )?;
         }
-        if let Some(replayed) = &conversation.replayed {
+        if let Some(simulation) = &conversation.user_simulation {
             record.serialize_entry(
-                "replay",
-                &serde_json::json!({
-                    "calls": replayed.calls,
-                    "ran_for_state": replayed.ran_for_state,
-                }),
+                "user_simulator",
+                &crate::episode::SimulatorEntry {
+                    turns: simulation.turns,
+                    stopped: simulation.stopped,
+                    usage: TokenUsage::from(&simulation.usage),
+                    cost: simulation.cost.as_ref().map(CostEntry::from),
+                },
             )?;
         }
-        record.end()
+        Ok(())
     }
 }
 

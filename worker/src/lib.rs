@@ -92,6 +92,8 @@ pub mod report;
 #[cfg(feature = "engine")]
 pub mod run;
 #[cfg(feature = "engine")]
+pub mod simulator;
+#[cfg(feature = "engine")]
 pub mod storage;
 #[cfg(feature = "engine")]
 pub mod tools;

@@ -67,6 +67,13 @@ pub struct RunSpec {
     /// tests of the agent loop.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay: Option<ReplaySpec>,
+    /// A simulated user for the rows that carry a `user_scenario` (tau2-bench's: a `persona`
+    /// and `instructions`): once the model has answered the row's own turns, another model,
+    /// playing that user, writes the next user message, until it says one of its `stopTokens`
+    /// or has written `maxTurns`. Its turns are never the model's: records mark them
+    /// `user_simulator` and keep its usage and cost apart from the agent's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_simulator: Option<Box<UserSimulatorSpec>>,
     /// Which finished conversations are kept as trajectories.
     #[serde(default)]
     pub filters: FiltersSpec,
@@ -89,6 +96,34 @@ pub struct RunSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
     pub pod_template: Option<Value>,
+}
+
+/// The simulated user (`spec.userSimulator`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct UserSimulatorSpec {
+    /// The simulator's model, named as `spec.model` names one (its own endpoint, key and
+    /// prices; it has no `budget` or `tokens` of its own). On a cluster its key comes from its
+    /// `apiKeySecretRef`.
+    pub model: ModelSpec,
+    /// User messages it may write in one conversation, after the row's own turns.
+    #[serde(default = "default_simulated_turns")]
+    pub max_turns: u32,
+    /// What the simulated user says to end the conversation (tau2-bench's markers by default):
+    /// a message holding one ends it, and is not sent to the model.
+    #[serde(default = "default_stop_tokens")]
+    pub stop_tokens: Vec<String>,
+}
+
+fn default_simulated_turns() -> u32 {
+    5
+}
+
+fn default_stop_tokens() -> Vec<String> {
+    ["###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"]
+        .map(str::to_owned)
+        .to_vec()
 }
 
 /// The dataset of prompts.

@@ -287,3 +287,224 @@ async fn a_turn_out_of_tool_turns_is_asked_to_answer_and_the_next_turn_comes() {
     assert_eq!(record["api_calls"], 4, "{record}");
     assert_eq!(server.request_count(), 4);
 }
+
+/// What the scripted simulated user says after `own` messages of its own (the row's prompt is
+/// its first): two more, then its stop marker.
+fn simulated_user(body: &Value) -> Step {
+    let own = body["messages"].as_array().map_or(0, |messages| {
+        messages.iter().filter(|m| m["role"] == "assistant").count()
+    });
+    match own {
+        1 => Step::ok(text_reply("Then book it for Friday.")),
+        2 => Step::ok(text_reply("And for four people.")),
+        _ => Step::ok(text_reply("Thanks, that is all. ###STOP###")),
+    }
+}
+
+/// The agent answers each user message by its number; the answer to the user's third message
+/// is slow when `slow_third` (for the kill test).
+fn agent_answers(body: &Value, slow_third: bool) -> Step {
+    let users = body["messages"].as_array().map_or(0, |messages| {
+        messages.iter().filter(|m| m["role"] == "user").count()
+    });
+    let answer = Step::ok(text_reply(&format!("answer {users}")));
+    if slow_third && users == 3 {
+        Step::Delay(Duration::from_secs(2), Box::new(answer))
+    } else {
+        answer
+    }
+}
+
+const SCENARIO_PROMPT: &str = "Find me a restaurant.";
+
+fn simulated_fixture(agent: &ScriptedServer, simulator: &ScriptedServer, turns: u32) -> RunFixture {
+    let rows = [
+        json!({"prompt": SCENARIO_PROMPT,
+               "user_scenario": {"persona": "a busy chef", "instructions": {"task": "a table"}}})
+        .to_string(),
+        json!({"prompt": "no scenario here"}).to_string(),
+    ];
+    RunFixture::with_lines(&agent.base_url(), &rows)
+        .with("/batchSize", json!(2))
+        .with(
+            "/userSimulator",
+            json!({"model": {"baseUrl": simulator.base_url(), "name": "user-sim"}, "maxTurns": turns}),
+        )
+}
+
+/// The agent and the simulated user (both scripted) and a planned run of the scenario row and a
+/// plain one, the simulator allowed `turns` messages.
+async fn simulated_run(
+    slow_third: bool,
+    turns: u32,
+) -> (ScriptedServer, ScriptedServer, RunFixture) {
+    let agent = ScriptedServer::start_responding(move |body| agent_answers(body, slow_third)).await;
+    let simulator = ScriptedServer::start_responding(simulated_user).await;
+    let fixture = simulated_fixture(&agent, &simulator, turns);
+    assert!(worker(&fixture, &["plan"]).await.success());
+    (agent, simulator, fixture)
+}
+
+/// The record of the scenario's row in batch 0.
+fn scenario_record(fixture: &RunFixture) -> Value {
+    fixture
+        .batch_lines(0)
+        .into_iter()
+        .find(|record| record["prompt_index"] == 0)
+        .expect("the scenario's record")
+}
+
+/// A simulated user (a scripted one: its termination is exact) writes two messages, then its
+/// stop marker ends the episode. Its messages are `user_simulator` turns, its usage is its own
+/// (three calls, the stop included) and the agent's stays the agent's (three answers); it sees
+/// the conversation as the user would, its persona in its instructions. A row without a
+/// scenario is one prompt, as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulated_user_talks_until_it_says_stop_and_its_turns_are_not_the_models() {
+    let (agent, simulator, fixture) = simulated_run(false, 5).await;
+    assert!(worker(&fixture, &["batch", "0"]).await.success());
+
+    let records = fixture.batch_lines(0);
+    let record = records
+        .iter()
+        .find(|record| record["prompt_index"] == 0)
+        .expect("the scenario's record");
+    assert_eq!(
+        texts(record, "human"),
+        [
+            SCENARIO_PROMPT,
+            "Then book it for Friday.",
+            "And for four people."
+        ],
+        "{record}"
+    );
+    let answers: Vec<&str> = texts(record, "gpt")
+        .into_iter()
+        .map(|text| text.trim_start_matches("<think>\n</think>\n"))
+        .collect();
+    assert_eq!(answers, ["answer 1", "answer 2", "answer 3"]);
+    assert_eq!(
+        record["turn_origin"],
+        json!([
+            "system",
+            "dataset",
+            "model",
+            "user_simulator",
+            "model",
+            "user_simulator",
+            "model"
+        ]),
+        "{record}"
+    );
+    assert_eq!(
+        record["episode"]["termination_reason"], "user_stop",
+        "{record}"
+    );
+    assert_eq!(record["episode"]["turns"], 3, "{record}");
+    assert_eq!(
+        record["user_simulator"],
+        json!({"turns": 2, "stopped": true,
+               "usage": {"prompt_tokens": 30, "completion_tokens": 15, "reasoning_tokens": 0,
+                         "total_tokens": 45}}),
+        "{record}"
+    );
+    assert_eq!(
+        record["usage"]["prompt_tokens"], 30,
+        "the agent's three calls alone: {record}"
+    );
+    assert_eq!(simulator.request_count(), 3);
+
+    // The simulator's view: its instructions, its own words as the assistant's, the agent's
+    // answers as the user's.
+    let first = &simulator.requests()[0].body;
+    let system = first["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        system.contains("Persona:\na busy chef") && system.contains("###STOP###"),
+        "{system}"
+    );
+    assert_eq!(
+        first["messages"].as_array().unwrap()[1..],
+        [
+            json!({"role": "assistant", "content": SCENARIO_PROMPT}),
+            json!({"role": "user", "content": "answer 1"}),
+        ],
+        "{first}"
+    );
+    assert_eq!(first["model"], "user-sim");
+
+    let plain = records
+        .iter()
+        .find(|record| record["prompt_index"] == 1)
+        .expect("the plain row's record");
+    assert!(
+        plain.get("episode").is_none() && plain.get("user_simulator").is_none(),
+        "{plain}"
+    );
+    assert_eq!(agent.request_count(), 4);
+}
+
+/// A simulated user with one message to write writes it, and the episode ends there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulated_user_out_of_turns_ends_the_episode() {
+    let (_agent, simulator, fixture) = simulated_run(false, 1).await;
+    assert!(worker(&fixture, &["batch", "0"]).await.success());
+    let record = scenario_record(&fixture);
+    assert_eq!(
+        record["episode"]["termination_reason"], "max_user_turns",
+        "{record}"
+    );
+    assert_eq!(record["user_simulator"]["turns"], 1, "{record}");
+    assert_eq!(record["user_simulator"]["stopped"], false, "{record}");
+    assert_eq!(simulator.request_count(), 1);
+}
+
+/// Killed while the agent answers the simulated user's second message, the episode is taken up
+/// with the first simulated message from the turn log: the successor asks the simulator again
+/// only for the message in flight (and its stop), and the agent only for that answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_costs_a_simulated_episode_the_turn_in_flight() {
+    let (agent, simulator, fixture) = simulated_run(true, 5).await;
+
+    let mut child = spawn_worker(&fixture, &["batch", "0"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // The two answers logged (more was to come after each), the third asked.
+    while common::logged_turns(&fixture) < 2 || simulator.request_count() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the episode never reached its third turn"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (agent_before, simulator_before) = (agent.request_count(), simulator.request_count());
+    assert!(worker(&fixture, &["batch", "0"]).await.success());
+
+    let record = scenario_record(&fixture);
+    assert_eq!(
+        texts(&record, "human"),
+        [
+            SCENARIO_PROMPT,
+            "Then book it for Friday.",
+            "And for four people."
+        ],
+        "{record}"
+    );
+    assert_eq!(
+        record["episode"]["termination_reason"], "user_stop",
+        "{record}"
+    );
+    assert_eq!(record["resumed_from_turn"], 2, "{record}");
+    assert_eq!(
+        simulator.request_count() - simulator_before,
+        2,
+        "its second message again, and its stop"
+    );
+    // The third answer; the plain row's answer had been recorded before the kill or is asked now.
+    let agent_after = agent.request_count() - agent_before;
+    assert!(
+        (1..=2).contains(&agent_after),
+        "{agent_after} agent calls after the kill: {record}"
+    );
+}

@@ -629,3 +629,70 @@ async fn two_streamed_answers_at_once_both_arrive_whole() {
         );
     }
 }
+
+/// A simulated user on the real model server (the same `SmolLM2`, playing a persona): the small
+/// model decides when it stops, so the assertions are about structure. Every simulated message
+/// is a `user_simulator` turn, as many as `user_simulator.turns` counts, within `maxTurns`; the
+/// episode ends by the simulator's stop or its turn limit; what the simulator spent is kept apart
+/// from the agent's (the agent's prompts hold the simulated messages, the simulator's its own
+/// instructions: neither count is the other's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulated_user_on_the_real_model_talks_with_the_agent() {
+    let row = serde_json::json!({
+        "prompt": "Hello, I need help planning a trip.",
+        "user_scenario": {
+            "persona": "A traveller who answers briefly.",
+            "instructions": "You want a one-day plan for Paris. Ask one question, then stop.",
+        },
+    });
+    let simulator = serde_json::json!({
+        "model": {"baseUrl": common::model_server(), "name": common::model_name(),
+                  "maxTokens": 48, "temperature": 0.0, "requestTimeoutSeconds": 300},
+        "maxTurns": 2,
+    });
+    let fixture = common::RunFixture::with_lines(&common::model_server(), &[row.to_string()])
+        .with("/concurrency", serde_json::json!(1))
+        .with(
+            "/model",
+            serde_json::json!({
+                "baseUrl": common::model_server(), "name": common::model_name(), "maxTokens": 64,
+                "temperature": 0.0, "requestTimeoutSeconds": 300,
+            }),
+        )
+        .with(
+            "/agent",
+            serde_json::json!({"maxTurns": 1, "promptTimeoutSeconds": 900}),
+        )
+        .with("/userSimulator", simulator);
+    run_local(&common::local_options(&fixture), &common::no_shutdown())
+        .await
+        .expect("the run finishes");
+    let records = fixture.lines("trajectories.jsonl");
+    assert_eq!(records.len(), 1, "{:?}", fixture.lines("failures.jsonl"));
+    let record = &records[0];
+    assert_valid_record(record);
+    let simulated = record["turn_origin"]
+        .as_array()
+        .expect("turn_origin")
+        .iter()
+        .filter(|origin| *origin == "user_simulator")
+        .count();
+    let turns = &record["user_simulator"]["turns"];
+    assert_eq!(turns.as_u64(), Some(simulated as u64), "{record}");
+    assert!(simulated <= 2, "{record}");
+    let reason = record["episode"]["termination_reason"].as_str().unwrap();
+    assert!(
+        matches!(reason, "user_stop" | "max_user_turns" | "cut_off"),
+        "{record}"
+    );
+    assert_eq!(
+        reason == "user_stop",
+        record["user_simulator"]["stopped"] == true
+    );
+    let simulator_prompt = record["user_simulator"]["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap();
+    let agent_prompt = record["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(simulator_prompt > 0 && agent_prompt > 0, "{record}");
+    assert_ne!(simulator_prompt, agent_prompt, "{record}");
+}

@@ -19,7 +19,8 @@ use super::sampling::ENOUGH_PASSED;
 use super::turns::{Chain, Chains, Start, TurnCommitter, TurnLog};
 use super::{RunError, RunLocation};
 use crate::agent::{
-    Conversation, ConversationError, Hooks, Resumed, Spent, TurnSink, continue_conversation,
+    Conversation, ConversationError, Hooks, Resumed, Spent, TurnSink, UserSimulation,
+    UserSimulationState, continue_conversation,
 };
 use crate::dataset::Row;
 use crate::hermes::{
@@ -33,6 +34,10 @@ use crate::tools::sandbox::{Place, Sandbox};
 use crate::tools::{Tool, ToolContext, ToolSpec, Workspace};
 use crate::training::append_tokens;
 use crate::verify::{Verification, Verifier};
+
+/// The row field describing the user a simulated user plays (tau2-bench's `user_scenario`:
+/// `persona` and `instructions`), for runs with `spec.userSimulator`.
+pub const USER_SCENARIO: &str = "user_scenario";
 
 /// The outcome of one (prompt, sample), for progress displays; ordered from the best record of a
 /// key to the worst.
@@ -527,10 +532,16 @@ async fn converse(
     let mut tool_context =
         new_tool_context(engine, lent.workspace.clone(), sandbox.clone(), attempt);
     let mut start = Conversation::episode(&row.prompt, row.follow_ups.clone());
+    let simulator = engine
+        .simulator
+        .as_deref()
+        .filter(|_| row.source.contains_key(USER_SCENARIO));
+    start.user_simulation = simulator.map(|simulator| {
+        UserSimulationState::new(row.source[USER_SCENARIO].clone(), simulator.max_turns())
+    });
     let mut from = Start::Fresh;
     if let Some(chain) = attempt.chain {
-        let row_turns = (row.prompt.as_str(), row.follow_ups.as_slice());
-        match take_up(chain, row_turns, &offered.tools, &tool_context).await {
+        match take_up(chain, start.clone(), &offered.tools, &tool_context).await {
             TakenUp::Resumed(conversation) => {
                 let earlier = conversation
                     .resume
@@ -575,6 +586,7 @@ async fn converse(
             .as_ref()
             .map(|committer| committer as &dyn TurnSink),
         replay,
+        simulator: simulator.map(|simulator| simulator as &dyn UserSimulation),
     };
     let result = continue_conversation(
         client,

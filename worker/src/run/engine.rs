@@ -12,6 +12,7 @@ use crate::agent::AgentConfig;
 use crate::distribution::Distribution;
 use crate::model::limits::Limits;
 use crate::model::{ApiKey, ModelClient, ModelSettings};
+use crate::simulator::UserSimulator;
 use crate::spec::{RunSpec, VerifierSpec};
 use crate::storage::StorageError;
 use crate::tools::sandbox::{LandlockMode, Sandbox};
@@ -60,6 +61,8 @@ pub struct Engine {
     /// Whether finished turns are kept in the batch's turn log, so that a conversation an
     /// earlier attempt left unfinished is taken up from it (see `run::turns`).
     pub turns: TurnLogging,
+    /// The simulated user of rows with a `user_scenario` (`spec.userSimulator`).
+    pub simulator: Option<Arc<UserSimulator>>,
 }
 
 /// What becomes of a conversation's finished turns.
@@ -159,6 +162,12 @@ impl Engine {
             grace: Duration::from_secs(20),
             ledger: None,
             turns: TurnLogging::Logged,
+            simulator: spec
+                .user_simulator
+                .as_ref()
+                .map(|simulator| UserSimulator::from_spec(simulator).map(Arc::new))
+                .transpose()
+                .map_err(RunError::Spec)?,
         })
     }
 }

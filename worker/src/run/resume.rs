@@ -31,15 +31,15 @@ pub(super) enum TakenUp {
     StartOver(String),
 }
 
-/// Rebuilds the conversation of `chain` on `prompt` (and the row's later user turns,
-/// `follow_ups`) and replays its tool calls in `ctx`.
+/// Rebuilds the conversation of `chain` on `start` (the row's prompt, its later user turns and
+/// its simulated user, nothing answered) and replays its tool calls in `ctx`.
 pub(super) async fn take_up(
     chain: &Chain,
-    (prompt, follow_ups): (&str, &[String]),
+    start: Conversation,
     tools: &[Arc<dyn Tool>],
     ctx: &ToolContext,
 ) -> TakenUp {
-    let mut conversation = Conversation::episode(prompt, follow_ups.to_vec());
+    let mut conversation = start;
     let mut resumed = Resumed {
         from_turn: u32::try_from(chain.entries.len()).unwrap_or(u32::MAX),
         earlier_time: Duration::from_millis(
@@ -53,7 +53,7 @@ pub(super) async fn take_up(
         .map(|entry| parse_assistant(&entry.reply, entry.turn as usize))
         .collect();
     // Decided before anything runs: a conversation that must start over leaves no trace here.
-    if let Some(reason) = segments_out_of_order(chain, follow_ups.len()) {
+    if let Some(reason) = segments_out_of_order(chain, conversation.follow_ups.len()) {
         return TakenUp::StartOver(reason);
     }
     for (entry, reply) in chain.entries.iter().zip(&replies) {
@@ -106,7 +106,12 @@ pub(super) async fn take_up(
                 .last()
                 .map_or(0, |segment| segment.turn)
         {
-            conversation.begin_next_segment();
+            match &entry.simulated_user {
+                Some(user) => {
+                    conversation.begin_simulated_segment(user.text.clone(), user.usage, user.cost);
+                }
+                None => conversation.begin_next_segment(),
+            }
         }
         if entry.asked_final {
             conversation
@@ -141,7 +146,8 @@ fn segments_out_of_order(chain: &Chain, follow_ups: usize) -> Option<String> {
     let mut ended = false;
     for entry in &chain.entries {
         let next = entry.segment == current + 1 && ended;
-        if entry.segment != current && !next || entry.segment as usize > follow_ups {
+        let known = entry.segment as usize <= follow_ups || entry.simulated_user.is_some();
+        if entry.segment != current && !(next && known) {
             return Some(format!(
                 "turn {} answers user turn {} of a row with {} after user turn {current}",
                 entry.turn,

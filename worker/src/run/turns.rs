@@ -37,7 +37,7 @@ use tokio::task::JoinHandle;
 use tracing::warn;
 
 use super::RunError;
-use crate::agent::{Step, Turn, TurnSink};
+use crate::agent::{SimulatedOpening, Step, Turn, TurnSink};
 use crate::model::{ToolMessage, Usage, WireAssistant};
 use crate::pricing::Cost;
 use crate::storage::{RunDir, TurnsWriter};
@@ -58,6 +58,9 @@ pub(super) struct TurnEntry {
     /// Its reply answers the loop's request for a final answer (its segment spent `max_turns`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(super) asked_final: bool,
+    /// The simulated user's message its segment began with, on the segment's first turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) simulated_user: Option<SimulatedUserEntry>,
     /// The digest of the line of turn `turn - 1` of this chain; empty for turn 0.
     pub(super) prev: String,
     /// How many times the conversation started over from its prompt because its recorded turns
@@ -80,6 +83,15 @@ pub(super) struct TurnEntry {
     pub(super) step: Option<Step>,
 }
 
+/// A simulated user's message that began a segment, as the turn log keeps it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(super) struct SimulatedUserEntry {
+    pub(super) text: String,
+    pub(super) usage: Usage,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) cost: Option<Cost>,
+}
+
 /// A [`TurnEntry`] as a conversation writes it: the same fields, borrowed from the turn.
 #[derive(Serialize)]
 struct TurnLine<'a> {
@@ -91,6 +103,8 @@ struct TurnLine<'a> {
     segment: u32,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     asked_final: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    simulated_user: Option<SimulatedOpening<'a>>,
     prev: &'a str,
     #[serde(skip_serializing_if = "is_zero")]
     restarts: u32,
@@ -408,6 +422,7 @@ impl TurnSink for TurnCommitter<'_> {
             turn: turn.number,
             segment: turn.segment,
             asked_final: turn.asked_final,
+            simulated_user: turn.simulated_user,
             prev: &prev,
             restarts: self.restarts,
             started_at: &self.started_at,
@@ -442,6 +457,7 @@ mod tests {
             turn,
             segment: 0,
             asked_final: false,
+            simulated_user: None,
             prev: prev.to_owned(),
             restarts: 0,
             started_at: "2026-12-06T00:00:00.000000Z".into(),
@@ -527,6 +543,7 @@ mod tests {
             turn: 2,
             segment: 0,
             asked_final: false,
+            simulated_user: None,
             prev: "ab",
             restarts: 0,
             started_at: "2026-12-06T00:00:00.000000Z",

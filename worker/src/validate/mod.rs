@@ -60,7 +60,57 @@ impl RunSpec {
         self.check_agent_and_tools(&mut violations);
         self.check_storage_and_distribution(&mut violations);
         self.check_verifier(&mut violations);
+        self.check_user_simulator(&mut violations);
         violations.0
+    }
+
+    fn check_user_simulator(&self, violations: &mut Violations) {
+        let Some(simulator) = &self.user_simulator else {
+            return;
+        };
+        let model = &simulator.model;
+        violations.check(
+            !model.name.is_empty(),
+            "userSimulator.model.name",
+            "must not be empty".to_owned(),
+        );
+        violations.check(
+            !model.base_url.is_empty() && model.endpoints.is_empty(),
+            "userSimulator.model.baseUrl",
+            "must be set: the simulator has one endpoint (no endpoints)".to_owned(),
+        );
+        violations.check(
+            model.max_attempts >= 1 && model.request_timeout_seconds >= 1,
+            "userSimulator.model.maxAttempts",
+            "maxAttempts and requestTimeoutSeconds must be at least 1".to_owned(),
+        );
+        for (field, set) in [
+            ("userSimulator.model.budget", model.budget.is_some()),
+            ("userSimulator.model.tokens", model.tokens.is_some()),
+            ("userSimulator.model.limits", model.limits.is_some()),
+        ] {
+            violations.check(
+                !set,
+                field,
+                "is not kept for the simulator: its cost is recorded apart from the agent's, \
+                 and spec.model's budget holds the agent's calls"
+                    .to_owned(),
+            );
+        }
+        violations.check(
+            simulator.max_turns >= 1,
+            "userSimulator.maxTurns",
+            "must be at least 1".to_owned(),
+        );
+        violations.check(
+            !simulator.stop_tokens.is_empty()
+                && simulator
+                    .stop_tokens
+                    .iter()
+                    .all(|token| !token.trim().is_empty()),
+            "userSimulator.stopTokens",
+            "must hold at least one marker, none of them blank".to_owned(),
+        );
     }
 
     fn check_verifier(&self, violations: &mut Violations) {
@@ -617,6 +667,41 @@ mod tests {
             "model": {"baseUrl": "http://127.0.0.1:1/v1", "name": "m"},
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn a_user_simulator_is_checked_field_by_field() {
+        let mut spec = minimal();
+        spec.user_simulator = Some(
+            serde_json::from_value(serde_json::json!({
+                "model": {"baseUrl": "", "name": "", "budget": {"maxCost": 1.0}},
+                "maxTurns": 0, "stopTokens": [" "],
+            }))
+            .unwrap(),
+        );
+        let fields: Vec<_> = spec.validate().into_iter().map(|v| v.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.userSimulator.model.name",
+                "spec.userSimulator.model.baseUrl",
+                "spec.userSimulator.model.budget",
+                "spec.userSimulator.maxTurns",
+                "spec.userSimulator.stopTokens",
+            ]
+        );
+        spec.user_simulator = Some(
+            serde_json::from_value(serde_json::json!({
+                "model": {"baseUrl": "http://127.0.0.1:1/v1", "name": "sim"},
+            }))
+            .unwrap(),
+        );
+        assert!(spec.validate().is_empty(), "{:?}", spec.validate());
+        let simulator = spec.user_simulator.as_ref().unwrap();
+        assert_eq!(
+            (simulator.max_turns, simulator.stop_tokens[0].as_str()),
+            (5, "###STOP###")
+        );
     }
 
     #[test]

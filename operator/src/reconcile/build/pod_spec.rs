@@ -436,6 +436,14 @@ fn environment(
     if let Some(key) = &run.spec.model.api_key_secret_ref {
         env_vars.push(secret(env::MODEL_API_KEY.to_owned(), key));
     }
+    if let Some(key) = run
+        .spec
+        .user_simulator
+        .as_ref()
+        .and_then(|simulator| simulator.model.api_key_secret_ref.as_ref())
+    {
+        env_vars.push(secret(env::USER_SIMULATOR_API_KEY.to_owned(), key));
+    }
     // The bucket's keys, as every S3 client reads them; the worker's alone.
     if let Some(name) = run
         .spec

@@ -325,6 +325,31 @@ fn pods_get_the_worker_contract_environment_and_the_key_only_by_secret_ref() {
 
     let without = gen_job(&TrajectoryRun::test().build(), 1, &[0], false);
     assert!(env_value(&without, env::MODEL_API_KEY).is_none());
+    assert!(env_value(&job, env::USER_SIMULATOR_API_KEY).is_none());
+}
+
+#[test]
+fn a_simulated_users_key_reaches_the_worker_by_its_own_secret_ref() {
+    let run = TrajectoryRun::test()
+        .with(|spec| {
+            let mut model = spec.model.clone();
+            model.api_key_secret_ref = Some(trajectory_worker::spec::SecretKeyRef {
+                name: "simulator-key".into(),
+                key: "token".into(),
+            });
+            spec.user_simulator = Some(Box::new(trajectory_worker::spec::UserSimulatorSpec {
+                model,
+                max_turns: 3,
+                stop_tokens: vec!["###STOP###".into()],
+            }));
+        })
+        .build();
+    let job = gen_job(&run, 1, &[0], false);
+    assert_eq!(
+        secret_of(&job, env::USER_SIMULATOR_API_KEY),
+        ("simulator-key".to_owned(), "token".to_owned())
+    );
+    assert!(env_value(&job, env::MODEL_API_KEY).is_none());
 }
 
 #[test]
