@@ -739,6 +739,7 @@ async fn batch_command(
     }
     let manifest = Manifest::require(&location.run_dir())?;
     let mut engine = Engine::new(&location.plan.spec, workspaces.root())?;
+    engine.learn_chat_template().await;
     // At most `workers` pods run the run's batches at once: each keeps that share of a limit.
     engine.keep_limits(&location.plan.spec, u64::from(location.plan.spec.workers));
     // Likewise for the budget: each pod grows its allowance by a `workers` share of what the

@@ -30,6 +30,9 @@ pub struct TokensContext {
     /// The sampling parameters the requests set (the behaviour policy a trainer must know):
     /// `temperature`, `max_tokens` and those of `extraBody` that shape sampling.
     pub sampling: Map<String, Value>,
+    /// The SHA-256 of the chat template the server says it applies, when it says (llama.cpp's
+    /// server does).
+    pub chat_template_sha256: Option<String>,
 }
 
 /// Request fields that shape sampling, as `extraBody` may set them.
@@ -69,6 +72,7 @@ impl TokensContext {
             request,
             model: model.to_owned(),
             sampling,
+            chat_template_sha256: None,
         }
     }
 }
@@ -159,6 +163,10 @@ struct Tokenization<'a> {
     /// How they were asked for (`spec.model.tokens.request`).
     request: TokenRequest,
     model: &'a str,
+    /// Which chat template rendered the prompts, when the server says (see
+    /// [`TokensContext::chat_template_sha256`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chat_template_sha256: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -209,6 +217,7 @@ pub fn append_tokens(
             source: IdSource::of(&conversation.steps),
             request: context.request,
             model: &context.model,
+            chat_template_sha256: context.chat_template_sha256.as_deref(),
         },
         endpoints: EndpointCalls::of(&conversation.steps),
         sampling: &context.sampling,

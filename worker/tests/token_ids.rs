@@ -179,6 +179,11 @@ async fn the_project_server_gives_no_ids_and_its_records_say_so_beside_unchanged
         assert_eq!(String::from_utf8(cut).unwrap(), merged_line);
         assert_eq!(tokens["tokenization"]["source"], "none", "{tokens}");
         assert_eq!(tokens["tokenization"]["request"], "LogprobsOnly");
+        // llama-cpp-python names no template, and none was asked of it.
+        assert!(
+            tokens["tokenization"].get("chat_template_sha256").is_none(),
+            "{tokens}"
+        );
         assert_eq!(tokens["sampling"]["temperature"], 0.0);
         let steps = tokens["steps"].as_array().unwrap();
         let calls = index(&record["api_calls"]);
@@ -261,11 +266,17 @@ async fn llama_server_ids_are_the_servers_own_and_each_prompt_extends_the_last()
     .await;
     let (trajectories, tokens) = merged(&report);
     let http = reqwest::Client::new();
+    // The template the server says it applies (GET /props) names the tokenization.
+    let template_sha256 = chat_template_sha256(&http, &server.base_url).await;
     let (mut steps_seen, mut pairs, mut extended, mut replayed) = (0, 0, 0, 0);
     // SmolLM2 calls no tool on llama-server (its grammar for tool calls does not bind here), so
     // the run's conversations are single calls; multi_turn_prompts_extend has several.
     for (record, tokens) in trajectories.iter().zip(&tokens) {
         assert_eq!(tokens["tokenization"]["source"], "server", "{tokens}");
+        assert_eq!(
+            tokens["tokenization"]["chat_template_sha256"], template_sha256,
+            "{tokens}"
+        );
         let steps = tokens["steps"].as_array().unwrap();
         let ids = |step: &Value, key: &str| -> Vec<u64> {
             step[key]
@@ -548,6 +559,24 @@ fn check_exports(run_dir: &Path, trajectories: &[Value], tokens: &[Value]) {
 }
 
 /// What the server samples greedily, as ids, from the prompt ids `prompt`: `tokens` of them.
+/// The SHA-256 of the chat template the server at `base_url` says it applies (`GET /props`).
+async fn chat_template_sha256(http: &reqwest::Client, base_url: &str) -> String {
+    use sha2::Digest as _;
+    let root = base_url.trim_end_matches("/v1");
+    let props: Value = http
+        .get(format!("{root}/props"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let template = props["chat_template"]
+        .as_str()
+        .expect("llama-server names its template");
+    format!("{:x}", sha2::Sha256::digest(template.as_bytes()))
+}
+
 async fn sample_again(
     http: &reqwest::Client,
     server: &LlamaCppServer,

@@ -493,6 +493,34 @@ impl ModelClient {
         }
     }
 
+    /// The SHA-256 (hex) of the chat template llama.cpp's server applies, as its `GET /props`
+    /// says, when every endpoint answers with the same one: which template rendered the prompt
+    /// ids the run keeps. `None` when a server does not say (vLLM and hosted APIs publish no
+    /// template) or the endpoints differ.
+    pub async fn chat_template_sha256(&self) -> Option<String> {
+        use sha2::{Digest, Sha256};
+        let mut digests = std::collections::BTreeSet::new();
+        for base in &self.settings.base_urls {
+            let root = base.trim_end_matches('/').trim_end_matches("/v1");
+            let mut request = self
+                .http
+                .get(format!("{root}/props"))
+                .timeout(Duration::from_secs(10));
+            if let Some(authorization) = &self.authorization {
+                request = request.header(AUTHORIZATION, authorization.clone());
+            }
+            let response = request.send().await.ok()?.error_for_status().ok()?;
+            let props: Value = response.json().await.ok()?;
+            let template = props.get("chat_template")?.as_str()?;
+            digests.insert(format!("{:x}", Sha256::digest(template.as_bytes())));
+        }
+        let mut digests = digests.into_iter();
+        match (digests.next(), digests.next()) {
+            (Some(digest), None) => Some(digest),
+            _ => None,
+        }
+    }
+
     /// What `completion` cost: the run's prices applied to its usage (or the provider's figure,
     /// as the prices prefer), else the provider's figure alone; `None` when neither is known.
     pub fn cost_of(&self, completion: &Completion) -> Option<Cost> {

@@ -13,7 +13,7 @@ use crate::distribution::Distribution;
 use crate::model::limits::Limits;
 use crate::model::{ApiKey, ModelClient, ModelSettings};
 use crate::simulator::UserSimulator;
-use crate::spec::{RunSpec, VerifierSpec};
+use crate::spec::{RunSpec, TokenRequest, VerifierSpec};
 use crate::storage::StorageError;
 use crate::tools::sandbox::{LandlockMode, Sandbox};
 use crate::tools::{Registry, ToolLimits};
@@ -86,6 +86,25 @@ impl Engine {
             workspace_root,
             ModelClient::new(settings).map_err(|err| RunError::Spec(err.to_string()))?,
         )
+    }
+
+    /// Asks the model's servers which chat template they apply, for the tokens lines'
+    /// `tokenization` (a run that keeps the ids of llama.cpp's server only: others say nothing).
+    pub async fn learn_chat_template(&mut self) {
+        let Some(tokens) = self
+            .tokens
+            .as_mut()
+            .filter(|tokens| tokens.request == TokenRequest::LlamaServer)
+        else {
+            return;
+        };
+        tokens.chat_template_sha256 = self.client.chat_template_sha256().await;
+        if tokens.chat_template_sha256.is_none() {
+            tracing::warn!(
+                "the model's servers did not name one chat template (GET /props): the tokens \
+                 lines' tokenization has no chat_template_sha256"
+            );
+        }
     }
 
     /// Counts what the run spends in `ledger` (its client adds each completion's cost to it),

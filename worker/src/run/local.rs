@@ -104,6 +104,7 @@ pub async fn run_local(
 
     let mut engine = Engine::new(&location.plan.spec, options.workspace_root.clone())?;
     engine.sandbox = options.sandbox.clone();
+    engine.learn_chat_template().await;
     // One process runs every batch: the whole of each limit is its own.
     engine.keep_limits(&location.plan.spec, 1);
     // What earlier runs of this directory spent is in their claims, against the same budget.
