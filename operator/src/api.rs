@@ -139,6 +139,11 @@ pub struct CostStatus {
     pub projected: Option<String>,
     /// Always `USD`.
     pub currency: String,
+    /// While the run is held at its budget: the `spec.model.budget.maxCost` (USD) its pods
+    /// found spent. The hold lasts while `maxCost` is not above it, after the pods that said so
+    /// are gone; raising `maxCost` lets the run go on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exhausted_budget: Option<String>,
 }
 
 /// Verified records of a merged run.

@@ -231,6 +231,7 @@ fn a_merge_that_priced_records_puts_their_cost_in_the_status() {
             spent: "12.3456".to_owned(),
             projected: None,
             currency: "USD".to_owned(),
+            exhausted_budget: None,
         })
     );
 }
@@ -279,6 +280,7 @@ fn while_batches_run_the_status_shows_what_was_spent_and_what_the_run_will_cost(
             spent: "2.5".to_owned(),
             projected: None,
             currency: "USD".to_owned(),
+            exhausted_budget: None,
         }),
         ..Default::default()
     });
@@ -315,6 +317,7 @@ fn a_run_at_its_budget_is_held_suspended_until_the_budget_is_raised() {
 
     // A pod stopped at 2 USD: the Job is held, and the run says why.
     observed.budget_exhausted_at = Some(2.0);
+    observed.run_spent = Some(2.0);
     let held = desired(&with_budget(2.0), &observed);
     assert_eq!(names(&held), ["r-gen-1"]);
     assert_eq!(suspend(&held), Some(true));
@@ -328,6 +331,36 @@ fn a_run_at_its_budget_is_held_suspended_until_the_budget_is_raised() {
         held.status.progress.as_deref(),
         Some("1/3"),
         "what is done stays done"
+    );
+
+    assert_eq!(
+        held.status
+            .cost
+            .as_ref()
+            .and_then(|cost| cost.exhausted_budget.as_deref()),
+        Some("2")
+    );
+    // The pods that said so are gone (the Job controller removes them once it is suspended):
+    // the status holds it still. (The flaw: the Job was let go, its new pods found the budget
+    // spent and stopped, and the run went back and forth between held and running.)
+    let mut shown = with_budget(2.0);
+    shown.status = Some(held.status.clone());
+    let mut gone = observed.clone();
+    gone.budget_exhausted_at = None;
+    gone.run_spent = None;
+    let still = desired(&shown, &gone);
+    assert_eq!(suspend(&still), Some(true));
+    assert_eq!(
+        condition(&still, ConditionType::Suspended),
+        ("True", "BudgetExhausted")
+    );
+    let mut raised_run = with_budget(5.0);
+    raised_run.status = Some(held.status.clone());
+    let raised = desired(&raised_run, &gone);
+    assert_eq!(suspend(&raised), Some(false));
+    assert_eq!(
+        raised.status.cost.and_then(|cost| cost.exhausted_budget),
+        None
     );
 
     // Raised: the same Job runs on, its plan (which the pods it starts read) holding the new

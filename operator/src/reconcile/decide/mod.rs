@@ -364,6 +364,7 @@ fn running_cost(run: &ValidatedRun<'_>, observed: &Observed, tally: &Tally) -> O
         spent: usd_text(spent),
         projected,
         currency: "USD".to_owned(),
+        exhausted_budget: None,
     })
 }
 
@@ -372,13 +373,26 @@ fn running_cost(run: &ValidatedRun<'_>, observed: &Observed, tally: &Tally) -> O
 /// pods that find it so stop (their batches count as neither done nor failed). Raising
 /// `maxCost` lets the Jobs run on, with the new budget in their plan.
 fn hold_at_budget(run: &ValidatedRun<'_>, observed: &Observed, tally: &mut Tally, work: &mut Work) {
-    let (Some(budget), Some(exhausted_at)) = (&run.spec.model.budget, observed.budget_exhausted_at)
-    else {
+    // The pods that found the budget spent are gone soon after their Job is suspended: the
+    // status keeps what they said, or the Job would start pods again only for them to stop.
+    let shown = run
+        .status()
+        .and_then(|status| status.cost.as_ref())
+        .and_then(|cost| cost.exhausted_budget.as_deref())
+        .and_then(|budget| budget.parse::<f64>().ok());
+    let exhausted_at = match (observed.budget_exhausted_at, shown) {
+        (Some(reported), Some(shown)) => Some(reported.max(shown)),
+        (reported, shown) => reported.or(shown),
+    };
+    let (Some(budget), Some(exhausted_at)) = (&run.spec.model.budget, exhausted_at) else {
         return;
     };
     // Budgets are compared as written (USD amounts, not sums of them).
     if budget.max_cost > exhausted_at {
         return;
+    }
+    if let Some(cost) = &mut tally.cost {
+        cost.exhausted_budget = Some(usd_text(exhausted_at));
     }
     for child in &mut work.children {
         if let Child::Generation(shard) = child {
@@ -891,6 +905,7 @@ fn merged(run: &ValidatedRun<'_>, merge: &MergeSummary) -> Merged {
                 spent,
                 projected: None,
                 currency: "USD".to_owned(),
+                exhausted_budget: None,
             }),
         output: OutputStatus {
             path: run.output_path.clone(),
