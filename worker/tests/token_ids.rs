@@ -267,7 +267,7 @@ async fn llama_server_ids_are_the_servers_own_and_each_prompt_extends_the_last()
     let (trajectories, tokens) = merged(&report);
     let http = reqwest::Client::new();
     // The template the server says it applies (GET /props) names the tokenization.
-    let template_sha256 = chat_template_sha256(&http, &server.base_url).await;
+    let template_sha256 = chat_template_sha256(&http, &server).await;
     let (mut steps_seen, mut pairs, mut extended, mut replayed) = (0, 0, 0, 0);
     // SmolLM2 calls no tool on llama-server (its grammar for tool calls does not bind here), so
     // the run's conversations are single calls; multi_turn_prompts_extend has several.
@@ -558,13 +558,11 @@ fn check_exports(run_dir: &Path, trajectories: &[Value], tokens: &[Value]) {
     }
 }
 
-/// What the server samples greedily, as ids, from the prompt ids `prompt`: `tokens` of them.
-/// The SHA-256 of the chat template the server at `base_url` says it applies (`GET /props`).
-async fn chat_template_sha256(http: &reqwest::Client, base_url: &str) -> String {
+/// The SHA-256 of the chat template `server` says it applies (`GET /props`).
+async fn chat_template_sha256(http: &reqwest::Client, server: &LlamaCppServer) -> String {
     use sha2::Digest as _;
-    let root = base_url.trim_end_matches("/v1");
     let props: Value = http
-        .get(format!("{root}/props"))
+        .get(format!("{}/props", server.root))
         .send()
         .await
         .unwrap()
@@ -577,6 +575,7 @@ async fn chat_template_sha256(http: &reqwest::Client, base_url: &str) -> String 
     format!("{:x}", sha2::Sha256::digest(template.as_bytes()))
 }
 
+/// What the server samples greedily, as ids, from the prompt ids `prompt`: `tokens` of them.
 async fn sample_again(
     http: &reqwest::Client,
     server: &LlamaCppServer,
