@@ -93,6 +93,46 @@ impl LlamaCppServer {
         }
     }
 
+    /// What its own API at `path` (`/tokenize`, `/completion`, …) answers to `body`.
+    pub async fn post(&self, path: &str, body: &serde_json::Value) -> serde_json::Value {
+        reqwest::Client::new()
+            .post(format!("{}{path}", self.root))
+            .json(body)
+            .send()
+            .await
+            .unwrap_or_else(|err| panic!("{path}: {err}"))
+            .json()
+            .await
+            .unwrap_or_else(|err| panic!("{path}: {err}"))
+    }
+
+    /// `text`'s ids by its tokenizer, no special tokens added.
+    pub async fn tokenize(&self, text: &str) -> Vec<u64> {
+        let answer = self
+            .post(
+                "/tokenize",
+                &serde_json::json!({"content": text, "add_special": false}),
+            )
+            .await;
+        answer["tokens"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{answer}"))
+            .iter()
+            .map(|id| id.as_u64().expect("an id"))
+            .collect()
+    }
+
+    /// The text its tokenizer makes of `ids`.
+    pub async fn detokenize(&self, ids: &[u64]) -> String {
+        let answer = self
+            .post("/detokenize", &serde_json::json!({"tokens": ids}))
+            .await;
+        answer["content"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{answer}"))
+            .to_owned()
+    }
+
     /// Its log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

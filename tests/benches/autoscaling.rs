@@ -112,11 +112,10 @@ async fn main() {
         let mut binding = Binding::default();
         // The first look at the pods is this round's first act: the plan pod is seen unbound.
         binding.observe(&pods, "scaled").await;
-        let run = setup
-            .drive(&kubelet, &mut seen, succeeded, async |_, _| {
-                binding.observe(&pods, "scaled").await;
-            })
-            .await;
+        let run = Box::pin(setup.drive(&kubelet, &mut seen, succeeded, async |_, _| {
+            binding.observe(&pods, "scaled").await;
+        }))
+        .await;
         let run_time = created.elapsed();
         setup.assert_succeeded_on_the_pool(&run, &kubelet, &seen);
         let removal =

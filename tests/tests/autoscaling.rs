@@ -107,50 +107,49 @@ async fn a_node_removed_mid_run_costs_no_finished_conversation_and_no_batch_fail
     let mut drained_grace = None;
     let mut claim_deleted = Instant::now();
     let mut seen = Seen::default();
-    let run = setup
-        .drive(&kubelet, &mut seen, succeeded, async |_, _| {
-            if let Some((pod, _, _)) = &victim {
-                // The drained pod stays, terminating, until its process has ended.
-                if drained_grace.is_none()
-                    && let Ok(pod) = pods.get(pod).await
-                {
-                    drained_grace = pod.metadata.deletion_grace_period_seconds;
-                    if drained_grace.is_some() {
-                        eprintln!(
-                            "pod {} evicted {} ms after its NodeClaim was deleted",
-                            pod.name_any(),
-                            claim_deleted.elapsed().as_millis()
-                        );
-                    }
+    let run = Box::pin(setup.drive(&kubelet, &mut seen, succeeded, async |_, _| {
+        if let Some((pod, _, _)) = &victim {
+            // The drained pod stays, terminating, until its process has ended.
+            if drained_grace.is_none()
+                && let Ok(pod) = pods.get(pod).await
+            {
+                drained_grace = pod.metadata.deletion_grace_period_seconds;
+                if drained_grace.is_some() {
+                    eprintln!(
+                        "pod {} evicted {} ms after its NodeClaim was deleted",
+                        pod.name_any(),
+                        claim_deleted.elapsed().as_millis()
+                    );
                 }
-                return;
             }
-            // A batch of three prompts, into its first conversation.
-            let Some(running) = kubelet
-                .running_batches()
-                .into_iter()
-                .find(|b| b.batch < 3 && b.running_for > Duration::from_millis(300))
-            else {
-                return;
-            };
-            let pod = pods.get(&running.pod).await.expect("the running pod");
-            let node = pod
-                .spec
-                .and_then(|spec| spec.node_name)
-                .expect("a played pod is bound");
-            let claim = pool_claims(&setup.client, &setup.pool.name)
-                .await
-                .into_iter()
-                .find(|claim| claim.data["status"]["nodeName"] == node.as_str())
-                .unwrap_or_else(|| panic!("no NodeClaim of node {node}"));
-            claims
-                .delete(&claim.name_any(), &DeleteParams::default())
-                .await
-                .expect("delete the NodeClaim");
-            claim_deleted = Instant::now();
-            victim = Some((running.pod, running.batch, node));
-        })
-        .await;
+            return;
+        }
+        // A batch of three prompts, into its first conversation.
+        let Some(running) = kubelet
+            .running_batches()
+            .into_iter()
+            .find(|b| b.batch < 3 && b.running_for > Duration::from_millis(300))
+        else {
+            return;
+        };
+        let pod = pods.get(&running.pod).await.expect("the running pod");
+        let node = pod
+            .spec
+            .and_then(|spec| spec.node_name)
+            .expect("a played pod is bound");
+        let claim = pool_claims(&setup.client, &setup.pool.name)
+            .await
+            .into_iter()
+            .find(|claim| claim.data["status"]["nodeName"] == node.as_str())
+            .unwrap_or_else(|| panic!("no NodeClaim of node {node}"));
+        claims
+            .delete(&claim.name_any(), &DeleteParams::default())
+            .await
+            .expect("delete the NodeClaim");
+        claim_deleted = Instant::now();
+        victim = Some((running.pod, running.batch, node));
+    }))
+    .await;
     let (pod, batch, node) = victim.expect("a batch was running on a node");
     assert_eq!(
         drained_grace,
@@ -204,14 +203,13 @@ async fn a_node_pool_limit_below_the_runs_need_leaves_it_waiting_never_failed() 
     let waited = Instant::now();
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), setup.ns());
     let events: Api<Event> = Api::namespaced(setup.client.clone(), setup.ns());
-    let run = setup
-        .drive(
-            &kubelet,
-            &mut seen,
-            |_| waited.elapsed() > Duration::from_secs(20),
-            async |_, _| {},
-        )
-        .await;
+    let run = Box::pin(setup.drive(
+        &kubelet,
+        &mut seen,
+        |_| waited.elapsed() > Duration::from_secs(20),
+        async |_, _| {},
+    ))
+    .await;
     assert_eq!(phase_of(&run), Some(Phase::Planning), "{:#?}", run.status);
     assert!(seen.nodes.is_empty(), "a node past the limit: {seen:?}");
     assert!(kubelet.played().is_empty(), "{:#?}", kubelet.played());

@@ -113,8 +113,8 @@ pub enum Command {
         /// format (ATIF, ADP, `ShareGPT`, `OpenAI` messages).
         #[arg(long, value_enum)]
         format: crate::export::ExportFormat,
-        /// Sample shapes: leave out trajectories without the server's own ids instead of
-        /// refusing them.
+        /// Sample shapes: instead of refusing trajectories without the server's own ids, write
+        /// those whose ids were made again from text (`retokenized`) and leave out the rest.
         #[arg(long)]
         force: bool,
         /// Write here instead of stdout.
@@ -611,8 +611,9 @@ fn export_to(
     let summary = export_into(run_dir, format, force, out)?;
     if format.trains_on_ids() {
         eprintln!(
-            "exported {} trajectories as {} samples ({} left out without exact ids)",
-            summary.trajectories, summary.samples, summary.skipped
+            "exported {} trajectories as {} samples ({} of them with ids made again from text; {} \
+             left out without ids)",
+            summary.trajectories, summary.samples, summary.retokenized, summary.skipped
         );
     } else {
         eprintln!("exported {} trajectories", summary.trajectories);

@@ -247,6 +247,12 @@ pub struct TokensSpec {
     /// token's logprob only).
     #[serde(default)]
     pub top_logprobs: u8,
+    /// With `request: Retokenize`, the root of the llama.cpp server (`llama-server`, the same
+    /// model's tokenizer and chat template loaded) whose `/apply-template` and `/tokenize` make
+    /// the ids, e.g. `http://tokenizer:8080`; unset, the model endpoint's own root. The model's
+    /// key is not sent to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_url: Option<String>,
 }
 
 /// How a model server gives the token ids of a chat completion.
@@ -263,6 +269,14 @@ pub enum TokenRequest {
     LlamaServer,
     /// `logprobs` only, as hosted APIs give them: no ids (records say `none`).
     LogprobsOnly,
+    /// `logprobs` only, and ids made again from the text by a llama.cpp server's
+    /// `/apply-template` and `/tokenize` (`tokenizerUrl`): the prompt's as its template renders
+    /// the request, the reply's as the next prompt holds it (end of turn included). Not the
+    /// sampled ids (tokenizing a reply again gives others for some replies, and a template may
+    /// render a reply apart from how it was sampled), so records say `retokenized` and the
+    /// reinforcement-learning exports take them only with `--force`. For servers that give no
+    /// ids, such as hosted APIs serving open weights.
+    Retokenize,
 }
 
 /// Rate limits on a model's key, over every pod of a run. Each pod keeps its share, the limit

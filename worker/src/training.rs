@@ -83,7 +83,10 @@ impl TokensContext {
 pub enum IdSource {
     /// Every call's prompt and completion ids are the server's own.
     Server,
-    /// Some calls have the server's ids, others none (a server that gave them only at times).
+    /// Every call has ids, some or all made again from the text (`Retokenize`): not
+    /// necessarily the sampled ones.
+    Retokenized,
+    /// Some calls have ids, others none (a server or tokenizer that gave them only at times).
     Partial,
     /// No call has ids (a server that gives logprobs at most).
     None,
@@ -92,9 +95,14 @@ pub enum IdSource {
 impl IdSource {
     pub fn of(steps: &[Step]) -> Self {
         let with_ids = steps.iter().filter(|step| step.tokens.has_ids()).count();
+        let from_server = steps
+            .iter()
+            .filter(|step| step.tokens.has_server_ids())
+            .count();
         match with_ids {
             0 => Self::None,
-            all if all == steps.len() => Self::Server,
+            all if all == steps.len() && from_server == all => Self::Server,
+            all if all == steps.len() => Self::Retokenized,
             _ => Self::Partial,
         }
     }
@@ -121,6 +129,9 @@ pub struct EndpointCalls {
     pub calls: u64,
     /// Calls that came with the server's prompt and completion ids.
     pub with_ids: u64,
+    /// Calls whose ids were made again from the text (`Retokenize`).
+    #[serde(default)]
+    pub retokenized: u64,
     /// Calls that came with logprobs.
     pub with_logprobs: u64,
 }
@@ -143,7 +154,8 @@ impl EndpointCalls {
                 });
             let entry = &mut endpoints[at];
             entry.calls += 1;
-            entry.with_ids += u64::from(step.tokens.has_ids());
+            entry.with_ids += u64::from(step.tokens.has_server_ids());
+            entry.retokenized += u64::from(step.tokens.has_ids() && step.tokens.retokenized);
             entry.with_logprobs += u64::from(!step.tokens.logprobs.is_empty());
         }
         endpoints
@@ -153,6 +165,7 @@ impl EndpointCalls {
     pub fn add(&mut self, other: &Self) {
         self.calls += other.calls;
         self.with_ids += other.with_ids;
+        self.retokenized += other.retokenized;
         self.with_logprobs += other.with_logprobs;
     }
 }
@@ -274,6 +287,7 @@ pub fn source_of(tokens: &[u8]) -> Option<IdSource> {
     let rest = &head[at..];
     [
         (b"server\"".as_slice(), IdSource::Server),
+        (b"retokenized\"".as_slice(), IdSource::Retokenized),
         (b"partial\"".as_slice(), IdSource::Partial),
         (b"none\"".as_slice(), IdSource::None),
     ]
@@ -402,6 +416,7 @@ mod tests {
                 completion_token_ids: ids.then(|| vec![3]),
                 logprobs: vec![-0.5],
                 top_logprobs: Vec::new(),
+                retokenized: false,
             },
             finish_reason: Some("stop".into()),
             usage: Usage {
@@ -446,18 +461,45 @@ mod tests {
         append_tokens(&mut line, &conversation, &context, ("r-0-0", 0, 0));
         let at = TokensAt::find(&line).unwrap();
         let endpoints = endpoints_of(&line[at.value]);
-        let calls = |endpoint: &str, ids: u64| EndpointCalls {
+        let calls = |endpoint: &str, ids: u64, retokenized: u64| EndpointCalls {
             endpoint: endpoint.into(),
             calls: 1,
             with_ids: ids,
+            retokenized,
             with_logprobs: 1,
         };
         assert_eq!(
             endpoints,
-            [calls("http://a/v1", 1), calls("http://b/v1", 0)]
+            [calls("http://a/v1", 1, 0), calls("http://b/v1", 0, 0)]
         );
         conversation.steps.remove(0);
         assert_eq!(IdSource::of(&conversation.steps), IdSource::None);
+        // Ids made again from the text are ids, not the server's.
+        let mut remade = step(true);
+        remade.tokens.retokenized = true;
+        conversation.steps = vec![step(true), remade];
+        assert_eq!(IdSource::of(&conversation.steps), IdSource::Retokenized);
+        let mut line = br#"{"conversations": []}"#.to_vec();
+        append_tokens(&mut line, &conversation, &context, ("r-0-0", 0, 0));
+        let at = TokensAt::find(&line).unwrap();
+        assert_eq!(
+            source_of(&line[at.value.clone()]),
+            Some(IdSource::Retokenized)
+        );
+        assert_eq!(
+            endpoints_of(&line[at.value.clone()]),
+            [EndpointCalls {
+                calls: 2,
+                with_logprobs: 2,
+                ..calls("http://a/v1", 1, 1)
+            }]
+        );
+        let record: Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(record[TOKENS_KEY]["steps"][1]["retokenized"], true);
+        assert!(record[TOKENS_KEY]["steps"][0].get("retokenized").is_none());
+        conversation.steps.remove(0);
+        assert_eq!(IdSource::of(&conversation.steps), IdSource::Retokenized);
+        conversation.steps.remove(0);
         conversation.steps.clear();
         let mut untouched = b"{}".to_vec();
         append_tokens(&mut untouched, &conversation, &context, ("r", 0, 0));

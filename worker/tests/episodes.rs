@@ -508,3 +508,156 @@ async fn a_kill_costs_a_simulated_episode_the_turn_in_flight() {
         "{agent_after} agent calls after the kill: {record}"
     );
 }
+
+/// A simulated user on a real model server: llama.cpp's `llama-server` (this project's `SmolLM2`)
+/// plays both the agent, its token ids kept, and the user of a persona. The small model decides
+/// when it stops, so the assertions are about structure: every simulated message is a
+/// `user_simulator` turn, as many as the record counts, within `maxTurns`; the episode ends by
+/// the simulator's stop or its limit; what the simulator spent is kept apart from the agent's;
+/// and the agent's samples train only what the agent sampled: the simulated messages' ids lie in
+/// their prompts, masked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulated_user_on_a_real_model_server_talks_with_the_agent_and_is_never_trained() {
+    use trajectory_testkit::llama_cpp_server::LlamaCppServer;
+    let state = tempfile::tempdir().unwrap();
+    let server = LlamaCppServer::start(state.path(), 2, 2).await;
+    let row = json!({
+        "prompt": "Hello, I need help planning a trip.",
+        "user_scenario": {
+            "persona": "A traveller who answers briefly.",
+            "instructions": "You want a one-day plan for Paris. Ask one question, then stop.",
+        },
+    });
+    let model = |max_tokens: u32| {
+        json!({"baseUrl": server.base_url, "name": server.model, "maxTokens": max_tokens,
+               "temperature": 0.0, "requestTimeoutSeconds": 120})
+    };
+    let mut agent_model = model(64);
+    agent_model["tokens"] = json!({"request": "LlamaServer"});
+    let fixture = RunFixture::with_lines(&server.base_url, &[row.to_string()])
+        .with("/concurrency", json!(1))
+        .with("/model", agent_model)
+        .with(
+            "/agent",
+            json!({"maxTurns": 1, "promptTimeoutSeconds": 600}),
+        )
+        .with("/userSimulator", json!({"model": model(48), "maxTurns": 2}));
+    trajectory_worker::run::local::run_local(
+        &common::local_options(&fixture),
+        &common::no_shutdown(),
+    )
+    .await
+    .expect("the run finishes");
+    let records = fixture.lines("trajectories.jsonl");
+    assert_eq!(records.len(), 1, "{:?}", fixture.lines("failures.jsonl"));
+    let record = &records[0];
+    let origins = record["turn_origin"].as_array().expect("turn_origin");
+    assert_eq!(
+        origins.len(),
+        record["conversations"].as_array().unwrap().len()
+    );
+    let simulated: Vec<&str> = origins
+        .iter()
+        .zip(record["conversations"].as_array().unwrap())
+        .filter(|(origin, _)| *origin == "user_simulator")
+        .map(|(_, turn)| turn["value"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        record["user_simulator"]["turns"].as_u64(),
+        Some(simulated.len() as u64),
+        "{record}"
+    );
+    assert!(simulated.len() <= 2, "{record}");
+    let reason = record["episode"]["termination_reason"].as_str().unwrap();
+    assert!(
+        matches!(reason, "user_stop" | "max_user_turns" | "cut_off"),
+        "{record}"
+    );
+    assert_eq!(
+        reason == "user_stop",
+        record["user_simulator"]["stopped"] == true
+    );
+    let simulator_prompt = record["user_simulator"]["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap();
+    let agent_prompt = record["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(simulator_prompt > 0 && agent_prompt > 0, "{record}");
+    assert_ne!(simulator_prompt, agent_prompt, "{record}");
+
+    only_the_agent_is_trained(&fixture, &server, &simulated).await;
+}
+
+/// The run's `verl` samples train exactly the tokens the agent sampled; the simulated messages'
+/// ids lie in them, masked.
+async fn only_the_agent_is_trained(
+    fixture: &RunFixture,
+    server: &trajectory_testkit::llama_cpp_server::LlamaCppServer,
+    simulated: &[&str],
+) {
+    use trajectory_worker::export::{ExportFormat, export};
+    let tokens = fixture.lines("trajectories.tokens.jsonl");
+    assert_eq!(
+        tokens[0]["tokenization"]["source"], "server",
+        "{}",
+        tokens[0]
+    );
+    let agent_sampled: u64 = tokens[0]["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|step| step["completion_tokens"].as_u64().unwrap())
+        .sum();
+    let mut out = Vec::new();
+    export(&fixture.out(), ExportFormat::Verl, false, &mut out).unwrap();
+    let samples: Vec<Value> = out
+        .split(|byte| *byte == b'\n')
+        .filter(|line| !line.is_empty())
+        .map(|line| serde_json::from_slice(line).unwrap())
+        .collect();
+    let ids = |value: &Value| -> Vec<u64> {
+        value
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|id| id.as_u64().unwrap())
+            .collect()
+    };
+    let (mut trained, mut found) = (0, 0);
+    for sample in &samples {
+        let mut all = ids(&sample["prompt_ids"]);
+        let mut mask = vec![0; all.len()];
+        all.extend(ids(&sample["response_ids"]));
+        mask.extend(ids(&sample["response_mask"]));
+        trained += mask.iter().sum::<u64>();
+        for text in simulated.iter().filter(|text| !text.trim().is_empty()) {
+            let text_ids = server.tokenize(text).await;
+            if let Some(at) = all
+                .windows(text_ids.len())
+                .position(|window| window == text_ids.as_slice())
+            {
+                found += 1;
+                assert!(
+                    mask[at..at + text_ids.len()].iter().all(|bit| *bit == 0),
+                    "the simulated message {text:?} is trained"
+                );
+            }
+        }
+    }
+    eprintln!(
+        "{} simulated messages ({found} found masked in {} samples); {trained} tokens trained",
+        simulated.len(),
+        samples.len()
+    );
+    assert_eq!(
+        trained, agent_sampled,
+        "the samples train the agent's tokens alone"
+    );
+    let spoken = simulated
+        .iter()
+        .filter(|text| !text.trim().is_empty())
+        .count();
+    assert!(
+        spoken == 0 || found > 0,
+        "the simulated messages are in the samples' ids: {simulated:?}"
+    );
+}

@@ -106,6 +106,16 @@ fn merged(report: &trajectory_worker::run::local::LocalReport) -> (Vec<Value>, V
     (trajectories, tokens)
 }
 
+/// A call's ids under `key` (`prompt_token_ids`, `completion_token_ids`) in a tokens line's step.
+fn ids(step: &Value, key: &str) -> Vec<u64> {
+    step[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key} in {step}"))
+        .iter()
+        .map(|id| id.as_u64().unwrap())
+        .collect()
+}
+
 /// A JSON count as an index.
 fn index(value: &Value) -> usize {
     usize::try_from(value.as_u64().unwrap_or_else(|| panic!("a count: {value}"))).unwrap()
@@ -243,7 +253,7 @@ async fn the_project_server_gives_no_ids_and_its_records_say_so_beside_unchanged
     assert_eq!(
         statistics["token_ids"]["endpoints"],
         serde_json::json!({common::model_server(): {
-            "calls": calls, "with_ids": 0, "with_logprobs": plain_with_logprobs, "exact_rate": 0.0}}),
+            "calls": calls, "with_ids": 0, "retokenized": 0, "with_logprobs": plain_with_logprobs, "exact_rate": 0.0}}),
         "every call counted at the one endpoint, logprobs on the plain replies only"
     );
 
@@ -278,14 +288,6 @@ async fn llama_server_ids_are_the_servers_own_and_each_prompt_extends_the_last()
             "{tokens}"
         );
         let steps = tokens["steps"].as_array().unwrap();
-        let ids = |step: &Value, key: &str| -> Vec<u64> {
-            step[key]
-                .as_array()
-                .unwrap_or_else(|| panic!("{key} in {step}"))
-                .iter()
-                .map(|id| id.as_u64().unwrap())
-                .collect()
-        };
         for (index, step) in steps.iter().enumerate() {
             steps_seen += 1;
             let (prompt, completion) = (
@@ -325,7 +327,7 @@ async fn llama_server_ids_are_the_servers_own_and_each_prompt_extends_the_last()
                 && turn.is_some_and(|turn| !turn["value"].as_str().unwrap().contains("<tool_call>"))
             {
                 // The server's own ids: the prompt, fed back as ids, samples the same reply.
-                let sampled = sample_again(&http, &server, &prompt, completion.len()).await;
+                let sampled = sample_again(&server, &prompt, completion.len()).await;
                 assert!(
                     completion.starts_with(&sampled) && sampled.len() + 1 >= completion.len(),
                     "the recorded prompt ids sample {sampled:?}, not the recorded {completion:?}"
@@ -350,12 +352,206 @@ async fn llama_server_ids_are_the_servers_own_and_each_prompt_extends_the_last()
     assert_eq!(
         statistics["token_ids"]["endpoints"],
         serde_json::json!({&server.base_url: {
-            "calls": steps_seen, "with_ids": steps_seen, "with_logprobs": steps_seen, "exact_rate": 100.0}})
+            "calls": steps_seen, "with_ids": steps_seen, "retokenized": 0, "with_logprobs": steps_seen, "exact_rate": 100.0}})
     );
     shown_per_endpoint(&report, &server.base_url, steps_seen, trajectories.len());
 
     check_exports(&report.run_dir, &trajectories, &tokens);
     check_conversation_exports(&report.run_dir, &trajectories, &tokens);
+}
+
+/// Ids made again from text are not the sampled ones. On llama-server, replies sampled at a high
+/// temperature (the server's own ids) are tokenized again as `Retokenize` does; some come back
+/// as other ids (the drift the research measured on this model), so such ids must be flagged.
+/// Then a run with `Retokenize` and llama-server as its tokenizer (`tokenizerUrl`, its ids in
+/// the answers set aside): its records say `retokenized`, each call's ids are what the
+/// tokenizer makes of its text, the sample exports refuse them and `--force` writes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_made_again_from_text_drift_from_the_sampled_ones_and_are_flagged_retokenized() {
+    let storage = tempfile::tempdir().unwrap();
+    let server = LlamaCppServer::start(&storage.path().join("server"), 2, 2).await;
+    let (calls, drifted) = replies_drift_when_tokenized_again(&server).await;
+    eprintln!("{drifted} of {calls} sampled replies tokenized again to other ids");
+    assert!(
+        drifted > 0,
+        "some of {calls} replies drift when tokenized again"
+    );
+
+    let report = run_on(
+        &storage.path().join("run"),
+        &server.base_url,
+        &server.model,
+        &format!(
+            "    tokens:\n      request: Retokenize\n      tokenizerUrl: {}",
+            server.root
+        ),
+    )
+    .await;
+    let (trajectories, tokens) = merged(&report);
+    let steps_seen = retokenized_steps_read_back(&server, &trajectories, &tokens).await;
+    let statistics = statistics(&report.run_dir);
+    assert_eq!(statistics["token_ids"]["retokenized"], trajectories.len());
+    assert_eq!(statistics["token_ids"]["server"], 0);
+    let endpoint = &statistics["token_ids"]["endpoints"][&server.base_url];
+    assert_eq!(endpoint["retokenized"], steps_seen, "{endpoint}");
+    assert_eq!(endpoint["with_ids"], 0, "{endpoint}");
+
+    let refused = export(&report.run_dir, ExportFormat::Verl, false, &mut Vec::new()).unwrap_err();
+    assert!(
+        matches!(&refused, ExportError::NotExact { id_source, .. } if id_source == "retokenized"),
+        "{refused}"
+    );
+    let mut out = Vec::new();
+    let summary = export(&report.run_dir, ExportFormat::Verl, true, &mut out).unwrap();
+    assert_eq!(
+        (summary.retokenized, summary.skipped),
+        (trajectories.len() as u64, 0),
+        "--force writes the ids made again"
+    );
+    let samples = out
+        .split(|byte| *byte == b'\n')
+        .filter(|line| !line.is_empty())
+        .count();
+    assert_eq!(samples as u64, summary.samples);
+    assert!(summary.samples >= trajectories.len() as u64, "{summary:?}");
+}
+
+/// Checks each tokens line of a `Retokenize` run against the tokenizer `server`: flagged, its
+/// template named, each call's ids the tokenizer's text of the row's prompt and of the reply,
+/// each prompt extending the last. Returns the calls seen.
+async fn retokenized_steps_read_back(
+    server: &LlamaCppServer,
+    trajectories: &[Value],
+    tokens: &[Value],
+) -> u64 {
+    let http = reqwest::Client::new();
+    let template_sha256 = chat_template_sha256(&http, server).await;
+    let mut steps_seen = 0;
+    for (record, tokens) in trajectories.iter().zip(tokens) {
+        assert_eq!(tokens["tokenization"]["source"], "retokenized", "{tokens}");
+        assert_eq!(tokens["tokenization"]["request"], "Retokenize");
+        assert_eq!(
+            tokens["tokenization"]["chat_template_sha256"], template_sha256,
+            "the tokenizer's template"
+        );
+        let steps = tokens["steps"].as_array().unwrap();
+        let prompt = record["conversations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|turn| turn["from"] == "human")
+            .unwrap()["value"]
+            .as_str()
+            .unwrap();
+        for (index, step) in steps.iter().enumerate() {
+            steps_seen += 1;
+            assert_eq!(step["retokenized"], true, "{step}");
+            let (prompt_ids, completion_ids) = (
+                ids(step, "prompt_token_ids"),
+                ids(step, "completion_token_ids"),
+            );
+            // The tokenizer's text of them: the prompt holds the row's prompt, the completion the
+            // reply as the conversation keeps it.
+            let prompt_text = server.detokenize(&prompt_ids).await;
+            assert!(
+                prompt_text.contains(prompt),
+                "{prompt_text:?} holds {prompt:?}"
+            );
+            let completion_text = server.detokenize(&completion_ids).await;
+            if let Some(at) = step["conversation_index"].as_u64() {
+                let reply = record["conversations"][usize::try_from(at).unwrap()]["value"]
+                    .as_str()
+                    .unwrap();
+                // Hermes' gpt turns open with their (here empty) reasoning block.
+                let reply = reply
+                    .rsplit_once("</think>")
+                    .map_or(reply, |(_, text)| text);
+                if !reply.contains("<tool_call>") {
+                    assert!(
+                        completion_text.contains(reply.trim()),
+                        "{completion_text:?} holds the reply {reply:?}"
+                    );
+                }
+            }
+            if let Some(next) = steps.get(index + 1) {
+                let next: Vec<u64> = next["prompt_token_ids"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|id| id.as_u64().unwrap())
+                    .collect();
+                assert!(
+                    next.starts_with(&prompt_ids),
+                    "each prompt extends the one before"
+                );
+            }
+        }
+    }
+    steps_seen
+}
+
+/// Samples ten prompts four times each (seeded, temperature 1.2, 24 tokens at most) through the
+/// worker's client keeping llama-server's own ids, and tokenizes each call again as
+/// `Retokenize` does. Returns the calls with the server's whole ids and how many of their
+/// replies came back as other ids than the sampled ones.
+async fn replies_drift_when_tokenized_again(server: &LlamaCppServer) -> (usize, usize) {
+    use trajectory_worker::model::tokens::LlamaCppTokenizer;
+    let http = reqwest::Client::new();
+    let tokenizer = LlamaCppTokenizer {
+        http: &http,
+        root: &server.root,
+        authorization: None,
+        timeout: std::time::Duration::from_secs(60),
+    };
+    let (mut calls, mut drifted, mut unwhole) = (0, 0, 0);
+    for seed in 1..=4 {
+        let spec: ModelSpec = serde_json::from_value(serde_json::json!({
+            "baseUrl": server.base_url, "name": server.model, "maxTokens": 24,
+            "temperature": 1.2, "tokens": {"request": "LlamaServer"},
+            "extraBody": {"seed": seed},
+        }))
+        .unwrap();
+        let client = ModelClient::new(ModelSettings::from_spec(&spec, None).unwrap()).unwrap();
+        for question in [
+            "Write a haiku about the sea.",
+            "Name three fruits and an emoji for each.",
+            "What is the capital of France?",
+            "Describe your favourite colour.",
+            "Tell me a very short joke.",
+            "Say hello in four languages.",
+            "What is 17 times 23?",
+            "List two uses of a paperclip.",
+            "Invent a word and define it.",
+            "Spell 'skinny' backwards.",
+        ] {
+            let messages = [Message::User(question.to_owned())];
+            let body = client.request_body(None, &messages, None);
+            let completion = client.complete(&body, 0).await.unwrap();
+            let tokens = completion.tokens.clone().expect("the call's tokens");
+            let prompt = tokens.prompt_token_ids.expect("the server's prompt ids");
+            // llama-server gives one logprob for the pieces of a character it sampled in
+            // several (an emoji's bytes): fewer ids than it counted, so none are kept.
+            let Some(sampled) = tokens.completion_token_ids else {
+                unwhole += 1;
+                continue;
+            };
+            let reply = Message::Assistant(completion.message).to_wire();
+            let (prompt_again, completion_again) = tokenizer
+                .retokenize(&serde_json::to_vec(&body).unwrap(), reply)
+                .await
+                .unwrap();
+            assert_eq!(
+                prompt_again, prompt,
+                "the prompt is rendered as the server did"
+            );
+            calls += 1;
+            // Made again, the reply's ids end with the template's end of turn; those sampled
+            // (the end of turn among them or not) begin them unless the text drifted.
+            drifted += usize::from(!completion_again.starts_with(&sampled));
+        }
+    }
+    eprintln!("{unwhole} replies of 40 without their whole ids from the server");
+    (calls, drifted)
 }
 
 /// Without the server's ids there is nothing to train on: the sample formats refuse, naming the
@@ -404,7 +600,7 @@ fn shown_per_endpoint(
         .unwrap();
     let dom = String::from_utf8_lossy(&dom.stdout);
     let row = format!(
-        r#"data-endpoint="{endpoint}" data-calls="{steps_seen}" data-with-ids="{steps_seen}" data-with-logprobs="{steps_seen}""#
+        r#"data-endpoint="{endpoint}" data-calls="{steps_seen}" data-with-ids="{steps_seen}" data-retokenized="0" data-with-logprobs="{steps_seen}""#
     );
     assert!(dom.contains(&row), "the report's endpoint row: {row}");
 }
@@ -576,24 +772,16 @@ async fn chat_template_sha256(http: &reqwest::Client, server: &LlamaCppServer) -
 }
 
 /// What the server samples greedily, as ids, from the prompt ids `prompt`: `tokens` of them.
-async fn sample_again(
-    http: &reqwest::Client,
-    server: &LlamaCppServer,
-    prompt: &[u64],
-    tokens: usize,
-) -> Vec<u64> {
-    let again: Value = http
-        .post(format!("{}/completion", server.root))
-        .json(&serde_json::json!({
-            "prompt": prompt, "n_predict": tokens,
-            "temperature": 0.0, "return_tokens": true, "cache_prompt": false,
-        }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+async fn sample_again(server: &LlamaCppServer, prompt: &[u64], tokens: usize) -> Vec<u64> {
+    let again = server
+        .post(
+            "/completion",
+            &serde_json::json!({
+                "prompt": prompt, "n_predict": tokens,
+                "temperature": 0.0, "return_tokens": true, "cache_prompt": false,
+            }),
+        )
+        .await;
     again["tokens"]
         .as_array()
         .unwrap_or_else(|| panic!("{again}"))

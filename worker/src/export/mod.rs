@@ -5,7 +5,8 @@
 //!
 //! The sample formats of reinforcement-learning trainers ([`samples`]) train on ids, so a
 //! trajectory whose ids are not all the server's own (`tokenization.source` other than
-//! `server`) is refused, naming it, unless `--force` skips it (counted). The conversation formats
+//! `server`) is refused, naming it, unless `--force`: then those whose ids were made again from
+//! text (`retokenized`) are written and the rest left out (both counted). The conversation formats
 //! (ATIF, ADP, `ShareGPT`, `OpenAI` messages) need no ids: they read the Hermes turns back into
 //! calls and results ([`hermes_text`]), and ATIF adds each call's ids and logprobs where kept.
 
@@ -92,7 +93,7 @@ pub enum ExportError {
         "{path}:{line}: trajectory {prompt_index}/{sample} has no exact ids (tokenization.source \
          {id_source:?}): these formats train on ids, and ids made again from text are not the \
          model's; run with a server that gives them (docs/training-data.md), or pass --force to \
-         leave such trajectories out"
+         write those with ids made again from text and leave the rest out"
     )]
     NotExact {
         path: PathBuf,
@@ -109,8 +110,10 @@ pub struct ExportSummary {
     pub trajectories: u64,
     /// Lines of samples (the sample formats), else trajectories written.
     pub samples: u64,
-    /// Trajectories left out for want of exact ids (`--force`).
+    /// Trajectories left out for want of ids (`--force`).
     pub skipped: u64,
+    /// Trajectories written with ids made again from text (`--force`).
+    pub retokenized: u64,
 }
 
 /// One call's tokens, as the tokens line keeps them.
@@ -234,6 +237,10 @@ pub fn export(
                 1
             }
             (_, None) => unreachable!("the sample formats need the tokens file, opened above"),
+            (_, Some(tokens)) if force && tokens.tokenization.source == "retokenized" => {
+                summary.retokenized += 1;
+                rl.trajectory(&record, tokens, &mut emit)?
+            }
             (_, Some(tokens)) if tokens.tokenization.source != "server" => {
                 if force {
                     summary.skipped += 1;

@@ -499,14 +499,28 @@ impl ModelClient {
     /// template) or the endpoints differ.
     pub async fn chat_template_sha256(&self) -> Option<String> {
         use sha2::{Digest, Sha256};
+        // A tokenizer of its own renders the prompts whose ids are kept (`Retokenize`).
+        let tokenizer = self
+            .settings
+            .tokens
+            .as_ref()
+            .and_then(|tokens| tokens.tokenizer_url.as_deref());
+        let roots: Vec<&str> = match tokenizer {
+            Some(url) => vec![url.trim_end_matches('/')],
+            None => self
+                .settings
+                .base_urls
+                .iter()
+                .map(|base| tokens::server_root(base))
+                .collect(),
+        };
         let mut digests = std::collections::BTreeSet::new();
-        for base in &self.settings.base_urls {
-            let root = base.trim_end_matches('/').trim_end_matches("/v1");
+        for root in roots {
             let mut request = self
                 .http
                 .get(format!("{root}/props"))
                 .timeout(Duration::from_secs(10));
-            if let Some(authorization) = &self.authorization {
+            if let (Some(authorization), None) = (&self.authorization, tokenizer) {
                 request = request.header(AUTHORIZATION, authorization.clone());
             }
             let response = request.send().await.ok()?.error_for_status().ok()?;
@@ -826,14 +840,37 @@ impl ModelClient {
             "model call answered"
         );
         let mut completion = parsed.map_err(|failure| parse_failure(failure, status.as_u16()))?;
-        if let (Some(tokens), Some(settings)) = (completion.tokens.as_mut(), self.settings.tokens) {
-            settings.keep_asked(tokens);
-            if settings.request == TokenRequest::LlamaServer {
-                self.add_llama_server_prompt_ids(endpoint, body, tokens, completion.usage)
-                    .await;
+        if let Some(settings) = &self.settings.tokens {
+            match settings.request {
+                TokenRequest::LlamaServer => {
+                    if let Some(tokens) = completion.tokens.as_mut() {
+                        self.add_llama_server_prompt_ids(endpoint, body, tokens, completion.usage)
+                            .await;
+                    }
+                }
+                TokenRequest::Retokenize => {
+                    let reply = Message::Assistant(completion.message.clone()).to_wire();
+                    let tokens = completion.tokens.get_or_insert_with(CallTokens::default);
+                    self.add_retokenized_ids(endpoint, settings, body, reply, tokens)
+                        .await;
+                }
+                TokenRequest::ReturnTokenIds | TokenRequest::LogprobsOnly => {}
+            }
+            if let Some(tokens) = completion.tokens.as_mut() {
+                settings.keep_asked(tokens);
             }
         }
         Ok(completion)
+    }
+
+    /// llama.cpp's own API on the server of `endpoint`, with the model's key.
+    fn endpoint_tokenizer(&self, endpoint: usize) -> tokens::LlamaCppTokenizer<'_> {
+        tokens::LlamaCppTokenizer {
+            http: &self.http,
+            root: tokens::server_root(&self.endpoints.get(endpoint).base_url),
+            authorization: self.authorization.as_ref(),
+            timeout: self.settings.request_timeout,
+        }
     }
 
     /// The prompt's ids of a call to a llama.cpp server, asked of the same server for the same
@@ -846,16 +883,7 @@ impl ModelClient {
         tokens: &mut CallTokens,
         usage: Usage,
     ) {
-        let root = tokens::server_root(&self.endpoints.get(endpoint).base_url);
-        match tokens::llama_server_prompt_ids(
-            &self.http,
-            root,
-            body,
-            self.authorization.as_ref(),
-            self.settings.request_timeout,
-        )
-        .await
-        {
+        match self.endpoint_tokenizer(endpoint).prompt_ids(body).await {
             Ok(ids) if ids.len() as u64 == usage.prompt_tokens => {
                 tokens.prompt_token_ids = Some(ids);
             }
@@ -865,6 +893,38 @@ impl ModelClient {
                 "the server's prompt ids do not match the prompt tokens it reported; not kept"
             ),
             Err(err) => warn!(%err, "the server did not give the prompt's ids; not kept"),
+        }
+    }
+
+    /// Ids made again from the text of a call (`Retokenize`), in place of any the server gave.
+    /// A tokenizer of its own (`tokenizerUrl`) is not sent the model's key. Without them the
+    /// call has none, and its record says so.
+    async fn add_retokenized_ids(
+        &self,
+        endpoint: usize,
+        settings: &TokenSettings,
+        body: &[u8],
+        reply: Value,
+        tokens: &mut CallTokens,
+    ) {
+        let tokenizer = match &settings.tokenizer_url {
+            Some(url) => tokens::LlamaCppTokenizer {
+                http: &self.http,
+                root: url.trim_end_matches('/'),
+                authorization: None,
+                timeout: self.settings.request_timeout,
+            },
+            None => self.endpoint_tokenizer(endpoint),
+        };
+        tokens.prompt_token_ids = None;
+        tokens.completion_token_ids = None;
+        match tokenizer.retokenize(body, reply).await {
+            Ok((prompt, completion)) => {
+                tokens.prompt_token_ids = Some(prompt);
+                tokens.completion_token_ids = Some(completion);
+                tokens.retokenized = true;
+            }
+            Err(err) => warn!(%err, "the tokenizer did not make the call's ids; none kept"),
         }
     }
 }

@@ -13,6 +13,8 @@
 //!   the same request, the two steps its chat endpoint takes before it evaluates a prompt (the
 //!   template rendered, then tokenized with special tokens added and parsed).
 //! - `LogprobsOnly` sends `logprobs`: hosted APIs give logprobs, never ids.
+//! - `Retokenize` sends `logprobs` and makes the ids again from the text, with a llama.cpp
+//!   server's template and tokenizer ([`LlamaCppTokenizer::retokenize`]); they are marked so.
 //!
 //! Ids whose count disagrees with the usage the server reported for the same call are not kept
 //! as exact: a count the server itself made is the one check a client can make of them.
@@ -26,10 +28,12 @@ use serde_json::{Map, Value};
 use crate::spec::{TokenRequest, TokensSpec};
 
 /// What a client asks of the server for each call's tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenSettings {
     pub request: TokenRequest,
     pub top_logprobs: u8,
+    /// Where `Retokenize` makes ids (`tokenizerUrl`); `None`: the endpoint's own root.
+    pub tokenizer_url: Option<String>,
 }
 
 impl TokenSettings {
@@ -37,6 +41,7 @@ impl TokenSettings {
         Self {
             request: spec.request,
             top_logprobs: spec.top_logprobs,
+            tokenizer_url: spec.tokenizer_url.clone(),
         }
     }
 
@@ -47,7 +52,9 @@ impl TokenSettings {
             // llama.cpp's server gives no logprobs at all (nor ids) for 0 alternatives; the one
             // it then sends is dropped again ([`Self::keep_asked`]).
             TokenRequest::LlamaServer => self.top_logprobs.max(1),
-            TokenRequest::ReturnTokenIds | TokenRequest::LogprobsOnly => self.top_logprobs,
+            TokenRequest::ReturnTokenIds
+            | TokenRequest::LogprobsOnly
+            | TokenRequest::Retokenize => self.top_logprobs,
         };
         body.insert("top_logprobs".into(), top_logprobs.into());
         if self.request == TokenRequest::ReturnTokenIds {
@@ -90,12 +97,20 @@ pub struct CallTokens {
     /// The alternatives to each sampled token, when asked for (`topLogprobs` above 0).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub top_logprobs: Vec<Vec<TopLogprob>>,
+    /// Whether the ids were made again from the text (`Retokenize`), not given by the server.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub retokenized: bool,
 }
 
 impl CallTokens {
-    /// Whether both the prompt's and the completion's ids are the server's.
+    /// Whether the call has both the prompt's and the completion's ids.
     pub fn has_ids(&self) -> bool {
         self.prompt_token_ids.is_some() && self.completion_token_ids.is_some()
+    }
+
+    /// Whether the call has both ids, and they are the server's own.
+    pub fn has_server_ids(&self) -> bool {
+        self.has_ids() && !self.retokenized
     }
 
     /// The tokens a chat-completions response carries (its first choice's), with ids only where
@@ -153,6 +168,7 @@ impl CallTokens {
                 .filter(|completion| count(completion) == completion_tokens),
             logprobs,
             top_logprobs,
+            retokenized: false,
         }
     }
 }
@@ -198,54 +214,140 @@ pub fn server_root(base_url: &str) -> &str {
     trimmed.strip_suffix("/v1").unwrap_or(trimmed)
 }
 
-/// Why a llama.cpp server did not give a prompt's ids.
+/// Why a llama.cpp server did not give a prompt's or reply's ids.
 #[derive(Debug, thiserror::Error)]
 #[error("{step}: {message}")]
-pub struct PromptIdsError {
+pub struct TokenizeError {
     step: &'static str,
     message: String,
 }
 
-/// The ids of the prompt a llama.cpp server evaluates for the chat request `body`: its template
-/// rendered by `/apply-template`, tokenized by `/tokenize` as its chat endpoint tokenizes it.
-pub async fn llama_server_prompt_ids(
-    http: &reqwest::Client,
-    root: &str,
-    body: &[u8],
-    authorization: Option<&HeaderValue>,
-    timeout: Duration,
-) -> Result<Vec<u32>, PromptIdsError> {
-    let post = |path: &str, body: Vec<u8>| {
-        let mut request = http
-            .post(format!("{root}{path}"))
-            .timeout(timeout)
+/// A llama.cpp server's chat template and tokenizer, through its own API: `/apply-template`
+/// renders a chat request as its chat endpoint does, `/tokenize` tokenizes text as it does
+/// before evaluating a prompt (special tokens added and parsed).
+#[derive(Debug)]
+pub struct LlamaCppTokenizer<'a> {
+    pub http: &'a reqwest::Client,
+    /// Its root (`http://host:port`, no `/v1`).
+    pub root: &'a str,
+    pub authorization: Option<&'a HeaderValue>,
+    pub timeout: Duration,
+}
+
+impl LlamaCppTokenizer<'_> {
+    /// The ids of the prompt the server evaluates for the chat request `body`.
+    pub async fn prompt_ids(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
+        let rendered = self.render(body.to_vec()).await?;
+        self.tokenize(&rendered, true).await
+    }
+
+    /// Ids made again from text for the call `body` that `reply` (its assistant message as the
+    /// next request sends it) answered: the prompt's, and the reply's as a later prompt holds
+    /// it, the template's rendering of it with its end of turn. The reply's are what follows
+    /// the prompt's ids in the ids of the history rendered through it; where those do not begin
+    /// with the prompt's (a boundary tokenized differently), its rendering beyond the prompt,
+    /// tokenized alone.
+    pub async fn retokenize(
+        &self,
+        body: &[u8],
+        reply: Value,
+    ) -> Result<(Vec<u32>, Vec<u32>), TokenizeError> {
+        let prompt_text = self.render(body.to_vec()).await?;
+        let prompt = self.tokenize(&prompt_text, true).await?;
+        let request: Map<String, Value> =
+            serde_json::from_slice(body).map_err(|err| TokenizeError {
+                step: "the request",
+                message: err.to_string(),
+            })?;
+        // llama.cpp renders an assistant message last as one to continue (its prefill), not
+        // as a closed turn: the reply is rendered with a user turn after it, then cut off.
+        let user_after = serde_json::json!({"role": "user", "content": "."});
+        let history = self.render_history(&request, Vec::new()).await?;
+        let with_user = self
+            .render_history(&request, vec![user_after.clone()])
+            .await?;
+        let whole = self
+            .render_history(&request, vec![reply, user_after])
+            .await?;
+        let apart = |what: &str| TokenizeError {
+            step: "/apply-template",
+            message: format!("the template renders {what} apart from the prompt's history"),
+        };
+        let user_turn = with_user
+            .strip_prefix(&history)
+            .ok_or_else(|| apart("a user turn after it"))?;
+        let through_reply = whole
+            .strip_suffix(user_turn)
+            .filter(|through| through.starts_with(&history))
+            .ok_or_else(|| apart("the reply"))?;
+        let ids = self.tokenize(through_reply, true).await?;
+        let reply_ids = if let Some(after) = ids.strip_prefix(prompt.as_slice()) {
+            after.to_vec()
+        } else {
+            let after = through_reply
+                .strip_prefix(&prompt_text)
+                .ok_or_else(|| apart("the reply's opening"))?;
+            self.tokenize(after, false).await?
+        };
+        Ok((prompt, reply_ids))
+    }
+
+    /// The chat request `request` with `more` messages, rendered as history: no turn of the
+    /// model's opened after it.
+    async fn render_history(
+        &self,
+        request: &Map<String, Value>,
+        more: Vec<Value>,
+    ) -> Result<String, TokenizeError> {
+        let mut request = request.clone();
+        if let Some(Value::Array(messages)) = request.get_mut("messages") {
+            messages.extend(more);
+        }
+        request.insert("add_generation_prompt".into(), false.into());
+        self.render(serde_json::to_vec(&request).expect("a JSON map serialises"))
+            .await
+    }
+
+    async fn render(&self, body: Vec<u8>) -> Result<String, TokenizeError> {
+        let rendered = self.post("/apply-template", body).await?;
+        match rendered.get("prompt") {
+            Some(Value::String(prompt)) => Ok(prompt.clone()),
+            _ => Err(TokenizeError {
+                step: "/apply-template",
+                message: "no `prompt` in its answer".to_owned(),
+            }),
+        }
+    }
+
+    async fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
+        let request =
+            serde_json::json!({"content": text, "add_special": add_special, "parse_special": true});
+        let tokens = self
+            .post(
+                "/tokenize",
+                serde_json::to_vec(&request).expect("a JSON value serialises"),
+            )
+            .await?;
+        tokens.get("tokens").and_then(ids).ok_or(TokenizeError {
+            step: "/tokenize",
+            message: "no `tokens` ids in its answer".to_owned(),
+        })
+    }
+
+    async fn post(&self, step: &'static str, body: Vec<u8>) -> Result<Value, TokenizeError> {
+        let mut request = self
+            .http
+            .post(format!("{}{step}", self.root))
+            .timeout(self.timeout)
             .header(CONTENT_TYPE, "application/json")
             .body(body);
-        if let Some(authorization) = authorization {
+        if let Some(authorization) = self.authorization {
             request = request.header(AUTHORIZATION, authorization.clone());
         }
-        request
-    };
-    let answer = |step: &'static str| move |message: String| PromptIdsError { step, message };
-    let rendered: Value = read_json(post("/apply-template", body.to_vec()))
-        .await
-        .map_err(answer("/apply-template"))?;
-    let prompt = rendered
-        .get("prompt")
-        .and_then(Value::as_str)
-        .ok_or_else(|| answer("/apply-template")("no `prompt` in its answer".to_owned()))?;
-    let tokenize =
-        serde_json::json!({"content": prompt, "add_special": true, "parse_special": true});
-    let tokens: Value = read_json(post(
-        "/tokenize",
-        serde_json::to_vec(&tokenize).expect("a JSON value serialises"),
-    ))
-    .await
-    .map_err(answer("/tokenize"))?;
-    tokens
-        .get("tokens")
-        .and_then(ids)
-        .ok_or_else(|| answer("/tokenize")("no `tokens` ids in its answer".to_owned()))
+        read_json(request)
+            .await
+            .map_err(|message| TokenizeError { step, message })
+    }
 }
 
 async fn read_json(request: reqwest::RequestBuilder) -> Result<Value, String> {
@@ -326,6 +428,7 @@ mod tests {
         TokenSettings {
             request: TokenRequest::ReturnTokenIds,
             top_logprobs: 2,
+            tokenizer_url: None,
         }
         .add_request_fields(&mut body);
         assert_eq!(
@@ -336,6 +439,7 @@ mod tests {
         TokenSettings {
             request: TokenRequest::LlamaServer,
             top_logprobs: 0,
+            tokenizer_url: None,
         }
         .add_request_fields(&mut body);
         assert_eq!(

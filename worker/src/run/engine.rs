@@ -89,13 +89,14 @@ impl Engine {
     }
 
     /// Asks the model's servers which chat template they apply, for the tokens lines'
-    /// `tokenization` (a run that keeps the ids of llama.cpp's server only: others say nothing).
+    /// `tokenization` (a run whose ids llama.cpp's server gives or makes: others say nothing).
     pub async fn learn_chat_template(&mut self) {
-        let Some(tokens) = self
-            .tokens
-            .as_mut()
-            .filter(|tokens| tokens.request == TokenRequest::LlamaServer)
-        else {
+        let Some(tokens) = self.tokens.as_mut().filter(|tokens| {
+            matches!(
+                tokens.request,
+                TokenRequest::LlamaServer | TokenRequest::Retokenize
+            )
+        }) else {
             return;
         };
         tokens.chat_template_sha256 = self.client.chat_template_sha256().await;
@@ -137,7 +138,7 @@ impl Engine {
         std::fs::create_dir_all(&workspace_root)
             .map_err(|err| StorageError::new("creating", &workspace_root, err))?;
         let settings = client.settings();
-        let tokens = settings.tokens.map(|tokens| {
+        let tokens = settings.tokens.as_ref().map(|tokens| {
             TokensContext::new(
                 tokens.request,
                 &settings.model,

@@ -353,23 +353,26 @@ fn token_lines(statistics: &serde_json::Value) -> String {
     };
     let count = |value: &serde_json::Value, key: &str| value[key].as_u64().unwrap_or(0);
     let mut out = format!(
-        "\n  token ids: {} of {} trajectories with the server's own (partly: {})\n",
+        "\n  token ids: {} of {} trajectories with the server's own (made again from text: {}; \
+         partly: {})\n",
         count(ids, "server"),
         count(ids, "trajectories"),
+        count(ids, "retokenized"),
         count(ids, "partial")
     );
     if let Some(endpoints) = ids["endpoints"].as_object() {
         let _ = writeln!(
             out,
-            "  {:<40} {:>7} {:>8} {:>9}",
-            "endpoint", "calls", "with ids", "logprobs"
+            "  {:<40} {:>7} {:>8} {:>11} {:>9}",
+            "endpoint", "calls", "with ids", "retokenized", "logprobs"
         );
         for (endpoint, calls) in endpoints {
             let _ = writeln!(
                 out,
-                "  {endpoint:<40} {:>7} {:>8} {:>9}",
+                "  {endpoint:<40} {:>7} {:>8} {:>11} {:>9}",
                 count(calls, "calls"),
                 count(calls, "with_ids"),
+                count(calls, "retokenized"),
                 count(calls, "with_logprobs")
             );
         }

@@ -204,7 +204,7 @@ struct Totals {
     sandbox_refusals: BTreeMap<String, u64>,
     /// Trajectories with tokens, by where their ids came from: the server (every call), some
     /// calls, none.
-    token_sources: [u64; 3],
+    token_sources: [u64; 4],
     /// Their calls per endpoint, by base URL.
     token_endpoints: BTreeMap<String, EndpointCalls>,
     /// How the kept records of episodes went.
@@ -277,8 +277,9 @@ impl Totals {
     fn add_tokens(&mut self, tokens: &[u8]) {
         let slot = match source_of(tokens) {
             Some(IdSource::Server) => 0,
-            Some(IdSource::Partial) => 1,
-            Some(IdSource::None) | None => 2,
+            Some(IdSource::Retokenized) => 1,
+            Some(IdSource::Partial) => 2,
+            Some(IdSource::None) | None => 3,
         };
         self.token_sources[slot] += 1;
         for calls in endpoints_of(tokens) {
@@ -1295,7 +1296,8 @@ pub(super) fn rate(part: u64, whole: u64) -> f64 {
 /// `statistics.json`'s `token_ids`: trajectories by where their ids came from, and calls per
 /// endpoint.
 fn token_statistics(totals: &Totals) -> serde_json::Value {
-    let [server, partial, none] = totals.token_sources;
+    let [server, retokenized, partial, none] = totals.token_sources;
+    let trajectories = server + retokenized + partial + none;
     let endpoints: serde_json::Map<String, serde_json::Value> = totals
         .token_endpoints
         .iter()
@@ -1303,6 +1305,7 @@ fn token_statistics(totals: &Totals) -> serde_json::Value {
             let counts = json!({
                 "calls": calls.calls,
                 "with_ids": calls.with_ids,
+                "retokenized": calls.retokenized,
                 "with_logprobs": calls.with_logprobs,
                 "exact_rate": rate(calls.with_ids, calls.calls),
             });
@@ -1310,11 +1313,12 @@ fn token_statistics(totals: &Totals) -> serde_json::Value {
         })
         .collect();
     json!({
-        "trajectories": server + partial + none,
+        "trajectories": trajectories,
         "server": server,
+        "retokenized": retokenized,
         "partial": partial,
         "none": none,
-        "exact_rate": rate(server, server + partial + none),
+        "exact_rate": rate(server, trajectories),
         "endpoints": endpoints,
     })
 }

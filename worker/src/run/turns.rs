@@ -527,6 +527,7 @@ mod tests {
                 completion_token_ids: Some(vec![4]),
                 logprobs: vec![-0.25],
                 top_logprobs: Vec::new(),
+                retokenized: false,
             },
             finish_reason: Some("tool_calls".into()),
             endpoint: Some("http://model-a:8000/v1".into()),

@@ -14,7 +14,8 @@ pub use distribution::distribution_violations;
 
 use crate::pricing::Prices;
 use crate::spec::{
-    BrowserSpec, DistributionSpec, ImageGenSpec, RunSpec, ValueSource, VisionSpec, WebSearchBackend,
+    BrowserSpec, DistributionSpec, ImageGenSpec, RunSpec, TokenRequest, ValueSource, VisionSpec,
+    WebSearchBackend,
 };
 
 /// The most alternatives per token a server is asked for (`OpenAI`'s bound, which vLLM and
@@ -351,6 +352,19 @@ impl RunSpec {
                 tokens.top_logprobs
             ),
         );
+        if let Some(url) = &tokens.tokenizer_url {
+            violations.check(
+                tokens.request == TokenRequest::Retokenize,
+                "model.tokens.tokenizerUrl",
+                "is for request Retokenize only: the other requests take the model's own ids"
+                    .to_owned(),
+            );
+            violations.check(
+                url.starts_with("http://") || url.starts_with("https://"),
+                "model.tokens.tokenizerUrl",
+                format!("must be an http(s) URL, got {url:?}"),
+            );
+        }
         // A streamed reply's ids arrive spread over its chunks, differently on each server.
         violations.check(
             !self.model.stream,
