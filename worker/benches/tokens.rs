@@ -70,16 +70,17 @@ impl Knobs {
     }
 }
 
-/// `reply` as vLLM gives it with `return_token_ids` and logprobs: `prompt` prompt ids and
-/// `completion` sampled ids, each with its logprob, counted so in the usage.
-fn with_ids(mut reply: Value, prompt: usize, completion: usize) -> Value {
-    let ids = |count: usize, from: usize| -> Vec<usize> {
-        (0..count)
-            .map(|index| (from + index * 7) % 49_152)
-            .collect()
-    };
-    let sampled = ids(completion, 1234);
-    reply["prompt_token_ids"] = json!(ids(prompt, 1));
+/// `count` ids from `from` on, spread over a 49,152-token vocabulary.
+fn ids(count: usize, from: usize) -> Vec<usize> {
+    (0..count)
+        .map(|index| (from + index * 7) % 49_152)
+        .collect()
+}
+
+/// `reply` as vLLM gives it with `return_token_ids` and logprobs: the `prompt` ids and the
+/// `sampled` ids, each with its logprob, counted so in the usage.
+fn with_ids(mut reply: Value, prompt: &[usize], sampled: &[usize]) -> Value {
+    reply["prompt_token_ids"] = json!(prompt);
     reply["choices"][0]["token_ids"] = json!(sampled);
     let content: Vec<Value> = sampled
         .iter()
@@ -89,18 +90,22 @@ fn with_ids(mut reply: Value, prompt: usize, completion: usize) -> Value {
         })
         .collect();
     reply["choices"][0]["logprobs"] = json!({ "content": content });
-    reply["usage"] = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
+    reply["usage"] = json!({"prompt_tokens": prompt.len(), "completion_tokens": sampled.len(), "total_tokens": prompt.len() + sampled.len()});
     reply
 }
 
-fn serve(knobs: &Knobs, ids: bool) -> anyhow::Result<()> {
+fn serve(knobs: &Knobs, with_token_ids: bool) -> anyhow::Result<()> {
     let tool_call = tool_call_reply("read_file", &json!({"path": "missing.txt"}));
     let answer = text_reply("done");
-    let (tool_call, final_answer) = if ids {
-        let second = knobs.prompt_ids + knobs.completion_ids + 20;
+    let (tool_call, final_answer) = if with_token_ids {
+        // The second prompt extends the first call's prompt and completion, as a chat
+        // template's rendering of the history does.
+        let first = ids(knobs.prompt_ids, 1);
+        let sampled = ids(knobs.completion_ids, 1234);
+        let second = [first.as_slice(), &sampled, &ids(20, 4321)].concat();
         (
-            with_ids(tool_call, knobs.prompt_ids, knobs.completion_ids),
-            with_ids(answer, second, knobs.completion_ids),
+            with_ids(tool_call, &first, &sampled),
+            with_ids(answer, &second, &sampled),
         )
     } else {
         (tool_call, answer)

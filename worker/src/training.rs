@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::agent::{Conversation, Step};
+use crate::model::tokens::TopLogprob;
 use crate::model::{CallTokens, Message};
 use crate::spec::TokenRequest;
 
@@ -187,12 +188,86 @@ struct StepLine<'a> {
     /// The index in the record's `conversations` of the `gpt` turn this call gave; `null` for a
     /// reply cut off by the token limit (not kept in the conversation).
     conversation_index: Option<usize>,
-    #[serde(flatten)]
-    tokens: &'a CallTokens,
+    /// The prompt's ids, when it does not extend the call before (see [`prompt_ids`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_token_ids: Option<&'a [u32]>,
+    /// When the prompt extends the call before, its prompt and completion ids: the ids after
+    /// them (the tool results and the template's framing between the two calls).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_token_ids_new: Option<&'a [u32]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    completion_token_ids: Option<&'a [u32]>,
+    #[serde(skip_serializing_if = "<[f32]>::is_empty")]
+    logprobs: &'a [f32],
+    #[serde(skip_serializing_if = "<[Vec<TopLogprob>]>::is_empty")]
+    top_logprobs: &'a [Vec<TopLogprob>],
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    retokenized: bool,
     finish_reason: Option<&'a str>,
     prompt_tokens: u64,
     completion_tokens: u64,
     cached_tokens: u64,
+}
+
+/// A call's prompt ids as a tokens line keeps them: whole, or, where they begin with the previous
+/// call's prompt and completion ids (as a conversation's calls do while the template renders
+/// its history as sampled), only the ids after those, so that a conversation's ids grow with its
+/// length, not with its square. `(whole, new)`, one of them set when the call has prompt ids.
+fn prompt_ids<'a>(
+    tokens: &'a CallTokens,
+    previous: Option<&CallTokens>,
+) -> (Option<&'a [u32]>, Option<&'a [u32]>) {
+    let Some(prompt) = tokens.prompt_token_ids.as_deref() else {
+        return (None, None);
+    };
+    let before = previous.and_then(|previous| {
+        Some((
+            previous.prompt_token_ids.as_deref()?,
+            previous.completion_token_ids.as_deref()?,
+        ))
+    });
+    match before {
+        Some((last_prompt, last_completion))
+            if prompt.len() >= last_prompt.len() + last_completion.len()
+                && prompt.starts_with(last_prompt)
+                && prompt[last_prompt.len()..].starts_with(last_completion) =>
+        {
+            (
+                None,
+                Some(&prompt[last_prompt.len() + last_completion.len()..]),
+            )
+        }
+        _ => (Some(prompt), None),
+    }
+}
+
+/// Each call's whole prompt ids from the steps of a tokens line as [`append_tokens`] writes them
+/// (`prompt_token_ids`, or `prompt_token_ids_new` after the call before's prompt and completion),
+/// `None` for a call without them.
+pub fn whole_prompt_ids<'a>(
+    steps: impl IntoIterator<Item = (Option<&'a [u32]>, Option<&'a [u32]>, Option<&'a [u32]>)>,
+) -> Vec<Option<Vec<u32>>> {
+    let mut before: Option<Vec<u32>> = None;
+    steps
+        .into_iter()
+        .map(|(whole, new, completion)| {
+            let prompt = match (whole, new, before.take()) {
+                (Some(whole), _, _) => Some(whole.to_vec()),
+                (None, Some(new), Some(mut so_far)) => {
+                    so_far.extend_from_slice(new);
+                    Some(so_far)
+                }
+                _ => None,
+            };
+            before = prompt.as_ref().zip(completion).map(|(prompt, completion)| {
+                let mut so_far = Vec::with_capacity(prompt.len() + completion.len());
+                so_far.extend_from_slice(prompt);
+                so_far.extend_from_slice(completion);
+                so_far
+            });
+            prompt
+        })
+        .collect()
 }
 
 /// Appends the conversation's tokens to the record line `line` (one JSON object, its closing
@@ -210,15 +285,27 @@ pub fn append_tokens(
     let steps = conversation
         .steps
         .iter()
-        .map(|step| StepLine {
-            conversation_index: step
-                .reply
-                .and_then(|reply| positions.get(reply as usize).copied()),
-            tokens: &step.tokens,
-            finish_reason: step.finish_reason.as_deref(),
-            prompt_tokens: step.usage.prompt_tokens,
-            completion_tokens: step.usage.completion_tokens,
-            cached_tokens: step.usage.cached_tokens,
+        .enumerate()
+        .map(|(index, step)| {
+            let previous = index
+                .checked_sub(1)
+                .map(|before| &conversation.steps[before].tokens);
+            let (prompt_token_ids, prompt_token_ids_new) = prompt_ids(&step.tokens, previous);
+            StepLine {
+                conversation_index: step
+                    .reply
+                    .and_then(|reply| positions.get(reply as usize).copied()),
+                prompt_token_ids,
+                prompt_token_ids_new,
+                completion_token_ids: step.tokens.completion_token_ids.as_deref(),
+                logprobs: &step.tokens.logprobs,
+                top_logprobs: &step.tokens.top_logprobs,
+                retokenized: step.tokens.retokenized,
+                finish_reason: step.finish_reason.as_deref(),
+                prompt_tokens: step.usage.prompt_tokens,
+                completion_tokens: step.usage.completion_tokens,
+                cached_tokens: step.usage.cached_tokens,
+            }
         })
         .collect();
     let (id, prompt_index, sample) = identity;
@@ -504,6 +591,70 @@ mod tests {
         let mut untouched = b"{}".to_vec();
         append_tokens(&mut untouched, &conversation, &context, ("r", 0, 0));
         assert_eq!(untouched, b"{}");
+    }
+
+    #[test]
+    fn a_prompt_extending_the_call_before_keeps_only_its_new_ids_and_reads_back_whole() {
+        let mut conversation = Conversation::new("q");
+        conversation.messages.push(with_calls(0));
+        let call = |prompt: Vec<u32>, completion: Vec<u32>| Step {
+            reply: Some(0),
+            tokens: CallTokens {
+                prompt_token_ids: Some(prompt),
+                completion_token_ids: Some(completion),
+                ..CallTokens::default()
+            },
+            finish_reason: None,
+            usage: Usage::default(),
+            endpoint: None,
+        };
+        conversation.steps = vec![
+            call(vec![1, 2], vec![3]),
+            call(vec![1, 2, 3, 4, 5], vec![6]),
+            // The template rendered the reply otherwise than sampled: kept whole.
+            call(vec![1, 2, 3, 4, 5, 7, 8], vec![9]),
+            call(vec![1, 2, 3, 4, 5, 7, 8, 9], vec![10]),
+        ];
+        let context =
+            TokensContext::new(TokenRequest::ReturnTokenIds, "m", None, None, &Map::new());
+        let mut line = br#"{"conversations": []}"#.to_vec();
+        append_tokens(&mut line, &conversation, &context, ("r-0-0", 0, 0));
+        let record: Value = serde_json::from_slice(&line).unwrap();
+        let steps = record[TOKENS_KEY]["steps"].as_array().unwrap();
+        let kept: Vec<(&Value, &Value)> = steps
+            .iter()
+            .map(|step| (&step["prompt_token_ids"], &step["prompt_token_ids_new"]))
+            .collect();
+        assert_eq!(
+            kept,
+            [
+                (&serde_json::json!([1, 2]), &Value::Null),
+                (&Value::Null, &serde_json::json!([4, 5])),
+                (&serde_json::json!([1, 2, 3, 4, 5, 7, 8]), &Value::Null),
+                (&Value::Null, &serde_json::json!([])),
+            ]
+        );
+        let ids =
+            |value: &Value| -> Option<Vec<u32>> { serde_json::from_value(value.clone()).ok() };
+        let read: Vec<[Option<Vec<u32>>; 3]> = steps
+            .iter()
+            .map(|step| {
+                [
+                    ids(&step["prompt_token_ids"]),
+                    ids(&step["prompt_token_ids_new"]),
+                    ids(&step["completion_token_ids"]),
+                ]
+            })
+            .collect();
+        let whole = whole_prompt_ids(read.iter().map(|[whole, new, completion]| {
+            (whole.as_deref(), new.as_deref(), completion.as_deref())
+        }));
+        let sent: Vec<Option<Vec<u32>>> = conversation
+            .steps
+            .iter()
+            .map(|step| step.tokens.prompt_token_ids.clone())
+            .collect();
+        assert_eq!(whole, sent);
     }
 
     #[test]

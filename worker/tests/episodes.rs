@@ -648,6 +648,15 @@ async fn only_the_agent_is_trained(
         simulated.len(),
         samples.len()
     );
+    // A call whose prompt extends the call before keeps only its new ids and joins that
+    // call's sample; one kept whole begins a sample.
+    let whole_prompts = tokens[0]["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|step| step.get("prompt_token_ids").is_some())
+        .count();
+    assert_eq!(samples.len(), whole_prompts, "{}", tokens[0]);
     assert_eq!(
         trained, agent_sampled,
         "the samples train the agent's tokens alone"

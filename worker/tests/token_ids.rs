@@ -106,7 +106,7 @@ fn merged(report: &trajectory_worker::run::local::LocalReport) -> (Vec<Value>, V
     (trajectories, tokens)
 }
 
-/// A call's ids under `key` (`prompt_token_ids`, `completion_token_ids`) in a tokens line's step.
+/// A call's ids under `key` (`completion_token_ids`, …) in a tokens line's step.
 fn ids(step: &Value, key: &str) -> Vec<u64> {
     step[key]
         .as_array()
@@ -114,6 +114,26 @@ fn ids(step: &Value, key: &str) -> Vec<u64> {
         .iter()
         .map(|id| id.as_u64().unwrap())
         .collect()
+}
+
+/// Each call's whole prompt ids in a tokens line's `steps`, as `docs/training-data.md` says to
+/// read them: `prompt_token_ids`, or the call before's prompt and completion followed by
+/// `prompt_token_ids_new`.
+fn prompts(steps: &[Value]) -> Vec<Vec<u64>> {
+    let mut whole: Vec<Vec<u64>> = Vec::new();
+    for step in steps {
+        let prompt = if step.get("prompt_token_ids_new").is_some() {
+            let before = whole.last().expect("a call before it");
+            let mut prompt = before.clone();
+            prompt.extend(ids(&steps[whole.len() - 1], "completion_token_ids"));
+            prompt.extend(ids(step, "prompt_token_ids_new"));
+            prompt
+        } else {
+            ids(step, "prompt_token_ids")
+        };
+        whole.push(prompt);
+    }
+    whole
 }
 
 /// A JSON count as an index.
@@ -206,6 +226,7 @@ async fn the_project_server_gives_no_ids_and_its_records_say_so_beside_unchanged
         for step in steps {
             assert!(
                 step.get("prompt_token_ids").is_none()
+                    && step.get("prompt_token_ids_new").is_none()
                     && step.get("completion_token_ids").is_none()
             );
             let turn = &conversations[index(&step["conversation_index"])];
@@ -288,12 +309,10 @@ async fn llama_server_ids_are_the_servers_own_and_each_prompt_extends_the_last()
             "{tokens}"
         );
         let steps = tokens["steps"].as_array().unwrap();
+        let whole = prompts(steps);
         for (index, step) in steps.iter().enumerate() {
             steps_seen += 1;
-            let (prompt, completion) = (
-                ids(step, "prompt_token_ids"),
-                ids(step, "completion_token_ids"),
-            );
+            let (prompt, completion) = (whole[index].clone(), ids(step, "completion_token_ids"));
             assert_eq!(prompt.len() as u64, step["prompt_tokens"].as_u64().unwrap());
             assert_eq!(
                 completion.len() as u64,
@@ -304,9 +323,8 @@ async fn llama_server_ids_are_the_servers_own_and_each_prompt_extends_the_last()
                 completion.len(),
                 "{step}"
             );
-            if let Some(next) = steps.get(index + 1) {
+            if let Some(next_prompt) = whole.get(index + 1) {
                 pairs += 1;
-                let next_prompt = ids(next, "prompt_token_ids");
                 assert!(
                     next_prompt.starts_with(&prompt),
                     "call {} of {}: its prompt does not extend the one before",
@@ -443,16 +461,14 @@ async fn retokenized_steps_read_back(
             .unwrap()["value"]
             .as_str()
             .unwrap();
+        let whole = prompts(steps);
         for (index, step) in steps.iter().enumerate() {
             steps_seen += 1;
             assert_eq!(step["retokenized"], true, "{step}");
-            let (prompt_ids, completion_ids) = (
-                ids(step, "prompt_token_ids"),
-                ids(step, "completion_token_ids"),
-            );
+            let (prompt_ids, completion_ids) = (&whole[index], ids(step, "completion_token_ids"));
             // The tokenizer's text of them: the prompt holds the row's prompt, the completion the
             // reply as the conversation keeps it.
-            let prompt_text = server.detokenize(&prompt_ids).await;
+            let prompt_text = server.detokenize(prompt_ids).await;
             assert!(
                 prompt_text.contains(prompt),
                 "{prompt_text:?} holds {prompt:?}"
@@ -473,15 +489,9 @@ async fn retokenized_steps_read_back(
                     );
                 }
             }
-            if let Some(next) = steps.get(index + 1) {
-                let next: Vec<u64> = next["prompt_token_ids"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|id| id.as_u64().unwrap())
-                    .collect();
+            if let Some(next) = whole.get(index + 1) {
                 assert!(
-                    next.starts_with(&prompt_ids),
+                    next.starts_with(prompt_ids),
                     "each prompt extends the one before"
                 );
             }

@@ -123,6 +123,10 @@ struct StepIds {
     conversation_index: Option<usize>,
     #[serde(default)]
     prompt_token_ids: Option<Vec<u32>>,
+    /// The ids after the call before's prompt and completion, where the prompt extends them
+    /// (read into `prompt_token_ids` by [`TokensLine::whole_prompts`]).
+    #[serde(default)]
+    prompt_token_ids_new: Option<Vec<u32>>,
     #[serde(default)]
     completion_token_ids: Option<Vec<u32>>,
     #[serde(default)]
@@ -151,6 +155,24 @@ struct TokensLine {
     sampling: Map<String, Value>,
     #[serde(default)]
     steps: Vec<StepIds>,
+}
+
+impl TokensLine {
+    /// Sets each call's whole prompt ids where the line keeps only what it added to the call
+    /// before.
+    fn whole_prompts(&mut self) {
+        let whole = crate::training::whole_prompt_ids(self.steps.iter().map(|step| {
+            (
+                step.prompt_token_ids.as_deref(),
+                step.prompt_token_ids_new.as_deref(),
+                step.completion_token_ids.as_deref(),
+            )
+        }));
+        for (step, prompt) in self.steps.iter_mut().zip(whole) {
+            step.prompt_token_ids = prompt;
+            step.prompt_token_ids_new = None;
+        }
+    }
 }
 
 #[derive(Debug, Deserialize, Serialize)]
@@ -325,8 +347,9 @@ fn parse_pair(
     let Some(tokens) = tokens else {
         return Ok((record, None));
     };
-    let tokens: TokensLine = serde_json::from_str(&read(tokens, tokens_path)?)
+    let mut tokens: TokensLine = serde_json::from_str(&read(tokens, tokens_path)?)
         .map_err(|err| bad(tokens_path, err.to_string()))?;
+    tokens.whole_prompts();
     let key = (
         record["prompt_index"].as_u64().unwrap_or(u64::MAX),
         record["sample"]
