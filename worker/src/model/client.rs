@@ -833,7 +833,7 @@ impl ModelClient {
             sse::read_completion(response, turn).await?
         } else {
             let bytes = response.bytes().await.map_err(transport_error)?;
-            parse_completion(&bytes, turn)
+            parse_completion(&bytes, turn, self.settings.tokens.is_some())
         };
         debug!(
             elapsed_ms = started.elapsed().as_millis(),

@@ -113,6 +113,18 @@ impl CallTokens {
         self.has_ids() && !self.retokenized
     }
 
+    /// [`Self::from_response`] of a response's bytes, read straight into ids and logprobs (no
+    /// `Value` built of them); a response of another shape (an id out of range, a logprob that is
+    /// not a number) is read as a `Value` instead, with the same result as before.
+    pub fn from_response_bytes(body: &[u8], prompt_tokens: u64, completion_tokens: u64) -> Self {
+        match serde_json::from_slice::<ResponseTokens>(body) {
+            Ok(response) => response.into_tokens(prompt_tokens, completion_tokens),
+            Err(_) => serde_json::from_slice::<Value>(body)
+                .map(|value| Self::from_response(&value, prompt_tokens, completion_tokens))
+                .unwrap_or_default(),
+        }
+    }
+
     /// The tokens a chat-completions response carries (its first choice's), with ids only where
     /// their count agrees with the reported usage (`prompt_tokens`, `completion_tokens`).
     pub fn from_response(response: &Value, prompt_tokens: u64, completion_tokens: u64) -> Self {
@@ -120,14 +132,87 @@ impl CallTokens {
             .get("choices")
             .and_then(|choices| choices.get(0))
             .unwrap_or(&Value::Null);
-        let content: &[Value] = choice
+        let content = choice
             .get("logprobs")
             .and_then(|logprobs| logprobs.get("content"))
             .and_then(Value::as_array)
-            .map_or(&[], Vec::as_slice);
+            .map(|content| {
+                content
+                    .iter()
+                    .map(|entry| LogprobEntry {
+                        logprob: entry.get("logprob").and_then(Value::as_f64),
+                        id: entry.get("id").and_then(id),
+                        top_logprobs: entry.get("top_logprobs").and_then(Value::as_array).cloned(),
+                    })
+                    .collect()
+            });
+        ResponseTokens {
+            prompt_token_ids: response.get("prompt_token_ids").and_then(ids),
+            choices: vec![ChoiceTokens {
+                prompt_token_ids: choice.get("prompt_token_ids").and_then(ids),
+                token_ids: choice.get("token_ids").and_then(ids),
+                logprobs: Some(LogprobsTokens { content }),
+            }],
+        }
+        .into_tokens(prompt_tokens, completion_tokens)
+    }
+}
+
+/// The token fields of a chat-completions response, as [`CallTokens::from_response_bytes`]
+/// reads them; serde skips every other field.
+#[derive(Deserialize)]
+struct ResponseTokens {
+    #[serde(default)]
+    prompt_token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    choices: Vec<ChoiceTokens>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceTokens {
+    #[serde(default)]
+    prompt_token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    logprobs: Option<LogprobsTokens>,
+}
+
+#[derive(Deserialize)]
+struct LogprobsTokens {
+    #[serde(default)]
+    content: Option<Vec<LogprobEntry>>,
+}
+
+#[derive(Deserialize)]
+struct LogprobEntry {
+    #[serde(default)]
+    logprob: Option<f64>,
+    /// llama.cpp's server names the sampled token by its id.
+    #[serde(default)]
+    id: Option<u32>,
+    #[serde(default)]
+    top_logprobs: Option<Vec<Value>>,
+}
+
+impl ResponseTokens {
+    /// The call's tokens: the first choice's logprobs (all or none), alternatives where any
+    /// were given, and ids where their count agrees with the usage.
+    fn into_tokens(self, prompt_tokens: u64, completion_tokens: u64) -> CallTokens {
+        let top_prompt = self.prompt_token_ids;
+        let Some(choice) = self.choices.into_iter().next() else {
+            return CallTokens {
+                prompt_token_ids: top_prompt.filter(|prompt| count(prompt) == prompt_tokens),
+                ..CallTokens::default()
+            };
+        };
+        let content = choice
+            .logprobs
+            .and_then(|logprobs| logprobs.content)
+            .unwrap_or_default();
         let logprobs: Vec<f32> = content
             .iter()
-            .map_while(|entry| entry.get("logprob").and_then(Value::as_f64))
+            .map_while(|entry| entry.logprob)
             .map(narrow)
             .collect();
         let logprobs = if logprobs.len() == content.len() {
@@ -139,8 +224,8 @@ impl CallTokens {
             .iter()
             .map(|entry| {
                 entry
-                    .get("top_logprobs")
-                    .and_then(Value::as_array)
+                    .top_logprobs
+                    .as_deref()
                     .map(|top| top.iter().filter_map(top_logprob).collect())
                     .unwrap_or_default()
             })
@@ -150,19 +235,12 @@ impl CallTokens {
         } else {
             Vec::new()
         };
-        let prompt = response
-            .get("prompt_token_ids")
-            .or_else(|| choice.get("prompt_token_ids"))
-            .and_then(ids);
-        // llama.cpp's server names each logprob's token by its id instead.
-        let completion = choice.get("token_ids").and_then(ids).or_else(|| {
-            let from_logprobs: Option<Vec<u32>> = content
-                .iter()
-                .map(|entry| entry.get("id").and_then(id))
-                .collect();
+        let prompt = top_prompt.or(choice.prompt_token_ids);
+        let completion = choice.token_ids.or_else(|| {
+            let from_logprobs: Option<Vec<u32>> = content.iter().map(|entry| entry.id).collect();
             from_logprobs.filter(|found| !found.is_empty())
         });
-        Self {
+        CallTokens {
             prompt_token_ids: prompt.filter(|prompt| count(prompt) == prompt_tokens),
             completion_token_ids: completion
                 .filter(|completion| count(completion) == completion_tokens),
@@ -420,6 +498,39 @@ mod tests {
         assert!(tokens.top_logprobs.is_empty());
         let none = CallTokens::from_response(&json!({"choices": [{"logprobs": null}]}), 1, 1);
         assert_eq!(none, CallTokens::default());
+    }
+
+    #[test]
+    fn bytes_read_straight_give_what_the_value_gives() {
+        let entry = |id: Value, logprob: Value| {
+            json!({"token": "a", "id": id, "logprob": logprob, "bytes": [97],
+                   "top_logprobs": [{"token": "a", "id": 5, "logprob": -0.5}, {"token": "b", "logprob": -1.5}]})
+        };
+        let responses = [
+            json!({"prompt_token_ids": [1, 2, 3], "choices": [{"token_ids": [7, 8],
+                "logprobs": {"content": [entry(json!(7), json!(-0.1)), entry(json!(8), json!(-0.2))]}}]}),
+            json!({"choices": [{"prompt_token_ids": [1, 2, 3],
+                "logprobs": {"content": [entry(json!(7), json!(-0.1)), entry(json!(8), json!(-0.2))]}}]}),
+            json!({"choices": [{"logprobs": {"content": [entry(Value::Null, json!(-0.1)), entry(json!(8), Value::Null)]}}]}),
+            // Of another shape: read through a `Value`.
+            json!({"choices": [{"logprobs": {"content": [entry(json!(-1), json!(-0.1)), entry(json!(8), json!("x"))]}}]}),
+            json!({"prompt_token_ids": [1, 2, 3, 4], "choices": []}),
+            json!({"choices": [{"logprobs": null, "token_ids": [1, 2]}]}),
+        ];
+        for response in responses {
+            let bytes = serde_json::to_vec(&response).unwrap();
+            for (prompt, completion) in [(3, 2), (4, 2), (0, 0)] {
+                assert_eq!(
+                    CallTokens::from_response_bytes(&bytes, prompt, completion),
+                    CallTokens::from_response(&response, prompt, completion),
+                    "{response}"
+                );
+            }
+        }
+        assert_eq!(
+            CallTokens::from_response_bytes(b"not json", 1, 1),
+            CallTokens::default()
+        );
     }
 
     #[test]

@@ -243,8 +243,83 @@ pub enum ParseFailure {
     EmptyChoices,
 }
 
-/// Parses a non-streaming chat-completions response body.
-pub fn parse_completion(body: &[u8], turn: usize) -> Result<Completion, ParseFailure> {
+/// Parses a non-streaming chat-completions response body, and its tokens when `read_tokens`
+/// (a run keeping them asked for them).
+///
+/// The body is read into the few parts used ([`Envelope`]), skipping the rest unread: a
+/// response's token ids and logprobs (thousands of numbers with tokens kept) are never built
+/// into a `Value`. A body of another shape is read again as a `Value`, which says what is wrong.
+pub fn parse_completion(
+    body: &[u8],
+    turn: usize,
+    read_tokens: bool,
+) -> Result<Completion, ParseFailure> {
+    let Ok(envelope) = serde_json::from_slice::<Envelope>(body) else {
+        return parse_completion_value(body, turn, read_tokens);
+    };
+    let choice = match envelope.choices {
+        Some(choices) => choices
+            .into_iter()
+            .next()
+            .ok_or(ParseFailure::EmptyChoices)?,
+        None => return Err(ParseFailure::EmptyChoices),
+    };
+    let message = choice
+        .message
+        .ok_or_else(|| ParseFailure::Malformed("choice has no `message`".into()))?;
+    let usage = envelope
+        .usage
+        .as_ref()
+        .map(Usage::from_json)
+        .unwrap_or_default();
+    let tokens = read_tokens
+        .then(|| {
+            CallTokens::from_response_bytes(body, usage.prompt_tokens, usage.completion_tokens)
+        })
+        .filter(|tokens| *tokens != CallTokens::default());
+    Ok(Completion {
+        message: parse_assistant(&message, turn),
+        finish_reason: choice
+            .finish_reason
+            .as_ref()
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        usage,
+        reported_cost: envelope.usage.as_ref().and_then(Usage::reported_cost),
+        tokens,
+        endpoint: None,
+    })
+}
+
+/// The parts of a chat-completions response [`parse_completion`] uses; serde skips the others.
+#[derive(Deserialize)]
+struct Envelope {
+    #[serde(default)]
+    choices: Option<Vec<ChoiceEnvelope>>,
+    #[serde(default, deserialize_with = "present")]
+    usage: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceEnvelope {
+    #[serde(default, deserialize_with = "present")]
+    message: Option<Value>,
+    #[serde(default)]
+    finish_reason: Option<Value>,
+}
+
+/// A field that is there, `null` included (a `null` message is read as an empty one, as the
+/// `Value` path reads it).
+fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(deserializer).map(Some)
+}
+
+/// [`parse_completion`] through a `Value`, for bodies of another shape than [`Envelope`]'s.
+fn parse_completion_value(
+    body: &[u8],
+    turn: usize,
+    read_tokens: bool,
+) -> Result<Completion, ParseFailure> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|err| ParseFailure::Malformed(format!("response is not JSON: {err}")))?;
     let choice = match value.get("choices") {
@@ -263,7 +338,9 @@ pub fn parse_completion(body: &[u8], turn: usize) -> Result<Completion, ParseFai
         .get("message")
         .ok_or_else(|| ParseFailure::Malformed("choice has no `message`".into()))?;
     let usage = value.get("usage").map(Usage::from_json).unwrap_or_default();
-    let tokens = CallTokens::from_response(&value, usage.prompt_tokens, usage.completion_tokens);
+    let tokens = read_tokens
+        .then(|| CallTokens::from_response(&value, usage.prompt_tokens, usage.completion_tokens))
+        .filter(|tokens| *tokens != CallTokens::default());
     Ok(Completion {
         message: parse_assistant(message, turn),
         finish_reason: choice
@@ -272,7 +349,7 @@ pub fn parse_completion(body: &[u8], turn: usize) -> Result<Completion, ParseFai
             .map(str::to_owned),
         usage,
         reported_cost: value.get("usage").and_then(Usage::reported_cost),
-        tokens: (tokens != CallTokens::default()).then_some(tokens),
+        tokens,
         endpoint: None,
     })
 }
@@ -456,7 +533,7 @@ mod tests {
             json!("{&quot;command&quot;: &quot;ls&quot;}"),
         ] {
             let message = json!({"tool_calls": [{"id": "a", "function": {"name": "terminal", "arguments": arguments}}]});
-            let completion = parse_completion(&body(&message), 0).unwrap();
+            let completion = parse_completion(&body(&message), 0, true).unwrap();
             assert_eq!(
                 completion.message.tool_calls[0].arguments,
                 Ok(expected.clone()),
@@ -466,12 +543,12 @@ mod tests {
         for empty in [json!(""), json!(null), json!("  ")] {
             let message =
                 json!({"tool_calls": [{"id": "a", "function": {"name": "t", "arguments": empty}}]});
-            let completion = parse_completion(&body(&message), 0).unwrap();
+            let completion = parse_completion(&body(&message), 0, true).unwrap();
             assert_eq!(completion.message.tool_calls[0].arguments, Ok(Map::new()));
         }
         let message =
             json!({"tool_calls": [{"id": "a", "function": {"name": "t", "arguments": "{oops"}}]});
-        let completion = parse_completion(&body(&message), 0).unwrap();
+        let completion = parse_completion(&body(&message), 0, true).unwrap();
         assert!(completion.message.tool_calls[0].arguments.is_err());
     }
 
@@ -481,7 +558,7 @@ mod tests {
             {"function": {"name": "a", "arguments": "{}"}},
             {"id": "", "function": {"name": "b", "arguments": "{}"}},
         ]});
-        let completion = parse_completion(&body(&message), 3).unwrap();
+        let completion = parse_completion(&body(&message), 3, true).unwrap();
         let ids: Vec<_> = completion
             .message
             .tool_calls
@@ -503,7 +580,7 @@ mod tests {
             ),
         ];
         for (message, expected) in cases {
-            let completion = parse_completion(&body(&message), 0).unwrap();
+            let completion = parse_completion(&body(&message), 0, true).unwrap();
             assert_eq!(completion.message.reasoning.unwrap().text, expected);
         }
         assert_eq!(inline_think("<think>\n r5 \n</think>answer"), Some("r5"));
@@ -514,23 +591,50 @@ mod tests {
     fn reasoning_goes_back_in_the_shape_it_came() {
         let details = json!([{"type": "reasoning.encrypted", "data": "sig", "text": "t"}]);
         let message = json!({"content": "", "reasoning_details": details});
-        let completion = parse_completion(&body(&message), 0).unwrap();
+        let completion = parse_completion(&body(&message), 0, true).unwrap();
         let wire = Message::Assistant(completion.message).to_wire();
         assert_eq!(wire["reasoning_details"], details);
         assert_eq!(wire["content"], "");
     }
 
     #[test]
+    fn the_envelope_reads_every_body_as_the_value_path_does() {
+        let bodies = [
+            json!({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.5}}),
+            json!({"choices": [{"message": null, "finish_reason": 7}], "usage": null}),
+            json!({"choices": [{"message": {"tool_calls": [{"id": "a", "function": {"name": "t", "arguments": "{}"}}]}}],
+                   "prompt_token_ids": [1, 2, 3], "usage": {"prompt_tokens": 3, "completion_tokens": 0}}),
+            json!({"choices": [{"finish_reason": "stop"}]}),
+            json!({"choices": "none"}),
+            json!({"choices": [5]}),
+            json!({"choices": null}),
+            json!({}),
+            json!([1]),
+        ];
+        for body in bodies {
+            let bytes = serde_json::to_vec(&body).unwrap();
+            for read_tokens in [true, false] {
+                assert_eq!(
+                    parse_completion(&bytes, 1, read_tokens),
+                    parse_completion_value(&bytes, 1, read_tokens),
+                    "{body}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn empty_and_malformed_bodies_are_told_apart() {
         assert_eq!(
-            parse_completion(br#"{"choices": []}"#, 0),
+            parse_completion(br#"{"choices": []}"#, 0, true),
             Err(ParseFailure::EmptyChoices)
         );
         assert!(matches!(
-            parse_completion(b"{\"choices\": [", 0),
+            parse_completion(b"{\"choices\": [", 0, true),
             Err(ParseFailure::Malformed(_))
         ));
-        let usage = parse_completion(&body(&json!({"content": "hi"})), 0)
+        let usage = parse_completion(&body(&json!({"content": "hi"})), 0, true)
             .unwrap()
             .usage;
         assert_eq!(
