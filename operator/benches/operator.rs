@@ -793,7 +793,7 @@ async fn main() {
                 } else {
                     Scratch::new()
                 };
-                latency(&client, &scratch, &base_url, &mut report).await;
+                Box::pin(latency(&client, &scratch, &base_url, &mut report)).await;
             }
             "writes" => Box::pin(writes(&client, &base_url, &mut report)).await,
             "memory" => memory(&client, &base_url, &mut report).await,

@@ -12,6 +12,8 @@
 //! - [`versitygw`]: not a double: a real S3 server, for runs on object storage.
 //! - [`long_conversation`]: the scripted long conversations the kill tests run and check.
 //! - [`s3_faults`]: a proxy in front of it that throttles, cuts or stalls chosen requests.
+//! - [`tier_gate`]: a provider's flex tier (refused for no capacity, then served) in front of a
+//!   real model server.
 
 pub mod chromium;
 pub mod envoy;
@@ -22,6 +24,7 @@ pub mod llama_servers;
 pub mod long_conversation;
 pub mod s3_faults;
 pub mod scripted_server;
+pub mod tier_gate;
 pub mod versitygw;
 
 /// `record` without what differs between two runs of the same conversations: when they ran and

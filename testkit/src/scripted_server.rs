@@ -353,6 +353,7 @@ impl ScriptedServer {
             },
             prices: None,
             tokens: None,
+            service_tier: None,
         }
     }
 }

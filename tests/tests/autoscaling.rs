@@ -45,9 +45,7 @@ async fn a_run_that_fits_no_node_gets_karpenter_nodes_runs_there_and_they_go_aft
     )
     .await;
     let mut seen = Seen::default();
-    let run = setup
-        .drive(&kubelet, &mut seen, succeeded, async |_, _| {})
-        .await;
+    let run = Box::pin(setup.drive(&kubelet, &mut seen, succeeded, async |_, _| {})).await;
     let run_time = created.elapsed();
     setup.assert_succeeded_on_the_pool(&run, &kubelet, &seen);
     // Two workers of 1.2 CPUs each on nodes of two: two nodes at once.
@@ -257,9 +255,7 @@ async fn a_node_pool_limit_below_the_runs_need_leaves_it_waiting_never_failed() 
             },
         )
         .await;
-    let run = setup
-        .drive(&kubelet, &mut seen, succeeded, async |_, _| {})
-        .await;
+    let run = Box::pin(setup.drive(&kubelet, &mut seen, succeeded, async |_, _| {})).await;
     setup.assert_succeeded_on_the_pool(&run, &kubelet, &seen);
     assert_eq!(seen.most_at_once, 1, "past the limit of one node: {seen:?}");
 }

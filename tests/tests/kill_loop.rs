@@ -146,7 +146,7 @@ async fn kill_loop(bucket: Option<&Versitygw>) {
         .create(&PostParams::default(), &TrajectoryRun::new("chaos", spec))
         .await
         .expect("create the run");
-    let run = chaos.run_to_the_end().await;
+    let run = Box::pin(chaos.run_to_the_end()).await;
     let wall = chaos.started.elapsed();
     chaos.controller.take();
     let ledger = chaos.ledger;

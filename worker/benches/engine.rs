@@ -270,6 +270,7 @@ fn engine(base_urls: &[String], traffic: Traffic) -> anyhow::Result<Engine> {
         retry: RetryPolicy::default(),
         prices,
         tokens: None,
+        service_tier: None,
     };
     let spec = ToolSpec {
         name: TOOL.into(),

@@ -19,7 +19,7 @@ use tracing::{Instrument, info_span};
 use crate::model::{
     AssistantMessage, CallTokens, Completion, Message, ModelClient, ModelError, ToolMessage, Usage,
 };
-use crate::pricing::Cost;
+use crate::pricing::{Cost, PriceTier};
 use crate::replay::Replay;
 use crate::tools::{Tool, ToolContext, execute};
 
@@ -192,6 +192,9 @@ pub struct Step {
     /// The base URL of the endpoint that answered the call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
+    /// The service tier the call was billed at, when not the standard one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<PriceTier>,
 }
 
 impl Step {
@@ -202,6 +205,7 @@ impl Step {
             finish_reason: completion.finish_reason.clone(),
             usage: completion.usage,
             endpoint: completion.endpoint.clone(),
+            tier: completion.tier.filter(|tier| *tier != PriceTier::Standard),
         }
     }
 }

@@ -17,7 +17,7 @@ use serde_json::{Map, Value, json};
 
 use crate::agent::{Conversation, Spent, UserOrigin};
 use crate::model::{AssistantMessage, Message, ToolMessage, Usage};
-use crate::pricing::{Cost, CostSource};
+use crate::pricing::{ByTier, Cost, CostSource};
 use crate::tools::ToolSpec;
 use crate::verify::Verification;
 
@@ -472,6 +472,12 @@ struct CostEntry {
     total: f64,
     currency: &'static str,
     source: CostSource,
+    /// Calls and cost per service tier, when any call was billed at another than the standard.
+    #[serde(skip_serializing_if = "ByTier::only_standard")]
+    tiers: ByTier,
+    /// What the same calls would have cost at the standard tier, likewise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    at_standard: Option<f64>,
 }
 
 impl From<&Cost> for CostEntry {
@@ -484,6 +490,8 @@ impl From<&Cost> for CostEntry {
             total: cost.total,
             currency: "USD",
             source: cost.source,
+            tiers: cost.tiers,
+            at_standard: cost.at_standard,
         }
     }
 }

@@ -227,12 +227,53 @@ pub struct ModelSpec {
     /// pods: a request waits until it fits instead of being refused with a 429.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<LimitsSpec>,
+    /// Ask the provider for a service tier on every call (`service_tier`), such as the flex
+    /// tier's lower price for slower answers; each call's cost is at the tier it was served at
+    /// (the response's `service_tier`, else the one asked). Unset: the provider's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_tier: Option<ServiceTierSpec>,
     /// Ask each call for the server's own token ids and logprobs and keep them, for trainers
     /// that need them (reinforcement learning, distillation): per call the prompt and
     /// completion ids and one logprob per sampled token, in `trajectories.tokens.jsonl` beside
     /// the trajectories (which stay as they are). Unset: nothing is asked or kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<TokensSpec>,
+}
+
+/// The service tier asked of the provider (`spec.model.serviceTier`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceTierSpec {
+    /// The tier, sent as the request's `service_tier`.
+    pub tier: ServiceTier,
+    /// A call the provider keeps refusing at this tier (429: no capacity, which slows the
+    /// run's calls down as any 429 does) is sent at the standard tier once it has been refused
+    /// for this many seconds, and priced so. Unset: it keeps asking at this tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_after_seconds: Option<u64>,
+}
+
+/// A provider's service tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+pub enum ServiceTier {
+    /// `service_tier: "flex"` (`OpenAI`, and providers that copy it): the Batch API's price,
+    /// answered synchronously but more slowly, refused with a 429 when the provider has no
+    /// capacity. Give it a long `requestTimeoutSeconds` (`OpenAI` advises 15 minutes).
+    Flex,
+    /// `service_tier: "priority"`: faster answers at a higher price.
+    Priority,
+}
+
+impl ServiceTier {
+    /// The request's `service_tier`.
+    pub fn wire_name(self) -> &'static str {
+        match self {
+            Self::Flex => "flex",
+            Self::Priority => "priority",
+        }
+    }
 }
 
 /// What is asked of the model server for each call's tokens (`spec.model.tokens`).
@@ -449,6 +490,42 @@ pub struct PricingSpec {
     /// `usage.cost`) over these prices.
     #[serde(default = "default_prefer_reported_cost")]
     pub prefer_reported_cost: bool,
+    /// USD per million tokens of calls at the flex tier (`serviceTier`), inline; a rate left
+    /// out is the standard one. With `litellm`, the entry's `*_flex` rates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flex: Option<TierPricingSpec>,
+    /// USD per million tokens of calls at the priority tier, inline; a rate left out is the
+    /// standard one. With `litellm`, the entry's `*_priority` rates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<TierPricingSpec>,
+    /// USD per million tokens of calls through a provider's Batch API, inline; a rate left out
+    /// is the standard one, and without this every rate is half the standard one (as `LiteLLM`
+    /// prices batches of models without batch rates). With `litellm`, the entry's `*_batches`
+    /// rates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<TierPricingSpec>,
+}
+
+/// One service tier's prices, USD per million tokens; what is left out is the standard price.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct TierPricingSpec {
+    /// Input tokens not read from or written to a cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<f64>,
+    /// Input tokens read from the provider's prompt cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_input: Option<f64>,
+    /// Input tokens written to the provider's prompt cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write: Option<f64>,
+    /// Output tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<f64>,
+    /// Reasoning tokens, where the model prices them apart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<f64>,
 }
 
 impl Default for PricingSpec {
@@ -461,6 +538,9 @@ impl Default for PricingSpec {
             reasoning: None,
             litellm: None,
             prefer_reported_cost: default_prefer_reported_cost(),
+            flex: None,
+            priority: None,
+            batch: None,
         }
     }
 }

@@ -506,6 +506,7 @@ mod tests {
                 retokenized: false,
             },
             finish_reason: Some("stop".into()),
+            tier: None,
             usage: Usage {
                 prompt_tokens: 2,
                 completion_tokens: 1,
@@ -605,6 +606,7 @@ mod tests {
                 ..CallTokens::default()
             },
             finish_reason: None,
+            tier: None,
             usage: Usage::default(),
             endpoint: None,
         };
@@ -669,6 +671,7 @@ mod tests {
                 ..CallTokens::default()
             },
             finish_reason: None,
+            tier: None,
             usage: Usage::default(),
             endpoint: None,
         }];

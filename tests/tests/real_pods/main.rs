@@ -225,7 +225,7 @@ impl Setup {
     async fn run_the_quickstart(&self, model_url: &str, model_name: &str) {
         let run = quickstart_run(model_url, model_name, &self.storage);
         let run_dir = self.storage.run_dir(self.ns(), "quickstart");
-        self.run_to_success(run, &run_dir).await;
+        Box::pin(self.run_to_success(run, &run_dir)).await;
     }
 
     /// Runs `run` (the quickstart, under any name) until it ends, and checks that it succeeded in
@@ -508,7 +508,7 @@ async fn the_quickstart_run_succeeds_in_real_pods() {
         &Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../examples/quickstart/datasets/quickstart.jsonl"),
     );
-    setup.run_the_quickstart(&model_url, &model_name).await;
+    Box::pin(setup.run_the_quickstart(&model_url, &model_name)).await;
 }
 
 /// The pod's settings hold at run time, seen from inside the container by the agent's terminal
@@ -2256,7 +2256,7 @@ async fn the_chart_installs_the_operator_in_its_own_image_and_a_run_succeeds_in_
         &Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../examples/quickstart/datasets/quickstart.jsonl"),
     );
-    setup.run_the_quickstart(&model_url, &model_name).await;
+    Box::pin(setup.run_the_quickstart(&model_url, &model_name)).await;
     // Every Job pod ran the worker image the chart passed to the operator.
     let images: BTreeSet<String> = setup
         .pods

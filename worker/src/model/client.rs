@@ -13,6 +13,7 @@ use super::admission::{Admission, Ticket};
 use super::limits::{Limits, Reservation};
 use super::reset_headers::wait_for_reset;
 use super::routing::{Endpoints, Route};
+use super::tiers::{CallTier, SERVICE_TIER, ServiceTierSettings};
 use super::tokens::{self, CallTokens, TokenSettings};
 use super::types::{Completion, Message, ParseFailure, Usage, parse_completion};
 use super::{Circuit, ErrorClass, ModelError, Verdict, classify_status, sse};
@@ -126,6 +127,8 @@ pub struct ModelSettings {
     pub prices: Option<Prices>,
     /// What is asked for each call's token ids and logprobs (`spec.model.tokens`).
     pub tokens: Option<TokenSettings>,
+    /// The service tier asked of the provider (`spec.model.serviceTier`).
+    pub service_tier: Option<ServiceTierSettings>,
 }
 
 /// How conversations are spread over the endpoints and name themselves (`spec.model.routing`).
@@ -218,6 +221,10 @@ impl ModelSettings {
                 .transpose()
                 .map_err(|err| ModelError::Settings(err.to_string()))?,
             tokens: spec.tokens.as_ref().map(TokenSettings::from_spec),
+            service_tier: spec
+                .service_tier
+                .as_ref()
+                .map(ServiceTierSettings::from_spec),
         })
     }
 }
@@ -539,8 +546,14 @@ impl ModelClient {
     /// as the prices prefer), else the provider's figure alone; `None` when neither is known.
     pub fn cost_of(&self, completion: &Completion) -> Option<Cost> {
         match &self.settings.prices {
-            Some(prices) => Some(prices.cost(completion.usage.tokens(), completion.reported_cost)),
-            None => completion.reported_cost.map(Cost::reported),
+            Some(prices) => Some(prices.cost(
+                completion.usage.tokens(),
+                completion.reported_cost,
+                completion.tier.unwrap_or_default(),
+            )),
+            None => completion.reported_cost.map(|total| {
+                Cost::reported(total).billed_at(completion.tier.unwrap_or_default(), total)
+            }),
         }
     }
 
@@ -589,6 +602,9 @@ impl ModelClient {
         if let Some(tokens) = &settings.tokens {
             tokens.add_request_fields(&mut body);
         }
+        if let Some(service_tier) = &settings.service_tier {
+            body.insert(SERVICE_TIER.into(), service_tier.tier.wire_name().into());
+        }
         for (key, value) in settings.reasoning_fields.iter().chain(&settings.extra_body) {
             body.insert(key.clone(), value.clone());
         }
@@ -608,9 +624,11 @@ impl ModelClient {
         let policy = &self.settings.retry;
         let mut waited = Duration::ZERO;
         let (mut attempt, mut throttled) = (0, 0);
-        // Serialised once: every attempt sends these bytes, and the input-token limit measures
-        // them.
-        let body = serde_json::to_vec(body).expect("a JSON value serialises");
+        let mut tier = CallTier::new(self.settings.service_tier);
+        let request = body;
+        // Serialised once (again only to leave a service tier): every attempt sends these
+        // bytes, and the input-token limit measures them.
+        let mut body = serde_json::to_vec(request).expect("a JSON value serialises");
         loop {
             // Chosen again for each attempt: one taken out since the last goes to another.
             let endpoint = self
@@ -619,21 +637,10 @@ impl ModelClient {
                 .map_or_else(|| self.endpoints.first_in(), |route| route.endpoint());
             let (ticket, paused) = self.traffic[endpoint].admit().await;
             waited += paused;
-            let reservation = match &self.limits {
-                Some(limits) => Some(self.reserve(limits, body.len()).await),
-                None => None,
-            };
-            let outcome = self.attempt(endpoint, &body, turn).await;
-            if let (Some(limits), Some(reservation)) = (&self.limits, reservation) {
-                let used = outcome.as_ref().map_or((0, 0), |completion| {
-                    let tokens = completion.usage.tokens();
-                    (tokens.prompt, tokens.completion)
-                });
-                limits.settle(reservation, used.0, used.1).await;
-            }
-            let error = match outcome {
+            let error = match self.attempt_within_limits(endpoint, &body, turn).await {
                 Ok(mut completion) => {
                     completion.endpoint = Some(self.endpoints.get(endpoint).base_url.clone());
+                    completion.tier.get_or_insert(tier.billed());
                     ticket.answered();
                     self.endpoints.succeeded(endpoint);
                     self.tell_circuit(true);
@@ -683,6 +690,12 @@ impl ModelClient {
                 || policy.backoff(if slow_down { throttled } else { attempt }),
                 |after| after.min(policy.max_delay),
             );
+            if slow_down && let Some(wait) = tier.refused(delay) {
+                tokio::time::sleep(wait).await;
+                waited += wait;
+                body = tier.fall_back(request);
+                continue;
+            }
             if attempt >= policy.max_attempts || waited + delay > policy.max_total_wait {
                 return Err(ModelError::Exhausted {
                     class,
@@ -707,6 +720,27 @@ impl ModelClient {
                 waited += delay;
             }
         }
+    }
+
+    /// One attempt, within the run's rate limits when it has any: it waits until it fits them,
+    /// and what it used is settled with them after.
+    async fn attempt_within_limits(
+        &self,
+        endpoint: usize,
+        body: &[u8],
+        turn: usize,
+    ) -> Result<Completion, AttemptError> {
+        let Some(limits) = &self.limits else {
+            return self.attempt(endpoint, body, turn).await;
+        };
+        let reservation = self.reserve(limits, body.len()).await;
+        let outcome = self.attempt(endpoint, body, turn).await;
+        let used = outcome.as_ref().map_or((0, 0), |completion| {
+            let tokens = completion.usage.tokens();
+            (tokens.prompt, tokens.completion)
+        });
+        limits.settle(reservation, used.0, used.1).await;
+        outcome
     }
 
     /// Waits until a request of a `body_bytes` body fits the limits, and reserves it: its prompt
@@ -1080,6 +1114,7 @@ mod tests {
             retry: RetryPolicy::default(),
             prices: None,
             tokens: None,
+            service_tier: None,
         };
         let client = ModelClient::new(settings).unwrap();
         assert!(!format!("{client:?}").contains("secret"));

@@ -23,11 +23,13 @@ pub mod limits;
 mod reset_headers;
 pub mod routing;
 mod sse;
+pub mod tiers;
 pub mod tokens;
 pub mod types;
 
 pub use circuit::Circuit;
 pub use client::{ApiKey, ModelClient, ModelSettings, RetryPolicy, RoutingSettings, Spending};
+pub use tiers::ServiceTierSettings;
 pub use tokens::{CallTokens, TokenSettings};
 pub use types::{
     AssistantMessage, Completion, Message, Reasoning, ReasoningShape, ToolCall, ToolMessage, Usage,

@@ -133,6 +133,7 @@ impl Accumulator {
             // A run that keeps tokens does not stream (validation says so).
             tokens: None,
             endpoint: None,
+            tier: None,
         })
     }
 }

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::tokens::CallTokens;
-use crate::pricing::Tokens;
+use crate::pricing::{PriceTier, Tokens};
 
 /// One message of the conversation.
 #[derive(Debug, Clone, PartialEq)]
@@ -156,6 +156,9 @@ pub struct Completion {
     pub tokens: Option<CallTokens>,
     /// The base URL of the endpoint that answered (set by the client that asked).
     pub endpoint: Option<String>,
+    /// The service tier it was billed at: as the response's `service_tier` names it, else the
+    /// one asked (set by the client that asked).
+    pub tier: Option<PriceTier>,
 }
 
 impl Message {
@@ -288,6 +291,10 @@ pub fn parse_completion(
         reported_cost: envelope.usage.as_ref().and_then(Usage::reported_cost),
         tokens,
         endpoint: None,
+        tier: envelope
+            .service_tier
+            .as_deref()
+            .and_then(PriceTier::from_service_tier),
     })
 }
 
@@ -298,6 +305,8 @@ struct Envelope {
     choices: Option<Vec<ChoiceEnvelope>>,
     #[serde(default, deserialize_with = "present")]
     usage: Option<Value>,
+    #[serde(default)]
+    service_tier: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -351,6 +360,10 @@ fn parse_completion_value(
         reported_cost: value.get("usage").and_then(Usage::reported_cost),
         tokens,
         endpoint: None,
+        tier: value
+            .get("service_tier")
+            .and_then(Value::as_str)
+            .and_then(PriceTier::from_service_tier),
     })
 }
 

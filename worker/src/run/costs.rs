@@ -3,6 +3,8 @@
 //! while the conversation ran).
 
 use serde::Deserialize;
+
+use crate::pricing::{ByTier, PriceTier};
 use serde_json::{Value, json};
 
 /// A record's `cost`, as merge reads it.
@@ -18,6 +20,12 @@ pub struct CostView {
     output: f64,
     #[serde(default)]
     total: f64,
+    /// Calls and cost per service tier, when any was not the standard one.
+    #[serde(default)]
+    tiers: ByTier,
+    /// What the calls would have cost at the standard tier, likewise.
+    #[serde(default)]
+    at_standard: Option<f64>,
 }
 
 /// Running totals of the records' costs.
@@ -27,6 +35,8 @@ pub struct Costs {
     trajectories: u64,
     trajectories_total: f64,
     sum: CostView,
+    /// What the records' calls would have cost at the standard tier.
+    at_standard: f64,
 }
 
 impl Costs {
@@ -37,17 +47,20 @@ impl Costs {
             self.trajectories += 1;
             self.trajectories_total += cost.total;
         }
-        self.add_sum(cost);
+        self.add_sum(cost, cost.at_standard.unwrap_or(cost.total));
     }
 
     pub fn absorb(&mut self, other: Self) {
         self.records += other.records;
         self.trajectories += other.trajectories;
         self.trajectories_total += other.trajectories_total;
-        self.add_sum(&other.sum);
+        self.add_sum(&other.sum, other.at_standard);
     }
 
-    fn add_sum(&mut self, other: &CostView) {
+    /// Adds `other`, whose calls would have cost `at_standard` at the standard tier.
+    fn add_sum(&mut self, other: &CostView, at_standard: f64) {
+        self.sum.tiers.add(other.tiers);
+        self.at_standard += at_standard;
         self.sum.input += other.input;
         self.sum.cached_input += other.cached_input;
         self.sum.cache_write += other.cache_write;
@@ -71,7 +84,7 @@ impl Costs {
         } else {
             self.trajectories_total / self.trajectories as f64
         };
-        Some(json!({
+        let mut summary = json!({
             "currency": "USD",
             "total": usd(self.sum.total),
             "input": usd(self.sum.input),
@@ -80,7 +93,24 @@ impl Costs {
             "output": usd(self.sum.output),
             "records_priced": self.records,
             "per_trajectory": usd(per_trajectory),
-        }))
+        });
+        if !self.sum.tiers.only_standard() {
+            let tiers: serde_json::Map<String, Value> = PriceTier::ALL
+                .iter()
+                .map(|tier| (tier.as_str(), self.sum.tiers.get(*tier)))
+                .filter(|(_, spent)| spent.calls > 0)
+                .map(|(name, spent)| {
+                    (
+                        name.to_owned(),
+                        json!({"calls": spent.calls, "total": usd(spent.total)}),
+                    )
+                })
+                .collect();
+            summary["tiers"] = Value::Object(tiers);
+            summary["at_standard"] = usd(self.at_standard).into();
+            summary["saved"] = usd(self.at_standard - self.sum.total).into();
+        }
+        Some(summary)
     }
 }
 

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
 use tracing::info;
 
 use super::batch::{ConversationOutcome, Engine, Progress, Shutdown, run_batch};
@@ -381,6 +382,26 @@ fn token_lines(statistics: &serde_json::Value) -> String {
 }
 
 /// The summary a local run prints when it has merged.
+/// The calls per service tier and what they saved, from `statistics.json`'s `cost`; empty when
+/// every call was at the standard tier.
+fn tiers_note(cost: &Value) -> String {
+    let Some(Value::Object(tiers)) = cost.get("tiers") else {
+        return String::new();
+    };
+    let calls: Vec<String> = tiers
+        .iter()
+        .map(|(tier, spent)| format!("{tier} {}", spent["calls"]))
+        .collect();
+    let saved = cost
+        .get("saved")
+        .and_then(Value::as_f64)
+        .unwrap_or_default();
+    format!(
+        "   (calls: {}; {saved:.4} less than at the standard tier)",
+        calls.join(", ")
+    )
+}
+
 pub fn render_report(report: &LocalReport) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
@@ -406,7 +427,13 @@ pub fn render_report(report: &LocalReport) -> String {
         );
     }
     if let Some(cost) = &merge.cost {
-        let _ = writeln!(out, "  cost (USD)     {cost:>8}");
+        let tiers = report
+            .statistics
+            .as_ref()
+            .and_then(|s| s.get("cost"))
+            .map(tiers_note)
+            .unwrap_or_default();
+        let _ = writeln!(out, "  cost (USD)     {cost:>8}{tiers}");
     }
     if let Some(tools) = report
         .statistics

@@ -530,6 +530,7 @@ mod tests {
                 retokenized: false,
             },
             finish_reason: Some("tool_calls".into()),
+            tier: None,
             endpoint: Some("http://model-a:8000/v1".into()),
             usage: Usage {
                 prompt_tokens: 3,

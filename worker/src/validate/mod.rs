@@ -275,6 +275,12 @@ impl RunSpec {
                 "model.extraBody",
                 "must be a JSON object".to_owned(),
             );
+            // Its `service_tier` would override the tier the calls are priced at.
+            violations.check(
+                self.model.service_tier.is_none() || extra.get("service_tier").is_none(),
+                "model.extraBody.service_tier",
+                "is set by model.serviceTier: give the tier there only".to_owned(),
+            );
         }
         let routing = &self.model.routing;
         violations.check(

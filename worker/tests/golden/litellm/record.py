@@ -21,6 +21,7 @@ os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # the bundled table, not a 
 
 import litellm  # noqa: E402
 from litellm.llms.anthropic.chat.transformation import AnthropicConfig  # noqa: E402
+from litellm.cost_calculator import batch_cost_calculator  # noqa: E402
 from litellm.types.utils import Usage  # noqa: E402
 
 CASES = [
@@ -57,6 +58,40 @@ CASES = [
       "prompt_tokens_details": {"cached_tokens": 1000}}),
 ]
 
+# Service tiers: the same usages billed at the flex and priority tiers (cost_per_token's
+# service_tier) and through a Batch API (batch_cost_calculator): a model with the tier's own
+# rates, one without (flex falls back to the standard rates, a batch to half of them), and
+# thresholds with rates of the tier's own.
+TIER_CASES = [
+    ("flex_own_rates", "gpt-5-mini", "openai", "flex",
+     {"prompt_tokens": 2000, "completion_tokens": 300, "total_tokens": 2300,
+      "prompt_tokens_details": {"cached_tokens": 1536}}),
+    ("flex_without_flex_rates", "gpt-4o", "openai", "flex",
+     {"prompt_tokens": 2000, "completion_tokens": 300, "total_tokens": 2300,
+      "prompt_tokens_details": {"cached_tokens": 1536}}),
+    ("flex_above_threshold", "gpt-6-astra", "openai", "flex",
+     {"prompt_tokens": 300000, "completion_tokens": 1000, "total_tokens": 301000,
+      "prompt_tokens_details": {"cached_tokens": 200000}}),
+    ("flex_gemini_above_threshold", "gemini/gemini-2.5-pro", "gemini", "flex",
+     {"prompt_tokens": 250000, "completion_tokens": 1000, "total_tokens": 251000,
+      "prompt_tokens_details": {"cached_tokens": 200000}}),
+    ("priority_own_rates", "gpt-4o", "openai", "priority",
+     {"prompt_tokens": 2000, "completion_tokens": 300, "total_tokens": 2300,
+      "prompt_tokens_details": {"cached_tokens": 1536}}),
+    ("batch_own_rates", "gpt-4o", "openai", "batch",
+     {"prompt_tokens": 2000, "completion_tokens": 300, "total_tokens": 2300,
+      "prompt_tokens_details": {"cached_tokens": 1536}}),
+    ("batch_own_cache_rate", "gpt-5-mini", "openai", "batch",
+     {"prompt_tokens": 2000, "completion_tokens": 300, "total_tokens": 2300,
+      "prompt_tokens_details": {"cached_tokens": 1536}}),
+    ("batch_half_without_batch_rates", "deepseek/deepseek-chat", "deepseek", "batch",
+     {"prompt_tokens": 40000, "completion_tokens": 900, "total_tokens": 40900,
+      "prompt_tokens_details": {"cached_tokens": 38400}}),
+    ("batch_above_threshold", "gemini/gemini-2.5-pro", "gemini", "batch",
+     {"prompt_tokens": 250000, "completion_tokens": 1000, "total_tokens": 251000,
+      "prompt_tokens_details": {"cached_tokens": 200000}}),
+]
+
 
 def litellm_usage(raw: dict) -> Usage:
     if "input_tokens" in raw:
@@ -74,6 +109,24 @@ def main() -> None:
         cases.append({
             "name": name,
             "model": model,
+            "entry": table[model],
+            "usage": raw,
+            "litellm": {"prompt_cost": prompt_cost, "completion_cost": completion_cost},
+        })
+    for name, model, provider, tier, raw in TIER_CASES:
+        if tier == "batch":
+            prompt_cost, completion_cost = batch_cost_calculator(
+                usage=litellm_usage(raw), model=model, custom_llm_provider=provider
+            )
+        else:
+            prompt_cost, completion_cost = litellm.cost_per_token(
+                model=model, custom_llm_provider=provider, usage_object=litellm_usage(raw),
+                service_tier=tier,
+            )
+        cases.append({
+            "name": name,
+            "model": model,
+            "tier": tier,
             "entry": table[model],
             "usage": raw,
             "litellm": {"prompt_cost": prompt_cost, "completion_cost": completion_cost},
