@@ -12,9 +12,12 @@
 //! - [`versitygw`]: not a double: a real S3 server, for runs on object storage.
 //! - [`long_conversation`]: the scripted long conversations the kill tests run and check.
 //! - [`s3_faults`]: a proxy in front of it that throttles, cuts or stalls chosen requests.
+//! - [`batch_server`]: a provider's Batch API (`OpenAI`'s files and batches) that runs each line
+//!   against a real model server, with turnaround, expiry and refusals on demand.
 //! - [`tier_gate`]: a provider's flex tier (refused for no capacity, then served) in front of a
 //!   real model server.
 
+pub mod batch_server;
 pub mod chromium;
 pub mod envoy;
 pub mod executor;
@@ -26,6 +29,42 @@ pub mod s3_faults;
 pub mod scripted_server;
 pub mod tier_gate;
 pub mod versitygw;
+
+/// An axum app served on `127.0.0.1` (a free port) on the caller's tokio runtime; it stops
+/// accepting connections when dropped.
+#[derive(Debug)]
+pub(crate) struct Served {
+    pub(crate) address: std::net::SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Served {
+    pub(crate) async fn start(app: axum::Router) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a test server can bind a port");
+        let address = listener
+            .local_addr()
+            .expect("a bound socket has an address");
+        let task = tokio::spawn(async move {
+            // Serving only fails when accepting fails for good; the test then sees refused
+            // connections.
+            let _ = axum::serve(listener, app).await;
+        });
+        Self { address, task }
+    }
+
+    /// The base URL of an OpenAI-compatible API served so: `http://127.0.0.1:PORT/v1`.
+    pub(crate) fn base_url(&self) -> String {
+        format!("http://{}/v1", self.address)
+    }
+}
 
 /// `record` without what differs between two runs of the same conversations: when they ran and
 /// how long (keys ending `_ms` or `_at`, `timestamp`, `seconds`), at any depth.

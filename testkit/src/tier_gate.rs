@@ -8,7 +8,6 @@
 //! It counts what it refused and what it served at each tier, so that a test can check every
 //! call was priced at the tier it was served at.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -19,7 +18,6 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use serde_json::{Value, json};
-use tokio::task::JoinHandle;
 
 /// What the gate did, so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -46,15 +44,8 @@ struct Shared {
 /// A running gate; it stops accepting connections when dropped.
 #[derive(Debug)]
 pub struct TierGate {
-    address: SocketAddr,
+    served: crate::Served,
     shared: Arc<Shared>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for TierGate {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
 }
 
 impl TierGate {
@@ -72,25 +63,15 @@ impl TierGate {
         let app = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
             .with_state(Arc::clone(&shared));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("the gate can bind a port");
-        let address = listener
-            .local_addr()
-            .expect("a bound socket has an address");
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
         Self {
-            address,
+            served: crate::Served::start(app).await,
             shared,
-            task,
         }
     }
 
     /// The base URL, as `spec.model.baseUrl` takes it.
     pub fn base_url(&self) -> String {
-        format!("http://{}/v1", self.address)
+        self.served.base_url()
     }
 
     pub fn counts(&self) -> TierCounts {

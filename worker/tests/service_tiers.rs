@@ -3,14 +3,21 @@
 //! it has no capacity and says which tier served each answer). Calls refused for capacity wait and
 //! are then served at flex, priced at the flex rates, with what the standard tier would have cost
 //! beside it; a run that allows a fallback sends calls refused for longer at the standard tier,
-//! priced so. Each is counted at the gate and in the records.
+//! priced so. Each is counted at the gate and in the records. And the Batch API as the worker
+//! speaks it, against the test kit's double of one (`trajectory_testkit::batch_server`) whose
+//! batches run on the same real server.
 
 mod common;
 
 use common::RunFixture;
 use serde_json::{Value, json};
+use trajectory_testkit::batch_server::{BatchServer, Behaviour};
 use trajectory_testkit::llama_cpp_server::LlamaCppServer;
 use trajectory_testkit::tier_gate::TierGate;
+use trajectory_worker::model::batch_api::{
+    BatchApi, BatchApiError, BatchStatus, LineOutcome, ProviderBatch, request_line,
+};
+use trajectory_worker::model::types::parse_completion;
 use trajectory_worker::run::local::run_local;
 
 /// USD per million tokens: the standard tier's, and the flex tier's (half).
@@ -162,4 +169,159 @@ async fn a_call_refused_past_the_fallback_wait_goes_at_the_standard_tier() {
             "{record}"
         );
     }
+}
+
+/// Polls `id` until it ends (at most 5 minutes).
+async fn ended(api: &BatchApi, id: &str) -> ProviderBatch {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    loop {
+        let batch = api.retrieve(id).await.expect("the batch's status");
+        if batch.status.ended() {
+            return batch;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{batch:?} did not end"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// A batch server doing `behaviour` in front of a new `llama-server`, and a client of it.
+async fn batch_api(
+    state: &std::path::Path,
+    behaviour: Behaviour,
+) -> (LlamaCppServer, BatchServer, BatchApi) {
+    let server = LlamaCppServer::start(state, 2, 2).await;
+    let batches = BatchServer::start(&server.base_url, behaviour).await;
+    let api = BatchApi::new(reqwest::Client::new(), &batches.base_url(), None);
+    (server, batches, api)
+}
+
+/// An input file of one short request of `model` per id.
+fn window_file(model: &str, ids: &[&str]) -> Vec<u8> {
+    ids.iter()
+        .flat_map(|id| {
+            let body = json!({"model": model, "max_tokens": 8, "temperature": 0.0,
+                              "messages": [{"role": "user", "content": format!("Say {id}.")}]});
+            request_line(id, &body)
+        })
+        .collect()
+}
+
+fn metadata(window: &str) -> serde_json::Map<String, Value> {
+    json!({"run": "tiers", "window": window})
+        .as_object()
+        .unwrap()
+        .clone()
+}
+
+/// The Batch API, as the worker speaks it, against the test kit's batch server in front of
+/// `llama-server`: lines uploaded and run, their answers read back as chat completions, a refused
+/// line, and a batch found again by its metadata; each executed line counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_batch_api_runs_lines_on_a_real_model_server_and_reads_their_answers_back() {
+    let state = tempfile::tempdir().unwrap();
+    let refusing = Behaviour {
+        refuse_lines_containing: vec!["refused".into()],
+        ..Behaviour::default()
+    };
+    let (server, batches, api) = batch_api(state.path(), refusing).await;
+    let file = api
+        .upload(
+            "window-1.jsonl",
+            window_file(&server.model, &["c-0", "c-1", "c-2", "refused-3"]),
+        )
+        .await
+        .unwrap();
+    let created = api.create(&file, &metadata("1")).await.unwrap();
+    let batch = ended(&api, &created.id).await;
+    assert_eq!(batch.status, BatchStatus::Completed);
+    let results = api.results(&batch).await.unwrap();
+    assert_eq!(results.len(), 4);
+    for result in &results {
+        match (&result.outcome, result.custom_id.as_str()) {
+            (LineOutcome::Answered(body), "c-0" | "c-1" | "c-2") => {
+                let completion = parse_completion(body, 0, false).expect("a chat completion");
+                assert!(completion.usage.completion_tokens > 0, "{completion:?}");
+            }
+            (LineOutcome::Refused { status: 400, .. }, "refused-3") => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let counts = batches.counts();
+    assert_eq!(counts.executed, 3, "the refused line is not run");
+    assert!(counts.executed_ids.values().all(|runs| *runs == 1));
+    let found = api.find(&metadata("1"), created.created_at).await.unwrap();
+    assert_eq!(
+        found
+            .iter()
+            .map(|batch| batch.id.as_str())
+            .collect::<Vec<_>>(),
+        [created.id.as_str()]
+    );
+    assert!(api.find(&metadata("2"), 0).await.unwrap().is_empty());
+}
+
+/// What ends a batch otherwise: expiry with a partial output, a batch refused at validation, a
+/// create answered 429 with a `Retry-After`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_batch_api_reads_expired_and_refused_batches_and_a_throttled_create() {
+    let state = tempfile::tempdir().unwrap();
+    let expiring = Behaviour {
+        expire_after_lines: Some(1),
+        ..Behaviour::default()
+    };
+    let (server, batches, api) = batch_api(state.path(), expiring).await;
+    let file = api
+        .upload(
+            "window-2.jsonl",
+            window_file(&server.model, &["e-0", "e-1", "e-2"]),
+        )
+        .await
+        .unwrap();
+    let expired = ended(&api, &api.create(&file, &metadata("2")).await.unwrap().id).await;
+    assert_eq!(expired.status, BatchStatus::Expired);
+    let results = api.results(&expired).await.unwrap();
+    let answered = results
+        .iter()
+        .filter(|result| matches!(result.outcome, LineOutcome::Answered(_)))
+        .count();
+    let not_run = results
+        .iter()
+        .filter(|result| matches!(&result.outcome, LineOutcome::NotRun { code, .. } if code == "batch_expired"))
+        .count();
+    assert_eq!((answered, not_run), (1, 2), "{results:?}");
+
+    batches.set_behaviour(Behaviour {
+        fail_batches: 1,
+        throttle_creates: 1,
+        ..Behaviour::default()
+    });
+    let file = api
+        .upload("window-3.jsonl", window_file(&server.model, &["f-0"]))
+        .await
+        .unwrap();
+    let throttled = api.create(&file, &metadata("3")).await.unwrap_err();
+    assert!(
+        matches!(
+            throttled,
+            BatchApiError::Status {
+                status: 429,
+                retry_after: Some(_),
+                ..
+            }
+        ),
+        "{throttled:?}"
+    );
+    assert!(throttled.is_transient());
+    let failed = ended(&api, &api.create(&file, &metadata("3")).await.unwrap().id).await;
+    assert_eq!(failed.status, BatchStatus::Failed);
+    assert!(failed.failure().contains("refused"), "{}", failed.failure());
+    assert!(api.results(&failed).await.unwrap().is_empty());
+    let counts = batches.counts();
+    assert_eq!(
+        (counts.executed, counts.batches, counts.throttled),
+        (1, 2, 1)
+    );
 }

@@ -17,6 +17,7 @@
 //! starting conversations while the server keeps failing. The table of what becomes what is in `docs/troubleshooting.md`.
 
 pub mod admission;
+pub mod batch_api;
 mod circuit;
 mod client;
 pub mod limits;

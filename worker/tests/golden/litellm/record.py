@@ -102,18 +102,8 @@ def litellm_usage(raw: dict) -> Usage:
 def main() -> None:
     table = litellm.model_cost
     cases = []
-    for name, model, provider, raw in CASES:
-        prompt_cost, completion_cost = litellm.cost_per_token(
-            model=model, custom_llm_provider=provider, usage_object=litellm_usage(raw)
-        )
-        cases.append({
-            "name": name,
-            "model": model,
-            "entry": table[model],
-            "usage": raw,
-            "litellm": {"prompt_cost": prompt_cost, "completion_cost": completion_cost},
-        })
-    for name, model, provider, tier, raw in TIER_CASES:
+    standard = [(name, model, provider, None, raw) for name, model, provider, raw in CASES]
+    for name, model, provider, tier, raw in standard + TIER_CASES:
         if tier == "batch":
             prompt_cost, completion_cost = batch_cost_calculator(
                 usage=litellm_usage(raw), model=model, custom_llm_provider=provider
@@ -123,14 +113,16 @@ def main() -> None:
                 model=model, custom_llm_provider=provider, usage_object=litellm_usage(raw),
                 service_tier=tier,
             )
-        cases.append({
+        case = {
             "name": name,
             "model": model,
-            "tier": tier,
             "entry": table[model],
             "usage": raw,
             "litellm": {"prompt_cost": prompt_cost, "completion_cost": completion_cost},
-        })
+        }
+        if tier is not None:
+            case["tier"] = tier
+        cases.append(case)
     out = Path(__file__).with_name("costs.json")
     out.write_text(json.dumps({"litellm": importlib.metadata.version("litellm"),
                                "cases": cases}, indent=1, sort_keys=True) + "\n")

@@ -1,0 +1,482 @@
+//! A test double of a provider's Batch API: `OpenAI`'s Files and Batches endpoints, each batch's
+//! lines executed against a real OpenAI-compatible model server. No server here has the API
+//! (`LiteLLM`'s proxy, which runs batches itself, needs Prisma's engines, downloaded at start-up
+//! from a host this machine cannot reach), so this one stands in, and does what providers do
+//! only by accident on demand: a turnaround, expiry with partial output, a line refused, a batch
+//! refused at validation, a create answered 429.
+//!
+//! - `POST /v1/files` (multipart, `purpose=batch`), `GET /v1/files/{id}/content`.
+//! - `POST /v1/batches` (`input_file_id`, `endpoint`, `completion_window`, `metadata`),
+//!   `GET /v1/batches/{id}`, `GET /v1/batches` (newest first, `limit`, `after`),
+//!   `POST /v1/batches/{id}/cancel`.
+//! - Output and error files in `OpenAI`'s shape: `{id, custom_id, response: {status_code,
+//!   request_id, body}, error}` per line, in the order they finished; lines an expired batch
+//!   never ran in the error file with code `batch_expired`. A cancelled batch keeps what ran.
+//!
+//! It counts what it executed (each line sent to the model server is a request paid for), so a
+//! test can check that no turn was paid twice.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::{Multipart, Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+/// Lines of one batch sent to the model server at once.
+const LINES_AT_ONCE: usize = 4;
+
+/// What the server does to the batches created from now on.
+#[derive(Debug, Clone, Default)]
+pub struct Behaviour {
+    /// How long a batch takes at least, from its creation to its end.
+    pub turnaround: Duration,
+    /// A batch ends `expired` after running this many of its lines: their results in the output,
+    /// the rest in the error file as `batch_expired`.
+    pub expire_after_lines: Option<usize>,
+    /// Lines whose `custom_id` contains one of these are answered 400 (in the error file).
+    pub refuse_lines_containing: Vec<String>,
+    /// The next this many batches fail validation (`status: failed`, `errors`).
+    pub fail_batches: usize,
+    /// The next this many `POST /v1/batches` are answered 429.
+    pub throttle_creates: usize,
+}
+
+/// What the server did, so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BatchCounts {
+    /// Batches created (429s not counted).
+    pub batches: usize,
+    /// Lines sent to the model server: requests paid for.
+    pub executed: usize,
+    /// Of those, per `custom_id`.
+    pub executed_ids: BTreeMap<String, usize>,
+    /// Creates answered 429.
+    pub throttled: usize,
+}
+
+#[derive(Debug, Default)]
+struct Store {
+    behaviour: Behaviour,
+    files: BTreeMap<String, Vec<u8>>,
+    /// By creation order.
+    batches: Vec<Value>,
+    counts: BatchCounts,
+}
+
+#[derive(Debug)]
+struct Shared {
+    upstream: String,
+    http: reqwest::Client,
+    store: Mutex<Store>,
+    next_id: AtomicU64,
+}
+
+impl Shared {
+    fn store(&self) -> MutexGuard<'_, Store> {
+        self.store.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn id(&self, prefix: &str) -> String {
+        format!(
+            "{prefix}_{:06}",
+            self.next_id.fetch_add(1, Ordering::SeqCst)
+        )
+    }
+
+    fn update_batch(&self, id: &str, update: impl FnOnce(&mut Value)) {
+        let mut store = self.store();
+        if let Some(batch) = store.batches.iter_mut().find(|batch| batch["id"] == id) {
+            update(batch);
+        }
+    }
+
+    fn batch(&self, id: &str) -> Option<Value> {
+        self.store()
+            .batches
+            .iter()
+            .find(|batch| batch["id"] == id)
+            .cloned()
+    }
+}
+
+/// A running batch server; it stops accepting connections when dropped.
+#[derive(Debug)]
+pub struct BatchServer {
+    served: crate::Served,
+    shared: Arc<Shared>,
+}
+
+impl BatchServer {
+    /// A server whose batches run their lines against `upstream` (a base URL ending `/v1`).
+    pub async fn start(upstream: &str, behaviour: Behaviour) -> Self {
+        let shared = Arc::new(Shared {
+            upstream: upstream.trim_end_matches('/').to_owned(),
+            http: reqwest::Client::new(),
+            store: Mutex::new(Store {
+                behaviour,
+                ..Store::default()
+            }),
+            next_id: AtomicU64::new(1),
+        });
+        let app = Router::new()
+            .route("/v1/files", post(upload))
+            .route("/v1/files/{id}/content", get(content))
+            .route("/v1/batches", post(create).get(list))
+            .route("/v1/batches/{id}", get(retrieve))
+            .route("/v1/batches/{id}/cancel", post(cancel))
+            .with_state(Arc::clone(&shared));
+        Self {
+            served: crate::Served::start(app).await,
+            shared,
+        }
+    }
+
+    /// The base URL, as `spec.model.baseUrl` takes it.
+    pub fn base_url(&self) -> String {
+        self.served.base_url()
+    }
+
+    /// Changes what the server does to batches created from now on.
+    pub fn set_behaviour(&self, behaviour: Behaviour) {
+        self.shared.store().behaviour = behaviour;
+    }
+
+    pub fn counts(&self) -> BatchCounts {
+        self.shared.store().counts.clone()
+    }
+
+    /// Every batch, in creation order, as `GET /v1/batches/{id}` shows it.
+    pub fn batches(&self) -> Vec<Value> {
+        self.shared.store().batches.clone()
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs())
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    let body = json!({"error": {"message": message, "type": "invalid_request_error"}});
+    (status, axum::Json(body)).into_response()
+}
+
+async fn upload(State(shared): State<Arc<Shared>>, mut form: Multipart) -> Response {
+    let (mut purpose, mut file) = (None, None);
+    while let Ok(Some(field)) = form.next_field().await {
+        match field.name() {
+            Some("purpose") => purpose = field.text().await.ok(),
+            Some("file") => {
+                let filename = field.file_name().unwrap_or("input.jsonl").to_owned();
+                file = field.bytes().await.ok().map(|bytes| (filename, bytes));
+            }
+            _ => {}
+        }
+    }
+    let (Some(purpose), Some((filename, bytes))) = (purpose, file) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "a file upload needs `purpose` and `file`",
+        );
+    };
+    let id = shared.id("file");
+    let size = bytes.len();
+    shared.store().files.insert(id.clone(), bytes.to_vec());
+    axum::Json(
+        json!({"id": id, "object": "file", "bytes": size, "created_at": now(),
+                      "filename": filename, "purpose": purpose}),
+    )
+    .into_response()
+}
+
+async fn content(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    match shared.store().files.get(&id) {
+        Some(bytes) => (StatusCode::OK, bytes.clone()).into_response(),
+        None => error(StatusCode::NOT_FOUND, &format!("no file {id}")),
+    }
+}
+
+async fn create(
+    State(shared): State<Arc<Shared>>,
+    axum::Json(request): axum::Json<Value>,
+) -> Response {
+    let (input, behaviour) = {
+        let mut store = shared.store();
+        if store.behaviour.throttle_creates > 0 {
+            store.behaviour.throttle_creates -= 1;
+            store.counts.throttled += 1;
+            return (
+                StatusCode::TOO_MANY_REQUESTS,
+                [("retry-after", "1")],
+                axum::Json(
+                    json!({"error": {"message": "too many batches being created",
+                                            "type": "rate_limit_error"}}),
+                ),
+            )
+                .into_response();
+        }
+        let Some(input) = request["input_file_id"]
+            .as_str()
+            .and_then(|id| store.files.get(id))
+            .cloned()
+        else {
+            return error(StatusCode::BAD_REQUEST, "input_file_id names no file");
+        };
+        let behaviour = store.behaviour.clone();
+        if store.behaviour.fail_batches > 0 {
+            store.behaviour.fail_batches -= 1;
+        }
+        (input, behaviour)
+    };
+    let id = shared.id("batch");
+    let created = now();
+    let batch = json!({
+        "id": id, "object": "batch", "endpoint": request["endpoint"],
+        "input_file_id": request["input_file_id"],
+        "completion_window": request["completion_window"], "status": "validating",
+        "output_file_id": null, "error_file_id": null, "errors": null,
+        "created_at": created, "in_progress_at": null, "expires_at": created + 86_400,
+        "completed_at": null, "failed_at": null, "expired_at": null, "cancelled_at": null,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "metadata": request.get("metadata").cloned().unwrap_or(Value::Null),
+    });
+    {
+        let mut store = shared.store();
+        store.counts.batches += 1;
+        store.batches.push(batch.clone());
+    }
+    tokio::spawn(run_batch(Arc::clone(&shared), id, input, behaviour));
+    axum::Json(batch).into_response()
+}
+
+/// Validates the batch's lines, runs them against the model server and ends the batch as
+/// `behaviour` says.
+async fn run_batch(shared: Arc<Shared>, id: String, input: Vec<u8>, behaviour: Behaviour) {
+    let started = tokio::time::Instant::now();
+    let lines: Vec<Value> = match validate(&input) {
+        Ok(lines) if behaviour.fail_batches == 0 => lines,
+        result => {
+            let message = result
+                .err()
+                .unwrap_or_else(|| "the batch was refused".to_owned());
+            shared.update_batch(&id, |batch| {
+                batch["status"] = "failed".into();
+                batch["failed_at"] = now().into();
+                batch["errors"] = json!({"object": "list", "data": [
+                    {"code": "invalid_request", "message": message, "param": null, "line": null}]});
+            });
+            return;
+        }
+    };
+    shared.update_batch(&id, |batch| {
+        batch["status"] = "in_progress".into();
+        batch["in_progress_at"] = now().into();
+        batch["request_counts"]["total"] = lines.len().into();
+    });
+    let (output, errors, expired) = execute(&shared, &id, &lines, &behaviour).await;
+    tokio::time::sleep_until(started + behaviour.turnaround).await;
+    let write = |lines: &[Value]| {
+        (!lines.is_empty()).then(|| {
+            let file_id = shared.id("file");
+            let mut bytes = Vec::new();
+            for line in lines {
+                bytes.extend_from_slice(line.to_string().as_bytes());
+                bytes.push(b'\n');
+            }
+            shared.store().files.insert(file_id.clone(), bytes);
+            file_id
+        })
+    };
+    let (output_file, error_file) = (write(&output), write(&errors));
+    // A cancel keeps what already ran, as providers do.
+    let cancelled = shared
+        .batch(&id)
+        .is_some_and(|batch| batch["status"] == "cancelling");
+    let (status, at) = if cancelled {
+        ("cancelled", "cancelled_at")
+    } else if expired {
+        ("expired", "expired_at")
+    } else {
+        ("completed", "completed_at")
+    };
+    shared.update_batch(&id, |batch| {
+        batch["status"] = status.into();
+        batch[at] = now().into();
+        batch["output_file_id"] = output_file.into();
+        batch["error_file_id"] = error_file.into();
+        batch["request_counts"]["completed"] = output.len().into();
+        batch["request_counts"]["failed"] = errors.len().into();
+    });
+}
+
+/// Runs the lines of batch `id` as `behaviour` says: the output file's lines, the error file's,
+/// and whether the batch expired before running them all.
+async fn execute(
+    shared: &Shared,
+    id: &str,
+    lines: &[Value],
+    behaviour: &Behaviour,
+) -> (Vec<Value>, Vec<Value>, bool) {
+    let (mut output, mut errors) = (Vec::new(), Vec::new());
+    let run = lines
+        .len()
+        .min(behaviour.expire_after_lines.unwrap_or(usize::MAX));
+    let mut to_run = Vec::new();
+    for (index, line) in lines.iter().enumerate() {
+        let custom_id = line["custom_id"].as_str().unwrap_or_default().to_owned();
+        let request_id = format!("req_{id}_{index}");
+        if index >= run {
+            errors.push(
+                json!({"id": request_id, "custom_id": custom_id, "response": null,
+                               "error": {"code": "batch_expired",
+                                         "message": "the batch expired before this request ran"}}),
+            );
+        } else if behaviour
+            .refuse_lines_containing
+            .iter()
+            .any(|part| custom_id.contains(part.as_str()))
+        {
+            errors.push(
+                json!({"id": request_id, "custom_id": custom_id, "error": null,
+                "response": {"status_code": 400, "request_id": request_id,
+                  "body": {"error": {"message": "this request was refused",
+                                     "type": "invalid_request_error"}}}}),
+            );
+        } else {
+            to_run.push((request_id, custom_id, line["body"].clone()));
+        }
+    }
+    let results: Vec<(u16, Value)> = futures::stream::iter(to_run)
+        .map(|(request_id, custom_id, body)| async move {
+            let answer = shared
+                .http
+                .post(format!("{}/chat/completions", shared.upstream))
+                .json(&body)
+                .send()
+                .await;
+            {
+                let mut store = shared.store();
+                store.counts.executed += 1;
+                *store
+                    .counts
+                    .executed_ids
+                    .entry(custom_id.clone())
+                    .or_default() += 1;
+            }
+            let (status, body) = match answer {
+                Ok(answer) => {
+                    let status = answer.status().as_u16();
+                    (status, answer.json::<Value>().await.unwrap_or(Value::Null))
+                }
+                Err(err) => (502, json!({"error": {"message": err.to_string()}})),
+            };
+            (
+                status,
+                json!({"id": request_id, "custom_id": custom_id, "error": null,
+                    "response": {"status_code": status, "request_id": request_id, "body": body}}),
+            )
+        })
+        .buffer_unordered(LINES_AT_ONCE)
+        .collect()
+        .await;
+    for (status, result) in results {
+        if status == 200 {
+            output.push(result);
+        } else {
+            errors.push(result);
+        }
+    }
+    (output, errors, run < lines.len())
+}
+
+/// The input file's lines, as `OpenAI` validates them: JSON objects with a `custom_id` unique in
+/// the file, `method: POST`, one `url` for all, and a `body`.
+fn validate(input: &[u8]) -> Result<Vec<Value>, String> {
+    let mut lines = Vec::new();
+    let (mut ids, mut urls) = (BTreeSet::new(), BTreeSet::new());
+    for (number, line) in input.split(|byte| *byte == b'\n').enumerate() {
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let line: Value = serde_json::from_slice(line)
+            .map_err(|err| format!("line {}: not JSON: {err}", number + 1))?;
+        let custom_id = line["custom_id"]
+            .as_str()
+            .ok_or_else(|| format!("line {}: no custom_id", number + 1))?;
+        if !ids.insert(custom_id.to_owned()) {
+            return Err(format!(
+                "line {}: custom_id {custom_id} is not unique",
+                number + 1
+            ));
+        }
+        if line["method"] != "POST" || !line["body"].is_object() {
+            return Err(format!("line {}: needs method POST and a body", number + 1));
+        }
+        urls.insert(line["url"].as_str().unwrap_or_default().to_owned());
+        lines.push(line);
+    }
+    if urls.len() > 1 {
+        return Err("every line must have the same url".to_owned());
+    }
+    Ok(lines)
+}
+
+async fn retrieve(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    match shared.batch(&id) {
+        Some(batch) => axum::Json(batch).into_response(),
+        None => error(StatusCode::NOT_FOUND, &format!("no batch {id}")),
+    }
+}
+
+async fn list(
+    State(shared): State<Arc<Shared>>,
+    Query(query): Query<BTreeMap<String, String>>,
+) -> Response {
+    let limit = query
+        .get("limit")
+        .and_then(|limit| limit.parse().ok())
+        .unwrap_or(20usize);
+    let store = shared.store();
+    let newest_first = store.batches.iter().rev();
+    let page: Vec<Value> = match query.get("after") {
+        Some(after) => newest_first
+            .skip_while(|batch| batch["id"] != after.as_str())
+            .skip(1)
+            .take(limit + 1)
+            .cloned()
+            .collect(),
+        None => newest_first.take(limit + 1).cloned().collect(),
+    };
+    let has_more = page.len() > limit;
+    let data: Vec<Value> = page.into_iter().take(limit).collect();
+    axum::Json(json!({
+        "object": "list",
+        "first_id": data.first().map(|batch| batch["id"].clone()),
+        "last_id": data.last().map(|batch| batch["id"].clone()),
+        "has_more": has_more,
+        "data": data,
+    }))
+    .into_response()
+}
+
+async fn cancel(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    let mut found = None;
+    shared.update_batch(&id, |batch| {
+        if matches!(batch["status"].as_str(), Some("validating" | "in_progress")) {
+            batch["status"] = "cancelling".into();
+        }
+        found = Some(batch.clone());
+    });
+    match found {
+        Some(batch) => axum::Json(batch).into_response(),
+        None => error(StatusCode::NOT_FOUND, &format!("no batch {id}")),
+    }
+}
