@@ -354,6 +354,7 @@ impl ScriptedServer {
             prices: None,
             tokens: None,
             service_tier: None,
+            batch: None,
         }
     }
 }

@@ -271,6 +271,7 @@ fn engine(base_urls: &[String], traffic: Traffic) -> anyhow::Result<Engine> {
         prices,
         tokens: None,
         service_tier: None,
+        batch: None,
     };
     let spec = ToolSpec {
         name: TOOL.into(),

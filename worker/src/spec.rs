@@ -232,12 +232,67 @@ pub struct ModelSpec {
     /// (the response's `service_tier`, else the one asked). Unset: the provider's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_tier: Option<ServiceTierSpec>,
+    /// Send the model calls through the provider's Batch API (`OpenAI`'s files and batches
+    /// dialect) at its price, about half: the ready turns of the run's conversations are
+    /// collected into windows, each sent as one provider batch, and each conversation goes on
+    /// when its answer comes back. A turn that waits past `deadlineSeconds`, or whose batch gives
+    /// no answer, goes live. For large, patient runs: give `concurrency` enough conversations to
+    /// fill the windows. Unset: every call is a live request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchSpec>,
     /// Ask each call for the server's own token ids and logprobs and keep them, for trainers
     /// that need them (reinforcement learning, distillation): per call the prompt and
     /// completion ids and one logprob per sampled token, in `trajectories.tokens.jsonl` beside
     /// the trajectories (which stay as they are). Unset: nothing is asked or kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<TokensSpec>,
+}
+
+/// Batch mode (`spec.model.batch`): how turns are collected into provider batches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct BatchSpec {
+    /// Base URL of the provider's Batch API, including `/v1` (its `/files` and `/batches`);
+    /// unset: the model's `baseUrl`. The model's key is sent to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+    /// A window closes at this many turns (1 to 50,000, `OpenAI`'s limit per batch).
+    #[serde(default = "default_batch_max_requests")]
+    pub max_requests: u32,
+    /// A window closes before its file grows past this many MiB (1 to 200, `OpenAI`'s limit).
+    #[serde(default = "default_batch_max_megabytes")]
+    pub max_megabytes: u32,
+    /// A window closes this many seconds after its first turn, however few it holds.
+    #[serde(default = "default_batch_max_wait_seconds")]
+    pub max_wait_seconds: u64,
+    /// How often a provider batch's status is asked, in seconds.
+    #[serde(default = "default_batch_poll_seconds")]
+    pub poll_seconds: u64,
+    /// A turn that has waited this many seconds for its batch goes live (its batch answer is
+    /// dropped when it comes): the run's tail is not the batch's.
+    #[serde(default = "default_batch_deadline_seconds")]
+    pub deadline_seconds: u64,
+}
+
+fn default_batch_max_requests() -> u32 {
+    1000
+}
+
+fn default_batch_max_megabytes() -> u32 {
+    100
+}
+
+fn default_batch_max_wait_seconds() -> u64 {
+    30
+}
+
+fn default_batch_poll_seconds() -> u64 {
+    30
+}
+
+fn default_batch_deadline_seconds() -> u64 {
+    3600
 }
 
 /// The service tier asked of the provider (`spec.model.serviceTier`).

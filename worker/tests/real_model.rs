@@ -40,6 +40,7 @@ async fn a_real_model_calls_a_tool_and_gets_its_result_back() {
         prices: None,
         tokens: None,
         service_tier: None,
+        batch: None,
     })
     .unwrap();
     let registry = Registry::builtin(&ToolsSpec::default());
@@ -606,6 +607,7 @@ async fn two_streamed_answers_at_once_both_arrive_whole() {
         prices: None,
         tokens: None,
         service_tier: None,
+        batch: None,
     })
     .unwrap();
     let ask = |topic: &str| {

@@ -55,6 +55,7 @@ async fn requests_in_flight_settle_near_what_a_shedding_proxy_lets_through() {
         prices: None,
         tokens: None,
         service_tier: None,
+        batch: None,
     })
     .unwrap();
 

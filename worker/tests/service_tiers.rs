@@ -13,6 +13,7 @@ use common::RunFixture;
 use serde_json::{Value, json};
 use trajectory_testkit::batch_server::{BatchServer, Behaviour};
 use trajectory_testkit::llama_cpp_server::LlamaCppServer;
+use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_calls_reply};
 use trajectory_testkit::tier_gate::TierGate;
 use trajectory_worker::model::batch_api::{
     BatchApi, BatchApiError, BatchStatus, LineOutcome, ProviderBatch, request_line,
@@ -324,4 +325,141 @@ async fn the_batch_api_reads_expired_and_refused_batches_and_a_throttled_create(
         (counts.executed, counts.batches, counts.throttled),
         (1, 2, 1)
     );
+}
+
+/// Four tool calls, then an answer: five turns a conversation, each reporting 1,000 prompt and
+/// 100 completion tokens.
+fn five_turns(body: &Value) -> Step {
+    let turns = body["messages"].as_array().map_or(0, |messages| {
+        messages.iter().filter(|m| m["role"] == "assistant").count()
+    });
+    let mut reply = if turns < 4 {
+        let (name, arguments) = common::terminal("true");
+        tool_calls_reply(&[(name, Value::String(arguments.to_string()))])
+    } else {
+        text_reply("done")
+    };
+    reply["usage"] = json!({"prompt_tokens": 1000, "completion_tokens": 100, "total_tokens": 1100});
+    Step::ok(reply)
+}
+
+/// A run of `rows` five-turn conversations whose model calls go through `batches`, the live path
+/// to `model`.
+async fn batch_run(
+    model: &ScriptedServer,
+    batches: &BatchServer,
+    rows: usize,
+    batch: Value,
+) -> RunFixture {
+    let lines: Vec<String> = (0..rows)
+        .map(|row| json!({"prompt": format!("task {row}")}).to_string())
+        .collect();
+    let mut spec_batch = batch;
+    spec_batch["baseUrl"] = json!(batches.base_url());
+    let fixture = RunFixture::with_lines(&model.base_url(), &lines)
+        .with("/batchSize", json!(rows))
+        .with("/concurrency", json!(rows))
+        .with("/model/batch", spec_batch)
+        .with(
+            "/model/pricing",
+            json!({"input": STANDARD.0, "output": STANDARD.1}),
+        )
+        .with(
+            "/agent",
+            json!({"maxTurns": 6, "promptTimeoutSeconds": 600}),
+        );
+    run_local(&common::local_options(&fixture), &common::no_shutdown())
+        .await
+        .expect("the run finishes");
+    fixture
+}
+
+/// Batch mode on a tool loop: 40 conversations of five turns each, every turn sent in a provider
+/// batch (the test kit's batch server, its lines run on a scripted model for exact turn counts),
+/// the tools run between rounds. Every record complete once, every turn paid once (counted at the
+/// batch server by custom id and at the model), none live, each priced at the batch rate (half).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_loop_over_provider_batches_pays_every_turn_once_at_the_batch_price() {
+    let model = ScriptedServer::start_responding(five_turns).await;
+    let batches = BatchServer::start(&model.base_url(), Behaviour::default()).await;
+    let fixture = batch_run(
+        &model,
+        &batches,
+        40,
+        json!({"maxRequests": 40, "maxWaitSeconds": 1, "pollSeconds": 1}),
+    )
+    .await;
+
+    let records = fixture.lines("trajectories.jsonl");
+    assert_eq!(records.len(), 40, "{:?}", fixture.lines("failures.jsonl"));
+    let ids: std::collections::BTreeSet<&str> = records
+        .iter()
+        .map(|record| record["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 40, "every record once");
+    let counts = batches.counts();
+    assert_eq!(counts.executed, 200, "five turns of 40 conversations");
+    assert!(
+        counts.executed_ids.values().all(|runs| *runs == 1),
+        "no turn paid twice"
+    );
+    assert_eq!(model.request_count(), 200, "no turn went live");
+    // Five rounds at least; windows of one round may split by age.
+    assert!(
+        (5..=200).contains(&counts.batches),
+        "{} windows",
+        counts.batches
+    );
+    let per_call = (1000.0 * STANDARD.0 + 100.0 * STANDARD.1) / 1e6;
+    for record in &records {
+        assert_eq!(record["api_calls"], 5, "{record}");
+        assert_eq!(record["tool_stats"]["terminal"]["count"], 4, "{record}");
+        let cost = &record["cost"];
+        assert_eq!(cost["tiers"]["batch"]["calls"], 5, "{record}");
+        assert!(
+            (cost["total"].as_f64().unwrap() - 2.5 * per_call).abs() < TOLERANCE,
+            "{cost}"
+        );
+        assert!((cost["at_standard"].as_f64().unwrap() - 5.0 * per_call).abs() < TOLERANCE);
+    }
+}
+
+/// A batch slower than the run's deadline: every turn goes live at the standard price, and each
+/// window whose turns all went live is cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turns_waiting_past_the_deadline_go_live_and_their_windows_are_cancelled() {
+    let model = ScriptedServer::start_responding(five_turns).await;
+    let slow = Behaviour {
+        turnaround: std::time::Duration::from_secs(30),
+        ..Behaviour::default()
+    };
+    let batches = BatchServer::start(&model.base_url(), slow).await;
+    let fixture = batch_run(
+        &model,
+        &batches,
+        4,
+        json!({"maxWaitSeconds": 1, "pollSeconds": 1, "deadlineSeconds": 1}),
+    )
+    .await;
+
+    let records = fixture.lines("trajectories.jsonl");
+    assert_eq!(records.len(), 4, "{:?}", fixture.lines("failures.jsonl"));
+    let per_call = (1000.0 * STANDARD.0 + 100.0 * STANDARD.1) / 1e6;
+    for record in &records {
+        let cost = &record["cost"];
+        assert!(cost.get("tiers").is_none(), "every call live: {record}");
+        assert!(
+            (cost["total"].as_f64().unwrap() - 5.0 * per_call).abs() < TOLERANCE,
+            "{cost}"
+        );
+    }
+    // The batch server ran each window's lines too (as a provider would, before the deadline):
+    // what the model served is the live calls and those.
+    assert_eq!(model.request_count(), 20 + batches.counts().executed);
+    let cancelled = batches
+        .batches()
+        .iter()
+        .filter(|batch| matches!(batch["status"].as_str(), Some("cancelling" | "cancelled")))
+        .count();
+    assert!(cancelled >= 1, "{:?}", batches.batches());
 }

@@ -10,6 +10,8 @@ use serde_json::{Map, Value};
 use tracing::{debug, info, warn};
 
 use super::admission::{Admission, Ticket};
+use super::batch_api::BatchApi;
+use super::batch_windows::{BatchAnswer, BatchSettings, BatchWindows, batch_custom_id};
 use super::limits::{Limits, Reservation};
 use super::reset_headers::wait_for_reset;
 use super::routing::{Endpoints, Route};
@@ -17,7 +19,7 @@ use super::tiers::{CallTier, SERVICE_TIER, ServiceTierSettings};
 use super::tokens::{self, CallTokens, TokenSettings};
 use super::types::{Completion, Message, ParseFailure, Usage, parse_completion};
 use super::{Circuit, ErrorClass, ModelError, Verdict, classify_status, sse};
-use crate::pricing::{Cost, Prices};
+use crate::pricing::{Cost, PriceTier, Prices};
 use crate::spec::{ModelSpec, RoutingSpec, RoutingStrategy, TokenRequest};
 
 /// The model API key. Its `Debug` and `Display` never show the value.
@@ -129,6 +131,8 @@ pub struct ModelSettings {
     pub tokens: Option<TokenSettings>,
     /// The service tier asked of the provider (`spec.model.serviceTier`).
     pub service_tier: Option<ServiceTierSettings>,
+    /// Batch mode (`spec.model.batch`): the Batch API's base URL and how windows are cut.
+    pub batch: Option<(String, BatchSettings)>,
 }
 
 /// How conversations are spread over the endpoints and name themselves (`spec.model.routing`).
@@ -225,6 +229,13 @@ impl ModelSettings {
                 .service_tier
                 .as_ref()
                 .map(ServiceTierSettings::from_spec),
+            batch: spec.batch.as_ref().map(|batch| {
+                let base_url = batch
+                    .base_url
+                    .clone()
+                    .unwrap_or_else(|| base_urls.first().cloned().unwrap_or_default());
+                (base_url, BatchSettings::from_spec(batch))
+            }),
         })
     }
 }
@@ -266,6 +277,8 @@ pub struct ModelClient {
     /// The conversation this clone asks for ([`ModelClient::for_conversation`]): its endpoint
     /// and its identity.
     route: Option<Arc<Route>>,
+    /// Batch mode's windows, shared by the clones (`spec.model.batch`).
+    batch: Option<Arc<BatchWindows>>,
     authorization: Option<HeaderValue>,
     settings: ModelSettings,
     /// Told of every attempt's outcome, when a batch watches this client's calls.
@@ -433,7 +446,12 @@ impl ModelClient {
             settings.routing.strategy,
             settings.routing.load_bound,
         ));
+        let batch = settings.batch.as_ref().map(|(base_url, batch)| {
+            let api = BatchApi::new(http.clone(), base_url, authorization.clone());
+            Arc::new(BatchWindows::new(api, *batch))
+        });
         Ok(Self {
+            batch,
             http,
             traffic: settings
                 .base_urls
@@ -621,6 +639,68 @@ impl ModelClient {
     /// attempts nor opens the batch's circuit. Only the total wait is bounded
     /// (`max_total_wait`), past which the outage path takes over.
     pub async fn complete(&self, body: &Value, turn: usize) -> Result<Completion, ModelError> {
+        if let Some(windows) = &self.batch
+            && let Some(completion) = self.complete_in_batch(windows, body, turn).await?
+        {
+            return Ok(completion);
+        }
+        self.complete_live(body, turn).await
+    }
+
+    /// The call through batch mode's windows: its completion, or `None` when it goes live.
+    async fn complete_in_batch(
+        &self,
+        windows: &BatchWindows,
+        body: &Value,
+        turn: usize,
+    ) -> Result<Option<Completion>, ModelError> {
+        let custom_id = match &self.route {
+            Some(route) => batch_custom_id(&route.identity, turn),
+            None => batch_custom_id(&format!("call-{}", windows.next_call()), turn),
+        };
+        let read_tokens = self.settings.tokens.is_some();
+        match windows.ask(custom_id, body).await {
+            BatchAnswer::Answered(bytes) => match parse_completion(&bytes, turn, read_tokens) {
+                Ok(mut completion) => {
+                    completion.tier = Some(PriceTier::Batch);
+                    completion.endpoint = Some(windows.base_url().to_owned());
+                    if let (Some(spending), Some(cost)) =
+                        (&self.spending, self.cost_of(&completion))
+                    {
+                        spending.add(cost.total);
+                    }
+                    Ok(Some(completion))
+                }
+                Err(failure) => {
+                    warn!(
+                        ?failure,
+                        "a batch answer could not be read; the turn goes live"
+                    );
+                    Ok(None)
+                }
+            },
+            BatchAnswer::Refused { status, message } => {
+                let message = self.redact(message);
+                match classify_status(status, &message, None) {
+                    Verdict::Permanent(class) => Err(ModelError::Permanent {
+                        class,
+                        status,
+                        message,
+                    }),
+                    Verdict::Reject(class) => Err(ModelError::Rejected {
+                        class,
+                        status,
+                        message,
+                    }),
+                    Verdict::Retry { .. } => Ok(None),
+                }
+            }
+            BatchAnswer::GoLive(_) => Ok(None),
+        }
+    }
+
+    /// The call as one request of its own, with retries (see [`ModelClient::complete`]).
+    async fn complete_live(&self, body: &Value, turn: usize) -> Result<Completion, ModelError> {
         let policy = &self.settings.retry;
         let mut waited = Duration::ZERO;
         let (mut attempt, mut throttled) = (0, 0);
@@ -1115,6 +1195,7 @@ mod tests {
             prices: None,
             tokens: None,
             service_tier: None,
+            batch: None,
         };
         let client = ModelClient::new(settings).unwrap();
         assert!(!format!("{client:?}").contains("secret"));

@@ -18,6 +18,7 @@
 
 pub mod admission;
 pub mod batch_api;
+pub mod batch_windows;
 mod circuit;
 mod client;
 pub mod limits;

@@ -321,6 +321,7 @@ impl RunSpec {
             );
         }
         self.check_tokens(violations);
+        self.check_batch(violations);
         if let Some(limits) = &self.model.limits {
             for (value, field) in [
                 (limits.requests_per_minute, "requestsPerMinute"),
@@ -344,6 +345,46 @@ impl RunSpec {
                 );
             }
         }
+    }
+
+    fn check_batch(&self, violations: &mut Violations) {
+        let Some(batch) = &self.model.batch else {
+            return;
+        };
+        violations.check(
+            (1..=50_000).contains(&batch.max_requests),
+            "model.batch.maxRequests",
+            format!("must be 1 to 50000, got {}", batch.max_requests),
+        );
+        violations.check(
+            (1..=200).contains(&batch.max_megabytes),
+            "model.batch.maxMegabytes",
+            format!("must be 1 to 200, got {}", batch.max_megabytes),
+        );
+        for (field, seconds) in [
+            ("model.batch.maxWaitSeconds", batch.max_wait_seconds),
+            ("model.batch.pollSeconds", batch.poll_seconds),
+            ("model.batch.deadlineSeconds", batch.deadline_seconds),
+        ] {
+            violations.check(
+                seconds >= 1,
+                field,
+                format!("must be at least 1, got {seconds}"),
+            );
+        }
+        if let Some(url) = &batch.base_url {
+            violations.check(
+                url.starts_with("http://") || url.starts_with("https://"),
+                "model.batch.baseUrl",
+                format!("must be an http(s) URL, got {url:?}"),
+            );
+        }
+        // A batch's answers carry no llama.cpp prompt ids, and its token fields are untested.
+        violations.check(
+            self.model.tokens.is_none(),
+            "model.batch",
+            "cannot be used with model.tokens yet: keep token ids with live calls".to_owned(),
+        );
     }
 
     fn check_tokens(&self, violations: &mut Violations) {
@@ -721,6 +762,37 @@ mod tests {
         assert_eq!(
             (simulator.max_turns, simulator.stop_tokens[0].as_str()),
             (5, "###STOP###")
+        );
+    }
+
+    #[test]
+    fn batch_mode_and_service_tiers_are_checked_field_by_field() {
+        let with = |model: serde_json::Value| -> Vec<String> {
+            let mut spec = minimal();
+            spec.model = serde_json::from_value(model).unwrap();
+            spec.validate().into_iter().map(|v| v.to_string()).collect()
+        };
+        let base = "http://127.0.0.1:1/v1";
+        assert!(
+            with(
+                serde_json::json!({"name": "m", "baseUrl": base, "batch": {},
+                                    "serviceTier": {"tier": "Flex", "fallbackAfterSeconds": 60}})
+            )
+            .is_empty()
+        );
+        assert_eq!(
+            with(serde_json::json!({"name": "m", "baseUrl": base,
+                "batch": {"maxRequests": 0, "maxMegabytes": 201, "pollSeconds": 0, "baseUrl": "batches"},
+                "tokens": {"request": "LogprobsOnly"},
+                "serviceTier": {"tier": "Flex"}, "extraBody": {"service_tier": "auto"}})),
+            [
+                "spec.model.extraBody.service_tier: is set by model.serviceTier: give the tier there only",
+                "spec.model.batch.maxRequests: must be 1 to 50000, got 0",
+                "spec.model.batch.maxMegabytes: must be 1 to 200, got 201",
+                "spec.model.batch.pollSeconds: must be at least 1, got 0",
+                "spec.model.batch.baseUrl: must be an http(s) URL, got \"batches\"",
+                "spec.model.batch: cannot be used with model.tokens yet: keep token ids with live calls",
+            ]
         );
     }
 
