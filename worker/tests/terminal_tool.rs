@@ -1067,10 +1067,10 @@ async fn a_runaway_job_is_stopped_at_its_limit_with_the_reason(place: Where) {
         "f(){ if [ $1 -lt 9 ]; then f $(($1+1)) & f $(($1+1)) & fi; sleep 300; }; f 0",
     )
     .await;
-    // A steady grower (see real_pods.rs's runaway test for why not a doubling buffer).
+    // A steady grower (see real_pods' runaway test for why not a doubling buffer).
     let hog = start_job(
         ctx,
-        "x=$(head -c 1048576 /dev/zero | tr '\\0' a); y=; while :; do y=\"$y$x\"; done",
+        "x=$(head -c 1048576 /dev/zero | tr '\\0' a); a=(); while :; do a+=(\"$x\"); done",
     )
     .await;
     for (id, reason) in [

@@ -1642,11 +1642,12 @@ async fn a_runaway_background_job_is_stopped_at_its_limit_in_a_real_pod() {
     let jobs = [
         "yes flooding",
         "f(){ if [ $1 -lt 9 ]; then f $(($1+1)) & f $(($1+1)) & fi; sleep 987961; }; f 0",
-        // Grows a string by 1 MiB a step: past the limit for many checks before the
+        // Grows an array by 1 MiB a step: past the limit for many checks before the
         // allocation limit (twice the memory limit) would refuse it, whatever the load. (A
         // doubling buffer can cross from the limit to twice it between two checks, and then
-        // ends on its own allocation failure.)
-        "x=$(head -c 1048576 /dev/zero | tr '\\0' a); y=; while :; do y=\"$y$x\"; done",
+        // ends on its own allocation failure; a string grown by `y="$y$x"` copies all of itself
+        // each step, and took over 30 s to reach 256 MiB on a loaded machine.)
+        "x=$(head -c 1048576 /dev/zero | tr '\\0' a); a=(); while :; do a+=(\"$x\"); done",
     ];
     let neighbour = "for i in $(seq 20); do echo $i > n$i; sleep 0.1; done; cat n* | wc -l";
     let (model, url) = model_scripting(&setup, move |seen| match (seen.task, seen.results.len()) {
