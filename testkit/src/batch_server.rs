@@ -3,7 +3,8 @@
 //! (`LiteLLM`'s proxy, which runs batches itself, needs Prisma's engines, downloaded at start-up
 //! from a host this machine cannot reach), so this one stands in, and does what providers do
 //! only by accident on demand: a turnaround, expiry with partial output, a line refused, a batch
-//! refused at validation, a create answered 429.
+//! refused at validation, a create answered 429; and it holds a create's answer or a results download
+//! open, so that a test can kill its client at that moment.
 //!
 //! - `POST /v1/files` (multipart, `purpose=batch`), `GET /v1/files/{id}/content`.
 //! - `POST /v1/batches` (`input_file_id`, `endpoint`, `completion_window`, `metadata`),
@@ -46,6 +47,12 @@ pub struct Behaviour {
     pub fail_batches: usize,
     /// The next this many `POST /v1/batches` are answered 429.
     pub throttle_creates: usize,
+    /// The `n`th batch created (from 1) is created and runs, but the answer to its creation is
+    /// never sent: a test kills its client at that moment, its batch created and not known.
+    pub hold_create_of: Option<usize>,
+    /// The first download of a results file of the `n`th batch created is never answered: a
+    /// test kills its client between the batch's end and its results.
+    pub hold_results_of: Option<usize>,
 }
 
 /// What the server did, so far.
@@ -59,6 +66,8 @@ pub struct BatchCounts {
     pub executed_ids: BTreeMap<String, usize>,
     /// Creates answered 429.
     pub throttled: usize,
+    /// Answers held ([`Behaviour::hold_create_of`], [`Behaviour::hold_results_of`]).
+    pub held: usize,
 }
 
 #[derive(Debug, Default)]
@@ -198,6 +207,22 @@ async fn upload(State(shared): State<Arc<Shared>>, mut form: Multipart) -> Respo
 }
 
 async fn content(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    let held = {
+        let mut store = shared.store();
+        let of_batch = store
+            .batches
+            .iter()
+            .position(|batch| batch["output_file_id"] == id || batch["error_file_id"] == id);
+        let held = of_batch.is_some_and(|index| store.behaviour.hold_results_of == Some(index + 1));
+        if held {
+            store.behaviour.hold_results_of = None;
+            store.counts.held += 1;
+        }
+        held
+    };
+    if held {
+        std::future::pending::<()>().await;
+    }
     match shared.store().files.get(&id) {
         Some(bytes) => (StatusCode::OK, bytes.clone()).into_response(),
         None => error(StatusCode::NOT_FOUND, &format!("no file {id}")),
@@ -248,12 +273,20 @@ async fn create(
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
         "metadata": request.get("metadata").cloned().unwrap_or(Value::Null),
     });
-    {
+    let held = {
         let mut store = shared.store();
         store.counts.batches += 1;
         store.batches.push(batch.clone());
-    }
+        let held = store.behaviour.hold_create_of == Some(store.counts.batches);
+        if held {
+            store.counts.held += 1;
+        }
+        held
+    };
     tokio::spawn(run_batch(Arc::clone(&shared), id, input, behaviour));
+    if held {
+        std::future::pending::<()>().await;
+    }
     axum::Json(batch).into_response()
 }
 

@@ -19,6 +19,9 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::batch_api::{BatchApi, BatchApiError, LineOutcome, ProviderBatch, request_line};
+use super::batch_journal::{
+    Claim, EarlierWindow, EarlierWindows, IntentLine, JournalEntry, WindowJournal, line_digest,
+};
 use crate::spec::BatchSpec;
 
 /// How windows are cut, polled and waited for.
@@ -62,19 +65,8 @@ struct Waiting {
     custom_id: String,
     line: Vec<u8>,
     answer: oneshot::Sender<BatchAnswer>,
-}
-
-/// What batch mode did in this process, so far.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct WindowCounts {
-    /// Provider batches created.
-    pub windows: u64,
-    /// Turns sent in them.
-    pub sent: u64,
-    /// Turns answered by a batch.
-    pub answered: u64,
-    /// Turns that went live: past the deadline, or their batch gave no answer.
-    pub live: u64,
+    /// Where its batch's window is journaled (none: the run keeps no turn log).
+    journal: Option<Arc<dyn WindowJournal>>,
 }
 
 /// The `custom_id` of turn `turn` of the conversation `identity`: readable where it is short and
@@ -92,17 +84,29 @@ pub fn batch_custom_id(identity: &str, turn: usize) -> String {
     format!("c{}-{turn}", &digest.as_str()[..32])
 }
 
+/// The answers of adopted windows, by custom id, until their turns ask for them (`None`: the
+/// window's batch was never created, or is gone: the turn is sent again).
+type AdoptedAnswers = HashMap<String, oneshot::Receiver<Option<BatchAnswer>>>;
+
 /// The windows of one process, shared by all its conversations' clients.
 #[derive(Debug)]
 pub struct BatchWindows {
     settings: BatchSettings,
+    /// Names this process's windows (`<name>-<n>`), in the journal and the batches' metadata.
+    name: String,
     /// Numbers the calls of clients without a conversation identity.
     calls: std::sync::atomic::AtomicU64,
     api: BatchApi,
     sender: mpsc::UnboundedSender<Waiting>,
     /// Taken by the collector when the first turn arrives (it needs the runtime).
     receiver: Mutex<Option<mpsc::UnboundedReceiver<Waiting>>>,
-    counts: Arc<Mutex<WindowCounts>>,
+    /// Windows of killed processes that journaled them, to adopt.
+    earlier: Mutex<EarlierWindows>,
+    adopted: Mutex<AdoptedAnswers>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl BatchWindows {
@@ -110,11 +114,13 @@ impl BatchWindows {
         let (sender, receiver) = mpsc::unbounded_channel();
         Self {
             settings,
+            name: format!("{:016x}", rand::random::<u64>()),
             calls: std::sync::atomic::AtomicU64::new(0),
             api,
             sender,
             receiver: Mutex::new(Some(receiver)),
-            counts: Arc::default(),
+            earlier: Mutex::default(),
+            adopted: Mutex::default(),
         }
     }
 
@@ -129,91 +135,149 @@ impl BatchWindows {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
-    pub fn counts(&self) -> WindowCounts {
-        *self.counts.lock().unwrap_or_else(PoisonError::into_inner)
+    /// Takes up the windows an earlier process journaled: a turn they hold that is asked again
+    /// waits for their batch's answer rather than being sent again.
+    pub fn take_up(&self, entries: Vec<JournalEntry>) {
+        lock(&self.earlier).add(entries);
     }
 
-    fn count(&self, update: impl FnOnce(&mut WindowCounts)) {
-        update(&mut self.counts.lock().unwrap_or_else(PoisonError::into_inner));
-    }
-
-    /// Sends the request `body` in the next window as `custom_id`, and waits for its answer,
-    /// at most the run's deadline.
-    pub async fn ask(&self, custom_id: String, body: &Value) -> BatchAnswer {
-        if let Some(receiver) = self
-            .receiver
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-        {
+    /// Sends the request `body` in the next window as `custom_id` (journaled in `journal`), and
+    /// waits for its answer, at most the run's deadline; a turn an earlier process's window
+    /// holds waits for that window's answer instead.
+    pub async fn ask(
+        &self,
+        custom_id: String,
+        body: &Value,
+        journal: Option<Arc<dyn WindowJournal>>,
+    ) -> BatchAnswer {
+        let deadline = Instant::now() + self.settings.deadline;
+        let line = request_line(&custom_id, body);
+        if let Some(adopted) = self.adopted_answer(&custom_id, &line, journal.as_ref()) {
+            match tokio::time::timeout_at(deadline, adopted).await {
+                Ok(Ok(Some(answer))) => return answer,
+                // Never created, or gone: sent again below.
+                Ok(Ok(None) | Err(_)) => {}
+                Err(_) => return past_deadline(self.settings.deadline),
+            }
+        }
+        if let Some(receiver) = lock(&self.receiver).take() {
             tokio::spawn(collect(
                 receiver,
                 self.api.clone(),
                 self.settings,
-                Arc::clone(&self.counts),
+                self.name.clone(),
             ));
         }
         let (answer, answered) = oneshot::channel();
-        let line = request_line(&custom_id, body);
-        if self
-            .sender
-            .send(Waiting {
-                custom_id,
-                line,
-                answer,
-            })
-            .is_err()
-        {
+        let waiting = Waiting {
+            custom_id,
+            line,
+            answer,
+            journal,
+        };
+        if self.sender.send(waiting).is_err() {
             return BatchAnswer::GoLive("batch mode has stopped".into());
         }
-        let answer = match tokio::time::timeout(self.settings.deadline, answered).await {
+        let answer = match tokio::time::timeout_at(deadline, answered).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => BatchAnswer::GoLive("its window was dropped".into()),
-            Err(_) => BatchAnswer::GoLive(format!(
-                "it waited past the deadline of {} s",
-                self.settings.deadline.as_secs()
-            )),
+            Err(_) => past_deadline(self.settings.deadline),
         };
-        match &answer {
-            BatchAnswer::GoLive(reason) => {
-                debug!(reason, "a turn goes live");
-                self.count(|counts| counts.live += 1);
-            }
-            BatchAnswer::Answered(_) | BatchAnswer::Refused { .. } => {
-                self.count(|counts| counts.answered += 1);
-            }
+        if let BatchAnswer::GoLive(reason) = &answer {
+            debug!(reason, "a turn goes live");
         }
         answer
     }
+
+    /// The answer an earlier process's window holds for `custom_id` with this `line`, adopting
+    /// the window (its batch polled and read in the background) at the first of its turns.
+    fn adopted_answer(
+        &self,
+        custom_id: &str,
+        line: &[u8],
+        journal: Option<&Arc<dyn WindowJournal>>,
+    ) -> Option<oneshot::Receiver<Option<BatchAnswer>>> {
+        // Held until the window's answers are in `adopted`: a turn of the same window asked
+        // meanwhile must find its answer there.
+        let mut earlier = lock(&self.earlier);
+        match earlier.claim(custom_id, &line_digest(line)) {
+            Claim::None => return None,
+            Claim::Adopted => {}
+            Claim::Adopt(window) => {
+                let mut answers = Vec::with_capacity(window.custom_ids.len());
+                {
+                    let mut adopted = lock(&self.adopted);
+                    for id in &window.custom_ids {
+                        let (answer, answered) = oneshot::channel();
+                        adopted.insert(id.clone(), answered);
+                        answers.push(answer);
+                    }
+                }
+                info!(window = %window.name, turns = answers.len(), "adopting an earlier window");
+                tokio::spawn(adopt(
+                    self.api.clone(),
+                    self.settings,
+                    window,
+                    answers,
+                    journal.cloned(),
+                ));
+            }
+        }
+        earlier.answered(custom_id);
+        drop(earlier);
+        lock(&self.adopted).remove(custom_id)
+    }
 }
 
-/// Collects the turns into windows, each sent as a provider batch when it closes.
+fn past_deadline(deadline: Duration) -> BatchAnswer {
+    BatchAnswer::GoLive(format!(
+        "it waited past the deadline of {} s",
+        deadline.as_secs()
+    ))
+}
+
+/// Collects the turns into windows, each sent as a provider batch when it closes: at
+/// `max_requests` turns, before a turn that would take its file past `max_bytes`, or
+/// `max_wait` after its first turn.
 async fn collect(
     mut receiver: mpsc::UnboundedReceiver<Waiting>,
     api: BatchApi,
     settings: BatchSettings,
-    counts: Arc<Mutex<WindowCounts>>,
+    name: String,
 ) {
     let mut window: Vec<Waiting> = Vec::new();
     let mut ids: HashSet<String> = HashSet::new();
-    let (mut bytes, mut opened) = (0, Instant::now());
+    let (mut bytes, mut opened, mut windows_sent) = (0, Instant::now(), 0_u64);
+    let mut send = |window: &mut Vec<Waiting>, ids: &mut HashSet<String>, bytes: &mut usize| {
+        windows_sent += 1;
+        let turns = std::mem::take(window);
+        tokio::spawn(send_window(
+            api.clone(),
+            settings,
+            format!("{name}-{windows_sent}"),
+            turns,
+        ));
+        ids.clear();
+        *bytes = 0;
+    };
     loop {
         let closes = opened + settings.max_wait;
         let next = tokio::select! {
             next = receiver.recv() => next,
             () = tokio::time::sleep_until(closes), if !window.is_empty() => {
-                send_window(&api, settings, &counts, std::mem::take(&mut window));
-                ids.clear();
-                bytes = 0;
+                send(&mut window, &mut ids, &mut bytes);
                 continue;
             }
         };
         let Some(mut waiting) = next else {
             if !window.is_empty() {
-                send_window(&api, settings, &counts, window);
+                send(&mut window, &mut ids, &mut bytes);
             }
             return;
         };
+        if !window.is_empty() && bytes + waiting.line.len() > settings.max_bytes {
+            send(&mut window, &mut ids, &mut bytes);
+        }
         // A turn asked again (its answer could not be used) must not share its id in a file.
         if !ids.insert(waiting.custom_id.clone()) {
             waiting.custom_id = format!("{}-{}", waiting.custom_id, window.len());
@@ -225,10 +289,8 @@ async fn collect(
         }
         bytes += waiting.line.len();
         window.push(waiting);
-        if window.len() >= settings.max_requests || bytes >= settings.max_bytes {
-            send_window(&api, settings, &counts, std::mem::take(&mut window));
-            ids.clear();
-            bytes = 0;
+        if window.len() >= settings.max_requests {
+            send(&mut window, &mut ids, &mut bytes);
         }
     }
 }
@@ -242,32 +304,86 @@ fn request_line_again(waiting: &Waiting) -> Vec<u8> {
     bytes
 }
 
-fn send_window(
-    api: &BatchApi,
-    settings: BatchSettings,
-    counts: &Arc<Mutex<WindowCounts>>,
-    window: Vec<Waiting>,
-) {
-    let (api, counts) = (api.clone(), Arc::clone(counts));
-    tokio::spawn(async move {
-        let size = window.len();
-        match run_window(&api, settings, &window).await {
-            Ok(batch) => {
-                {
-                    let mut counts = counts.lock().unwrap_or_else(PoisonError::into_inner);
-                    counts.windows += 1;
-                    counts.sent += size as u64;
-                }
-                deliver(&api, &batch, window).await;
-            }
-            Err(reason) => {
-                warn!(%reason, turns = size, "a window got no batch; its turns go live");
-                for waiting in window {
-                    let _ = waiting.answer.send(BatchAnswer::GoLive(reason.clone()));
-                }
+/// Journals, sends and polls one window, then hands each of its turns its answer.
+async fn send_window(api: BatchApi, settings: BatchSettings, name: String, window: Vec<Waiting>) {
+    let size = window.len();
+    let outcome = match journal_intent(&name, &window).await {
+        Ok(journals) => run_window(&api, settings, &name, &window, &journals).await,
+        Err(reason) => Err(reason),
+    };
+    match outcome {
+        Ok(batch) => {
+            let answers = read_answers(&api, &batch, window.iter().map(|w| &w.custom_id)).await;
+            for (waiting, answer) in window.into_iter().zip(answers) {
+                let _ = waiting.answer.send(answer);
             }
         }
-    });
+        Err(reason) => {
+            warn!(%reason, turns = size, "a window got no batch; its turns go live");
+            for waiting in window {
+                let _ = waiting.answer.send(BatchAnswer::GoLive(reason.clone()));
+            }
+        }
+    }
+}
+
+/// Writes the window's intent in the journal of each of its turns' batches, before anything is
+/// sent (a window with no journal is not journaled); returns those journals.
+async fn journal_intent(
+    name: &str,
+    window: &[Waiting],
+) -> Result<Vec<Arc<dyn WindowJournal>>, String> {
+    let mut journals: Vec<(Arc<dyn WindowJournal>, Vec<IntentLine>)> = Vec::new();
+    for waiting in window {
+        let Some(journal) = &waiting.journal else {
+            continue;
+        };
+        let line = IntentLine {
+            custom_id: waiting.custom_id.clone(),
+            digest: line_digest(&waiting.line),
+        };
+        match journals
+            .iter_mut()
+            .find(|(known, _)| Arc::ptr_eq(known, journal))
+        {
+            Some((_, lines)) => lines.push(line),
+            None => journals.push((Arc::clone(journal), vec![line])),
+        }
+    }
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs());
+    let mut written = Vec::with_capacity(journals.len());
+    for (journal, lines) in journals {
+        let window = name.to_owned();
+        journal
+            .write(JournalEntry::Intent { window, at, lines })
+            .await
+            .map_err(|error| format!("its intent could not be journaled: {error}"))?;
+        written.push(journal);
+    }
+    Ok(written)
+}
+
+/// The metadata that names window `name` at the provider.
+fn window_metadata(name: &str) -> serde_json::Map<String, Value> {
+    let mut metadata = serde_json::Map::new();
+    metadata.insert("trajectory_window".into(), name.into());
+    metadata
+}
+
+/// Writes the creation of window `name`'s batch in `journals`; a failure costs only a lookup
+/// by metadata when the window is adopted.
+async fn journal_creation(journals: &[Arc<dyn WindowJournal>], name: &str, batch_id: &str) {
+    for journal in journals {
+        let entry = JournalEntry::Created {
+            window: name.to_owned(),
+            batch_id: batch_id.to_owned(),
+        };
+        if let Err(error) = journal.write(entry).await {
+            warn!(%error, window = name, "the creation of a window's batch was not journaled");
+        }
+    }
 }
 
 /// Attempts of a Batch API call that the provider says to retry.
@@ -299,11 +415,13 @@ where
     }
 }
 
-/// Uploads the window, creates its batch and polls it until it ends.
+/// Uploads the window, creates its batch (journaled in `journals`) and polls it until it ends.
 async fn run_window(
     api: &BatchApi,
     settings: BatchSettings,
+    name: &str,
     window: &[Waiting],
+    journals: &[Arc<dyn WindowJournal>],
 ) -> Result<ProviderBatch, String> {
     let mut file = Vec::with_capacity(window.iter().map(|waiting| waiting.line.len()).sum());
     for waiting in window {
@@ -312,15 +430,26 @@ async fn run_window(
     let file_id = with_retries(settings.poll, || api.upload("window.jsonl", file.clone()))
         .await
         .map_err(|err| err.to_string())?;
-    let metadata = serde_json::Map::new();
+    let metadata = window_metadata(name);
     let created = with_retries(settings.poll, || api.create(&file_id, &metadata))
         .await
         .map_err(|err| err.to_string())?;
-    info!(batch = %created.id, turns = window.len(), "a window went out as a provider batch");
-    let mut batch = created;
+    journal_creation(journals, name, &created.id).await;
+    info!(batch = %created.id, window = name, turns = window.len(), "a window went out as a provider batch");
+    let all_live = || window.iter().all(|waiting| waiting.answer.is_closed());
+    poll_until_ended(api, settings, created, all_live).await
+}
+
+/// Polls `batch` until it ends; cancels it when `abandoned` says no one waits for its answers.
+async fn poll_until_ended(
+    api: &BatchApi,
+    settings: BatchSettings,
+    mut batch: ProviderBatch,
+    abandoned: impl Fn() -> bool,
+) -> Result<ProviderBatch, String> {
     while !batch.status.ended() {
         tokio::time::sleep(settings.poll).await;
-        if window.iter().all(|waiting| waiting.answer.is_closed()) {
+        if abandoned() {
             // Every turn went live: the batch's answers would be dropped.
             let _ = api.cancel(&batch.id).await;
             return Err("every turn of the window went live".into());
@@ -336,8 +465,63 @@ async fn run_window(
     Ok(batch)
 }
 
-/// Hands each turn of an ended batch its answer.
-async fn deliver(api: &BatchApi, batch: &ProviderBatch, window: Vec<Waiting>) {
+/// Adopts an earlier process's window: finds its batch (by its journaled id, else by the
+/// window's name in the batches' metadata), polls it and hands its turns their answers; `None`
+/// to each when the batch was never created or cannot be read (the turns are sent again).
+async fn adopt(
+    api: BatchApi,
+    settings: BatchSettings,
+    window: EarlierWindow,
+    answers: Vec<oneshot::Sender<Option<BatchAnswer>>>,
+    journal: Option<Arc<dyn WindowJournal>>,
+) {
+    let found = if let Some(id) = &window.batch_id {
+        with_retries(settings.poll, || api.retrieve(id))
+            .await
+            .map(Some)
+    } else {
+        // Clocks differ between machines: look a little before the intent.
+        let since = window.at.saturating_sub(600);
+        let metadata = window_metadata(&window.name);
+        with_retries(settings.poll, || api.find(&metadata, since))
+            .await
+            .map(|found| found.into_iter().next())
+    };
+    let batch = match found {
+        Ok(Some(batch)) => batch,
+        Ok(None) => {
+            info!(window = %window.name, "an earlier window's batch was never created; its turns are sent again");
+            return;
+        }
+        Err(error) => {
+            warn!(%error, window = %window.name, "an earlier window's batch cannot be read; its turns are sent again");
+            return;
+        }
+    };
+    if window.batch_id.is_none() {
+        journal_creation(journal.as_slice(), &window.name, &batch.id).await;
+    }
+    info!(batch = %batch.id, window = %window.name, "adopted an earlier window's batch");
+    let abandoned = || answers.iter().all(oneshot::Sender::is_closed);
+    match poll_until_ended(&api, settings, batch, abandoned).await {
+        Ok(batch) => {
+            let read = read_answers(&api, &batch, window.custom_ids.iter()).await;
+            for (answer, read) in answers.into_iter().zip(read) {
+                let _ = answer.send(Some(read));
+            }
+        }
+        Err(reason) => {
+            warn!(%reason, window = %window.name, "an adopted batch gave no answers; its turns are sent again");
+        }
+    }
+}
+
+/// The answers of an ended batch to `custom_ids`, in their order.
+async fn read_answers<'a>(
+    api: &BatchApi,
+    batch: &ProviderBatch,
+    custom_ids: impl Iterator<Item = &'a String>,
+) -> Vec<BatchAnswer> {
     let results = match with_retries(Duration::from_secs(1), || api.results(batch)).await {
         Ok(results) => results,
         Err(error) => {
@@ -345,18 +529,17 @@ async fn deliver(api: &BatchApi, batch: &ProviderBatch, window: Vec<Waiting>) {
                 "the results of batch {} could not be read: {error}",
                 batch.id
             );
-            for waiting in window {
-                let _ = waiting.answer.send(BatchAnswer::GoLive(reason.clone()));
-            }
-            return;
+            return custom_ids
+                .map(|_| BatchAnswer::GoLive(reason.clone()))
+                .collect();
         }
     };
     let mut by_id: HashMap<String, LineOutcome> = results
         .into_iter()
         .map(|result| (result.custom_id, result.outcome))
         .collect();
-    for waiting in window {
-        let answer = match by_id.remove(&waiting.custom_id) {
+    custom_ids
+        .map(|custom_id| match by_id.remove(custom_id) {
             Some(LineOutcome::Answered(body)) => BatchAnswer::Answered(body),
             Some(LineOutcome::Refused { status, message }) => {
                 BatchAnswer::Refused { status, message }
@@ -371,9 +554,8 @@ async fn deliver(api: &BatchApi, batch: &ProviderBatch, window: Vec<Waiting>) {
                 "batch {} ended {:?} without its result",
                 batch.id, batch.status
             )),
-        };
-        let _ = waiting.answer.send(answer);
-    }
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use tracing::{debug, info, warn};
 
 use super::admission::{Admission, Ticket};
 use super::batch_api::BatchApi;
+use super::batch_journal::{JournalEntry, WindowJournal};
 use super::batch_windows::{BatchAnswer, BatchSettings, BatchWindows, batch_custom_id};
 use super::limits::{Limits, Reservation};
 use super::reset_headers::wait_for_reset;
@@ -279,6 +280,8 @@ pub struct ModelClient {
     route: Option<Arc<Route>>,
     /// Batch mode's windows, shared by the clones (`spec.model.batch`).
     batch: Option<Arc<BatchWindows>>,
+    /// Where this clone's batch journals the windows its turns go in.
+    window_journal: Option<Arc<dyn WindowJournal>>,
     authorization: Option<HeaderValue>,
     settings: ModelSettings,
     /// Told of every attempt's outcome, when a batch watches this client's calls.
@@ -452,6 +455,7 @@ impl ModelClient {
         });
         Ok(Self {
             batch,
+            window_journal: None,
             http,
             traffic: settings
                 .base_urls
@@ -506,6 +510,27 @@ impl ModelClient {
         Self {
             spending: Some(spending),
             ..self.clone()
+        }
+    }
+
+    /// The same client, journaling the batch mode windows its turns go in to `journal`.
+    #[must_use]
+    pub fn with_window_journal(&self, journal: Arc<dyn WindowJournal>) -> Self {
+        Self {
+            window_journal: Some(journal),
+            ..self.clone()
+        }
+    }
+
+    /// Whether the client sends its calls in batch mode's windows.
+    pub fn in_batch_mode(&self) -> bool {
+        self.batch.is_some()
+    }
+
+    /// Takes up the windows an earlier process journaled (see [`BatchWindows::take_up`]).
+    pub fn take_up_windows(&self, entries: Vec<JournalEntry>) {
+        if let Some(windows) = &self.batch {
+            windows.take_up(entries);
         }
     }
 
@@ -659,16 +684,13 @@ impl ModelClient {
             None => batch_custom_id(&format!("call-{}", windows.next_call()), turn),
         };
         let read_tokens = self.settings.tokens.is_some();
-        match windows.ask(custom_id, body).await {
+        let journal = self.window_journal.clone();
+        match windows.ask(custom_id, body, journal).await {
             BatchAnswer::Answered(bytes) => match parse_completion(&bytes, turn, read_tokens) {
                 Ok(mut completion) => {
                     completion.tier = Some(PriceTier::Batch);
                     completion.endpoint = Some(windows.base_url().to_owned());
-                    if let (Some(spending), Some(cost)) =
-                        (&self.spending, self.cost_of(&completion))
-                    {
-                        spending.add(cost.total);
-                    }
+                    self.add_spending(&completion);
                     Ok(Some(completion))
                 }
                 Err(failure) => {
@@ -681,21 +703,18 @@ impl ModelClient {
             },
             BatchAnswer::Refused { status, message } => {
                 let message = self.redact(message);
-                match classify_status(status, &message, None) {
-                    Verdict::Permanent(class) => Err(ModelError::Permanent {
-                        class,
-                        status,
-                        message,
-                    }),
-                    Verdict::Reject(class) => Err(ModelError::Rejected {
-                        class,
-                        status,
-                        message,
-                    }),
-                    Verdict::Retry { .. } => Ok(None),
-                }
+                // A line refused for a reason worth a retry goes live; others end the call.
+                let verdict = classify_status(status, &message, None);
+                verdict.settle(status, message).map(|_| None)
             }
             BatchAnswer::GoLive(_) => Ok(None),
+        }
+    }
+
+    /// Tells the run's budget what `completion` cost.
+    fn add_spending(&self, completion: &Completion) {
+        if let (Some(spending), Some(cost)) = (&self.spending, self.cost_of(completion)) {
+            spending.add(cost.total);
         }
     }
 
@@ -724,11 +743,7 @@ impl ModelClient {
                     ticket.answered();
                     self.endpoints.succeeded(endpoint);
                     self.tell_circuit(true);
-                    if let (Some(spending), Some(cost)) =
-                        (&self.spending, self.cost_of(&completion))
-                    {
-                        spending.add(cost.total);
-                    }
+                    self.add_spending(&completion);
                     return Ok(completion);
                 }
                 Err(error) => error,
@@ -740,24 +755,7 @@ impl ModelClient {
                 message,
                 ..
             } = error;
-            let message = self.redact(message);
-            let (class, retry_after) = match verdict {
-                Verdict::Permanent(class) => {
-                    return Err(ModelError::Permanent {
-                        class,
-                        status,
-                        message,
-                    });
-                }
-                Verdict::Reject(class) => {
-                    return Err(ModelError::Rejected {
-                        class,
-                        status,
-                        message,
-                    });
-                }
-                Verdict::Retry { class, retry_after } => (class, retry_after),
-            };
+            let (class, retry_after, message) = verdict.settle(status, self.redact(message))?;
             if moves {
                 continue;
             }

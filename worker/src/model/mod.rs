@@ -18,6 +18,7 @@
 
 pub mod admission;
 pub mod batch_api;
+pub mod batch_journal;
 pub mod batch_windows;
 mod circuit;
 mod client;
@@ -167,6 +168,29 @@ pub(crate) enum Verdict {
     Reject(ErrorClass),
     /// Stop the batch.
     Permanent(ErrorClass),
+}
+
+/// A failed call to retry: its class, the server's `Retry-After` and its message.
+pub(crate) type Retry = (ErrorClass, Option<Duration>, String);
+
+impl Verdict {
+    /// The error a call that failed with `status` and `message` ends in, unless it is to be
+    /// retried.
+    pub(crate) fn settle(self, status: u16, message: String) -> Result<Retry, ModelError> {
+        match self {
+            Self::Retry { class, retry_after } => Ok((class, retry_after, message)),
+            Self::Reject(class) => Err(ModelError::Rejected {
+                class,
+                status,
+                message,
+            }),
+            Self::Permanent(class) => Err(ModelError::Permanent {
+                class,
+                status,
+                message,
+            }),
+        }
+    }
 }
 
 /// What error bodies say when the requested model does not exist.

@@ -50,6 +50,7 @@ use super::manifest::Manifest;
 use super::sampling::{Next, Schedule};
 use super::segments::segment_digest;
 use super::turns::{Chains, TurnLog, TurnLogHandle, read_chains, spawn_signalling};
+use super::windows::journal_windows;
 use super::{RunError, RunLocation};
 use crate::contract::BatchSummary;
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row, without_bom};
@@ -252,6 +253,7 @@ pub async fn run_batch(
         (turns.log, turns.chains),
     );
     shared.recordings = recordings;
+    let window_journal = journal_windows(&mut shared, &run_dir, (batch, &writer_id))?;
     let shared = Arc::new(shared);
     let schedule = Schedule::new(pending, engine.passes_per_prompt, passed);
     let stop = run_pending(&shared, schedule, shutdown, lines, &mut summary, progress).await?;
@@ -269,6 +271,9 @@ pub async fn run_batch(
     }
     let expected = shared.rows.len() as u64 * u64::from(engine.samples_per_prompt);
     let marker = mark_done(&run_dir, batch, expected, turn_writer)?;
+    if let Some(journal) = window_journal {
+        journal.remove();
+    }
     // The batch leaves no workspace behind (most were removed while it ran).
     while removals.join_next().await.is_some() {}
     info!(

@@ -20,6 +20,7 @@ mod rewards;
 pub mod sampling;
 pub mod segments;
 mod turns;
+mod windows;
 
 use std::path::{Path, PathBuf};
 

@@ -135,6 +135,9 @@ impl<T> Context<T> for io::Result<T> {
 /// How a turn log's name ends (a records file's reader passes it over: a writer id has no dot).
 const TURNS_SUFFIX: &str = ".turns.jsonl";
 
+/// How a windows journal's name ends (batch mode's provider batches; passed over likewise).
+const WINDOWS_SUFFIX: &str = ".windows.jsonl";
+
 /// The directory of [`RunDir::plan_dir`], relative to the run directory.
 const PLAN_DIR: &str = "plan";
 
@@ -199,12 +202,29 @@ impl RunDir {
 
     /// Every turn log of a batch (each part on a bucket), in name order.
     pub fn turn_logs(&self, batch: u32) -> Result<Vec<PathBuf>, StorageError> {
+        self.writers_files(batch, TURNS_SUFFIX)
+    }
+
+    /// Where a writer of a batch keeps the journal of its batch mode windows (see
+    /// `run::windows`).
+    pub fn batch_windows_of(&self, batch: u32, writer: &WriterId) -> PathBuf {
+        self.batch_dir(batch)
+            .join(format!("w-{}{WINDOWS_SUFFIX}", writer.0))
+    }
+
+    /// Every windows journal of a batch (each part on a bucket), in name order.
+    pub fn window_journals(&self, batch: u32) -> Result<Vec<PathBuf>, StorageError> {
+        self.writers_files(batch, WINDOWS_SUFFIX)
+    }
+
+    /// The files of a batch's writers whose names end with `suffix`, in name order.
+    fn writers_files(&self, batch: u32, suffix: &str) -> Result<Vec<PathBuf>, StorageError> {
         let dir = self.batch_dir(batch);
         let mut names: Vec<String> = self
             .store
             .list(&dir)?
             .into_iter()
-            .filter(|name| name.starts_with("w-") && name.ends_with(TURNS_SUFFIX))
+            .filter(|name| name.starts_with("w-") && name.ends_with(suffix))
             .collect();
         names.sort_unstable();
         Ok(names.into_iter().map(|name| dir.join(name)).collect())
