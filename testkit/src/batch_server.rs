@@ -30,7 +30,8 @@ use axum::routing::{get, post};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-/// Lines of one batch sent to the model server at once.
+/// Lines of one batch sent to the model server at once, unless [`Behaviour::parallel_lines`]
+/// says otherwise.
 const LINES_AT_ONCE: usize = 4;
 
 /// What the server does to the batches created from now on.
@@ -47,6 +48,9 @@ pub struct Behaviour {
     pub fail_batches: usize,
     /// The next this many `POST /v1/batches` are answered 429.
     pub throttle_creates: usize,
+    /// Lines of one batch sent to the model server at once (unset: 4); a benchmark whose model
+    /// takes seconds a call sets it to a window's size, so that a batch ends at its turnaround.
+    pub parallel_lines: Option<usize>,
     /// The `n`th batch created (from 1) is created and runs, but the answer to its creation is
     /// never sent: a test kills its client at that moment, its batch created and not known.
     pub hold_create_of: Option<usize>,
@@ -417,7 +421,7 @@ async fn execute(
                     "response": {"status_code": status, "request_id": request_id, "body": body}}),
             )
         })
-        .buffer_unordered(LINES_AT_ONCE)
+        .buffer_unordered(behaviour.parallel_lines.unwrap_or(LINES_AT_ONCE).max(1))
         .collect()
         .await;
     for (status, result) in results {

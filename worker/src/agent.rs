@@ -52,6 +52,9 @@ pub struct Conversation {
     pub cost: Option<Cost>,
     /// Time spent waiting for the model, summed over calls.
     pub model_time: Duration,
+    /// What each call answered in a provider batch waited for its answer, in milliseconds
+    /// (batch mode's turnaround as the conversation saw it), in call order.
+    pub batch_waits_ms: Vec<u64>,
     /// How the conversation took up turns an earlier attempt had finished (`None`: it started
     /// from its prompt with nothing recorded).
     pub resume: Option<Resumed>,
@@ -231,6 +234,7 @@ impl Conversation {
             usage: Usage::default(),
             cost: None,
             model_time: Duration::ZERO,
+            batch_waits_ms: Vec::new(),
             resume: None,
             replayed: None,
             steps: Vec::new(),
@@ -787,6 +791,11 @@ async fn timed_call(
     let reply = client.complete(body, turn).await?;
     let model_time = started.elapsed();
     conversation.model_time += model_time;
+    if reply.tier == Some(crate::pricing::PriceTier::Batch) {
+        conversation
+            .batch_waits_ms
+            .push(u64::try_from(model_time.as_millis()).unwrap_or(u64::MAX));
+    }
     conversation.usage.add(reply.usage);
     let cost = client.cost_of(&reply);
     if let Some(cost) = cost {

@@ -562,6 +562,9 @@ impl Serialize for TrajectoryRecord<'_> {
             "model_time_ms",
             &u64::try_from(conversation.model_time.as_millis()).unwrap_or(u64::MAX),
         )?;
+        if !conversation.batch_waits_ms.is_empty() {
+            record.serialize_entry("batch_waits_ms", &conversation.batch_waits_ms)?;
+        }
         record.serialize_entry("started_at", &timestamp(context.started_at))?;
         record.serialize_entry("finished_at", &timestamp(context.finished_at))?;
         if let Some(verification) = context.verification {

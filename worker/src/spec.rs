@@ -273,6 +273,15 @@ pub struct BatchSpec {
     /// dropped when it comes): the run's tail is not the batch's.
     #[serde(default = "default_batch_deadline_seconds")]
     pub deadline_seconds: u64,
+    /// Once a worker has started every conversation of its batch and at most this percent of
+    /// them are still running, their turns go live (those waiting in a window too): the last
+    /// turns of the stragglers do not each wait a batch's turnaround. 0: never.
+    #[serde(default = "default_batch_live_tail_percent")]
+    pub live_tail_percent: u32,
+}
+
+fn default_batch_live_tail_percent() -> u32 {
+    5
 }
 
 fn default_batch_max_requests() -> u32 {

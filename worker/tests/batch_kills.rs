@@ -181,5 +181,7 @@ async fn killed_while_a_window_is_submitted_and_while_its_results_wait_no_turn_i
         // Each tool ran once, in order: the workspace's log is the four turns.
         assert_eq!(record["verification"]["passed"], true, "{record}");
         assert_eq!(record["cost"]["tiers"]["batch"]["calls"], 5, "{record}");
+        // The waits of turns taken up from the turn log are kept too.
+        assert_eq!(record["batch_waits_ms"].as_array().unwrap().len(), 5);
     }
 }

@@ -549,3 +549,70 @@ fn the_report_of_a_million_records_stays_small_and_opens() {
         assert!((1..=PER_STRATUM).contains(&shown), "{outcome}: {shown}");
     }
 }
+
+/// A batch-priced run's page shows its rounds, how long its turns waited for their batches, the
+/// calls that went live and what it saved, as `statistics.json` says: eight three-turn
+/// conversations through the test kit's batch server (a test double of a provider's Batch API)
+/// with a turnaround of one second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_report_of_a_batch_priced_run_shows_its_rounds_turnaround_and_savings() {
+    use trajectory_testkit::batch_server::{BatchServer, Behaviour};
+    let model = ScriptedServer::start_responding(|body| {
+        let replies = body["messages"].as_array().map_or(0, |messages| {
+            messages.iter().filter(|m| m["role"] == "assistant").count()
+        });
+        let mut reply = if replies < 2 {
+            tool_call_reply("terminal", &json!({"command": "true"}))
+        } else {
+            text_reply("done")
+        };
+        reply["usage"] = json!({"prompt_tokens": 1000, "completion_tokens": 100});
+        Step::ok(reply)
+    })
+    .await;
+    let behaviour = Behaviour {
+        turnaround: std::time::Duration::from_secs(1),
+        ..Behaviour::default()
+    };
+    let batches = BatchServer::start(&model.base_url(), behaviour).await;
+    let fixture = RunFixture::new(&model.base_url(), 8)
+        .with("/batchSize", json!(8))
+        .with("/concurrency", json!(8))
+        .with(
+            "/model/batch",
+            json!({"baseUrl": batches.base_url(), "maxRequests": 8, "maxWaitSeconds": 1,
+                   "pollSeconds": 1, "liveTailPercent": 0}),
+        )
+        .with("/model/pricing", json!({"input": 2.0, "output": 8.0}));
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .expect("the run finishes");
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    let batch_mode = &statistics["batch_mode"];
+    assert_eq!(batch_mode["calls"], 24, "{statistics}");
+    assert_eq!(batch_mode["live_calls"], 0, "{statistics}");
+    assert_eq!(batch_mode["rounds_per_conversation"]["max"], 3);
+    let turnaround = &batch_mode["turnaround_ms"];
+    assert!(turnaround["p50"].as_u64().unwrap() >= 1000, "{turnaround}");
+    // Half the standard price: $0.0028 a call at the standard tier.
+    assert!((statistics["cost"]["saved"].as_f64().unwrap() - 24.0 * 0.0014).abs() < 1e-9);
+
+    let profile = tempfile::tempdir().unwrap();
+    let dom = load(&fixture.out().join("report.html"), "", profile.path());
+    for (stat, value) in [
+        ("batch_calls", &batch_mode["calls"]),
+        ("batch_live_calls", &batch_mode["live_calls"]),
+        (
+            "batch_rounds_max",
+            &batch_mode["rounds_per_conversation"]["max"],
+        ),
+        ("batch_turnaround_p50", &turnaround["p50"]),
+        ("batch_turnaround_p90", &turnaround["p90"]),
+        ("cost_saved", &statistics["cost"]["saved"]),
+    ] {
+        let shown: f64 = attribute(&dom, "stat", stat, "value").parse().unwrap();
+        assert_eq!(Some(shown), value.as_f64(), "{stat}");
+    }
+}

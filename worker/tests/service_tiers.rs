@@ -386,7 +386,7 @@ async fn a_tool_loop_over_provider_batches_pays_every_turn_once_at_the_batch_pri
         &model,
         &batches,
         40,
-        json!({"maxRequests": 40, "maxWaitSeconds": 1, "pollSeconds": 1}),
+        json!({"maxRequests": 40, "maxWaitSeconds": 1, "pollSeconds": 1, "liveTailPercent": 0}),
     )
     .await;
 
@@ -414,6 +414,7 @@ async fn a_tool_loop_over_provider_batches_pays_every_turn_once_at_the_batch_pri
     for record in &records {
         assert_eq!(record["api_calls"], 5, "{record}");
         assert_eq!(record["tool_stats"]["terminal"]["count"], 4, "{record}");
+        assert_eq!(record["batch_waits_ms"].as_array().unwrap().len(), 5);
         let cost = &record["cost"];
         assert_eq!(cost["tiers"]["batch"]["calls"], 5, "{record}");
         assert!(
@@ -462,4 +463,75 @@ async fn turns_waiting_past_the_deadline_go_live_and_their_windows_are_cancelled
         .filter(|batch| matches!(batch["status"].as_str(), Some("cancelling" | "cancelled")))
         .count();
     assert!(cancelled >= 1, "{:?}", batches.batches());
+}
+
+/// Tasks 10 and 11 take five turns, the others two: the long ones' last turns come when every
+/// other conversation has finished.
+fn two_long_tasks(body: &Value) -> Step {
+    let task: usize = body["messages"]
+        .as_array()
+        .and_then(|messages| messages.iter().find(|m| m["role"] == "user"))
+        .and_then(|user| user["content"].as_str())
+        .and_then(|content| content.strip_prefix("task "))
+        .and_then(|number| number.parse().ok())
+        .expect("a task's prompt");
+    let turns = body["messages"].as_array().map_or(0, |messages| {
+        messages.iter().filter(|m| m["role"] == "assistant").count()
+    });
+    if turns < if task >= 10 { 4 } else { 1 } {
+        let (name, arguments) = common::terminal("true");
+        Step::ok(tool_calls_reply(&[(
+            name,
+            Value::String(arguments.to_string()),
+        )]))
+    } else {
+        Step::ok(text_reply("done"))
+    }
+}
+
+/// The batch's tail goes live: twelve conversations, two of them longer; once the ten short ones
+/// have finished, the two still running are within `liveTailPercent` (17 % of 12) and their last
+/// three turns go live instead of waiting a batch's turnaround each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_conversations_of_a_batch_go_live() {
+    let model = ScriptedServer::start_responding(two_long_tasks).await;
+    let batches = BatchServer::start(&model.base_url(), Behaviour::default()).await;
+    let fixture = batch_run(
+        &model,
+        &batches,
+        12,
+        json!({"maxRequests": 12, "maxWaitSeconds": 1, "pollSeconds": 1,
+               "liveTailPercent": 17}),
+    )
+    .await;
+
+    let records = fixture.lines("trajectories.jsonl");
+    assert_eq!(records.len(), 12, "{:?}", fixture.lines("failures.jsonl"));
+    let executed = batches.counts().executed;
+    // Two rounds of twelve in batches; turns of the long two that had joined a third window when
+    // the tail came were pulled out of it (and may have run there too).
+    assert!((24..=26).contains(&executed), "{executed}");
+    assert_eq!(
+        model.request_count(),
+        executed + 6,
+        "the long conversations' last three turns each, live"
+    );
+    for record in &records {
+        let tiers = &record["cost"]["tiers"];
+        let long = record["conversations"][1]["value"]
+            .as_str()
+            .is_some_and(|prompt| prompt == "task 10" || prompt == "task 11");
+        let (batch, live) = if long { (2, 3) } else { (2, 0) };
+        assert_eq!(tiers["batch"]["calls"], batch, "{record}");
+        assert_eq!(
+            tiers["standard"]["calls"].as_u64().unwrap_or(0),
+            live,
+            "{record}"
+        );
+    }
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    assert_eq!(statistics["batch_mode"]["calls"], 24, "{statistics}");
+    assert_eq!(statistics["batch_mode"]["live_calls"], 6, "{statistics}");
 }

@@ -10,11 +10,12 @@
 //! running them, or cancelled: the run's tail is not the batch's tail.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -33,6 +34,9 @@ pub struct BatchSettings {
     pub poll: Duration,
     /// How long a turn waits for its batch before it goes live.
     pub deadline: Duration,
+    /// The percent of a batch's conversations still running that makes its tail, whose turns
+    /// go live.
+    pub live_tail_percent: u32,
 }
 
 impl BatchSettings {
@@ -45,6 +49,7 @@ impl BatchSettings {
             max_wait: Duration::from_secs(spec.max_wait_seconds),
             poll: Duration::from_secs(spec.poll_seconds),
             deadline: Duration::from_secs(spec.deadline_seconds),
+            live_tail_percent: spec.live_tail_percent,
         }
     }
 }
@@ -58,6 +63,49 @@ pub enum BatchAnswer {
     Refused { status: u16, message: String },
     /// No answer from a batch: the turn goes live, for this reason.
     GoLive(String),
+}
+
+/// Whether a batch of the run has reached its tail: every conversation started, few still
+/// running; their turns go live from then on, those waiting in a window at once.
+#[derive(Debug)]
+pub struct BatchTail {
+    /// Conversations still running at or below which the tail is reached.
+    at: usize,
+    reached: AtomicBool,
+    notify: Notify,
+}
+
+impl BatchTail {
+    /// The tail of a batch of `conversations`, `percent` of them.
+    pub fn new(conversations: usize, percent: u32) -> Self {
+        Self {
+            at: conversations.saturating_mul(percent as usize) / 100,
+            reached: AtomicBool::new(false),
+            notify: Notify::new(),
+        }
+    }
+
+    /// `running` conversations still run and none will start: the tail is reached at or below
+    /// its size.
+    pub fn running(&self, running: usize) {
+        if running <= self.at && !self.reached.swap(true, Ordering::SeqCst) {
+            info!(running, "the batch's last conversations go live");
+            self.notify.notify_waiters();
+        }
+    }
+
+    pub fn is_reached(&self) -> bool {
+        self.reached.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once the tail is reached.
+    pub async fn reached(&self) {
+        let notified = self.notify.notified();
+        if self.is_reached() {
+            return;
+        }
+        notified.await;
+    }
 }
 
 /// One turn waiting in a window.

@@ -12,7 +12,7 @@ use tracing::{debug, info, warn};
 use super::admission::{Admission, Ticket};
 use super::batch_api::BatchApi;
 use super::batch_journal::{JournalEntry, WindowJournal};
-use super::batch_windows::{BatchAnswer, BatchSettings, BatchWindows, batch_custom_id};
+use super::batch_windows::{BatchAnswer, BatchSettings, BatchTail, BatchWindows, batch_custom_id};
 use super::limits::{Limits, Reservation};
 use super::reset_headers::wait_for_reset;
 use super::routing::{Endpoints, Route};
@@ -282,6 +282,8 @@ pub struct ModelClient {
     batch: Option<Arc<BatchWindows>>,
     /// Where this clone's batch journals the windows its turns go in.
     window_journal: Option<Arc<dyn WindowJournal>>,
+    /// Set when this clone's batch reached its tail: its turns go live.
+    tail: Option<Arc<BatchTail>>,
     authorization: Option<HeaderValue>,
     settings: ModelSettings,
     /// Told of every attempt's outcome, when a batch watches this client's calls.
@@ -456,6 +458,7 @@ impl ModelClient {
         Ok(Self {
             batch,
             window_journal: None,
+            tail: None,
             http,
             traffic: settings
                 .base_urls
@@ -525,6 +528,31 @@ impl ModelClient {
     /// Whether the client sends its calls in batch mode's windows.
     pub fn in_batch_mode(&self) -> bool {
         self.batch.is_some()
+    }
+
+    /// The same client, its turns going live once `tail` is reached.
+    #[must_use]
+    pub fn with_tail(&self, tail: Arc<BatchTail>) -> Self {
+        Self {
+            tail: Some(tail),
+            ..self.clone()
+        }
+    }
+
+    /// In batch mode, the percent of a batch's conversations still running that makes its
+    /// tail (`spec.model.batch.liveTailPercent`).
+    pub fn live_tail_percent(&self) -> Option<u32> {
+        let batch = self.settings.batch.as_ref();
+        batch.map(|(_, batch)| batch.live_tail_percent)
+    }
+
+    /// Tells batch mode that `running` conversations of this clone's batch still run, and
+    /// whether it has started every one it will: then, at or below its tail's size, the
+    /// batch's tail is reached and their turns go live.
+    pub fn batch_running(&self, all_started: bool, running: usize) {
+        if let (true, Some(tail)) = (all_started, &self.tail) {
+            tail.running(running);
+        }
     }
 
     /// Takes up the windows an earlier process journaled (see [`BatchWindows::take_up`]).
@@ -664,10 +692,22 @@ impl ModelClient {
     /// attempts nor opens the batch's circuit. Only the total wait is bounded
     /// (`max_total_wait`), past which the outage path takes over.
     pub async fn complete(&self, body: &Value, turn: usize) -> Result<Completion, ModelError> {
-        if let Some(windows) = &self.batch
-            && let Some(completion) = self.complete_in_batch(windows, body, turn).await?
-        {
-            return Ok(completion);
+        if let Some(windows) = &self.batch {
+            let tail = self.tail.as_deref();
+            if !tail.is_some_and(BatchTail::is_reached) {
+                let in_batch = self.complete_in_batch(windows, body, turn);
+                let completion = match tail {
+                    // A turn waiting when the tail is reached goes live at once.
+                    Some(tail) => tokio::select! {
+                        completion = in_batch => completion?,
+                        () = tail.reached() => None,
+                    },
+                    None => in_batch.await?,
+                };
+                if let Some(completion) = completion {
+                    return Ok(completion);
+                }
+            }
         }
         self.complete_live(body, turn).await
     }

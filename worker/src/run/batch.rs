@@ -50,7 +50,7 @@ use super::manifest::Manifest;
 use super::sampling::{Next, Schedule};
 use super::segments::segment_digest;
 use super::turns::{Chains, TurnLog, TurnLogHandle, read_chains, spawn_signalling};
-use super::windows::journal_windows;
+use super::windows::start_batch_mode;
 use super::{RunError, RunLocation};
 use crate::contract::BatchSummary;
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row, without_bom};
@@ -253,7 +253,7 @@ pub async fn run_batch(
         (turns.log, turns.chains),
     );
     shared.recordings = recordings;
-    let window_journal = journal_windows(&mut shared, &run_dir, (batch, &writer_id))?;
+    let batch_mode = start_batch_mode(&mut shared, &run_dir, (batch, &writer_id), pending.len())?;
     let shared = Arc::new(shared);
     let schedule = Schedule::new(pending, engine.passes_per_prompt, passed);
     let stop = run_pending(&shared, schedule, shutdown, lines, &mut summary, progress).await?;
@@ -271,9 +271,7 @@ pub async fn run_batch(
     }
     let expected = shared.rows.len() as u64 * u64::from(engine.samples_per_prompt);
     let marker = mark_done(&run_dir, batch, expected, turn_writer)?;
-    if let Some(journal) = window_journal {
-        journal.remove();
-    }
+    batch_mode.finish();
     // The batch leaves no workspace behind (most were removed while it ran).
     while removals.join_next().await.is_some() {}
     info!(
@@ -466,6 +464,13 @@ impl RecordSender {
 /// Runs the pending (prompt, sample)s, `concurrency` at a time, and sends each record to the
 /// writer. After a shutdown request, or an error that no other prompt can get past, it starts no
 /// more; it returns that error (a configuration error outranks an unreachable server).
+/// Sends the record of a key skipped (its prompt had enough passes); false when the writer
+/// has stopped.
+fn send_skipped(shared: &Shared, lines: &RecordSender, (prompt_index, sample): (u64, u32)) -> bool {
+    let main = skipped_line(shared, prompt_index, sample);
+    lines.lines.send(Lines { main, openai: None }).is_ok()
+}
+
 async fn run_pending(
     shared: &Arc<Shared>,
     mut pending: Schedule,
@@ -512,16 +517,8 @@ async fn run_pending(
                     );
                 }
                 Next::Skip(prompt_index, sample) => {
-                    let line = skipped_line(shared, prompt_index, sample);
                     summary.discarded += 1;
-                    if lines
-                        .lines
-                        .send(Lines {
-                            main: line,
-                            openai: None,
-                        })
-                        .is_err()
-                    {
+                    if !send_skipped(shared, &lines, (prompt_index, sample)) {
                         break;
                     }
                     progress(Progress::Finished(ConversationOutcome::Discarded));
@@ -535,6 +532,7 @@ async fn run_pending(
                 }
             }
         }
+        (shared.engine.client).batch_running(pending.is_empty(), running.len());
         let joined = tokio::select! {
             joined = running.join_next() => joined,
             // Dropping the set abandons the conversations in flight; the writer's error is the

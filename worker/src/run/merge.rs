@@ -84,6 +84,9 @@ struct RecordView<'a> {
     /// An episode's outcome (rows with several user turns).
     #[serde(default)]
     episode: Option<super::episodes::EpisodeView>,
+    /// What each of its calls answered in a provider batch waited (batch mode).
+    #[serde(default)]
+    batch_waits_ms: Vec<u64>,
     /// Whether the line ends with its tokens (read from whole lines only: a short line has
     /// them left out).
     #[serde(default)]
@@ -191,6 +194,9 @@ struct Totals {
     completion_tokens: u64,
     reasoning_tokens: u64,
     durations: Vec<u64>,
+    /// Batch mode: every kept record's batch waits, and its rounds (calls in a batch).
+    batch_waits: Vec<u64>,
+    batch_rounds: Vec<u64>,
     /// Discarded records by their filter.
     discarded_by: BTreeMap<String, u64>,
     /// What the verifiers of the verified records found.
@@ -250,6 +256,8 @@ impl Totals {
         self.completion_tokens += other.completion_tokens;
         self.reasoning_tokens += other.reasoning_tokens;
         self.durations.extend(other.durations);
+        self.batch_waits.extend(other.batch_waits);
+        self.batch_rounds.extend(other.batch_rounds);
         for (total, part) in self.token_sources.iter_mut().zip(other.token_sources) {
             *total += part;
         }
@@ -347,6 +355,10 @@ impl Totals {
                 self.completion_tokens += view.usage.completion_tokens;
                 self.reasoning_tokens += view.usage.reasoning_tokens;
                 self.durations.push(view.duration_ms);
+                if !view.batch_waits_ms.is_empty() {
+                    self.batch_rounds.push(view.batch_waits_ms.len() as u64);
+                    self.batch_waits.extend(&view.batch_waits_ms);
+                }
             }
             Some("discarded") => {
                 self.discarded += 1;
@@ -1252,6 +1264,32 @@ fn twin_of(lines: Vec<OpenaiLine>, finished_at: Option<&str>) -> Option<Vec<u8>>
     legacy
 }
 
+/// Batch mode's rounds and turnaround over the kept records: their calls answered in a
+/// provider batch, the calls that went live (every call at another tier, from `cost`), the
+/// rounds each conversation waited, and how long each call waited for its batch.
+fn batch_mode_statistics(
+    totals: &mut Totals,
+    cost: &serde_json::Value,
+) -> Option<serde_json::Value> {
+    if totals.batch_waits.is_empty() {
+        return None;
+    }
+    let live: u64 = ["standard", "flex", "priority"]
+        .iter()
+        .filter_map(|tier| cost["tiers"][tier]["calls"].as_u64())
+        .sum();
+    let mut statistics = json!({
+        "calls": totals.batch_waits.len(),
+        "live_calls": live,
+        "rounds_per_conversation": percentiles(&mut totals.batch_rounds),
+        "turnaround_ms": percentiles(&mut totals.batch_waits),
+    });
+    if let Some(saved) = cost.get("saved") {
+        statistics["saved"] = saved.clone();
+    }
+    Some(statistics)
+}
+
 #[derive(Debug, Serialize)]
 struct Percentiles {
     p50: u64,
@@ -1399,6 +1437,9 @@ fn statistics(
     }
     if let Some(episodes) = totals.episodes.summary() {
         statistics["episodes"] = episodes;
+    }
+    if let Some(batch_mode) = batch_mode_statistics(totals, &statistics["cost"]) {
+        statistics["batch_mode"] = batch_mode;
     }
     if let Some(task_images) = totals.task_images() {
         statistics["task_images"] = task_images;

@@ -129,6 +129,10 @@ pub(super) async fn take_up(
         conversation.api_calls += 1;
         conversation.usage.add(entry.usage);
         if let Some(cost) = entry.cost {
+            // A priced turn's tiers say whether a batch answered it.
+            if cost.tiers.batch.calls > 0 {
+                conversation.batch_waits_ms.push(entry.model_ms);
+            }
             Cost::add_to(&mut conversation.cost, cost);
         }
         conversation.model_time += Duration::from_millis(entry.model_ms);

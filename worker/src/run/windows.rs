@@ -14,6 +14,7 @@ use super::RunError;
 use super::conversation::{Shared, lock};
 use super::engine::TurnLogging;
 use crate::model::batch_journal::{JournalEntry, WindowJournal};
+use crate::model::batch_windows::BatchTail;
 use crate::storage::{RunDir, TurnsWriter, WriterId};
 
 /// A writer's windows journal.
@@ -50,18 +51,43 @@ impl StoredJournal {
     }
 }
 
-/// For a batch whose client is in batch mode and whose turns are logged (a window is adopted
-/// only where turns are taken up): hands the client the windows earlier writers of the batch
-/// journaled, and has it journal its own in this writer's journal, which it returns.
-pub(super) fn journal_windows(
+/// What batch mode keeps for one batch of a worker.
+#[derive(Debug, Default)]
+pub(super) struct BatchMode {
+    /// This writer's windows journal, where turns are logged.
+    journal: Option<Arc<StoredJournal>>,
+}
+
+impl BatchMode {
+    /// The batch is done: its journal goes (every key has its record, no turn is asked again).
+    pub(super) fn finish(self) {
+        if let Some(journal) = self.journal {
+            journal.remove();
+        }
+    }
+}
+
+/// For a batch of `conversations` to run whose client is in batch mode: has the client's turns
+/// go live at the batch's tail, and, where turns are logged (a window is adopted only where turns are taken up), hands
+/// it the windows earlier writers of the batch journaled and has it journal its own in this
+/// writer's journal.
+pub(super) fn start_batch_mode(
     shared: &mut Shared,
     run_dir: &RunDir,
     (batch, writer_id): (u32, &WriterId),
-) -> Result<Option<Arc<StoredJournal>>, RunError> {
-    let client = &shared.engine.client;
-    if !client.in_batch_mode() || shared.engine.turns == TurnLogging::Off {
-        return Ok(None);
+    conversations: usize,
+) -> Result<BatchMode, RunError> {
+    let Some(percent) = shared.engine.client.live_tail_percent() else {
+        return Ok(BatchMode::default());
+    };
+    if percent > 0 {
+        let tail = Arc::new(BatchTail::new(conversations, percent));
+        shared.engine.client = shared.engine.client.with_tail(tail);
     }
+    if shared.engine.turns == TurnLogging::Off {
+        return Ok(BatchMode::default());
+    }
+    let client = &shared.engine.client;
     let entries = read_journals(run_dir, batch)?;
     if !entries.is_empty() {
         info!(
@@ -78,7 +104,9 @@ pub(super) fn journal_windows(
     });
     shared.engine.client =
         client.with_window_journal(Arc::clone(&journal) as Arc<dyn WindowJournal>);
-    Ok(Some(journal))
+    Ok(BatchMode {
+        journal: Some(journal),
+    })
 }
 
 /// Every entry of the batch's windows journals, in name order (a torn or unreadable line

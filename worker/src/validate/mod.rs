@@ -361,6 +361,11 @@ impl RunSpec {
             "model.batch.maxMegabytes",
             format!("must be 1 to 200, got {}", batch.max_megabytes),
         );
+        violations.check(
+            batch.live_tail_percent <= 100,
+            "model.batch.liveTailPercent",
+            format!("must be 0 to 100, got {}", batch.live_tail_percent),
+        );
         for (field, seconds) in [
             ("model.batch.maxWaitSeconds", batch.max_wait_seconds),
             ("model.batch.pollSeconds", batch.poll_seconds),
@@ -782,13 +787,15 @@ mod tests {
         );
         assert_eq!(
             with(serde_json::json!({"name": "m", "baseUrl": base,
-                "batch": {"maxRequests": 0, "maxMegabytes": 201, "pollSeconds": 0, "baseUrl": "batches"},
+                "batch": {"maxRequests": 0, "maxMegabytes": 201, "pollSeconds": 0, "baseUrl": "batches",
+                          "liveTailPercent": 101},
                 "tokens": {"request": "LogprobsOnly"},
                 "serviceTier": {"tier": "Flex"}, "extraBody": {"service_tier": "auto"}})),
             [
                 "spec.model.extraBody.service_tier: is set by model.serviceTier: give the tier there only",
                 "spec.model.batch.maxRequests: must be 1 to 50000, got 0",
                 "spec.model.batch.maxMegabytes: must be 1 to 200, got 201",
+                "spec.model.batch.liveTailPercent: must be 0 to 100, got 101",
                 "spec.model.batch.pollSeconds: must be at least 1, got 0",
                 "spec.model.batch.baseUrl: must be an http(s) URL, got \"batches\"",
                 "spec.model.batch: cannot be used with model.tokens yet: keep token ids with live calls",
