@@ -144,6 +144,8 @@ impl BatchServer {
             .route("/v1/batches", post(create).get(list))
             .route("/v1/batches/{id}", get(retrieve))
             .route("/v1/batches/{id}/cancel", post(cancel))
+            // A provider takes input files of up to 200 MB (axum's default limit is 2 MB).
+            .layer(axum::extract::DefaultBodyLimit::max(200 << 20))
             .with_state(Arc::clone(&shared));
         Self {
             served: crate::Served::start(app).await,

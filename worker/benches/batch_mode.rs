@@ -142,19 +142,20 @@ fn run(
     server.wait()?;
     ensure!(
         status.success(),
-        "trajectory-worker local failed ({status}); see {}",
-        dir.path().join("worker.log").display()
+        "trajectory-worker local failed ({status}); its log ends: {}",
+        log_tail(dir.path())
     );
     let statistics: Value =
         serde_json::from_slice(&std::fs::read(dir.path().join("out/statistics.json"))?)?;
     let cost = &statistics["cost"];
-    let calls = |tier: &str| cost["tiers"][tier]["calls"].as_f64().unwrap_or(0.0);
-    let all_calls = ratio_base(conversations * 5);
-    let live_share = if turnaround.is_some() {
-        (calls("standard") + calls("flex")) / all_calls
-    } else {
-        1.0
-    };
+    // Every call not answered by a batch went live (`tiers` is absent when all were standard).
+    let in_batches = cost["tiers"]["batch"]["calls"].as_f64().unwrap_or(0.0);
+    let live_share = 1.0 - in_batches / ratio_base(conversations * 5);
+    ensure!(
+        turnaround.is_none() || in_batches > 0.0,
+        "no call was answered in a batch; the worker's log ends: {}",
+        log_tail(dir.path())
+    );
     let records = std::fs::read_to_string(dir.path().join("out/trajectories.jsonl"))?;
     ensure!(
         records.lines().count() == usize::try_from(conversations)?,
@@ -169,6 +170,12 @@ fn run(
         live_share,
         cpu,
     })
+}
+
+/// The last 4,000 bytes of the worker's log in `dir` (the directory goes with the run).
+fn log_tail(dir: &std::path::Path) -> String {
+    let log = std::fs::read(dir.join("worker.log")).unwrap_or_default();
+    String::from_utf8_lossy(&log[log.len().saturating_sub(4000)..]).into_owned()
 }
 
 /// Waits for `child`, returning its exit status and the CPU it used (its rusage, read as it is

@@ -364,6 +364,7 @@ async fn batch_run(
             "/model/pricing",
             json!({"input": STANDARD.0, "output": STANDARD.1}),
         )
+        .with("/model/routing", json!({"promptCacheKey": true}))
         .with(
             "/agent",
             json!({"maxTurns": 6, "promptTimeoutSeconds": 600}),
@@ -404,6 +405,22 @@ async fn a_tool_loop_over_provider_batches_pays_every_turn_once_at_the_batch_pri
         "no turn paid twice"
     );
     assert_eq!(model.request_count(), 200, "no turn went live");
+    // Each conversation's turns name it as the cache key, round after round.
+    let mut keys: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+    for request in model.requests() {
+        let key = request.body["prompt_cache_key"]
+            .as_str()
+            .unwrap_or_default();
+        *keys.entry(key.to_owned()).or_default() += 1;
+    }
+    assert_eq!(
+        keys.keys()
+            .map(String::as_str)
+            .collect::<std::collections::BTreeSet<_>>(),
+        ids,
+        "{keys:?}"
+    );
+    assert!(keys.values().all(|turns| *turns == 5), "{keys:?}");
     // Five rounds at least; windows of one round may split by age.
     assert!(
         (5..=200).contains(&counts.batches),
