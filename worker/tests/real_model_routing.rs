@@ -154,9 +154,15 @@ async fn conversations_under_one_long_system_prompt_kept_on_one_of_three_real_se
         run_all_turns(&fixture, TERMINAL_TASKS.len() as u64, max_turns).await;
         let per_server = servers.computed(&marks);
         eprintln!("{strategy}: prompt tokens computed per server {per_server:?}");
+        // Round robin uses every server. Six conversations hashed over three servers leave one
+        // without a conversation about a quarter of the time (record ids carry the run's spec,
+        // whose endpoints' ports change every run); the load bound (at most two of the four in
+        // flight on one server) has them on two at least.
+        let serving = per_server.iter().filter(|tokens| **tokens > 0).count();
+        let least = if strategy == "RoundRobin" { 3 } else { 2 };
         assert!(
-            per_server.iter().all(|tokens| *tokens > 0),
-            "{strategy}: every server served the run: {per_server:?}"
+            serving >= least,
+            "{strategy}: {least} servers at least served the run: {per_server:?}"
         );
         computed.push(per_server.iter().sum::<u64>());
     }
