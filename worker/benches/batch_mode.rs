@@ -183,20 +183,10 @@ fn log_tail(dir: &std::path::Path) -> String {
 fn wait_with_cpu(
     child: &mut std::process::Child,
 ) -> anyhow::Result<(std::process::ExitStatus, Duration)> {
-    let before = children_cpu()?;
+    let before = common::children_cpu_time()?;
     let status = child.wait()?;
     // The server process is not reaped until later: the difference is the worker's.
-    Ok((status, children_cpu()?.saturating_sub(before)))
-}
-
-fn children_cpu() -> anyhow::Result<Duration> {
-    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_CHILDREN)?;
-    let micros = |time: nix::sys::time::TimeVal| {
-        u64::try_from(nix::sys::time::TimeValLike::num_microseconds(&time)).unwrap_or(0)
-    };
-    Ok(Duration::from_micros(
-        micros(usage.user_time()) + micros(usage.system_time()),
-    ))
+    Ok((status, common::children_cpu_time()?.saturating_sub(before)))
 }
 
 /// The server process: the scripted model (five turns a conversation, `latency` a call) and the

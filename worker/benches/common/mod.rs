@@ -151,7 +151,22 @@ pub fn spawn_local(
     reason = "the benches that measure CPU otherwise do not call it"
 )]
 pub fn cpu_time() -> anyhow::Result<Duration> {
-    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF)?;
+    rusage_time(nix::sys::resource::UsageWho::RUSAGE_SELF)
+}
+
+/// The CPU time (user and system) of this process's children that have ended and been waited
+/// for.
+#[allow(
+    dead_code,
+    reason = "the benches that measure no child's CPU do not call it"
+)]
+pub fn children_cpu_time() -> anyhow::Result<Duration> {
+    rusage_time(nix::sys::resource::UsageWho::RUSAGE_CHILDREN)
+}
+
+#[allow(dead_code, reason = "used by the CPU measures above only")]
+fn rusage_time(who: nix::sys::resource::UsageWho) -> anyhow::Result<Duration> {
+    let usage = nix::sys::resource::getrusage(who)?;
     let micros = |time: nix::sys::time::TimeVal| {
         u64::try_from(nix::sys::time::TimeValLike::num_microseconds(&time)).unwrap_or(0)
     };

@@ -116,12 +116,13 @@ impl EarlierWindows {
         }
     }
 
-    /// Whether an earlier window holds the turn `custom_id` whose line has `digest`.
-    pub fn claim(&mut self, custom_id: &str, digest: &str) -> Claim {
+    /// Whether an earlier window holds the turn `custom_id` with this request `line` (its
+    /// digest is computed only for a turn an earlier window holds: every batch call asks).
+    pub fn claim(&mut self, custom_id: &str, line: &[u8]) -> Claim {
         let Some((window, held)) = self.lines.get(custom_id) else {
             return Claim::None;
         };
-        if held != digest {
+        if *held != line_digest(line) {
             // The conversation asks something else under that id now (it started over).
             self.lines.remove(custom_id);
             return Claim::None;
@@ -142,15 +143,16 @@ impl EarlierWindows {
 mod tests {
     use super::*;
 
+    /// An intent holding each custom id with the request line given.
     fn intent(window: &str, ids: &[(&str, &str)]) -> JournalEntry {
         JournalEntry::Intent {
             window: window.into(),
             at: 7,
             lines: ids
                 .iter()
-                .map(|(custom_id, digest)| IntentLine {
+                .map(|(custom_id, line)| IntentLine {
                     custom_id: (*custom_id).into(),
-                    digest: (*digest).into(),
+                    digest: line_digest(line.as_bytes()),
                 })
                 .collect(),
         }
@@ -165,21 +167,21 @@ mod tests {
             window: "w-1".into(),
             batch_id: "batch_9".into(),
         }]);
-        let Claim::Adopt(window) = earlier.claim("a-0", "da") else {
+        let Claim::Adopt(window) = earlier.claim("a-0", b"da") else {
             panic!("the first claim adopts");
         };
         assert_eq!(window.batch_id.as_deref(), Some("batch_9"));
         assert_eq!(window.custom_ids, ["a-0", "b-0"]);
-        assert_eq!(earlier.claim("b-0", "db"), Claim::Adopted);
-        assert_eq!(earlier.claim("c-0", "dc"), Claim::None);
+        assert_eq!(earlier.claim("b-0", b"db"), Claim::Adopted);
+        assert_eq!(earlier.claim("c-0", b"dc"), Claim::None);
     }
 
     #[test]
     fn a_turn_whose_line_changed_is_sent_again() {
         let mut earlier = EarlierWindows::default();
         earlier.add([intent("w-1", &[("a-3", "old")])]);
-        assert_eq!(earlier.claim("a-3", "new"), Claim::None);
-        assert_eq!(earlier.claim("a-3", "old"), Claim::None, "forgotten");
+        assert_eq!(earlier.claim("a-3", b"new"), Claim::None);
+        assert_eq!(earlier.claim("a-3", b"old"), Claim::None, "forgotten");
     }
 
     #[test]

@@ -248,7 +248,7 @@ impl BatchWindows {
         // Held until the window's answers are in `adopted`: a turn of the same window asked
         // meanwhile must find its answer there.
         let mut earlier = lock(&self.earlier);
-        match earlier.claim(custom_id, &line_digest(line)) {
+        match earlier.claim(custom_id, line) {
             Claim::None => return None,
             Claim::Adopted => {}
             Claim::Adopt(window) => {
