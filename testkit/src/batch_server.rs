@@ -14,6 +14,13 @@
 //!   request_id, body}, error}` per line, in the order they finished; lines an expired batch
 //!   never ran in the error file with code `batch_expired`. A cancelled batch keeps what ran.
 //!
+//! - Anthropic's Message Batches: `POST /v1/messages/batches` (`requests` of `custom_id` and
+//!   `params`, the `anthropic-version` header required), `GET /v1/messages/batches/{id}`,
+//!   `POST /v1/messages/batches/{id}/cancel`, and the results at the batch's `results_url`
+//!   (`{custom_id, result: {type: succeeded | errored | expired, ...}}` per line), each request's
+//!   params run on the model server's `/v1/messages` (llama.cpp's `llama-server` serves it). A
+//!   refused batch is refused at its creation (400), as Anthropic does.
+//!
 //! It counts what it executed (each line sent to the model server is a request paid for), so a
 //! test can check that no turn was paid twice.
 
@@ -89,6 +96,8 @@ struct Shared {
     http: reqwest::Client,
     store: Mutex<Store>,
     next_id: AtomicU64,
+    /// Its own base URL, which a Message Batch's `results_url` names.
+    base_url: std::sync::OnceLock<String>,
 }
 
 impl Shared {
@@ -137,6 +146,7 @@ impl BatchServer {
                 ..Store::default()
             }),
             next_id: AtomicU64::new(1),
+            base_url: std::sync::OnceLock::new(),
         });
         let app = Router::new()
             .route("/v1/files", post(upload))
@@ -144,13 +154,22 @@ impl BatchServer {
             .route("/v1/batches", post(create).get(list))
             .route("/v1/batches/{id}", get(retrieve))
             .route("/v1/batches/{id}/cancel", post(cancel))
+            .route("/v1/messages/batches", post(create_message_batch))
+            .route("/v1/messages/batches/{id}", get(retrieve))
+            .route(
+                "/v1/messages/batches/{id}/cancel",
+                post(cancel_message_batch),
+            )
+            .route(
+                "/v1/messages/batches/{id}/results",
+                get(message_batch_results),
+            )
             // A provider takes input files of up to 200 MB (axum's default limit is 2 MB).
             .layer(axum::extract::DefaultBodyLimit::max(200 << 20))
             .with_state(Arc::clone(&shared));
-        Self {
-            served: crate::Served::start(app).await,
-            shared,
-        }
+        let served = crate::Served::start(app).await;
+        let _ = shared.base_url.set(served.base_url());
+        Self { served, shared }
     }
 
     /// The base URL, as `spec.model.baseUrl` takes it.
@@ -320,7 +339,15 @@ async fn run_batch(shared: Arc<Shared>, id: String, input: Vec<u8>, behaviour: B
         batch["in_progress_at"] = now().into();
         batch["request_counts"]["total"] = lines.len().into();
     });
-    let (output, errors, expired) = execute(&shared, &id, &lines, &behaviour).await;
+    let requests = lines
+        .into_iter()
+        .map(|mut line| {
+            let custom_id = line["custom_id"].as_str().unwrap_or_default().to_owned();
+            (custom_id, line["body"].take())
+        })
+        .collect();
+    let (fates, expired) = execute(&shared, requests, &behaviour, "chat/completions").await;
+    let (output, errors) = openai_result_files(&id, fates);
     tokio::time::sleep_until(started + behaviour.turnaround).await;
     let write = |lines: &[Value]| {
         (!lines.is_empty()).then(|| {
@@ -356,48 +383,48 @@ async fn run_batch(shared: Arc<Shared>, id: String, input: Vec<u8>, behaviour: B
     });
 }
 
-/// Runs the lines of batch `id` as `behaviour` says: the output file's lines, the error file's,
-/// and whether the batch expired before running them all.
+/// What became of one request of a batch.
+enum Ran {
+    /// Sent to the model server: its answer's status and body.
+    Answered { status: u16, body: Value },
+    /// Refused by [`Behaviour::refuse_lines_containing`] without running.
+    Refused,
+    /// Never ran: the batch expired first.
+    Expired,
+}
+
+/// Runs the `requests` (`custom_id`, body) of batch `id` against the model server's `path`, as
+/// `behaviour` says: each one's fate, in the order they finished (those never run first), and
+/// whether the batch expired before running them all.
 async fn execute(
     shared: &Shared,
-    id: &str,
-    lines: &[Value],
+    requests: Vec<(String, Value)>,
     behaviour: &Behaviour,
-) -> (Vec<Value>, Vec<Value>, bool) {
-    let (mut output, mut errors) = (Vec::new(), Vec::new());
-    let run = lines
-        .len()
-        .min(behaviour.expire_after_lines.unwrap_or(usize::MAX));
+    path: &str,
+) -> (Vec<(String, Ran)>, bool) {
+    let total = requests.len();
+    let run = total.min(behaviour.expire_after_lines.unwrap_or(usize::MAX));
+    let mut fates = Vec::with_capacity(total);
     let mut to_run = Vec::new();
-    for (index, line) in lines.iter().enumerate() {
-        let custom_id = line["custom_id"].as_str().unwrap_or_default().to_owned();
-        let request_id = format!("req_{id}_{index}");
+    for (index, (custom_id, body)) in requests.into_iter().enumerate() {
         if index >= run {
-            errors.push(
-                json!({"id": request_id, "custom_id": custom_id, "response": null,
-                               "error": {"code": "batch_expired",
-                                         "message": "the batch expired before this request ran"}}),
-            );
+            fates.push((custom_id, Ran::Expired));
         } else if behaviour
             .refuse_lines_containing
             .iter()
             .any(|part| custom_id.contains(part.as_str()))
         {
-            errors.push(
-                json!({"id": request_id, "custom_id": custom_id, "error": null,
-                "response": {"status_code": 400, "request_id": request_id,
-                  "body": {"error": {"message": "this request was refused",
-                                     "type": "invalid_request_error"}}}}),
-            );
+            fates.push((custom_id, Ran::Refused));
         } else {
-            to_run.push((request_id, custom_id, line["body"].clone()));
+            to_run.push((custom_id, body));
         }
     }
-    let results: Vec<(u16, Value)> = futures::stream::iter(to_run)
-        .map(|(request_id, custom_id, body)| async move {
+    let ran: Vec<(String, Ran)> = futures::stream::iter(to_run)
+        .map(|(custom_id, body)| async move {
             let answer = shared
                 .http
-                .post(format!("{}/chat/completions", shared.upstream))
+                .post(format!("{}/{path}", shared.upstream))
+                .header("anthropic-version", "2023-06-01")
                 .json(&body)
                 .send()
                 .await;
@@ -417,23 +444,42 @@ async fn execute(
                 }
                 Err(err) => (502, json!({"error": {"message": err.to_string()}})),
             };
-            (
-                status,
-                json!({"id": request_id, "custom_id": custom_id, "error": null,
-                    "response": {"status_code": status, "request_id": request_id, "body": body}}),
-            )
+            (custom_id, Ran::Answered { status, body })
         })
         .buffer_unordered(behaviour.parallel_lines.unwrap_or(LINES_AT_ONCE).max(1))
         .collect()
         .await;
-    for (status, result) in results {
-        if status == 200 {
-            output.push(result);
-        } else {
-            errors.push(result);
+    fates.extend(ran);
+    (fates, run < total)
+}
+
+/// The output file's lines and the error file's of batch `id`'s `fates`, in `OpenAI`'s shape.
+fn openai_result_files(id: &str, fates: Vec<(String, Ran)>) -> (Vec<Value>, Vec<Value>) {
+    let (mut output, mut errors) = (Vec::new(), Vec::new());
+    for (index, (custom_id, ran)) in fates.into_iter().enumerate() {
+        let request_id = format!("req_{id}_{index}");
+        match ran {
+            Ran::Answered { status, body } => {
+                let line = json!({"id": request_id, "custom_id": custom_id, "error": null,
+                    "response": {"status_code": status, "request_id": request_id, "body": body}});
+                if status == 200 {
+                    output.push(line);
+                } else {
+                    errors.push(line);
+                }
+            }
+            Ran::Refused => errors.push(json!({"id": request_id, "custom_id": custom_id,
+                "error": null,
+                "response": {"status_code": 400, "request_id": request_id,
+                  "body": {"error": {"message": "this request was refused",
+                                     "type": "invalid_request_error"}}}})),
+            Ran::Expired => errors.push(json!({"id": request_id, "custom_id": custom_id,
+                "response": null,
+                "error": {"code": "batch_expired",
+                          "message": "the batch expired before this request ran"}})),
         }
     }
-    (output, errors, run < lines.len())
+    (output, errors)
 }
 
 /// The input file's lines, as `OpenAI` validates them: JSON objects with a `custom_id` unique in
@@ -484,7 +530,11 @@ async fn list(
         .and_then(|limit| limit.parse().ok())
         .unwrap_or(20usize);
     let store = shared.store();
-    let newest_first = store.batches.iter().rev();
+    let newest_first = store
+        .batches
+        .iter()
+        .rev()
+        .filter(|batch| batch["object"] == "batch");
     let page: Vec<Value> = match query.get("after") {
         Some(after) => newest_first
             .skip_while(|batch| batch["id"] != after.as_str())
@@ -517,5 +567,244 @@ async fn cancel(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Re
     match found {
         Some(batch) => axum::Json(batch).into_response(),
         None => error(StatusCode::NOT_FOUND, &format!("no batch {id}")),
+    }
+}
+
+/// An error in Anthropic's shape.
+fn anthropic_error(status: StatusCode, kind: &str, message: &str) -> Response {
+    let body = json!({"type": "error", "error": {"type": kind, "message": message}});
+    (status, axum::Json(body)).into_response()
+}
+
+/// RFC 3339, as Anthropic gives its times.
+fn rfc3339(seconds: u64) -> String {
+    chrono::DateTime::from_timestamp(i64::try_from(seconds).unwrap_or(0), 0)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+}
+
+/// The requests of a Message Batch's create, as Anthropic validates them: each with a
+/// `custom_id` of 1 to 64 letters, digits, `-` and `_`, unique in the batch, and `params` with a
+/// model, `max_tokens` and messages.
+fn validate_message_requests(request: &Value) -> Result<Vec<(String, Value)>, String> {
+    let requests = request["requests"]
+        .as_array()
+        .filter(|requests| !requests.is_empty())
+        .ok_or("requests: a non-empty list is required")?;
+    let mut ids = BTreeSet::new();
+    let mut valid = Vec::with_capacity(requests.len());
+    for (index, request) in requests.iter().enumerate() {
+        let custom_id = request["custom_id"].as_str().unwrap_or_default();
+        let well_formed = (1..=64).contains(&custom_id.len())
+            && custom_id
+                .bytes()
+                .all(|byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_');
+        if !well_formed {
+            return Err(format!(
+                "requests.{index}.custom_id: {custom_id:?} does not match ^[a-zA-Z0-9_-]{{1,64}}$"
+            ));
+        }
+        if !ids.insert(custom_id) {
+            return Err(format!(
+                "requests.{index}.custom_id: {custom_id} is not unique"
+            ));
+        }
+        let params = &request["params"];
+        for field in ["model", "max_tokens", "messages"] {
+            if params.get(field).is_none() {
+                return Err(format!("requests.{index}.params.{field}: Field required"));
+            }
+        }
+        valid.push((custom_id.to_owned(), params.clone()));
+    }
+    Ok(valid)
+}
+
+async fn create_message_batch(
+    State(shared): State<Arc<Shared>>,
+    headers: axum::http::HeaderMap,
+    axum::Json(request): axum::Json<Value>,
+) -> Response {
+    if !headers.contains_key("anthropic-version") {
+        return anthropic_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "anthropic-version: header is required",
+        );
+    }
+    let requests = match validate_message_requests(&request) {
+        Ok(requests) => requests,
+        Err(message) => {
+            return anthropic_error(StatusCode::BAD_REQUEST, "invalid_request_error", &message);
+        }
+    };
+    let behaviour = {
+        let mut store = shared.store();
+        if store.behaviour.throttle_creates > 0 {
+            store.behaviour.throttle_creates -= 1;
+            store.counts.throttled += 1;
+            let mut response = anthropic_error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "too many batches being created",
+            );
+            response
+                .headers_mut()
+                .insert("retry-after", axum::http::HeaderValue::from_static("1"));
+            return response;
+        }
+        // Anthropic refuses a batch at its creation, not after.
+        if store.behaviour.fail_batches > 0 {
+            store.behaviour.fail_batches -= 1;
+            return anthropic_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "the batch was refused",
+            );
+        }
+        store.behaviour.clone()
+    };
+    let id = shared.id("msgbatch");
+    let created = now();
+    let batch = json!({
+        "id": id, "type": "message_batch", "processing_status": "in_progress",
+        "request_counts": {"processing": requests.len(), "succeeded": 0, "errored": 0,
+                           "canceled": 0, "expired": 0},
+        "ended_at": null, "created_at": rfc3339(created), "expires_at": rfc3339(created + 86_400),
+        "archived_at": null, "cancel_initiated_at": null, "results_url": null,
+    });
+    let held = {
+        let mut store = shared.store();
+        store.counts.batches += 1;
+        store.batches.push(batch.clone());
+        let held = store.behaviour.hold_create_of == Some(store.counts.batches);
+        if held {
+            store.counts.held += 1;
+        }
+        held
+    };
+    tokio::spawn(run_message_batch(
+        Arc::clone(&shared),
+        id,
+        requests,
+        behaviour,
+    ));
+    if held {
+        std::future::pending::<()>().await;
+    }
+    axum::Json(batch).into_response()
+}
+
+/// Runs a Message Batch's requests against the model server's Messages endpoint and ends it,
+/// its results at its `results_url`.
+async fn run_message_batch(
+    shared: Arc<Shared>,
+    id: String,
+    requests: Vec<(String, Value)>,
+    behaviour: Behaviour,
+) {
+    let started = tokio::time::Instant::now();
+    let (fates, _) = execute(&shared, requests, &behaviour, "messages").await;
+    tokio::time::sleep_until(started + behaviour.turnaround).await;
+    let (mut succeeded, mut errored, mut expired) = (0, 0, 0);
+    let mut results = Vec::new();
+    for (custom_id, ran) in fates {
+        let result = match ran {
+            Ran::Answered { status: 200, body } => {
+                succeeded += 1;
+                json!({"type": "succeeded", "message": body})
+            }
+            Ran::Answered { body, .. } => {
+                errored += 1;
+                json!({"type": "errored", "error": body})
+            }
+            Ran::Refused => {
+                errored += 1;
+                json!({"type": "errored", "error": {"type": "error", "error": {
+                    "type": "invalid_request_error", "message": "this request was refused"}}})
+            }
+            Ran::Expired => {
+                expired += 1;
+                json!({"type": "expired"})
+            }
+        };
+        results.extend_from_slice(
+            json!({"custom_id": custom_id, "result": result})
+                .to_string()
+                .as_bytes(),
+        );
+        results.push(b'\n');
+    }
+    shared
+        .store()
+        .files
+        .insert(format!("results_{id}"), results);
+    let results_url = format!(
+        "{}/messages/batches/{id}/results",
+        shared.base_url.get().map_or("", String::as_str)
+    );
+    shared.update_batch(&id, |batch| {
+        batch["processing_status"] = "ended".into();
+        batch["ended_at"] = rfc3339(now()).into();
+        batch["results_url"] = results_url.into();
+        batch["request_counts"] = json!({"processing": 0, "succeeded": succeeded,
+            "errored": errored, "canceled": 0, "expired": expired});
+    });
+}
+
+async fn message_batch_results(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Response {
+    let held = {
+        let mut store = shared.store();
+        let index = store
+            .batches
+            .iter()
+            .position(|batch| batch["id"] == id.as_str());
+        let held = index.is_some_and(|index| store.behaviour.hold_results_of == Some(index + 1));
+        if held {
+            store.behaviour.hold_results_of = None;
+            store.counts.held += 1;
+        }
+        held
+    };
+    if held {
+        std::future::pending::<()>().await;
+    }
+    match shared.store().files.get(&format!("results_{id}")) {
+        Some(bytes) => (
+            StatusCode::OK,
+            [("content-type", "application/x-jsonl")],
+            bytes.clone(),
+        )
+            .into_response(),
+        None => anthropic_error(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            &format!("batch {id} has not ended"),
+        ),
+    }
+}
+
+async fn cancel_message_batch(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Response {
+    let mut found = None;
+    shared.update_batch(&id, |batch| {
+        if batch["processing_status"] == "in_progress" {
+            batch["processing_status"] = "canceling".into();
+            batch["cancel_initiated_at"] = rfc3339(now()).into();
+        }
+        found = Some(batch.clone());
+    });
+    match found {
+        Some(batch) => axum::Json(batch).into_response(),
+        None => anthropic_error(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            &format!("no batch {id}"),
+        ),
     }
 }

@@ -252,6 +252,7 @@ impl ScriptedServer {
         let app = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/images/generations", post(image_generations))
+            .route("/v1/messages", post(messages))
             .route("/v1/models", get(models))
             .with_state(Arc::clone(&shared));
         // A backlog larger than tokio's default 1024, so a benchmark opening a thousand
@@ -370,6 +371,12 @@ async fn chat_completions(
     body: Bytes,
 ) -> Response {
     answer(&shared, "/v1/chat/completions", &headers, body).await
+}
+
+/// Anthropic's Messages API: scripted like completions (the script answers in its shape), so
+/// that a batch double can run Message Batches on exact turns.
+async fn messages(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    answer(&shared, "/v1/messages", &headers, body).await
 }
 
 /// The Images API: scripted like completions (in fixed-latency mode it answers what a

@@ -253,14 +253,20 @@ pub struct ModelSpec {
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct BatchSpec {
-    /// Base URL of the provider's Batch API, including `/v1` (its `/files` and `/batches`);
-    /// unset: the model's `baseUrl`. The model's key is sent to it.
+    /// Which Batch API the provider speaks: `OpenAI`'s files and batches, or Anthropic's
+    /// Message Batches (each turn translated into a message's parameters).
+    #[serde(default)]
+    pub provider: BatchProvider,
+    /// Base URL of the provider's Batch API, including `/v1` (its `/files` and `/batches`, or
+    /// `/messages/batches`); unset: the model's `baseUrl`. The model's key is sent to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_url: Option<String>,
-    /// A window closes at this many turns (1 to 50,000, `OpenAI`'s limit per batch).
+    /// A window closes at this many turns (1 to 50,000, `OpenAI`'s limit per batch; 100,000
+    /// Anthropic's).
     #[serde(default = "default_batch_max_requests")]
     pub max_requests: u32,
-    /// A window closes before its file grows past this many MiB (1 to 200, `OpenAI`'s limit).
+    /// A window closes before its requests grow past this many MiB (1 to 200, `OpenAI`'s limit
+    /// per file; 256 Anthropic's per batch).
     #[serde(default = "default_batch_max_megabytes")]
     pub max_megabytes: u32,
     /// A window closes this many seconds after its first turn, however few it holds.
@@ -278,6 +284,22 @@ pub struct BatchSpec {
     /// turns of the stragglers do not each wait a batch's turnaround. 0: never.
     #[serde(default = "default_batch_live_tail_percent")]
     pub live_tail_percent: u32,
+}
+
+/// The dialect of a provider's Batch API (`spec.model.batch.provider`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+pub enum BatchProvider {
+    /// `POST /files` (`purpose=batch`) then `POST /batches`, as `OpenAI`, `OpenRouter`,
+    /// Together, Groq, Fireworks and gateways such as `LiteLLM` take them; batches are named in
+    /// their metadata, so a batch whose id a killed worker never recorded is found again.
+    #[default]
+    OpenAI,
+    /// Anthropic's Message Batches (`POST /messages/batches`, `x-api-key`,
+    /// `anthropic-version: 2023-06-01`). Its batches carry no metadata: a worker killed in the
+    /// instant between a batch's creation and the journal entry of its id leaves a batch no
+    /// one can find, and its window is sent again.
+    Anthropic,
 }
 
 fn default_batch_live_tail_percent() -> u32 {

@@ -15,9 +15,7 @@ use trajectory_testkit::batch_server::{BatchServer, Behaviour};
 use trajectory_testkit::llama_cpp_server::LlamaCppServer;
 use trajectory_testkit::scripted_server::{ScriptedServer, Step, text_reply, tool_calls_reply};
 use trajectory_testkit::tier_gate::TierGate;
-use trajectory_worker::model::batch_api::{
-    BatchApi, BatchApiError, BatchStatus, LineOutcome, ProviderBatch, request_line,
-};
+use trajectory_worker::model::batch_api::{BatchApiError, BatchProvider, BatchStatus, LineOutcome};
 use trajectory_worker::model::types::parse_completion;
 use trajectory_worker::run::local::run_local;
 
@@ -172,44 +170,6 @@ async fn a_call_refused_past_the_fallback_wait_goes_at_the_standard_tier() {
     }
 }
 
-/// Polls `id` until it ends (at most 5 minutes).
-async fn ended(api: &BatchApi, id: &str) -> ProviderBatch {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
-    loop {
-        let batch = api.retrieve(id).await.expect("the batch's status");
-        if batch.status.ended() {
-            return batch;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{batch:?} did not end"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
-}
-
-/// A batch server doing `behaviour` in front of a new `llama-server`, and a client of it.
-async fn batch_api(
-    state: &std::path::Path,
-    behaviour: Behaviour,
-) -> (LlamaCppServer, BatchServer, BatchApi) {
-    let server = LlamaCppServer::start(state, 2, 2).await;
-    let batches = BatchServer::start(&server.base_url, behaviour).await;
-    let api = BatchApi::new(reqwest::Client::new(), &batches.base_url(), None);
-    (server, batches, api)
-}
-
-/// An input file of one short request of `model` per id.
-fn window_file(model: &str, ids: &[&str]) -> Vec<u8> {
-    ids.iter()
-        .flat_map(|id| {
-            let body = json!({"model": model, "max_tokens": 8, "temperature": 0.0,
-                              "messages": [{"role": "user", "content": format!("Say {id}.")}]});
-            request_line(id, &body)
-        })
-        .collect()
-}
-
 fn metadata(window: &str) -> serde_json::Map<String, Value> {
     json!({"run": "tiers", "window": window})
         .as_object()
@@ -227,16 +187,18 @@ async fn the_batch_api_runs_lines_on_a_real_model_server_and_reads_their_answers
         refuse_lines_containing: vec!["refused".into()],
         ..Behaviour::default()
     };
-    let (server, batches, api) = batch_api(state.path(), refusing).await;
+    let (server, batches, api) =
+        common::batches::batch_api(state.path(), BatchProvider::OpenAI, refusing).await;
     let file = api
-        .upload(
-            "window-1.jsonl",
-            window_file(&server.model, &["c-0", "c-1", "c-2", "refused-3"]),
-        )
+        .prepare(&common::batches::window_file(
+            &api,
+            &server.model,
+            &["c-0", "c-1", "c-2", "refused-3"],
+        ))
         .await
         .unwrap();
     let created = api.create(&file, &metadata("1")).await.unwrap();
-    let batch = ended(&api, &created.id).await;
+    let batch = common::batches::ended(&api, &created.id).await;
     assert_eq!(batch.status, BatchStatus::Completed);
     let results = api.results(&batch).await.unwrap();
     assert_eq!(results.len(), 4);
@@ -273,15 +235,18 @@ async fn the_batch_api_reads_expired_and_refused_batches_and_a_throttled_create(
         expire_after_lines: Some(1),
         ..Behaviour::default()
     };
-    let (server, batches, api) = batch_api(state.path(), expiring).await;
+    let (server, batches, api) =
+        common::batches::batch_api(state.path(), BatchProvider::OpenAI, expiring).await;
     let file = api
-        .upload(
-            "window-2.jsonl",
-            window_file(&server.model, &["e-0", "e-1", "e-2"]),
-        )
+        .prepare(&common::batches::window_file(
+            &api,
+            &server.model,
+            &["e-0", "e-1", "e-2"],
+        ))
         .await
         .unwrap();
-    let expired = ended(&api, &api.create(&file, &metadata("2")).await.unwrap().id).await;
+    let expired =
+        common::batches::ended(&api, &api.create(&file, &metadata("2")).await.unwrap().id).await;
     assert_eq!(expired.status, BatchStatus::Expired);
     let results = api.results(&expired).await.unwrap();
     let answered = results
@@ -300,7 +265,7 @@ async fn the_batch_api_reads_expired_and_refused_batches_and_a_throttled_create(
         ..Behaviour::default()
     });
     let file = api
-        .upload("window-3.jsonl", window_file(&server.model, &["f-0"]))
+        .prepare(&common::batches::window_file(&api, &server.model, &["f-0"]))
         .await
         .unwrap();
     let throttled = api.create(&file, &metadata("3")).await.unwrap_err();
@@ -316,7 +281,8 @@ async fn the_batch_api_reads_expired_and_refused_batches_and_a_throttled_create(
         "{throttled:?}"
     );
     assert!(throttled.is_transient());
-    let failed = ended(&api, &api.create(&file, &metadata("3")).await.unwrap().id).await;
+    let failed =
+        common::batches::ended(&api, &api.create(&file, &metadata("3")).await.unwrap().id).await;
     assert_eq!(failed.status, BatchStatus::Failed);
     assert!(failed.failure().contains("refused"), "{}", failed.failure());
     assert!(api.results(&failed).await.unwrap().is_empty());
@@ -343,38 +309,6 @@ fn five_turns(body: &Value) -> Step {
     Step::ok(reply)
 }
 
-/// A run of `rows` five-turn conversations whose model calls go through `batches`, the live path
-/// to `model`.
-async fn batch_run(
-    model: &ScriptedServer,
-    batches: &BatchServer,
-    rows: usize,
-    batch: Value,
-) -> RunFixture {
-    let lines: Vec<String> = (0..rows)
-        .map(|row| json!({"prompt": format!("task {row}")}).to_string())
-        .collect();
-    let mut spec_batch = batch;
-    spec_batch["baseUrl"] = json!(batches.base_url());
-    let fixture = RunFixture::with_lines(&model.base_url(), &lines)
-        .with("/batchSize", json!(rows))
-        .with("/concurrency", json!(rows))
-        .with("/model/batch", spec_batch)
-        .with(
-            "/model/pricing",
-            json!({"input": STANDARD.0, "output": STANDARD.1}),
-        )
-        .with("/model/routing", json!({"promptCacheKey": true}))
-        .with(
-            "/agent",
-            json!({"maxTurns": 6, "promptTimeoutSeconds": 600}),
-        );
-    run_local(&common::local_options(&fixture), &common::no_shutdown())
-        .await
-        .expect("the run finishes");
-    fixture
-}
-
 /// Batch mode on a tool loop: 40 conversations of five turns each, every turn sent in a provider
 /// batch (the test kit's batch server, its lines run on a scripted model for exact turn counts),
 /// the tools run between rounds. Every record complete once, every turn paid once (counted at the
@@ -383,9 +317,10 @@ async fn batch_run(
 async fn a_tool_loop_over_provider_batches_pays_every_turn_once_at_the_batch_price() {
     let model = ScriptedServer::start_responding(five_turns).await;
     let batches = BatchServer::start(&model.base_url(), Behaviour::default()).await;
-    let fixture = batch_run(
+    let fixture = common::batches::batch_run(
         &model,
         &batches,
+        STANDARD,
         40,
         json!({"maxRequests": 40, "maxWaitSeconds": 1, "pollSeconds": 1, "liveTailPercent": 0}),
     )
@@ -452,9 +387,10 @@ async fn turns_waiting_past_the_deadline_go_live_and_their_windows_are_cancelled
         ..Behaviour::default()
     };
     let batches = BatchServer::start(&model.base_url(), slow).await;
-    let fixture = batch_run(
+    let fixture = common::batches::batch_run(
         &model,
         &batches,
+        STANDARD,
         4,
         json!({"maxWaitSeconds": 1, "pollSeconds": 1, "deadlineSeconds": 1}),
     )
@@ -513,9 +449,10 @@ fn two_long_tasks(body: &Value) -> Step {
 async fn the_last_conversations_of_a_batch_go_live() {
     let model = ScriptedServer::start_responding(two_long_tasks).await;
     let batches = BatchServer::start(&model.base_url(), Behaviour::default()).await;
-    let fixture = batch_run(
+    let fixture = common::batches::batch_run(
         &model,
         &batches,
+        STANDARD,
         12,
         json!({"maxRequests": 12, "maxWaitSeconds": 1, "pollSeconds": 1,
                "liveTailPercent": 17}),

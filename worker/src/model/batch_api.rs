@@ -1,18 +1,28 @@
-//! A provider's Batch API in `OpenAI`'s dialect (files and batches), which `OpenAI`, `OpenRouter`,
-//! Together, Groq, Fireworks and self-hosted gateways speak: a JSONL file of requests, each with
-//! a `custom_id`, uploaded with `purpose=batch`; a batch created from it for a completion window;
-//! its status polled; at its end an output file of the answered requests and an error file of the
-//! rest, each line naming its `custom_id`, in any order.
+//! A provider's Batch API, in one of two dialects ([`BatchProvider`]):
+//!
+//! - `OpenAI`'s (files and batches), which `OpenAI`, `OpenRouter`, Together, Groq, Fireworks and
+//!   self-hosted gateways speak: a JSONL file of requests, each with a `custom_id`, uploaded with
+//!   `purpose=batch`; a batch created from it for a completion window, named in its metadata;
+//!   its status polled; at its end an output file of the answered requests and an error file of
+//!   the rest, each line naming its `custom_id`, in any order.
+//! - Anthropic's Message Batches: the requests (`custom_id` and a message's `params`, translated
+//!   from the chat request by [`super::anthropic`]) sent in the create itself; its
+//!   `processing_status` polled until `ended`; its results (`succeeded`, `errored`, `canceled`,
+//!   `expired` per line) read from its `results_url`, each message translated back into the
+//!   chat completion a live call would have received. No metadata: a batch is known by its id
+//!   alone.
 //!
 //! This module only speaks the API: what goes in a batch, and what is done with its results, is
 //! the caller's.
 
 use reqwest::StatusCode;
-use reqwest::header::{AUTHORIZATION, HeaderValue, RETRY_AFTER};
+use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderValue, InvalidHeaderValue, RETRY_AFTER};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
+use super::anthropic;
 use super::client::parse_retry_after;
+pub use crate::spec::BatchProvider;
 
 /// What a call to the Batch API met.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +101,9 @@ pub struct ProviderBatch {
     pub metadata: Option<Map<String, Value>>,
     #[serde(default)]
     pub created_at: u64,
+    /// Where an ended Message Batch's results are (Anthropic).
+    #[serde(default)]
+    pub results_url: Option<String>,
 }
 
 impl ProviderBatch {
@@ -140,32 +153,123 @@ pub struct BatchApi {
     http: reqwest::Client,
     /// The base URL, including `/v1`, without a trailing `/`.
     base_url: String,
-    authorization: Option<HeaderValue>,
+    /// The key, as the dialect sends it, and Anthropic's version.
+    headers: HeaderMap,
+    provider: BatchProvider,
 }
 
 /// The endpoint every line of a batch asks.
 pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
 
+/// What a batch is created from: an uploaded file (`OpenAI`), or the requests themselves
+/// (Anthropic).
+#[derive(Debug, Clone)]
+pub enum BatchInput {
+    File(String),
+    Requests(Vec<u8>),
+}
+
 impl BatchApi {
-    pub fn new(http: reqwest::Client, base_url: &str, authorization: Option<HeaderValue>) -> Self {
-        Self {
+    /// A client of the API at `base_url`, sending `api_key` as `provider` takes it.
+    pub fn new(
+        http: reqwest::Client,
+        base_url: &str,
+        provider: BatchProvider,
+        api_key: Option<&str>,
+    ) -> Result<Self, InvalidHeaderValue> {
+        let mut headers = HeaderMap::new();
+        if let Some(key) = api_key {
+            let (name, mut value) = match provider {
+                BatchProvider::OpenAI => (
+                    AUTHORIZATION,
+                    HeaderValue::from_str(&format!("Bearer {key}"))?,
+                ),
+                BatchProvider::Anthropic => (
+                    reqwest::header::HeaderName::from_static("x-api-key"),
+                    HeaderValue::from_str(key)?,
+                ),
+            };
+            // Keeps the key out of any debug output of the request.
+            value.set_sensitive(true);
+            headers.insert(name, value);
+        }
+        if provider == BatchProvider::Anthropic {
+            headers.insert(
+                "anthropic-version",
+                HeaderValue::from_static(anthropic::VERSION),
+            );
+        }
+        Ok(Self {
             http,
             base_url: base_url.trim_end_matches('/').to_owned(),
-            authorization,
-        }
+            headers,
+            provider,
+        })
     }
 
     pub fn base_url(&self) -> &str {
         &self.base_url
     }
 
+    /// Whether a batch can be found again by its window's name ([`BatchApi::find`]):
+    /// Anthropic's batches carry no metadata.
+    pub fn names_batches(&self) -> bool {
+        self.provider == BatchProvider::OpenAI
+    }
+
     fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let request = self
-            .http
-            .request(method, format!("{}{path}", self.base_url));
-        match &self.authorization {
-            Some(authorization) => request.header(AUTHORIZATION, authorization.clone()),
-            None => request,
+        self.http
+            .request(method, format!("{}{path}", self.base_url))
+            .headers(self.headers.clone())
+    }
+
+    /// The path of batch `id` (and what follows it) in this dialect.
+    fn batch_path(&self, id: &str) -> String {
+        match self.provider {
+            BatchProvider::OpenAI => format!("/batches/{id}"),
+            BatchProvider::Anthropic => format!("/messages/batches/{id}"),
+        }
+    }
+
+    /// One request of a batch, `custom_id` asking the chat request `body`; an error when
+    /// the dialect cannot say what `body` asks.
+    pub fn request_line(&self, custom_id: &str, body: &Value) -> Result<Vec<u8>, String> {
+        match self.provider {
+            BatchProvider::OpenAI => Ok(request_line(custom_id, body)),
+            BatchProvider::Anthropic => {
+                let params = anthropic::messages_params(body)?;
+                let mut line =
+                    serde_json::to_vec(&json!({"custom_id": custom_id, "params": params}))
+                        .expect("a JSON value serialises");
+                line.push(b'\n');
+                Ok(line)
+            }
+        }
+    }
+
+    /// Makes `lines` (each ending in a newline) something a batch is created from: uploads
+    /// them as a file (`OpenAI`), or holds them for the create (Anthropic).
+    pub async fn prepare(&self, lines: &[u8]) -> Result<BatchInput, BatchApiError> {
+        match self.provider {
+            BatchProvider::OpenAI => self
+                .upload("window.jsonl", lines.to_vec())
+                .await
+                .map(BatchInput::File),
+            BatchProvider::Anthropic => {
+                let mut body = Vec::with_capacity(lines.len() + 16);
+                body.extend_from_slice(b"{\"requests\":[");
+                let requests = lines
+                    .split(|byte| *byte == b'\n')
+                    .filter(|line| !line.is_empty());
+                for (index, line) in requests.enumerate() {
+                    if index > 0 {
+                        body.push(b',');
+                    }
+                    body.extend_from_slice(line);
+                }
+                body.extend_from_slice(b"]}");
+                Ok(BatchInput::Requests(body))
+            }
         }
     }
 
@@ -235,33 +339,59 @@ impl BatchApi {
         Ok(Self::json::<File>("a file upload", request).await?.id)
     }
 
-    /// Creates a batch of the uploaded `file_id`'s requests, within 24 hours, with `metadata`
-    /// (which names it when it is looked for again).
+    /// Creates a batch of `input`'s requests, within 24 hours, named by `metadata` where the
+    /// dialect keeps it (which names it when it is looked for again).
     pub async fn create(
         &self,
-        file_id: &str,
+        input: &BatchInput,
         metadata: &Map<String, Value>,
     ) -> Result<ProviderBatch, BatchApiError> {
-        let request = self
-            .request(reqwest::Method::POST, "/batches")
-            .json(&json!({
-                "input_file_id": file_id,
-                "endpoint": CHAT_COMPLETIONS,
-                "completion_window": "24h",
-                "metadata": metadata,
-            }));
-        Self::json("a batch's creation", request).await
+        match input {
+            BatchInput::File(file_id) => {
+                let request = self
+                    .request(reqwest::Method::POST, "/batches")
+                    .json(&json!({
+                        "input_file_id": file_id,
+                        "endpoint": CHAT_COMPLETIONS,
+                        "completion_window": "24h",
+                        "metadata": metadata,
+                    }));
+                Self::json("a batch's creation", request).await
+            }
+            BatchInput::Requests(body) => {
+                let request = self
+                    .request(reqwest::Method::POST, "/messages/batches")
+                    .header(reqwest::header::CONTENT_TYPE, "application/json")
+                    .body(body.clone());
+                self.batch_answer("a batch's creation", request).await
+            }
+        }
     }
 
     pub async fn retrieve(&self, id: &str) -> Result<ProviderBatch, BatchApiError> {
-        let request = self.request(reqwest::Method::GET, &format!("/batches/{id}"));
-        Self::json("a batch's status", request).await
+        let request = self.request(reqwest::Method::GET, &self.batch_path(id));
+        self.batch_answer("a batch's status", request).await
     }
 
-    /// Asks the provider to stop a batch; what already ran stays in its files.
+    /// Asks the provider to stop a batch; what already ran stays in its results.
     pub async fn cancel(&self, id: &str) -> Result<ProviderBatch, BatchApiError> {
-        let request = self.request(reqwest::Method::POST, &format!("/batches/{id}/cancel"));
-        Self::json("a batch's cancel", request).await
+        let path = format!("{}/cancel", self.batch_path(id));
+        let request = self.request(reqwest::Method::POST, &path);
+        self.batch_answer("a batch's cancel", request).await
+    }
+
+    /// A batch as the dialect describes it.
+    async fn batch_answer(
+        &self,
+        what: &'static str,
+        request: reqwest::RequestBuilder,
+    ) -> Result<ProviderBatch, BatchApiError> {
+        match self.provider {
+            BatchProvider::OpenAI => Self::json(what, request).await,
+            BatchProvider::Anthropic => Ok(Self::json::<MessageBatch>(what, request)
+                .await?
+                .into_provider_batch()),
+        }
     }
 
     /// The batches whose metadata holds every key and value of `metadata`, newest first,
@@ -272,6 +402,9 @@ impl BatchApi {
         metadata: &Map<String, Value>,
         since: u64,
     ) -> Result<Vec<ProviderBatch>, BatchApiError> {
+        if !self.names_batches() {
+            return Ok(Vec::new());
+        }
         #[derive(Deserialize)]
         struct Page {
             data: Vec<ProviderBatch>,
@@ -309,24 +442,43 @@ impl BatchApi {
         }
     }
 
-    /// The results of an ended batch: its output file's lines and its error file's.
+    /// The results of an ended batch: its output file's lines and its error file's (`OpenAI`),
+    /// or the lines at its `results_url` (Anthropic).
     pub async fn results(&self, batch: &ProviderBatch) -> Result<Vec<LineResult>, BatchApiError> {
+        let (contents, parse): (
+            Vec<reqwest::RequestBuilder>,
+            fn(&[u8]) -> Result<LineResult, String>,
+        ) = match self.provider {
+            BatchProvider::OpenAI => (
+                [&batch.output_file_id, &batch.error_file_id]
+                    .into_iter()
+                    .flatten()
+                    .map(|file| {
+                        self.request(reqwest::Method::GET, &format!("/files/{file}/content"))
+                    })
+                    .collect(),
+                parse_result_line,
+            ),
+            BatchProvider::Anthropic => (
+                // The URL the provider gave, with the key: results are the account's.
+                batch
+                    .results_url
+                    .iter()
+                    .map(|url| self.http.get(url).headers(self.headers.clone()))
+                    .collect(),
+                parse_message_result_line,
+            ),
+        };
         let mut results = Vec::new();
-        for file in [&batch.output_file_id, &batch.error_file_id]
-            .into_iter()
-            .flatten()
-        {
-            let request = self.request(reqwest::Method::GET, &format!("/files/{file}/content"));
+        for request in contents {
             let content = Self::send("a batch's results", request).await?;
             for line in content.split(|byte| *byte == b'\n') {
                 if line.iter().all(u8::is_ascii_whitespace) {
                     continue;
                 }
-                results.push(parse_result_line(line).map_err(|message| {
-                    BatchApiError::Malformed {
-                        what: "a batch's results",
-                        message,
-                    }
+                results.push(parse(line).map_err(|message| BatchApiError::Malformed {
+                    what: "a batch's results",
+                    message,
                 })?);
             }
         }
@@ -386,6 +538,85 @@ fn parse_result_line(line: &[u8]) -> Result<LineResult, String> {
         (None, None) => {
             return Err(format!(
                 "the line of {} has neither a response nor an error",
+                line.custom_id
+            ));
+        }
+    };
+    Ok(LineResult {
+        custom_id: line.custom_id,
+        outcome,
+    })
+}
+
+/// A Message Batch, as Anthropic describes it (the fields used).
+#[derive(Debug, Deserialize)]
+struct MessageBatch {
+    id: String,
+    processing_status: String,
+    #[serde(default)]
+    results_url: Option<String>,
+    #[serde(default)]
+    created_at: Option<String>,
+}
+
+impl MessageBatch {
+    /// As the batch path sees any provider's batch. `ended` covers what `OpenAI` calls
+    /// completed, expired and cancelled alike: each line's result says which it met.
+    fn into_provider_batch(self) -> ProviderBatch {
+        let status = match self.processing_status.as_str() {
+            "in_progress" => BatchStatus::InProgress,
+            "canceling" => BatchStatus::Cancelling,
+            "ended" => BatchStatus::Completed,
+            _ => BatchStatus::Unknown,
+        };
+        let created_at = self
+            .created_at
+            .as_deref()
+            .and_then(|at| chrono::DateTime::parse_from_rfc3339(at).ok())
+            .and_then(|at| u64::try_from(at.timestamp()).ok())
+            .unwrap_or(0);
+        ProviderBatch {
+            id: self.id,
+            status,
+            output_file_id: None,
+            error_file_id: None,
+            errors: None,
+            metadata: None,
+            created_at,
+            results_url: self.results_url,
+        }
+    }
+}
+
+/// One line of a Message Batch's results: `{custom_id, result: {type, message | error}}`.
+fn parse_message_result_line(line: &[u8]) -> Result<LineResult, String> {
+    #[derive(Deserialize)]
+    struct Line {
+        custom_id: String,
+        result: Value,
+    }
+    let line: Line = serde_json::from_slice(line).map_err(|err| err.to_string())?;
+    let result = &line.result;
+    let outcome = match result["type"].as_str() {
+        Some("succeeded") => LineOutcome::Answered(
+            serde_json::to_vec(&anthropic::chat_completion(&result["message"]))
+                .expect("a JSON value serialises"),
+        ),
+        Some("errored") => {
+            // `{type: error, error: {type, message}}`, the body a live call would have had.
+            let error = result["error"].get("error").unwrap_or(&result["error"]);
+            LineOutcome::Refused {
+                status: anthropic::error_status(error["type"].as_str().unwrap_or_default()),
+                message: result["error"].to_string(),
+            }
+        }
+        Some(kind @ ("canceled" | "expired")) => LineOutcome::NotRun {
+            code: format!("batch_{kind}"),
+            message: format!("the batch was {kind} before this request ran"),
+        },
+        other => {
+            return Err(format!(
+                "the result of {} has the type {other:?}",
                 line.custom_id
             ));
         }

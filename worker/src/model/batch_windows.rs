@@ -19,15 +19,16 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::batch_api::{BatchApi, BatchApiError, LineOutcome, ProviderBatch, request_line};
+use super::batch_api::{BatchApi, BatchApiError, BatchProvider, LineOutcome, ProviderBatch};
 use super::batch_journal::{
     Claim, EarlierWindow, EarlierWindows, IntentLine, JournalEntry, WindowJournal, line_digest,
 };
 use crate::spec::BatchSpec;
 
-/// How windows are cut, polled and waited for.
+/// Which API windows go to, and how they are cut, polled and waited for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchSettings {
+    pub provider: BatchProvider,
     pub max_requests: usize,
     pub max_bytes: usize,
     pub max_wait: Duration,
@@ -42,6 +43,7 @@ pub struct BatchSettings {
 impl BatchSettings {
     pub fn from_spec(spec: &BatchSpec) -> Self {
         Self {
+            provider: spec.provider,
             max_requests: usize::try_from(spec.max_requests).unwrap_or(usize::MAX),
             max_bytes: usize::try_from(spec.max_megabytes)
                 .unwrap_or(usize::MAX)
@@ -199,7 +201,12 @@ impl BatchWindows {
         journal: Option<Arc<dyn WindowJournal>>,
     ) -> BatchAnswer {
         let deadline = Instant::now() + self.settings.deadline;
-        let line = request_line(&custom_id, body);
+        let line = match self.api.request_line(&custom_id, body) {
+            Ok(line) => line,
+            Err(reason) => {
+                return BatchAnswer::GoLive(format!("the batch API cannot ask it: {reason}"));
+            }
+        };
         if let Some(adopted) = self.adopted_answer(&custom_id, &line, journal.as_ref()) {
             match tokio::time::timeout_at(deadline, adopted).await {
                 Ok(Ok(Some(answer))) => return answer,
@@ -475,11 +482,11 @@ async fn run_window(
     for waiting in window {
         file.extend_from_slice(&waiting.line);
     }
-    let file_id = with_retries(settings.poll, || api.upload("window.jsonl", file.clone()))
+    let input = with_retries(settings.poll, || api.prepare(&file))
         .await
         .map_err(|err| err.to_string())?;
     let metadata = window_metadata(name);
-    let created = with_retries(settings.poll, || api.create(&file_id, &metadata))
+    let created = with_retries(settings.poll, || api.create(&input, &metadata))
         .await
         .map_err(|err| err.to_string())?;
     journal_creation(journals, name, &created.id).await;
@@ -523,6 +530,10 @@ async fn adopt(
     answers: Vec<oneshot::Sender<Option<BatchAnswer>>>,
     journal: Option<Arc<dyn WindowJournal>>,
 ) {
+    if window.batch_id.is_none() && !api.names_batches() {
+        info!(window = %window.name, "an earlier window's batch id was never journaled and this provider's batches carry no name; its turns are sent again");
+        return;
+    }
     let found = if let Some(id) = &window.batch_id {
         with_retries(settings.poll, || api.retrieve(id))
             .await

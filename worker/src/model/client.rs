@@ -452,9 +452,13 @@ impl ModelClient {
             settings.routing.load_bound,
         ));
         let batch = settings.batch.as_ref().map(|(base_url, batch)| {
-            let api = BatchApi::new(http.clone(), base_url, authorization.clone());
-            Arc::new(BatchWindows::new(api, *batch))
+            let key = settings.api_key.as_ref().map(|ApiKey(key)| key.as_str());
+            BatchApi::new(http.clone(), base_url, batch.provider, key)
+                .map(|api| Arc::new(BatchWindows::new(api, *batch)))
         });
+        let batch = batch.transpose().map_err(|_| {
+            ModelError::Settings("the API key contains characters not allowed in a header".into())
+        })?;
         Ok(Self {
             batch,
             window_journal: None,

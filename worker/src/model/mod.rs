@@ -17,6 +17,7 @@
 //! starting conversations while the server keeps failing. The table of what becomes what is in `docs/troubleshooting.md`.
 
 pub mod admission;
+pub mod anthropic;
 pub mod batch_api;
 pub mod batch_journal;
 pub mod batch_windows;

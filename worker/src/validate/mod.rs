@@ -14,8 +14,8 @@ pub use distribution::distribution_violations;
 
 use crate::pricing::Prices;
 use crate::spec::{
-    BrowserSpec, DistributionSpec, ImageGenSpec, RunSpec, TokenRequest, ValueSource, VisionSpec,
-    WebSearchBackend,
+    BatchProvider, BrowserSpec, DistributionSpec, ImageGenSpec, RunSpec, TokenRequest, ValueSource,
+    VisionSpec, WebSearchBackend,
 };
 
 /// The most alternatives per token a server is asked for (`OpenAI`'s bound, which vLLM and
@@ -351,15 +351,26 @@ impl RunSpec {
         let Some(batch) = &self.model.batch else {
             return;
         };
+        // The providers' own limits of one batch.
+        let (max_requests, max_megabytes) = match batch.provider {
+            BatchProvider::OpenAI => (50_000, 200),
+            BatchProvider::Anthropic => (100_000, 256),
+        };
         violations.check(
-            (1..=50_000).contains(&batch.max_requests),
+            (1..=max_requests).contains(&batch.max_requests),
             "model.batch.maxRequests",
-            format!("must be 1 to 50000, got {}", batch.max_requests),
+            format!(
+                "must be 1 to {max_requests} ({:?}'s limit), got {}",
+                batch.provider, batch.max_requests
+            ),
         );
         violations.check(
-            (1..=200).contains(&batch.max_megabytes),
+            (1..=max_megabytes).contains(&batch.max_megabytes),
             "model.batch.maxMegabytes",
-            format!("must be 1 to 200, got {}", batch.max_megabytes),
+            format!(
+                "must be 1 to {max_megabytes} ({:?}'s limit), got {}",
+                batch.provider, batch.max_megabytes
+            ),
         );
         violations.check(
             batch.live_tail_percent <= 100,
@@ -793,12 +804,26 @@ mod tests {
                 "serviceTier": {"tier": "Flex"}, "extraBody": {"service_tier": "auto"}})),
             [
                 "spec.model.extraBody.service_tier: is set by model.serviceTier: give the tier there only",
-                "spec.model.batch.maxRequests: must be 1 to 50000, got 0",
-                "spec.model.batch.maxMegabytes: must be 1 to 200, got 201",
+                "spec.model.batch.maxRequests: must be 1 to 50000 (OpenAI's limit), got 0",
+                "spec.model.batch.maxMegabytes: must be 1 to 200 (OpenAI's limit), got 201",
                 "spec.model.batch.liveTailPercent: must be 0 to 100, got 101",
                 "spec.model.batch.pollSeconds: must be at least 1, got 0",
                 "spec.model.batch.baseUrl: must be an http(s) URL, got \"batches\"",
                 "spec.model.batch: cannot be used with model.tokens yet: keep token ids with live calls",
+            ]
+        );
+        // Anthropic's limits are its own.
+        let anthropic = |max_requests: u32, max_megabytes: u32| {
+            with(serde_json::json!({"name": "m", "baseUrl": base,
+                "batch": {"provider": "Anthropic", "maxRequests": max_requests,
+                          "maxMegabytes": max_megabytes}}))
+        };
+        assert!(anthropic(100_000, 256).is_empty());
+        assert_eq!(
+            anthropic(100_001, 257),
+            [
+                "spec.model.batch.maxRequests: must be 1 to 100000 (Anthropic's limit), got 100001",
+                "spec.model.batch.maxMegabytes: must be 1 to 256 (Anthropic's limit), got 257",
             ]
         );
     }

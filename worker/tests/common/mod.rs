@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod batches;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
