@@ -147,6 +147,9 @@ pub enum LineOutcome {
     NotRun { code: String, message: String },
 }
 
+/// How a dialect reads one line of a batch's results.
+type ParseResultLine = fn(&[u8]) -> Result<LineResult, String>;
+
 /// A client of one provider's Batch API.
 #[derive(Debug, Clone)]
 pub struct BatchApi {
@@ -321,7 +324,7 @@ impl BatchApi {
     }
 
     /// Uploads a batch's input file (`purpose=batch`); returns its id.
-    pub async fn upload(&self, name: &str, jsonl: Vec<u8>) -> Result<String, BatchApiError> {
+    async fn upload(&self, name: &str, jsonl: Vec<u8>) -> Result<String, BatchApiError> {
         #[derive(Deserialize)]
         struct File {
             id: String,
@@ -402,14 +405,14 @@ impl BatchApi {
         metadata: &Map<String, Value>,
         since: u64,
     ) -> Result<Vec<ProviderBatch>, BatchApiError> {
-        if !self.names_batches() {
-            return Ok(Vec::new());
-        }
         #[derive(Deserialize)]
         struct Page {
             data: Vec<ProviderBatch>,
             #[serde(default)]
             has_more: bool,
+        }
+        if !self.names_batches() {
+            return Ok(Vec::new());
         }
         let mut found = Vec::new();
         let mut after: Option<String> = None;
@@ -445,10 +448,8 @@ impl BatchApi {
     /// The results of an ended batch: its output file's lines and its error file's (`OpenAI`),
     /// or the lines at its `results_url` (Anthropic).
     pub async fn results(&self, batch: &ProviderBatch) -> Result<Vec<LineResult>, BatchApiError> {
-        let (contents, parse): (
-            Vec<reqwest::RequestBuilder>,
-            fn(&[u8]) -> Result<LineResult, String>,
-        ) = match self.provider {
+        let (contents, parse): (Vec<reqwest::RequestBuilder>, ParseResultLine) = match self.provider
+        {
             BatchProvider::OpenAI => (
                 [&batch.output_file_id, &batch.error_file_id]
                     .into_iter()
@@ -487,7 +488,7 @@ impl BatchApi {
 }
 
 /// One line of a batch's input file.
-pub fn request_line(custom_id: &str, body: &Value) -> Vec<u8> {
+fn request_line(custom_id: &str, body: &Value) -> Vec<u8> {
     let mut line = serde_json::to_vec(&json!({
         "custom_id": custom_id,
         "method": "POST",
