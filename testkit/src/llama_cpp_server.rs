@@ -53,6 +53,10 @@ impl LlamaCppServer {
             .args(["--parallel"])
             .arg(slots.to_string())
             .args(["--jinja", "--no-ui"])
+            // Threads waiting for work sleep instead of spinning: several servers and test
+            // binaries share two cores in CI, where a spinning barrier whose partner thread is
+            // descheduled burns its time slice (a call took minutes, past its timeout).
+            .args(["--poll", "0"])
             .stdout(Stdio::from(log_file.try_clone().expect("the log")))
             .stderr(Stdio::from(log_file))
             .spawn()
@@ -141,6 +145,24 @@ impl LlamaCppServer {
 
 impl Drop for LlamaCppServer {
     fn drop(&mut self) {
+        // A test failing with the server up: what the server saw says whether it was slow,
+        // stuck or refusing.
+        if std::thread::panicking() {
+            let log = self.log_text();
+            let tail: String = log
+                .lines()
+                .rev()
+                .take(40)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n");
+            eprintln!(
+                "llama-server's log ({}), its last 40 lines:\n{tail}",
+                self.log.display()
+            );
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
