@@ -78,6 +78,8 @@ pub mod episode;
 #[cfg(feature = "engine")]
 pub mod export;
 #[cfg(feature = "engine")]
+pub mod harbor;
+#[cfg(feature = "engine")]
 pub mod hermes;
 #[cfg(feature = "engine")]
 pub mod json_scan;

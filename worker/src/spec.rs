@@ -131,8 +131,13 @@ fn default_stop_tokens() -> Vec<String> {
 #[cfg_attr(feature = "schema", derive(JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct DatasetSpec {
-    /// Path of the JSONL file, relative to the storage volume. Absolute paths and `..` are refused.
+    /// Path of the JSONL file (or, with `format: HarborTasks`, of the directory of tasks),
+    /// relative to the storage volume. Absolute paths and `..` are refused.
     pub path: String,
+    /// What `path` names: a JSONL file of rows (`Jsonl`, the default), or Harbor task
+    /// directories (`HarborTasks`: a task, or a directory of them), each task read as a row.
+    #[serde(default, skip_serializing_if = "DatasetFormat::is_jsonl")]
+    pub format: DatasetFormat,
     /// Field of each JSON line that holds the prompt. Lines may instead carry a chat-style
     /// `conversations` or `messages` list whose first user turn is the prompt.
     #[serde(default = "default_prompt_field")]
@@ -140,6 +145,26 @@ pub struct DatasetSpec {
     /// Keep only the first N valid prompts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_samples: Option<u64>,
+}
+
+/// What `spec.dataset.path` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+pub enum DatasetFormat {
+    /// A JSONL file, a row a line.
+    #[default]
+    Jsonl,
+    /// Harbor task directories (`instruction.md`, `task.toml`, `environment/`, `tests/`,
+    /// `solution/`): a task, or a directory whose subdirectories are tasks. The plan writes
+    /// them as the run's rows (`harbor-tasks.jsonl` in the run's output) and names the tasks
+    /// it refuses (`harbor-refused.jsonl`).
+    HarborTasks,
+}
+
+impl DatasetFormat {
+    pub fn is_jsonl(&self) -> bool {
+        *self == Self::Jsonl
+    }
 }
 
 /// A named distribution or an inline one.

@@ -13,8 +13,9 @@
 //! 2. The command, under the same sandbox as the model's commands, starting where the
 //!    conversation started, with `$TESTS_DIR`, `$REWARD_FILE` and `$LOGS_DIR`, within
 //!    `spec.verifier.timeoutSeconds`.
-//! 3. The reward: the number in the reward file, else 1 for exit 0 and 0 otherwise (the
-//!    reference's terminal-bench rule).
+//! 3. The reward: Harbor's `reward.json` beside the reward file when there is one (its
+//!    `reward`, else its only value), else the number in the reward file, else 1 for exit 0 and
+//!    0 otherwise (the reference's terminal-bench rule).
 //!
 //! In a task container the directories are the spec's paths as they are (`/tests`,
 //! `/logs/verifier`, as terminal-bench's scripts expect); in a workspace, which has no root of
@@ -39,6 +40,12 @@ pub const COMMAND_FIELDS: [&str; 2] = ["test", "verify"];
 pub const TESTS_TAR_FIELD: &str = "tests_tar";
 /// The row field of terminal-bench's test script.
 pub const TEST_SH_FIELD: &str = "test_sh";
+/// The row field of the row's own verifier timeout, in seconds (Harbor's
+/// `[verifier] timeout_sec`), over `spec.verifier.timeoutSeconds`.
+pub const VERIFIER_TIMEOUT_FIELD: &str = "verifier_timeout_sec";
+
+/// Harbor's file of named rewards, in the reward file's directory.
+pub const REWARD_JSON: &str = "reward.json";
 
 /// The directory of a workspace under which the verifier's paths lie.
 pub const WORKSPACE_VERIFIER_DIR: &str = ".verifier";
@@ -53,6 +60,8 @@ pub struct Verifier {
     pub command: String,
     pub tests_tar: Option<String>,
     pub test_sh: Option<String>,
+    /// The row's own timeout, over the run's.
+    pub timeout: Option<Duration>,
 }
 
 impl Verifier {
@@ -82,10 +91,25 @@ impl Verifier {
         let command = own_command
             .or_else(|| has_tests.then(|| format!("bash \"$TESTS_DIR/{TEST_SCRIPT}\"")))
             .or_else(|| settings.command.clone());
+        let timeout = match row.get(VERIFIER_TIMEOUT_FIELD) {
+            None | Some(Value::Null) => None,
+            Some(seconds) => Some(
+                seconds
+                    .as_f64()
+                    .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok())
+                    .filter(|timeout| !timeout.is_zero())
+                    .ok_or_else(|| {
+                        format!(
+                            "the row's `{VERIFIER_TIMEOUT_FIELD}` must be a positive number of seconds, not {seconds}"
+                        )
+                    })?,
+            ),
+        };
         Ok(command.map(|command| Self {
             command,
             tests_tar,
             test_sh,
+            timeout,
         }))
     }
 }
@@ -136,6 +160,8 @@ impl Verification {
 struct Places {
     tests_dir: String,
     reward_file: String,
+    /// Harbor's named rewards, beside the reward file.
+    reward_json: String,
     logs_dir: String,
 }
 
@@ -158,9 +184,11 @@ impl Places {
         let logs_dir = Path::new(&reward_file)
             .parent()
             .map_or_else(|| reward_file.clone(), |dir| dir.display().to_string());
+        let reward_json = Path::new(&logs_dir).join(REWARD_JSON).display().to_string();
         Self {
             tests_dir: place(&settings.tests_dir),
             reward_file,
+            reward_json,
             logs_dir,
         }
     }
@@ -204,7 +232,9 @@ pub async fn verify(
             return Verification::failed(format!("the sandbox failed: {err}"), started);
         }
     }
-    let timeout = Duration::from_secs(settings.timeout_seconds);
+    let timeout = verifier
+        .timeout
+        .unwrap_or(Duration::from_secs(settings.timeout_seconds));
     let run = match sandbox
         .run_once(
             workspace,
@@ -221,19 +251,13 @@ pub async fn verify(
     let reward_text = match run.exit_code {
         // A verifier stopped midway may have written anything: its reward file is not read.
         None => None,
-        Some(_) => match sandbox
-            .verifier_step(
-                workspace,
-                VerifierStep::ReadReward {
-                    path: places.reward_file.clone(),
-                },
-            )
-            .await
-        {
-            Ok(Ok(Value::String(text))) => Some(Ok(text)),
-            Ok(Ok(_)) => None,
-            Ok(Err(refused)) => Some(Err(format!("the reward file could not be read: {refused}"))),
-            Err(err) => Some(Err(format!("the sandbox failed: {err}"))),
+        // Harbor's named rewards, beside the reward file, win over it (as Harbor reads them).
+        Some(_) => match read_reward(sandbox, workspace, &places.reward_json).await {
+            None => read_reward(sandbox, workspace, &places.reward_file).await,
+            Some(Ok(json)) => {
+                Some(reward_of_json(&json, &places.reward_json).map(|r| r.to_string()))
+            }
+            Some(Err(error)) => Some(Err(error)),
         },
     };
     let (reward, error) = reward_of(run.exit_code, reward_text, timeout, &places.reward_file);
@@ -245,6 +269,46 @@ pub async fn verify(
         output,
         error,
     }
+}
+
+/// What the file at `path` holds (at most 4 KiB); `None` when there is no such file.
+async fn read_reward(
+    sandbox: &Sandbox,
+    workspace: &Path,
+    path: &str,
+) -> Option<Result<String, String>> {
+    let step = VerifierStep::ReadReward {
+        path: path.to_owned(),
+    };
+    match sandbox.verifier_step(workspace, step).await {
+        Ok(Ok(Value::String(text))) => Some(Ok(text)),
+        Ok(Ok(_)) => None,
+        Ok(Err(refused)) => Some(Err(format!("the reward file could not be read: {refused}"))),
+        Err(err) => Some(Err(format!("the sandbox failed: {err}"))),
+    }
+}
+
+/// The reward of Harbor's `reward.json`, a flat object of named rewards: its `reward`, else its
+/// only one; several without a `reward`, or a value that is not a finite number, is an error
+/// naming the file.
+fn reward_of_json(text: &str, path: &str) -> Result<f64, String> {
+    let rewards: Map<String, Value> = serde_json::from_str(text)
+        .map_err(|err| format!("{path} is not a JSON object of named rewards: {err}"))?;
+    let value = match (rewards.get("reward"), rewards.len()) {
+        (Some(reward), _) => reward,
+        (None, 1) => rewards.values().next().expect("one value"),
+        (None, _) => {
+            let names: Vec<&str> = rewards.keys().map(String::as_str).collect();
+            return Err(format!(
+                "{path} names no `reward` among its rewards ({})",
+                names.join(", ")
+            ));
+        }
+    };
+    value
+        .as_f64()
+        .filter(|reward| reward.is_finite())
+        .ok_or_else(|| format!("{path} holds {value} as its reward, not a finite number"))
 }
 
 /// The reward and, when the verifier gave none of its own, why: from the exit code (`None`:
@@ -356,6 +420,7 @@ mod tests {
         assert_eq!(container.tests_dir, "/tests");
         assert_eq!(container.reward_file, "/logs/verifier/reward.txt");
         assert_eq!(container.logs_dir, "/logs/verifier");
+        assert_eq!(container.reward_json, "/logs/verifier/reward.json");
         let workspace = Places::new(false, Path::new("/w/c1"), &settings);
         assert_eq!(workspace.tests_dir, "/w/c1/.verifier/tests");
         assert_eq!(workspace.logs_dir, "/w/c1/.verifier/logs/verifier");
@@ -371,6 +436,27 @@ mod tests {
                 r"export TESTS_DIR='/it'\''s' REWARD_FILE='/w/c1/.verifier/logs/verifier/reward.txt' LOGS_DIR='/w/c1/.verifier/logs/verifier'"
             )
         );
+    }
+
+    #[test]
+    fn harbors_named_rewards_give_their_reward_else_their_only_one() {
+        let path = "/logs/verifier/reward.json";
+        assert_eq!(
+            reward_of_json(r#"{"reward": 0.5, "tests": 3}"#, path),
+            Ok(0.5)
+        );
+        assert_eq!(reward_of_json(r#"{"accuracy": 1}"#, path), Ok(1.0));
+        for (text, says) in [
+            (
+                r#"{"a": 1, "b": 0}"#,
+                "names no `reward` among its rewards (a, b)",
+            ),
+            (r#"{"reward": "yes"}"#, "holds \"yes\" as its reward"),
+            ("[1]", "is not a JSON object"),
+        ] {
+            let error = reward_of_json(text, path).unwrap_err();
+            assert!(error.contains(says) && error.contains(path), "{error}");
+        }
     }
 
     #[test]

@@ -371,3 +371,50 @@ async fn a_batch_killed_while_verifying_ends_with_one_verified_record_per_key() 
         "{requests} model requests for {PROMPTS} conversations and {kills} kills (bound {bound})"
     );
 }
+
+/// Harbor's named rewards (`reward.json` beside the reward file, which it wins over) and a
+/// row's own verifier timeout (`verifier_timeout_sec`, Harbor's `[verifier] timeout_sec`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harbors_named_rewards_win_and_a_rows_own_timeout_holds() {
+    let server = ScriptedServer::start_responding(scripted_model(work)).await;
+    let rows = [
+        json!({"prompt": "named", "test_sh":
+            "echo '{\"reward\": 0.5, \"cases\": 2}' > \"$LOGS_DIR/reward.json\"; echo 1 > \"$REWARD_FILE\""}),
+        json!({"prompt": "unnamed", "test_sh": "echo '{\"a\": 1, \"b\": 0}' > \"$LOGS_DIR/reward.json\""}),
+        json!({"prompt": "own timeout", "test_sh": "sleep 10", "verifier_timeout_sec": 1}),
+    ];
+    let lines: Vec<String> = rows.iter().map(Value::to_string).collect();
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines)
+        .with("/verifier", json!({"timeoutSeconds": 60}));
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    let records: Vec<Value> = fixture
+        .lines("trajectories.jsonl")
+        .into_iter()
+        .chain(fixture.lines("failures.jsonl"))
+        .collect();
+    let by_task = |task: &str| -> &Value {
+        records
+            .iter()
+            .find(|record| record["conversations"][1]["value"] == task)
+            .unwrap_or_else(|| panic!("no record of {task}"))
+    };
+    let named = by_task("named");
+    assert_eq!(named["reward"], 0.5, "reward.json wins: {named}");
+    assert_eq!(named["verification"]["error"], Value::Null);
+    let unnamed = by_task("unnamed");
+    assert_eq!(unnamed["reward"], 0.0);
+    let error = unnamed["verification"]["error"].as_str().unwrap();
+    assert!(
+        error.contains("reward.json names no `reward` among its rewards (a, b)"),
+        "{error}"
+    );
+    let timed_out = by_task("own timeout");
+    assert_eq!(
+        timed_out["verification"]["error"],
+        "the verifier did not finish within 1 s and was stopped"
+    );
+    let duration = timed_out["verification"]["duration_ms"].as_u64().unwrap();
+    assert!((1000..8000).contains(&duration), "{duration} ms");
+}

@@ -390,7 +390,17 @@ impl RunLocation {
         )
     }
 
+    /// The JSONL file of the run's rows: `spec.dataset.path`, or the rows the plan made of the
+    /// Harbor tasks it names.
     pub fn dataset_path(&self) -> PathBuf {
+        match self.plan.spec.dataset.format {
+            crate::spec::DatasetFormat::Jsonl => self.dataset_source(),
+            crate::spec::DatasetFormat::HarborTasks => self.run_dir().harbor_rows(),
+        }
+    }
+
+    /// What `spec.dataset.path` names on the run's storage.
+    pub fn dataset_source(&self) -> PathBuf {
         self.storage_root.join(&self.plan.spec.dataset.path)
     }
 

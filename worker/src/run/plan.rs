@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
 use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
-use tracing::info;
+use tracing::{info, warn};
 
 use super::manifest::{
     BatchLayout, DatasetInfo, MANIFEST_VERSION, Manifest, RunIdentity, spec_hash,
@@ -29,7 +29,7 @@ use crate::dataset::{
     Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe, probe_image, without_bom,
 };
 use crate::distribution::Distribution;
-use crate::spec::RunSpec;
+use crate::spec::{DatasetFormat, RunSpec};
 use crate::storage::{Context, Output, RunDir, StorageError, Store};
 use crate::tools::Registry;
 use crate::tools::mcp::{FrozenServer, discover_blocking};
@@ -556,6 +556,9 @@ pub fn plan_in(
     // Refused before the dataset is read, and before any pod starts, rather than in every batch.
     location.read_replay_source(Some(1))?;
     let (catalog, mcp_tools) = tool_catalog(spec, &run_dir)?;
+    if spec.dataset.format == DatasetFormat::HarborTasks {
+        harbor_rows(location, &run_dir)?;
+    }
     let dataset_path = location.dataset_path();
     let store = run_dir.store();
     // Dropped unfinished on an error, the invalid lines' output leaves nothing behind.
@@ -624,6 +627,51 @@ pub fn plan_in(
         run_dir.root().display()
     );
     Ok((manifest, summary))
+}
+
+/// Reads the Harbor tasks `spec.dataset.path` names into the run's rows, and the tasks it
+/// refuses, each with why, beside them. Made again by every plan: the same tasks give the same
+/// bytes, so a resumed run reads the rows it was planned with (and a changed directory is a
+/// changed dataset digest, which the manifest refuses).
+fn harbor_rows(location: &RunLocation, run_dir: &RunDir) -> Result<(), RunError> {
+    let store = run_dir.store();
+    let source = location.dataset_source();
+    if store.is_bucket() {
+        return Err(RunError::InvalidDataset(format!(
+            "spec.dataset.format HarborTasks reads task directories on a volume; {} is on a \
+             bucket, which is not supported yet",
+            source.display()
+        )));
+    }
+    let (rows, refused) = crate::harbor::rows_jsonl(&source)
+        .map_err(|err| RunError::InvalidDataset(format!("spec.dataset.path: {err}")))?;
+    let mut refusals = Vec::new();
+    for error in &refused {
+        let line = match error {
+            crate::harbor::HarborError::Refused { task, why } => {
+                serde_json::json!({"task": task.file_name().map(|name| name.to_string_lossy()), "reason": why})
+            }
+            other => serde_json::json!({"reason": other.to_string()}),
+        };
+        serde_json::to_writer(&mut refusals, &line).expect("a refusal serialises");
+        refusals.push(b'\n');
+    }
+    store.create_dir_all(run_dir.root())?;
+    store.write_atomic(&run_dir.harbor_refused(), &refusals)?;
+    store.write_atomic(&run_dir.harbor_rows(), &rows)?;
+    if !refused.is_empty() {
+        warn!(
+            refused = refused.len(),
+            file = %run_dir.harbor_refused().display(),
+            "Harbor tasks refused: {}",
+            refused.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+        );
+    }
+    info!(
+        rows = memchr::memchr_iter(b'\n', &rows).count(),
+        "Harbor tasks read"
+    );
+    Ok(())
 }
 
 /// Writes the run's manifest. On a volume it is written again whole (the same one when it existed).

@@ -176,6 +176,14 @@ impl RunDir {
     pub fn invalid(&self) -> PathBuf {
         self.root.join("invalid.jsonl")
     }
+    /// The rows the plan made of a dataset of Harbor tasks, which the run reads as its dataset.
+    pub fn harbor_rows(&self) -> PathBuf {
+        self.root.join("harbor-tasks.jsonl")
+    }
+    /// The Harbor tasks the plan refused, each with why.
+    pub fn harbor_refused(&self) -> PathBuf {
+        self.root.join("harbor-refused.jsonl")
+    }
     pub fn batches_dir(&self) -> PathBuf {
         self.root.join("batches")
     }

@@ -1,0 +1,2 @@
+#!/bin/bash
+mkdir -p /app && echo 42 > /app/answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo 0 > /logs/verifier/reward.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+mkdir -p /app/out && touch /app/out/done

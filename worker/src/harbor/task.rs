@@ -1,0 +1,359 @@
+//! One Harbor task directory read into a dataset row.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use base64::Engine as _;
+use serde_json::{Map, Value, json};
+
+use super::HarborError;
+use super::config::TaskConfig;
+use crate::verify::{TESTS_TAR_FIELD, VERIFIER_TIMEOUT_FIELD};
+
+/// The row field of a task's `solution/` directory (base64 of a gzipped tar), which the oracle
+/// runs instead of a model.
+pub const SOLUTION_TAR_FIELD: &str = "solution_tar";
+/// The row field of Harbor's own description of the task (its directory, name, timeouts,
+/// resources), kept in the record's `source`.
+pub const HARBOR_FIELD: &str = "harbor";
+
+/// Where a task's commands run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskImage {
+    /// `[environment] docker_image`.
+    Prebuilt(String),
+    /// An `environment/Dockerfile` that only names its base image and a working directory (and
+    /// labels, a command, ports): its base image is the same filesystem a build would give.
+    Base {
+        image: String,
+        workdir: Option<String>,
+    },
+}
+
+/// A task directory, read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HarborTask {
+    /// Its directory's name, which Harbor's `-i` filters on.
+    pub dir_name: String,
+    pub config: TaskConfig,
+    /// Keys of `task.toml` Harbor ignores, ignored here too.
+    pub ignored: Vec<String>,
+    pub instruction: String,
+    pub image: TaskImage,
+    /// `tests/`, packed (a gzipped tar, entries in name order, no times or owners).
+    pub tests_tar: Vec<u8>,
+    /// `solution/`, packed the same way, when there is one.
+    pub solution_tar: Option<Vec<u8>>,
+}
+
+/// Whether `dir` looks like a task (Harbor's `Task.is_valid_dir`: a `task.toml` and an
+/// `instruction.md`), rather than a folder of tasks.
+pub fn is_task_dir(dir: &Path) -> bool {
+    dir.join("task.toml").is_file() && dir.join("instruction.md").is_file()
+}
+
+impl HarborTask {
+    /// Reads the task in `dir`; an error names what makes it one a run cannot honour.
+    pub fn read(dir: &Path) -> Result<Self, HarborError> {
+        let refused = |why: String| HarborError::Refused {
+            task: dir.to_path_buf(),
+            why,
+        };
+        let config_path = dir.join("task.toml");
+        let text = read_text(&config_path)?;
+        let (config, ignored) = TaskConfig::parse(&text).map_err(|why| HarborError::Config {
+            path: config_path.clone(),
+            why,
+        })?;
+        if let Some(why) = config.unsupported().into_iter().next() {
+            return Err(refused(format!("task.toml {why}")));
+        }
+        let instruction = read_text(&dir.join("instruction.md"))?;
+        if instruction.trim().is_empty() {
+            return Err(refused("instruction.md is empty".into()));
+        }
+        let image = task_image(dir, &config)?;
+        let tests = dir.join("tests");
+        if !tests.join("test.sh").is_file() {
+            return Err(refused("tests/test.sh is missing".into()));
+        }
+        let solution = dir.join("solution");
+        let solution_tar = if solution.join("solve.sh").is_file() {
+            Some(pack(&solution)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            dir_name: dir
+                .file_name()
+                .map_or_else(String::new, |name| name.to_string_lossy().into_owned()),
+            config,
+            ignored,
+            instruction,
+            image,
+            tests_tar: pack(&tests)?,
+            solution_tar,
+        })
+    }
+
+    /// The task as a dataset row: its instruction as the prompt, its image and working
+    /// directory, its tests as the verifier (`tests_tar`, run by their `test.sh`) within its
+    /// verifier timeout, its solution for the oracle, and Harbor's description of it
+    /// (`harbor`: directory, name, timeouts, resources) with its `metadata`, which the record's
+    /// `source` keeps.
+    pub fn row(&self) -> Map<String, Value> {
+        let base64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+        let mut row = Map::new();
+        row.insert("prompt".into(), self.instruction.clone().into());
+        let (image, workdir) = match &self.image {
+            TaskImage::Prebuilt(image) => (image, None),
+            TaskImage::Base { image, workdir } => (image, workdir.as_ref()),
+        };
+        row.insert("image".into(), image.clone().into());
+        if let Some(cwd) = self.config.environment.workdir.as_ref().or(workdir) {
+            row.insert("cwd".into(), cwd.clone().into());
+        }
+        row.insert(TESTS_TAR_FIELD.into(), base64(&self.tests_tar).into());
+        row.insert(
+            VERIFIER_TIMEOUT_FIELD.into(),
+            self.config.verifier.timeout_sec.into(),
+        );
+        if let Some(solution) = &self.solution_tar {
+            row.insert(SOLUTION_TAR_FIELD.into(), base64(solution).into());
+        }
+        let environment = &self.config.environment;
+        row.insert(
+            HARBOR_FIELD.into(),
+            json!({
+                "task": self.dir_name,
+                "name": self.config.name(),
+                "schema_version": self.config.schema_version.as_ref().or(self.config.version.as_ref()),
+                "agent_timeout_sec": self.config.agent.timeout_sec,
+                "verifier_timeout_sec": self.config.verifier.timeout_sec,
+                "build_timeout_sec": environment.build_timeout_sec,
+                "cpus": environment.cpus,
+                "memory_mb": environment.memory_mb,
+                "storage_mb": environment.storage_mb,
+                "source": self.config.source,
+            }),
+        );
+        if !self.config.metadata.is_empty() {
+            row.insert(
+                "metadata".into(),
+                Value::Object(self.config.metadata.clone().into_iter().collect()),
+            );
+        }
+        row
+    }
+}
+
+/// The image a task runs in: its prebuilt `docker_image`, else the base of its Dockerfile;
+/// a compose file, or a Dockerfile that needs a build, refuses the task.
+fn task_image(dir: &Path, config: &TaskConfig) -> Result<TaskImage, HarborError> {
+    let refused = |why: String| HarborError::Refused {
+        task: dir.to_path_buf(),
+        why,
+    };
+    if let Some(image) = &config.environment.docker_image {
+        return Ok(TaskImage::Prebuilt(image.clone()));
+    }
+    let environment = dir.join("environment");
+    for compose in ["docker-compose.yaml", "docker-compose.yml"] {
+        if environment.join(compose).exists() {
+            return Err(refused(format!(
+                "environment/{compose}: compose-based tasks are not supported"
+            )));
+        }
+    }
+    let dockerfile = environment.join("Dockerfile");
+    if !dockerfile.is_file() {
+        return Err(refused(
+            "neither [environment] docker_image nor environment/Dockerfile".into(),
+        ));
+    }
+    base_image(&read_text(&dockerfile)?)
+        .map_err(|why| refused(format!("environment/Dockerfile {why}")))
+}
+
+fn read_text(path: &Path) -> Result<String, HarborError> {
+    std::fs::read_to_string(path).map_err(|err| HarborError::Read {
+        path: path.to_path_buf(),
+        err,
+    })
+}
+
+/// The base image and working directory of a Dockerfile that does nothing else, or why it
+/// needs a build (the instruction and its line).
+fn base_image(dockerfile: &str) -> Result<TaskImage, String> {
+    let (mut image, mut workdir): (Option<String>, Option<String>) = (None, None);
+    let mut logical = String::new();
+    let mut first_line = 0;
+    for (number, line) in dockerfile.lines().enumerate() {
+        let trimmed = line.trim();
+        if logical.is_empty() && (trimmed.is_empty() || trimmed.starts_with('#')) {
+            continue;
+        }
+        if logical.is_empty() {
+            first_line = number + 1;
+        }
+        if let Some(continued) = trimmed.strip_suffix('\\') {
+            logical.push_str(continued);
+            logical.push(' ');
+            continue;
+        }
+        logical.push_str(trimmed);
+        let instruction = std::mem::take(&mut logical);
+        let (keyword, arguments) = instruction
+            .split_once(char::is_whitespace)
+            .unwrap_or((&instruction, ""));
+        let arguments = arguments.trim();
+        let needs_build = || {
+            format!(
+                "line {first_line}: {} needs an image build, which is not supported yet",
+                keyword.to_ascii_uppercase()
+            )
+        };
+        match keyword.to_ascii_uppercase().as_str() {
+            "FROM" if image.is_none() => {
+                let words: Vec<&str> = arguments
+                    .split_whitespace()
+                    .filter(|word| !word.starts_with("--"))
+                    .collect();
+                match words.as_slice() {
+                    [base] | [base, _, _] if !base.contains('$') => {
+                        image = Some((*base).to_owned());
+                    }
+                    _ => return Err(needs_build()),
+                }
+            }
+            "WORKDIR" if image.is_some() && !arguments.contains('$') => {
+                let next = Path::new(workdir.as_deref().unwrap_or("/")).join(arguments);
+                workdir = Some(next.display().to_string());
+            }
+            "LABEL" | "MAINTAINER" | "CMD" | "ENTRYPOINT" | "EXPOSE" | "STOPSIGNAL" => {}
+            _ => return Err(needs_build()),
+        }
+    }
+    let image = image.ok_or("has no FROM")?;
+    Ok(TaskImage::Base { image, workdir })
+}
+
+/// The directory `dir` as a gzipped tar: regular files and directories in name order, modes
+/// kept, no times or owners, so the same directory packs to the same bytes. A link, or a file
+/// of another kind, is refused: a task must not carry in what lies outside it.
+fn pack(dir: &Path) -> Result<Vec<u8>, HarborError> {
+    let mut files: Vec<PathBuf> = Vec::new();
+    for entry in walkdir::WalkDir::new(dir).sort_by_file_name().min_depth(1) {
+        let entry = entry.map_err(|err| HarborError::Read {
+            path: dir.to_path_buf(),
+            err: err.into(),
+        })?;
+        let kind = entry.file_type();
+        if !(kind.is_file() || kind.is_dir()) {
+            return Err(HarborError::Refused {
+                task: dir.to_path_buf(),
+                why: format!(
+                    "{} is a link or special file: a task carries regular files only",
+                    entry.path().display()
+                ),
+            });
+        }
+        files.push(entry.into_path());
+    }
+    let encoder = flate2::GzBuilder::new().write(Vec::new(), flate2::Compression::default());
+    let mut builder = tar::Builder::new(encoder);
+    for path in files {
+        let name = path.strip_prefix(dir).expect("walked under dir");
+        let read = |err| HarborError::Read {
+            path: path.clone(),
+            err,
+        };
+        let meta = std::fs::metadata(&path).map_err(read)?;
+        let mut header = tar::Header::new_gnu();
+        header.set_mtime(0);
+        header.set_uid(0);
+        header.set_gid(0);
+        if meta.is_dir() {
+            header.set_entry_type(tar::EntryType::Directory);
+            header.set_mode(0o755);
+            header.set_size(0);
+            builder
+                .append_data(&mut header, name, std::io::empty())
+                .map_err(read)?;
+        } else {
+            use std::os::unix::fs::PermissionsExt as _;
+            header.set_mode(if meta.permissions().mode() & 0o111 != 0 {
+                0o755
+            } else {
+                0o644
+            });
+            header.set_size(meta.len());
+            let file = std::fs::File::open(&path).map_err(read)?;
+            builder.append_data(&mut header, name, file).map_err(read)?;
+        }
+    }
+    let packed = builder
+        .into_inner()
+        .and_then(|mut encoder| {
+            encoder.flush()?;
+            encoder.finish()
+        })
+        .map_err(|err| HarborError::Read {
+            path: dir.to_path_buf(),
+            err,
+        })?;
+    Ok(packed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dockerfile_of_a_base_and_a_workdir_runs_in_its_base() {
+        assert_eq!(
+            base_image(
+                "# syntax=docker/dockerfile:1\nFROM --platform=linux/amd64 python:3.12 AS base\nWORKDIR /app\nWORKDIR src\nCMD [\"sleep\", \"infinity\"]\n"
+            ),
+            Ok(TaskImage::Base {
+                image: "python:3.12".into(),
+                workdir: Some("/app/src".into())
+            })
+        );
+        for (dockerfile, says) in [
+            (
+                "FROM debian:12\nRUN apt-get update && \\\n  apt-get install -y git\n",
+                "line 2: RUN",
+            ),
+            ("FROM debian:12\nCOPY . /app\n", "line 2: COPY"),
+            ("FROM debian:12\nENV A=1\n", "line 2: ENV"),
+            ("ARG BASE\nFROM $BASE\n", "line 1: ARG"),
+            ("FROM a\nFROM b\n", "line 2: FROM"),
+            ("# nothing\n", "has no FROM"),
+        ] {
+            let error = base_image(dockerfile).unwrap_err();
+            assert!(error.contains(says), "{dockerfile:?}: {error}");
+        }
+    }
+
+    #[test]
+    fn a_directory_packs_to_the_same_bytes_and_links_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("sub")).unwrap();
+        std::fs::write(dir.path().join("test.sh"), "#!/bin/bash\n").unwrap();
+        std::fs::write(dir.path().join("sub/data.txt"), "x").unwrap();
+        let once = pack(dir.path()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        std::fs::write(dir.path().join("sub/data.txt"), "x").unwrap();
+        assert_eq!(pack(dir.path()).unwrap(), once, "times are not packed");
+        let mut names = Vec::new();
+        let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(once.as_slice()));
+        for entry in archive.entries().unwrap() {
+            names.push(entry.unwrap().path().unwrap().display().to_string());
+        }
+        assert_eq!(names, ["sub", "sub/data.txt", "test.sh"]);
+        std::os::unix::fs::symlink("/etc/passwd", dir.path().join("leak")).unwrap();
+        let refused = pack(dir.path()).unwrap_err().to_string();
+        assert!(refused.contains("leak"), "{refused}");
+    }
+}

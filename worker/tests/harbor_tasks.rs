@@ -1,0 +1,276 @@
+//! Harbor task directories as a dataset (`spec.dataset.format: HarborTasks`), over the tasks
+//! of `examples/harbor-tasks`: a prebuilt image, a Dockerfile that only names its base, a
+//! solution that does not pass, named rewards in `reward.json`, resources and timeouts, and
+//! three a run cannot honour (a Dockerfile that needs a build, a compose file, a verifier
+//! environment of its own). The plan makes rows of the first five and names the other three;
+//! Harbor's own task model (`harbor` 0.25 from the Python package index) reads every
+//! `task.toml` as the plan does.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::Read as _;
+use std::path::{Path, PathBuf};
+
+use base64::Engine as _;
+use common::RunFixture;
+use serde_json::{Value, json};
+use trajectory_worker::harbor::config::TaskConfig;
+use trajectory_worker::run::plan;
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/harbor-tasks")
+}
+
+/// Copies the directory `from` to `to`, modes kept.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+/// The files of a row's packed directory (base64 of a gzipped tar): name → (mode, content).
+fn unpacked(base64: &Value) -> BTreeMap<String, (u32, String)> {
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(base64.as_str().unwrap())
+        .unwrap();
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(bytes.as_slice()));
+    let mut files = BTreeMap::new();
+    for entry in archive.entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let name = entry.path().unwrap().display().to_string();
+        let mode = entry.header().mode().unwrap();
+        let mut text = String::new();
+        entry.read_to_string(&mut text).unwrap();
+        files.insert(name, (mode, text));
+    }
+    files
+}
+
+/// A run over a copy of the example tasks, planned as a pod run would plan it.
+fn planned() -> (RunFixture, trajectory_worker::contract::PlanSummary) {
+    let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1)
+        .with(
+            "/dataset",
+            json!({"path": "tasks", "format": "HarborTasks"}),
+        )
+        .with("/batchSize", json!(2));
+    copy_dir(&examples(), &fixture.root().join("tasks"));
+    let (_, summary) = plan::plan(&fixture.location()).expect("the tasks are planned");
+    (fixture, summary)
+}
+
+#[test]
+fn a_directory_of_harbor_tasks_is_planned_as_rows_and_what_cannot_run_is_named() {
+    let (fixture, summary) = planned();
+    assert_eq!((summary.prompts, summary.invalid), (5, 0));
+    let rows = fixture.lines("harbor-tasks.jsonl");
+    let by_task: BTreeMap<&str, &Value> = rows
+        .iter()
+        .map(|row| (row["harbor"]["task"].as_str().unwrap(), row))
+        .collect();
+    assert_eq!(
+        by_task.keys().copied().collect::<Vec<_>>(),
+        [
+            "answer-dockerfile",
+            "answer-prebuilt",
+            "resources-timeouts",
+            "reward-json",
+            "wrong-solution"
+        ],
+        "in name order"
+    );
+
+    let prebuilt = by_task["answer-prebuilt"];
+    let instruction =
+        std::fs::read_to_string(examples().join("answer-prebuilt/instruction.md")).unwrap();
+    assert_eq!(prebuilt["prompt"], json!(instruction));
+    assert_eq!(prebuilt["image"], "python:3.12-slim");
+    assert_eq!(prebuilt["cwd"], "/app", "[environment] workdir");
+    assert_eq!(prebuilt["verifier_timeout_sec"], 60.0);
+    assert_eq!(prebuilt["harbor"]["agent_timeout_sec"], 120.0);
+    assert_eq!(prebuilt["harbor"]["name"], "examples/answer-prebuilt");
+    assert_eq!(
+        prebuilt["metadata"],
+        json!({"category": "files", "difficulty": "easy"})
+    );
+    let tests = unpacked(&prebuilt["tests_tar"]);
+    let test_sh =
+        std::fs::read_to_string(examples().join("answer-prebuilt/tests/test.sh")).unwrap();
+    assert_eq!(tests["test.sh"], (0o755, test_sh));
+    let solution = unpacked(&prebuilt["solution_tar"]);
+    assert_eq!(solution.keys().collect::<Vec<_>>(), ["solve.sh"]);
+
+    // A Dockerfile of FROM and WORKDIR runs in its base image, where it said.
+    let dockerfile = by_task["answer-dockerfile"];
+    assert_eq!(
+        (&dockerfile["image"], &dockerfile["cwd"]),
+        (&json!("python:3.12-slim"), &json!("/app"))
+    );
+    assert_eq!(dockerfile["verifier_timeout_sec"], 60.0);
+    let resources = &by_task["resources-timeouts"]["harbor"];
+    assert_eq!(
+        (
+            &resources["cpus"],
+            &resources["memory_mb"],
+            &resources["storage_mb"]
+        ),
+        (&json!(2.0), &json!(2048), &json!(4096))
+    );
+    assert_eq!(by_task["resources-timeouts"]["verifier_timeout_sec"], 20.0);
+
+    let refused: BTreeMap<String, String> = fixture
+        .lines("harbor-refused.jsonl")
+        .iter()
+        .map(|line| {
+            (
+                line["task"].as_str().unwrap().to_owned(),
+                line["reason"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(refused.len(), 3, "{refused:?}");
+    for (task, says) in [
+        (
+            "compose-services",
+            "docker-compose.yaml: compose-based tasks",
+        ),
+        ("needs-build", "line 2: RUN needs an image build"),
+        ("separate-verifier", "verifier.environment"),
+    ] {
+        assert!(refused[task].contains(says), "{task}: {}", refused[task]);
+    }
+
+    // Planned again (a resumed run's plan), the rows are the same bytes.
+    let first = std::fs::read(fixture.out().join("harbor-tasks.jsonl")).unwrap();
+    let (again, _) = plan::plan(&fixture.location()).expect("planned again");
+    assert_eq!(
+        std::fs::read(fixture.out().join("harbor-tasks.jsonl")).unwrap(),
+        first
+    );
+    assert_eq!(again.dataset.prompts, 5);
+    assert_eq!(again.images.len(), 1, "{:?}", again.images);
+}
+
+#[test]
+fn a_path_without_tasks_is_refused_by_name() {
+    let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1).with(
+        "/dataset",
+        json!({"path": "datasets", "format": "HarborTasks"}),
+    );
+    let error = plan::plan(&fixture.location()).unwrap_err().to_string();
+    assert!(
+        error.contains("spec.dataset.path") && error.contains("holds no Harbor task"),
+        "{error}"
+    );
+}
+
+/// Harbor's own model (`harbor.models.task.config.TaskConfig`, through
+/// `scripts/formats/harbor_tasks.py` in the formats venv) reads each example `task.toml` with
+/// the values the plan reads: timeouts, image, working directory, resources, network, name,
+/// verifier mode.
+#[test]
+fn harbors_own_task_model_reads_the_tasks_as_the_plan_does() {
+    let python =
+        trajectory_testkit::installed("TRAJ_FORMATS_PYTHON", "formats/install.sh", "--print-path");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/formats/harbor_tasks.py");
+    let output = std::process::Command::new(&python)
+        .arg(&script)
+        .arg(examples())
+        .output()
+        .expect("the formats venv's python runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let harbor: Vec<Value> = String::from_utf8(output.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(harbor.len(), 8, "{harbor:?}");
+    for line in &harbor {
+        let task = line["task"].as_str().unwrap();
+        let theirs = &line["config"];
+        assert!(theirs.is_object(), "Harbor refused {task}: {line}");
+        let text = std::fs::read_to_string(examples().join(task).join("task.toml")).unwrap();
+        let (ours, ignored) = TaskConfig::parse(&text).unwrap();
+        assert!(ignored.is_empty(), "{task}: {ignored:?}");
+        let pairs = [
+            (
+                "verifier.timeout_sec",
+                json!(ours.verifier.timeout_sec),
+                &theirs["verifier"]["timeout_sec"],
+            ),
+            (
+                "agent.timeout_sec",
+                json!(ours.agent.timeout_sec),
+                &theirs["agent"]["timeout_sec"],
+            ),
+            (
+                "environment.docker_image",
+                json!(ours.environment.docker_image),
+                &theirs["environment"]["docker_image"],
+            ),
+            (
+                "environment.workdir",
+                json!(ours.environment.workdir),
+                &theirs["environment"]["workdir"],
+            ),
+            (
+                "environment.memory_mb",
+                json!(ours.environment.memory_mb),
+                &theirs["environment"]["memory_mb"],
+            ),
+            (
+                "environment.storage_mb",
+                json!(ours.environment.storage_mb),
+                &theirs["environment"]["storage_mb"],
+            ),
+            (
+                "environment.build_timeout_sec",
+                json!(ours.environment.build_timeout_sec),
+                &theirs["environment"]["build_timeout_sec"],
+            ),
+            (
+                "environment.network_mode",
+                json!(ours.network_mode()),
+                &theirs["environment"]["network_mode"],
+            ),
+            ("task.name", json!(ours.name()), &theirs["task"]["name"]),
+        ];
+        for (field, ours, theirs) in pairs {
+            let same = match (ours.as_f64(), theirs.as_f64()) {
+                (Some(ours), Some(theirs)) => (ours - theirs).abs() < 1e-9,
+                _ => &ours == theirs,
+            };
+            assert!(same, "{task} {field}: ours {ours}, Harbor's {theirs}");
+        }
+        // Harbor leaves the mode unset or says what it means: separate with an environment.
+        let mode = theirs["verifier"]["environment_mode"].as_str().unwrap_or(
+            if theirs["verifier"]["environment"].is_null() {
+                "shared"
+            } else {
+                "separate"
+            },
+        );
+        assert_eq!(
+            ours.verifier_mode(),
+            mode,
+            "{task} verifier.environment_mode"
+        );
+        assert_eq!(
+            json!(ours.environment.cpus).as_f64(),
+            theirs["environment"]["cpus"].as_f64(),
+            "{task} environment.cpus"
+        );
+    }
+}
