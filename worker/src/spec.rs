@@ -717,6 +717,12 @@ pub struct AgentSpec {
     /// Wall-clock budget of one conversation, in seconds.
     #[serde(default = "default_prompt_timeout")]
     pub prompt_timeout_seconds: u64,
+    /// The oracle pass: each row's solution (a Harbor task's `solution/solve.sh`) runs where
+    /// its conversation would, instead of the model (which is not asked), and its verifier
+    /// judges what it left: a row whose reward is not full names a broken task before any
+    /// token is paid for.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub oracle: bool,
 }
 
 impl Default for AgentSpec {
@@ -725,6 +731,7 @@ impl Default for AgentSpec {
             max_turns: default_max_turns(),
             ephemeral_system_prompt: None,
             prompt_timeout_seconds: default_prompt_timeout(),
+            oracle: false,
         }
     }
 }

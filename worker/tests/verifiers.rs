@@ -418,3 +418,53 @@ async fn harbors_named_rewards_win_and_a_rows_own_timeout_holds() {
     let duration = timed_out["verification"]["duration_ms"].as_u64().unwrap();
     assert!((1000..8000).contains(&duration), "{duration} ms");
 }
+
+/// The oracle pass (`spec.agent.oracle`): each row's solution (`solution_tar`, as the plan packs
+/// a Harbor task's `solution/`) runs where its conversation would, its verifier judges what it
+/// left, and the model is never asked: the wrong solution and the row without one are named
+/// by their reward.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oracle_runs_each_rows_solution_instead_of_the_model() {
+    let server = ScriptedServer::start_responding(scripted_model(work)).await;
+    let check = r#"test "$(cat answer.txt)" = 42"#;
+    let rows = [
+        json!({"prompt": "right", "test": check,
+               "solution_tar": tests_tar(&[("solve.sh", "echo 42 > answer.txt; echo solved")])}),
+        json!({"prompt": "wrong", "test": check,
+               "solution_tar": tests_tar(&[("solve.sh", "echo 41 > answer.txt")])}),
+        json!({"prompt": "none", "test": check}),
+    ];
+    let lines: Vec<String> = rows.iter().map(Value::to_string).collect();
+    let fixture =
+        RunFixture::with_lines(&server.base_url(), &lines).with("/agent/oracle", json!(true));
+    run_local(&local_options(&fixture), &no_shutdown())
+        .await
+        .unwrap();
+    assert_eq!(server.request_count(), 0, "the oracle asks no model");
+    let records: Vec<Value> = fixture
+        .lines("trajectories.jsonl")
+        .into_iter()
+        .chain(fixture.lines("failures.jsonl"))
+        .collect();
+    assert_eq!(records.len(), 3);
+    let by_task = |task: &str| -> &Value {
+        records
+            .iter()
+            .find(|record| record["conversations"][1]["value"] == task)
+            .unwrap_or_else(|| panic!("no record of {task}"))
+    };
+    let right = by_task("right");
+    assert_eq!(right["reward"], 1.0, "{right}");
+    let shown = right["conversations"].to_string();
+    assert!(
+        shown.contains("solve.sh") && shown.contains("exit 0") && shown.contains("solved"),
+        "{shown}"
+    );
+    assert_eq!(by_task("wrong")["reward"], 0.0);
+    let none = by_task("none");
+    assert_eq!(none["reward"], 0.0);
+    assert!(
+        none["conversations"].to_string().contains("no solution"),
+        "{none}"
+    );
+}

@@ -588,15 +588,19 @@ async fn converse(
         replay,
         simulator: simulator.map(|simulator| simulator as &dyn UserSimulation),
     };
-    let result = continue_conversation(
-        client,
-        &offered.tools,
-        &tool_context,
-        start,
-        &engine.agent,
-        hooks,
-    )
-    .await;
+    let result = if let Some(oracle) = &engine.oracle {
+        Ok(oracle.run_solution(row, &tool_context).await)
+    } else {
+        continue_conversation(
+            client,
+            &offered.tools,
+            &tool_context,
+            start,
+            &engine.agent,
+            hooks,
+        )
+        .await
+    };
     // Nothing of the conversation may run on once its workspace is handed on or removed, or
     // while its verifier runs.
     tool_context.close().await;

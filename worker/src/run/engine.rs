@@ -38,6 +38,8 @@ pub struct Engine {
     /// Set in a pod of rows whose image could not be pulled: why. Each of its conversations is
     /// recorded failed (`image_unavailable`) without a model request.
     pub image_unavailable: Option<String>,
+    /// The oracle pass (`spec.agent.oracle`): rows' solutions run instead of the model.
+    pub oracle: Option<super::oracle::Oracle>,
     pub require_reasoning: bool,
     /// How rows' verifiers run, and the default one.
     pub verifier: VerifierSpec,
@@ -167,6 +169,9 @@ impl Engine {
             sandbox: Sandbox::local(LandlockMode::Auto),
             task_sockets: None,
             image_unavailable: None,
+            oracle: spec.agent.oracle.then(|| super::oracle::Oracle {
+                timeout: Duration::from_secs(spec.agent.prompt_timeout_seconds),
+            }),
             require_reasoning: spec.filters.require_reasoning,
             verifier: spec.verifier.clone().unwrap_or_default(),
             min_reward: spec.filters.min_reward,

@@ -205,6 +205,11 @@ pub fn spec_hash(spec: &RunSpec) -> String {
     }
     // The verifier decides each record's reward and, with `passesPerPrompt`, which samples run;
     // added only when set, as above.
+    // An oracle pass and a model's run of the same rows are different outputs; added only
+    // when set, as above.
+    if spec.agent.oracle {
+        generating["agent"]["oracle"] = true.into();
+    }
     if let Some(verifier) = &spec.verifier {
         generating["verifier"] = serde_json::to_value(verifier).unwrap_or_default();
     }

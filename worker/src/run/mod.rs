@@ -13,6 +13,7 @@ pub mod ledger;
 pub mod local;
 pub mod manifest;
 pub mod merge;
+pub mod oracle;
 pub mod plan;
 pub mod prompt;
 mod resume;
