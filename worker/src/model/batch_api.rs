@@ -461,12 +461,26 @@ impl BatchApi {
                 parse_result_line,
             ),
             BatchProvider::Anthropic => (
-                // The URL the provider gave, with the key: results are the account's.
+                // The URL the provider gave, with the key (results are the account's), which
+                // goes to the batch API's own host only.
                 batch
                     .results_url
                     .iter()
-                    .map(|url| self.http.get(url).headers(self.headers.clone()))
-                    .collect(),
+                    .map(|url| {
+                        if same_origin(url, &self.base_url) {
+                            Ok(self.http.get(url).headers(self.headers.clone()))
+                        } else {
+                            Err(BatchApiError::Malformed {
+                                what: "a batch's results",
+                                message: format!(
+                                    "its results_url {url} is not on the batch API's host ({}): \
+                                     the key is not sent there",
+                                    self.base_url
+                                ),
+                            })
+                        }
+                    })
+                    .collect::<Result<_, _>>()?,
                 parse_message_result_line,
             ),
         };
@@ -549,6 +563,14 @@ fn parse_result_line(line: &[u8]) -> Result<LineResult, String> {
     })
 }
 
+/// Whether `url` has the scheme, host and port of `base`.
+fn same_origin(url: &str, base: &str) -> bool {
+    match (url::Url::parse(url), url::Url::parse(base)) {
+        (Ok(url), Ok(base)) => url.origin() == base.origin(),
+        _ => false,
+    }
+}
+
 /// A Message Batch, as Anthropic describes it (the fields used).
 #[derive(Debug, Deserialize)]
 struct MessageBatch {
@@ -613,7 +635,11 @@ fn parse_message_result_line(line: &[u8]) -> Result<LineResult, String> {
         }
         Some(kind @ ("canceled" | "expired")) => LineOutcome::NotRun {
             code: format!("batch_{kind}"),
-            message: format!("the batch was {kind} before this request ran"),
+            message: if kind == "expired" {
+                "the batch expired before this request ran".into()
+            } else {
+                "the batch was canceled before this request ran".into()
+            },
         },
         other => {
             return Err(format!(
@@ -631,6 +657,50 @@ fn parse_message_result_line(line: &[u8]) -> Result<LineResult, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_key_goes_to_the_batch_apis_own_host_only() {
+        let base = "https://api.anthropic.com/v1";
+        assert!(same_origin(
+            "https://api.anthropic.com/v1/messages/batches/m/results",
+            base
+        ));
+        for elsewhere in [
+            "https://results.example.com/v1/messages/batches/m/results",
+            "http://api.anthropic.com/v1/messages/batches/m/results",
+            "https://api.anthropic.com:8443/x",
+            "not a url",
+        ] {
+            assert!(!same_origin(elsewhere, base), "{elsewhere}");
+        }
+    }
+
+    #[test]
+    fn message_batch_result_lines_of_each_kind_are_read() {
+        let succeeded = br#"{"custom_id":"a","result":{"type":"succeeded","message":{"id":"m","content":[{"type":"text","text":"hi"}],"stop_reason":"end_turn","usage":{"input_tokens":3,"output_tokens":1}}}}"#;
+        let errored = br#"{"custom_id":"b","result":{"type":"errored","error":{"type":"error","error":{"type":"overloaded_error","message":"busy"}}}}"#;
+        let expired = br#"{"custom_id":"c","result":{"type":"expired"}}"#;
+        let LineOutcome::Answered(body) = parse_message_result_line(succeeded).unwrap().outcome
+        else {
+            panic!("not answered");
+        };
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["choices"][0]["message"]["content"], "hi");
+        assert!(matches!(
+            parse_message_result_line(errored).unwrap().outcome,
+            LineOutcome::Refused { status: 529, .. }
+        ));
+        assert_eq!(
+            parse_message_result_line(expired).unwrap().outcome,
+            LineOutcome::NotRun {
+                code: "batch_expired".into(),
+                message: "the batch expired before this request ran".into()
+            }
+        );
+        assert!(
+            parse_message_result_line(br#"{"custom_id":"d","result":{"type":"odd"}}"#).is_err()
+        );
+    }
 
     #[test]
     fn result_lines_of_each_kind_are_read() {
