@@ -54,10 +54,12 @@ pub fn read_tasks(root: &Path) -> Result<Vec<Result<HarborTask, HarborError>>, H
         path: root.to_path_buf(),
         err,
     })?;
+    // A link to a directory is not followed: a task carries its own files only.
     let mut dirs: Vec<PathBuf> = entries
         .filter_map(Result::ok)
+        .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()))
         .map(|entry| entry.path())
-        .filter(|path| path.is_dir() && is_task_dir(path))
+        .filter(|path| is_task_dir(path))
         .collect();
     if dirs.is_empty() {
         return Err(HarborError::NoTasks {

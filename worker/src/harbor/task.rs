@@ -59,6 +59,7 @@ impl HarborTask {
             task: dir.to_path_buf(),
             why,
         };
+        not_a_link(dir)?;
         let config_path = dir.join("task.toml");
         let text = read_text(&config_path)?;
         let (config, ignored) = TaskConfig::parse(&text).map_err(|why| HarborError::Config {
@@ -175,7 +176,20 @@ fn task_image(dir: &Path, config: &TaskConfig) -> Result<TaskImage, HarborError>
         .map_err(|why| refused(format!("environment/Dockerfile {why}")))
 }
 
+/// Refuses `path` when it is a link: a task carries its own files only, never what a link
+/// points at elsewhere on the run's storage (which would go to the model, or into a container).
+fn not_a_link(path: &Path) -> Result<(), HarborError> {
+    if std::fs::symlink_metadata(path).is_ok_and(|meta| meta.file_type().is_symlink()) {
+        return Err(HarborError::Refused {
+            task: path.to_path_buf(),
+            why: "is a link: a task carries its own files only".into(),
+        });
+    }
+    Ok(())
+}
+
 fn read_text(path: &Path) -> Result<String, HarborError> {
+    not_a_link(path)?;
     std::fs::read_to_string(path).map_err(|err| HarborError::Read {
         path: path.to_path_buf(),
         err,
@@ -242,6 +256,7 @@ fn base_image(dockerfile: &str) -> Result<TaskImage, String> {
 /// kept, no times or owners, so the same directory packs to the same bytes. A link, or a file
 /// of another kind, is refused: a task must not carry in what lies outside it.
 fn pack(dir: &Path) -> Result<Vec<u8>, HarborError> {
+    not_a_link(dir)?;
     let mut files: Vec<PathBuf> = Vec::new();
     for entry in walkdir::WalkDir::new(dir).sort_by_file_name().min_depth(1) {
         let entry = entry.map_err(|err| HarborError::Read {
@@ -355,5 +370,33 @@ mod tests {
         std::os::unix::fs::symlink("/etc/passwd", dir.path().join("leak")).unwrap();
         let refused = pack(dir.path()).unwrap_err().to_string();
         assert!(refused.contains("leak"), "{refused}");
+    }
+
+    #[test]
+    fn a_task_whose_files_are_links_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let task = dir.path().join("t");
+        std::fs::create_dir_all(task.join("tests")).unwrap();
+        std::fs::write(
+            task.join("task.toml"),
+            "[environment]\ndocker_image = \"a\"\n",
+        )
+        .unwrap();
+        std::fs::write(task.join("tests/test.sh"), "true\n").unwrap();
+        std::fs::write(dir.path().join("secret"), "the key").unwrap();
+        std::os::unix::fs::symlink(dir.path().join("secret"), task.join("instruction.md")).unwrap();
+        let refused = HarborTask::read(&task).unwrap_err().to_string();
+        assert!(
+            refused.contains("instruction.md") && refused.contains("is a link"),
+            "{refused}"
+        );
+        std::fs::remove_file(task.join("instruction.md")).unwrap();
+        std::fs::write(task.join("instruction.md"), "do it\n").unwrap();
+        assert!(HarborTask::read(&task).is_ok());
+        std::os::unix::fs::symlink(&task, dir.path().join("linked")).unwrap();
+        let refused = HarborTask::read(&dir.path().join("linked"))
+            .unwrap_err()
+            .to_string();
+        assert!(refused.contains("is a link"), "{refused}");
     }
 }
