@@ -119,6 +119,32 @@ impl Shared {
         }
     }
 
+    /// Records a batch just created; whether its creation's answer is to be held
+    /// ([`Behaviour::hold_create_of`]).
+    fn add_batch(&self, batch: Value) -> bool {
+        let mut store = self.store();
+        store.counts.batches += 1;
+        store.batches.push(batch);
+        let held = store.behaviour.hold_create_of == Some(store.counts.batches);
+        if held {
+            store.counts.held += 1;
+        }
+        held
+    }
+
+    /// Whether a download of the results of the first batch `of` names is to be held
+    /// ([`Behaviour::hold_results_of`], once).
+    fn hold_results(&self, of: impl Fn(&Value) -> bool) -> bool {
+        let mut store = self.store();
+        let index = store.batches.iter().position(of);
+        let held = index.is_some_and(|index| store.behaviour.hold_results_of == Some(index + 1));
+        if held {
+            store.behaviour.hold_results_of = None;
+            store.counts.held += 1;
+        }
+        held
+    }
+
     fn batch(&self, id: &str) -> Option<Value> {
         self.store()
             .batches
@@ -232,19 +258,8 @@ async fn upload(State(shared): State<Arc<Shared>>, mut form: Multipart) -> Respo
 }
 
 async fn content(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
-    let held = {
-        let mut store = shared.store();
-        let of_batch = store
-            .batches
-            .iter()
-            .position(|batch| batch["output_file_id"] == id || batch["error_file_id"] == id);
-        let held = of_batch.is_some_and(|index| store.behaviour.hold_results_of == Some(index + 1));
-        if held {
-            store.behaviour.hold_results_of = None;
-            store.counts.held += 1;
-        }
-        held
-    };
+    let held =
+        shared.hold_results(|batch| batch["output_file_id"] == id || batch["error_file_id"] == id);
     if held {
         std::future::pending::<()>().await;
     }
@@ -298,16 +313,7 @@ async fn create(
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
         "metadata": request.get("metadata").cloned().unwrap_or(Value::Null),
     });
-    let held = {
-        let mut store = shared.store();
-        store.counts.batches += 1;
-        store.batches.push(batch.clone());
-        let held = store.behaviour.hold_create_of == Some(store.counts.batches);
-        if held {
-            store.counts.held += 1;
-        }
-        held
-    };
+    let held = shared.add_batch(batch.clone());
     tokio::spawn(run_batch(Arc::clone(&shared), id, input, behaviour));
     if held {
         std::future::pending::<()>().await;
@@ -673,16 +679,7 @@ async fn create_message_batch(
         "ended_at": null, "created_at": rfc3339(created), "expires_at": rfc3339(created + 86_400),
         "archived_at": null, "cancel_initiated_at": null, "results_url": null,
     });
-    let held = {
-        let mut store = shared.store();
-        store.counts.batches += 1;
-        store.batches.push(batch.clone());
-        let held = store.behaviour.hold_create_of == Some(store.counts.batches);
-        if held {
-            store.counts.held += 1;
-        }
-        held
-    };
+    let held = shared.add_batch(batch.clone());
     tokio::spawn(run_message_batch(
         Arc::clone(&shared),
         id,
@@ -756,19 +753,7 @@ async fn message_batch_results(
     State(shared): State<Arc<Shared>>,
     Path(id): Path<String>,
 ) -> Response {
-    let held = {
-        let mut store = shared.store();
-        let index = store
-            .batches
-            .iter()
-            .position(|batch| batch["id"] == id.as_str());
-        let held = index.is_some_and(|index| store.behaviour.hold_results_of == Some(index + 1));
-        if held {
-            store.behaviour.hold_results_of = None;
-            store.counts.held += 1;
-        }
-        held
-    };
+    let held = shared.hold_results(|batch| batch["id"] == id.as_str());
     if held {
         std::future::pending::<()>().await;
     }

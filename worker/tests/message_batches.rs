@@ -127,15 +127,11 @@ async fn message_batches_read_expiry_refusal_and_a_throttled_create() {
     let created = api.create(&input, &serde_json::Map::new()).await.unwrap();
     let batch = ended(&api, &created.id).await;
     let results = api.results(&batch).await.unwrap();
-    let answered = results
-        .iter()
-        .filter(|result| matches!(result.outcome, LineOutcome::Answered(_)))
-        .count();
-    let expired = results
-        .iter()
-        .filter(|result| matches!(&result.outcome, LineOutcome::NotRun { code, .. } if code == "batch_expired"))
-        .count();
-    assert_eq!((answered, expired), (1, 2), "{results:?}");
+    assert_eq!(
+        common::batches::answered_and_expired(&results),
+        (1, 2),
+        "{results:?}"
+    );
 
     batches.set_behaviour(Behaviour {
         fail_batches: 1,

@@ -249,15 +249,11 @@ async fn the_batch_api_reads_expired_and_refused_batches_and_a_throttled_create(
         common::batches::ended(&api, &api.create(&file, &metadata("2")).await.unwrap().id).await;
     assert_eq!(expired.status, BatchStatus::Expired);
     let results = api.results(&expired).await.unwrap();
-    let answered = results
-        .iter()
-        .filter(|result| matches!(result.outcome, LineOutcome::Answered(_)))
-        .count();
-    let not_run = results
-        .iter()
-        .filter(|result| matches!(&result.outcome, LineOutcome::NotRun { code, .. } if code == "batch_expired"))
-        .count();
-    assert_eq!((answered, not_run), (1, 2), "{results:?}");
+    assert_eq!(
+        common::batches::answered_and_expired(&results),
+        (1, 2),
+        "{results:?}"
+    );
 
     batches.set_behaviour(Behaviour {
         fail_batches: 1,

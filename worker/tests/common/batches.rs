@@ -6,7 +6,9 @@ use serde_json::{Value, json};
 use trajectory_testkit::batch_server::{BatchServer, Behaviour};
 use trajectory_testkit::llama_cpp_server::LlamaCppServer;
 use trajectory_testkit::scripted_server::ScriptedServer;
-use trajectory_worker::model::batch_api::{BatchApi, BatchProvider, ProviderBatch};
+use trajectory_worker::model::batch_api::{
+    BatchApi, BatchProvider, LineOutcome, LineResult, ProviderBatch,
+};
 use trajectory_worker::run::local::run_local;
 
 use super::RunFixture;
@@ -25,6 +27,23 @@ pub async fn ended(api: &BatchApi, id: &str) -> ProviderBatch {
         );
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
+}
+
+/// Of a batch's `results`, how many were answered and how many never ran because the batch
+/// expired.
+pub fn answered_and_expired(results: &[LineResult]) -> (usize, usize) {
+    let count = |kind: fn(&LineOutcome) -> bool| {
+        results
+            .iter()
+            .filter(|result| kind(&result.outcome))
+            .count()
+    };
+    (
+        count(|outcome| matches!(outcome, LineOutcome::Answered(_))),
+        count(
+            |outcome| matches!(outcome, LineOutcome::NotRun { code, .. } if code == "batch_expired"),
+        ),
+    )
 }
 
 /// A batch server doing `behaviour` in front of a new `llama-server`, and a client of it
