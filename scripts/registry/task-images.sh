@@ -8,6 +8,9 @@
 #   REGISTRY/tasks/busybox:1  the node's busybox image (scripts/cluster/node-images.sh), musl-free
 #                             static busybox; WORKDIR /work
 #   REGISTRY/tasks/noshell:1  no shell and no program at all; WORKDIR /data
+#   REGISTRY/tasks/python:1   the glibc image and this Debian's python3 with its standard library
+#                             (no tests, no build files): the image of examples/harbor-tasks, whose
+#                             verifiers call python3 (python:3.12-slim rewritten to it); WORKDIR /app
 # The layers are built once per version of this script and of the host files in them, in
 # ${TRAJ_CACHE_DIR}/task-images/<key>/; the pushes (a few MB) are made every time.
 #
@@ -32,9 +35,13 @@ BUSYBOX_DIR="$("${HERE}/../cluster/node-images.sh")"
 GLIBC_PROGRAMS=(/bin/bash /bin/dash /bin/ls /bin/cat /bin/mkdir /bin/pwd /bin/echo /bin/env /bin/rm
 	/bin/touch /bin/sleep /bin/sed /bin/grep /usr/bin/head /usr/bin/wc)
 
+# The python image's interpreter, its standard library beside it (as Debian lays them out).
+PYTHON=/usr/bin/python3
+PYTHON_LIB="$("${PYTHON}" -c 'import os, sysconfig; print(os.path.realpath(sysconfig.get_paths()["stdlib"]))')"
+
 key="$({
 	cat "${BASH_SOURCE[0]}"
-	sha256sum "${GLIBC_PROGRAMS[@]}" "${BUSYBOX_DIR}/busybox.tar"
+	sha256sum "${GLIBC_PROGRAMS[@]}" "${BUSYBOX_DIR}/busybox.tar" "$(readlink -f "${PYTHON}")"
 } | sha256sum | cut -c1-16)"
 LAYERS="${TRAJ_CACHE_DIR}/task-images/${key}"
 
@@ -88,6 +95,20 @@ build_layers() {
 	echo busybox >"${root}/task/marker"
 	layer "${work}/busybox-task.tar" "${root}"
 
+	root="${work}/python"
+	mkdir -p "${root}/usr/bin" "${root}/usr/lib" "${root}/app"
+	install -m 0755 "$(readlink -f "${PYTHON}")" "${root}/usr/bin/python3"
+	for library in $(ldd "${PYTHON}" | grep -o '/[^ ]*'); do
+		install -D -m 0755 "$(readlink -f "${library}")" "${root}$(usr_path "${library}")"
+	done
+	# The standard library without what a task never runs: its tests, the build files for C
+	# extensions, and Debian's site hook (a link into /etc).
+	tar --create --directory "$(dirname "${PYTHON_LIB}")" --exclude=__pycache__ --exclude=test \
+		--exclude='config-*' --exclude=idlelib --exclude=tkinter --exclude=lib2to3 \
+		--exclude=ensurepip --exclude=site-packages --exclude=dist-packages \
+		--exclude=sitecustomize.py "$(basename "${PYTHON_LIB}")" | tar --extract --directory "${root}/usr/lib"
+	layer "${work}/python.tar" "${root}"
+
 	root="${work}/noshell"
 	mkdir -p "${root}/task" "${root}/data" "${root}/tmp"
 	chmod 1777 "${root}/tmp"
@@ -121,4 +142,7 @@ crane mutate "${ref}" --workdir /work --tag "${ref}"
 ref="${REGISTRY}/tasks/noshell:1"
 crane append --new_layer "${LAYERS}/noshell.tar" --new_tag "${ref}"
 crane mutate "${ref}" --set-platform linux/amd64 --workdir /data --tag "${ref}"
-log "pushed tasks/glibc:1, tasks/busybox:1 and tasks/noshell:1 to ${REGISTRY} ($((SECONDS - start)) s)"
+ref="${REGISTRY}/tasks/python:1"
+crane append --base "${REGISTRY}/tasks/glibc:1" --new_layer "${LAYERS}/python.tar" --new_tag "${ref}"
+crane mutate "${ref}" --workdir /app --tag "${ref}"
+log "pushed tasks/glibc:1, tasks/busybox:1, tasks/noshell:1 and tasks/python:1 to ${REGISTRY} ($((SECONDS - start)) s)"

@@ -206,6 +206,30 @@ impl SharedStorage {
         std::os::unix::fs::chown(&target, Some(NONROOT), Some(NONROOT)).expect("chown the dataset");
     }
 
+    /// Copies the directory `dir` (a folder of Harbor tasks) to `datasets/<name>` on the
+    /// volume, modes kept, readable by the pods.
+    pub fn add_dataset_dir(&self, dir: &Path, name: &str) {
+        fn copy(from: &Path, to: &Path) {
+            std::fs::create_dir_all(to)
+                .unwrap_or_else(|e| panic!("make {} on the volume: {e}", to.display()));
+            std::os::unix::fs::chown(to, Some(NONROOT), Some(NONROOT)).expect("chown the dataset");
+            for entry in std::fs::read_dir(from).expect("read the dataset's directory") {
+                let entry = entry.expect("a directory entry");
+                let target = to.join(entry.file_name());
+                if entry.file_type().expect("a file type").is_dir() {
+                    copy(&entry.path(), &target);
+                } else {
+                    std::fs::copy(entry.path(), &target).unwrap_or_else(|e| {
+                        panic!("copy {} into the volume: {e}", entry.path().display())
+                    });
+                    std::os::unix::fs::chown(&target, Some(NONROOT), Some(NONROOT))
+                        .expect("chown the dataset");
+                }
+            }
+        }
+        copy(dir, &self.dir.join("datasets").join(name));
+    }
+
     /// Writes `prompts` prompts to `datasets/prompts.jsonl` on the volume (see
     /// [`crate::e2e::write_dataset`]), readable by the pods.
     pub fn write_prompts(&self, prompts: usize) {

@@ -145,6 +145,33 @@ pub struct DatasetSpec {
     /// Keep only the first N valid prompts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_samples: Option<u64>,
+    /// With `format: HarborTasks`: an oracle run's output directory (or its `oracle.jsonl`),
+    /// relative to the storage volume. The tasks that run did not pass (a reward below 1, or
+    /// none) are left out of this one, each named in `harbor-refused.jsonl`; tasks it did not
+    /// run are kept. Run the oracle (`spec.agent.oracle`) over the same tasks first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exclude_oracle_failures: Option<String>,
+}
+
+impl DatasetSpec {
+    /// The oracle report `exclude_oracle_failures` names, relative to the storage volume.
+    pub fn oracle_report(&self) -> Option<String> {
+        self.exclude_oracle_failures
+            .as_deref()
+            .map(|from| file_or_default(from, "oracle.jsonl"))
+    }
+}
+
+/// `from` when it names a JSONL file, else the file `name` in the directory `from` names.
+fn file_or_default(from: &str, name: &str) -> String {
+    let named_file = std::path::Path::new(from)
+        .extension()
+        .is_some_and(|extension| extension.eq_ignore_ascii_case("jsonl"));
+    if named_file {
+        from.to_owned()
+    } else {
+        format!("{}/{name}", from.trim_end_matches('/'))
+    }
 }
 
 /// What `spec.dataset.path` names.
@@ -1423,14 +1450,7 @@ pub struct ReplaySpec {
 impl ReplaySpec {
     /// The trajectories file `from` names, relative to the storage volume.
     pub fn trajectories(&self) -> String {
-        let named_file = std::path::Path::new(&self.from)
-            .extension()
-            .is_some_and(|extension| extension.eq_ignore_ascii_case("jsonl"));
-        if named_file {
-            self.from.clone()
-        } else {
-            format!("{}/trajectories.jsonl", self.from.trim_end_matches('/'))
-        }
+        file_or_default(&self.from, "trajectories.jsonl")
     }
 }
 

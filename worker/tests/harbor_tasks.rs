@@ -16,6 +16,7 @@ use base64::Engine as _;
 use common::RunFixture;
 use serde_json::{Value, json};
 use trajectory_worker::harbor::config::TaskConfig;
+use trajectory_worker::run::oracle::OracleOutcome;
 use trajectory_worker::run::plan;
 
 fn examples() -> PathBuf {
@@ -157,6 +158,76 @@ fn a_directory_of_harbor_tasks_is_planned_as_rows_and_what_cannot_run_is_named()
     );
     assert_eq!(again.dataset.prompts, 5);
     assert_eq!(again.images.len(), 1, "{:?}", again.images);
+}
+
+/// `spec.dataset.excludeOracleFailures` leaves out the tasks an oracle run did not pass, by
+/// their directory name, and names each in `harbor-refused.jsonl`; a task the report does not
+/// hold is kept. The report is written here as merge writes one (the oracle on the real node
+/// writes a real one: `tests/tests/real_pods/harbor.rs`).
+#[test]
+fn the_tasks_an_oracle_run_failed_are_left_out_by_name() {
+    let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1).with(
+        "/dataset",
+        json!({"path": "tasks", "format": "HarborTasks",
+               "excludeOracleFailures": "runs/oracle"}),
+    );
+    copy_dir(&examples(), &fixture.root().join("tasks"));
+    let missing = plan::plan(&fixture.location()).unwrap_err().to_string();
+    assert!(
+        missing.contains("spec.dataset.excludeOracleFailures")
+            && missing.contains("runs/oracle/oracle.jsonl does not exist"),
+        "{missing}"
+    );
+
+    let outcomes = [
+        OracleOutcome::new(0, 0, (Some("answer-dockerfile"), None), Some(1.0), None),
+        OracleOutcome::new(1, 0, (Some("answer-prebuilt"), None), Some(1.0), None),
+        OracleOutcome::new(2, 0, (Some("wrong-solution"), None), Some(0.0), None),
+    ];
+    let report: String = outcomes
+        .iter()
+        .map(|outcome| serde_json::to_string(outcome).unwrap() + "\n")
+        .collect();
+    std::fs::create_dir_all(fixture.root().join("runs/oracle")).unwrap();
+    std::fs::write(fixture.root().join("runs/oracle/oracle.jsonl"), report).unwrap();
+    let (_, summary) = plan::plan(&fixture.location()).expect("planned with the report");
+    assert_eq!(summary.prompts, 4, "the failed task is left out");
+    let tasks: Vec<Value> = fixture
+        .lines("harbor-tasks.jsonl")
+        .iter()
+        .map(|row| row["harbor"]["task"].clone())
+        .collect();
+    assert_eq!(
+        tasks,
+        [
+            "answer-dockerfile",
+            "answer-prebuilt",
+            "resources-timeouts",
+            "reward-json"
+        ],
+        "tasks the report does not hold are kept"
+    );
+    let refused = fixture.lines("harbor-refused.jsonl");
+    let wrong = refused
+        .iter()
+        .find(|line| line["task"] == "wrong-solution")
+        .unwrap_or_else(|| panic!("{refused:?}"));
+    assert!(
+        wrong["reason"]
+            .as_str()
+            .unwrap()
+            .contains("failed the oracle in")
+            && wrong["reason"]
+                .as_str()
+                .unwrap()
+                .contains("(reward 0, not 1)"),
+        "{wrong}"
+    );
+    assert_eq!(
+        refused.len(),
+        4,
+        "the three that cannot run, and the failed one"
+    );
 }
 
 #[test]

@@ -467,4 +467,32 @@ async fn the_oracle_runs_each_rows_solution_instead_of_the_model() {
         none["conversations"].to_string().contains("no solution"),
         "{none}"
     );
+    // The report says, row by row in dataset order, which solutions earned the full reward.
+    let report: Vec<(Value, Value, Value)> = fixture
+        .lines("oracle.jsonl")
+        .iter()
+        .map(|line| {
+            (
+                line["prompt_index"].clone(),
+                line["reward"].clone(),
+                line["passed"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        report,
+        [
+            (json!(0), json!(1.0), json!(true)),
+            (json!(1), json!(0.0), json!(false)),
+            (json!(2), json!(0.0), json!(false)),
+        ]
+    );
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(fixture.out().join("statistics.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        statistics["oracle"],
+        json!({"records": 3, "passed": 1, "failed": 2, "failed_rows": ["row 1", "row 2"],
+               "report": "oracle.jsonl"})
+    );
 }

@@ -37,6 +37,7 @@ use trajectory_tests::real_pods::{
 };
 use trajectory_tests::{TestNamespace, client, wait_until};
 
+mod harbor;
 mod kills;
 
 /// Everything one test needs: the real node (checked to hold the worker image), a namespace, the
@@ -1304,9 +1305,10 @@ async fn a_memory_hog_and_a_disk_filler_stop_only_their_own_conversation_in_a_re
     );
 }
 
-/// What a conversation has seen when it asks the model: the number of its prompt (`task number
-/// N`) and its tool results so far, in order.
+/// What a conversation has seen when it asks the model: its prompt, the prompt's number (`task
+/// number N`) and its tool results so far, in order.
 struct Seen {
+    prompt: String,
     task: u64,
     results: Vec<Value>,
 }
@@ -1314,7 +1316,8 @@ struct Seen {
 impl Seen {
     fn of(body: &Value) -> Self {
         let messages = body["messages"].as_array().cloned().unwrap_or_default();
-        let task = first_user_message(body)
+        let prompt = first_user_message(body);
+        let task = prompt
             .strip_prefix("task number ")
             .and_then(|number| number.trim().parse().ok())
             .unwrap_or(u64::MAX);
@@ -1326,7 +1329,11 @@ impl Seen {
                 serde_json::from_str(content).unwrap_or_else(|_| json!(content))
             })
             .collect();
-        Self { task, results }
+        Self {
+            prompt: prompt.to_owned(),
+            task,
+            results,
+        }
     }
 
     /// The `session_id` of the background job tool result `index` started.

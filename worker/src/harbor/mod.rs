@@ -20,6 +20,7 @@
 pub mod config;
 pub mod task;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use task::{HarborTask, TaskImage, is_task_dir};
@@ -70,12 +71,22 @@ pub fn read_tasks(root: &Path) -> Result<Vec<Result<HarborTask, HarborError>>, H
     Ok(dirs.iter().map(|dir| HarborTask::read(dir)).collect())
 }
 
-/// The tasks under `root` as dataset rows, one JSON line each, and the tasks refused.
-pub fn rows_jsonl(root: &Path) -> Result<(Vec<u8>, Vec<HarborError>), HarborError> {
+/// The tasks under `root` as dataset rows, one JSON line each, and the tasks refused: those
+/// that cannot run, and those `excluded` names (by directory name, with why).
+pub fn rows_jsonl(
+    root: &Path,
+    excluded: &BTreeMap<String, String>,
+) -> Result<(Vec<u8>, Vec<HarborError>), HarborError> {
     let mut jsonl = Vec::new();
     let mut refused = Vec::new();
     for task in read_tasks(root)? {
         match task {
+            Ok(task) if let Some(why) = excluded.get(&task.dir_name) => {
+                refused.push(HarborError::Refused {
+                    task: PathBuf::from(&task.dir_name),
+                    why: why.clone(),
+                });
+            }
             Ok(task) => {
                 if !task.ignored.is_empty() {
                     tracing::warn!(task = %task.dir_name, keys = ?task.ignored, "task.toml keys Harbor ignores are ignored");

@@ -31,6 +31,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::manifest::Manifest;
+use super::oracle::{ORACLE_REPORT, OracleOutcome};
 use super::{RunError, RunLocation};
 use crate::contract::{MergeSummary, compact_ranges, format_ranges};
 use crate::json_scan;
@@ -91,6 +92,23 @@ struct RecordView<'a> {
     /// them left out).
     #[serde(default)]
     tokens: Option<serde::de::IgnoredAny>,
+    /// The row's fields: a Harbor task's names, for an oracle run's report.
+    #[serde(default, borrow)]
+    source: SourceView<'a>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct SourceView<'a> {
+    #[serde(default, borrow)]
+    harbor: Option<HarborView<'a>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct HarborView<'a> {
+    #[serde(default, borrow)]
+    task: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    name: Option<Cow<'a, str>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -217,6 +235,8 @@ struct Totals {
     episodes: super::episodes::Episodes,
     /// What `report.html` shows beyond the statistics (`None`: no report is written).
     report: Option<report::Collector>,
+    /// An oracle run's records, each passed or not (`None`: not an oracle run).
+    oracle: Option<Vec<OracleOutcome>>,
 }
 
 impl Totals {
@@ -227,6 +247,12 @@ impl Totals {
         }
     }
 
+    /// These totals keep each record's oracle outcome, when `oracle`.
+    fn gathering_oracle(mut self, oracle: bool) -> Self {
+        self.oracle = oracle.then(Vec::new);
+        self
+    }
+
     /// Adds another reader's totals.
     fn absorb(&mut self, other: Self) {
         self.succeeded += other.succeeded;
@@ -235,6 +261,9 @@ impl Totals {
             *self.discarded_by.entry(filter).or_default() += count;
         }
         self.rewards.absorb(other.rewards);
+        if let (Some(outcomes), Some(more)) = (self.oracle.as_mut(), other.oracle) {
+            outcomes.extend(more);
+        }
         self.costs.absorb(other.costs);
         self.episodes.absorb(other.episodes);
         self.failed += other.failed;
@@ -320,6 +349,19 @@ impl Totals {
         }
         if let Some(cost) = &view.cost {
             self.costs.add(cost, view.status.is_none());
+        }
+        if let Some(outcomes) = self.oracle.as_mut() {
+            let harbor = view.source.harbor.as_ref();
+            outcomes.push(OracleOutcome::new(
+                view.prompt_index,
+                view.sample,
+                (
+                    harbor.and_then(|harbor| harbor.task.as_deref()),
+                    harbor.and_then(|harbor| harbor.name.as_deref()),
+                ),
+                view.reward,
+                view.error_class.as_deref(),
+            ));
         }
         if let Some(episode) = &view.episode {
             self.episodes.add(episode);
@@ -961,11 +1003,11 @@ fn sort_batches(
     run_dir: &RunDir,
     batches: impl Iterator<Item = ToSort>,
     openai: bool,
-    report: bool,
+    (report, oracle): (bool, bool),
     to_writer: &mpsc::SyncSender<Result<SortedBatch, RunError>>,
     written: &mpsc::Receiver<Vec<u8>>,
 ) -> (Totals, u64) {
-    let mut totals = Totals::new(report);
+    let mut totals = Totals::new(report).gathering_oracle(oracle);
     let mut skipped_lines = 0u64;
     for batch in batches {
         let buffer = written.try_recv().unwrap_or_default();
@@ -1119,6 +1161,9 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
     let run_dir = location.run_dir();
     let manifest = Manifest::require(&run_dir)?;
     let openai = location.plan.spec.openai_format;
+    let oracle = location.plan.spec.agent.oracle;
+    // What the readers gather beside the outputs: the report's facts, the oracle's outcomes.
+    let gather = (report, oracle);
     let mut outputs = Outputs::create(&run_dir, openai, location.plan.spec.model.tokens.is_some())?;
     let done: std::collections::HashSet<u32> = run_dir.done_batches()?.into_iter().collect();
     let missing: Vec<u32> = (0..manifest.batch_count())
@@ -1154,7 +1199,7 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
                     }
                 });
             readers.push(scope.spawn(move || {
-                sort_batches(reader_dir, batches, openai, report, &to_writer, &written)
+                sort_batches(reader_dir, batches, openai, gather, &to_writer, &written)
             }));
         }
         let lost = || RunError::Internal("a merge reader thread stopped".into());
@@ -1172,7 +1217,7 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
             // A reader that has stopped takes no buffers.
             let _ = recycle[(batch % READERS) as usize].send(sorted.data);
         }
-        let mut totals = Totals::new(report);
+        let mut totals = Totals::new(report).gathering_oracle(oracle);
         let mut skipped_lines = 0;
         for reader in readers {
             let (part, skipped) = reader.join().map_err(|_| lost())?;
@@ -1190,7 +1235,10 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
         return Err(error);
     }
 
-    let statistics = statistics(location, &manifest, &mut totals, &missing);
+    let mut statistics = statistics(location, &manifest, &mut totals, &missing);
+    if let Some(outcomes) = totals.oracle.take() {
+        statistics["oracle"] = write_oracle_report(&run_dir, outcomes)?;
+    }
     let bytes = outputs.finish(&run_dir, &statistics, totals.report.take())?;
     run_dir.store().sync_dir(run_dir.root())?;
     if !missing.is_empty() {
@@ -1359,6 +1407,18 @@ fn token_statistics(totals: &Totals) -> serde_json::Value {
         "exact_rate": rate(server, trajectories),
         "endpoints": endpoints,
     })
+}
+
+/// Writes an oracle run's report beside its outputs; returns its summary for the statistics.
+fn write_oracle_report(
+    run_dir: &RunDir,
+    outcomes: Vec<OracleOutcome>,
+) -> Result<serde_json::Value, RunError> {
+    let (jsonl, summary) = super::oracle::report(outcomes);
+    run_dir
+        .store()
+        .write_atomic(&run_dir.root().join(ORACLE_REPORT), &jsonl)?;
+    Ok(summary)
 }
 
 fn statistics(

@@ -405,6 +405,14 @@ impl RunLocation {
         self.storage_root.join(&self.plan.spec.dataset.path)
     }
 
+    /// The oracle report `spec.dataset.excludeOracleFailures` names, when it names one.
+    pub fn oracle_report_source(&self) -> Option<PathBuf> {
+        Some(
+            self.storage_root
+                .join(self.plan.spec.dataset.oracle_report()?),
+        )
+    }
+
     /// The trajectories `spec.replay.from` names, when the run replays another's tool outputs.
     pub fn replay_source(&self) -> Option<PathBuf> {
         let replay = self.plan.spec.replay.as_ref()?;

@@ -643,7 +643,25 @@ fn harbor_rows(location: &RunLocation, run_dir: &RunDir) -> Result<(), RunError>
             source.display()
         )));
     }
-    let (rows, refused) = crate::harbor::rows_jsonl(&source)
+    let excluded = match location.oracle_report_source() {
+        Some(report) => {
+            let bytes = store.read(&report).map_err(|error| {
+                if error.is_not_found() {
+                    RunError::Spec(format!(
+                        "spec.dataset.excludeOracleFailures: {} does not exist (it names an \
+                         oracle run's output directory, or its oracle.jsonl, relative to the \
+                         storage root)",
+                        report.display()
+                    ))
+                } else {
+                    error.into()
+                }
+            })?;
+            super::oracle::failed_tasks(&bytes, &report)?
+        }
+        None => std::collections::BTreeMap::new(),
+    };
+    let (rows, refused) = crate::harbor::rows_jsonl(&source, &excluded)
         .map_err(|err| RunError::InvalidDataset(format!("spec.dataset.path: {err}")))?;
     let mut refusals = Vec::new();
     for error in &refused {

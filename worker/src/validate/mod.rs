@@ -180,6 +180,20 @@ impl RunSpec {
                 self.dataset.path
             ),
         );
+        if let Some(report) = &self.dataset.exclude_oracle_failures {
+            violations.check(
+                is_relative_clean_path(report),
+                "dataset.excludeOracleFailures",
+                format!(
+                    "{report:?} must be a relative path inside the storage volume, without `..`"
+                ),
+            );
+            violations.check(
+                self.dataset.format == crate::spec::DatasetFormat::HarborTasks,
+                "dataset.excludeOracleFailures",
+                "leaves out Harbor tasks by name: it needs dataset.format HarborTasks".to_owned(),
+            );
+        }
         if let Some(replay) = &self.replay {
             violations.check(
                 is_relative_clean_path(&replay.from),

@@ -1,0 +1,201 @@
+//! Harbor task directories on the real node (issue 44): the tasks of `examples/harbor-tasks`,
+//! planned by the run's plan pod, each run in a task container of its image that the node pulls
+//! from the registry (their `python:3.12-slim` served by the registry's python task image, as a
+//! mirror would serve it, through `spec.sandbox.imageRewrite`), verified there by the task's own
+//! `tests/test.sh`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use trajectory_operator::api::{Phase, TrajectoryRun, VerificationStatus};
+use trajectory_testkit::scripted_server::text_reply;
+use trajectory_tests::e2e::phase_of;
+use trajectory_tests::real_pods::{HOW_TO_RUN, jsonl_lines, registry};
+
+use super::{Seen, Setup, model_scripting, terminal_call};
+
+/// The run's spec over the example tasks (`datasets/harbor` on the volume), with `agent` and
+/// `dataset` keys added.
+fn harbor_spec(registry: &str, agent: &Value, dataset: &Value) -> Value {
+    let mut spec = json!({
+        "dataset": {"path": "datasets/harbor", "format": "HarborTasks"},
+        "batchSize": 8, "workers": 1, "concurrency": 4,
+        "agent": {"maxTurns": 3, "promptTimeoutSeconds": 60},
+        "sandbox": {"imageRewrite": [
+            {"from": "python:3.12-slim", "to": format!("{registry}/tasks/python:1")},
+        ]},
+    });
+    for (section, keys) in [("agent", agent), ("dataset", dataset)] {
+        for (key, value) in keys.as_object().into_iter().flatten() {
+            spec[section][key] = value.clone();
+        }
+    }
+    spec
+}
+
+/// Each record's Harbor task (its directory name) and reward.
+fn rewards_by_task(run_dir: &Path) -> BTreeMap<String, Value> {
+    jsonl_lines(&run_dir.join("trajectories.jsonl"))
+        .into_iter()
+        .chain(jsonl_lines(&run_dir.join("failures.jsonl")))
+        .map(|record| {
+            let task = record["source"]["harbor"]["task"]
+                .as_str()
+                .unwrap_or_else(|| panic!("a Harbor record names its task: {record}"))
+                .to_owned();
+            (task, record["reward"].clone())
+        })
+        .collect()
+}
+
+/// The tasks `harbor-refused.jsonl` names, each with why.
+fn refused(run_dir: &Path) -> BTreeMap<String, String> {
+    jsonl_lines(&run_dir.join("harbor-refused.jsonl"))
+        .iter()
+        .map(|line| {
+            (
+                line["task"].as_str().unwrap_or_default().to_owned(),
+                line["reason"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// The oracle over the example tasks, then a model over those it passed. The oracle asks no
+/// model: each task's `solution/solve.sh` runs in the task's container (unpacked into
+/// `/solution`, which the image does not have) and its tests judge it: four rewards of 1, and
+/// the task whose solution is wrong named with 0 in `oracle.jsonl` and the statistics; the three
+/// tasks a run cannot honour are refused by name. The model's run names the oracle's report in
+/// `spec.dataset.excludeOracleFailures`: the broken task is left out, and the four others run
+/// with two model requests each, their rewards as the model's commands earn them (one wrong
+/// answer, 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn harbor_tasks_run_in_their_images_and_the_oracle_names_the_broken_one() {
+    let setup = Setup::new("pods-harbor").await;
+    let registry = registry(HOW_TO_RUN);
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/harbor-tasks");
+    setup.storage.add_dataset_dir(&examples, "harbor");
+    let (model, url) = model_scripting(&setup, answer_some).await;
+
+    let oracle = harbor_spec(&registry, &json!({"oracle": true}), &json!({}));
+    setup
+        .create_scripted("harbor-oracle", &url, 0, &oracle)
+        .await;
+    let run = setup
+        .finished("harbor-oracle", Duration::from_secs(300))
+        .await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    assert_eq!(model.requests().len(), 0, "the oracle asks no model");
+    let dir = setup.storage.run_dir(setup.ns(), "harbor-oracle");
+    let expected = check_oracle_run(&dir, &run);
+
+    let spec = harbor_spec(
+        &registry,
+        &json!({}),
+        &json!({"excludeOracleFailures": format!("runs/{}/harbor-oracle", setup.ns())}),
+    );
+    setup.create_scripted("harbor-model", &url, 0, &spec).await;
+    let run = setup
+        .finished("harbor-model", Duration::from_secs(300))
+        .await;
+    assert_eq!(phase_of(&run), Some(Phase::Succeeded), "{:#?}", run.status);
+    let dir = setup.storage.run_dir(setup.ns(), "harbor-model");
+    let mut expected = expected;
+    expected.remove("wrong-solution");
+    expected.insert("answer-dockerfile".into(), json!(0.0));
+    assert_eq!(rewards_by_task(&dir), expected);
+    let refusals = refused(&dir);
+    assert!(
+        refusals
+            .get("wrong-solution")
+            .is_some_and(|why| why.contains("failed the oracle")),
+        "{refusals:?}"
+    );
+    assert_eq!(model.requests().len(), 8, "two requests a conversation");
+}
+
+/// A model that answers four of the example tasks with one command, one of them wrong (the
+/// verifier must see it), and then says it is done.
+fn answer_some(seen: &Seen) -> Value {
+    if !seen.results.is_empty() {
+        return text_reply("done");
+    }
+    let command = if seen.prompt.contains("the word harbor") {
+        "echo harbour > /app/answer.txt"
+    } else if seen.prompt.contains("number 42") {
+        "echo 42 > /app/answer.txt"
+    } else if seen.prompt.contains("/app/out/done") {
+        "mkdir -p /app/out && touch /app/out/done"
+    } else if seen.prompt.contains("add(a, b)") {
+        "printf 'def add(a, b):\\n    return a + b\\n' > /app/add.py"
+    } else {
+        "true"
+    };
+    terminal_call(command)
+}
+
+/// The oracle run's outputs in `dir` and its status: each task's reward (returned, by task),
+/// the report and the statistics naming the broken task, the tasks refused, the solution shown.
+fn check_oracle_run(dir: &Path, run: &TrajectoryRun) -> BTreeMap<String, Value> {
+    let full = json!(1.0);
+    let expected: BTreeMap<String, Value> = [
+        ("answer-dockerfile", &full),
+        ("answer-prebuilt", &full),
+        ("resources-timeouts", &full),
+        ("reward-json", &full),
+        ("wrong-solution", &json!(0.0)),
+    ]
+    .into_iter()
+    .map(|(task, reward)| (task.to_owned(), reward.clone()))
+    .collect();
+    assert_eq!(rewards_by_task(dir), expected);
+    let passed: Vec<(Value, Value)> = jsonl_lines(&dir.join("oracle.jsonl"))
+        .iter()
+        .map(|line| (line["task"].clone(), line["passed"].clone()))
+        .collect();
+    assert_eq!(
+        passed,
+        [
+            (json!("answer-dockerfile"), json!(true)),
+            (json!("answer-prebuilt"), json!(true)),
+            (json!("resources-timeouts"), json!(true)),
+            (json!("reward-json"), json!(true)),
+            (json!("wrong-solution"), json!(false)),
+        ]
+    );
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("statistics.json")).unwrap()).unwrap();
+    assert_eq!(
+        statistics["oracle"]["failed_rows"],
+        json!(["wrong-solution"])
+    );
+    let refusals = refused(dir);
+    assert_eq!(
+        refusals.keys().collect::<Vec<_>>(),
+        ["compose-services", "needs-build", "separate-verifier"],
+        "{refusals:?}"
+    );
+    assert_eq!(
+        run.status
+            .as_ref()
+            .and_then(|status| status.verification.clone()),
+        Some(VerificationStatus {
+            verified: 5,
+            passed: 4
+        })
+    );
+    // The solution was shown running in the task's image.
+    let prebuilt = jsonl_lines(&dir.join("trajectories.jsonl"))
+        .into_iter()
+        .find(|record| record["source"]["harbor"]["task"] == "answer-prebuilt")
+        .expect("the prebuilt task's record");
+    let shown = prebuilt["conversations"].to_string();
+    assert!(
+        shown.contains("bash '/solution/solve.sh'") && shown.contains("exit 0"),
+        "{shown}"
+    );
+
+    expected
+}
