@@ -45,23 +45,21 @@ pub enum LogFormat {
 pub enum Command {
     /// Run a whole run (plan, batches, merge) on this machine from a run file.
     Local {
-        /// The `TrajectoryRun` YAML.
-        run_file: PathBuf,
-        /// Root the dataset and output paths are relative to: a directory, or an
-        /// `s3://bucket/prefix` location (default: the run file's directory).
-        #[arg(long, env = env::STORAGE_ROOT)]
-        storage: Option<PathBuf>,
         #[command(flatten)]
-        bucket: BucketArgs,
-        #[command(flatten)]
-        workspaces: WorkspaceArgs,
-        /// Print periodic progress lines instead of a progress bar.
-        #[arg(long)]
-        no_progress_bar: bool,
+        local: LocalArgs,
         /// Use this model server instead of the run file's `spec.model.baseUrl` (or its
         /// `spec.model.endpoints`).
         #[arg(long, env = "TRAJ_MODEL_BASE_URL")]
         base_url: Option<String>,
+    },
+    /// Prove a run's rows before any model is paid: run each row's solution (a Harbor task's
+    /// `solution/solve.sh`) instead of the model, as `local` with `spec.agent.oracle` set, and
+    /// print the rows whose verifier did not give the full reward (exit 3 when there are any).
+    /// The report is the run's `oracle.jsonl`. Rows naming an image need a cluster: run the
+    /// run file there with `spec.agent.oracle: true`.
+    Oracle {
+        #[command(flatten)]
+        local: LocalArgs,
     },
     /// Validate the dataset and write the run's manifest.
     Plan(RunArgs),
@@ -165,6 +163,24 @@ pub struct RunArgs {
 /// How to reach the bucket when the storage is an `s3://` location. Credentials are read from
 /// the environment as AWS SDKs read them (`AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`, a
 /// web-identity token, the container credentials endpoint), never from flags.
+/// What a run on this machine (`local`, `oracle`) is given.
+#[derive(Debug, Args)]
+pub struct LocalArgs {
+    /// The `TrajectoryRun` YAML.
+    run_file: PathBuf,
+    /// Root the dataset and output paths are relative to: a directory, or an
+    /// `s3://bucket/prefix` location (default: the run file's directory).
+    #[arg(long, env = env::STORAGE_ROOT)]
+    storage: Option<PathBuf>,
+    #[command(flatten)]
+    bucket: BucketArgs,
+    #[command(flatten)]
+    workspaces: WorkspaceArgs,
+    /// Print periodic progress lines instead of a progress bar.
+    #[arg(long)]
+    no_progress_bar: bool,
+}
+
 #[derive(Debug, Args)]
 pub struct BucketArgs {
     /// The S3 server's URL (default: AWS's for the region).
@@ -493,24 +509,15 @@ pub async fn run(cli: Cli) -> i32 {
 
 async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError> {
     match command {
-        Command::Local {
-            run_file,
-            storage,
-            bucket,
-            workspaces,
-            no_progress_bar,
-            base_url,
-        } => {
-            local_command(
-                run_file,
-                storage,
-                bucket.options(),
-                &workspaces,
-                no_progress_bar,
-                base_url,
-                shutdown,
-            )
-            .await
+        Command::Local { local, base_url } => {
+            let report = local_command(local, base_url, false, shutdown).await?;
+            print!("{}", render_report(&report));
+            Ok(())
+        }
+        Command::Oracle { local } => {
+            let report = local_command(local, None, true, shutdown).await?;
+            print!("{}", render_report(&report));
+            oracle_verdict(&report)
         }
         Command::Plan(args) => {
             let result = match args.location() {
@@ -660,14 +667,19 @@ async fn blocking<T: Send + 'static>(
 }
 
 async fn local_command(
-    run_file: PathBuf,
-    storage: Option<PathBuf>,
-    bucket: crate::storage::BucketOptions,
-    workspaces: &WorkspaceArgs,
-    no_progress_bar: bool,
+    local: LocalArgs,
     base_url: Option<String>,
+    oracle: bool,
     shutdown: &Shutdown,
-) -> Result<(), RunError> {
+) -> Result<crate::run::local::LocalReport, RunError> {
+    let LocalArgs {
+        run_file,
+        storage,
+        bucket,
+        workspaces,
+        no_progress_bar,
+    } = local;
+    let workspaces = &workspaces;
     let run = RunFile::load(&run_file)?;
     let sandbox = workspaces.sandbox(&run.spec.sandbox);
     let landlock = workspaces.check_sandbox(&sandbox).await?;
@@ -695,8 +707,9 @@ async fn local_command(
     let options = LocalOptions {
         run_file,
         storage,
-        bucket,
+        bucket: bucket.options(),
         base_url,
+        oracle,
         workspace_root: workspaces.root(),
         sandbox,
         path_dropped,
@@ -706,9 +719,48 @@ async fn local_command(
             ProgressMode::Auto
         },
     };
-    let report = run_local(&options, shutdown).await?;
-    print!("{}", render_report(&report));
-    Ok(())
+    run_local(&options, shutdown).await
+}
+
+/// What `oracle` says of its run: the rows whose solution did not earn the full reward, named,
+/// make it fail.
+fn oracle_verdict(report: &crate::run::local::LocalReport) -> Result<(), RunError> {
+    let summary = report
+        .statistics
+        .as_ref()
+        .map(|statistics| &statistics["oracle"])
+        .filter(|summary| summary.is_object())
+        .ok_or_else(|| {
+            RunError::Internal("the oracle run's statistics have no oracle summary".into())
+        })?;
+    let count = |key: &str| summary[key].as_u64().unwrap_or(0);
+    let report_path = report.run_dir.join(crate::run::oracle::ORACLE_REPORT);
+    println!(
+        "oracle: {} of {} passed (the full reward); report {}",
+        count("passed"),
+        count("records"),
+        report_path.display()
+    );
+    if count("failed") == 0 {
+        return Ok(());
+    }
+    let named: Vec<&str> = summary["failed_rows"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_str)
+        .collect();
+    Err(RunError::OracleFailed(format!(
+        "{} of {} rows did not pass the oracle: {}{}",
+        count("failed"),
+        count("records"),
+        named.join(", "),
+        if (named.len() as u64) < count("failed") {
+            format!(", … (all in {})", report_path.display())
+        } else {
+            String::new()
+        }
+    )))
 }
 
 async fn batch_command(

@@ -174,6 +174,8 @@ pub mod exit {
     /// The run reached `spec.model.budget` (`EX_TEMPFAIL`): nothing failed, and raising the
     /// budget lets it finish.
     pub const BUDGET_EXHAUSTED: i32 = 75;
+    /// `trajectory-worker oracle` ran, and some rows' solutions did not earn the full reward.
+    pub const ORACLE_FAILED: i32 = 3;
 }
 
 /// Kubernetes truncates termination messages at 4096 bytes.

@@ -129,6 +129,7 @@ async fn the_shipped_quickstart_runs_end_to_end_on_the_real_model() {
         storage: None,
         bucket: trajectory_worker::storage::BucketOptions::default(),
         base_url: Some(common::model_server()),
+        oracle: false,
         workspace_root: storage.path().join("workspaces"),
         sandbox: common::sandbox(),
         path_dropped: Vec::new(),

@@ -71,6 +71,7 @@ spec:
         storage: None,
         bucket: trajectory_worker::storage::BucketOptions::default(),
         base_url: None,
+        oracle: false,
         workspace_root: dir.join("workspaces"),
         sandbox: common::sandbox(),
         path_dropped: Vec::new(),

@@ -419,10 +419,11 @@ async fn harbors_named_rewards_win_and_a_rows_own_timeout_holds() {
     assert!((1000..8000).contains(&duration), "{duration} ms");
 }
 
-/// The oracle pass (`spec.agent.oracle`): each row's solution (`solution_tar`, as the plan packs
-/// a Harbor task's `solution/`) runs where its conversation would, its verifier judges what it
-/// left, and the model is never asked: the wrong solution and the row without one are named
-/// by their reward.
+/// The oracle pass, as `trajectory-worker oracle` runs it (the run file says nothing of the
+/// oracle: the command sets `spec.agent.oracle`): each row's solution (`solution_tar`, as the
+/// plan packs a Harbor task's `solution/`) runs where its conversation would, its verifier judges
+/// what it left, and the model is never asked: the wrong solution and the row without one are
+/// named by their reward, in the report and by the command, which exits 3.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_oracle_runs_each_rows_solution_instead_of_the_model() {
     let server = ScriptedServer::start_responding(scripted_model(work)).await;
@@ -435,11 +436,30 @@ async fn the_oracle_runs_each_rows_solution_instead_of_the_model() {
         json!({"prompt": "none", "test": check}),
     ];
     let lines: Vec<String> = rows.iter().map(Value::to_string).collect();
-    let fixture =
-        RunFixture::with_lines(&server.base_url(), &lines).with("/agent/oracle", json!(true));
-    run_local(&local_options(&fixture), &no_shutdown())
+    let fixture = RunFixture::with_lines(&server.base_url(), &lines);
+    let output = tokio::process::Command::new(common::WORKER)
+        .arg("oracle")
+        .arg(fixture.run_file())
+        .arg("--no-progress-bar")
+        .arg("--workspace-root")
+        .arg(fixture.workspaces())
+        .env("RUST_LOG", "warn")
+        .output()
         .await
-        .unwrap();
+        .expect("the worker binary starts");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert_eq!(output.status.code(), Some(3), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("oracle: 1 of 3 passed (the full reward); report "),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("2 of 3 rows did not pass the oracle: row 1, row 2"),
+        "{stderr}"
+    );
     assert_eq!(server.request_count(), 0, "the oracle asks no model");
     let records: Vec<Value> = fixture
         .lines("trajectories.jsonl")

@@ -42,6 +42,8 @@ pub struct LocalOptions {
     pub bucket: BucketOptions,
     /// Overrides `spec.model.baseUrl` (an operational field: it does not change the spec hash).
     pub base_url: Option<String>,
+    /// Runs the oracle pass whatever the run file says (`spec.agent.oracle`).
+    pub oracle: bool,
     pub workspace_root: PathBuf,
     /// How terminal commands are confined.
     pub sandbox: Sandbox,
@@ -75,6 +77,7 @@ pub async fn run_local(
         run_file.spec.model.base_url.clone_from(base_url);
         run_file.spec.model.endpoints.clear();
     }
+    run_file.spec.agent.oracle |= options.oracle;
     note_cluster_only_fields(&run_file);
     let location = local_location(options, &run_file)?;
     // Two local runs on one directory would run the same conversations twice and race on every

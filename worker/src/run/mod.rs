@@ -53,6 +53,9 @@ pub enum RunError {
     /// The dataset cannot be used at all (missing, unreadable, no valid line).
     #[error("invalid dataset: {0}")]
     InvalidDataset(String),
+    /// An oracle pass ran to its end, and some rows' solutions did not pass; names them.
+    #[error("{0}")]
+    OracleFailed(String),
     /// The output directory belongs to another dataset or spec.
     #[error("{0}")]
     OutputMismatch(String),
@@ -122,6 +125,7 @@ impl RunError {
             | Self::OutputInUse(_)
             | Self::Export(_) => exit::PERMANENT_CONFIG,
             Self::BadBatchInput(_) => exit::BAD_BATCH_INPUT,
+            Self::OracleFailed(_) => exit::ORACLE_FAILED,
             Self::Interrupted => exit::INTERRUPTED,
             Self::BudgetExhausted { .. } => exit::BUDGET_EXHAUSTED,
             Self::Storage(error) => match error.fault() {
@@ -154,6 +158,7 @@ impl RunError {
             Self::OutputMismatch(_) => "OutputMismatch",
             Self::NeedsContainers(_) => "NeedsContainers",
             Self::BadBatchInput(_) => "BadBatchInput",
+            Self::OracleFailed(_) => "OracleFailed",
             Self::IncompleteBatch(_) => "IncompleteBatch",
             Self::ModelConfiguration(_) => "ModelUnauthorized",
             Self::ModelNotFound(_) => "ModelNotFound",

@@ -61,6 +61,7 @@ pub fn local_options(fixture: &RunFixture) -> LocalOptions {
         storage: None,
         bucket: trajectory_worker::storage::BucketOptions::default(),
         base_url: None,
+        oracle: false,
         workspace_root: fixture.workspaces(),
         sandbox: sandbox(),
         path_dropped: Vec::new(),
