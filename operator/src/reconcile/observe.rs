@@ -19,6 +19,10 @@ use trajectory_worker::contract::{
     WorkerFailure, exit, paths,
 };
 
+mod cache;
+
+pub use self::cache::ObserveCache;
+use self::cache::RunEntry;
 use super::children::{CONTAINER, Component, annotations, image_index_name, labels};
 use super::queue::{self, ObservedQueue};
 use crate::api::TrajectoryRun;
@@ -210,11 +214,17 @@ impl ObserveError {
     }
 }
 
-/// Reads the children of `run`.
-pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, ObserveError> {
+/// Reads the children of `run`, what cannot have changed since it was read taken from `cache`.
+pub async fn observe(
+    client: &Client,
+    run: &TrajectoryRun,
+    cache: &ObserveCache,
+) -> Result<Observed, ObserveError> {
     let namespace = run.namespace().unwrap_or_default();
     let name = run.name_any();
     let uid = run.uid();
+    let kept = cache.take(uid.as_deref());
+    let mut seen = RunEntry::default();
     let jobs: Api<Job> = Api::namespaced(client.clone(), &namespace);
     let maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
     let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
@@ -252,7 +262,7 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
                 let Some(attempt) = labels.get(labels::ATTEMPT).and_then(|a| a.parse().ok()) else {
                     continue;
                 };
-                let (pending, list) = pending_list(&maps, &job).await?;
+                let (pending, list) = pending_list(&maps, &job, (&kept, &mut seen)).await?;
                 let mut observed_attempt = ObservedAttempt::new(attempt, job, pending)?;
                 observed_attempt.pending_list = list;
                 observed_attempt.failure = failure_if_failed(&pods, &observed_attempt.job).await?;
@@ -292,7 +302,7 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
     if let Some(job) = &observed.merge_job {
         observed.merge_failure = failure_if_failed(&pods, job).await?;
     }
-    observed.image_index = image_index(&maps, &image_index_name(&name, round)).await?;
+    observed.image_index = image_index(&maps, &name, round, (&kept, &mut seen)).await?;
     if let Some(job) = observed
         .image_pages_job
         .as_ref()
@@ -307,6 +317,7 @@ pub async fn observe(client: &Client, run: &TrajectoryRun) -> Result<Observed, O
         let uids: Vec<String> = observed.jobs().filter_map(ResourceExt::uid).collect();
         observed.queue = queue::observe(client, &namespace, &uids).await?;
     }
+    cache.put(uid.as_deref(), seen);
     Ok(observed)
 }
 
@@ -357,8 +368,26 @@ async fn spending_reports(
     Ok((exhausted_at, spent))
 }
 
-/// The image groups the operator keeps for a round, one JSON [`ImageGroup`] a line.
+/// The image groups the operator keeps for run `run`'s `round`: as `kept` when they were read
+/// before, else from their `ConfigMap`; into `seen` once there.
 async fn image_index(
+    maps: &Api<ConfigMap>,
+    run: &str,
+    round: u32,
+    (kept, seen): (&RunEntry, &mut RunEntry),
+) -> Result<Option<Vec<ImageGroup>>, ObserveError> {
+    let groups = match kept.image_index(round) {
+        Some(groups) => Some(groups.clone()),
+        None => read_image_index(maps, &image_index_name(run, round)).await?,
+    };
+    if let Some(groups) = &groups {
+        seen.keep_image_index(round, groups.clone());
+    }
+    Ok(groups)
+}
+
+/// The image groups in `ConfigMap` `name`, one JSON [`ImageGroup`] a line.
+async fn read_image_index(
     maps: &Api<ConfigMap>,
     name: &str,
 ) -> Result<Option<Vec<ImageGroup>>, ObserveError> {
@@ -547,11 +576,18 @@ impl ObservedAttempt {
 
 /// The id each index of a generation Job works: the list (or ranges) in its plan `ConfigMap`, or
 /// the identity when the `ConfigMap` has none (the first attempt runs batch *i* at index *i*);
-/// and the plan's pending list on storage, when the ids are slots of it.
+/// and the plan's pending list on storage, when the ids are slots of it. Read once a Job: what
+/// was `kept` of it is taken as it is; what its `ConfigMap` gave goes into `seen`.
 async fn pending_list(
     maps: &Api<ConfigMap>,
     job: &Job,
+    (kept, seen): (&RunEntry, &mut RunEntry),
 ) -> Result<(Vec<u32>, Option<String>), ObserveError> {
+    let uid = job.uid();
+    if let Some((uid, pending)) = uid.as_ref().and_then(|uid| Some((uid, kept.pending(uid)?))) {
+        seen.keep_pending(uid.clone(), pending.clone());
+        return Ok(pending.clone());
+    }
     let completions = job
         .spec
         .as_ref()
@@ -564,6 +600,7 @@ async fn pending_list(
         .and_then(|map| map.data?.remove(paths::PLAN_FILE))
         .and_then(|text| serde_json::from_str::<RunPlan>(&text).ok());
     let list = plan.as_ref().and_then(|plan| plan.pending_list.clone());
+    let read = plan.is_some();
     let listed = match plan.map(|plan| plan.pending_list()) {
         None => None,
         Some(Ok(listed)) => listed,
@@ -574,7 +611,12 @@ async fn pending_list(
             });
         }
     };
-    Ok((listed.unwrap_or_else(|| (0..completions).collect()), list))
+    let pending = (listed.unwrap_or_else(|| (0..completions).collect()), list);
+    // A Job seen before its `ConfigMap` is applied gets the identity for now, and is read again.
+    if let (true, Some(uid)) = (read, uid) {
+        seen.keep_pending(uid, pending.clone());
+    }
+    Ok(pending)
 }
 
 /// Maps a generation Job's `completedIndexes` / `failedIndexes` back to batch ids through the

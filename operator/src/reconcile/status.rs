@@ -617,11 +617,21 @@ pub fn status_write(
     }
 }
 
-/// The status with everything that moves as batches finish blanked out.
+/// The status with everything that moves as batches finish blanked out: the batch counts and
+/// the progress column, the images pulled (an image counts once its first batch is done: with
+/// thousands of images, written at once it was a status write an image), the money spent so far
+/// and its projection, and the conditions' messages that repeat them.
 fn without_progress(status: &TrajectoryRunStatus) -> TrajectoryRunStatus {
     let mut status = status.clone();
     status.batches = None;
     status.progress = None;
+    if let Some(images) = &mut status.images {
+        images.pulled = 0;
+    }
+    if let Some(cost) = &mut status.cost {
+        cost.spent.clear();
+        cost.projected = None;
+    }
     for condition in &mut status.conditions {
         condition.message.clear();
     }

@@ -484,6 +484,42 @@ fn progress_alone_is_written_at_most_once_per_interval_and_anything_else_at_once
         status_write(Some(&wiped), &progressed, Some(Duration::ZERO), interval),
         StatusWrite::Now
     );
+
+    // Images pulled and money spent move as batches finish: progress too. An image that cannot
+    // be pulled, or a run held at its budget, is news.
+    let with_images = |pulled, unavailable| TrajectoryRunStatus {
+        images: Some(crate::api::ImageStatus {
+            total: 3_500,
+            pulled,
+            unavailable,
+            unavailable_images: Vec::new(),
+        }),
+        cost: Some(crate::api::CostStatus {
+            spent: format!("{pulled}.5"),
+            projected: Some("9.0".into()),
+            currency: "USD".into(),
+            exhausted_budget: None,
+        }),
+        ..written.clone()
+    };
+    let (before, pulled_one, unpullable) =
+        (with_images(10, 0), with_images(11, 0), with_images(10, 1));
+    assert_eq!(
+        status_write(Some(&before), &pulled_one, Some(second), interval),
+        StatusWrite::After(2 * second)
+    );
+    assert_eq!(
+        status_write(Some(&before), &unpullable, Some(second), interval),
+        StatusWrite::Now
+    );
+    let mut held = before.clone();
+    if let Some(cost) = held.cost.as_mut() {
+        cost.exhausted_budget = Some("10".into());
+    }
+    assert_eq!(
+        status_write(Some(&before), &held, Some(second), interval),
+        StatusWrite::Now
+    );
 }
 
 /// The plan and merge summaries come from pods' termination messages, and a pod goes with its
