@@ -128,12 +128,26 @@ impl Operator {
 
     /// `trajectory_operator_api_requests_total` by (verb, resource).
     async fn requests(&self) -> BTreeMap<(String, String), u64> {
+        self.counted("api_requests_total", ["verb", "resource"])
+            .await
+    }
+
+    /// `trajectory_operator_reconcile_errors_total` by (stage, class): a status write refused
+    /// with a 409 Conflict is a transient error at the `status` stage.
+    async fn reconcile_errors(&self) -> BTreeMap<(String, String), u64> {
+        self.counted("reconcile_errors_total", ["stage", "class"])
+            .await
+    }
+
+    /// The counter `trajectory_operator_<name>` by the values of its two labels `keys`.
+    async fn counted(&self, name: &str, keys: [&str; 2]) -> BTreeMap<(String, String), u64> {
         let text = http_get(self.addr, "/metrics")
             .await
             .expect("the operator's /metrics");
+        let prefix = format!("trajectory_operator_{name}{{");
         let mut counts = BTreeMap::new();
         for line in text.lines() {
-            let Some(rest) = line.strip_prefix("trajectory_operator_api_requests_total{") else {
+            let Some(rest) = line.strip_prefix(&prefix) else {
                 continue;
             };
             let (labels, value) = rest.split_once("} ").expect("a sample line");
@@ -145,7 +159,7 @@ impl Operator {
                     .expect("the label")
             };
             counts.insert(
-                (label("verb"), label("resource")),
+                (label(keys[0]), label(keys[1])),
                 value.parse().expect("a count"),
             );
         }
@@ -689,6 +703,7 @@ async fn images(client: &Client, base_url: &str, report: &mut String) {
     // Let the watches settle, so that the delta is the run's.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let before = operator.requests().await;
+    let errors_before = operator.reconcile_errors().await;
     let spec = run_spec(
         base_url,
         &json!({
@@ -729,6 +744,12 @@ async fn images(client: &Client, base_url: &str, report: &mut String) {
     // The Succeeded Event is published after the status write.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let requests = requests_since(&before, &operator.requests().await);
+    let errors = requests_since(&errors_before, &operator.reconcile_errors().await);
+    let status_conflicts: u64 = errors
+        .iter()
+        .filter(|((stage, _), _)| stage == "status")
+        .map(|(_, count)| count)
+        .sum();
     let (rss, hwm) = operator.memory();
     let sum = |verbs: &[&str], resource: &str| -> u64 {
         requests
@@ -744,7 +765,7 @@ async fn images(client: &Client, base_url: &str, report: &mut String) {
     let per_batch = |count: u64| count as f64 / f64::from(batches.max(1));
     let _ = writeln!(
         report,
-        "\n### A run over many images: {rows} rows over {images} images, batchSize 4, workers {workers}, concurrency 4\n\n| batches | done in s | run created → first generation pod s | most generation Jobs running at once | most generation pods at once | Job writes | status writes | Events | writes in all | writes per batch | reads (get, list) | operator RSS at the end MiB | VmHWM MiB |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n| {batches} | {:.1} | {:.1} | **{}** | {} | {} | {} | {} | {all_writes} | **{:.2}** | {} | {rss:.1} | **{hwm:.1}** |",
+        "\n### A run over many images: {rows} rows over {images} images, batchSize 4, workers {workers}, concurrency 4\n\n| batches | done in s | run created → first generation pod s | most generation Jobs running at once | most generation pods at once | Job writes | status writes | status writes refused (409) | Events | writes in all | writes per batch | status writes per image | reads (get, list) | `ConfigMap` gets per batch | operator RSS at the end MiB | VmHWM MiB |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n| {batches} | {:.1} | {:.1} | **{}** | {} | {} | {} | {status_conflicts} | {} | {all_writes} | **{:.2}** | **{:.2}** | {} | {:.2} | {rss:.1} | **{hwm:.1}** |",
         took.as_secs_f64(),
         live.first_pod.unwrap_or_default().as_secs_f64(),
         live.most_jobs,
@@ -753,7 +774,9 @@ async fn images(client: &Client, base_url: &str, report: &mut String) {
         sum(&writes, "trajectoryruns/status"),
         sum(&writes, "events"),
         per_batch(all_writes),
+        sum(&writes, "trajectoryruns/status") as f64 / images.max(1) as f64,
         sum(&["get", "list"], ""),
+        per_batch(sum(&["get"], "configmaps")),
     );
     let _ = writeln!(
         report,

@@ -1479,6 +1479,37 @@ pub struct LiveChildren {
     pub most_pods: usize,
     /// When the first generation pod was seen, after `since`.
     pub first_pod: Option<Duration>,
+    /// The writes of the namespace's runs' status seen (a watch shows each write), and over how
+    /// long.
+    pub status_writes: usize,
+    pub watched: Duration,
+}
+
+/// Counts the changes of the status of the runs in `runs` the watch shows, until `stopped`.
+async fn count_status_writes(
+    runs: Api<TrajectoryRun>,
+    mut stopped: oneshot::Receiver<()>,
+) -> usize {
+    use futures::StreamExt as _;
+    use kube::runtime::{WatchStreamExt as _, watcher};
+    let mut last: BTreeMap<String, Option<TrajectoryRunStatus>> = BTreeMap::new();
+    let mut writes = 0;
+    let mut stream = std::pin::pin!(watcher(runs, watcher::Config::default()).applied_objects());
+    loop {
+        tokio::select! {
+            _ = &mut stopped => return writes,
+            next = stream.next() => match next {
+                Some(Ok(run)) => {
+                    let previous = last.insert(run.name_any(), run.status.clone());
+                    if previous.is_some_and(|previous| previous != run.status) {
+                        writes += 1;
+                    }
+                }
+                Some(Err(_)) => {}
+                None => return writes,
+            }
+        }
+    }
 }
 
 /// Counts the generation Jobs that have not finished, and the generation pods, every 100 ms until
@@ -1494,6 +1525,11 @@ pub fn count_live_children(
         Api::namespaced(client.clone(), namespace),
     );
     let (stop, mut stopped) = oneshot::channel::<()>();
+    let (stop_watch, watch_stopped) = oneshot::channel::<()>();
+    let status_writes = tokio::spawn(count_status_writes(
+        Api::namespaced(client.clone(), namespace),
+        watch_stopped,
+    ));
     let counting = tokio::spawn(async move {
         let mut seen = LiveChildren::default();
         let generate = ListParams::default().labels("app.kubernetes.io/component=generate");
@@ -1513,7 +1549,12 @@ pub fn count_live_children(
                 }
             }
             tokio::select! {
-                _ = &mut stopped => return seen,
+                _ = &mut stopped => {
+                    let _ = stop_watch.send(());
+                    seen.status_writes = status_writes.await.unwrap_or_default();
+                    seen.watched = since.elapsed();
+                    return seen;
+                }
                 () = tokio::time::sleep(Duration::from_millis(100)) => {}
             }
         }
@@ -1555,6 +1596,17 @@ pub async fn assert_image_run(
         live.most_pods <= 2 * workers * per_image,
         "{} generation pods at once ({per_image} batches an image)",
         live.most_pods
+    );
+    // Progress (the batches, the images pulled) is written at most once per 3 s status interval;
+    // what else changes (the phase, a condition) is written at once, a few dozen times a run. An
+    // image's first batch done once wrote the status at once, about one write an image.
+    let paced = usize::try_from(live.watched.as_secs() / 3).expect("a count") + 30;
+    assert!(
+        live.status_writes <= paced,
+        "{} status writes over {:?} ({images} images): more than progress at most every 3 s and \
+         30 others",
+        live.status_writes,
+        live.watched
     );
     let played = kubelet.played();
     assert!(

@@ -1645,8 +1645,9 @@ async fn a_run_over_many_images_keeps_its_jobs_within_the_window_and_cleans_them
     let live = counting.await.expect("the counter");
     eprintln!(
         "{rows} rows over {images} images, {workers} workers: done in {took:?}; first generation \
-         pod after {:?}; most generation Jobs running at once {}, most generation pods {}",
-        live.first_pod, live.most_jobs, live.most_pods
+         pod after {:?}; most generation Jobs running at once {}, most generation pods {}; \
+         status writes {}",
+        live.first_pod, live.most_jobs, live.most_pods, live.status_writes
     );
     assert_image_run(
         &setup.client,

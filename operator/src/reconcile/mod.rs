@@ -110,7 +110,7 @@ async fn pipeline(run: &TrajectoryRun, ctx: &Context) -> Result<Action, Error> {
             .await
             .map_err(Error::apply(run))?;
     }
-    let action = write_paced(ctx, run, &desired.status).await?;
+    let action = write_paced(ctx, run, &desired.status, desired.record_now).await?;
     if action != Action::await_change() {
         return Ok(action);
     }
@@ -148,6 +148,8 @@ pub struct Desired {
     pub activate: Vec<(String, bool)>,
     /// A queued Job is not running yet: its Workload is looked at again after a while.
     pub watch_queue: bool,
+    /// Write the status now, progress alone or not ([`Decision::record_now`]).
+    pub record_now: bool,
     pub status: TrajectoryRunStatus,
 }
 
@@ -172,6 +174,7 @@ pub fn desired_state(
         delete: decision.delete.clone(),
         activate: decision.admissions.activate.clone(),
         watch_queue: decision.admissions.recheck,
+        record_now: decision.record_now,
         watch_pulls: decision.children.iter().any(|child| {
             matches!(child, Child::Generation(shard) if matches!(shard.tasks, Tasks::Image(_)))
         }),
@@ -184,10 +187,15 @@ async fn write_paced(
     ctx: &Context,
     run: &TrajectoryRun,
     desired: &TrajectoryRunStatus,
+    record_now: bool,
 ) -> Result<Action, Error> {
     let interval = ctx.settings.pacing.status_interval;
     let since = ctx.since_status_written(run);
-    match status::status_write(run.status.as_ref(), desired, since, interval) {
+    let write = match status::status_write(run.status.as_ref(), desired, since, interval) {
+        StatusWrite::After(_) if record_now => StatusWrite::Now,
+        write => write,
+    };
+    match write {
         // Children are watched; nothing needs a timer.
         StatusWrite::Unchanged => Ok(Action::await_change()),
         StatusWrite::After(wait) => {

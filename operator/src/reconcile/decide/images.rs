@@ -121,6 +121,11 @@ pub fn generate(
     decision
         .delete
         .extend(finished_jobs(observed, &recorded, ids));
+    // Finished Jobs and their pods stay until the status records their batches; progress is
+    // written at most once a status interval, so a window's worth of them waiting has it written
+    // now: one write for `workers` images, and never more than two windows of Jobs alive.
+    decision.record_now =
+        awaiting_record(observed, &recorded, ids) >= to_usize(run.spec.workers).max(1);
 
     let pending = ids.pending(&done)?;
     // The latest attempt's Jobs may all be gone (deleted once recorded): the status's attempt of
@@ -190,6 +195,8 @@ pub fn generate(
 pub struct Work {
     pub children: Vec<Child>,
     pub delete: Vec<String>,
+    /// Write the status now, not at the next status interval: see [`Decision::record_now`].
+    pub record_now: bool,
 }
 
 fn piece_state<'a>(
@@ -335,14 +342,30 @@ fn finished_jobs<'a>(
     recorded: &'a BTreeSet<u32>,
     ids: IdSpace<'_>,
 ) -> impl Iterator<Item = String> + 'a {
+    complete_image_jobs(observed, ids)
+        .filter(|job| job.pending.iter().all(|id| recorded.contains(id)))
+        .filter_map(|job| job.job.metadata.name.clone())
+}
+
+/// How many complete Jobs of rows naming an image wait for the status to record their batches.
+fn awaiting_record(observed: &Observed, recorded: &BTreeSet<u32>, ids: IdSpace<'_>) -> usize {
+    complete_image_jobs(observed, ids)
+        .filter(|job| !job.pending.iter().all(|id| recorded.contains(id)))
+        .count()
+}
+
+/// The complete Jobs of rows naming an image that can go once recorded (those recording rows
+/// unavailable stay, as the round's record of them).
+fn complete_image_jobs<'a>(
+    observed: &'a Observed,
+    ids: IdSpace<'_>,
+) -> impl Iterator<Item = &'a ObservedAttempt> + 'a {
     let listed = matches!(ids, IdSpace::Batches { .. });
     observed
         .attempts
         .iter()
         .filter(move |job| listed && job.unavailable.is_none())
         .filter(|job| JobState::of(&job.job) == JobState::Complete)
-        .filter(|job| job.pending.iter().all(|id| recorded.contains(id)))
-        .filter_map(|job| job.job.metadata.name.clone())
 }
 
 /// The run's images: how many, how many pulled (some batch of theirs is done by a Job of their
@@ -584,6 +607,30 @@ mod tests {
         assert_eq!(names(&desired), ["r-gen-1-1", "r-gen-1-2"]);
         assert_eq!(desired.status.batches.as_ref().unwrap().completed, "0,4");
         assert_eq!(desired.status.images.as_ref().unwrap().pulled, 0);
+    }
+
+    /// Finished Jobs wait for the status to record their batches before they go; once a
+    /// window's worth of them waits (`workers`: two), the status is written now, not at the next
+    /// status interval.
+    #[test]
+    fn a_window_of_finished_jobs_has_the_status_written_now() {
+        let first = || {
+            planned().image_index_kept().attempt(
+                JobFixture::generation(1).complete().completed("0-1"),
+                &[0, 4],
+            )
+        };
+        let second = JobFixture::generation(1)
+            .shard(1)
+            .image("docker.io/swe/a:1");
+        let one = first().attempt(second.clone(), &[1, 2]).build();
+        assert!(!decide(&one, None).record_now);
+        let two = first()
+            .attempt(second.complete().completed("0-1"), &[1, 2])
+            .build();
+        let desired = decide(&two, None);
+        assert!(desired.record_now);
+        assert!(desired.delete.is_empty(), "not recorded yet");
     }
 
     /// A Job whose pods cannot pull its image is deleted, and one recording its rows failed

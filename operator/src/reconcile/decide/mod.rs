@@ -52,6 +52,9 @@ pub struct Decision {
     /// naming an image whose batches the status records, and Jobs whose pods cannot pull their
     /// image (a Job recording the rows unavailable replaces them).
     pub delete: Vec<String>,
+    /// Write the status now even if only progress changed: a window's worth of finished Jobs of
+    /// rows naming an image waits for it to record their batches before they go.
+    pub record_now: bool,
     pub outcome: Outcome,
     pub tally: Tally,
     /// For a run that names a Kueue queue: its Workloads to stop or start.
@@ -65,6 +68,7 @@ impl Decision {
         Self {
             children: Vec::new(),
             delete: Vec::new(),
+            record_now: false,
             outcome: Outcome::Failed(Reason::InvalidSpec, message),
             tally: Tally::default(),
             admissions: Admissions::default(),
@@ -279,6 +283,7 @@ pub fn decide(run: &ValidatedRun<'_>, observed: &Observed) -> Decision {
     Decision {
         children: work.children,
         delete: work.delete,
+        record_now: work.record_now,
         outcome,
         tally,
         admissions,
