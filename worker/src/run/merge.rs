@@ -92,7 +92,13 @@ struct RecordView<'a> {
     /// them left out).
     #[serde(default)]
     tokens: Option<serde::de::IgnoredAny>,
-    /// The row's fields: a Harbor task's names, for an oracle run's report.
+}
+
+/// A record's Harbor task names, read for an oracle run's report only, and apart from
+/// [`RecordView`]: any other dataset's rows may hold anything under `source`, which must not make
+/// their records unreadable.
+#[derive(Debug, Default, Deserialize)]
+struct HarborNames<'a> {
     #[serde(default, borrow)]
     source: SourceView<'a>,
 }
@@ -351,7 +357,8 @@ impl Totals {
             self.costs.add(cost, view.status.is_none());
         }
         if let Some(outcomes) = self.oracle.as_mut() {
-            let harbor = view.source.harbor.as_ref();
+            let names = serde_json::from_slice::<HarborNames<'_>>(line).unwrap_or_default();
+            let harbor = names.source.harbor.as_ref();
             outcomes.push(OracleOutcome::new(
                 view.prompt_index,
                 view.sample,
