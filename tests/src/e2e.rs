@@ -1446,17 +1446,18 @@ pub fn mark_done(dir: &Path, batches: &BTreeSet<u32>) {
     }
 }
 
-/// Writes `rows` rows over `images` images (row *i* names image `i / (rows / images)`, under a
-/// long registry name, as SWE-style datasets' are) to `datasets/images.jsonl` on the storage.
+/// Writes `rows` rows over `images` images (row *i* names image `i * images / rows`, under a long
+/// registry name, as SWE-style datasets' are) to `datasets/images.jsonl` on the storage.
 pub fn write_image_dataset(storage: &Path, rows: usize, images: usize) {
-    let per_image = rows / images;
     let lines: Vec<String> = (0..rows)
         .map(|row| {
             json!({
                 "prompt": format!("prompt {row}"),
+                // Exactly `images` images, in order, their rows as even as the division allows
+                // (20,000 rows over 3,500 images: 5 or 6 each).
                 "image": format!(
                     "registry.example.internal:5000/swebench/sweb.eval.x86_64.task_{:05}:latest",
-                    row / per_image
+                    row * images / rows
                 ),
             })
             .to_string()
