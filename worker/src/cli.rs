@@ -1,4 +1,4 @@
-//! The command line: `local`, `plan`, `batch`, `merge`, `prompt` and `distributions`.
+//! The command line: `local`, `oracle`, `plan`, `batch`, `merge`, `prompt` and `distributions`.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -160,9 +160,6 @@ pub struct RunArgs {
     pub termination_log: Option<PathBuf>,
 }
 
-/// How to reach the bucket when the storage is an `s3://` location. Credentials are read from
-/// the environment as AWS SDKs read them (`AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`, a
-/// web-identity token, the container credentials endpoint), never from flags.
 /// What a run on this machine (`local`, `oracle`) is given.
 #[derive(Debug, Args)]
 pub struct LocalArgs {
@@ -181,6 +178,9 @@ pub struct LocalArgs {
     no_progress_bar: bool,
 }
 
+/// How to reach the bucket when the storage is an `s3://` location. Credentials are read from
+/// the environment as AWS SDKs read them (`AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`, a
+/// web-identity token, the container credentials endpoint), never from flags.
 #[derive(Debug, Args)]
 pub struct BucketArgs {
     /// The S3 server's URL (default: AWS's for the region).

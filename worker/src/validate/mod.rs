@@ -796,6 +796,30 @@ mod tests {
     }
 
     #[test]
+    fn an_oracle_report_is_a_clean_path_for_harbor_tasks_only() {
+        let with = |dataset: serde_json::Value| -> Vec<String> {
+            let mut spec = minimal();
+            spec.dataset = serde_json::from_value(dataset).unwrap();
+            spec.validate().into_iter().map(|v| v.to_string()).collect()
+        };
+        assert!(
+            with(serde_json::json!({"path": "tasks", "format": "HarborTasks",
+                                    "excludeOracleFailures": "oracle/tb2"}))
+            .is_empty()
+        );
+        assert_eq!(
+            with(serde_json::json!({"path": "rows.jsonl",
+                                    "excludeOracleFailures": "../oracle/oracle.jsonl"})),
+            [
+                "spec.dataset.excludeOracleFailures: \"../oracle/oracle.jsonl\" must be a \
+                 relative path inside the storage volume, without `..`",
+                "spec.dataset.excludeOracleFailures: leaves out Harbor tasks by name: it needs \
+                 dataset.format HarborTasks",
+            ]
+        );
+    }
+
+    #[test]
     fn batch_mode_and_service_tiers_are_checked_field_by_field() {
         let with = |model: serde_json::Value| -> Vec<String> {
             let mut spec = minimal();

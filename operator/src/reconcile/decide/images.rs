@@ -122,10 +122,11 @@ pub fn generate(
         .delete
         .extend(finished_jobs(observed, &recorded, ids));
     // Finished Jobs and their pods stay until the status records their batches; progress is
-    // written at most once a status interval, so a window's worth of them waiting has it written
-    // now: one write for `workers` images, and never more than two windows of Jobs alive.
+    // written at most once a status interval, so half a window's worth of them waiting has it
+    // written now: one write for `workers / 2` images, and never more than one and a half
+    // windows of Jobs alive.
     decision.record_now =
-        awaiting_record(observed, &recorded, ids) >= to_usize(run.spec.workers).max(1);
+        awaiting_record(observed, &recorded, ids) >= to_usize(run.spec.workers).div_ceil(2).max(1);
 
     let pending = ids.pending(&done)?;
     // The latest attempt's Jobs may all be gone (deleted once recorded): the status's attempt of
@@ -609,26 +610,26 @@ mod tests {
         assert_eq!(desired.status.images.as_ref().unwrap().pulled, 0);
     }
 
-    /// Finished Jobs wait for the status to record their batches before they go; once a
-    /// window's worth of them waits (`workers`: two), the status is written now, not at the next
-    /// status interval.
+    /// Finished Jobs wait for the status to record their batches before they go; once half a
+    /// window's worth of them waits (`workers`: two, so one), the status is written now, not at
+    /// the next status interval.
     #[test]
-    fn a_window_of_finished_jobs_has_the_status_written_now() {
-        let first = || {
-            planned().image_index_kept().attempt(
-                JobFixture::generation(1).complete().completed("0-1"),
-                &[0, 4],
-            )
-        };
+    fn half_a_window_of_finished_jobs_has_the_status_written_now() {
         let second = JobFixture::generation(1)
             .shard(1)
             .image("docker.io/swe/a:1");
-        let one = first().attempt(second.clone(), &[1, 2]).build();
-        assert!(!decide(&one, None).record_now);
-        let two = first()
+        let running = planned()
+            .image_index_kept()
+            .attempt(JobFixture::generation(1).completed("0"), &[0, 4])
+            .attempt(second.clone(), &[1, 2])
+            .build();
+        assert!(!decide(&running, None).record_now);
+        let one = planned()
+            .image_index_kept()
+            .attempt(JobFixture::generation(1), &[0, 4])
             .attempt(second.complete().completed("0-1"), &[1, 2])
             .build();
-        let desired = decide(&two, None);
+        let desired = decide(&one, None);
         assert!(desired.record_now);
         assert!(desired.delete.is_empty(), "not recorded yet");
     }

@@ -52,8 +52,8 @@ pub struct Decision {
     /// naming an image whose batches the status records, and Jobs whose pods cannot pull their
     /// image (a Job recording the rows unavailable replaces them).
     pub delete: Vec<String>,
-    /// Write the status now even if only progress changed: a window's worth of finished Jobs of
-    /// rows naming an image waits for it to record their batches before they go.
+    /// Write the status now even if only progress changed: half a window's worth of finished
+    /// Jobs of rows naming an image waits for it to record their batches before they go.
     pub record_now: bool,
     pub outcome: Outcome,
     pub tally: Tally,
