@@ -29,14 +29,13 @@ pub struct Context {
     memory: Arc<Mutex<Memory>>,
 }
 
-/// What the controller remembers of each run between reconciles: when it last wrote the status
-/// (and from which copy of the run), and how many reconciles in a row failed. Lost on restart, which only makes the first write and
+/// What the controller remembers of each run between reconciles: when it last wrote the status, and
+/// how many reconciles in a row failed. Lost on restart, which only makes the first write and
 /// retry prompt. Entries that no longer matter are dropped as new ones are made, so runs deleted
 /// long ago take no memory.
 #[derive(Debug, Default)]
 struct Memory {
-    /// When, and over which `resourceVersion` of the run.
-    status_written: HashMap<String, (Instant, Option<String>)>,
+    status_written: HashMap<String, Instant>,
     failures: HashMap<String, (u32, Instant)>,
 }
 
@@ -69,31 +68,17 @@ impl Context {
         self.memory()
             .status_written
             .get(&key(run))
-            .map(|(at, _)| at.elapsed())
+            .map(Instant::elapsed)
     }
 
-    /// Notes that the status of `run` (this copy of it) was written now.
+    /// Notes that the status of `run` was written now.
     pub fn status_written(&self, run: &TrajectoryRun) {
         let interval = self.settings.pacing.status_interval;
         let mut memory = self.memory();
         memory
             .status_written
-            .retain(|_, (at, _)| at.elapsed() < interval);
-        memory
-            .status_written
-            .insert(key(run), (Instant::now(), run.resource_version()));
-    }
-
-    /// Whether `run` is the very copy this process last wrote the status over: the write made
-    /// the run newer, and the watch has not brought it yet. A reconcile of it would decide on
-    /// facts older than its own last write, and its write would be refused (409 Conflict); the
-    /// write's own watch event reconciles the run again.
-    pub fn predates_own_write(&self, run: &TrajectoryRun) -> bool {
-        let version = run.resource_version();
-        self.memory()
-            .status_written
-            .get(&key(run))
-            .is_some_and(|(_, written_over)| version.is_some() && *written_over == version)
+            .retain(|_, at| at.elapsed() < interval);
+        memory.status_written.insert(key(run), Instant::now());
     }
 
     /// Counts a failed reconcile of `run`; returns the failures in a row.
@@ -144,25 +129,5 @@ mod tests {
         ctx.status_written(&a);
         assert!(ctx.since_status_written(&a).unwrap() < Duration::from_secs(1));
         assert_eq!(ctx.since_status_written(&b), None);
-    }
-
-    #[tokio::test]
-    async fn the_copy_a_status_was_written_over_is_known_as_older_than_the_write() {
-        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
-        let ctx = Context::new(Client::try_from(config).unwrap(), Settings::default());
-        let copy = |version: &str| {
-            let mut run = TrajectoryRun::test().uid("a").build();
-            run.metadata.resource_version = Some(version.to_owned());
-            run
-        };
-        assert!(!ctx.predates_own_write(&copy("7")), "nothing written yet");
-        ctx.status_written(&copy("7"));
-        assert!(ctx.predates_own_write(&copy("7")));
-        assert!(
-            !ctx.predates_own_write(&copy("9")),
-            "the written run, or newer"
-        );
-        let other = TrajectoryRun::test().uid("b").build();
-        assert!(!ctx.predates_own_write(&other));
     }
 }

@@ -74,10 +74,6 @@ async fn reconcile_run(run: &TrajectoryRun, ctx: &Context) -> Result<Action, Err
         debug!("being deleted; leaving its children to the garbage collector");
         return Ok(Action::await_change());
     }
-    if ctx.predates_own_write(run) {
-        debug!("a copy older than the status just written: waiting for the newer one");
-        return Ok(Action::requeue(STALE_COPY_RECHECK));
-    }
     // Boxed: the pipeline's future is large (clippy::large_futures).
     let result = Box::pin(pipeline(run, ctx)).await;
     if let Err(error) = &result
@@ -125,10 +121,6 @@ async fn pipeline(run: &TrajectoryRun, ctx: &Context) -> Result<Action, Error> {
         action
     })
 }
-
-/// When a run reconciled on a copy older than its own status write looks again, should the
-/// write's watch event not come first.
-const STALE_COPY_RECHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How often a run whose rows' images are being pulled looks at its pods.
 const PULL_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
