@@ -171,6 +171,19 @@ impl RunError {
     }
 }
 
+/// An error reading `path`, which spec field `field` names: a file that is not there is a spec
+/// error naming the field and what it should name (`names`), relative to the storage root.
+fn named_if_missing(error: StorageError, field: &str, path: &Path, names: &str) -> RunError {
+    if error.is_not_found() {
+        RunError::Spec(format!(
+            "{field}: {} does not exist (it names {names}, relative to the storage root)",
+            path.display()
+        ))
+    } else {
+        error.into()
+    }
+}
+
 /// A run file: the same YAML a user would `kubectl apply`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -410,12 +423,22 @@ impl RunLocation {
         self.storage_root.join(&self.plan.spec.dataset.path)
     }
 
-    /// The oracle report `spec.dataset.excludeOracleFailures` names, when it names one.
-    pub fn oracle_report_source(&self) -> Option<PathBuf> {
-        Some(
-            self.storage_root
-                .join(self.plan.spec.dataset.oracle_report()?),
-        )
+    /// Reads the oracle report `spec.dataset.excludeOracleFailures` names, with its path, when
+    /// it names one; an error names the field when there is no such file.
+    pub fn read_oracle_report(&self) -> Result<Option<(PathBuf, Vec<u8>)>, RunError> {
+        let Some(report) = self.plan.spec.dataset.oracle_report() else {
+            return Ok(None);
+        };
+        let path = self.storage_root.join(report);
+        match self.store.read(&path) {
+            Ok(bytes) => Ok(Some((path, bytes))),
+            Err(error) => Err(named_if_missing(
+                error,
+                "spec.dataset.excludeOracleFailures",
+                &path,
+                "an oracle run's output directory, or its oracle.jsonl",
+            )),
+        }
     }
 
     /// The trajectories `spec.replay.from` names, when the run replays another's tool outputs.
@@ -435,15 +458,12 @@ impl RunLocation {
             None => self.store.read(&path),
         };
         read.map(Some).map_err(|error| {
-            if error.is_not_found() {
-                RunError::Spec(format!(
-                    "spec.replay.from: {} does not exist (it names another run's output \
-                     directory, or its trajectories file, relative to the storage root)",
-                    path.display()
-                ))
-            } else {
-                error.into()
-            }
+            named_if_missing(
+                error,
+                "spec.replay.from",
+                &path,
+                "another run's output directory, or its trajectories file",
+            )
         })
     }
 

@@ -643,22 +643,8 @@ fn harbor_rows(location: &RunLocation, run_dir: &RunDir) -> Result<(), RunError>
             source.display()
         )));
     }
-    let excluded = match location.oracle_report_source() {
-        Some(report) => {
-            let bytes = store.read(&report).map_err(|error| {
-                if error.is_not_found() {
-                    RunError::Spec(format!(
-                        "spec.dataset.excludeOracleFailures: {} does not exist (it names an \
-                         oracle run's output directory, or its oracle.jsonl, relative to the \
-                         storage root)",
-                        report.display()
-                    ))
-                } else {
-                    error.into()
-                }
-            })?;
-            super::oracle::failed_tasks(&bytes, &report)?
-        }
+    let excluded = match location.read_oracle_report()? {
+        Some((report, bytes)) => super::oracle::failed_tasks(&bytes, &report)?,
         None => std::collections::BTreeMap::new(),
     };
     let (rows, refused) = crate::harbor::rows_jsonl(&source, &excluded)
