@@ -819,7 +819,7 @@ async fn main() {
                 Box::pin(latency(&client, &scratch, &base_url, &mut report)).await;
             }
             "writes" => Box::pin(writes(&client, &base_url, &mut report)).await,
-            "memory" => memory(&client, &base_url, &mut report).await,
+            "memory" => Box::pin(memory(&client, &base_url, &mut report)).await,
             "images" => Box::pin(images(&client, &base_url, &mut report)).await,
             "kueue" => Box::pin(kueue(&client, &mut report)).await,
             other => panic!("unknown part {other:?}: use latency, writes, memory, images, kueue"),

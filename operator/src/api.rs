@@ -171,6 +171,23 @@ pub struct ImageStatus {
     /// The first of them (up to 10), with the node's message.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unavailable_images: Vec<UnavailableImage>,
+    /// The images the run builds (`spec.sandbox.builds`), once their builds reported. Those that
+    /// failed count as unavailable too, listed with the builder's message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub builds: Option<BuildStatus>,
+}
+
+/// How the builds of the round's images went.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BuildStatus {
+    /// Built and pushed by the round's build Job.
+    pub built: u32,
+    /// Found in the registry (built before, by this run or another): not built again.
+    pub reused: u32,
+    /// Whose build failed: their rows are recorded failed with reason `image_build_failed`,
+    /// without a model request.
+    pub failed: u32,
 }
 
 /// An image that could not be pulled.

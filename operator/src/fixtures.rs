@@ -7,7 +7,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
 use serde_json::json;
 use trajectory_worker::contract::{
-    BatchRange, ImageGroup, ImagePage, ImagePlan, MergeSummary, PlanSummary, WorkerFailure, exit,
+    BatchRange, BuildReport, ImageGroup, ImagePage, ImagePlan, MergeSummary, PlanSummary,
+    WorkerFailure, exit,
 };
 use trajectory_worker::spec::RunSpec;
 
@@ -159,6 +160,11 @@ impl JobFixture {
     /// The Job reporting the pages of the first round's image index.
     pub fn image_pages() -> Self {
         Self::of(Component::ImagePages { round: 1 })
+    }
+
+    /// The Job building the first round's images.
+    pub fn builds() -> Self {
+        Self::of(Component::Build { round: 1 })
     }
 
     /// The merge Job of a later round.
@@ -343,10 +349,7 @@ impl ObservedFixture {
     pub fn images(mut self, groups: &[(&str, &str)]) -> Self {
         let listed: Vec<ImageGroup> = groups
             .iter()
-            .map(|(image, ids)| ImageGroup {
-                image: (*image).to_owned(),
-                ids: (*ids).to_owned(),
-            })
+            .map(|(image, ids)| ImageGroup::new((*image).to_owned(), (*ids).to_owned()))
             .collect();
         if let Some(summary) = &mut self.0.plan_summary {
             summary.images = Some(ImagePlan {
@@ -379,6 +382,37 @@ impl ObservedFixture {
     pub fn image_pages(mut self, job: JobFixture, pages: Vec<ImagePage>) -> Self {
         self.0.image_pages_job = Some(job.build());
         self.0.image_pages = pages;
+        self
+    }
+
+    /// The plan builds the images of `lines`: `(image, its line of the build list)`.
+    pub fn built_images(mut self, lines: &[(&str, u32)]) -> Self {
+        if let Some(images) = self
+            .0
+            .plan_summary
+            .as_mut()
+            .and_then(|summary| summary.images.as_mut())
+        {
+            for group in &mut images.listed {
+                group.build = lines
+                    .iter()
+                    .find(|(image, _)| *image == group.image)
+                    .map(|(_, line)| *line);
+            }
+        }
+        self
+    }
+
+    /// The Job building the round's images, and what its succeeded pods reported.
+    pub fn build_job(mut self, job: JobFixture, reports: Vec<BuildReport>) -> Self {
+        self.0.build_job = Some(job.build());
+        self.0.build_reports = reports;
+        self
+    }
+
+    /// The operator keeps `groups` as the round's image index.
+    pub fn image_index(mut self, groups: Vec<ImageGroup>) -> Self {
+        self.0.image_index = Some(groups);
         self
     }
 
@@ -467,4 +501,24 @@ impl ObservedFixture {
     pub fn build(self) -> Observed {
         self.0
     }
+}
+
+/// The names of the Jobs `desired` applies, in order.
+pub fn job_names(desired: &crate::reconcile::Desired) -> Vec<&str> {
+    desired
+        .children
+        .jobs
+        .iter()
+        .filter_map(|job| job.metadata.name.as_deref())
+        .collect()
+}
+
+/// The Job `name` that `desired` applies.
+pub fn job_named<'a>(desired: &'a crate::reconcile::Desired, name: &str) -> &'a Job {
+    desired
+        .children
+        .jobs
+        .iter()
+        .find(|job| job.metadata.name.as_deref() == Some(name))
+        .unwrap_or_else(|| panic!("no Job {name}"))
 }

@@ -176,6 +176,7 @@ async fn task_container_pods_need_the_baseline_standard_and_the_unavailable_ones
     let unavailable = Tasks::Unavailable {
         image: "registry.local/swe/task:1".to_owned(),
         why: "manifest unknown".to_owned(),
+        build_failed: false,
     };
     dry_run_pod(
         &client,

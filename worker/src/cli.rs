@@ -93,6 +93,31 @@ pub enum Command {
         #[arg(long, env = env::IMAGE_INDEX)]
         index: String,
     },
+    /// Make ready line `--index` of the run's build list (`harbor-builds.jsonl`): its context
+    /// unpacked into `--dir`, its Dockerfile's base images rewritten as the run pulls images,
+    /// and the line beside it (a build pod's first container, which alone reads the storage).
+    BuildContext {
+        #[command(flatten)]
+        run: RunArgs,
+        /// The line (the build Job's completion index).
+        #[arg(long, env = env::JOB_COMPLETION_INDEX)]
+        index: u32,
+        #[arg(long, env = env::BUILD_DIR, default_value = paths::BUILD_DIR)]
+        dir: PathBuf,
+    },
+    /// Build the image `build-context` made ready in `--dir` with buildah and push it, unless the
+    /// registry holds it already; report how it went (built, present, failed with why) as this
+    /// pod's termination message. A failed build exits 0: it is its tasks' outcome.
+    Build {
+        #[arg(long, env = env::BUILD_DIR, default_value = paths::BUILD_DIR)]
+        dir: PathBuf,
+        /// The buildah program.
+        #[arg(long, env = "TRAJ_BUILDAH", default_value = "buildah")]
+        buildah: PathBuf,
+        /// Where the report for the operator is written.
+        #[arg(long, env = env::TERMINATION_LOG)]
+        termination_log: Option<PathBuf>,
+    },
     /// Write `report.html` (the page to read a run in) from a merged run's outputs, and print its
     /// path. Merge writes it too; this makes it again, e.g. for a run merged by an older worker.
     Report {
@@ -238,6 +263,14 @@ pub struct WorkspaceArgs {
     /// record each conversation failed with reason `image_unavailable`, without a model request.
     #[arg(long, env = env::IMAGE_UNAVAILABLE, conflicts_with = "task_sockets")]
     pub image_unavailable: Option<String>,
+    /// The batch's rows name an image whose build failed (this says which, and why): record each
+    /// conversation failed with reason `image_build_failed`, without a model request.
+    #[arg(
+        long,
+        env = env::IMAGE_BUILD_FAILED,
+        conflicts_with_all = ["task_sockets", "image_unavailable"]
+    )]
+    pub image_build_failed: Option<String>,
 }
 
 fn parse_landlock(text: &str) -> Result<LandlockMode, String> {
@@ -507,6 +540,37 @@ pub async fn run(cli: Cli) -> i32 {
     }
 }
 
+/// `build-context`: the build readied in `dir`; an error is reported to the operator.
+async fn build_context_command(run: &RunArgs, index: u32, dir: PathBuf) -> Result<(), RunError> {
+    let result = match run.location() {
+        Ok(location) => {
+            blocking(move || crate::run::builds::prepare(&location, index, &dir).map(|_| ())).await
+        }
+        Err(error) => Err(error),
+    };
+    if result.is_err() {
+        run.report(&result);
+    }
+    result
+}
+
+/// `build`: the readied build built and pushed, its report written where the operator reads it.
+async fn build_command(
+    dir: &Path,
+    buildah: &Path,
+    termination_log: Option<&Path>,
+) -> Result<(), RunError> {
+    let report = crate::run::builds::build(dir, buildah).await?;
+    let message = termination_message(&report);
+    if let Some(path) = termination_log
+        && let Err(err) = std::fs::write(path, &message)
+    {
+        error!(path = %path.display(), %err, "cannot write the termination message");
+    }
+    println!("{message}");
+    Ok(())
+}
+
 async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError> {
     match command {
         Command::Local { local, base_url } => {
@@ -550,6 +614,12 @@ async fn dispatch(command: Command, shutdown: &Shutdown) -> Result<(), RunError>
             println!("{}", termination_message(&result?));
             Ok(())
         }
+        Command::BuildContext { run, index, dir } => build_context_command(&run, index, dir).await,
+        Command::Build {
+            dir,
+            buildah,
+            termination_log,
+        } => build_command(&dir, &buildah, termination_log.as_deref()).await,
         Command::Merge(args) => {
             let result = match args.location() {
                 Ok(location) => blocking(move || merge::merge(&location)).await,
@@ -810,6 +880,9 @@ async fn batch_command(
     engine
         .image_unavailable
         .clone_from(&workspaces.image_unavailable);
+    engine
+        .image_build_failed
+        .clone_from(&workspaces.image_build_failed);
     let mut result = run_batch(&engine, &location, &manifest, batch, shutdown, &|_| {}).await;
     if let Ok(summary) = &mut result {
         summary.landlock = Some(landlock);

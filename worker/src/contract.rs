@@ -56,6 +56,12 @@ pub mod env {
     /// Set by the operator on the pods of rows whose image could not be pulled: the image and
     /// the node's message. The batch records each conversation failed, `image_unavailable`.
     pub const IMAGE_UNAVAILABLE: &str = "TRAJ_IMAGE_UNAVAILABLE";
+    /// Set by the operator on the pods of rows whose image could not be built: the image and
+    /// why. The batch records each conversation failed, `image_build_failed`.
+    pub const IMAGE_BUILD_FAILED: &str = "TRAJ_IMAGE_BUILD_FAILED";
+    /// The directory a build pod's containers share: the context, unpacked with its
+    /// `Dockerfile`'s base images rewritten, and the build's line of the build list.
+    pub const BUILD_DIR: &str = "TRAJ_BUILD_DIR";
     /// The plan's image index (relative to the run's directory) whose page
     /// `JOB_COMPLETION_INDEX` an `image-page` pod reports.
     pub const IMAGE_INDEX: &str = "TRAJ_IMAGE_INDEX";
@@ -150,6 +156,9 @@ pub mod paths {
     /// Where the worker finds the task containers' sockets, one directory (an emptyDir shared
     /// with that task container alone) a conversation slot.
     pub const TASK_SOCKETS_DIR: &str = "/sandbox/tasks";
+    /// The directory a build pod's containers share (an emptyDir), and the only one of the
+    /// build container's that holds anything of the run.
+    pub const BUILD_DIR: &str = "/build";
 
     /// The socket of task container `slot` under `dir` ([`TASK_SOCKETS_DIR`] in a pod): its
     /// directory `slot-<slot>`, which the task container mounts at [`SANDBOX_SOCKET_DIR`].
@@ -231,6 +240,74 @@ pub struct ImageGroup {
     /// Its batches not done at plan time, in the ids the generation Jobs work (batch ids, or
     /// slots of the plan's pending list when it wrote one), as ranges ([`format_ranges`]).
     pub ids: String,
+    /// Set by the plan when the image is one the run builds ([`crate::spec::ImageBuilds`]): the
+    /// line of the run's build list (`harbor-builds.jsonl`) that builds it, which is the build
+    /// Job's completion index. The operator clears it once the build Job reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build: Option<u32>,
+    /// Set by the operator when building the image failed: why. Its rows are recorded failed,
+    /// `image_build_failed`, without a model request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_failed: Option<String>,
+    /// Set by the operator with [`ImageGroup::build`] cleared: how the image's build went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub built: Option<BuildOutcome>,
+}
+
+impl ImageGroup {
+    /// The group of `image` working `ids`, its image not one the run builds.
+    pub fn new(image: String, ids: String) -> Self {
+        Self {
+            image,
+            ids,
+            build: None,
+            build_failed: None,
+            built: None,
+        }
+    }
+}
+
+/// One line of a run's build list (`harbor-builds.jsonl`, written by the plan): a build context
+/// and the image it is built as. Line *i* is built by completion index *i* of the round's build
+/// Job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BuildEntry {
+    /// Hex sha256 of the packed context (the gzipped tar the plan wrote), which the image's tag
+    /// is.
+    pub hash: String,
+    /// Where it is pushed: `<spec.sandbox.builds.repository>:<hash>`.
+    pub image: String,
+    /// The packed context, relative to the run's directory.
+    pub context: String,
+    /// The tasks (directory names) built from it.
+    pub tasks: Vec<String>,
+    /// The longest of the tasks' `build_timeout_sec`.
+    pub timeout_sec: f64,
+}
+
+/// How a build went ([`BuildReport::outcome`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BuildOutcome {
+    /// Built and pushed.
+    Built,
+    /// The registry held the tag already: nothing built.
+    Present,
+    /// The build (or the push) failed: its tasks cannot run.
+    Failed,
+}
+
+/// What a build pod reports to the operator, as its termination message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BuildReport {
+    /// Its line of the build list (the completion index).
+    pub build: u32,
+    pub image: String,
+    pub outcome: BuildOutcome,
+    pub seconds: f64,
+    /// Why it failed: the end of the builder's output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// The images of the batches a plan found not done, grouped: one generation Job each. Batches of
@@ -297,8 +374,8 @@ pub fn image_pages(groups: &[ImageGroup], limit: usize) -> Vec<ImagePage> {
         // fit, at least one, the rest on.
         let ranges: Vec<&str> = group.ids.split(',').collect();
         let part = |n: usize| ImageGroup {
-            image: group.image.clone(),
             ids: ranges[..n].join(","),
+            ..group.clone()
         };
         let fits = longest_fitting(ranges.len() - 1, |n| {
             current.groups = vec![part(n)];
@@ -308,8 +385,8 @@ pub fn image_pages(groups: &[ImageGroup], limit: usize) -> Vec<ImagePage> {
         current.groups = vec![part(fits)];
         if fits < ranges.len() {
             queue.push_front(ImageGroup {
-                image: group.image.clone(),
                 ids: ranges[fits..].join(","),
+                ..group.clone()
             });
         }
         pages.push(next_page(&mut current));
@@ -1044,10 +1121,7 @@ mod tests {
     /// page goes over several, cut at range boundaries.
     #[test]
     fn image_groups_are_paged_within_the_limit_and_read_back_whole() {
-        let group = |image: &str, ids: String| ImageGroup {
-            image: image.to_owned(),
-            ids,
-        };
+        let group = |image: &str, ids: String| ImageGroup::new(image.to_owned(), ids);
         let scattered: Vec<String> = (0..3000_u32).step_by(2).map(|id| id.to_string()).collect();
         let groups = vec![
             group("registry.example/swe/a:1", "0-9".into()),

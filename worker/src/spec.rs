@@ -1332,6 +1332,51 @@ pub struct SandboxSpec {
     /// cluster's sandbox container has the directories of its image.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_dirs: Vec<String>,
+    /// How the images of Harbor tasks whose `environment/Dockerfile` needs a build (a `RUN`,
+    /// `COPY`, `ENV`, ... line, or more than one stage) are built, before any of their
+    /// conversations starts. Unset: such tasks are refused by name. Cluster only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub builds: Option<ImageBuilds>,
+}
+
+/// Where and how task images are built ([`SandboxSpec::builds`]).
+///
+/// Each distinct build context (a task's `environment/` directory, byte for byte) is built once
+/// by a build Job of the run, with `buildah`, and pushed as `<repository>:<its sha256>`; a tag the
+/// registry already holds is not built again, in this run or a later one. A build that fails
+/// records its tasks' conversations failed with reason `image_build_failed`, without a model
+/// request. The build container runs privileged (`buildah` needs to mount and to change root
+/// for `RUN` steps) with nothing of the run's but the task's build context: no storage, no
+/// model key, no service account token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ImageBuilds {
+    /// The repository the images are pushed to, and the generation pods pull them from:
+    /// `registry.example.com/team/harbor-envs` (no tag). The nodes must be able to pull from it.
+    pub repository: String,
+    /// Speak plain HTTP to the registry (an in-cluster registry without TLS).
+    #[serde(default)]
+    pub insecure: bool,
+    /// A Secret of type `kubernetes.io/dockerconfigjson` whose credentials push to
+    /// `repository`: mounted in the build containers only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub push_secret: Option<String>,
+    /// Image of the build containers: it needs `buildah` on `PATH` and runs as root. Default:
+    /// the worker image, which has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Resources of a build container, as a container's `resources`. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(extend("x-kubernetes-preserve-unknown-fields" = true)))]
+    pub resources: Option<Value>,
+}
+
+impl ImageBuilds {
+    /// The image a build context of digest `hash` (hex sha256) is built as.
+    pub fn image_of(&self, hash: &str) -> String {
+        format!("{}:{hash}", self.repository.trim_end_matches('/'))
+    }
 }
 
 /// One prefix of [`SandboxSpec::image_rewrite`].
@@ -1355,6 +1400,7 @@ impl Default for SandboxSpec {
             image_rewrite: Vec::new(),
             image_unavailable_after_seconds: default_image_unavailable_after_seconds(),
             tool_dirs: Vec::new(),
+            builds: None,
         }
     }
 }

@@ -1,8 +1,9 @@
 //! Harbor task directories as a dataset (`spec.dataset.format: HarborTasks`), over the tasks
 //! of `examples/harbor-tasks`: a prebuilt image, a Dockerfile that only names its base, a
-//! solution that does not pass, named rewards in `reward.json`, resources and timeouts, and
-//! three a run cannot honour (a Dockerfile that needs a build, a compose file, a verifier
-//! environment of its own). The plan makes rows of the first five and names the other three;
+//! solution that does not pass, named rewards in `reward.json`, resources and timeouts, three
+//! Dockerfiles that need a build (two of one context), and two a run cannot honour (a compose
+//! file, a verifier environment of its own). The plan makes rows of the first five and names
+//! the others (the three built ones too, when the run builds no images);
 //! Harbor's own task model (`harbor` 0.25 from the Python package index) reads every
 //! `task.toml` as the plan does.
 
@@ -137,13 +138,17 @@ fn a_directory_of_harbor_tasks_is_planned_as_rows_and_what_cannot_run_is_named()
             )
         })
         .collect();
-    assert_eq!(refused.len(), 3, "{refused:?}");
+    assert_eq!(refused.len(), 5, "{refused:?}");
     for (task, says) in [
         (
             "compose-services",
             "docker-compose.yaml: compose-based tasks",
         ),
-        ("needs-build", "line 2: RUN needs an image build"),
+        (
+            "needs-build",
+            "line 2: RUN needs an image build: set spec.sandbox.builds",
+        ),
+        ("build-copy", "line 3: COPY needs an image build"),
         ("separate-verifier", "verifier.environment"),
     ] {
         assert!(refused[task].contains(says), "{task}: {}", refused[task]);
@@ -225,8 +230,8 @@ fn the_tasks_an_oracle_run_failed_are_left_out_by_name() {
     );
     assert_eq!(
         refused.len(),
-        4,
-        "the three that cannot run, and the failed one"
+        6,
+        "the five that cannot run (three need a build), and the failed one"
     );
 }
 
@@ -267,7 +272,7 @@ fn harbors_own_task_model_reads_the_tasks_as_the_plan_does() {
         .lines()
         .map(|line| serde_json::from_str(line).unwrap())
         .collect();
-    assert_eq!(harbor.len(), 8, "{harbor:?}");
+    assert_eq!(harbor.len(), 10, "{harbor:?}");
     for line in &harbor {
         let task = line["task"].as_str().unwrap();
         let theirs = &line["config"];
@@ -344,4 +349,112 @@ fn harbors_own_task_model_reads_the_tasks_as_the_plan_does() {
             "{task} environment.cpus"
         );
     }
+}
+
+/// With `spec.sandbox.builds`, a task whose Dockerfile needs a build runs in the image of its
+/// context: one line of the build list a distinct `environment/` (two tasks share one), its
+/// context packed once under its digest, the rows naming `<repository>:<digest>`, the plan's
+/// image groups marked with their line. `build-context` readies a line for the build container:
+/// the context unpacked as packed, its bases rewritten as the run pulls images; a context changed
+/// after the plan is refused by its digest.
+#[test]
+fn the_images_of_tasks_that_need_a_build_are_listed_once_per_context() {
+    let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1)
+        .with("/dataset", json!({"path": "tasks", "format": "HarborTasks"}))
+        .with(
+            "/sandbox",
+            json!({
+                "builds": {"repository": "registry.test:5000/envs", "insecure": true},
+                "imageRewrite": [{"from": "python:3.12-slim", "to": "registry.test:5000/tasks/python:1"}],
+            }),
+        );
+    copy_dir(&examples(), &fixture.root().join("tasks"));
+    let summary = plan::plan_for_operator(&fixture.location()).expect("planned");
+    assert_eq!(summary.prompts, 8, "five, and three built");
+
+    let builds = fixture.lines("harbor-builds.jsonl");
+    assert_eq!(builds.len(), 2, "{builds:?}");
+    assert_eq!(builds[0]["tasks"], json!(["build-copy", "build-copy-twin"]));
+    assert_eq!(
+        builds[0]["timeout_sec"], 300.0,
+        "the tasks' build_timeout_sec"
+    );
+    assert_eq!(builds[1]["tasks"], json!(["needs-build"]));
+    let hash = builds[0]["hash"].as_str().unwrap();
+    let image = format!("registry.test:5000/envs:{hash}");
+    assert_eq!(builds[0]["image"], json!(image));
+    let packed = std::fs::read(fixture.out().join(format!("builds/{hash}.tar.gz"))).unwrap();
+    let mut tar = Vec::new();
+    flate2::read::GzDecoder::new(packed.as_slice())
+        .read_to_end(&mut tar)
+        .unwrap();
+    assert_eq!(trajectory_worker::harbor::hex_sha256(&tar), hash);
+
+    let rows = fixture.lines("harbor-tasks.jsonl");
+    let row = |task: &str| {
+        rows.iter()
+            .find(|row| row["harbor"]["task"] == task)
+            .unwrap_or_else(|| panic!("no row of {task}"))
+    };
+    assert_eq!(row("build-copy")["image"], json!(image));
+    assert_eq!(row("build-copy-twin")["image"], json!(image));
+    assert_eq!(row("build-copy")["cwd"], "/app", "the Dockerfile's WORKDIR");
+    assert_eq!(row("answer-prebuilt")["image"], "python:3.12-slim");
+
+    let groups = summary.images.expect("rows name images").listed;
+    let line_of = |image: &str| {
+        groups
+            .iter()
+            .find(|group| group.image == image)
+            .unwrap_or_else(|| panic!("no group of {image}"))
+            .build
+    };
+    assert_eq!(line_of(&image), Some(0));
+    assert_eq!(line_of(builds[1]["image"].as_str().unwrap()), Some(1));
+    assert_eq!(line_of("python:3.12-slim"), None, "pulled, not built");
+
+    // Readied for the build container.
+    let build_dir = tempfile::tempdir().unwrap();
+    let order = trajectory_worker::run::builds::prepare(&fixture.location(), 0, build_dir.path())
+        .expect("readied");
+    assert_eq!((order.line, order.insecure), (0, true));
+    let dockerfile = std::fs::read_to_string(build_dir.path().join("context/Dockerfile")).unwrap();
+    assert!(
+        dockerfile.starts_with("FROM registry.test:5000/tasks/python:1\n"),
+        "{dockerfile}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(build_dir.path().join("context/word.txt")).unwrap(),
+        "lighthouse\n"
+    );
+    let missing = trajectory_worker::run::builds::prepare(&fixture.location(), 2, build_dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(missing.contains("has no line 3"), "{missing}");
+
+    // A context changed after the plan is not built.
+    let mut tampered = tar.clone();
+    let at = tampered
+        .windows(10)
+        .position(|w| w == b"lighthouse")
+        .unwrap();
+    tampered[at] = b'L';
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    std::io::Write::write_all(&mut gz, &tampered).unwrap();
+    std::fs::write(
+        fixture.out().join(format!("builds/{hash}.tar.gz")),
+        gz.finish().unwrap(),
+    )
+    .unwrap();
+    let refused = trajectory_worker::run::builds::prepare(
+        &fixture.location(),
+        0,
+        tempfile::tempdir().unwrap().path(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        refused.contains("the context changed after the plan"),
+        "{refused}"
+    );
 }

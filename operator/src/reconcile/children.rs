@@ -44,6 +44,8 @@ pub mod annotations {
     pub const IMAGE: &str = "trajectories.dev/image";
     /// Set on the Job that records the rows of an image that could not be pulled: why.
     pub const IMAGE_UNAVAILABLE: &str = "trajectories.dev/image-unavailable";
+    /// Set (`"true"`) beside [`IMAGE_UNAVAILABLE`] when the image could not be built.
+    pub const IMAGE_BUILD_FAILED: &str = "trajectories.dev/image-build-failed";
 }
 
 /// The name of the Job recording as unavailable the rows of the generation Job `job`.
@@ -80,6 +82,9 @@ pub enum Component {
     /// (when its summary could not list every image group), one per index; once per round, and
     /// only then.
     ImagePages { round: u32 },
+    /// `trajectory-worker build`: an Indexed Job building the images of the round's plan's
+    /// build list (`spec.sandbox.builds`), one per index; once per round, and only then.
+    Build { round: u32 },
 }
 
 impl Component {
@@ -90,13 +95,17 @@ impl Component {
             Self::Generate { .. } => "generate",
             Self::Merge { .. } => "merge",
             Self::ImagePages { .. } => "image-pages",
+            Self::Build { .. } => "build",
         }
     }
 
     /// The round the child belongs to.
     pub fn round(self) -> u32 {
         match self {
-            Self::Plan { round } | Self::Merge { round } | Self::ImagePages { round } => round,
+            Self::Plan { round }
+            | Self::Merge { round }
+            | Self::ImagePages { round }
+            | Self::Build { round } => round,
             Self::Generate { attempt, .. } => round_of_attempt(attempt),
         }
     }
@@ -108,6 +117,7 @@ impl Component {
             Self::Generate { .. } => "batch",
             Self::Merge { .. } => "merge",
             Self::ImagePages { .. } => "image-page",
+            Self::Build { .. } => "build",
         }
     }
 
@@ -130,6 +140,8 @@ impl Component {
             Self::Merge { round } => format!("{run}-merge-{round}"),
             Self::ImagePages { round: ..=1 } => format!("{run}-img"),
             Self::ImagePages { round } => format!("{run}-img-{round}"),
+            Self::Build { round: ..=1 } => format!("{run}-build"),
+            Self::Build { round } => format!("{run}-build-{round}"),
         }
     }
 }
@@ -187,6 +199,7 @@ mod tests {
             },
             Component::Merge { round: MAX_ROUNDS },
             Component::ImagePages { round: MAX_ROUNDS },
+            Component::Build { round: MAX_ROUNDS },
         ];
         for component in children {
             assert!(component.child_name(&longest).len() <= MAX_NAME_LENGTH);

@@ -15,8 +15,8 @@ use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use serde::de::DeserializeOwned;
 use trajectory_worker::contract::{
-    self, BatchSummary, ImageGroup, ImagePage, LandlockStatus, MergeSummary, PlanSummary, RunPlan,
-    WorkerFailure, exit, paths,
+    self, BatchSummary, BuildReport, ImageGroup, ImagePage, LandlockStatus, MergeSummary,
+    PlanSummary, RunPlan, WorkerFailure, exit, paths,
 };
 
 mod cache;
@@ -52,6 +52,11 @@ pub struct Observed {
     pub image_pages_job: Option<Job>,
     /// The pages its succeeded pods reported, once it completed.
     pub image_pages: Vec<ImagePage>,
+    /// The Job building the round's plan's images, when it builds some.
+    pub build_job: Option<Job>,
+    /// What its succeeded pods reported, once it completed and until the operator kept the
+    /// groups they resolved.
+    pub build_reports: Vec<BuildReport>,
     /// The image groups of the round's plan, as the operator keeps them in its `ConfigMap`
     /// ([`super::children::image_index_name`]) once it read them.
     pub image_index: Option<Vec<ImageGroup>>,
@@ -86,6 +91,8 @@ impl Default for Observed {
             landlock: None,
             image_pages_job: None,
             image_pages: Vec::new(),
+            build_job: None,
+            build_reports: Vec::new(),
             image_index: None,
             unpullable: BTreeMap::new(),
             budget_exhausted_at: None,
@@ -101,6 +108,7 @@ impl Observed {
         self.plan_job
             .iter()
             .chain(self.image_pages_job.iter())
+            .chain(self.build_job.iter())
             .chain(self.attempts.iter().map(|attempt| &attempt.job))
             .chain(self.merge_job.iter())
     }
@@ -124,8 +132,12 @@ pub struct ObservedAttempt {
     pub failure: Option<WorkerFailure>,
     /// The image its rows name, for a Job of rows that name one.
     pub image: Option<String>,
-    /// Set on the Job recording those rows as unavailable: why the image could not be pulled.
+    /// Set on the Job recording those rows as unavailable: why the image could not be pulled
+    /// (or built).
     pub unavailable: Option<String>,
+    /// Set on the Job recording those rows as unavailable because their image could not be
+    /// built.
+    pub build_failed: bool,
 }
 
 /// Batches an attempt finished and gave up on, as batch ids (or slots, with a pending list).
@@ -258,6 +270,9 @@ pub async fn observe(
             Some(component) if component == Component::ImagePages { round }.label() => {
                 observed.image_pages_job = Some(job);
             }
+            Some(component) if component == Component::Build { round }.label() => {
+                observed.build_job = Some(job);
+            }
             _ => {
                 let Some(attempt) = labels.get(labels::ATTEMPT).and_then(|a| a.parse().ok()) else {
                     continue;
@@ -303,13 +318,7 @@ pub async fn observe(
         observed.merge_failure = failure_if_failed(&pods, job).await?;
     }
     observed.image_index = image_index(&maps, &name, round, (&kept, &mut seen)).await?;
-    if let Some(job) = observed
-        .image_pages_job
-        .as_ref()
-        .filter(|job| JobState::of(job) == JobState::Complete && observed.image_index.is_none())
-    {
-        observed.image_pages = image_pages(&pods, job).await?;
-    }
+    read_image_reports(&pods, &mut observed).await?;
     observed.unpullable = unpullable(&pods, &name, run, &observed.attempts).await?;
     (observed.budget_exhausted_at, observed.run_spent) =
         spending_reports(&pods, run, &observed.attempts).await?;
@@ -319,6 +328,37 @@ pub async fn observe(
     }
     cache.put(uid.as_deref(), seen);
     Ok(observed)
+}
+
+/// What the pods of the round's image pages Job and build Job reported, once they completed and
+/// until the operator keeps what they said.
+async fn read_image_reports(pods: &Api<Pod>, observed: &mut Observed) -> Result<(), kube::Error> {
+    let complete = |job: &&Job| JobState::of(job) == JobState::Complete;
+    if let Some(job) = observed.image_pages_job.as_ref().filter(complete)
+        && observed.image_index.is_none()
+    {
+        observed.image_pages = image_pages(pods, job).await?;
+    }
+    let unresolved = |groups: &Vec<ImageGroup>| groups.iter().any(|group| group.build.is_some());
+    if let Some(job) = observed.build_job.as_ref().filter(complete)
+        && observed.image_index.as_ref().is_none_or(unresolved)
+    {
+        observed.build_reports = build_reports(pods, job).await?;
+    }
+    Ok(())
+}
+
+/// What the succeeded pods of the build Job `job` reported, one report a line of the build list.
+async fn build_reports(pods: &Api<Pod>, job: &Job) -> Result<Vec<BuildReport>, kube::Error> {
+    let mut reports: Vec<BuildReport> =
+        termination_messages(pods, &job.name_any(), Some("Succeeded"))
+            .await?
+            .iter()
+            .filter_map(|message| serde_json::from_str(message).ok())
+            .collect();
+    reports.sort_by_key(|report| report.build);
+    reports.dedup_by_key(|report| report.build);
+    Ok(reports)
 }
 
 /// The pages the succeeded pods of the image pages Job `job` reported, in page order.
@@ -376,7 +416,10 @@ async fn image_index(
     round: u32,
     (kept, seen): (&RunEntry, &mut RunEntry),
 ) -> Result<Option<Vec<ImageGroup>>, ObserveError> {
-    let groups = match kept.image_index(round) {
+    // Kept groups whose builds are not resolved yet are read again: the operator resolves them
+    // in the `ConfigMap` once the build Job reported.
+    let resolved = |groups: &&Vec<ImageGroup>| groups.iter().all(|group| group.build.is_none());
+    let groups = match kept.image_index(round).filter(resolved) {
         Some(groups) => Some(groups.clone()),
         None => read_image_index(maps, &image_index_name(run, round)).await?,
     };
@@ -565,6 +608,9 @@ impl ObservedAttempt {
                 .annotations()
                 .get(annotations::IMAGE_UNAVAILABLE)
                 .cloned(),
+            build_failed: job
+                .annotations()
+                .contains_key(annotations::IMAGE_BUILD_FAILED),
             job,
             pending,
             pending_list: None,

@@ -17,8 +17,9 @@ use kube::runtime::events::{Event, EventType};
 use trajectory_worker::contract::LandlockStatus;
 
 use crate::api::{
-    BatchCounts, ConditionType, CostStatus, ImageStatus, OutputStatus, Phase, PromptCounts,
-    SandboxStatus, TrajectoryRun, TrajectoryRunStatus, UnavailableImage, VerificationStatus,
+    BatchCounts, BuildStatus, ConditionType, CostStatus, ImageStatus, OutputStatus, Phase,
+    PromptCounts, SandboxStatus, TrajectoryRun, TrajectoryRunStatus, UnavailableImage,
+    VerificationStatus,
 };
 
 /// Condition reasons (`PascalCase`, as Kubernetes conventions ask).
@@ -183,6 +184,8 @@ pub struct ImageTally {
     pub unavailable_count: u32,
     /// The first unavailable images with why, by image.
     pub unavailable: Vec<(String, String)>,
+    /// How the builds went, for a run that built images.
+    pub builds: Option<BuildStatus>,
 }
 
 /// Prompt counts of the plan.
@@ -361,6 +364,7 @@ fn record_tally(status: &mut TrajectoryRunStatus, tally: &Tally) {
                     message: message.clone(),
                 })
                 .collect(),
+            builds: images.builds.clone(),
         });
     }
     if let Some(cost) = &tally.cost {

@@ -493,6 +493,7 @@ fn progress_alone_is_written_at_most_once_per_interval_and_anything_else_at_once
             pulled,
             unavailable,
             unavailable_images: Vec::new(),
+            builds: None,
         }),
         cost: Some(crate::api::CostStatus {
             spent: format!("{pulled}.5"),

@@ -48,8 +48,12 @@ pub enum Invalid {
     InvalidVolume(#[source] serde_json::Error),
     #[error("spec.podTemplate is invalid: {0}")]
     InvalidPodTemplate(#[source] serde_json::Error),
-    #[error("spec.sandbox.resources is not a container's resources (requests, limits): {0}")]
-    InvalidSandboxResources(#[source] serde_json::Error),
+    #[error("{field} is not a container's resources (requests, limits): {err}")]
+    InvalidResources {
+        field: &'static str,
+        #[source]
+        err: serde_json::Error,
+    },
     #[error("{field}: {value:?} is not a quantity (e.g. 500m, 2, 4Gi)")]
     InvalidQuantity { field: String, value: String },
 }
@@ -69,7 +73,11 @@ impl Invalid {
             Self::MissingVolume => "MissingVolume",
             Self::InvalidVolume(_) => "InvalidVolume",
             Self::InvalidPodTemplate(_) | Self::InvalidQuantity { .. } => "InvalidPodTemplate",
-            Self::InvalidSandboxResources(_) => "InvalidSandboxResources",
+            Self::InvalidResources {
+                field: "spec.sandbox.resources",
+                ..
+            } => "InvalidSandboxResources",
+            Self::InvalidResources { .. } => "InvalidBuildResources",
         }
     }
 }
@@ -97,6 +105,8 @@ pub struct ValidatedRun<'a> {
     pub overrides: PodOverrides,
     /// `spec.sandbox.resources`, parsed: the sandbox container's.
     pub sandbox_resources: Option<ResourceRequirements>,
+    /// `spec.sandbox.builds.resources`, parsed: a build container's.
+    pub build_resources: Option<ResourceRequirements>,
     /// `spec.storage.volume` as the pod's `data` volume; none when the run is on a bucket
     /// (`spec.storage.object`, which the pods read from their plan).
     pub data_volume: Option<Volume>,
@@ -146,7 +156,14 @@ pub fn validate(run: &TrajectoryRun) -> Result<Validation<'_>, Invalid> {
     let namespace = run.namespace().ok_or(Invalid::NotStored)?;
     let uid = run.uid().ok_or(Invalid::NotStored)?;
     let overrides = PodOverrides::from_spec(spec)?;
-    let sandbox_resources = sandbox_resources(spec)?;
+    let sandbox_resources = resources(spec.sandbox.resources.as_ref(), "spec.sandbox.resources")?;
+    let build_resources = resources(
+        spec.sandbox
+            .builds
+            .as_ref()
+            .and_then(|builds| builds.resources.as_ref()),
+        "spec.sandbox.builds.resources",
+    )?;
     let data_volume = data_volume(spec)?;
     Ok(Validation::Valid(Box::new(ValidatedRun {
         run,
@@ -158,6 +175,7 @@ pub fn validate(run: &TrajectoryRun) -> Result<Validation<'_>, Invalid> {
         owner,
         overrides,
         sandbox_resources,
+        build_resources,
         data_volume,
         _checked: Checked,
     })))
@@ -186,9 +204,12 @@ fn data_volume(spec: &RunSpec) -> Result<Option<Volume>, Invalid> {
     Ok(Some(volume))
 }
 
-/// The sandbox container's resources. Only `requests` and `limits`: an unknown key (a typo,
-/// `limit`) is refused rather than silently leaving the container unlimited.
-fn sandbox_resources(spec: &RunSpec) -> Result<Option<ResourceRequirements>, Invalid> {
+/// A container's resources from the spec's `field`. Only `requests` and `limits`: an unknown key
+/// (a typo, `limit`) is refused rather than silently leaving the container unlimited.
+fn resources(
+    value: Option<&serde_json::Value>,
+    field: &'static str,
+) -> Result<Option<ResourceRequirements>, Invalid> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Known {
@@ -197,13 +218,13 @@ fn sandbox_resources(spec: &RunSpec) -> Result<Option<ResourceRequirements>, Inv
         #[serde(rename = "limits")]
         _limits: Option<serde_json::Value>,
     }
-    let Some(value) = &spec.sandbox.resources else {
+    let Some(value) = value else {
         return Ok(None);
     };
-    serde_json::from_value::<Known>(value.clone()).map_err(Invalid::InvalidSandboxResources)?;
-    let resources: ResourceRequirements =
-        serde_json::from_value(value.clone()).map_err(Invalid::InvalidSandboxResources)?;
-    check_quantities(&resources, "spec.sandbox.resources")?;
+    let invalid = |err| Invalid::InvalidResources { field, err };
+    serde_json::from_value::<Known>(value.clone()).map_err(invalid)?;
+    let resources: ResourceRequirements = serde_json::from_value(value.clone()).map_err(invalid)?;
+    check_quantities(&resources, field)?;
     Ok(Some(resources))
 }
 

@@ -13,9 +13,11 @@
 //! runs, resumes and merges as any row does.
 //!
 //! A task a run cannot honour is refused by name, never run otherwise than Harbor would run it:
-//! compose-based environments, Dockerfiles that need a build (a `RUN`, `COPY`, `ENV`, … line),
-//! and `task.toml` fields with no equivalent here ([`config::TaskConfig::unsupported`]). Keys
-//! Harbor ignores are ignored and named.
+//! compose-based environments, Dockerfiles that need a build (a `RUN`, `COPY`, `ENV`, … line)
+//! when the run builds no images (`spec.sandbox.builds`), and `task.toml` fields with no
+//! equivalent here ([`config::TaskConfig::unsupported`]). Keys Harbor ignores are ignored and
+//! named. With builds, each distinct `environment/` directory is built once, as the image its
+//! tasks' rows name.
 
 pub mod config;
 pub mod task;
@@ -24,6 +26,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use task::{HarborTask, TaskImage, is_task_dir};
+
+use crate::contract::BuildEntry;
+use crate::spec::ImageBuilds;
 
 /// What reading Harbor tasks met.
 #[derive(Debug, thiserror::Error)]
@@ -71,31 +76,89 @@ pub fn read_tasks(root: &Path) -> Result<Vec<Result<HarborTask, HarborError>>, H
     Ok(dirs.iter().map(|dir| HarborTask::read(dir)).collect())
 }
 
+/// The tasks under `root` as dataset rows, with what reading them met.
+#[derive(Debug, Default)]
+pub struct HarborRows {
+    /// One JSON line a task that runs.
+    pub jsonl: Vec<u8>,
+    /// The tasks refused: those that cannot run, and those excluded (with why).
+    pub refused: Vec<HarborError>,
+    /// The images the run builds: one a distinct build context, in the order the tasks first
+    /// need them, each with its packed context.
+    pub builds: Vec<(BuildEntry, Vec<u8>)>,
+}
+
 /// The tasks under `root` as dataset rows, one JSON line each, and the tasks refused: those
-/// that cannot run, and those `excluded` names (by directory name, with why).
+/// that cannot run, and those `excluded` names (by directory name, with why). A task whose
+/// Dockerfile needs a build runs in the image `builds` builds of its context; without
+/// `builds` it is refused.
 pub fn rows_jsonl(
     root: &Path,
     excluded: &BTreeMap<String, String>,
-) -> Result<(Vec<u8>, Vec<HarborError>), HarborError> {
-    let mut jsonl = Vec::new();
-    let mut refused = Vec::new();
+    builds: Option<&ImageBuilds>,
+) -> Result<HarborRows, HarborError> {
+    let mut rows = HarborRows::default();
+    let mut by_hash: BTreeMap<String, usize> = BTreeMap::new();
     for task in read_tasks(root)? {
-        match task {
+        let task = match task {
             Ok(task) if let Some(why) = excluded.get(&task.dir_name) => {
-                refused.push(HarborError::Refused {
+                rows.refused.push(HarborError::Refused {
                     task: PathBuf::from(&task.dir_name),
                     why: why.clone(),
                 });
+                continue;
             }
-            Ok(task) => {
-                if !task.ignored.is_empty() {
-                    tracing::warn!(task = %task.dir_name, keys = ?task.ignored, "task.toml keys Harbor ignores are ignored");
-                }
-                serde_json::to_writer(&mut jsonl, &task.row()).expect("a row serialises");
-                jsonl.push(b'\n');
+            Ok(task) => task,
+            Err(error) => {
+                rows.refused.push(error);
+                continue;
             }
-            Err(error) => refused.push(error),
+        };
+        let built = match (&task.image, builds) {
+            (TaskImage::Build { needs, .. }, None) => {
+                rows.refused.push(HarborError::Refused {
+                    task: PathBuf::from(&task.dir_name),
+                    why: format!(
+                        "environment/Dockerfile {needs}: set spec.sandbox.builds to build it"
+                    ),
+                });
+                continue;
+            }
+            (TaskImage::Build { hash, context, .. }, Some(builds)) => {
+                let timeout = task.config.environment.build_timeout_sec;
+                let at = *by_hash.entry(hash.clone()).or_insert_with(|| {
+                    let entry = BuildEntry {
+                        hash: hash.clone(),
+                        image: builds.image_of(hash),
+                        context: format!("{BUILDS_DIR}/{hash}.tar.gz"),
+                        tasks: Vec::new(),
+                        timeout_sec: timeout,
+                    };
+                    rows.builds.push((entry, context.clone()));
+                    rows.builds.len() - 1
+                });
+                let entry = &mut rows.builds[at].0;
+                entry.tasks.push(task.dir_name.clone());
+                entry.timeout_sec = entry.timeout_sec.max(timeout);
+                Some(entry.image.clone())
+            }
+            _ => None,
+        };
+        if !task.ignored.is_empty() {
+            tracing::warn!(task = %task.dir_name, keys = ?task.ignored, "task.toml keys Harbor ignores are ignored");
         }
+        serde_json::to_writer(&mut rows.jsonl, &task.row(built.as_deref()))
+            .expect("a row serialises");
+        rows.jsonl.push(b'\n');
     }
-    Ok((jsonl, refused))
+    Ok(rows)
 }
+
+/// Hex sha256 of `bytes`: a build context's digest, its image's tag.
+pub fn hex_sha256(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    format!("{:x}", sha2::Sha256::digest(bytes))
+}
+
+/// The directory of the run's packed build contexts, in the run's directory.
+pub const BUILDS_DIR: &str = "builds";

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use base64::Engine as _;
 use serde_json::{Map, Value, json};
 
-use super::HarborError;
 use super::config::TaskConfig;
+use super::{HarborError, hex_sha256};
 use crate::verify::{TESTS_TAR_FIELD, VERIFIER_TIMEOUT_FIELD};
 
 /// The row field of a task's `solution/` directory (base64 of a gzipped tar), which the oracle
@@ -27,6 +27,19 @@ pub enum TaskImage {
     Base {
         image: String,
         workdir: Option<String>,
+    },
+    /// An `environment/Dockerfile` that needs a build: the run builds it when it has
+    /// `spec.sandbox.builds` ([`crate::spec::ImageBuilds`]), and refuses the task otherwise.
+    Build {
+        /// Hex sha256 of the context (`environment/`) as an uncompressed tar packed like
+        /// [`pack`]'s: the same directory, the same digest.
+        hash: String,
+        /// The context, packed ([`pack`]).
+        context: Vec<u8>,
+        /// The Dockerfile's last static `WORKDIR`, where the conversation starts.
+        workdir: Option<String>,
+        /// What needs the build (the line and its instruction), for the refusal without builds.
+        needs: String,
     },
 }
 
@@ -102,15 +115,18 @@ impl HarborTask {
     /// verifier timeout, its solution for the oracle, and Harbor's description of it
     /// (`harbor`: directory, name, timeouts, resources) with its `metadata`, which the record's
     /// `source` keeps.
-    pub fn row(&self) -> Map<String, Value> {
+    ///
+    /// A task whose image the run builds runs in `built`, the image its build is pushed as.
+    pub fn row(&self, built: Option<&str>) -> Map<String, Value> {
         let base64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
         let mut row = Map::new();
         row.insert("prompt".into(), self.instruction.clone().into());
         let (image, workdir) = match &self.image {
-            TaskImage::Prebuilt(image) => (image, None),
-            TaskImage::Base { image, workdir } => (image, workdir.as_ref()),
+            TaskImage::Prebuilt(image) => (image.as_str(), None),
+            TaskImage::Base { image, workdir } => (image.as_str(), workdir.as_ref()),
+            TaskImage::Build { workdir, .. } => (built.unwrap_or_default(), workdir.as_ref()),
         };
-        row.insert("image".into(), image.clone().into());
+        row.insert("image".into(), image.into());
         if let Some(cwd) = self.config.environment.workdir.as_ref().or(workdir) {
             row.insert("cwd".into(), cwd.clone().into());
         }
@@ -172,8 +188,36 @@ fn task_image(dir: &Path, config: &TaskConfig) -> Result<TaskImage, HarborError>
             "neither [environment] docker_image nor environment/Dockerfile".into(),
         ));
     }
-    base_image(&read_text(&dockerfile)?)
-        .map_err(|why| refused(format!("environment/Dockerfile {why}")))
+    match base_image(&read_text(&dockerfile)?) {
+        Ok(image) => Ok(image),
+        Err(Dockerfile::NeedsBuild { needs, workdir }) => {
+            let tar = pack_tar(&environment)?;
+            let hash = hex_sha256(&tar);
+            Ok(TaskImage::Build {
+                hash,
+                context: gzip(&tar).map_err(|err| HarborError::Read {
+                    path: environment.clone(),
+                    err,
+                })?,
+                workdir,
+                needs,
+            })
+        }
+        Err(Dockerfile::Invalid(why)) => Err(refused(format!("environment/Dockerfile {why}"))),
+    }
+}
+
+/// Why a Dockerfile's base image is not the task's image.
+#[derive(Debug, PartialEq, Eq)]
+enum Dockerfile {
+    /// It needs a build (`needs`: the line and its instruction); its last stage's last static
+    /// `WORKDIR`.
+    NeedsBuild {
+        needs: String,
+        workdir: Option<String>,
+    },
+    /// It names no image.
+    Invalid(String),
 }
 
 /// Refuses `path` when it is a link: a task carries its own files only, never what a link
@@ -197,9 +241,11 @@ fn read_text(path: &Path) -> Result<String, HarborError> {
 }
 
 /// The base image and working directory of a Dockerfile that does nothing else, or why it
-/// needs a build (the instruction and its line).
-fn base_image(dockerfile: &str) -> Result<TaskImage, String> {
+/// needs a build (the first instruction that does, and its line).
+fn base_image(dockerfile: &str) -> Result<TaskImage, Dockerfile> {
     let (mut image, mut workdir): (Option<String>, Option<String>) = (None, None);
+    let mut needs: Option<String> = None;
+    let mut saw_from = false;
     let mut logical = String::new();
     let mut first_line = 0;
     for (number, line) in dockerfile.lines().enumerate() {
@@ -221,41 +267,68 @@ fn base_image(dockerfile: &str) -> Result<TaskImage, String> {
             .split_once(char::is_whitespace)
             .unwrap_or((&instruction, ""));
         let arguments = arguments.trim();
-        let needs_build = || {
-            format!(
-                "line {first_line}: {} needs an image build, which is not supported yet",
-                keyword.to_ascii_uppercase()
-            )
+        let keyword = keyword.to_ascii_uppercase();
+        let mut build = || {
+            needs.get_or_insert_with(|| {
+                format!("line {first_line}: {keyword} needs an image build")
+            });
         };
-        match keyword.to_ascii_uppercase().as_str() {
-            "FROM" if image.is_none() => {
+        match keyword.as_str() {
+            "FROM" => {
+                saw_from = true;
                 let words: Vec<&str> = arguments
                     .split_whitespace()
                     .filter(|word| !word.starts_with("--"))
                     .collect();
                 match words.as_slice() {
-                    [base] | [base, _, _] if !base.contains('$') => {
+                    [base] | [base, _, _] if image.is_none() && !base.contains('$') => {
                         image = Some((*base).to_owned());
                     }
-                    _ => return Err(needs_build()),
+                    _ => build(),
                 }
+                // A new stage starts where its base image does.
+                workdir = None;
             }
-            "WORKDIR" if image.is_some() && !arguments.contains('$') => {
+            "WORKDIR" if arguments.contains('$') => {
+                build();
+                workdir = None;
+            }
+            "WORKDIR" => {
                 let next = Path::new(workdir.as_deref().unwrap_or("/")).join(arguments);
                 workdir = Some(next.display().to_string());
             }
             "LABEL" | "MAINTAINER" | "CMD" | "ENTRYPOINT" | "EXPOSE" | "STOPSIGNAL" => {}
-            _ => return Err(needs_build()),
+            _ => build(),
         }
     }
-    let image = image.ok_or("has no FROM")?;
-    Ok(TaskImage::Base { image, workdir })
+    match (image, needs) {
+        (None, _) if !saw_from => Err(Dockerfile::Invalid("has no FROM".into())),
+        (Some(image), None) => Ok(TaskImage::Base { image, workdir }),
+        (_, needs) => Err(Dockerfile::NeedsBuild {
+            needs: needs.unwrap_or_else(|| "its FROM needs an image build".into()),
+            workdir,
+        }),
+    }
 }
 
 /// The directory `dir` as a gzipped tar: regular files and directories in name order, modes
 /// kept, no times or owners, so the same directory packs to the same bytes. A link, or a file
 /// of another kind, is refused: a task must not carry in what lies outside it.
 fn pack(dir: &Path) -> Result<Vec<u8>, HarborError> {
+    gzip(&pack_tar(dir)?).map_err(|err| HarborError::Read {
+        path: dir.to_path_buf(),
+        err,
+    })
+}
+
+fn gzip(bytes: &[u8]) -> std::io::Result<Vec<u8>> {
+    let mut encoder = flate2::GzBuilder::new().write(Vec::new(), flate2::Compression::default());
+    encoder.write_all(bytes)?;
+    encoder.finish()
+}
+
+/// [`pack`]'s tar, uncompressed.
+fn pack_tar(dir: &Path) -> Result<Vec<u8>, HarborError> {
     not_a_link(dir)?;
     let mut files: Vec<PathBuf> = Vec::new();
     for entry in walkdir::WalkDir::new(dir).sort_by_file_name().min_depth(1) {
@@ -275,8 +348,7 @@ fn pack(dir: &Path) -> Result<Vec<u8>, HarborError> {
         }
         files.push(entry.into_path());
     }
-    let encoder = flate2::GzBuilder::new().write(Vec::new(), flate2::Compression::default());
-    let mut builder = tar::Builder::new(encoder);
+    let mut builder = tar::Builder::new(Vec::new());
     for path in files {
         let name = path.strip_prefix(dir).expect("walked under dir");
         let read = |err| HarborError::Read {
@@ -307,17 +379,10 @@ fn pack(dir: &Path) -> Result<Vec<u8>, HarborError> {
             builder.append_data(&mut header, name, file).map_err(read)?;
         }
     }
-    let packed = builder
-        .into_inner()
-        .and_then(|mut encoder| {
-            encoder.flush()?;
-            encoder.finish()
-        })
-        .map_err(|err| HarborError::Read {
-            path: dir.to_path_buf(),
-            err,
-        })?;
-    Ok(packed)
+    builder.into_inner().map_err(|err| HarborError::Read {
+        path: dir.to_path_buf(),
+        err,
+    })
 }
 
 #[cfg(test)]
@@ -344,11 +409,26 @@ mod tests {
             ("FROM debian:12\nENV A=1\n", "line 2: ENV"),
             ("ARG BASE\nFROM $BASE\n", "line 1: ARG"),
             ("FROM a\nFROM b\n", "line 2: FROM"),
-            ("# nothing\n", "has no FROM"),
         ] {
-            let error = base_image(dockerfile).unwrap_err();
-            assert!(error.contains(says), "{dockerfile:?}: {error}");
+            match base_image(dockerfile) {
+                Err(Dockerfile::NeedsBuild { needs, .. }) => {
+                    assert!(needs.starts_with(says), "{dockerfile:?}: {needs}");
+                }
+                other => panic!("{dockerfile:?}: {other:?}"),
+            }
         }
+        assert_eq!(
+            base_image("# nothing\n"),
+            Err(Dockerfile::Invalid("has no FROM".into()))
+        );
+        // Built: the conversation starts in the last stage's working directory.
+        assert_eq!(
+            base_image("FROM a AS b\nWORKDIR /x\nFROM b\nRUN true\nWORKDIR /app\nWORKDIR src\n"),
+            Err(Dockerfile::NeedsBuild {
+                needs: "line 3: FROM needs an image build".into(),
+                workdir: Some("/app/src".into())
+            })
+        );
     }
 
     #[test]

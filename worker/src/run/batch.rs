@@ -42,7 +42,9 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{info, warn};
 
-pub use super::conversation::{BELOW_REWARD, ConversationOutcome, IMAGE_UNAVAILABLE};
+pub use super::conversation::{
+    BELOW_REWARD, ConversationOutcome, IMAGE_BUILD_FAILED, IMAGE_UNAVAILABLE,
+};
 use super::conversation::{BatchContext, Item, Shared, lock, record_id, run_item, skipped_line};
 pub use super::engine::{Engine, TurnLogging};
 use super::ledger::{Admission, Ticket};

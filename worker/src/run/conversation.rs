@@ -334,6 +334,8 @@ pub(super) enum Item {
 
 /// The failure class of a conversation whose row's image could not be pulled.
 pub const IMAGE_UNAVAILABLE: &str = "image_unavailable";
+/// The failure class of a conversation whose row's image could not be built.
+pub const IMAGE_BUILD_FAILED: &str = "image_build_failed";
 
 /// Runs one (prompt, sample) and renders its record line; its model calls count into
 /// `spending` (its budget's ticket's) when the run has a budget.
@@ -355,11 +357,12 @@ pub(super) async fn run_item(
     };
     let chain = lock(&shared.chains).remove(&(prompt_index, sample));
     let started_at = started_at(chain.as_ref());
-    if let Some(message) = &engine.image_unavailable {
-        let failure = Failure {
-            class: IMAGE_UNAVAILABLE,
-            message,
-        };
+    let image_failure = [
+        (IMAGE_UNAVAILABLE, &engine.image_unavailable),
+        (IMAGE_BUILD_FAILED, &engine.image_build_failed),
+    ];
+    if let Some((class, Some(message))) = image_failure.iter().find(|(_, why)| why.is_some()) {
+        let failure = Failure { class, message };
         return failed_item(&identity, failure, (None, None), started_at);
     }
     let offered = shared.offered(

@@ -38,6 +38,9 @@ pub struct Engine {
     /// Set in a pod of rows whose image could not be pulled: why. Each of its conversations is
     /// recorded failed (`image_unavailable`) without a model request.
     pub image_unavailable: Option<String>,
+    /// Set in a pod of rows whose image could not be built: why. Each of its conversations is
+    /// recorded failed (`image_build_failed`) without a model request.
+    pub image_build_failed: Option<String>,
     /// The oracle pass (`spec.agent.oracle`): rows' solutions run instead of the model.
     pub oracle: Option<super::oracle::Oracle>,
     pub require_reasoning: bool,
@@ -169,6 +172,7 @@ impl Engine {
             sandbox: Sandbox::local(LandlockMode::Auto),
             task_sockets: None,
             image_unavailable: None,
+            image_build_failed: None,
             oracle: spec.agent.oracle.then(|| super::oracle::Oracle {
                 timeout: Duration::from_secs(spec.agent.prompt_timeout_seconds),
             }),

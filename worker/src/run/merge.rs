@@ -228,8 +228,9 @@ struct Totals {
     /// What the priced records' model calls cost.
     costs: super::costs::Costs,
     /// Conversations of rows naming an image, by the image's position in the manifest: how many
-    /// ran in a container of it, and how many were recorded `image_unavailable`.
-    task_images: BTreeMap<u32, (u64, u64)>,
+    /// ran in a container of it, how many were recorded `image_unavailable`, and how many
+    /// `image_build_failed`.
+    task_images: BTreeMap<u32, (u64, u64, u64)>,
     /// Paths the sandbox refused the commands of every kept record, by prefix.
     sandbox_refusals: BTreeMap<String, u64>,
     /// Trajectories with tokens, by where their ids came from: the server (every call), some
@@ -305,10 +306,11 @@ impl Totals {
         for (prefix, count) in other.sandbox_refusals {
             *self.sandbox_refusals.entry(prefix).or_default() += count;
         }
-        for (image, (ran, unavailable)) in other.task_images {
+        for (image, (ran, unavailable, build_failed)) in other.task_images {
             let entry = self.task_images.entry(image).or_default();
             entry.0 += ran;
             entry.1 += unavailable;
+            entry.2 += build_failed;
         }
         if let (Some(report), Some(other)) = (self.report.as_mut(), other.report) {
             report.absorb(other);
@@ -433,10 +435,10 @@ impl Totals {
     /// Counts a kept record of a row that names the image at `image` in the manifest.
     fn add_task_image(&mut self, image: u32, view: &RecordView<'_>) {
         let entry = self.task_images.entry(image).or_default();
-        if view.error_class.as_deref() == Some(super::batch::IMAGE_UNAVAILABLE) {
-            entry.1 += 1;
-        } else {
-            entry.0 += 1;
+        match view.error_class.as_deref() {
+            Some(super::batch::IMAGE_UNAVAILABLE) => entry.1 += 1,
+            Some(super::batch::IMAGE_BUILD_FAILED) => entry.2 += 1,
+            _ => entry.0 += 1,
         }
     }
 
@@ -450,20 +452,31 @@ impl Totals {
         let pulled = self
             .task_images
             .values()
-            .filter(|(ran, _)| *ran > 0)
+            .filter(|(ran, ..)| *ran > 0)
             .count();
-        let (ran, unavailable) = self
-            .task_images
-            .values()
-            .fold((0, 0), |(ran, unavailable), (r, u)| {
-                (ran + r, unavailable + u)
-            });
-        Some(json!({
+        let (ran, unavailable, build_failed) = self.task_images.values().fold(
+            (0, 0, 0),
+            |(ran, unavailable, build_failed), (r, u, b)| {
+                (ran + r, unavailable + u, build_failed + b)
+            },
+        );
+        let mut statistics = json!({
             "images": self.task_images.len(),
             "pulled": pulled,
             "unavailable": self.task_images.len() - pulled,
             "conversations": {"ran": ran, "image_unavailable": unavailable},
-        }))
+        });
+        // Only for a run that builds images, and then only when some build failed.
+        if build_failed > 0 {
+            let failed_images = self
+                .task_images
+                .values()
+                .filter(|(ran, _, b)| *ran == 0 && *b > 0)
+                .count();
+            statistics["build_failed"] = failed_images.into();
+            statistics["conversations"]["image_build_failed"] = build_failed.into();
+        }
+        Some(statistics)
     }
 }
 

@@ -4,6 +4,7 @@
 //! reports a summary. Errors carry the exit code of the worker contract ([`crate::contract::exit`]).
 
 pub mod batch;
+pub mod builds;
 mod conversation;
 mod costs;
 pub mod distributions;

@@ -6,7 +6,7 @@
 //! `invalid.jsonl`; two validators check the lines of alternate blocks, a few blocks behind the
 //! reader. Memory is a handful of blocks, whatever the size of the dataset.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::Path;
@@ -22,7 +22,7 @@ use super::manifest::{
 use super::segments::{SEGMENT_BYTES, SegmentHasher};
 use super::{RunError, RunLocation};
 use crate::contract::{
-    BatchRange, ImageGroup, ImagePage, PlanSummary, Ranges, TERMINATION_MESSAGE_LIMIT,
+    BatchRange, BuildEntry, ImageGroup, ImagePage, PlanSummary, Ranges, TERMINATION_MESSAGE_LIMIT,
     compact_ranges, format_ranges, image_page_path, image_pages, task_batch_prompts,
 };
 use crate::dataset::{
@@ -647,7 +647,12 @@ fn harbor_rows(location: &RunLocation, run_dir: &RunDir) -> Result<(), RunError>
         Some((report, bytes)) => super::oracle::failed_tasks(&bytes, &report)?,
         None => std::collections::BTreeMap::new(),
     };
-    let (rows, refused) = crate::harbor::rows_jsonl(&source, &excluded)
+    let builds = location.plan.spec.sandbox.builds.as_ref();
+    let crate::harbor::HarborRows {
+        jsonl: rows,
+        refused,
+        builds,
+    } = crate::harbor::rows_jsonl(&source, &excluded, builds)
         .map_err(|err| RunError::InvalidDataset(format!("spec.dataset.path: {err}")))?;
     let mut refusals = Vec::new();
     for error in &refused {
@@ -661,6 +666,7 @@ fn harbor_rows(location: &RunLocation, run_dir: &RunDir) -> Result<(), RunError>
         refusals.push(b'\n');
     }
     store.create_dir_all(run_dir.root())?;
+    write_build_contexts(run_dir, &builds)?;
     store.write_atomic(&run_dir.harbor_refused(), &refusals)?;
     store.write_atomic(&run_dir.harbor_rows(), &rows)?;
     if !refused.is_empty() {
@@ -676,6 +682,55 @@ fn harbor_rows(location: &RunLocation, run_dir: &RunDir) -> Result<(), RunError>
         "Harbor tasks read"
     );
     Ok(())
+}
+
+/// Writes each build's packed context (once: its name is its digest) and the build list, which
+/// names them, after them.
+fn write_build_contexts(
+    run_dir: &RunDir,
+    builds: &[(BuildEntry, Vec<u8>)],
+) -> Result<(), RunError> {
+    let store = run_dir.store();
+    let mut list = Vec::new();
+    if !builds.is_empty() {
+        store.create_dir_all(&run_dir.root().join(crate::harbor::BUILDS_DIR))?;
+    }
+    for (entry, context) in builds {
+        // Named by its digest: one that is there already holds these bytes.
+        store.create_once(&run_dir.root().join(&entry.context), context)?;
+        serde_json::to_writer(&mut list, entry).expect("a build entry serialises");
+        list.push(b'\n');
+    }
+    store.write_atomic(&run_dir.harbor_builds(), &list)?;
+    if !builds.is_empty() {
+        info!(
+            builds = builds.len(),
+            "the images of {} tasks are built from {} contexts",
+            builds
+                .iter()
+                .map(|(entry, _)| entry.tasks.len())
+                .sum::<usize>(),
+            builds.len()
+        );
+    }
+    Ok(())
+}
+
+/// The build list a plan of Harbor tasks wrote, as image → its line; empty for other runs.
+fn build_lines(location: &RunLocation) -> Result<BTreeMap<String, u32>, RunError> {
+    if location.plan.spec.dataset.format != DatasetFormat::HarborTasks {
+        return Ok(BTreeMap::new());
+    }
+    let path = location.run_dir().harbor_builds();
+    let text = location.store.read_to_string(&path)?;
+    let mut lines = BTreeMap::new();
+    for (line, text) in (0_u32..).zip(text.lines()) {
+        let entry: BuildEntry = serde_json::from_str(text).map_err(|err| {
+            RunError::BadBatchInput(format!("{}:{}: {err}", path.display(), line + 1))
+        })?;
+        lines.insert(entry.image, line);
+    }
+    Ok(lines)
 }
 
 /// Writes the run's manifest. On a volume it is written again whole (the same one when it existed).
@@ -861,9 +916,10 @@ fn rows_with_images_on_the_host(dataset: &Path, listed: &RowsWithImages) -> Stri
 /// first written to a new pending list on storage, which the summary names.
 pub fn plan_for_operator(location: &RunLocation) -> Result<PlanSummary, RunError> {
     let (manifest, summary) = plan(location)?;
+    let builds = build_lines(location)?;
     hand_off(
         &location.run_dir(),
-        BatchImages::of(&manifest),
+        (BatchImages::of(&manifest), &builds),
         summary,
         TERMINATION_MESSAGE_LIMIT,
     )
@@ -878,7 +934,7 @@ pub fn plan_for_operator(location: &RunLocation) -> Result<PlanSummary, RunError
 /// They go with the run's output directory.
 fn hand_off(
     run_dir: &RunDir,
-    images: BatchImages<'_>,
+    (images, builds): (BatchImages<'_>, &BTreeMap<String, u32>),
     summary: PlanSummary,
     limit: usize,
 ) -> Result<PlanSummary, RunError> {
@@ -887,7 +943,10 @@ fn hand_off(
     let name = RunDir::new_pending_list_name();
     let summary = summary.fitting(limit, &name);
     let slots = summary.pending_list.is_some();
-    let groups = image_groups(images, &pending, slots);
+    let mut groups = image_groups(images, &pending, slots);
+    for group in &mut groups {
+        group.build = builds.get(&group.image).copied();
+    }
     let index = RunDir::new_image_index_name();
     let mut summary = summary.with_images(groups.clone(), limit, &index);
     if let Some(images) = summary
@@ -999,10 +1058,7 @@ fn image_groups(images: BatchImages<'_>, pending: &[BatchRange], slots: bool) ->
         .iter()
         .zip(ids)
         .filter(|(_, ids)| !ids.is_empty())
-        .map(|(image, ids)| ImageGroup {
-            image: image.clone(),
-            ids: format_ranges(&compact_ranges(ids)),
-        })
+        .map(|(image, ids)| ImageGroup::new(image.clone(), format_ranges(&compact_ranges(ids))))
         .collect()
 }
 
@@ -1113,7 +1169,7 @@ mod tests {
         assert_eq!(manifest.image_of(6), None);
         let handed = hand_off(
             &location.run_dir(),
-            BatchImages::of(&manifest),
+            (BatchImages::of(&manifest), &BTreeMap::new()),
             summary,
             4096,
         )
@@ -1186,7 +1242,7 @@ mod tests {
         let (manifest, summary) = plan(&location).unwrap();
         let handed = hand_off(
             &location.run_dir(),
-            BatchImages::of(&manifest),
+            (BatchImages::of(&manifest), &BTreeMap::new()),
             summary,
             4096,
         )
@@ -1285,7 +1341,7 @@ mod tests {
         let started = std::time::Instant::now();
         let fitted = hand_off(
             &run_dir,
-            BatchImages::default(),
+            (BatchImages::default(), &BTreeMap::new()),
             summary.clone(),
             TERMINATION_MESSAGE_LIMIT,
         )
@@ -1343,7 +1399,7 @@ mod tests {
         // A plan run again writes a list of its own and leaves the earlier one for its pods.
         let again = hand_off(
             &run_dir,
-            BatchImages::default(),
+            (BatchImages::default(), &BTreeMap::new()),
             summary,
             TERMINATION_MESSAGE_LIMIT,
         )
@@ -1375,7 +1431,7 @@ mod tests {
         };
         let fitted = hand_off(
             &run_dir,
-            BatchImages::default(),
+            (BatchImages::default(), &BTreeMap::new()),
             summary.clone(),
             TERMINATION_MESSAGE_LIMIT,
         )

@@ -180,6 +180,11 @@ impl RunDir {
     pub fn harbor_rows(&self) -> PathBuf {
         self.root.join("harbor-tasks.jsonl")
     }
+    /// The images a run of Harbor tasks builds, one [`crate::contract::BuildEntry`] a line: line
+    /// *i* is built by the build Job's completion index *i*.
+    pub fn harbor_builds(&self) -> PathBuf {
+        self.root.join("harbor-builds.jsonl")
+    }
     /// The Harbor tasks the plan refused, each with why.
     pub fn harbor_refused(&self) -> PathBuf {
         self.root.join("harbor-refused.jsonl")

@@ -194,6 +194,22 @@ impl RunSpec {
                 "leaves out Harbor tasks by name: it needs dataset.format HarborTasks".to_owned(),
             );
         }
+        if let Some(builds) = &self.sandbox.builds {
+            violations.check(
+                self.dataset.format == crate::spec::DatasetFormat::HarborTasks,
+                "sandbox.builds",
+                "builds the images of Harbor tasks: it needs dataset.format HarborTasks".to_owned(),
+            );
+            violations.check(
+                is_build_repository(&builds.repository),
+                "sandbox.builds.repository",
+                format!(
+                    "{:?} must name a registry host and a repository, without a tag or digest \
+                     (registry.example.com/team/envs)",
+                    builds.repository
+                ),
+            );
+        }
         if let Some(replay) = &self.replay {
             violations.check(
                 is_relative_clean_path(&replay.from),
@@ -747,6 +763,24 @@ pub fn is_relative_clean_path(path: &str) -> bool {
         && path.split('/').all(|part| !part.is_empty() && part != "..")
 }
 
+/// `host[:port]/path` with a host a registry can be (a `.`, a port, or `localhost`), and no tag
+/// or digest: the built images' tags are appended to it.
+fn is_build_repository(repository: &str) -> bool {
+    let Some((host, path)) = repository.split_once('/') else {
+        return false;
+    };
+    let host_ok = host.contains('.') || host.contains(':') || host == "localhost";
+    let path_ok = !path.is_empty()
+        && !path.contains([':', '@'])
+        && path.split('/').all(|part| {
+            !part.is_empty()
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "._-".contains(c))
+        });
+    host_ok && path_ok
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -815,6 +849,44 @@ mod tests {
                  relative path inside the storage volume, without `..`",
                 "spec.dataset.excludeOracleFailures: leaves out Harbor tasks by name: it needs \
                  dataset.format HarborTasks",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_build_repository_names_a_registry_without_a_tag_for_harbor_tasks_only() {
+        let with = |format: &str, repository: &str| -> Vec<String> {
+            let mut spec = minimal();
+            spec.dataset =
+                serde_json::from_value(serde_json::json!({"path": "tasks", "format": format}))
+                    .unwrap();
+            spec.sandbox.builds =
+                serde_json::from_value(serde_json::json!({"repository": repository})).unwrap();
+            spec.validate().into_iter().map(|v| v.to_string()).collect()
+        };
+        assert!(with("HarborTasks", "registry.internal:5000/team/envs").is_empty());
+        assert!(with("HarborTasks", "localhost/envs").is_empty());
+        for bad in [
+            "envs",
+            "team/envs",
+            "registry.io/envs:1",
+            "registry.io/envs@sha256:ab",
+            "",
+        ] {
+            assert_eq!(
+                with("HarborTasks", bad),
+                [format!(
+                    "spec.sandbox.builds.repository: {bad:?} must name a registry host and a \
+                     repository, without a tag or digest (registry.example.com/team/envs)"
+                )],
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            with("Jsonl", "registry.internal/envs"),
+            [
+                "spec.sandbox.builds: builds the images of Harbor tasks: it needs dataset.format \
+              HarborTasks"
             ]
         );
     }

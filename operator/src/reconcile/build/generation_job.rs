@@ -29,10 +29,23 @@ pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard
     let mut annotations = match &shard.tasks {
         Tasks::Sandbox => BTreeMap::new(),
         Tasks::Image(image) => BTreeMap::from([(annotations::IMAGE.to_owned(), image.clone())]),
-        Tasks::Unavailable { image, why } => BTreeMap::from([
-            (annotations::IMAGE.to_owned(), image.clone()),
-            (annotations::IMAGE_UNAVAILABLE.to_owned(), why.clone()),
-        ]),
+        Tasks::Unavailable {
+            image,
+            why,
+            build_failed,
+        } => {
+            let mut annotations = BTreeMap::from([
+                (annotations::IMAGE.to_owned(), image.clone()),
+                (annotations::IMAGE_UNAVAILABLE.to_owned(), why.clone()),
+            ]);
+            if *build_failed {
+                annotations.insert(
+                    annotations::IMAGE_BUILD_FAILED.to_owned(),
+                    "true".to_owned(),
+                );
+            }
+            annotations
+        }
     };
     // `workers` changed mid-run changes the Job's parallelism: elastic, Kueue resizes its
     // Workload in place; otherwise it would evict the Job (every pod, every conversation in

@@ -9,6 +9,7 @@
 //! Every child carries the common labels and a controller owner reference to the run, so deleting
 //! the run deletes them (and never the data on storage).
 
+pub mod build_job;
 pub mod failure_policy;
 pub mod generation_job;
 pub mod image_pages_job;
@@ -69,6 +70,14 @@ pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -
                 (!exists)
                     .then(|| plan_config_map(run, Component::ImagePages { round: *round }, None)),
                 image_pages_job::image_pages_job(run, settings, (*round, index, *pages), *exists),
+            ),
+            Child::Build {
+                round,
+                builds,
+                exists,
+            } => (
+                (!exists).then(|| plan_config_map(run, Component::Build { round: *round }, None)),
+                build_job::build_job(run, settings, (*round, *builds), *exists),
             ),
             Child::Generation(shard) => {
                 let job = generation_job(run, settings, shard);
@@ -213,6 +222,7 @@ fn stopped_before_created(run: &ValidatedRun<'_>, child: &Child) -> bool {
     match child {
         Child::Plan { exists, .. }
         | Child::ImagePages { exists, .. }
+        | Child::Build { exists, .. }
         | Child::Merge { exists, .. } => !exists && run.spec.suspend,
         Child::Generation(shard) => !shard.exists && (run.spec.suspend || shard.held),
         Child::ImageIndex { .. } => false,

@@ -222,7 +222,7 @@ fn has_sandbox(run: &ValidatedRun<'_>, component: Component, tasks: &Tasks) -> b
             .mcp
             .iter()
             .any(|server| server.stdio.is_some()),
-        Component::Merge { .. } | Component::ImagePages { .. } => false,
+        Component::Merge { .. } | Component::ImagePages { .. } | Component::Build { .. } => false,
     }
 }
 
@@ -236,7 +236,7 @@ fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
 }
 
 /// The image of the worker's own container.
-fn worker_image(run: &ValidatedRun<'_>, settings: &Settings) -> String {
+pub(super) fn worker_image(run: &ValidatedRun<'_>, settings: &Settings) -> String {
     run.overrides
         .image
         .clone()
@@ -357,6 +357,31 @@ fn worker_container(
     }
 }
 
+/// The worker contract's variable saying where a generation pod's conversations run their
+/// commands, or why they cannot run.
+fn tasks_env(tasks: &Tasks) -> Option<(&'static str, String)> {
+    match tasks {
+        Tasks::Sandbox => None,
+        Tasks::Image(_) => Some((env::TASK_SOCKETS, paths::TASK_SOCKETS_DIR.to_owned())),
+        Tasks::Unavailable {
+            image,
+            why,
+            build_failed: false,
+        } => Some((
+            env::IMAGE_UNAVAILABLE,
+            format!("the image {image} could not be pulled: {why}"),
+        )),
+        Tasks::Unavailable {
+            image,
+            why,
+            build_failed: true,
+        } => Some((
+            env::IMAGE_BUILD_FAILED,
+            format!("the image {image} could not be built: {why}"),
+        )),
+    }
+}
+
 /// The restricted Pod Security Standard's container settings, and a read-only root filesystem;
 /// `user` when the image's own user must not be trusted.
 fn restricted(user: Option<i64>) -> SecurityContext {
@@ -413,14 +438,7 @@ fn environment(
         let grace = shutdown_grace(run.overrides.termination_grace_period_seconds);
         env_vars.push(contract(env::SHUTDOWN_GRACE_SECONDS, &grace.to_string()));
     }
-    match tasks {
-        Tasks::Sandbox => {}
-        Tasks::Image(_) => env_vars.push(contract(env::TASK_SOCKETS, paths::TASK_SOCKETS_DIR)),
-        Tasks::Unavailable { image, why } => env_vars.push(contract(
-            env::IMAGE_UNAVAILABLE,
-            &format!("the image {image} could not be pulled: {why}"),
-        )),
-    }
+    env_vars.extend(tasks_env(tasks).map(|(name, value)| contract(name, &value)));
     let secret = |name: String, secret: &SecretKeyRef| EnvVar {
         name,
         value: None,

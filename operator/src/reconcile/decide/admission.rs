@@ -39,6 +39,14 @@ fn live_job(run: &ValidatedRun<'_>, child: &Child) -> Option<(String, bool)> {
             run.child_name(Component::ImagePages { round: *round }),
             suspended,
         )),
+        Child::Build {
+            round,
+            exists: true,
+            ..
+        } => Some((
+            run.child_name(Component::Build { round: *round }),
+            suspended,
+        )),
         Child::Merge {
             round,
             exists: true,
@@ -114,6 +122,7 @@ pub fn decide(run: &ValidatedRun<'_>, observed: &Observed, children: &[Child]) -
     let creating = children.iter().any(|child| match child {
         Child::Plan { exists, .. }
         | Child::ImagePages { exists, .. }
+        | Child::Build { exists, .. }
         | Child::Merge { exists, .. } => !exists,
         Child::Generation(shard) => !shard.exists,
         Child::ImageIndex { .. } => false,

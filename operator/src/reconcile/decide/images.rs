@@ -21,13 +21,15 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use trajectory_worker::contract::{ImageGroup, MAX_JOB_COMPLETIONS, PlanSummary, parse_ranges};
+use trajectory_worker::contract::{
+    BuildOutcome, ImageGroup, MAX_JOB_COMPLETIONS, PlanSummary, parse_ranges,
+};
 
 use super::{
     AfterAttempt, Child, IdSpace, Pending, Shard, Tasks, after_attempt, attempt_state,
     count_batches, failure_of, to_usize, too_many_failed, worker_shares,
 };
-use crate::api::Phase;
+use crate::api::{BuildStatus, Phase};
 use crate::reconcile::children::{
     Component, MAX_NAME_LENGTH, first_attempt_of, round_of_attempt, unavailable_job_name,
 };
@@ -46,6 +48,8 @@ pub struct Piece {
     pub image: Option<String>,
     /// Its ids (batch ids, or slots of the plan's pending list), ascending.
     pub ids: Vec<u32>,
+    /// Why its image could not be built, when the run built it and that failed.
+    pub build_failed: Option<String>,
 }
 
 /// The run's pieces: the rows naming no image first, then each image group in the plan's order.
@@ -60,7 +64,11 @@ pub fn pieces(
         let group_ids = parse_ranges(&group.ids)
             .map_err(|reason| format!("image group {}: {reason}", group.image))?;
         in_groups.extend(group_ids.iter().copied());
-        grouped.push((Some(group.image.clone()), group_ids));
+        grouped.push((
+            Some(group.image.clone()),
+            group_ids,
+            group.build_failed.clone(),
+        ));
     }
     let done = ids.done_by_the_plan(plan);
     let upper = match ids {
@@ -72,12 +80,13 @@ pub fn pieces(
         .collect();
     let size = to_usize(MAX_JOB_COMPLETIONS);
     let mut pieces = Vec::new();
-    for (image, ids) in std::iter::once((None, imageless)).chain(grouped) {
+    for (image, ids, build_failed) in std::iter::once((None, imageless, None)).chain(grouped) {
         for chunk in ids.chunks(size) {
             pieces.push(Piece {
                 shard: u32::try_from(pieces.len()).unwrap_or(u32::MAX),
                 image: image.clone(),
                 ids: chunk.to_vec(),
+                build_failed: build_failed.clone(),
             });
         }
     }
@@ -261,6 +270,7 @@ fn window(
                     tasks: Tasks::Unavailable {
                         image: piece.image.clone().unwrap_or_default(),
                         why: why.clone(),
+                        build_failed: false,
                     },
                     held: false,
                 });
@@ -275,6 +285,7 @@ fn window(
                     (Some(why), image) => Tasks::Unavailable {
                         image: image.clone().unwrap_or_default(),
                         why: why.clone(),
+                        build_failed: job.build_failed,
                     },
                     (None, Some(image)) => Tasks::Image(image.clone()),
                     (None, None) => Tasks::Sandbox,
@@ -299,7 +310,15 @@ fn window(
             pending,
             exists: false,
             parallelism: 0,
-            tasks: piece.image.clone().map_or(Tasks::Sandbox, Tasks::Image),
+            tasks: match (&piece.image, &piece.build_failed) {
+                (Some(image), Some(why)) => Tasks::Unavailable {
+                    image: image.clone(),
+                    why: why.clone(),
+                    build_failed: true,
+                },
+                (Some(image), None) => Tasks::Image(image.clone()),
+                (None, _) => Tasks::Sandbox,
+            },
             held: false,
         });
     }
@@ -398,7 +417,28 @@ fn image_tally(
         pulled: u32::try_from(pulled.len()).unwrap_or(u32::MAX),
         unavailable_count: u32::try_from(unavailable.len()).unwrap_or(u32::MAX),
         unavailable: unavailable.into_iter().take(LISTED_UNAVAILABLE).collect(),
+        builds: build_tally(groups),
     }
+}
+
+/// How the builds of the groups' images went, once they reported; by image.
+fn build_tally(groups: &[ImageGroup]) -> Option<BuildStatus> {
+    let outcomes: BTreeMap<&str, BuildOutcome> = groups
+        .iter()
+        .filter_map(|group| Some((group.image.as_str(), group.built?)))
+        .collect();
+    if outcomes.is_empty() {
+        return None;
+    }
+    let count = |outcome| {
+        let images = outcomes.values().filter(|built| **built == outcome).count();
+        u32::try_from(images).unwrap_or(u32::MAX)
+    };
+    Some(BuildStatus {
+        built: count(BuildOutcome::Built),
+        reused: count(BuildOutcome::Present),
+        failed: count(BuildOutcome::Failed),
+    })
 }
 
 /// A refusal when the name of the attempt's last Job (its `-na` one) would not fit.
@@ -432,7 +472,7 @@ mod tests {
     use trajectory_worker::spec::ImageRewrite;
 
     use crate::api::{BatchCounts, TrajectoryRun, TrajectoryRunStatus};
-    use crate::fixtures::{JobFixture, ObservedFixture, now};
+    use crate::fixtures::{JobFixture, ObservedFixture, job_named as job, job_names as names, now};
     use crate::reconcile::observe::Observed;
     use crate::reconcile::{Desired, desired_state};
     use crate::settings::Settings;
@@ -465,24 +505,6 @@ mod tests {
             ("swe/b", "3"),
             ("swe/c", "5"),
         ])
-    }
-
-    fn job<'a>(desired: &'a Desired, name: &str) -> &'a Job {
-        desired
-            .children
-            .jobs
-            .iter()
-            .find(|job| job.metadata.name.as_deref() == Some(name))
-            .unwrap_or_else(|| panic!("no Job {name}"))
-    }
-
-    fn names(desired: &Desired) -> Vec<&str> {
-        desired
-            .children
-            .jobs
-            .iter()
-            .filter_map(|job| job.metadata.name.as_deref())
-            .collect()
     }
 
     fn pod(job: &Job) -> &PodSpec {
@@ -714,9 +736,8 @@ mod tests {
         );
         assert_eq!(desired.status.phase, Some(crate::api::Phase::Planning));
 
-        let group = |image: &str, ids: &str| trajectory_worker::contract::ImageGroup {
-            image: image.to_owned(),
-            ids: ids.to_owned(),
+        let group = |image: &str, ids: &str| {
+            trajectory_worker::contract::ImageGroup::new(image.to_owned(), ids.to_owned())
         };
         let pages = vec![
             trajectory_worker::contract::ImagePage {

@@ -27,6 +27,7 @@ use trajectory_worker::contract::{
 };
 
 use self::admission::Admissions;
+use self::builds::Built;
 use self::images::Work;
 
 use super::children::{
@@ -41,6 +42,7 @@ use crate::api::{
 };
 
 pub mod admission;
+pub mod builds;
 pub mod images;
 
 /// What the run should have now, before it is built into objects.
@@ -95,6 +97,12 @@ pub enum Child {
         pages: u32,
         exists: bool,
     },
+    /// The Job building the images of the round's plan's build list: `builds` lines.
+    Build {
+        round: u32,
+        builds: u32,
+        exists: bool,
+    },
     Generation(Shard),
     Merge {
         round: u32,
@@ -110,9 +118,14 @@ pub enum Tasks {
     Sandbox,
     /// A task container of this image (as the rows name it) for each conversation of a batch.
     Image(String),
-    /// The rows' image could not be pulled (why, as the node said): the pod records each of their
-    /// conversations failed, `image_unavailable`.
-    Unavailable { image: String, why: String },
+    /// The rows' image could not be pulled (why, as the node said), or (`build_failed`) built:
+    /// the pod records each of their conversations failed, `image_unavailable` (or
+    /// `image_build_failed`).
+    Unavailable {
+        image: String,
+        why: String,
+        build_failed: bool,
+    },
 }
 
 /// One generation Job of an attempt: an attempt of more than [`MAX_JOB_COMPLETIONS`] batches runs
@@ -326,14 +339,27 @@ fn stages(
         Groups::None => generate(run, observed, &plan, tally, &mut work.children),
         Groups::Read(groups) => {
             // Kept by the operator: the plan pod that reported them may be gone by the time
-            // the last image's turn comes.
-            if observed.image_index.is_none() {
+            // the last image's turn comes; kept again once the builds resolved them.
+            let keep = |groups: &Vec<ImageGroup>, work: &mut Work| {
                 work.children.push(Child::ImageIndex {
                     round: observed.round,
                     groups: groups.clone(),
                 });
+            };
+            match builds::resolve(observed, groups, work) {
+                Built::Building { groups, outcome } => {
+                    if observed.image_index.is_none() {
+                        keep(&groups, work);
+                    }
+                    Some(outcome)
+                }
+                Built::Ready { groups, resolved } => {
+                    if observed.image_index.is_none() || resolved {
+                        keep(&groups, work);
+                    }
+                    images::generate(run, observed, &plan, &groups, tally, work)
+                }
             }
-            images::generate(run, observed, &plan, &groups, tally, work)
         }
         Groups::Unread(outcome) => Some(outcome),
     };

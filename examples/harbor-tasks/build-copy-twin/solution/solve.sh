@@ -1,0 +1,2 @@
+#!/bin/bash
+cat /opt/task/word.txt > /app/answer.txt

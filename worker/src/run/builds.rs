@@ -1,0 +1,359 @@
+//! The images of Harbor tasks a run builds (`spec.sandbox.builds`): the build Job's completion
+//! index *i* builds line *i* of the run's build list (`harbor-builds.jsonl`, written by the plan).
+//!
+//! A build pod has two containers, so that the one running the dataset's `RUN` steps, which
+//! must be privileged, holds nothing of the run's:
+//!
+//! ```text
+//! init  build-context  worker image, unprivileged, the run's storage mounted: unpacks line i's
+//!                      context into /build/context (its digest checked), its Dockerfile's base
+//!                      images rewritten as the run pulls images (spec.sandbox.imageRewrite),
+//!                      and writes the line beside it
+//! main  build          builder image, privileged, only /build (and the push credentials):
+//!                      asks the registry for the tag; else buildah builds and pushes; reports
+//!                      how it went as its termination message
+//! ```
+//!
+//! A failed build is the tasks' outcome, not the pod's: the pod reports it and exits 0, and the
+//! operator records those tasks' conversations failed (`image_build_failed`).
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt as _;
+use tracing::{info, warn};
+
+use super::{RunError, RunLocation};
+use crate::contract::{BuildEntry, BuildOutcome, BuildReport};
+use crate::harbor::hex_sha256;
+
+/// What the build container is handed in the build directory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BuildOrder {
+    /// The line of the build list (the completion index).
+    pub line: u32,
+    pub entry: BuildEntry,
+    /// Plain HTTP to the registry (`spec.sandbox.builds.insecure`).
+    pub insecure: bool,
+}
+
+/// The file of the [`BuildOrder`] in the build directory.
+const ORDER_FILE: &str = "order.json";
+/// The unpacked context in the build directory.
+const CONTEXT_DIR: &str = "context";
+/// The most bytes of the builder's output a failure report keeps (its end).
+const ERROR_TAIL_BYTES: usize = 2048;
+
+/// `trajectory-worker build-context`: line `line` of the run's build list, its context unpacked
+/// into `dir` with its base images rewritten, and the order beside it.
+pub fn prepare(location: &RunLocation, line: u32, dir: &Path) -> Result<BuildOrder, RunError> {
+    let spec = &location.plan.spec;
+    let builds = spec.sandbox.builds.as_ref().ok_or_else(|| {
+        RunError::Spec("the run builds no images (spec.sandbox.builds is not set)".into())
+    })?;
+    let run_dir = location.run_dir();
+    let list = run_dir.harbor_builds();
+    let text = location.store.read_to_string(&list)?;
+    let bad = |why: String| RunError::BadBatchInput(format!("{}: {why}", list.display()));
+    let entry_text = text
+        .lines()
+        .nth(usize::try_from(line).unwrap_or(usize::MAX))
+        .ok_or_else(|| bad(format!("has no line {}", u64::from(line) + 1)))?;
+    let entry: BuildEntry = serde_json::from_str(entry_text)
+        .map_err(|err| bad(format!("line {}: {err}", u64::from(line) + 1)))?;
+    let context_path = Path::new(&entry.context);
+    if context_path.is_absolute()
+        || context_path
+            .components()
+            .any(|part| !matches!(part, std::path::Component::Normal(_)))
+    {
+        return Err(bad(format!(
+            "line {}: the context {:?} is not in the run's directory",
+            u64::from(line) + 1,
+            entry.context
+        )));
+    }
+    let packed = location.store.read(&run_dir.root().join(context_path))?;
+    let mut tar = Vec::new();
+    std::io::Read::read_to_end(
+        &mut flate2::read::GzDecoder::new(packed.as_slice()),
+        &mut tar,
+    )
+    .map_err(|err| bad(format!("{}: not a gzipped tar: {err}", entry.context)))?;
+    if hex_sha256(&tar) != entry.hash {
+        return Err(bad(format!(
+            "{}: its digest is not {}: the context changed after the plan",
+            entry.context, entry.hash
+        )));
+    }
+    let context = dir.join(CONTEXT_DIR);
+    let io = |what: &str, path: &Path, err: std::io::Error| {
+        RunError::Internal(format!("{what} {}: {err}", path.display()))
+    };
+    std::fs::create_dir_all(&context).map_err(|err| io("creating", &context, err))?;
+    tar::Archive::new(tar.as_slice())
+        .unpack(&context)
+        .map_err(|err| io("unpacking the context into", &context, err))?;
+    let dockerfile = context.join("Dockerfile");
+    let text =
+        std::fs::read_to_string(&dockerfile).map_err(|err| io("reading", &dockerfile, err))?;
+    let rewritten = rewrite_bases(&text, |image| spec.sandbox.rewritten_image(image));
+    std::fs::write(&dockerfile, rewritten).map_err(|err| io("writing", &dockerfile, err))?;
+    let order = BuildOrder {
+        line,
+        entry,
+        insecure: builds.insecure,
+    };
+    let path = dir.join(ORDER_FILE);
+    let json = serde_json::to_vec(&order).expect("an order serialises");
+    std::fs::write(&path, json).map_err(|err| io("writing", &path, err))?;
+    info!(image = %order.entry.image, tasks = ?order.entry.tasks, "build context ready");
+    Ok(order)
+}
+
+/// `dockerfile` with the image of each `FROM` line (its first word that is not a `--flag`)
+/// replaced by `rewrite`'s; a stage named earlier is an image `rewrite` leaves alone, as no
+/// registry prefix matches it.
+pub fn rewrite_bases(dockerfile: &str, rewrite: impl Fn(&str) -> String) -> String {
+    let mut out = String::with_capacity(dockerfile.len());
+    for line in dockerfile.split_inclusive('\n') {
+        let trimmed = line.trim_start();
+        let is_from = trimmed.get(..5).is_some_and(|head| {
+            head.eq_ignore_ascii_case("FROM ") || head.eq_ignore_ascii_case("FROM\t")
+        });
+        if !is_from {
+            out.push_str(line);
+            continue;
+        }
+        let indent = &line[..line.len() - trimmed.len()];
+        let mut words: Vec<String> = trimmed.split_whitespace().map(str::to_owned).collect();
+        if let Some(image) = words
+            .iter_mut()
+            .skip(1)
+            .find(|word| !word.starts_with("--"))
+        {
+            *image = rewrite(image);
+        }
+        out.push_str(indent);
+        out.push_str(&words.join(" "));
+        if line.ends_with('\n') {
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// `trajectory-worker build`: the order in `dir` built with `buildah` and pushed, unless the
+/// registry holds its tag already. Only an order that cannot be read is an error; a failed build
+/// is reported.
+pub async fn build(dir: &Path, buildah: &Path) -> Result<BuildReport, RunError> {
+    let path = dir.join(ORDER_FILE);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|err| RunError::Internal(format!("reading {}: {err}", path.display())))?;
+    let order: BuildOrder = serde_json::from_str(&text)
+        .map_err(|err| RunError::Internal(format!("{}: {err}", path.display())))?;
+    let started = Instant::now();
+    let image = order.entry.image.clone();
+    let report = |outcome, error: Option<String>| BuildReport {
+        build: order.line,
+        image: image.clone(),
+        outcome,
+        seconds: (started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
+        error,
+    };
+    if registry_has(&image, order.insecure).await {
+        info!(%image, "the registry holds it already: nothing to build");
+        return Ok(report(BuildOutcome::Present, None));
+    }
+    let timeout = Duration::from_secs_f64(order.entry.timeout_sec.clamp(1.0, 86_400.0));
+    let deadline = started + timeout;
+    let storage = [
+        "--storage-driver".to_owned(),
+        "vfs".to_owned(),
+        "--root".to_owned(),
+        dir.join("storage").display().to_string(),
+        "--runroot".to_owned(),
+        dir.join("run").display().to_string(),
+    ];
+    let tls = format!("--tls-verify={}", !order.insecure);
+    let context = dir.join(CONTEXT_DIR).display().to_string();
+    let steps: [(&str, Vec<String>); 2] = [
+        (
+            "build",
+            [
+                "bud",
+                "--isolation",
+                "chroot",
+                "--pull-always=false",
+                &tls,
+                "--tag",
+                &image,
+                &context,
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+        ),
+        (
+            "push",
+            [
+                "push".to_owned(),
+                tls.clone(),
+                image.clone(),
+                format!("docker://{image}"),
+            ]
+            .to_vec(),
+        ),
+    ];
+    for (step, args) in steps {
+        let mut command = tokio::process::Command::new(buildah);
+        command.args(&storage).args(&args);
+        let left = deadline.saturating_duration_since(Instant::now());
+        if let Err(why) = run_step(command, left).await {
+            let why = format!(
+                "{step} of {image} (tasks {}) failed: {why}",
+                order.entry.tasks.join(", ")
+            );
+            warn!("{why}");
+            return Ok(report(BuildOutcome::Failed, Some(why)));
+        }
+    }
+    info!(%image, seconds = started.elapsed().as_secs_f64(), "built and pushed");
+    Ok(report(BuildOutcome::Built, None))
+}
+
+/// Runs `command` for at most `left`; why it failed: its exit and the end of its output.
+async fn run_step(mut command: tokio::process::Command, left: Duration) -> Result<(), String> {
+    command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = command
+        .spawn()
+        .map_err(|err| format!("cannot start buildah: {err}"))?;
+    let (mut stdout, mut stderr) = (child.stdout.take(), child.stderr.take());
+    let collect = async {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        if let Some(stdout) = &mut stdout {
+            let _ = stdout.read_to_end(&mut out).await;
+        }
+        if let Some(stderr) = &mut stderr {
+            let _ = stderr.read_to_end(&mut err).await;
+        }
+        out.extend(err);
+        let status = child.wait().await;
+        (status, out)
+    };
+    let Ok((status, output)) = tokio::time::timeout(left, collect).await else {
+        return Err(format!(
+            "it took longer than the build timeout ({} s, the tasks' build_timeout_sec)",
+            left.as_secs()
+        ));
+    };
+    match status {
+        Ok(status) if status.success() => Ok(()),
+        Ok(status) => Err(format!("{status}: {}", tail(&output))),
+        Err(err) => Err(err.to_string()),
+    }
+}
+
+/// The end of `output`, at most [`ERROR_TAIL_BYTES`], on a character boundary.
+fn tail(output: &[u8]) -> String {
+    let text = String::from_utf8_lossy(output);
+    let text = text.trim_end();
+    let mut start = text.len().saturating_sub(ERROR_TAIL_BYTES);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    text[start..].to_owned()
+}
+
+/// Whether the registry answers for `image`'s manifest: then it was built before (the tag is the
+/// context's digest). Anything else, a registry that wants credentials included, is a build.
+async fn registry_has(image: &str, insecure: bool) -> bool {
+    let Some((registry, repository, tag)) = split_reference(image) else {
+        return false;
+    };
+    let scheme = if insecure { "http" } else { "https" };
+    let url = format!("{scheme}://{registry}/v2/{repository}/manifests/{tag}");
+    let Ok(client) = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+    else {
+        return false;
+    };
+    let accept = "application/vnd.oci.image.manifest.v1+json, \
+                  application/vnd.oci.image.index.v1+json, \
+                  application/vnd.docker.distribution.manifest.v2+json, \
+                  application/vnd.docker.distribution.manifest.list.v2+json";
+    match client
+        .head(&url)
+        .header(reqwest::header::ACCEPT, accept)
+        .send()
+        .await
+    {
+        Ok(response) => response.status().is_success(),
+        Err(err) => {
+            warn!(%url, %err, "cannot ask the registry for the image: building it");
+            false
+        }
+    }
+}
+
+/// `host[:port]/path:tag` as its registry, repository and tag; `None` for a reference without a
+/// registry host or a tag.
+fn split_reference(image: &str) -> Option<(&str, &str, &str)> {
+    let (registry, rest) = image.split_once('/')?;
+    if !(registry.contains('.') || registry.contains(':') || registry == "localhost") {
+        return None;
+    }
+    let (repository, tag) = rest.rsplit_once(':')?;
+    (!tag.contains('/')).then_some((registry, repository, tag))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_stage_base_is_rewritten_and_nothing_else() {
+        let dockerfile = "# FROM in a comment\nFROM --platform=linux/amd64 python:3.12-slim AS deps\nRUN echo FROM x\n  from python:3.12-slim\nFROM deps\nCOPY a /a";
+        let rewritten = rewrite_bases(dockerfile, |image| {
+            if image == "python:3.12-slim" {
+                "mirror:5000/python:1".into()
+            } else {
+                image.into()
+            }
+        });
+        assert_eq!(
+            rewritten,
+            "# FROM in a comment\nFROM --platform=linux/amd64 mirror:5000/python:1 AS deps\nRUN echo FROM x\n  from mirror:5000/python:1\nFROM deps\nCOPY a /a"
+        );
+    }
+
+    #[test]
+    fn references_split_into_registry_repository_and_tag() {
+        assert_eq!(
+            split_reference("registry.internal:5000/team/envs:ab12"),
+            Some(("registry.internal:5000", "team/envs", "ab12"))
+        );
+        assert_eq!(
+            split_reference("localhost/envs:1"),
+            Some(("localhost", "envs", "1"))
+        );
+        assert_eq!(split_reference("team/envs:1"), None, "no registry host");
+        assert_eq!(split_reference("registry.io/envs"), None, "no tag");
+    }
+
+    #[test]
+    fn a_failure_keeps_the_end_of_the_output() {
+        let output = format!("{}é{}", "a".repeat(3000), "z".repeat(100));
+        let kept = tail(output.as_bytes());
+        assert!(
+            kept.len() <= ERROR_TAIL_BYTES && kept.ends_with("zzz"),
+            "{kept}"
+        );
+    }
+}
