@@ -410,6 +410,12 @@ impl ObservedFixture {
         self
     }
 
+    /// The complete build Job has no pod left.
+    pub fn build_pods_gone(mut self) -> Self {
+        self.0.build_pods_gone = true;
+        self
+    }
+
     /// The operator keeps `groups` as the round's image index.
     pub fn image_index(mut self, groups: Vec<ImageGroup>) -> Self {
         self.0.image_index = Some(groups);

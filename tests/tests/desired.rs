@@ -186,3 +186,35 @@ async fn task_container_pods_need_the_baseline_standard_and_the_unavailable_ones
     .await
     .unwrap_or_else(|e| panic!("restricted accepts the unavailable rows' pod: {e}"));
 }
+
+/// A build pod's `build` container runs buildah privileged, as `docs/task-environments.md` and
+/// `docs/security.md` say: the baseline standard refuses it, the privileged one admits it; its
+/// `build-context` container alone would pass restricted.
+#[tokio::test]
+async fn build_pods_need_the_privileged_standard() {
+    let client = client().await;
+    let baseline = namespace_enforcing(&client, "desired-builds-baseline", "baseline").await;
+    let privileged = namespace_enforcing(&client, "desired-builds-privileged", "privileged").await;
+    let job_of = |namespace: &str| {
+        let mut run = stored_run(namespace);
+        run.spec.run.dataset = serde_json::from_value(
+            json!({"path": "tasks/terminal-bench-2", "format": "HarborTasks"}),
+        )
+        .expect("a dataset");
+        run.spec.run.sandbox.builds = serde_json::from_value(
+            json!({"repository": "registry.local:5000/envs", "pushSecret": "push"}),
+        )
+        .expect("builds");
+        let Ok(Validation::Valid(valid)) = validate(&run) else {
+            panic!("the run is valid");
+        };
+        build::build_job::build_job(&valid, &Settings::default(), (1, 3), false)
+    };
+    let refused = dry_run_pod(&client, baseline.name(), &job_of(baseline.name()))
+        .await
+        .expect_err("baseline refuses the build container");
+    assert!(refused.to_string().contains("privileged"), "{refused}");
+    dry_run_pod(&client, privileged.name(), &job_of(privileged.name()))
+        .await
+        .unwrap_or_else(|e| panic!("privileged admits the build pod: {e}"));
+}

@@ -67,6 +67,10 @@ pub const MANAGER: &str = "trajectory-operator";
 /// The worker container's name (named in the pod failure policy's exit-code rules).
 pub const CONTAINER: &str = "worker";
 
+/// The privileged container of a build pod, which builds and reports (its worker container
+/// readies the build).
+pub const BUILD_CONTAINER: &str = "build";
+
 /// The part of a run a child Job (and its plan `ConfigMap`) serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Component {

@@ -23,7 +23,9 @@ mod cache;
 
 pub use self::cache::ObserveCache;
 use self::cache::RunEntry;
-use super::children::{CONTAINER, Component, annotations, image_index_name, labels};
+use super::children::{
+    BUILD_CONTAINER, CONTAINER, Component, annotations, image_index_name, labels,
+};
 use super::queue::{self, ObservedQueue};
 use crate::api::TrajectoryRun;
 
@@ -57,6 +59,8 @@ pub struct Observed {
     /// What its succeeded pods reported, once it completed and until the operator kept the
     /// groups they resolved.
     pub build_reports: Vec<BuildReport>,
+    /// The complete build Job has no pod left: reports missing were lost, not never written.
+    pub build_pods_gone: bool,
     /// The image groups of the round's plan, as the operator keeps them in its `ConfigMap`
     /// ([`super::children::image_index_name`]) once it read them.
     pub image_index: Option<Vec<ImageGroup>>,
@@ -93,6 +97,7 @@ impl Default for Observed {
             image_pages: Vec::new(),
             build_job: None,
             build_reports: Vec::new(),
+            build_pods_gone: false,
             image_index: None,
             unpullable: BTreeMap::new(),
             budget_exhausted_at: None,
@@ -343,22 +348,26 @@ async fn read_image_reports(pods: &Api<Pod>, observed: &mut Observed) -> Result<
     if let Some(job) = observed.build_job.as_ref().filter(complete)
         && observed.image_index.as_ref().is_none_or(unresolved)
     {
-        observed.build_reports = build_reports(pods, job).await?;
+        (observed.build_reports, observed.build_pods_gone) = build_reports(pods, job).await?;
     }
     Ok(())
 }
 
-/// What the succeeded pods of the build Job `job` reported, one report a line of the build list.
-async fn build_reports(pods: &Api<Pod>, job: &Job) -> Result<Vec<BuildReport>, kube::Error> {
-    let mut reports: Vec<BuildReport> =
-        termination_messages(pods, &job.name_any(), Some("Succeeded"))
-            .await?
-            .iter()
-            .filter_map(|message| serde_json::from_str(message).ok())
-            .collect();
+/// What the succeeded pods of the build Job `job` reported, one report a line of the build list,
+/// and whether the Job has no pod left (the node that ran them went).
+async fn build_reports(
+    pods: &Api<Pod>,
+    job: &Job,
+) -> Result<(Vec<BuildReport>, bool), kube::Error> {
+    let (count, messages) =
+        pod_messages(pods, &job.name_any(), Some("Succeeded"), BUILD_CONTAINER).await?;
+    let mut reports: Vec<BuildReport> = messages
+        .iter()
+        .filter_map(|message| serde_json::from_str(message).ok())
+        .collect();
     reports.sort_by_key(|report| report.build);
     reports.dedup_by_key(|report| report.build);
-    Ok(reports)
+    Ok((reports, count == 0))
 }
 
 /// The pages the succeeded pods of the image pages Job `job` reported, in page order.
@@ -733,9 +742,21 @@ async fn termination_messages(
     job: &str,
     phase: Option<&str>,
 ) -> Result<Vec<String>, kube::Error> {
+    Ok(pod_messages(pods, job, phase, CONTAINER).await?.1)
+}
+
+/// How many pods of Job `job` there are, and the termination messages of their `container`s (of
+/// the pods in `phase`, when given).
+async fn pod_messages(
+    pods: &Api<Pod>,
+    job: &str,
+    phase: Option<&str>,
+    container: &str,
+) -> Result<(usize, Vec<String>), kube::Error> {
     let selector = format!("batch.kubernetes.io/job-name={job}");
     let list = pods.list(&ListParams::default().labels(&selector)).await?;
-    Ok(list
+    let count = list.items.len();
+    let messages = list
         .items
         .into_iter()
         .filter(|pod| {
@@ -748,9 +769,10 @@ async fn termination_messages(
                 .and_then(|s| s.container_statuses)
                 .unwrap_or_default()
         })
-        .filter(|status| status.name == CONTAINER)
+        .filter(|status| status.name == container)
         .filter_map(|status| status.state?.terminated?.message)
-        .collect())
+        .collect();
+    Ok((count, messages))
 }
 
 #[cfg(test)]

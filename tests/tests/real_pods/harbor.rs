@@ -2,7 +2,8 @@
 //! planned by the run's plan pod, each run in a task container of its image that the node pulls
 //! from the registry (their `python:3.12-slim` served by the registry's python task image, as a
 //! mirror would serve it, through `spec.sandbox.imageRewrite`), verified there by the task's own
-//! `tests/test.sh`.
+//! `tests/test.sh`. The images of the tasks whose Dockerfile needs a build are built by the run's
+//! build Job with buildah, in the worker image, and pushed to that registry.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -17,15 +18,21 @@ use trajectory_tests::real_pods::{HOW_TO_RUN, jsonl_lines, registry};
 use super::{Seen, Setup, model_scripting, terminal_call};
 
 /// The run's spec over the example tasks (`datasets/harbor` on the volume), with `agent` and
-/// `dataset` keys added.
-fn harbor_spec(registry: &str, agent: &Value, dataset: &Value) -> Value {
+/// `dataset` keys added; the built images go to `repository` (one of the test's own, so that the
+/// first run finds none built). `debian:12` is served by the registry's glibc image, which has
+/// no `apt-get`: the build of `needs-build` fails.
+fn harbor_spec(registry: &str, repository: &str, agent: &Value, dataset: &Value) -> Value {
     let mut spec = json!({
         "dataset": {"path": "datasets/harbor", "format": "HarborTasks"},
-        "batchSize": 8, "workers": 1, "concurrency": 4,
+        "batchSize": 8, "workers": 2, "concurrency": 4,
         "agent": {"maxTurns": 3, "promptTimeoutSeconds": 60},
-        "sandbox": {"imageRewrite": [
-            {"from": "python:3.12-slim", "to": format!("{registry}/tasks/python:1")},
-        ]},
+        "sandbox": {
+            "imageRewrite": [
+                {"from": "python:3.12-slim", "to": format!("{registry}/tasks/python:1")},
+                {"from": "debian:12", "to": format!("{registry}/tasks/glibc:1")},
+            ],
+            "builds": {"repository": repository, "insecure": true},
+        },
     });
     for (section, keys) in [("agent", agent), ("dataset", dataset)] {
         for (key, value) in keys.as_object().into_iter().flatten() {
@@ -64,13 +71,17 @@ fn refused(run_dir: &Path) -> BTreeMap<String, String> {
 }
 
 /// The oracle over the example tasks, then a model over those it passed. The oracle asks no
-/// model: each task's `solution/solve.sh` runs in the task's container (unpacked into
-/// `/solution`, which the image does not have) and its tests judge it: four rewards of 1, and
-/// the task whose solution is wrong named with 0 in `oracle.jsonl` and the statistics; the three
-/// tasks a run cannot honour are refused by name. The model's run names the oracle's report in
-/// `spec.dataset.excludeOracleFailures`: the broken task is left out, and the four others run
-/// with two model requests each, their rewards as the model's commands earn them (one wrong
-/// answer, 0).
+/// model: first the build Job builds the two images the tasks need, once each (`build-copy` and
+/// `build-copy-twin` share one context): one is built and pushed, the other fails (no `apt-get`
+/// in its base), and its task's conversation is recorded `image_build_failed`. Then each task's
+/// `solution/solve.sh` runs in the task's container (unpacked into `/solution`, which the image
+/// does not have) and its tests judge it: six rewards of 1 (the two in the built image, which
+/// its `COPY` and `RUN` made), and the task whose solution is wrong named with 0 in
+/// `oracle.jsonl` and the statistics, beside the one whose build failed; the two tasks a run
+/// cannot honour are refused by name. The model's run names the oracle's report in
+/// `spec.dataset.excludeOracleFailures`: the two failed tasks are left out, the built image is
+/// found in the registry (not built again), and the six others run with two model requests each,
+/// their rewards as the model's commands earn them (one wrong answer, 0).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn harbor_tasks_run_in_their_images_and_the_oracle_names_the_broken_one() {
     let setup = Setup::new("pods-harbor").await;
@@ -79,7 +90,8 @@ async fn harbor_tasks_run_in_their_images_and_the_oracle_names_the_broken_one() 
     setup.storage.add_dataset_dir(&examples, "harbor");
     let (model, url) = model_scripting(&setup, answer_some).await;
 
-    let oracle = harbor_spec(&registry, &json!({"oracle": true}), &json!({}));
+    let repository = format!("{registry}/harbor-builds/{}", setup.ns());
+    let oracle = harbor_spec(&registry, &repository, &json!({"oracle": true}), &json!({}));
     setup
         .create_scripted("harbor-oracle", &url, 0, &oracle)
         .await;
@@ -90,9 +102,11 @@ async fn harbor_tasks_run_in_their_images_and_the_oracle_names_the_broken_one() 
     assert_eq!(model.requests().len(), 0, "the oracle asks no model");
     let dir = setup.storage.run_dir(setup.ns(), "harbor-oracle");
     let expected = check_oracle_run(&dir, &run);
+    assert_eq!(builds_of(&run), (1, 0, 1), "built once, one failed");
 
     let spec = harbor_spec(
         &registry,
+        &repository,
         &json!({}),
         &json!({"excludeOracleFailures": format!("runs/{}/harbor-oracle", setup.ns())}),
     );
@@ -104,16 +118,31 @@ async fn harbor_tasks_run_in_their_images_and_the_oracle_names_the_broken_one() 
     let dir = setup.storage.run_dir(setup.ns(), "harbor-model");
     let mut expected = expected;
     expected.remove("wrong-solution");
+    expected.remove("needs-build");
     expected.insert("answer-dockerfile".into(), json!(0.0));
     assert_eq!(rewards_by_task(&dir), expected);
     let refusals = refused(&dir);
-    assert!(
-        refusals
-            .get("wrong-solution")
-            .is_some_and(|why| why.contains("failed the oracle")),
-        "{refusals:?}"
-    );
-    assert_eq!(model.requests().len(), 8, "two requests a conversation");
+    for task in ["wrong-solution", "needs-build"] {
+        assert!(
+            refusals
+                .get(task)
+                .is_some_and(|why| why.contains("failed the oracle")),
+            "{task}: {refusals:?}"
+        );
+    }
+    assert_eq!(builds_of(&run), (0, 1, 0), "found in the registry");
+    assert_eq!(model.requests().len(), 12, "two requests a conversation");
+}
+
+/// The run's `status.images.builds`: built, reused, failed.
+fn builds_of(run: &TrajectoryRun) -> (u32, u32, u32) {
+    let builds = run
+        .status
+        .as_ref()
+        .and_then(|status| status.images.as_ref())
+        .and_then(|images| images.builds.clone())
+        .unwrap_or_else(|| panic!("the status counts the builds: {:#?}", run.status));
+    (builds.built, builds.reused, builds.failed)
 }
 
 /// A model that answers four of the example tasks with one command, one of them wrong (the
@@ -128,6 +157,8 @@ fn answer_some(seen: &Seen) -> Value {
         "echo 42 > /app/answer.txt"
     } else if seen.prompt.contains("/app/out/done") {
         "mkdir -p /app/out && touch /app/out/done"
+    } else if seen.prompt.contains("/opt/task/word.txt") {
+        "cat /opt/task/word.txt > /app/answer.txt"
     } else if seen.prompt.contains("add(a, b)") {
         "printf 'def add(a, b):\\n    return a + b\\n' > /app/add.py"
     } else {
@@ -143,6 +174,9 @@ fn check_oracle_run(dir: &Path, run: &TrajectoryRun) -> BTreeMap<String, Value> 
     let expected: BTreeMap<String, Value> = [
         ("answer-dockerfile", &full),
         ("answer-prebuilt", &full),
+        ("build-copy", &full),
+        ("build-copy-twin", &full),
+        ("needs-build", &Value::Null),
         ("resources-timeouts", &full),
         ("reward-json", &full),
         ("wrong-solution", &json!(0.0)),
@@ -160,6 +194,9 @@ fn check_oracle_run(dir: &Path, run: &TrajectoryRun) -> BTreeMap<String, Value> 
         [
             (json!("answer-dockerfile"), json!(true)),
             (json!("answer-prebuilt"), json!(true)),
+            (json!("build-copy"), json!(true)),
+            (json!("build-copy-twin"), json!(true)),
+            (json!("needs-build"), json!(false)),
             (json!("resources-timeouts"), json!(true)),
             (json!("reward-json"), json!(true)),
             (json!("wrong-solution"), json!(false)),
@@ -169,12 +206,28 @@ fn check_oracle_run(dir: &Path, run: &TrajectoryRun) -> BTreeMap<String, Value> 
         serde_json::from_slice(&std::fs::read(dir.join("statistics.json")).unwrap()).unwrap();
     assert_eq!(
         statistics["oracle"]["failed_rows"],
-        json!(["wrong-solution"])
+        json!(["needs-build", "wrong-solution"])
+    );
+    assert_eq!(statistics["task_images"]["build_failed"], 1);
+    assert_eq!(
+        statistics["task_images"]["conversations"]["image_build_failed"],
+        1
+    );
+    // Recorded without a model request or a container, naming the build's failure.
+    let unbuilt = jsonl_lines(&dir.join("failures.jsonl"))
+        .into_iter()
+        .find(|record| record["source"]["harbor"]["task"] == "needs-build")
+        .expect("the record of the task whose build failed");
+    assert_eq!(unbuilt["error_class"], "image_build_failed", "{unbuilt}");
+    let why = unbuilt.to_string();
+    assert!(
+        why.contains("could not be built") && why.contains("apt-get"),
+        "{why}"
     );
     let refusals = refused(dir);
     assert_eq!(
         refusals.keys().collect::<Vec<_>>(),
-        ["compose-services", "needs-build", "separate-verifier"],
+        ["compose-services", "separate-verifier"],
         "{refusals:?}"
     );
     assert_eq!(
@@ -182,8 +235,8 @@ fn check_oracle_run(dir: &Path, run: &TrajectoryRun) -> BTreeMap<String, Value> 
             .as_ref()
             .and_then(|status| status.verification.clone()),
         Some(VerificationStatus {
-            verified: 5,
-            passed: 4
+            verified: 7,
+            passed: 6
         })
     );
     // The solution was shown running in the task's image.

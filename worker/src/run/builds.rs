@@ -114,35 +114,54 @@ pub fn prepare(location: &RunLocation, line: u32, dir: &Path) -> Result<BuildOrd
 }
 
 /// `dockerfile` with the image of each `FROM` line (its first word that is not a `--flag`)
-/// replaced by `rewrite`'s; a stage named earlier is an image `rewrite` leaves alone, as no
-/// registry prefix matches it.
+/// replaced by `rewrite`'s, then named in full as Docker reads a short name (`python:3.12` is
+/// `docker.io/library/python:3.12`): buildah, unlike Docker, does not guess a registry. A stage
+/// named earlier (`FROM deps`), `scratch` and an `ARG` (`$BASE`) are left as they are.
 pub fn rewrite_bases(dockerfile: &str, rewrite: impl Fn(&str) -> String) -> String {
+    let mut stages: Vec<String> = Vec::new();
     let mut out = String::with_capacity(dockerfile.len());
     for line in dockerfile.split_inclusive('\n') {
         let trimmed = line.trim_start();
-        let is_from = trimmed.get(..5).is_some_and(|head| {
-            head.eq_ignore_ascii_case("FROM ") || head.eq_ignore_ascii_case("FROM\t")
-        });
-        if !is_from {
+        let mut words: Vec<String> = trimmed.split_whitespace().map(str::to_owned).collect();
+        if !words
+            .first()
+            .is_some_and(|word| word.eq_ignore_ascii_case("FROM"))
+        {
             out.push_str(line);
             continue;
         }
-        let indent = &line[..line.len() - trimmed.len()];
-        let mut words: Vec<String> = trimmed.split_whitespace().map(str::to_owned).collect();
         if let Some(image) = words
             .iter_mut()
             .skip(1)
             .find(|word| !word.starts_with("--"))
         {
-            *image = rewrite(image);
+            let named = stages.iter().any(|stage| stage.eq_ignore_ascii_case(image));
+            if !(named || image == "scratch" || image.contains('$')) {
+                *image = qualified(&rewrite(image));
+            }
         }
-        out.push_str(indent);
+        if let [.., as_word, stage] = words.as_slice()
+            && as_word.eq_ignore_ascii_case("AS")
+        {
+            stages.push(stage.clone());
+        }
+        out.push_str(&line[..line.len() - trimmed.len()]);
         out.push_str(&words.join(" "));
         if line.ends_with('\n') {
             out.push('\n');
         }
     }
     out
+}
+
+/// `image` with the registry Docker assumes when it names none: `docker.io`, and `library/`
+/// for an official image.
+fn qualified(image: &str) -> String {
+    match image.split_once('/') {
+        Some((host, _)) if host.contains(['.', ':']) || host == "localhost" => image.to_owned(),
+        Some(_) => format!("docker.io/{image}"),
+        None => format!("docker.io/library/{image}"),
+    }
 }
 
 /// `trajectory-worker build`: the order in `dir` built with `buildah` and pushed, unless the
@@ -318,8 +337,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_stage_base_is_rewritten_and_nothing_else() {
-        let dockerfile = "# FROM in a comment\nFROM --platform=linux/amd64 python:3.12-slim AS deps\nRUN echo FROM x\n  from python:3.12-slim\nFROM deps\nCOPY a /a";
+    fn each_stage_base_is_rewritten_and_named_in_full_and_nothing_else() {
+        let dockerfile = "# FROM in a comment\nFROM --platform=linux/amd64 python:3.12-slim AS deps\nRUN echo FROM x\n  from team/tool:1 as Tool\nFROM deps\nFROM tool\nFROM scratch\nFROM $BASE\nFROM ghcr.io/o/i:2\nCOPY a /a";
         let rewritten = rewrite_bases(dockerfile, |image| {
             if image == "python:3.12-slim" {
                 "mirror:5000/python:1".into()
@@ -329,7 +348,7 @@ mod tests {
         });
         assert_eq!(
             rewritten,
-            "# FROM in a comment\nFROM --platform=linux/amd64 mirror:5000/python:1 AS deps\nRUN echo FROM x\n  from mirror:5000/python:1\nFROM deps\nCOPY a /a"
+            "# FROM in a comment\nFROM --platform=linux/amd64 mirror:5000/python:1 AS deps\nRUN echo FROM x\n  from docker.io/team/tool:1 as Tool\nFROM deps\nFROM tool\nFROM scratch\nFROM $BASE\nFROM ghcr.io/o/i:2\nCOPY a /a"
         );
     }
 

@@ -3,8 +3,9 @@
 //! the privileged one holds nothing of the run's (see `trajectory_worker::run::builds`):
 //!
 //! ```text
-//! init  build-context  worker image, restricted, the run's storage and plan mounted:
-//!                      `trajectory-worker build-context` readies /build
+//! init  worker         worker image, restricted, the run's storage and plan mounted:
+//!                      `trajectory-worker build-context` readies /build (named as every pod's
+//!                      worker container, which the pod failure policy's rules name)
 //! main  build          spec.sandbox.builds.image (default: the worker image), privileged,
 //!                      root: `trajectory-worker build` with buildah; only /build and the push
 //!                      Secret mounted; its report is its termination message
@@ -19,15 +20,9 @@ use trajectory_worker::contract::{env, paths};
 
 use super::pod_spec::worker_image;
 use super::{asserted_suspend, failure_policy, job_shell, to_i32};
-use crate::reconcile::children::Component;
+use crate::reconcile::children::{BUILD_CONTAINER, Component};
 use crate::reconcile::validate::ValidatedRun;
 use crate::settings::Settings;
-
-/// Container names of a build pod.
-pub mod containers {
-    pub const BUILD_CONTEXT: &str = "build-context";
-    pub const BUILD: &str = "build";
-}
 
 /// The volume the two containers share.
 const BUILD_VOLUME: &str = "build";
@@ -53,7 +48,6 @@ pub fn build_job(
         };
         // The worker container, restricted, with the run's storage: it readies the build.
         let mut context = pod.containers.remove(0);
-        containers::BUILD_CONTEXT.clone_into(&mut context.name);
         context.args = Some(vec!["build-context".to_owned()]);
         context.termination_message_path = None;
         context
@@ -130,7 +124,7 @@ fn build_container(run: &ValidatedRun<'_>, settings: &Settings, shared: VolumeMo
         });
     }
     Container {
-        name: containers::BUILD.to_owned(),
+        name: BUILD_CONTAINER.to_owned(),
         image: Some(image),
         image_pull_policy: run.overrides.image_pull_policy.clone(),
         command: Some(vec!["trajectory-worker".to_owned()]),

@@ -94,6 +94,21 @@ pub fn resolve(observed: &Observed, groups: Vec<ImageGroup>, work: &mut Work) ->
             ),
         },
         JobState::Complete if (0..builds).any(|line| !reports.contains_key(&line)) => {
+            if !observed.build_pods_gone {
+                let missing = (0..builds).find(|line| !reports.contains_key(line));
+                return Built::Building {
+                    groups,
+                    outcome: Outcome::Failed(
+                        Reason::PlanFailed,
+                        format!(
+                            "the image build Job completed without a report of line {} of the \
+                             build list in its build container's termination message (is \
+                             spec.sandbox.builds.image one that runs trajectory-worker build?)",
+                            missing.unwrap_or_default() + 1
+                        ),
+                    ),
+                };
+            }
             // Pods gone before their reports were kept (a node scaled down): build again;
             // what was pushed is found in the registry and not built twice.
             work.delete.extend(job.metadata.name.clone());
@@ -132,7 +147,7 @@ mod tests {
 
     use crate::api::TrajectoryRun;
     use crate::fixtures::{JobFixture, ObservedFixture, job_named as job, job_names as names, now};
-    use crate::reconcile::build::build_job::containers;
+    use crate::reconcile::children::{BUILD_CONTAINER, CONTAINER};
     use crate::reconcile::observe::{IMAGE_INDEX_KEY, Observed};
     use crate::reconcile::{Desired, desired_state};
     use crate::settings::Settings;
@@ -214,7 +229,7 @@ mod tests {
         );
         let pod = spec.template.spec.as_ref().unwrap();
         let context = &pod.init_containers.as_ref().unwrap()[0];
-        assert_eq!(context.name, containers::BUILD_CONTEXT);
+        assert_eq!(context.name, CONTAINER);
         assert_eq!(
             context.args.as_deref(),
             Some(&["build-context".to_owned()][..])
@@ -231,7 +246,7 @@ mod tests {
         assert!(mounts(context).contains(&paths::STORAGE_ROOT.to_owned()));
         assert!(mounts(context).contains(&paths::BUILD_DIR.to_owned()));
         let builder = &pod.containers[0];
-        assert_eq!(builder.name, containers::BUILD);
+        assert_eq!(builder.name, BUILD_CONTAINER);
         assert_eq!(builder.args.as_deref(), Some(&["build".to_owned()][..]));
         assert_eq!(
             mounts(builder),
@@ -257,6 +272,22 @@ mod tests {
             "{vars:?}"
         );
         assert_eq!(pod.automount_service_account_token, Some(false));
+        // The API server refuses a failure policy naming a container the pod does not have.
+        let named: Vec<&str> = pod
+            .containers
+            .iter()
+            .chain(pod.init_containers.iter().flatten())
+            .map(|c| c.name.as_str())
+            .collect();
+        for rule in &spec.pod_failure_policy.as_ref().unwrap().rules {
+            if let Some(container) = rule
+                .on_exit_codes
+                .as_ref()
+                .and_then(|codes| codes.container_name.as_deref())
+            {
+                assert!(named.contains(&container), "{container} in {named:?}");
+            }
+        }
     }
 
     /// Once every line reported, the groups are resolved and kept so, the images built start
@@ -331,19 +362,34 @@ mod tests {
     }
 
     /// A complete build Job whose pods went before their reports were kept (a node scaled
-    /// down) is built again: what it pushed is found in the registry then.
+    /// down) is built again: what it pushed is found in the registry then. One whose pods are
+    /// there and said nothing (a build image that is not the worker's) fails the run, rather
+    /// than build forever.
     #[test]
-    fn lost_reports_are_built_again_and_a_failed_job_fails_the_run() {
-        let observed = planned()
-            .image_index_kept()
-            .build_job(
+    fn lost_reports_are_built_again_and_missing_ones_fail_the_run() {
+        let complete = || {
+            planned().image_index_kept().build_job(
                 JobFixture::builds().complete().completed("0-1"),
                 vec![report(0, BUILT, BuildOutcome::Built)],
             )
-            .build();
-        let desired = decide(&observed);
+        };
+        let desired = decide(&complete().build_pods_gone().build());
         assert_eq!(desired.delete, ["coding-v1-build"]);
         assert!(names(&desired).is_empty(), "{:?}", names(&desired));
+
+        let desired = decide(&complete().build());
+        assert_eq!(desired.status.phase, Some(crate::api::Phase::Failed));
+        assert!(desired.delete.is_empty());
+        let failed = desired
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Failed");
+        assert!(
+            failed.is_some_and(|c| c.message.contains("without a report of line 2")),
+            "{:?}",
+            desired.status.conditions
+        );
 
         let failed = planned()
             .image_index_kept()
