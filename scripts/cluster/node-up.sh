@@ -192,6 +192,9 @@ start_containerd() {
 		        BinaryName = "$(command -v runc)"
 		        Root = "${NODE}/runc"
 		        SystemdCgroup = false
+		  [plugins."io.containerd.grpc.v1.cri".registry]
+		    # The test registry, plain HTTP at both its addresses (start_registry).
+		    config_path = "${NODE}/containerd/certs.d"
 		  [plugins."io.containerd.grpc.v1.cri".cni]
 		    bin_dir = "${CNI_BIN_DIR}"
 		    conf_dir = "${NODE}/cni/net.d"
@@ -205,20 +208,29 @@ start_containerd() {
 
 ctr_ok() { ctr --address "${SOCK}" version >/dev/null 2>&1; }
 
-# An image registry on loopback that the node pulls from over plain HTTP (containerd's CRI takes
-# http:// for a registry on 127.0.0.1 or localhost), holding the tests' task images
+# An image registry that the node pulls from over plain HTTP, holding the tests' task images
 # (scripts/registry/task-images.sh): go-containerregistry's `crane registry serve`, storing blobs in
-# node/registry. Sets REGISTRY (127.0.0.1:<port>, the port the kernel gave it).
+# node/registry. Sets REGISTRY (127.0.0.1:<port>, the port the kernel gave it) and POD_REGISTRY
+# (the same registry at the host's address on the bridge, where pods reach it: a run's build pods
+# push there, and the node pulls from there too, over plain HTTP as containerd's hosts.toml
+# below says).
 start_registry() {
 	local crane
 	crane="$("${CLUSTER_SCRIPTS_DIR}/../registry/build.sh" --print-path)"
 	mkdir -p "${NODE}/registry"
 	log "starting the image registry"
-	setsid "${crane}" registry serve --address 127.0.0.1:0 --disk "${NODE}/registry" \
+	setsid "${crane}" registry serve --address 0.0.0.0:0 --disk "${NODE}/registry" \
 		>"${LOGS}/registry.log" 2>&1 </dev/null &
 	echo "$!" >"${PIDS}/registry.pid"
 	wait_ready "the image registry" 30 registry registry_port
 	REGISTRY="127.0.0.1:$(registry_port)"
+	POD_REGISTRY="${GATEWAY}:$(registry_port)"
+	local host
+	for host in "${REGISTRY}" "${POD_REGISTRY}"; do
+		mkdir -p "${NODE}/containerd/certs.d/${host}"
+		printf 'server = "http://%s"\n\n[host."http://%s"]\n  capabilities = ["pull", "resolve"]\n' \
+			"${host}" "${host}" >"${NODE}/containerd/certs.d/${host}/hosts.toml"
+	done
 	TRAJ_CRANE="${crane}" "${CLUSTER_SCRIPTS_DIR}/../registry/task-images.sh" "${REGISTRY}" ||
 		die "pushing the task images to ${REGISTRY} failed"
 }
@@ -424,6 +436,7 @@ export TRAJ_CLUSTER_REAL_NODE=${NAME}
 export TRAJ_CLUSTER_NODE_HOST_IP=${GATEWAY}
 export TRAJ_CLUSTER_NODE_CONTAINERD=${SOCK}
 export TRAJ_CLUSTER_REGISTRY=${REGISTRY}
+export TRAJ_CLUSTER_POD_REGISTRY=${POD_REGISTRY}
 EOF
 log "real node ${NAME} Ready in $((SECONDS - START)) s: pods reach the host at ${GATEWAY}; images" \
 	"${NODE_BUSYBOX_IMAGE}, ${NODE_PAUSE_IMAGE}; registry ${REGISTRY}; taint trajectory.dev/real-node=true:NoSchedule"

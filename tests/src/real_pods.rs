@@ -45,6 +45,13 @@ pub fn registry(how_to_run: &str) -> String {
         .unwrap_or_else(|_| panic!("TRAJ_CLUSTER_REGISTRY is not set: {how_to_run}"))
 }
 
+/// The same registry as [`registry`], at the host's address on the pod network: where pods reach
+/// it (a run's build pods pull from it and push to it), and the node pulls from it too.
+pub fn pod_registry(how_to_run: &str) -> String {
+    std::env::var("TRAJ_CLUSTER_POD_REGISTRY")
+        .unwrap_or_else(|_| panic!("TRAJ_CLUSTER_POD_REGISTRY is not set: {how_to_run}"))
+}
+
 /// The Ready node labelled `type=real`.
 #[derive(Debug, Clone)]
 pub struct RealNode {

@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use trajectory_operator::api::{Phase, TrajectoryRun, VerificationStatus};
 use trajectory_testkit::scripted_server::text_reply;
 use trajectory_tests::e2e::phase_of;
-use trajectory_tests::real_pods::{HOW_TO_RUN, jsonl_lines, registry};
+use trajectory_tests::real_pods::{HOW_TO_RUN, jsonl_lines, pod_registry};
 
 use super::{Seen, Setup, model_scripting, terminal_call};
 
@@ -42,14 +42,20 @@ fn harbor_spec(registry: &str, repository: &str, agent: &Value, dataset: &Value)
     spec
 }
 
-/// Each record's Harbor task (its directory name) and reward.
+/// Each record's Harbor task (its directory name) and reward; a failed record, which keeps no
+/// `source`, by its row.
 fn rewards_by_task(run_dir: &Path) -> BTreeMap<String, Value> {
+    let rows = jsonl_lines(&run_dir.join("harbor-tasks.jsonl"));
     jsonl_lines(&run_dir.join("trajectories.jsonl"))
         .into_iter()
         .chain(jsonl_lines(&run_dir.join("failures.jsonl")))
         .map(|record| {
+            let row = usize::try_from(record["prompt_index"].as_u64().unwrap_or(u64::MAX))
+                .ok()
+                .and_then(|index| rows.get(index));
             let task = record["source"]["harbor"]["task"]
                 .as_str()
+                .or_else(|| row.and_then(|row| row["harbor"]["task"].as_str()))
                 .unwrap_or_else(|| panic!("a Harbor record names its task: {record}"))
                 .to_owned();
             (task, record["reward"].clone())
@@ -85,7 +91,8 @@ fn refused(run_dir: &Path) -> BTreeMap<String, String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn harbor_tasks_run_in_their_images_and_the_oracle_names_the_broken_one() {
     let setup = Setup::new("pods-harbor").await;
-    let registry = registry(HOW_TO_RUN);
+    // Where the build pods reach it too.
+    let registry = pod_registry(HOW_TO_RUN);
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/harbor-tasks");
     setup.storage.add_dataset_dir(&examples, "harbor");
     let (model, url) = model_scripting(&setup, answer_some).await;
@@ -214,11 +221,24 @@ fn check_oracle_run(dir: &Path, run: &TrajectoryRun) -> BTreeMap<String, Value> 
         1
     );
     // Recorded without a model request or a container, naming the build's failure.
-    let unbuilt = jsonl_lines(&dir.join("failures.jsonl"))
-        .into_iter()
-        .find(|record| record["source"]["harbor"]["task"] == "needs-build")
-        .expect("the record of the task whose build failed");
+    let failures = jsonl_lines(&dir.join("failures.jsonl"));
+    assert_eq!(
+        failures.len(),
+        1,
+        "only the task whose build failed: {failures:?}"
+    );
+    let unbuilt = &failures[0];
     assert_eq!(unbuilt["error_class"], "image_build_failed", "{unbuilt}");
+    let reported: Vec<Value> = jsonl_lines(&dir.join("oracle.jsonl"))
+        .into_iter()
+        .filter(|line| line["task"] == "needs-build")
+        .map(|line| line["error_class"].clone())
+        .collect();
+    assert_eq!(
+        reported,
+        [json!("image_build_failed")],
+        "named in the report"
+    );
     let why = unbuilt.to_string();
     assert!(
         why.contains("could not be built") && why.contains("apt-get"),

@@ -1256,7 +1256,8 @@ fn merge_with(location: &RunLocation, report: bool) -> Result<MergeSummary, RunE
     }
 
     let mut statistics = statistics(location, &manifest, &mut totals, &missing);
-    if let Some(outcomes) = totals.oracle.take() {
+    if let Some(mut outcomes) = totals.oracle.take() {
+        name_failed_rows(location, &mut outcomes)?;
         statistics["oracle"] = write_oracle_report(&run_dir, outcomes)?;
     }
     let bytes = outputs.finish(&run_dir, &statistics, totals.report.take())?;
@@ -1427,6 +1428,51 @@ fn token_statistics(totals: &Totals) -> serde_json::Value {
         "exact_rate": rate(server, trajectories),
         "endpoints": endpoints,
     })
+}
+
+/// Names the Harbor task of each outcome whose record does not (a failed record keeps no
+/// `source`: one whose image could not be pulled or built) from the run's rows, so that the
+/// report names it and `excludeOracleFailures` can leave it out. The plan writes every task as a
+/// valid row, so a row's prompt index is its line.
+fn name_failed_rows(
+    location: &RunLocation,
+    outcomes: &mut [OracleOutcome],
+) -> Result<(), RunError> {
+    if location.plan.spec.dataset.format != crate::spec::DatasetFormat::HarborTasks
+        || outcomes.iter().all(|outcome| outcome.task.is_some())
+    {
+        return Ok(());
+    }
+    #[derive(Deserialize)]
+    struct Row<'a> {
+        #[serde(default, borrow)]
+        harbor: Option<HarborView<'a>>,
+    }
+    let rows = location.store.read(&location.dataset_path())?;
+    let names: Vec<(Option<String>, Option<String>)> = rows
+        .split(|byte| *byte == b'\n')
+        .filter(|line| !line.is_empty())
+        .map(|line| {
+            let harbor = serde_json::from_slice::<Row<'_>>(line)
+                .ok()
+                .and_then(|row| row.harbor);
+            let owned = |text: Option<&Cow<'_, str>>| text.map(|text| text.to_string());
+            (
+                owned(harbor.as_ref().and_then(|h| h.task.as_ref())),
+                owned(harbor.as_ref().and_then(|h| h.name.as_ref())),
+            )
+        })
+        .collect();
+    for outcome in outcomes.iter_mut().filter(|outcome| outcome.task.is_none()) {
+        if let Some((task, name)) = usize::try_from(outcome.prompt_index)
+            .ok()
+            .and_then(|index| names.get(index))
+        {
+            outcome.task.clone_from(task);
+            outcome.name.clone_from(name);
+        }
+    }
+    Ok(())
 }
 
 /// Writes an oracle run's report beside its outputs; returns its summary for the statistics.
