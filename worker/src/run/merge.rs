@@ -1438,15 +1438,15 @@ fn name_failed_rows(
     location: &RunLocation,
     outcomes: &mut [OracleOutcome],
 ) -> Result<(), RunError> {
-    if location.plan.spec.dataset.format != crate::spec::DatasetFormat::HarborTasks
-        || outcomes.iter().all(|outcome| outcome.task.is_some())
-    {
-        return Ok(());
-    }
     #[derive(Deserialize)]
     struct Row<'a> {
         #[serde(default, borrow)]
         harbor: Option<HarborView<'a>>,
+    }
+    if location.plan.spec.dataset.format != crate::spec::DatasetFormat::HarborTasks
+        || outcomes.iter().all(|outcome| outcome.task.is_some())
+    {
+        return Ok(());
     }
     let rows = location.store.read(&location.dataset_path())?;
     let names: Vec<(Option<String>, Option<String>)> = rows
@@ -1456,7 +1456,7 @@ fn name_failed_rows(
             let harbor = serde_json::from_slice::<Row<'_>>(line)
                 .ok()
                 .and_then(|row| row.harbor);
-            let owned = |text: Option<&Cow<'_, str>>| text.map(|text| text.to_string());
+            let owned = |text: Option<&Cow<'_, str>>| text.map(ToString::to_string);
             (
                 owned(harbor.as_ref().and_then(|h| h.task.as_ref())),
                 owned(harbor.as_ref().and_then(|h| h.name.as_ref())),
