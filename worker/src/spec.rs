@@ -1355,7 +1355,9 @@ pub struct ImageBuilds {
     /// The repository the images are pushed to, and the generation pods pull them from:
     /// `registry.example.com/team/harbor-envs` (no tag). The nodes must be able to pull from it.
     pub repository: String,
-    /// Speak plain HTTP to the registry (an in-cluster registry without TLS).
+    /// Speak plain HTTP to the registry (an in-cluster registry without TLS), and to the
+    /// mirrors `imageRewrite` names (the build's bases come from them); every other registry
+    /// over verified TLS.
     #[serde(default)]
     pub insecure: bool,
     /// A Secret of type `kubernetes.io/dockerconfigjson` whose credentials push to

@@ -417,7 +417,8 @@ fn the_images_of_tasks_that_need_a_build_are_listed_once_per_context() {
     let build_dir = tempfile::tempdir().unwrap();
     let order = trajectory_worker::run::builds::prepare(&fixture.location(), 0, build_dir.path())
         .expect("readied");
-    assert_eq!((order.line, order.insecure), (0, true));
+    assert_eq!(order.line, 0);
+    assert_eq!(order.insecure_registries, ["registry.test:5000"]);
     let dockerfile = std::fs::read_to_string(build_dir.path().join("context/Dockerfile")).unwrap();
     assert!(
         dockerfile.starts_with("FROM registry.test:5000/tasks/python:1\n"),

@@ -17,12 +17,12 @@
 //! A failed build is the tasks' outcome, not the pod's: the pod reports it and exits 0, and the
 //! operator records those tasks' conversations failed (`image_build_failed`).
 
+use std::fmt::Write as _;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio::io::AsyncReadExt as _;
 use tracing::{info, warn};
 
 use super::{RunError, RunLocation};
@@ -35,8 +35,10 @@ pub struct BuildOrder {
     /// The line of the build list (the completion index).
     pub line: u32,
     pub entry: BuildEntry,
-    /// Plain HTTP to the registry (`spec.sandbox.builds.insecure`).
-    pub insecure: bool,
+    /// The registries spoken to over plain HTTP (`spec.sandbox.builds.insecure`): the
+    /// repository's, and the mirrors `spec.sandbox.imageRewrite` names. Every other registry is
+    /// spoken to over verified TLS.
+    pub insecure_registries: Vec<String>,
 }
 
 /// The file of the [`BuildOrder`] in the build directory.
@@ -50,9 +52,11 @@ const ERROR_TAIL_BYTES: usize = 2048;
 /// into `dir` with its base images rewritten, and the order beside it.
 pub fn prepare(location: &RunLocation, line: u32, dir: &Path) -> Result<BuildOrder, RunError> {
     let spec = &location.plan.spec;
-    let builds = spec.sandbox.builds.as_ref().ok_or_else(|| {
-        RunError::Spec("the run builds no images (spec.sandbox.builds is not set)".into())
-    })?;
+    if spec.sandbox.builds.is_none() {
+        return Err(RunError::Spec(
+            "the run builds no images (spec.sandbox.builds is not set)".into(),
+        ));
+    }
     let run_dir = location.run_dir();
     let list = run_dir.harbor_builds();
     let text = location.store.read_to_string(&list)?;
@@ -104,7 +108,7 @@ pub fn prepare(location: &RunLocation, line: u32, dir: &Path) -> Result<BuildOrd
     let order = BuildOrder {
         line,
         entry,
-        insecure: builds.insecure,
+        insecure_registries: insecure_registries(spec),
     };
     let path = dir.join(ORDER_FILE);
     let json = serde_json::to_vec(&order).expect("an order serialises");
@@ -182,7 +186,7 @@ pub async fn build(dir: &Path, buildah: &Path) -> Result<BuildReport, RunError> 
         seconds: (started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
         error,
     };
-    if registry_has(&image, order.insecure).await {
+    if registry_has(&image, &order.insecure_registries).await {
         info!(%image, "the registry holds it already: nothing to build");
         return Ok(report(BuildOutcome::Present, None));
     }
@@ -196,7 +200,11 @@ pub async fn build(dir: &Path, buildah: &Path) -> Result<BuildReport, RunError> 
         "--runroot".to_owned(),
         dir.join("run").display().to_string(),
     ];
-    let tls = format!("--tls-verify={}", !order.insecure);
+    // Plain HTTP for the registries named insecure alone: `--tls-verify=false` would also
+    // drop TLS for a base pulled from anywhere else.
+    let registries = dir.join(REGISTRIES_FILE);
+    std::fs::write(&registries, registries_conf(&order.insecure_registries))
+        .map_err(|err| RunError::Internal(format!("writing {}: {err}", registries.display())))?;
     let context = dir.join(CONTEXT_DIR).display().to_string();
     let steps: [(&str, Vec<String>); 2] = [
         (
@@ -206,7 +214,6 @@ pub async fn build(dir: &Path, buildah: &Path) -> Result<BuildReport, RunError> 
                 "--isolation",
                 "chroot",
                 "--pull-always=false",
-                &tls,
                 "--tag",
                 &image,
                 &context,
@@ -218,7 +225,6 @@ pub async fn build(dir: &Path, buildah: &Path) -> Result<BuildReport, RunError> 
             "push",
             [
                 "push".to_owned(),
-                tls.clone(),
                 image.clone(),
                 format!("docker://{image}"),
             ]
@@ -227,7 +233,10 @@ pub async fn build(dir: &Path, buildah: &Path) -> Result<BuildReport, RunError> 
     ];
     for (step, args) in steps {
         let mut command = tokio::process::Command::new(buildah);
-        command.args(&storage).args(&args);
+        command
+            .args(&storage)
+            .args(&args)
+            .env("CONTAINERS_REGISTRIES_CONF", &registries);
         let left = deadline.saturating_duration_since(Instant::now());
         if let Err(why) = run_step(command, left).await {
             let why = format!(
@@ -242,38 +251,31 @@ pub async fn build(dir: &Path, buildah: &Path) -> Result<BuildReport, RunError> 
     Ok(report(BuildOutcome::Built, None))
 }
 
-/// Runs `command` for at most `left`; why it failed: its exit and the end of its output.
+/// Runs `command` for at most `left`; why it failed: its exit and the end of its output (its
+/// standard output, then its standard error, both read as they come).
 async fn run_step(mut command: tokio::process::Command, left: Duration) -> Result<(), String> {
     command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
-    let mut child = command
+    let child = command
         .spawn()
         .map_err(|err| format!("cannot start buildah: {err}"))?;
-    let (mut stdout, mut stderr) = (child.stdout.take(), child.stderr.take());
-    let collect = async {
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        if let Some(stdout) = &mut stdout {
-            let _ = stdout.read_to_end(&mut out).await;
-        }
-        if let Some(stderr) = &mut stderr {
-            let _ = stderr.read_to_end(&mut err).await;
-        }
-        out.extend(err);
-        let status = child.wait().await;
-        (status, out)
-    };
-    let Ok((status, output)) = tokio::time::timeout(left, collect).await else {
+    // Dropped at the timeout, the child is killed with the future.
+    let Ok(output) = tokio::time::timeout(left, child.wait_with_output()).await else {
         return Err(format!(
             "it took longer than the build timeout ({} s, the tasks' build_timeout_sec)",
             left.as_secs()
         ));
     };
-    match status {
-        Ok(status) if status.success() => Ok(()),
-        Ok(status) => Err(format!("{status}: {}", tail(&output))),
+    match output {
+        Ok(output) if output.status.success() => Ok(()),
+        Ok(output) => {
+            let mut text = output.stdout;
+            text.extend(output.stderr);
+            Err(format!("{}: {}", output.status, tail(&text)))
+        }
         Err(err) => Err(err.to_string()),
     }
 }
@@ -291,11 +293,15 @@ fn tail(output: &[u8]) -> String {
 
 /// Whether the registry answers for `image`'s manifest: then it was built before (the tag is the
 /// context's digest). Anything else, a registry that wants credentials included, is a build.
-async fn registry_has(image: &str, insecure: bool) -> bool {
+async fn registry_has(image: &str, insecure: &[String]) -> bool {
     let Some((registry, repository, tag)) = split_reference(image) else {
         return false;
     };
-    let scheme = if insecure { "http" } else { "https" };
+    let scheme = if insecure.iter().any(|host| host == registry) {
+        "http"
+    } else {
+        "https"
+    };
     let url = format!("{scheme}://{registry}/v2/{repository}/manifests/{tag}");
     let Ok(client) = reqwest::Client::builder()
         .timeout(Duration::from_secs(20))
@@ -319,6 +325,54 @@ async fn registry_has(image: &str, insecure: bool) -> bool {
             false
         }
     }
+}
+
+/// The file of the build's registry configuration in the build directory.
+const REGISTRIES_FILE: &str = "registries.conf";
+
+/// The registries a run's builds speak plain HTTP to, when `spec.sandbox.builds.insecure`: the
+/// repository's, and those of the mirrors `spec.sandbox.imageRewrite` rewrites to.
+fn insecure_registries(spec: &crate::spec::RunSpec) -> Vec<String> {
+    let Some(builds) = spec
+        .sandbox
+        .builds
+        .as_ref()
+        .filter(|builds| builds.insecure)
+    else {
+        return Vec::new();
+    };
+    let host = |reference: &str| {
+        reference
+            .split_once('/')
+            .map(|(host, _)| host.to_owned())
+            .filter(|host| host.contains(['.', ':']) || host == "localhost")
+    };
+    let mut hosts: Vec<String> = std::iter::once(builds.repository.as_str())
+        .chain(
+            spec.sandbox
+                .image_rewrite
+                .iter()
+                .map(|rewrite| rewrite.to.as_str()),
+        )
+        .filter_map(host)
+        .collect();
+    hosts.sort();
+    hosts.dedup();
+    hosts
+}
+
+/// The registries.conf (containers-registries.conf(5)) of a build: short names are Docker
+/// Hub's, and the `insecure` registries are spoken to over plain HTTP.
+fn registries_conf(insecure: &[String]) -> String {
+    let mut conf = String::from("unqualified-search-registries = [\"docker.io\"]\n");
+    for host in insecure {
+        let location = serde_json::Value::from(host.as_str());
+        let _ = write!(
+            conf,
+            "\n[[registry]]\nlocation = {location}\ninsecure = true\n"
+        );
+    }
+    conf
 }
 
 /// `host[:port]/path:tag` as its registry, repository and tag; `None` for a reference without a
@@ -364,6 +418,32 @@ mod tests {
         );
         assert_eq!(split_reference("team/envs:1"), None, "no registry host");
         assert_eq!(split_reference("registry.io/envs"), None, "no tag");
+    }
+
+    #[test]
+    fn only_the_runs_own_registries_are_spoken_to_over_plain_http() {
+        let spec: crate::spec::RunSpec = serde_json::from_value(serde_json::json!({
+            "dataset": {"path": "tasks", "format": "HarborTasks"},
+            "model": {"baseUrl": "http://127.0.0.1:1/v1", "name": "m"},
+            "sandbox": {
+                "builds": {"repository": "10.0.0.1:5000/envs", "insecure": true},
+                "imageRewrite": [
+                    {"from": "python:", "to": "mirror.internal:5000/python:"},
+                    {"from": "debian:", "to": "10.0.0.1:5000/debian:"},
+                    {"from": "x", "to": "library/x"},
+                ],
+            },
+        }))
+        .unwrap();
+        let hosts = insecure_registries(&spec);
+        assert_eq!(hosts, ["10.0.0.1:5000", "mirror.internal:5000"]);
+        assert_eq!(
+            registries_conf(&hosts),
+            "unqualified-search-registries = [\"docker.io\"]\n\n[[registry]]\nlocation = \"10.0.0.1:5000\"\ninsecure = true\n\n[[registry]]\nlocation = \"mirror.internal:5000\"\ninsecure = true\n"
+        );
+        let mut secure = spec;
+        secure.sandbox.builds.as_mut().unwrap().insecure = false;
+        assert!(insecure_registries(&secure).is_empty());
     }
 
     #[test]
