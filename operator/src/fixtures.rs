@@ -528,3 +528,8 @@ pub fn job_named<'a>(desired: &'a crate::reconcile::Desired, name: &str) -> &'a 
         .find(|job| job.metadata.name.as_deref() == Some(name))
         .unwrap_or_else(|| panic!("no Job {name}"))
 }
+
+/// The pod template of `job`.
+pub fn pod_of(job: &Job) -> &k8s_openapi::api::core::v1::PodSpec {
+    job.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
+}

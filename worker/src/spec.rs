@@ -1374,6 +1374,15 @@ pub struct ImageBuilds {
     pub resources: Option<Value>,
 }
 
+/// The registry host an image reference names, and the rest of it: its first path component when
+/// that is a host a registry can be (it has a `.` or a port, or is `localhost`), as Docker tells a
+/// registry from a Docker Hub namespace (`team/tool:1` names none).
+pub fn registry_host(reference: &str) -> Option<(&str, &str)> {
+    reference
+        .split_once('/')
+        .filter(|(host, _)| host.contains(['.', ':']) || *host == "localhost")
+}
+
 impl ImageBuilds {
     /// The image a build context of digest `hash` (hex sha256) is built as.
     pub fn image_of(&self, hash: &str) -> String {

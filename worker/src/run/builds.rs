@@ -28,6 +28,7 @@ use tracing::{info, warn};
 use super::{RunError, RunLocation};
 use crate::contract::{BuildEntry, BuildOutcome, BuildReport};
 use crate::harbor::hex_sha256;
+use crate::spec::registry_host;
 
 /// What the build container is handed in the build directory.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -161,10 +162,12 @@ pub fn rewrite_bases(dockerfile: &str, rewrite: impl Fn(&str) -> String) -> Stri
 /// `image` with the registry Docker assumes when it names none: `docker.io`, and `library/`
 /// for an official image.
 fn qualified(image: &str) -> String {
-    match image.split_once('/') {
-        Some((host, _)) if host.contains(['.', ':']) || host == "localhost" => image.to_owned(),
-        Some(_) => format!("docker.io/{image}"),
-        None => format!("docker.io/library/{image}"),
+    if registry_host(image).is_some() {
+        image.to_owned()
+    } else if image.contains('/') {
+        format!("docker.io/{image}")
+    } else {
+        format!("docker.io/library/{image}")
     }
 }
 
@@ -341,12 +344,7 @@ fn insecure_registries(spec: &crate::spec::RunSpec) -> Vec<String> {
     else {
         return Vec::new();
     };
-    let host = |reference: &str| {
-        reference
-            .split_once('/')
-            .map(|(host, _)| host.to_owned())
-            .filter(|host| host.contains(['.', ':']) || host == "localhost")
-    };
+    let host = |reference: &str| registry_host(reference).map(|(host, _)| host.to_owned());
     let mut hosts: Vec<String> = std::iter::once(builds.repository.as_str())
         .chain(
             spec.sandbox
@@ -378,10 +376,7 @@ fn registries_conf(insecure: &[String]) -> String {
 /// `host[:port]/path:tag` as its registry, repository and tag; `None` for a reference without a
 /// registry host or a tag.
 fn split_reference(image: &str) -> Option<(&str, &str, &str)> {
-    let (registry, rest) = image.split_once('/')?;
-    if !(registry.contains('.') || registry.contains(':') || registry == "localhost") {
-        return None;
-    }
+    let (registry, rest) = registry_host(image)?;
     let (repository, tag) = rest.rsplit_once(':')?;
     (!tag.contains('/')).then_some((registry, repository, tag))
 }

@@ -1448,21 +1448,24 @@ fn name_failed_rows(
     {
         return Ok(());
     }
-    let rows = location.store.read(&location.dataset_path())?;
-    let names: Vec<(Option<String>, Option<String>)> = rows
-        .split(|byte| *byte == b'\n')
-        .filter(|line| !line.is_empty())
-        .map(|line| {
-            let harbor = serde_json::from_slice::<Row<'_>>(line)
-                .ok()
-                .and_then(|row| row.harbor);
-            let owned = |text: Option<&Cow<'_, str>>| text.map(ToString::to_string);
-            (
-                owned(harbor.as_ref().and_then(|h| h.task.as_ref())),
-                owned(harbor.as_ref().and_then(|h| h.name.as_ref())),
-            )
-        })
-        .collect();
+    // Streamed: the rows carry their tests and solutions, only the names are kept.
+    let path = location.dataset_path();
+    let rows = std::io::BufReader::new(location.store.open(&path)?);
+    let mut names: Vec<(Option<String>, Option<String>)> = Vec::new();
+    for line in std::io::BufRead::split(rows, b'\n') {
+        let line = line.map_err(|err| StorageError::new("reading", &path, err))?;
+        if line.is_empty() {
+            continue;
+        }
+        let harbor = serde_json::from_slice::<Row<'_>>(&line)
+            .ok()
+            .and_then(|row| row.harbor);
+        let owned = |text: Option<&Cow<'_, str>>| text.map(ToString::to_string);
+        names.push((
+            owned(harbor.as_ref().and_then(|h| h.task.as_ref())),
+            owned(harbor.as_ref().and_then(|h| h.name.as_ref())),
+        ));
+    }
     for outcome in outcomes.iter_mut().filter(|outcome| outcome.task.is_none()) {
         if let Some((task, name)) = usize::try_from(outcome.prompt_index)
             .ok()

@@ -766,19 +766,17 @@ pub fn is_relative_clean_path(path: &str) -> bool {
 /// `host[:port]/path` with a host a registry can be (a `.`, a port, or `localhost`), and no tag
 /// or digest: the built images' tags are appended to it.
 fn is_build_repository(repository: &str) -> bool {
-    let Some((host, path)) = repository.split_once('/') else {
+    let Some((_, path)) = crate::spec::registry_host(repository) else {
         return false;
     };
-    let host_ok = host.contains('.') || host.contains(':') || host == "localhost";
-    let path_ok = !path.is_empty()
+    !path.is_empty()
         && !path.contains([':', '@'])
         && path.split('/').all(|part| {
             !part.is_empty()
                 && part
                     .chars()
                     .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "._-".contains(c))
-        });
-    host_ok && path_ok
+        })
 }
 
 #[cfg(test)]

@@ -146,7 +146,9 @@ mod tests {
     use trajectory_worker::spec::ImageBuilds;
 
     use crate::api::TrajectoryRun;
-    use crate::fixtures::{JobFixture, ObservedFixture, job_named as job, job_names as names, now};
+    use crate::fixtures::{
+        JobFixture, ObservedFixture, job_named as job, job_names as names, now, pod_of,
+    };
     use crate::reconcile::children::{BUILD_CONTAINER, CONTAINER};
     use crate::reconcile::observe::{IMAGE_INDEX_KEY, Observed};
     use crate::reconcile::{Desired, desired_state};
@@ -227,7 +229,7 @@ mod tests {
             (spec.completions, spec.completion_mode.as_deref()),
             (Some(2), Some("Indexed"))
         );
-        let pod = spec.template.spec.as_ref().unwrap();
+        let pod = pod_of(build);
         let context = &pod.init_containers.as_ref().unwrap()[0];
         assert_eq!(context.name, CONTAINER);
         assert_eq!(
@@ -323,15 +325,7 @@ mod tests {
                 "coding-v1-gen-1-3-na"
             ]
         );
-        let failed = job(&desired, "coding-v1-gen-1-3-na");
-        let pod = failed
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .spec
-            .as_ref()
-            .unwrap();
+        let pod = pod_of(job(&desired, "coding-v1-gen-1-3-na"));
         let build_failed = pod.containers[0]
             .env
             .iter()

@@ -467,12 +467,13 @@ fn names_too_long(run: &ValidatedRun<'_>, attempt: u32, pieces: &[Piece]) -> Opt
 #[cfg(test)]
 mod tests {
     use k8s_openapi::api::batch::v1::Job;
-    use k8s_openapi::api::core::v1::PodSpec;
     use trajectory_worker::contract::{RunPlan, env, paths, task_slots};
     use trajectory_worker::spec::ImageRewrite;
 
     use crate::api::{BatchCounts, TrajectoryRun, TrajectoryRunStatus};
-    use crate::fixtures::{JobFixture, ObservedFixture, job_named as job, job_names as names, now};
+    use crate::fixtures::{
+        JobFixture, ObservedFixture, job_named as job, job_names as names, now, pod_of as pod,
+    };
     use crate::reconcile::observe::Observed;
     use crate::reconcile::{Desired, desired_state};
     use crate::settings::Settings;
@@ -505,10 +506,6 @@ mod tests {
             ("swe/b", "3"),
             ("swe/c", "5"),
         ])
-    }
-
-    fn pod(job: &Job) -> &PodSpec {
-        job.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
     }
 
     fn env_of(job: &Job, name: &str) -> Option<String> {
