@@ -175,6 +175,41 @@ pub struct ImageStatus {
     /// failed count as unavailable too, listed with the builder's message.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub builds: Option<BuildStatus>,
+    /// What the generation pods waited for their images, counted as the status records the batch
+    /// each finished (the report shows it per image).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pulls: Option<PullStatus>,
+}
+
+/// The share of the generation pods' time spent waiting for image pulls. Each pod's worker
+/// measures it on its node: from the run's sandbox container's start to the first task
+/// container's (the task image's pull, nothing when the node held it, and one container's
+/// start), and from the sandbox's start to the batch's end. Pods that stopped before their batch
+/// ended are not counted.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PullStatus {
+    /// Pods counted.
+    pub pods: u64,
+    /// Their time waiting for pulls, in milliseconds.
+    pub pull_millis: u64,
+    /// Their time from the sandbox's start to the batch's end, in milliseconds.
+    pub pod_millis: u64,
+    /// `pullMillis` as a share of `podMillis`, in percent with one decimal (`"12.5%"`).
+    pub pull_share: String,
+    /// The longest waits of single pods (up to 5), longest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub longest: Vec<ImagePull>,
+}
+
+/// One pod's wait for its image.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImagePull {
+    /// The image, as the rows name it.
+    pub image: String,
+    /// The pod's wait for its pull, in milliseconds.
+    pub pull_millis: u64,
 }
 
 /// How the builds of the round's images went.

@@ -840,6 +840,14 @@ async fn batch_command(
     grace: Duration,
     shutdown: &Shutdown,
 ) -> Result<crate::contract::BatchSummary, RunError> {
+    // Before anything else: the worker's start is when its wait for the sidecars ended.
+    let pod_start = workspaces
+        .sandbox_socket
+        .as_deref()
+        .zip(workspaces.task_sockets.as_deref())
+        .and_then(|(sandbox, tasks)| {
+            crate::run::pulls::PodStart::read(sandbox, tasks, std::time::SystemTime::now())
+        });
     let location = run.location()?;
     let batch = match (batch, index) {
         (Some(batch), _) => batch,
@@ -877,6 +885,7 @@ async fn batch_command(
     engine.sandbox = sandbox;
     engine.grace = grace;
     engine.task_sockets.clone_from(&workspaces.task_sockets);
+    engine.pod_start = pod_start;
     engine
         .image_unavailable
         .clone_from(&workspaces.image_unavailable);

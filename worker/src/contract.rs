@@ -720,6 +720,29 @@ pub struct BatchSummary {
     /// Whether Landlock confined the batch's terminal commands (absent: not checked).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub landlock: Option<LandlockStatus>,
+    /// How long the pod that finished the batch waited for its task image (rows naming one, in
+    /// a generation pod): also in its `.done` marker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull: Option<PodPull>,
+}
+
+/// How long a generation pod waited for its rows' image, measured by its worker on the node's
+/// clock from the sockets its sidecars open as they start (the kubelet starts them in order,
+/// pulling each one's image first): the run's sandbox, then the first task container, then the
+/// worker once every task container started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodPull {
+    /// The image (as the rows name it).
+    pub image: String,
+    /// From the sandbox's start to the first task container's: the image's pull (nothing when
+    /// the node holds it) and one container's start.
+    pub pull_ms: u64,
+    /// From the first task container's start to the worker's: the other task containers' starts.
+    pub start_ms: u64,
+    /// From the sandbox's start to the batch's end: the pod's time, of which `pull_ms` is the
+    /// share spent waiting for the pull.
+    pub pod_ms: u64,
 }
 
 /// Whether Landlock confines the terminal commands where they run.

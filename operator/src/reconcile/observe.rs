@@ -20,9 +20,11 @@ use trajectory_worker::contract::{
 };
 
 mod cache;
+mod generation_pods;
 
 pub use self::cache::ObserveCache;
 use self::cache::RunEntry;
+pub use self::generation_pods::{PullReport, pull_failure};
 use super::children::{
     BUILD_CONTAINER, CONTAINER, Component, annotations, image_index_name, labels,
 };
@@ -68,6 +70,8 @@ pub struct Observed {
     /// name): why, as the node said, once it counts as unavailable
     /// ([`trajectory_worker::spec::SandboxSpec::image_unavailable_after_seconds`]).
     pub unpullable: BTreeMap<String, String>,
+    /// What the succeeded pods of the image Jobs there are waited for their image.
+    pub pull_reports: Vec<PullReport>,
     /// The highest `spec.model.budget.maxCost` a pod of the latest attempt stopped at, having
     /// found it spent (read only while the run has a budget).
     pub budget_exhausted_at: Option<f64>,
@@ -100,6 +104,7 @@ impl Default for Observed {
             build_pods_gone: false,
             image_index: None,
             unpullable: BTreeMap::new(),
+            pull_reports: Vec::new(),
             budget_exhausted_at: None,
             run_spent: None,
             queue: None,
@@ -324,7 +329,9 @@ pub async fn observe(
     }
     observed.image_index = image_index(&maps, &name, round, (&kept, &mut seen)).await?;
     read_image_reports(&pods, &mut observed).await?;
-    observed.unpullable = unpullable(&pods, &name, run, &observed.attempts).await?;
+    let generation_pods = generation_pods::list(&pods, &name, &observed.attempts).await?;
+    observed.unpullable = generation_pods::unpullable(&generation_pods, run, &observed.attempts);
+    observed.pull_reports = generation_pods::pull_reports(&generation_pods);
     (observed.budget_exhausted_at, observed.run_spent) =
         spending_reports(&pods, run, &observed.attempts).await?;
     if run.spec.run.queue_name.is_some() {
@@ -462,103 +469,6 @@ async fn read_image_index(
 
 /// The key of the image index `ConfigMap` holding the groups.
 pub const IMAGE_INDEX_KEY: &str = "groups.jsonl";
-
-/// The running generation Jobs of rows naming an image whose pods cannot pull it, with why; one
-/// list of the run's generation pods, only while such Jobs run.
-async fn unpullable(
-    pods: &Api<Pod>,
-    run_name: &str,
-    run: &TrajectoryRun,
-    attempts: &[ObservedAttempt],
-) -> Result<BTreeMap<String, String>, kube::Error> {
-    let running: BTreeSet<String> = attempts
-        .iter()
-        .filter(|attempt| attempt.image.is_some() && attempt.unavailable.is_none())
-        .filter(|attempt| JobState::of(&attempt.job) == JobState::Running)
-        .map(|attempt| attempt.job.name_any())
-        .collect();
-    if running.is_empty() {
-        return Ok(BTreeMap::new());
-    }
-    let selector = format!(
-        "{}={run_name},{}={}",
-        labels::RUN,
-        labels::COMPONENT,
-        Component::generation(1).label()
-    );
-    let grace =
-        std::time::Duration::from_secs(run.spec.run.sandbox.image_unavailable_after_seconds);
-    let now = k8s_openapi::jiff::Timestamp::now();
-    let mut found = BTreeMap::new();
-    for pod in pods
-        .list(&ListParams::default().labels(&selector))
-        .await?
-        .items
-    {
-        let Some(job) = pod
-            .labels()
-            .get(JOB_NAME_LABEL)
-            .filter(|job| running.contains(*job))
-        else {
-            continue;
-        };
-        if let Some(why) = pull_failure(&pod, grace, now) {
-            found.entry(job.clone()).or_insert(why);
-        }
-    }
-    Ok(found)
-}
-
-/// The label the Job controller puts on a Job's pods.
-const JOB_NAME_LABEL: &str = "batch.kubernetes.io/job-name";
-
-/// Why `pod`'s task containers cannot pull their image, once that counts as unavailable: at once
-/// for a reference the runtime cannot parse or a registry that says the image does not exist or
-/// may not be read; after `grace` since the pod was created for other pull errors (a registry
-/// that is down, a rate limit). A pull in progress is not an error.
-pub fn pull_failure(
-    pod: &Pod,
-    grace: std::time::Duration,
-    now: k8s_openapi::jiff::Timestamp,
-) -> Option<String> {
-    let status = pod.status.as_ref()?;
-    let waiting = status
-        .init_container_statuses
-        .iter()
-        .flatten()
-        .chain(status.container_statuses.iter().flatten())
-        .filter_map(|container| {
-            let waiting = container.state.as_ref()?.waiting.as_ref()?;
-            Some((container, waiting))
-        })
-        .find(|(_, waiting)| {
-            matches!(
-                waiting.reason.as_deref(),
-                Some(
-                    "ErrImagePull" | "ImagePullBackOff" | "InvalidImageName" | "ErrImageNeverPull"
-                )
-            )
-        });
-    let (container, waiting) = waiting?;
-    let reason = waiting.reason.as_deref().unwrap_or_default();
-    let message = waiting.message.as_deref().unwrap_or_default();
-    let lowered = message.to_lowercase();
-    let cannot_heal = matches!(reason, "InvalidImageName" | "ErrImageNeverPull")
-        || [
-            "not found",
-            "manifest unknown",
-            "unauthorized",
-            "denied",
-            "forbidden",
-            "invalid reference",
-        ]
-        .iter()
-        .any(|sign| lowered.contains(sign));
-    let created = pod.metadata.creation_timestamp.as_ref().map(|time| time.0);
-    let waited = created.map(|created| now.duration_since(created).unsigned_abs());
-    let too_long = waited.is_some_and(|waited| waited >= grace);
-    (cannot_heal || too_long).then(|| format!("{} ({reason}): {message}", container.image.as_str()))
-}
 
 /// Whether Landlock confined the commands, as the summary of a succeeded generation pod says: one
 /// pod list, for the first Job with a succeeded index (the kernel and the runtime's profile are

@@ -18,7 +18,7 @@ use trajectory_worker::contract::LandlockStatus;
 
 use crate::api::{
     BatchCounts, BuildStatus, ConditionType, CostStatus, ImageStatus, OutputStatus, Phase,
-    PromptCounts, SandboxStatus, TrajectoryRun, TrajectoryRunStatus, UnavailableImage,
+    PromptCounts, PullStatus, SandboxStatus, TrajectoryRun, TrajectoryRunStatus, UnavailableImage,
     VerificationStatus,
 };
 
@@ -186,6 +186,8 @@ pub struct ImageTally {
     pub unavailable: Vec<(String, String)>,
     /// How the builds went, for a run that built images.
     pub builds: Option<BuildStatus>,
+    /// What the pods of the recorded batches waited for their images.
+    pub pulls: Option<PullStatus>,
 }
 
 /// Prompt counts of the plan.
@@ -365,6 +367,7 @@ fn record_tally(status: &mut TrajectoryRunStatus, tally: &Tally) {
                 })
                 .collect(),
             builds: images.builds.clone(),
+            pulls: images.pulls.clone(),
         });
     }
     if let Some(cost) = &tally.cost {
@@ -631,6 +634,7 @@ fn without_progress(status: &TrajectoryRunStatus) -> TrajectoryRunStatus {
     status.progress = None;
     if let Some(images) = &mut status.images {
         images.pulled = 0;
+        images.pulls = None;
     }
     if let Some(cost) = &mut status.cost {
         cost.spent.clear();

@@ -485,15 +485,21 @@ fn progress_alone_is_written_at_most_once_per_interval_and_anything_else_at_once
         StatusWrite::Now
     );
 
-    // Images pulled and money spent move as batches finish: progress too. An image that cannot
-    // be pulled, or a run held at its budget, is news.
-    let with_images = |pulled, unavailable| TrajectoryRunStatus {
+    // Images pulled, the pods' waits for them and money spent move as batches finish: progress
+    // too. An image that cannot be pulled, or a run held at its budget, is news.
+    let with_images = |pulled: u32, unavailable| TrajectoryRunStatus {
         images: Some(crate::api::ImageStatus {
             total: 3_500,
             pulled,
             unavailable,
             unavailable_images: Vec::new(),
             builds: None,
+            pulls: Some(crate::api::PullStatus {
+                pods: u64::from(pulled),
+                pull_millis: u64::from(pulled) * 1000,
+                pod_millis: 100_000,
+                ..crate::api::PullStatus::default()
+            }),
         }),
         cost: Some(crate::api::CostStatus {
             spent: format!("{pulled}.5"),

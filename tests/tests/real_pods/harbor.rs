@@ -110,6 +110,7 @@ async fn harbor_tasks_run_in_their_images_and_the_oracle_names_the_broken_one() 
     let dir = setup.storage.run_dir(setup.ns(), "harbor-oracle");
     let expected = check_oracle_run(&dir, &run);
     assert_eq!(builds_of(&run), (1, 0, 1), "built once, one failed");
+    check_pulls(&dir, &run);
 
     let spec = harbor_spec(
         &registry,
@@ -139,6 +140,56 @@ async fn harbor_tasks_run_in_their_images_and_the_oracle_names_the_broken_one() 
     }
     assert_eq!(builds_of(&run), (0, 1, 0), "found in the registry");
     assert_eq!(model.requests().len(), 12, "two requests a conversation");
+    check_pulls(&dir, &run);
+}
+
+/// What the pods waited for their images: each pod that finished a batch says it in the batch's
+/// `.done` marker; the report sums the markers, per image, and the status sums the pods' summaries
+/// as it records their batches, each once (a figure counted at two reconciles would show here).
+fn check_pulls(dir: &Path, run: &TrajectoryRun) {
+    let markers: Vec<Value> = std::fs::read_dir(dir.join("batches"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "done"))
+        .map(|path| serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap())
+        .collect();
+    let pulls: Vec<&Value> = markers.iter().filter_map(|m| m.get("pull")).collect();
+    assert!(
+        !pulls.is_empty(),
+        "the pods said what they waited: {markers:?}"
+    );
+    for pull in &pulls {
+        let (wait, pod) = (&pull["pullMs"], &pull["podMs"]);
+        assert!(wait.as_u64().unwrap() <= pod.as_u64().unwrap(), "{pull}");
+    }
+    let pull_ms: u64 = pulls.iter().map(|p| p["pullMs"].as_u64().unwrap()).sum();
+    let statistics: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("statistics.json")).unwrap()).unwrap();
+    let reported = &statistics["task_images"]["pulls"];
+    assert_eq!(reported["pods"], pulls.len(), "{reported}");
+    let images: std::collections::BTreeSet<&str> =
+        pulls.iter().map(|p| p["image"].as_str().unwrap()).collect();
+    let per_image = reported["images"].as_object().unwrap();
+    assert_eq!(
+        per_image
+            .keys()
+            .map(String::as_str)
+            .collect::<std::collections::BTreeSet<_>>(),
+        images
+    );
+    let status = run
+        .status
+        .as_ref()
+        .and_then(|status| status.images.as_ref())
+        .and_then(|images| images.pulls.clone())
+        .unwrap_or_else(|| panic!("the status shows the waits: {:#?}", run.status));
+    assert_eq!(status.pods, pulls.len() as u64, "{status:?}");
+    assert_eq!(status.pull_millis, pull_ms, "{status:?}");
+    assert!(status.pull_share.ends_with('%'), "{status:?}");
+    assert!(
+        !status.longest.is_empty() && status.longest.len() <= 5,
+        "{status:?}"
+    );
 }
 
 /// The run's `status.images.builds`: built, reused, failed.

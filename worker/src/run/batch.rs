@@ -54,7 +54,7 @@ use super::segments::segment_digest;
 use super::turns::{Chains, TurnLog, TurnLogHandle, read_chains, spawn_signalling};
 use super::windows::start_batch_mode;
 use super::{RunError, RunLocation};
-use crate::contract::BatchSummary;
+use crate::contract::{BatchSummary, PodPull};
 use crate::dataset::{LineReader, MAX_LINE_BYTES, Row, parse_row, without_bom};
 use crate::hermes::timestamp;
 use crate::storage::{RecordsWriter, RunDir, StorageError, TurnsWriter, WriterId};
@@ -146,6 +146,9 @@ struct DoneMarker {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     cost: Option<String>,
     finished_at: String,
+    /// What the pod that finished the batch waited for its task image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pull: Option<PodPull>,
 }
 
 impl DoneMarker {
@@ -161,6 +164,7 @@ impl DoneMarker {
             cost: self.cost,
             run_spent: None,
             landlock: None,
+            pull: self.pull,
         }
     }
 }
@@ -272,7 +276,8 @@ pub async fn run_batch(
         return Err(RunError::Interrupted);
     }
     let expected = shared.rows.len() as u64 * u64::from(engine.samples_per_prompt);
-    let marker = mark_done(&run_dir, batch, expected, turn_writer)?;
+    let pull = pod_pull(engine, manifest, batch);
+    let marker = mark_done(&run_dir, (batch, pull), expected, turn_writer)?;
     batch_mode.finish();
     // The batch leaves no workspace behind (most were removed while it ran).
     while removals.join_next().await.is_some() {}
@@ -285,11 +290,17 @@ pub async fn run_batch(
     Ok(marker.summary(summary.resumed))
 }
 
+/// What the pod waited for the batch's image, its time counted up to now (the batch's end).
+fn pod_pull(engine: &Engine, manifest: &Manifest, batch: u32) -> Option<PodPull> {
+    let (start, image) = engine.pod_start.zip(manifest.image_of(batch))?;
+    Some(start.pull(image, std::time::SystemTime::now()))
+}
+
 /// Writes the `.done` marker of a batch whose every key has a record, then removes this
 /// writer's turn log.
 fn mark_done(
     run_dir: &RunDir,
-    batch: u32,
+    (batch, pull): (u32, Option<PodPull>),
     expected: u64,
     turn_writer: Option<TurnsWriter>,
 ) -> Result<DoneMarker, RunError> {
@@ -306,7 +317,12 @@ fn mark_done(
         )));
     }
     let cost = on_storage.cost.map(crate::contract::usd_text);
-    let marker = write_done_marker(run_dir, batch, (&on_storage.summary, cost), expected)?;
+    let marker = write_done_marker(
+        run_dir,
+        (batch, pull),
+        (&on_storage.summary, cost),
+        expected,
+    )?;
     // Every key has its record: no conversation will be taken up from this writer's turns.
     if let Some(turn_writer) = turn_writer
         && let Err(error) = turn_writer.remove()
@@ -396,6 +412,13 @@ async fn finish_turn_log(
         })??)),
         None => Ok(None),
     }
+}
+
+/// What the pod that finished `batch` waited for its image, as its `.done` marker says (`None`
+/// without a marker, or one that says nothing of it).
+pub(crate) fn done_pull(run_dir: &RunDir, batch: u32) -> Option<PodPull> {
+    let bytes = run_dir.store().read(&run_dir.batch_done(batch)).ok()?;
+    serde_json::from_slice::<DoneMarker>(&bytes).ok()?.pull
 }
 
 /// What the batch's `.done` marker records, if it has one (an unreadable marker counts as none:
@@ -665,7 +688,7 @@ fn spawn_item(
 /// sent are what storage holds (no need to read the file again); fewer than `expected` is a bug.
 fn write_done_marker(
     run_dir: &RunDir,
-    batch: u32,
+    (batch, pull): (u32, Option<PodPull>),
     (summary, cost): (&BatchSummary, Option<String>),
     expected: u64,
 ) -> Result<DoneMarker, RunError> {
@@ -676,6 +699,7 @@ fn write_done_marker(
         failed: summary.failed,
         cost,
         finished_at: timestamp(chrono::Utc::now()),
+        pull,
     };
     let recorded = marker.succeeded + marker.discarded + marker.failed;
     if recorded < expected {

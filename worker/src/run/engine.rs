@@ -35,6 +35,8 @@ pub struct Engine {
     /// Set in a pod whose task containers run the rows' images: the directory of their sockets
     /// ([`crate::contract::paths::task_socket`]), one container a conversation of the batch.
     pub task_sockets: Option<PathBuf>,
+    /// Set in such a pod: when its containers started, for what it waited for its image.
+    pub pod_start: Option<super::pulls::PodStart>,
     /// Set in a pod of rows whose image could not be pulled: why. Each of its conversations is
     /// recorded failed (`image_unavailable`) without a model request.
     pub image_unavailable: Option<String>,
@@ -171,6 +173,7 @@ impl Engine {
             keep_workspaces: spec.tools.keep_workspaces,
             sandbox: Sandbox::local(LandlockMode::Auto),
             task_sockets: None,
+            pod_start: None,
             image_unavailable: None,
             image_build_failed: None,
             oracle: spec.agent.oracle.then(|| super::oracle::Oracle {

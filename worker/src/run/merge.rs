@@ -231,6 +231,8 @@ struct Totals {
     /// ran in a container of it, how many were recorded `image_unavailable`, and how many
     /// `image_build_failed`.
     task_images: BTreeMap<u32, (u64, u64, u64)>,
+    /// What the pods that finished the batches of rows naming an image waited for it.
+    pulls: super::pulls::PullTotals,
     /// Paths the sandbox refused the commands of every kept record, by prefix.
     sandbox_refusals: BTreeMap<String, u64>,
     /// Trajectories with tokens, by where their ids came from: the server (every call), some
@@ -312,6 +314,7 @@ impl Totals {
             entry.1 += unavailable;
             entry.2 += build_failed;
         }
+        self.pulls.absorb(other.pulls);
         if let (Some(report), Some(other)) = (self.report.as_mut(), other.report) {
             report.absorb(other);
         }
@@ -475,6 +478,9 @@ impl Totals {
                 .count();
             statistics["build_failed"] = failed_images.into();
             statistics["conversations"]["image_build_failed"] = build_failed.into();
+        }
+        if let Some(pulls) = self.pulls.summary() {
+            statistics["pulls"] = pulls;
         }
         Some(statistics)
     }
@@ -953,6 +959,14 @@ fn sort_batch(
                 incomplete: Some(incomplete),
             });
         }
+    }
+
+    // The pod that finished a batch of an image's rows said what it waited for the image.
+    if expected.is_some()
+        && image.is_some()
+        && let Some(pull) = super::batch::done_pull(run_dir, batch)
+    {
+        totals.pulls.add(&pull);
     }
 
     // Each writer's `OpenAI`-form lines, read when one of its trajectories is kept.

@@ -17,6 +17,7 @@ pub mod merge;
 pub mod oracle;
 pub mod plan;
 pub mod prompt;
+pub mod pulls;
 mod resume;
 mod rewards;
 pub mod sampling;

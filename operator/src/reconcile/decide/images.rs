@@ -126,7 +126,20 @@ pub fn generate(
     };
     let recorded = recorded_this_round(run, observed.round, ids);
     let (done, done_count) = count_batches(plan, ids, observed, recorded.clone(), tally);
-    tally.images = Some(image_tally(groups, &pieces, &done, observed));
+    let mut images = image_tally(groups, &pieces, &done, observed);
+    // Counted over the batches the status records; a plan's pending list (slots, not batch ids)
+    // keeps no such record, and its figures are the report's alone.
+    let recorded_pulls = run
+        .status()
+        .and_then(|status| status.images.as_ref())
+        .and_then(|images| images.pulls.as_ref());
+    images.pulls = match ids {
+        IdSpace::Batches { .. } => {
+            super::pulls::tally(recorded_pulls, observed, (&recorded, &done))
+        }
+        IdSpace::Slots { .. } => recorded_pulls.cloned(),
+    };
+    tally.images = Some(images);
     decision
         .delete
         .extend(finished_jobs(observed, &recorded, ids));
@@ -418,6 +431,7 @@ fn image_tally(
         unavailable_count: u32::try_from(unavailable.len()).unwrap_or(u32::MAX),
         unavailable: unavailable.into_iter().take(LISTED_UNAVAILABLE).collect(),
         builds: build_tally(groups),
+        pulls: None,
     }
 }
 

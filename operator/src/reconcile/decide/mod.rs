@@ -44,6 +44,7 @@ use crate::api::{
 pub mod admission;
 pub mod builds;
 pub mod images;
+mod pulls;
 
 /// What the run should have now, before it is built into objects.
 #[derive(Debug, Clone, PartialEq)]
