@@ -218,6 +218,8 @@ pub fn main(mut args: impl Iterator<Item = OsString>) -> i32 {
         Some(session::SUBCOMMAND) => session::main(args),
         Some(file::SUBCOMMAND) => file::main(args),
         Some(verifier::SUBCOMMAND) => verifier::main(args),
+        // A prefetch pod's container runs this in the image it pulls: the image is on the node.
+        Some("pulled") => 0,
         Some("install") => match args.next() {
             Some(dir) => report(install(Path::new(&dir)), "install"),
             None => report(Err("install needs a directory".to_owned()), "install"),
@@ -225,7 +227,7 @@ pub fn main(mut args: impl Iterator<Item = OsString>) -> i32 {
         _ => {
             let _ = writeln!(
                 std::io::stderr(),
-                "usage: {EXECUTOR_BINARY} run|session|file|verifier|serve|install … (see the trajectory_sandbox docs)"
+                "usage: {EXECUTOR_BINARY} run|session|file|verifier|serve|install|pulled … (see the trajectory_sandbox docs)"
             );
             2
         }

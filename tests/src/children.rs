@@ -19,6 +19,7 @@ pub fn jobs_of_every_stage(run: &ValidatedRun<'_>, settings: &Settings) -> Vec<J
         parallelism: run.spec.workers,
         tasks: Tasks::Sandbox,
         held: false,
+        prefer_node: None,
     };
     vec![
         build::plan_job(run, settings, 1, false),

@@ -65,6 +65,7 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
                 parallelism: run.spec.run.workers,
                 tasks: Tasks::Sandbox,
                 held: false,
+                prefer_node: None,
             },
         ),
         build::merge_job(&valid, &settings, 1, false),
@@ -158,6 +159,7 @@ async fn task_container_pods_need_the_baseline_standard_and_the_unavailable_ones
                 parallelism: 1,
                 tasks,
                 held: false,
+                prefer_node: None,
             },
         )
     };

@@ -1318,6 +1318,14 @@ pub struct SandboxSpec {
     /// registry says does not exist or may not be read, or a malformed reference, counts at once.
     #[serde(default = "default_image_unavailable_after_seconds")]
     pub image_unavailable_after_seconds: u64,
+    /// How many images of the rows next in line to pull ahead of their Jobs (0: none): while the
+    /// window's Jobs run, a short pod of each of the next `prefetch` images (`<run>-pull-<n>`)
+    /// has a node pull it, and that image's Job then prefers that node. The pods run only a
+    /// static program of the worker image's that exits at once (as an unprivileged user, nothing
+    /// mounted but it), and request 10m CPU and 16 MiB. Set it to the images the nodes can pull
+    /// at once beside the running ones (`workers` is a good start). Cluster only.
+    #[serde(default)]
+    pub prefetch: u32,
     /// Directories of the machine that a local run's commands may read and run programs from,
     /// besides their workspace and the system's (`/usr`, `/bin`, `/etc`, `/opt`, ...): a
     /// toolchain installed under the home directory, such as a pyenv version
@@ -1410,6 +1418,7 @@ impl Default for SandboxSpec {
             resources: None,
             image_rewrite: Vec::new(),
             image_unavailable_after_seconds: default_image_unavailable_after_seconds(),
+            prefetch: 0,
             tool_dirs: Vec::new(),
             builds: None,
         }

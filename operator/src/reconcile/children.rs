@@ -89,6 +89,10 @@ pub enum Component {
     /// `trajectory-worker build`: an Indexed Job building the images of the round's plan's
     /// build list (`spec.sandbox.builds`), one per index; once per round, and only then.
     Build { round: u32 },
+    /// A one-pod Job pulling the image of a piece of the round's generation work onto a node
+    /// ahead of that piece's Job (`spec.sandbox.prefetch`); its container runs the executor's
+    /// `pulled`, which exits at once.
+    Prefetch { round: u32, shard: u32 },
 }
 
 impl Component {
@@ -100,6 +104,7 @@ impl Component {
             Self::Merge { .. } => "merge",
             Self::ImagePages { .. } => "image-pages",
             Self::Build { .. } => "build",
+            Self::Prefetch { .. } => "prefetch",
         }
     }
 
@@ -109,12 +114,13 @@ impl Component {
             Self::Plan { round }
             | Self::Merge { round }
             | Self::ImagePages { round }
-            | Self::Build { round } => round,
+            | Self::Build { round }
+            | Self::Prefetch { round, .. } => round,
             Self::Generate { attempt, .. } => round_of_attempt(attempt),
         }
     }
 
-    /// The worker subcommand its pods run.
+    /// The worker subcommand its pods run (the executor's, for a prefetch pod).
     pub fn command(self) -> &'static str {
         match self {
             Self::Plan { .. } => "plan",
@@ -122,6 +128,7 @@ impl Component {
             Self::Merge { .. } => "merge",
             Self::ImagePages { .. } => "image-page",
             Self::Build { .. } => "build",
+            Self::Prefetch { .. } => "pulled",
         }
     }
 
@@ -133,7 +140,7 @@ impl Component {
     /// The child's name: `{run}-plan`, `{run}-gen-{attempt}` (shard 0; `-{shard}` appended for
     /// the others), `{run}-merge`; a later round's plan and merge end in `-{round}`. It fits in
     /// [`MAX_NAME_LENGTH`] for every run name validation accepts ([`MAX_RUN_NAME_LENGTH`]) up to
-    /// shard 9; decide checks the rest.
+    /// shard 9; decide checks the rest (and pulls no image ahead whose Job's name would not fit).
     pub fn child_name(self, run: &str) -> String {
         match self {
             Self::Plan { round: ..=1 } => format!("{run}-plan"),
@@ -146,6 +153,8 @@ impl Component {
             Self::ImagePages { round } => format!("{run}-img-{round}"),
             Self::Build { round: ..=1 } => format!("{run}-build"),
             Self::Build { round } => format!("{run}-build-{round}"),
+            Self::Prefetch { round: ..=1, shard } => format!("{run}-pull-{shard}"),
+            Self::Prefetch { round, shard } => format!("{run}-pull{round}-{shard}"),
         }
     }
 }

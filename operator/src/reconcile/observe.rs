@@ -72,6 +72,10 @@ pub struct Observed {
     pub unpullable: BTreeMap<String, String>,
     /// What the succeeded pods of the image Jobs there are waited for their image.
     pub pull_reports: Vec<PullReport>,
+    /// The round's Jobs pulling images ahead (`spec.sandbox.prefetch`).
+    pub prefetch_jobs: Vec<Job>,
+    /// The nodes their succeeded pods pulled on, by the piece (shard) whose image they pulled.
+    pub prefetched: BTreeMap<u32, String>,
     /// The highest `spec.model.budget.maxCost` a pod of the latest attempt stopped at, having
     /// found it spent (read only while the run has a budget).
     pub budget_exhausted_at: Option<f64>,
@@ -105,6 +109,8 @@ impl Default for Observed {
             image_index: None,
             unpullable: BTreeMap::new(),
             pull_reports: Vec::new(),
+            prefetch_jobs: Vec::new(),
+            prefetched: BTreeMap::new(),
             budget_exhausted_at: None,
             run_spent: None,
             queue: None,
@@ -120,6 +126,7 @@ impl Observed {
             .chain(self.image_pages_job.iter())
             .chain(self.build_job.iter())
             .chain(self.attempts.iter().map(|attempt| &attempt.job))
+            .chain(self.prefetch_jobs.iter())
             .chain(self.merge_job.iter())
     }
 }
@@ -283,6 +290,9 @@ pub async fn observe(
             Some(component) if component == Component::Build { round }.label() => {
                 observed.build_job = Some(job);
             }
+            Some(component) if component == Component::Prefetch { round, shard: 0 }.label() => {
+                observed.prefetch_jobs.push(job);
+            }
             _ => {
                 let Some(attempt) = labels.get(labels::ATTEMPT).and_then(|a| a.parse().ok()) else {
                     continue;
@@ -329,9 +339,7 @@ pub async fn observe(
     }
     observed.image_index = image_index(&maps, &name, round, (&kept, &mut seen)).await?;
     read_image_reports(&pods, &mut observed).await?;
-    let generation_pods = generation_pods::list(&pods, &name, &observed.attempts).await?;
-    observed.unpullable = generation_pods::unpullable(&generation_pods, run, &observed.attempts);
-    observed.pull_reports = generation_pods::pull_reports(&generation_pods);
+    generation_pods::read(&pods, run, &mut observed).await?;
     (observed.budget_exhausted_at, observed.run_spent) =
         spending_reports(&pods, run, &observed.attempts).await?;
     if run.spec.run.queue_name.is_some() {

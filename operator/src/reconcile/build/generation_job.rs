@@ -3,6 +3,10 @@
 //! of the run's `workers` pods at a time, each batch retried on its own.
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::{
+    Affinity, NodeAffinity, NodeSelectorRequirement, NodeSelectorTerm, PodSpec,
+    PreferredSchedulingTerm,
+};
 
 use std::collections::BTreeMap;
 
@@ -56,6 +60,12 @@ pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard
     if !annotations.is_empty() {
         job.metadata.annotations = Some(annotations);
     }
+    if let (Some(node), Some(pod)) = (
+        &shard.prefer_node,
+        job.spec.as_mut().and_then(|s| s.template.spec.as_mut()),
+    ) {
+        prefer_node(pod, node);
+    }
     job.spec = Some(JobSpec {
         completion_mode: Some("Indexed".to_owned()),
         completions: Some(to_i32(pending.count())),
@@ -68,4 +78,28 @@ pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard
         ..job.spec.take().unwrap_or_default()
     });
     job
+}
+
+/// Has `pod` prefer `node` (the one that pulled its image ahead) above any preference of the
+/// run's own: a node already holding the image starts the pod without a pull.
+fn prefer_node(pod: &mut PodSpec, node: &str) {
+    let preferred = pod
+        .affinity
+        .get_or_insert_with(Affinity::default)
+        .node_affinity
+        .get_or_insert_with(NodeAffinity::default)
+        .preferred_during_scheduling_ignored_during_execution
+        .get_or_insert_with(Vec::new);
+    preferred.push(PreferredSchedulingTerm {
+        weight: 100,
+        preference: NodeSelectorTerm {
+            // The node's name itself: its hostname label need not match it.
+            match_fields: Some(vec![NodeSelectorRequirement {
+                key: "metadata.name".to_owned(),
+                operator: "In".to_owned(),
+                values: Some(vec![node.to_owned()]),
+            }]),
+            match_expressions: None,
+        },
+    });
 }

@@ -17,6 +17,7 @@ pub mod merge_job;
 pub mod plan_config_map;
 pub mod plan_job;
 pub mod pod_spec;
+pub mod prefetch_job;
 
 use std::collections::BTreeMap;
 
@@ -91,6 +92,15 @@ pub fn children(run: &ValidatedRun<'_>, settings: &Settings, wanted: &[Child]) -
                 });
                 (map, job)
             }
+            Child::Prefetch {
+                round,
+                shard,
+                image,
+                ..
+            } => (
+                None,
+                prefetch_job::prefetch_job(run, settings, (*round, *shard, image)),
+            ),
             Child::Merge { round, exists } => (
                 (!exists).then(|| plan_config_map(run, Component::Merge { round: *round }, None)),
                 merge_job(run, settings, *round, *exists),
@@ -135,6 +145,9 @@ fn labels(run: &ValidatedRun<'_>, component: Component) -> BTreeMap<String, Stri
         if shard > 0 {
             labels.insert(labels::SHARD.to_owned(), shard.to_string());
         }
+    }
+    if let Component::Prefetch { shard, .. } = component {
+        labels.insert(labels::SHARD.to_owned(), shard.to_string());
     }
     if component.round() > 1 {
         labels.insert(labels::ROUND.to_owned(), component.round().to_string());
@@ -225,7 +238,7 @@ fn stopped_before_created(run: &ValidatedRun<'_>, child: &Child) -> bool {
         | Child::Build { exists, .. }
         | Child::Merge { exists, .. } => !exists && run.spec.suspend,
         Child::Generation(shard) => !shard.exists && (run.spec.suspend || shard.held),
-        Child::ImageIndex { .. } => false,
+        Child::ImageIndex { .. } | Child::Prefetch { .. } => false,
     }
 }
 

@@ -54,14 +54,14 @@ pub mod containers {
 }
 
 /// The executor binary inside the worker image.
-const IMAGE_EXECUTOR: &str = "/usr/local/bin/trajectory-executor";
+pub(super) const IMAGE_EXECUTOR: &str = "/usr/local/bin/trajectory-executor";
 
 /// The group of the worker image's user (`nonroot`, 65532, as in distroless images).
 const WORKER_GROUP: i64 = 65532;
 
 /// The sandbox container's user and group, whatever its image's: the worker's, so that both
 /// can create and remove files in the workspaces, and never root.
-const SANDBOX_USER: i64 = 65532;
+pub(super) const SANDBOX_USER: i64 = 65532;
 
 /// The pod of the Job `job_name` serving `component`, its conversations' commands running as
 /// `tasks` says.
@@ -222,7 +222,10 @@ fn has_sandbox(run: &ValidatedRun<'_>, component: Component, tasks: &Tasks) -> b
             .mcp
             .iter()
             .any(|server| server.stdio.is_some()),
-        Component::Merge { .. } | Component::ImagePages { .. } | Component::Build { .. } => false,
+        Component::Merge { .. }
+        | Component::ImagePages { .. }
+        | Component::Build { .. }
+        | Component::Prefetch { .. } => false,
     }
 }
 
@@ -384,7 +387,7 @@ fn tasks_env(tasks: &Tasks) -> Option<(&'static str, String)> {
 
 /// The restricted Pod Security Standard's container settings, and a read-only root filesystem;
 /// `user` when the image's own user must not be trusted.
-fn restricted(user: Option<i64>) -> SecurityContext {
+pub(super) fn restricted(user: Option<i64>) -> SecurityContext {
     SecurityContext {
         run_as_non_root: Some(true),
         run_as_user: user,
@@ -501,7 +504,7 @@ fn environment(
     env_vars
 }
 
-fn runtime_default() -> SeccompProfile {
+pub(super) fn runtime_default() -> SeccompProfile {
     SeccompProfile {
         type_: "RuntimeDefault".to_owned(),
         localhost_profile: None,

@@ -34,6 +34,7 @@ fn gen_job(run: &TrajectoryRun, attempt: u32, batches: &[u32], exists: bool) -> 
         parallelism: run.spec.run.workers,
         tasks: Tasks::Sandbox,
         held: false,
+        prefer_node: None,
     };
     generation_job(&valid(run), &settings(), &shard)
 }
@@ -111,6 +112,7 @@ fn children_are_built_for_what_the_decision_wants() {
             parallelism: 1,
             tasks: Tasks::Sandbox,
             held: false,
+            prefer_node: None,
         }),
         Child::Merge {
             round: 1,

@@ -125,7 +125,8 @@ pub fn decide(run: &ValidatedRun<'_>, observed: &Observed, children: &[Child]) -
         | Child::Build { exists, .. }
         | Child::Merge { exists, .. } => !exists,
         Child::Generation(shard) => !shard.exists,
-        Child::ImageIndex { .. } => false,
+        // Not queued: a queued run pulls nothing ahead.
+        Child::ImageIndex { .. } | Child::Prefetch { .. } => false,
     });
     admissions.tally = waiting.or(admitted).or_else(|| {
         // No Job waits and none is about to be created (a finished run has no children): its

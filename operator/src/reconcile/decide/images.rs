@@ -286,6 +286,7 @@ fn window(
                         build_failed: false,
                     },
                     held: false,
+                    prefer_node: None,
                 });
             }
             (unavailable, _) => live.push(Shard {
@@ -304,15 +305,17 @@ fn window(
                     (None, None) => Tasks::Sandbox,
                 },
                 held: false,
+                prefer_node: None,
             }),
         }
     }
-    for (piece, state) in states {
-        if live.len() >= workers {
+    let mut waiting = states.iter().filter_map(|(piece, state)| match state {
+        PieceState::Waiting(left) => Some((*piece, left)),
+        PieceState::Finished | PieceState::Job(_) => None,
+    });
+    while live.len() < workers {
+        let Some((piece, left)) = waiting.next() else {
             break;
-        }
-        let PieceState::Waiting(left) = state else {
-            continue;
         };
         let Some(pending) = Pending::of(left.clone(), list.map(str::to_owned)) else {
             continue;
@@ -333,6 +336,7 @@ fn window(
                 (None, _) => Tasks::Sandbox,
             },
             held: false,
+            prefer_node: super::prefetch::node_of(observed, piece.shard),
         });
     }
     let shares = worker_shares(run.spec.workers, live.len());
@@ -340,6 +344,8 @@ fn window(
         shard.parallelism = share.min(shard.pending.count()).max(1);
         work.children.push(Child::Generation(shard));
     }
+    // The pieces next in line once these run: their images are pulled ahead.
+    super::prefetch::prefetch(run, observed, waiting.map(|(piece, _)| piece), work);
 }
 
 /// The batches the run's status recorded done in this round: Jobs that finished are deleted once
@@ -590,6 +596,90 @@ mod tests {
         );
         let images = desired.status.images.as_ref().unwrap();
         assert_eq!((images.total, images.pulled, images.unavailable), (3, 0, 0));
+    }
+
+    /// With `prefetch`, the images next in line once the window is full are pulled ahead, each
+    /// by a one-pod Job holding nothing of the run's; the image's Job, once it starts, prefers the
+    /// node that pulled it, and its prefetch Job goes.
+    #[test]
+    fn the_next_images_are_pulled_ahead_and_their_jobs_prefer_the_node_that_pulled() {
+        let prefetching = |status| {
+            TrajectoryRun::test()
+                .named("r")
+                .namespace("ns")
+                .uid("uid-1")
+                .with(|spec| {
+                    spec.workers = 2;
+                    spec.sandbox.prefetch = 1;
+                })
+                .with_status(status)
+                .build()
+        };
+        let decide = |observed: &Observed| {
+            desired_state(&prefetching(None), observed, &Settings::default(), &now()).unwrap()
+        };
+        let desired = decide(&planned().build());
+        assert_eq!(names(&desired), ["r-gen-1", "r-gen-1-1", "r-pull-2"]);
+        let ahead = pod(job(&desired, "r-pull-2"));
+        let (install, pull) = (
+            &ahead.init_containers.as_ref().unwrap()[0],
+            &ahead.containers[0],
+        );
+        assert_eq!(pull.image.as_deref(), Some("swe/b"));
+        assert_eq!(pull.command.as_ref().unwrap()[1], "pulled");
+        assert_eq!(install.command.as_ref().unwrap()[1], "install");
+        assert_eq!(
+            ahead.volumes.as_ref().unwrap().len(),
+            1,
+            "the executor's alone"
+        );
+        assert_eq!(ahead.automount_service_account_token, Some(false));
+        assert!(
+            pull.env.is_none() && install.env.is_none(),
+            "no key, no settings"
+        );
+        let security = pull.security_context.as_ref().unwrap();
+        assert_eq!(security.run_as_non_root, Some(true));
+        assert_eq!(security.allow_privilege_escalation, Some(false));
+        assert!(ahead.node_name.is_none() && ahead.affinity.is_none());
+
+        // The first image done: b starts, on the node that pulled it; c is pulled ahead next.
+        let mut observed = planned()
+            .image_index_kept()
+            .attempt(
+                JobFixture::generation(1).complete().completed("0-1"),
+                &[0, 4],
+            )
+            .attempt(
+                JobFixture::generation(1)
+                    .shard(1)
+                    .image("docker.io/swe/a:1"),
+                &[1, 2],
+            )
+            .build();
+        let mut pulling = job(&desired, "r-pull-2").clone();
+        pulling.metadata.uid = Some("pull-2".into());
+        observed.prefetch_jobs.push(pulling);
+        observed.prefetched.insert(2, "node-7".into());
+        let desired = decide(&observed);
+        assert_eq!(names(&desired), ["r-gen-1-1", "r-gen-1-2", "r-pull-3"]);
+        assert_eq!(desired.delete, ["r-pull-2"]);
+        let preferred = pod(job(&desired, "r-gen-1-2"))
+            .affinity
+            .as_ref()
+            .and_then(|a| a.node_affinity.as_ref())
+            .and_then(|a| {
+                a.preferred_during_scheduling_ignored_during_execution
+                    .as_ref()
+            })
+            .expect("a preferred node");
+        let fields = preferred[0].preference.match_fields.as_ref().unwrap();
+        assert_eq!(fields[0].key, "metadata.name");
+        assert_eq!(
+            fields[0].values.as_deref(),
+            Some(&["node-7".to_owned()][..])
+        );
+        assert!(pod(job(&desired, "r-gen-1-1")).affinity.is_none());
     }
 
     /// As Jobs complete, the next images start in their place; a complete Job is deleted once

@@ -44,6 +44,7 @@ use crate::api::{
 pub mod admission;
 pub mod builds;
 pub mod images;
+mod prefetch;
 mod pulls;
 
 /// What the run should have now, before it is built into objects.
@@ -105,6 +106,13 @@ pub enum Child {
         exists: bool,
     },
     Generation(Shard),
+    /// The Job pulling the image of the round's piece `shard` ahead of that piece's Job.
+    Prefetch {
+        round: u32,
+        shard: u32,
+        image: String,
+        exists: bool,
+    },
     Merge {
         round: u32,
         exists: bool,
@@ -145,6 +153,8 @@ pub struct Shard {
     /// Suspended at the run's budget: its pods are stopped and it starts no more until the budget
     /// is raised.
     pub held: bool,
+    /// The node its pods prefer: the one that pulled its image ahead (`spec.sandbox.prefetch`).
+    pub prefer_node: Option<String>,
 }
 
 impl Shard {
@@ -731,6 +741,7 @@ fn running_shards(run: &ValidatedRun<'_>, shards: &[&ObservedAttempt]) -> Vec<Ch
                 parallelism,
                 tasks: Tasks::Sandbox,
                 held: false,
+                prefer_node: None,
             }))
         })
         .collect()
@@ -844,6 +855,7 @@ fn start_attempt(
             parallelism,
             tasks: Tasks::Sandbox,
             held: false,
+            prefer_node: None,
         }));
     }
     Outcome::Working(Phase::Running, message)

@@ -1,5 +1,6 @@
 //! The generation pods of a run's image Jobs, listed once a reconcile while such Jobs exist: whose
-//! pods cannot pull their image, and what the pods that finished waited for it.
+//! pods cannot pull their image, and what the pods that finished waited for it; and the nodes
+//! that pulled images ahead.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -27,9 +28,24 @@ pub struct PullReport {
     pub pull: PodPull,
 }
 
+/// What the run's image Jobs' pods and prefetch pods say: whose pods cannot pull, what the
+/// finished ones waited, where images were pulled ahead.
+pub async fn read(
+    pods: &Api<Pod>,
+    run: &TrajectoryRun,
+    observed: &mut super::Observed,
+) -> Result<(), kube::Error> {
+    let name = run.name_any();
+    let generation_pods = list(pods, &name, &observed.attempts).await?;
+    observed.unpullable = unpullable(&generation_pods, run, &observed.attempts);
+    observed.pull_reports = pull_reports(&generation_pods);
+    observed.prefetched = prefetched(pods, &name, &observed.prefetch_jobs).await?;
+    Ok(())
+}
+
 /// The run's generation pods, in one list, while a Job of rows naming an image (not one recording
 /// them unavailable) exists; none otherwise.
-pub async fn list(
+async fn list(
     pods: &Api<Pod>,
     run_name: &str,
     attempts: &[ObservedAttempt],
@@ -52,8 +68,53 @@ pub async fn list(
         .items)
 }
 
+/// The nodes the succeeded pods of the round's prefetch Jobs (`jobs`) pulled on, by the piece
+/// (shard label) whose image they pulled: one list of the run's prefetch pods while such Jobs
+/// exist.
+async fn prefetched(
+    pods: &Api<Pod>,
+    run_name: &str,
+    jobs: &[k8s_openapi::api::batch::v1::Job],
+) -> Result<BTreeMap<u32, String>, kube::Error> {
+    if jobs.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let selector = format!(
+        "{}={run_name},{}={}",
+        labels::RUN,
+        labels::COMPONENT,
+        Component::Prefetch { round: 1, shard: 0 }.label()
+    );
+    let shard_of: BTreeMap<String, u32> = jobs
+        .iter()
+        .filter_map(|job| {
+            Some((
+                job.name_any(),
+                job.labels().get(labels::SHARD)?.parse().ok()?,
+            ))
+        })
+        .collect();
+    let mut nodes = BTreeMap::new();
+    for pod in pods
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+    {
+        let succeeded = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded");
+        let shard = pod
+            .labels()
+            .get(JOB_NAME_LABEL)
+            .and_then(|job| shard_of.get(job));
+        let node = pod.spec.as_ref().and_then(|spec| spec.node_name.clone());
+        if let (true, Some(shard), Some(node)) = (succeeded, shard, node) {
+            nodes.insert(*shard, node);
+        }
+    }
+    Ok(nodes)
+}
+
 /// The running generation Jobs of rows naming an image whose pods cannot pull it, with why.
-pub fn unpullable(
+fn unpullable(
     pods: &[Pod],
     run: &TrajectoryRun,
     attempts: &[ObservedAttempt],
