@@ -40,6 +40,7 @@ use trajectory_tests::{TestNamespace, client, wait_until};
 mod harbor;
 mod kills;
 mod pulls;
+mod throughput;
 
 /// Everything one test needs: the real node (checked to hold the worker image), a namespace, the
 /// shared volume, and the operator acting on that namespace with the test image as its workers'.
