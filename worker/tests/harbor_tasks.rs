@@ -11,32 +11,14 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::io::Read as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use base64::Engine as _;
-use common::RunFixture;
+use common::{RunFixture, copy_dir, harbor_examples as examples};
 use serde_json::{Value, json};
 use trajectory_worker::harbor::config::TaskConfig;
 use trajectory_worker::run::oracle::OracleOutcome;
 use trajectory_worker::run::plan;
-
-fn examples() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/harbor-tasks")
-}
-
-/// Copies the directory `from` to `to`, modes kept.
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).unwrap();
-        }
-    }
-}
 
 /// The files of a row's packed directory (base64 of a gzipped tar): name → (mode, content).
 fn unpacked(base64: &Value) -> BTreeMap<String, (u32, String)> {

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{RunFixture, WORKER, parse_lines, terminal_server};
+use common::{RunFixture, WORKER, copy_dir, harbor_examples, parse_lines, terminal_server};
 use serde_json::Value;
 use trajectory_testkit::s3_faults::{Fault, FaultProxy, Kind, Rule};
 use trajectory_testkit::versitygw::{ACCESS_KEY, SECRET_KEY, Versitygw};
@@ -229,6 +229,56 @@ fn plan_on(fixture: &RunFixture, storage: &str, server: &Versitygw, secret: &str
         status.code().unwrap(),
         serde_json::from_slice(&message).unwrap(),
     )
+}
+
+/// Harbor task directories on a bucket (`spec.dataset.format: HarborTasks`): the plan, as a pod
+/// runs it, reads the example tasks from the bucket and makes the rows and refusals it makes of
+/// the same tasks on a volume, byte for byte (the scripts, executable on the volume, are so in
+/// the rows from the bucket, which keeps no modes); a path with nothing under it is named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harbor_tasks_on_a_bucket_are_planned_as_on_a_volume() {
+    let server = Versitygw::start("127.0.0.1");
+    server.create_bucket(BUCKET);
+    let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1)
+        .with(
+            "/dataset",
+            serde_json::json!({"path": "tasks", "format": "HarborTasks"}),
+        )
+        .with("/batchSize", serde_json::json!(2));
+    copy_dir(&harbor_examples(), &fixture.root().join("tasks"));
+    copy_dir(
+        &harbor_examples(),
+        &server.bucket_dir(BUCKET).join("harbor/tasks"),
+    );
+    let (code, message) = plan_on(&fixture, "s3://trajectories/harbor", &server, SECRET_KEY);
+    assert_eq!(code, exit::OK, "{message}");
+    let location = fixture.location();
+    let (_, on_volume) = trajectory_worker::run::plan::plan(&location).expect("planned");
+    assert_eq!(message["prompts"], on_volume.prompts, "{message}");
+    let run_dir = location.run_dir();
+    for file in [run_dir.harbor_rows(), run_dir.harbor_refused()] {
+        let relative = file.strip_prefix(&location.storage_root).unwrap();
+        let from_bucket = std::fs::read(server.bucket_dir(BUCKET).join("harbor").join(relative));
+        assert_eq!(
+            from_bucket.unwrap(),
+            std::fs::read(&file).unwrap(),
+            "{}",
+            relative.display()
+        );
+    }
+
+    let empty = RunFixture::new("http://127.0.0.1:9/v1", 1).with(
+        "/dataset",
+        serde_json::json!({"path": "none", "format": "HarborTasks"}),
+    );
+    let (code, message) = plan_on(&empty, "s3://trajectories/harbor", &server, SECRET_KEY);
+    assert_ne!(code, exit::OK);
+    assert!(
+        message
+            .to_string()
+            .contains("nothing on the bucket under s3://trajectories/harbor/none"),
+        "{message}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -635,14 +635,28 @@ pub fn plan_in(
 /// changed dataset digest, which the manifest refuses).
 fn harbor_rows(location: &RunLocation, run_dir: &RunDir) -> Result<(), RunError> {
     let store = run_dir.store();
-    let source = location.dataset_source();
-    if store.is_bucket() {
-        return Err(RunError::InvalidDataset(format!(
-            "spec.dataset.format HarborTasks reads task directories on a volume; {} is on a \
-             bucket, which is not supported yet",
-            source.display()
-        )));
-    }
+    let mut source = location.dataset_source();
+    // Tasks on a bucket are read from a copy: a task is a handful of small files, read whole.
+    let _copy = if let crate::storage::Store::Bucket(bucket) = store {
+        let copy = tempfile::tempdir()
+            .map_err(|err| RunError::Internal(format!("a directory for the tasks: {err}")))?;
+        // Under the path's own name: a path naming one task names the task by it.
+        let into = copy.path().join(source.file_name().unwrap_or_default());
+        let files = bucket
+            .download_tree(&source, &into)
+            .map_err(|err| crate::storage::StorageError::new("reading", &source, err))?;
+        if files == 0 {
+            return Err(RunError::InvalidDataset(format!(
+                "spec.dataset.path: nothing on the bucket under {}",
+                source.display()
+            )));
+        }
+        info!(files, from = %source.display(), "read the Harbor tasks from the bucket");
+        source = into;
+        Some(copy)
+    } else {
+        None
+    };
     let excluded = match location.read_oracle_report()? {
         Some((report, bytes)) => super::oracle::failed_tasks(&bytes, &report)?,
         None => std::collections::BTreeMap::new(),

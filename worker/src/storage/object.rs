@@ -395,6 +395,66 @@ impl Bucket {
         }
     }
 
+    /// The objects anywhere under `dir`, as paths relative to it, unordered; none when there is
+    /// nothing under it.
+    pub fn list_tree(&self, dir: &Path) -> io::Result<Vec<String>> {
+        use futures::TryStreamExt;
+        let (store, key) = (self.store.clone(), self.key(dir)?);
+        let prefix = key.as_ref().to_owned();
+        let objects = self.block(async move {
+            let prefix = (!key.as_ref().is_empty()).then_some(key);
+            store
+                .list(prefix.as_ref())
+                .map_ok(|object| object.location.as_ref().to_owned())
+                .try_collect::<Vec<String>>()
+                .await
+        })?;
+        Ok(objects
+            .into_iter()
+            .filter_map(|location| {
+                let relative = match prefix.as_str() {
+                    "" => location.as_str(),
+                    prefix => location.strip_prefix(prefix)?.strip_prefix('/')?,
+                };
+                Some(relative.to_owned())
+            })
+            .collect())
+    }
+
+    /// Copies the objects under `dir` into the local directory `into`, as they lie under it,
+    /// eight at a time; returns how many. A bucket keeps no file modes: a file copied is
+    /// executable when its name ends in `.sh`.
+    pub fn download_tree(&self, dir: &Path, into: &Path) -> io::Result<usize> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let names = self.list_tree(dir)?;
+        let threads = 8.min(names.len().max(1));
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|first| {
+                    let names = &names;
+                    scope.spawn(move || -> io::Result<()> {
+                        for name in names.iter().skip(first).step_by(threads) {
+                            let target = into.join(name);
+                            if let Some(parent) = target.parent() {
+                                std::fs::create_dir_all(parent)?;
+                            }
+                            std::fs::write(&target, self.read(&dir.join(name))?)?;
+                            if target.extension().is_some_and(|ext| ext == "sh") {
+                                let executable = std::fs::Permissions::from_mode(0o755);
+                                std::fs::set_permissions(&target, executable)?;
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .try_for_each(|worker| worker.join().expect("a download thread panicked"))
+        })?;
+        Ok(names.len())
+    }
+
     /// The names directly under `dir` (objects and "directories" alike), unordered; none when
     /// there is nothing under it.
     pub fn list(&self, dir: &Path) -> io::Result<Vec<String>> {

@@ -762,3 +762,22 @@ pub fn logged_turns(fixture: &RunFixture) -> usize {
         .map(|entry| assert_whole_lines(&entry.path(), true))
         .sum()
 }
+
+/// The example Harbor task directories (`examples/harbor-tasks`).
+pub fn harbor_examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/harbor-tasks")
+}
+
+/// Copies the directory `from` to `to`, modes kept.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
