@@ -20,6 +20,7 @@ pub fn jobs_of_every_stage(run: &ValidatedRun<'_>, settings: &Settings) -> Vec<J
         tasks: Tasks::Sandbox,
         held: false,
         prefer_node: None,
+        task_resources: None,
     };
     vec![
         build::plan_job(run, settings, 1, false),

@@ -66,6 +66,7 @@ async fn desired_jobs_and_their_pods_are_accepted_under_the_restricted_standard(
                 tasks: Tasks::Sandbox,
                 held: false,
                 prefer_node: None,
+                task_resources: None,
             },
         ),
         build::merge_job(&valid, &settings, 1, false),
@@ -160,6 +161,7 @@ async fn task_container_pods_need_the_baseline_standard_and_the_unavailable_ones
                 tasks,
                 held: false,
                 prefer_node: None,
+                task_resources: None,
             },
         )
     };

@@ -252,6 +252,41 @@ pub struct ImageGroup {
     /// Set by the operator with [`ImageGroup::build`] cleared: how the image's build went.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub built: Option<BuildOutcome>,
+    /// Set by the plan when the image's Harbor tasks ask for resources: the limits of each of its
+    /// task containers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<TaskResources>,
+}
+
+/// What the tasks of an image ask of each of their containers: Harbor's `task.toml`
+/// `[environment]` `cpus`, `memory_mb` and `storage_mb`, the most any task of the image asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskResources {
+    /// CPU, in thousandths of a core.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub millicpus: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_mb: Option<u64>,
+}
+
+impl TaskResources {
+    /// `None` when nothing is asked.
+    pub fn asked(self) -> Option<Self> {
+        (self != Self::default()).then_some(self)
+    }
+
+    /// Each the larger of the two: what two tasks sharing an image need of its containers.
+    #[must_use]
+    pub fn max(self, other: Self) -> Self {
+        Self {
+            millicpus: self.millicpus.max(other.millicpus),
+            memory_mb: self.memory_mb.max(other.memory_mb),
+            storage_mb: self.storage_mb.max(other.storage_mb),
+        }
+    }
 }
 
 impl ImageGroup {
@@ -263,6 +298,7 @@ impl ImageGroup {
             build: None,
             build_failed: None,
             built: None,
+            resources: None,
         }
     }
 }

@@ -441,3 +441,32 @@ fn the_images_of_tasks_that_need_a_build_are_listed_once_per_context() {
         "{refused}"
     );
 }
+
+/// What the tasks ask of their containers (`cpus`, `memory_mb`, `storage_mb`) is kept per image,
+/// the most any task of the image asks (resources-timeouts' here, the other tasks of
+/// `python:3.12-slim` asking nothing), for the operator to set as the task containers' limits.
+#[test]
+fn the_tasks_resources_are_kept_per_image() {
+    let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1).with(
+        "/dataset",
+        json!({"path": "tasks", "format": "HarborTasks"}),
+    );
+    copy_dir(&examples(), &fixture.root().join("tasks"));
+    let summary = plan::plan_for_operator(&fixture.location()).expect("planned");
+    let groups = summary.images.expect("rows name images").listed;
+    let asked: Vec<_> = groups
+        .iter()
+        .map(|group| (group.image.as_str(), group.resources))
+        .collect();
+    assert_eq!(
+        asked,
+        [(
+            "python:3.12-slim",
+            Some(trajectory_worker::contract::TaskResources {
+                millicpus: Some(2000),
+                memory_mb: Some(2048),
+                storage_mb: Some(4096),
+            })
+        )]
+    );
+}

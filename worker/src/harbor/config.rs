@@ -195,6 +195,18 @@ impl TaskConfig {
         );
         refuse(
             environment
+                .cpus
+                .is_some_and(|cpus| !(cpus.is_finite() && cpus > 0.0)),
+            "environment.cpus",
+            "must be a positive number (the task container's CPU limit)",
+        );
+        refuse(
+            environment.memory_mb == Some(0) || environment.storage_mb == Some(0),
+            "environment.memory_mb/storage_mb",
+            "must be positive (the task container's limits)",
+        );
+        refuse(
+            environment
                 .os
                 .as_deref()
                 .is_some_and(|os| !os.eq_ignore_ascii_case("linux")),
@@ -318,5 +330,26 @@ environment_mode = "separate"
             ],
             "{unsupported:?}"
         );
+    }
+
+    #[test]
+    fn resources_that_cannot_be_limits_are_named() {
+        for (environment, field) in [
+            ("cpus = 0", "environment.cpus"),
+            ("cpus = nan", "environment.cpus"),
+            ("cpus = -1.5", "environment.cpus"),
+            ("memory_mb = 0", "environment.memory_mb/storage_mb"),
+        ] {
+            let text = format!("[environment]\n{environment}\n");
+            let (config, _) = TaskConfig::parse(&text).unwrap();
+            let unsupported = config.unsupported();
+            assert!(
+                unsupported.iter().any(|why| why.starts_with(field)),
+                "{environment}: {unsupported:?}"
+            );
+        }
+        let (config, _) =
+            TaskConfig::parse("[environment]\ncpus = 0.5\nmemory_mb = 512\n").unwrap();
+        assert!(config.unsupported().is_empty());
     }
 }

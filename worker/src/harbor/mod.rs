@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 pub use task::{HarborTask, TaskImage, is_task_dir};
 
-use crate::contract::BuildEntry;
+use crate::contract::{BuildEntry, TaskResources};
 use crate::spec::ImageBuilds;
 
 /// What reading Harbor tasks met.
@@ -86,6 +86,9 @@ pub struct HarborRows {
     /// The images the run builds: one a distinct build context, in the order the tasks first
     /// need them, each with its packed context.
     pub builds: Vec<(BuildEntry, Vec<u8>)>,
+    /// What the tasks of each image (as the rows name it) ask of their containers, for the images
+    /// whose tasks ask anything.
+    pub resources: BTreeMap<String, TaskResources>,
 }
 
 /// The tasks under `root` as dataset rows, one JSON line each, and the tasks refused: those
@@ -147,8 +150,12 @@ pub fn rows_jsonl(
         if !task.ignored.is_empty() {
             tracing::warn!(task = %task.dir_name, keys = ?task.ignored, "task.toml keys Harbor ignores are ignored");
         }
-        serde_json::to_writer(&mut rows.jsonl, &task.row(built.as_deref()))
-            .expect("a row serialises");
+        let row = task.row(built.as_deref());
+        if let (Some(asked), Some(image)) = (task.resources().asked(), row["image"].as_str()) {
+            let entry = rows.resources.entry(image.to_owned()).or_default();
+            *entry = entry.max(asked);
+        }
+        serde_json::to_writer(&mut rows.jsonl, &row).expect("a row serialises");
         rows.jsonl.push(b'\n');
     }
     Ok(rows)

@@ -110,6 +110,20 @@ impl HarborTask {
         })
     }
 
+    /// What the task asks of its container (`[environment]` `cpus`, `memory_mb`, `storage_mb`).
+    pub fn resources(&self) -> crate::contract::TaskResources {
+        let environment = &self.config.environment;
+        crate::contract::TaskResources {
+            // A positive, finite count (checked when `task.toml` was read), in thousandths.
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            millicpus: environment
+                .cpus
+                .map(|cpus| (cpus * 1000.0).round().clamp(1.0, 1.0e9) as u64),
+            memory_mb: environment.memory_mb,
+            storage_mb: environment.storage_mb,
+        }
+    }
+
     /// The task as a dataset row: its instruction as the prompt, its image and working
     /// directory, its tests as the verifier (`tests_tar`, run by their `test.sh`) within its
     /// verifier timeout, its solution for the oracle, and Harbor's description of it

@@ -23,7 +23,7 @@ use super::segments::{SEGMENT_BYTES, SegmentHasher};
 use super::{RunError, RunLocation};
 use crate::contract::{
     BatchRange, BuildEntry, ImageGroup, ImagePage, PlanSummary, Ranges, TERMINATION_MESSAGE_LIMIT,
-    compact_ranges, format_ranges, image_page_path, image_pages, task_batch_prompts,
+    TaskResources, compact_ranges, format_ranges, image_page_path, image_pages, task_batch_prompts,
 };
 use crate::dataset::{
     Block, LineBlocks, LineInfo, MAX_LINE_BYTES, Rejection, probe, probe_image, without_bom,
@@ -666,6 +666,7 @@ fn harbor_rows(location: &RunLocation, run_dir: &RunDir) -> Result<(), RunError>
         jsonl: rows,
         refused,
         builds,
+        resources,
     } = crate::harbor::rows_jsonl(&source, &excluded, builds)
         .map_err(|err| RunError::InvalidDataset(format!("spec.dataset.path: {err}")))?;
     let mut refusals = Vec::new();
@@ -681,6 +682,13 @@ fn harbor_rows(location: &RunLocation, run_dir: &RunDir) -> Result<(), RunError>
     }
     store.create_dir_all(run_dir.root())?;
     write_build_contexts(run_dir, &builds)?;
+    let mut asked = Vec::new();
+    for (image, resources) in &resources {
+        let line = serde_json::json!({"image": image, "resources": resources});
+        serde_json::to_writer(&mut asked, &line).expect("resources serialise");
+        asked.push(b'\n');
+    }
+    store.write_atomic(&run_dir.harbor_resources(), &asked)?;
     store.write_atomic(&run_dir.harbor_refused(), &refusals)?;
     store.write_atomic(&run_dir.harbor_rows(), &rows)?;
     if !refused.is_empty() {
@@ -730,21 +738,50 @@ fn write_build_contexts(
     Ok(())
 }
 
-/// The build list a plan of Harbor tasks wrote, as image → its line; empty for other runs.
-fn build_lines(location: &RunLocation) -> Result<BTreeMap<String, u32>, RunError> {
+/// What a plan of Harbor tasks knows of an image beyond its batches.
+#[derive(Debug, Default)]
+struct ImageFacts {
+    /// The line of the build list that builds it.
+    build: Option<u32>,
+    /// What its tasks ask of their containers.
+    resources: Option<TaskResources>,
+}
+
+/// The build list and the tasks' resources a plan of Harbor tasks wrote, by image; empty for
+/// other runs.
+fn image_facts(location: &RunLocation) -> Result<BTreeMap<String, ImageFacts>, RunError> {
+    let mut facts: BTreeMap<String, ImageFacts> = BTreeMap::new();
     if location.plan.spec.dataset.format != DatasetFormat::HarborTasks {
-        return Ok(BTreeMap::new());
+        return Ok(facts);
     }
-    let path = location.run_dir().harbor_builds();
-    let text = location.store.read_to_string(&path)?;
-    let mut lines = BTreeMap::new();
-    for (line, text) in (0_u32..).zip(text.lines()) {
-        let entry: BuildEntry = serde_json::from_str(text).map_err(|err| {
-            RunError::BadBatchInput(format!("{}:{}: {err}", path.display(), line + 1))
-        })?;
-        lines.insert(entry.image, line);
+    let run_dir = location.run_dir();
+    let read_lines = |path: &Path| -> Result<Vec<(usize, String)>, RunError> {
+        let text = location.store.read_optional(path)?.unwrap_or_default();
+        Ok(String::from_utf8_lossy(&text)
+            .lines()
+            .map(str::to_owned)
+            .enumerate()
+            .collect())
+    };
+    let bad = |path: &Path, line: usize, err: serde_json::Error| {
+        RunError::BadBatchInput(format!("{}:{}: {err}", path.display(), line + 1))
+    };
+    let path = run_dir.harbor_builds();
+    for (line, text) in read_lines(&path)? {
+        let entry: BuildEntry = serde_json::from_str(&text).map_err(|err| bad(&path, line, err))?;
+        facts.entry(entry.image).or_default().build = u32::try_from(line).ok();
     }
-    Ok(lines)
+    let path = run_dir.harbor_resources();
+    for (line, text) in read_lines(&path)? {
+        #[derive(serde::Deserialize)]
+        struct Asked {
+            image: String,
+            resources: TaskResources,
+        }
+        let asked: Asked = serde_json::from_str(&text).map_err(|err| bad(&path, line, err))?;
+        facts.entry(asked.image).or_default().resources = Some(asked.resources);
+    }
+    Ok(facts)
 }
 
 /// Writes the run's manifest. On a volume it is written again whole (the same one when it existed).
@@ -930,10 +967,10 @@ fn rows_with_images_on_the_host(dataset: &Path, listed: &RowsWithImages) -> Stri
 /// first written to a new pending list on storage, which the summary names.
 pub fn plan_for_operator(location: &RunLocation) -> Result<PlanSummary, RunError> {
     let (manifest, summary) = plan(location)?;
-    let builds = build_lines(location)?;
+    let facts = image_facts(location)?;
     hand_off(
         &location.run_dir(),
-        (BatchImages::of(&manifest), &builds),
+        (BatchImages::of(&manifest), &facts),
         summary,
         TERMINATION_MESSAGE_LIMIT,
     )
@@ -948,7 +985,7 @@ pub fn plan_for_operator(location: &RunLocation) -> Result<PlanSummary, RunError
 /// They go with the run's output directory.
 fn hand_off(
     run_dir: &RunDir,
-    (images, builds): (BatchImages<'_>, &BTreeMap<String, u32>),
+    (images, facts): (BatchImages<'_>, &BTreeMap<String, ImageFacts>),
     summary: PlanSummary,
     limit: usize,
 ) -> Result<PlanSummary, RunError> {
@@ -959,7 +996,10 @@ fn hand_off(
     let slots = summary.pending_list.is_some();
     let mut groups = image_groups(images, &pending, slots);
     for group in &mut groups {
-        group.build = builds.get(&group.image).copied();
+        if let Some(facts) = facts.get(&group.image) {
+            group.build = facts.build;
+            group.resources = facts.resources;
+        }
     }
     let index = RunDir::new_image_index_name();
     let mut summary = summary.with_images(groups.clone(), limit, &index);

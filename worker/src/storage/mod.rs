@@ -185,6 +185,11 @@ impl RunDir {
     pub fn harbor_builds(&self) -> PathBuf {
         self.root.join("harbor-builds.jsonl")
     }
+    /// What the Harbor tasks of each image ask of their containers, one image a line (images
+    /// whose tasks ask nothing are left out).
+    pub fn harbor_resources(&self) -> PathBuf {
+        self.root.join("harbor-resources.jsonl")
+    }
     /// The Harbor tasks the plan refused, each with why.
     pub fn harbor_refused(&self) -> PathBuf {
         self.root.join("harbor-refused.jsonl")

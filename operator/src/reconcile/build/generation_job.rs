@@ -5,8 +5,10 @@
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
     Affinity, NodeAffinity, NodeSelectorRequirement, NodeSelectorTerm, PodSpec,
-    PreferredSchedulingTerm,
+    PreferredSchedulingTerm, ResourceRequirements,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use trajectory_worker::contract::TaskResources;
 
 use std::collections::BTreeMap;
 
@@ -60,6 +62,12 @@ pub fn generation_job(run: &ValidatedRun<'_>, settings: &Settings, shard: &Shard
     if !annotations.is_empty() {
         job.metadata.annotations = Some(annotations);
     }
+    if let (Some(asked), Some(pod)) = (
+        &shard.task_resources,
+        job.spec.as_mut().and_then(|s| s.template.spec.as_mut()),
+    ) {
+        limit_task_containers(pod, run.sandbox_resources.as_ref(), asked);
+    }
     if let (Some(node), Some(pod)) = (
         &shard.prefer_node,
         job.spec.as_mut().and_then(|s| s.template.spec.as_mut()),
@@ -102,4 +110,45 @@ fn prefer_node(pod: &mut PodSpec, node: &str) {
             match_expressions: None,
         },
     });
+}
+
+/// Sets the limits of `pod`'s task containers to what their tasks ask (`asked`), over the run's
+/// `spec.sandbox.resources` (`run`): as Harbor's Docker environment applies a task's `cpus` and
+/// `memory_mb` (`--cpus`, `--memory`), a cap, not a reservation. A resource the tasks limit is
+/// requested as the run requests it, else not at all (`0`): Kubernetes would otherwise take the
+/// limit as the request and reserve it for each of the pod's conversations.
+fn limit_task_containers(
+    pod: &mut PodSpec,
+    run: Option<&ResourceRequirements>,
+    asked: &TaskResources,
+) {
+    let limited = [
+        ("cpu", asked.millicpus.map(|millis| format!("{millis}m"))),
+        ("memory", asked.memory_mb.map(|mb| format!("{mb}Mi"))),
+        (
+            "ephemeral-storage",
+            asked.storage_mb.map(|mb| format!("{mb}Mi")),
+        ),
+    ];
+    let mut resources = run.cloned().unwrap_or_default();
+    for (name, limit) in limited {
+        let Some(limit) = limit else { continue };
+        resources
+            .limits
+            .get_or_insert_with(Default::default)
+            .insert(name.to_owned(), Quantity(limit));
+        resources
+            .requests
+            .get_or_insert_with(Default::default)
+            .entry(name.to_owned())
+            .or_insert_with(|| Quantity("0".to_owned()));
+    }
+    for container in pod.init_containers.iter_mut().flatten() {
+        if container
+            .name
+            .starts_with(super::pod_spec::TASK_CONTAINER_PREFIX)
+        {
+            container.resources = Some(resources.clone());
+        }
+    }
 }

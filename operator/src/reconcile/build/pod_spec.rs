@@ -156,6 +156,9 @@ pub fn pod_spec(
     }
 }
 
+/// The start of the names of the task containers (`task-<slot>`).
+pub(super) const TASK_CONTAINER_PREFIX: &str = "task-";
+
 /// The volume holding task container `slot`'s socket, shared with the worker alone.
 fn task_volume(slot: u32) -> String {
     format!("task-{slot}")
@@ -174,7 +177,7 @@ fn task_containers(run: &ValidatedRun<'_>, image: &str, slots: u32) -> Vec<Conta
     let image = run.spec.sandbox.rewritten_image(image);
     (0..slots)
         .map(|slot| Container {
-            name: format!("task-{slot}"),
+            name: format!("{TASK_CONTAINER_PREFIX}{slot}"),
             image: Some(image.clone()),
             image_pull_policy: Some("IfNotPresent".to_owned()),
             restart_policy: Some("Always".to_owned()),

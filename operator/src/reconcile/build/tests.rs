@@ -35,6 +35,7 @@ fn gen_job(run: &TrajectoryRun, attempt: u32, batches: &[u32], exists: bool) -> 
         tasks: Tasks::Sandbox,
         held: false,
         prefer_node: None,
+        task_resources: None,
     };
     generation_job(&valid(run), &settings(), &shard)
 }
@@ -113,6 +114,7 @@ fn children_are_built_for_what_the_decision_wants() {
             tasks: Tasks::Sandbox,
             held: false,
             prefer_node: None,
+            task_resources: None,
         }),
         Child::Merge {
             round: 1,

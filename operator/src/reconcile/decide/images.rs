@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use trajectory_worker::contract::{
-    BuildOutcome, ImageGroup, MAX_JOB_COMPLETIONS, PlanSummary, parse_ranges,
+    BuildOutcome, ImageGroup, MAX_JOB_COMPLETIONS, PlanSummary, TaskResources, parse_ranges,
 };
 
 use super::{
@@ -50,6 +50,8 @@ pub struct Piece {
     pub ids: Vec<u32>,
     /// Why its image could not be built, when the run built it and that failed.
     pub build_failed: Option<String>,
+    /// What its rows' tasks ask of their containers.
+    pub resources: Option<TaskResources>,
 }
 
 /// The run's pieces: the rows naming no image first, then each image group in the plan's order.
@@ -68,6 +70,7 @@ pub fn pieces(
             Some(group.image.clone()),
             group_ids,
             group.build_failed.clone(),
+            group.resources,
         ));
     }
     let done = ids.done_by_the_plan(plan);
@@ -80,13 +83,16 @@ pub fn pieces(
         .collect();
     let size = to_usize(MAX_JOB_COMPLETIONS);
     let mut pieces = Vec::new();
-    for (image, ids, build_failed) in std::iter::once((None, imageless, None)).chain(grouped) {
+    for (image, ids, build_failed, resources) in
+        std::iter::once((None, imageless, None, None)).chain(grouped)
+    {
         for chunk in ids.chunks(size) {
             pieces.push(Piece {
                 shard: u32::try_from(pieces.len()).unwrap_or(u32::MAX),
                 image: image.clone(),
                 ids: chunk.to_vec(),
                 build_failed: build_failed.clone(),
+                resources,
             });
         }
     }
@@ -287,6 +293,7 @@ fn window(
                     },
                     held: false,
                     prefer_node: None,
+                    task_resources: None,
                 });
             }
             (unavailable, _) => live.push(Shard {
@@ -306,6 +313,7 @@ fn window(
                 },
                 held: false,
                 prefer_node: None,
+                task_resources: None,
             }),
         }
     }
@@ -337,6 +345,7 @@ fn window(
             },
             held: false,
             prefer_node: super::prefetch::node_of(observed, piece.shard),
+            task_resources: piece.resources,
         });
     }
     let shares = worker_shares(run.spec.workers, live.len());
@@ -486,7 +495,10 @@ fn names_too_long(run: &ValidatedRun<'_>, attempt: u32, pieces: &[Piece]) -> Opt
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use k8s_openapi::api::batch::v1::Job;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
     use trajectory_worker::contract::{RunPlan, env, paths, task_slots};
     use trajectory_worker::spec::ImageRewrite;
 
@@ -680,6 +692,81 @@ mod tests {
             Some(&["node-7".to_owned()][..])
         );
         assert!(pod(job(&desired, "r-gen-1-1")).affinity.is_none());
+    }
+
+    /// What an image's Harbor tasks ask (`cpus`, `memory_mb`, `storage_mb`) is the limit of
+    /// each of its task containers, over the run's `spec.sandbox.resources`: requested as the
+    /// run requests it, else not at all, so that a pod of 16 conversations reserves no 16 times
+    /// the task's cap; the run's sandbox container and other images' task containers keep the
+    /// run's resources.
+    #[test]
+    fn an_images_task_resources_are_the_limits_of_its_task_containers() {
+        type Quantities = Option<BTreeMap<String, Quantity>>;
+        let mut observed = planned().build();
+        let groups = &mut observed
+            .plan_summary
+            .as_mut()
+            .unwrap()
+            .images
+            .as_mut()
+            .unwrap()
+            .listed;
+        groups[0].resources = Some(trajectory_worker::contract::TaskResources {
+            millicpus: Some(2000),
+            memory_mb: Some(2048),
+            storage_mb: None,
+        });
+        let sized = TrajectoryRun::test()
+            .named("r")
+            .namespace("ns")
+            .uid("uid-1")
+            .with(|spec| {
+                spec.workers = 2;
+                spec.sandbox.resources = Some(serde_json::json!({
+                    "requests": {"cpu": "250m"},
+                    "limits": {"cpu": "1", "ephemeral-storage": "1Gi"},
+                }));
+            })
+            .build();
+        let desired = desired_state(&sized, &observed, &Settings::default(), &now()).unwrap();
+        let quantity = |map: &Quantities, name: &str| map.as_ref()?.get(name).map(|q| q.0.clone());
+        let of_image = pod(job(&desired, "r-gen-1-1"));
+        let tasks: Vec<_> = of_image
+            .init_containers
+            .iter()
+            .flatten()
+            .filter(|c| c.name.starts_with("task-"))
+            .collect();
+        assert!(!tasks.is_empty());
+        for task in &tasks {
+            let resources = task.resources.as_ref().unwrap();
+            assert_eq!(quantity(&resources.limits, "cpu").as_deref(), Some("2000m"));
+            assert_eq!(
+                quantity(&resources.limits, "memory").as_deref(),
+                Some("2048Mi")
+            );
+            assert_eq!(
+                quantity(&resources.limits, "ephemeral-storage").as_deref(),
+                Some("1Gi")
+            );
+            assert_eq!(
+                quantity(&resources.requests, "cpu").as_deref(),
+                Some("250m")
+            );
+            assert_eq!(
+                quantity(&resources.requests, "memory").as_deref(),
+                Some("0")
+            );
+        }
+        let sandbox = of_image
+            .init_containers
+            .iter()
+            .flatten()
+            .find(|c| c.name == "sandbox")
+            .unwrap();
+        let resources = sandbox.resources.as_ref().unwrap();
+        assert_eq!(quantity(&resources.limits, "cpu").as_deref(), Some("1"));
+        assert_eq!(quantity(&resources.limits, "memory"), None);
     }
 
     /// As Jobs complete, the next images start in their place; a complete Job is deleted once

@@ -22,8 +22,8 @@
 use std::collections::BTreeSet;
 
 use trajectory_worker::contract::{
-    ImageGroup, MAX_JOB_COMPLETIONS, MergeSummary, PlanSummary, WorkerFailure, compact_ranges,
-    format_ranges, groups_of_pages, parse_ranges, usd_text,
+    ImageGroup, MAX_JOB_COMPLETIONS, MergeSummary, PlanSummary, TaskResources, WorkerFailure,
+    compact_ranges, format_ranges, groups_of_pages, parse_ranges, usd_text,
 };
 
 use self::admission::Admissions;
@@ -155,6 +155,9 @@ pub struct Shard {
     pub held: bool,
     /// The node its pods prefer: the one that pulled its image ahead (`spec.sandbox.prefetch`).
     pub prefer_node: Option<String>,
+    /// What its rows' tasks ask of each task container (Harbor's `cpus`, `memory_mb`,
+    /// `storage_mb`): their limits.
+    pub task_resources: Option<TaskResources>,
 }
 
 impl Shard {
@@ -742,6 +745,7 @@ fn running_shards(run: &ValidatedRun<'_>, shards: &[&ObservedAttempt]) -> Vec<Ch
                 tasks: Tasks::Sandbox,
                 held: false,
                 prefer_node: None,
+                task_resources: None,
             }))
         })
         .collect()
@@ -856,6 +860,7 @@ fn start_attempt(
             tasks: Tasks::Sandbox,
             held: false,
             prefer_node: None,
+            task_resources: None,
         }));
     }
     Outcome::Working(Phase::Running, message)
