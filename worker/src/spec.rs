@@ -1324,7 +1324,7 @@ pub struct SandboxSpec {
     /// static program of the worker image's that exits at once (as an unprivileged user, nothing
     /// mounted but it), and request 10m CPU and 16 MiB. Set it to the images the nodes can pull
     /// at once beside the running ones (`workers` is a good start). Cluster only.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub prefetch: u32,
     /// Directories of the machine that a local run's commands may read and run programs from,
     /// besides their workspace and the system's (`/usr`, `/bin`, `/etc`, `/opt`, ...): a
@@ -1438,6 +1438,13 @@ impl SandboxSpec {
                 |rewrite| format!("{}{}", rewrite.to, &image[rewrite.from.len()..]),
             )
     }
+}
+
+/// Whether a count is left at its default, 0 (and so out of the serialised spec, which reads as
+/// it did before the field was there).
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+fn is_zero(value: &u32) -> bool {
+    *value == 0
 }
 
 fn default_image_unavailable_after_seconds() -> u64 {
