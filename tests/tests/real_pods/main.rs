@@ -748,8 +748,24 @@ async fn rows_naming_images_run_in_fresh_task_containers_and_a_missing_image_is_
     check_image_records(&dir, &rows);
     let statistics: Value =
         serde_json::from_slice(&std::fs::read(dir.join("statistics.json")).unwrap()).unwrap();
+    let mut task_images = statistics["task_images"].clone();
+    // What the pods waited for their images: one pod a batch that ran in a task container (the
+    // missing image's batch had none), per image.
+    let pulls = task_images
+        .as_object_mut()
+        .and_then(|images| images.remove("pulls"))
+        .expect("the pods' waits for their images");
+    let waited: Vec<&String> = pulls["images"].as_object().unwrap().keys().collect();
     assert_eq!(
-        statistics["task_images"],
+        waited,
+        [image("busybox"), image("glibc"), image("noshell")]
+            .map(Option::unwrap)
+            .iter()
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(pulls["pods"], 7, "{pulls}");
+    assert_eq!(
+        task_images,
         json!({"images": 4, "pulled": 3, "unavailable": 1,
                "conversations": {"ran": 11, "image_unavailable": 2}}),
         "the row naming no image is not one of them"
