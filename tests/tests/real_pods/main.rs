@@ -974,6 +974,11 @@ fn write_image_rows(setup: &Setup, rows: &[ImageRow]) {
             row.to_string()
         })
         .collect();
+    add_rows(setup, &lines);
+}
+
+/// Adds `lines` to the run's storage as the dataset `datasets/rows.jsonl`.
+fn add_rows(setup: &Setup, lines: &[String]) {
     let dataset = tempfile::tempdir().unwrap();
     let file = dataset.path().join("rows.jsonl");
     std::fs::write(&file, lines.join("\n") + "\n").unwrap();

@@ -16,7 +16,7 @@ use trajectory_operator::api::{Phase, TrajectoryRun};
 use trajectory_tests::e2e::phase_of;
 use trajectory_tests::real_pods::{HOW_TO_RUN, jsonl_lines, registry};
 
-use super::{Setup, scripted_model};
+use super::{Setup, add_rows, scripted_model};
 
 /// Pushes `count` images of `mib` MiB of random bytes each over the registry's glibc task image,
 /// under `<registry>/prefetch/<namespace>/img-<i>:1`, with crane (`scripts/registry/build.sh`):
@@ -69,10 +69,7 @@ fn write_rows(setup: &Setup, images: &[String], per_image: usize) {
         .enumerate()
         .map(|(i, image)| json!({"prompt": format!("row {i}"), "image": image}).to_string())
         .collect();
-    let dataset = tempfile::tempdir().unwrap();
-    let file = dataset.path().join("rows.jsonl");
-    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
-    setup.storage.add_dataset(&file);
+    add_rows(setup, &lines);
 }
 
 /// What a run of the distinct images showed.

@@ -10,7 +10,7 @@ use trajectory_operator::api::Phase;
 use trajectory_tests::e2e::phase_of;
 use trajectory_tests::real_pods::{HOW_TO_RUN, jsonl_lines, registry};
 
-use super::{Setup, scripted_model};
+use super::{Setup, add_rows, scripted_model};
 
 /// Writes `rows` prompts, each naming `image` when given.
 fn write_rows(setup: &Setup, rows: usize, image: Option<&str>) {
@@ -23,10 +23,7 @@ fn write_rows(setup: &Setup, rows: usize, image: Option<&str>) {
             row.to_string()
         })
         .collect();
-    let dataset = tempfile::tempdir().unwrap();
-    let file = dataset.path().join("rows.jsonl");
-    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
-    setup.storage.add_dataset(&file);
+    add_rows(setup, &lines);
 }
 
 /// `THROUGHPUT_BENCH_ROWS` (96) conversations of two model requests (`THROUGHPUT_BENCH_LATENCY_MS`,
