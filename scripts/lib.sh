@@ -34,3 +34,22 @@ prune_incremental() {
 	fi
 }
 
+
+# make_room_for_test_build TARGET_DIR MIN_FREE_GB: when the disk under TARGET_DIR has less than
+# MIN_FREE_GB free, removes every test and bench executable in its debug/deps and the incremental
+# caches before a build. A checkout at another path builds all its test binaries anew (the crate
+# hashes include the path), so the previous checkout's are dead weight: two checkouts' worth
+# (~25 GB each at full debug info) filled a 92 GB disk mid-link once ("Bus error" in ld, then
+# "No space left on device"). The next build relinks what it needs; dependencies stay built.
+make_room_for_test_build() {
+	local dir="$1" min_gb="$2" free_kb
+	mkdir -p "${dir}"
+	free_kb="$(df -Pk "${dir}" | awk 'NR == 2 { print $4 }')"
+	if ((free_kb < min_gb * 1024 * 1024)); then
+		echo "only $((free_kb / 1024 / 1024)) GB free under ${dir} (want ${min_gb}):" \
+			"removing the test binaries and incremental caches of earlier builds" >&2
+		[[ ! -d "${dir}/debug/deps" ]] ||
+			find "${dir}/debug/deps" -maxdepth 1 -type f -executable ! -name '*.*' -delete
+		rm -rf "${dir}/debug/incremental"
+	fi
+}

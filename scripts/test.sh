@@ -57,6 +57,9 @@ trap '[[ -z "${go_tools}" ]] || kill "${go_tools}" 2>/dev/null || true
 step "prune cargo's incremental caches past ${TRAJ_INCREMENTAL_LIMIT_GB:-8} GB"
 prune_incremental "${CARGO_TARGET_DIR}/debug" "${TRAJ_INCREMENTAL_LIMIT_GB:-8}"
 
+step "make room for the test build: ${TRAJ_MIN_FREE_GB:-30} GB free"
+make_room_for_test_build "${CARGO_TARGET_DIR}" "${TRAJ_MIN_FREE_GB:-30}"
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
