@@ -53,3 +53,19 @@ make_room_for_test_build() {
 		rm -rf "${dir}/debug/incremental"
 	fi
 }
+
+# python_312_or_later [CANDIDATE]: prints the first Python 3.12 or later among CANDIDATE (a
+# variable's override), python3.12, python3.13 on PATH and pyenv's versions; fails when none is
+# found. Harbor needs 3.12 (scripts/formats, scripts/harbor).
+python_312_or_later() {
+	local candidate pyenv_root
+	pyenv_root="$(pyenv root 2>/dev/null || printf '%s' "${HOME}/.pyenv")"
+	for candidate in ${1:-} python3.12 python3.13 \
+		"${pyenv_root}"/versions/3.12*/bin/python3 "${pyenv_root}"/versions/3.13*/bin/python3; do
+		if "${candidate}" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+			printf '%s\n' "${candidate}"
+			return 0
+		fi
+	done
+	return 1
+}

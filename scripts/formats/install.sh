@@ -10,15 +10,9 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-python=""
-pyenv_root="$(pyenv root 2>/dev/null || printf '%s' "${HOME}/.pyenv")"
-for candidate in ${FORMATS_PYTHON:-} python3.12 python3.13 \
-	"${pyenv_root}"/versions/3.12*/bin/python3 "${pyenv_root}"/versions/3.13*/bin/python3; do
-	if "${candidate}" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
-		python="${candidate}"
-		break
-	fi
-done
+# shellcheck source=scripts/lib.sh
+source "${HERE}/../lib.sh"
+python="$(python_312_or_later "${FORMATS_PYTHON:-}")" || python=""
 [[ -n "${python}" ]] || {
 	echo "[formats] no Python 3.12 or later found (Harbor needs it): install one, or name it in FORMATS_PYTHON" >&2
 	exit 1

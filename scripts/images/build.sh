@@ -5,9 +5,12 @@
 # umoci to assemble OCI image layouts. Both images run as uid/gid 65532.
 #
 # Usage: scripts/images/build.sh [operator] [worker] [--refresh-rootfs] [--no-verify] [--debug|--test]
+#        scripts/images/build.sh --rootfs-only [--refresh-rootfs]
 #   (no image named: both)
 #   --refresh-rootfs  rebuild the cached Debian root filesystem (e.g. for security updates)
 #   --no-verify       skip scripts/images/verify.sh at the end
+#   --rootfs-only     make (or find) the cached Debian root filesystem only, and print its path on
+#                     stdout; no cargo build, no image (scripts/harbor/with-docker.sh imports it)
 #   --debug           use debug binaries from the workspace's usual target directory (a quick check
 #                     of the image pipeline, as in scripts/test.sh; not for publishing)
 #   --test            the test variant the real-pod tests import into the local cluster's node:
@@ -37,11 +40,13 @@ umask 022
 select_images "$0" "$@"
 refresh_rootfs=false
 verify=true
+rootfs_only=false
 profile=release
 for option in "${options[@]}"; do
   case "${option}" in
     --refresh-rootfs) refresh_rootfs=true ;;
     --no-verify) verify=false ;;
+    --rootfs-only) rootfs_only=true ;;
     --debug) profile=debug ;;
     --test)
       profile="test"
@@ -87,7 +92,9 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/trajectory-images.XXXXXX")"
 trap 'rm -rf "${work}"' EXIT
 
 step "${profile} binaries (${BUILD_TARGET_DIR})"
-if [[ ${profile} == test ]]; then
+if [[ ${rootfs_only} == true ]]; then
+  echo "skipped (--rootfs-only)" >&2
+elif [[ ${profile} == test ]]; then
   # The feature set and profile of the test build, so its compiled crates are reused: after
   # `cargo test --workspace --all-features --no-run` only the binaries are linked (the worker's
   # engine is in the operator binary then, which a test image does not mind).
@@ -103,7 +110,7 @@ else
 fi
 binary_path() { echo "${BUILD_TARGET_DIR}/${profile/test/debug}/trajectory-$1"; }
 
-if [[ " ${images[*]} " == *" worker "* ]]; then
+if [[ ${rootfs_only} != true && " ${images[*]} " == *" worker "* ]]; then
   step "static trajectory-executor (musl; scripts/executor/build.sh)"
   # The tool executor runs inside the run's task image, whatever libc that has.
   executor_binary="$(scripts/executor/build.sh)"
@@ -155,6 +162,10 @@ if [[ ! -f ${rootfs} ]]; then
   mv "${rootfs}.partial" "${rootfs}"
 fi
 echo "${rootfs} ($(du -h "${rootfs}" | cut -f1))" >&2
+if [[ ${rootfs_only} == true ]]; then
+  echo "${rootfs}"
+  exit 0
+fi
 mkdir -p "${work}/rootfs"
 tar -xf "${rootfs}" -C "${work}/rootfs" --no-same-owner
 

@@ -14,6 +14,7 @@
 //! - [`s3_faults`]: a proxy in front of it that throttles, cuts or stalls chosen requests.
 //! - [`batch_server`]: a provider's Batch API (`OpenAI`'s files and batches) that runs each line
 //!   against a real model server, with turnaround, expiry and refusals on demand.
+//! - [`side_by_side`]: the task directory and CPU reading of the benchmark beside Harbor itself.
 //! - [`tier_gate`]: a provider's flex tier (refused for no capacity, then served) in front of a
 //!   real model server.
 
@@ -27,8 +28,18 @@ pub mod llama_servers;
 pub mod long_conversation;
 pub mod s3_faults;
 pub mod scripted_server;
+pub mod side_by_side;
 pub mod tier_gate;
 pub mod versitygw;
+
+/// A benchmark's setting: the environment variable `name` parsed, else `default` (unset or not
+/// a `T`).
+pub fn knob<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
+}
 
 /// An axum app served on `127.0.0.1` (a free port) on the caller's tokio runtime; it stops
 /// accepting connections when dropped.

@@ -21,8 +21,8 @@
 use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -137,6 +137,8 @@ struct Shared {
     /// Paths, headers and raw bodies; parsed only when a test asks, so the
     /// benchmark server spends no CPU on it.
     received: Mutex<Vec<Received>>,
+    /// When the first request arrived (a benchmark's time to the first model request).
+    first_request: OnceLock<Instant>,
 }
 
 /// A running scripted server; it stops accepting connections when dropped.
@@ -248,6 +250,7 @@ impl ScriptedServer {
         let shared = Arc::new(Shared {
             mode,
             received: Mutex::new(Vec::new()),
+            first_request: OnceLock::new(),
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
@@ -328,6 +331,11 @@ impl ScriptedServer {
             .collect()
     }
 
+    /// When the first request arrived, if one has.
+    pub fn first_request_at(&self) -> Option<Instant> {
+        self.shared.first_request.get().copied()
+    }
+
     pub fn request_count(&self) -> usize {
         lock(&self.shared.received).len()
     }
@@ -397,6 +405,7 @@ async fn answer(shared: &Shared, path: &'static str, headers: &HeaderMap, body: 
             .map(str::to_owned)
     };
     let (authorization, session) = (text(header::AUTHORIZATION.as_str()), text("x-session-id"));
+    shared.first_request.get_or_init(Instant::now);
     lock(&shared.received).push((path, authorization, session, body.clone()));
     match &shared.mode {
         Mode::Script { steps, default } => {

@@ -16,6 +16,7 @@ use std::path::Path;
 use base64::Engine as _;
 use common::{RunFixture, copy_dir, harbor_examples as examples};
 use serde_json::{Value, json};
+use trajectory_testkit::{knob, side_by_side};
 use trajectory_worker::harbor::config::TaskConfig;
 use trajectory_worker::run::oracle::OracleOutcome;
 use trajectory_worker::run::plan;
@@ -469,4 +470,119 @@ fn the_tasks_resources_are_kept_per_image() {
             })
         )]
     );
+}
+
+/// The tasks of the benchmark beside Harbor itself (`trajectory_testkit::side_by_side`) are
+/// rows here, none refused: a Dockerfile that only names its base runs in that base.
+#[test]
+fn the_side_by_side_tasks_are_all_planned_as_rows() {
+    let fixture = RunFixture::new("http://127.0.0.1:9/v1", 1)
+        .with(
+            "/dataset",
+            json!({"path": "tasks", "format": "HarborTasks"}),
+        )
+        .with("/batchSize", json!(4));
+    let names = side_by_side::write_answer_tasks(&fixture.root().join("tasks"), 6, "debian:12");
+    plan::plan(&fixture.location()).expect("the tasks are planned");
+    let rows = fixture.lines("harbor-tasks.jsonl");
+    let planned: Vec<&str> = rows
+        .iter()
+        .map(|row| row["harbor"]["task"].as_str().unwrap())
+        .collect();
+    assert_eq!(planned, names);
+    assert!(fixture.lines("harbor-refused.jsonl").is_empty());
+    assert!(
+        rows.iter().all(|row| row["image"] == "debian:12"),
+        "{rows:?}"
+    );
+}
+
+/// Harbor itself (`harbor run` with its `docker` environment, 0.25.0) over the benchmark's task
+/// directory, its agent `scripts/harbor/scripted_agent.py` asking the same scripted model the
+/// real-node half asks (`tests/tests/real_pods/side_by_side.rs`): one tool call, then a final
+/// answer. Prints trajectories an hour, the machine's CPU time a trial (the idle machine's
+/// subtracted), and the time from `harbor run` to the first model request. Run it under
+/// `scripts/harbor/with-docker.sh` (dockerd, Harbor on `PATH`); `SIDE_BY_SIDE_TASKS` (128),
+/// `SIDE_BY_SIDE_LATENCY_MS` (500), `SIDE_BY_SIDE_AT_ONCE` (8) and `SIDE_BY_SIDE_INIT` (1: the
+/// compose overlay `init: true`, without which each trial waits out Docker's 10 s stop grace).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: scripts/harbor/with-docker.sh cargo test ... -- --ignored (docs/benchmarks.md)"]
+async fn bench_harbor_itself_on_the_side_by_side_tasks() {
+    use std::time::Duration;
+    use trajectory_testkit::scripted_server::{
+        FixedLatency, ScriptedServer, text_reply, tool_call_reply,
+    };
+    let tasks = knob::<usize>("SIDE_BY_SIDE_TASKS", 128);
+    let latency = Duration::from_millis(knob::<u64>("SIDE_BY_SIDE_LATENCY_MS", 500));
+    let at_once = knob::<u64>("SIDE_BY_SIDE_AT_ONCE", 8);
+    let harbor = std::env::var("HARBOR").expect(
+        "HARBOR names the harbor CLI: run this under scripts/harbor/with-docker.sh, which sets it",
+    );
+    let model = ScriptedServer::start_fixed_latency(FixedLatency {
+        latency,
+        tool_call: tool_call_reply(
+            "terminal",
+            &json!({"command": side_by_side::ANSWER_COMMAND}),
+        ),
+        final_answer: text_reply("done"),
+    })
+    .await;
+    let scratch = tempfile::tempdir().unwrap();
+    side_by_side::write_answer_tasks(&scratch.path().join("tasks"), tasks, "local/debian:12");
+    let overlay = scratch.path().join("overlay-init.yaml");
+    std::fs::write(&overlay, "services:\n  main:\n    init: true\n").unwrap();
+    let agents = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/harbor");
+    let mut command = tokio::process::Command::new(&harbor);
+    command
+        .args(["run", "-p"])
+        .arg(scratch.path().join("tasks"))
+        .args([
+            "-e",
+            "docker",
+            "-k",
+            "1",
+            "-y",
+            "-q",
+            "--job-name",
+            "side-by-side",
+        ])
+        .args(["-n", &at_once.to_string()])
+        .args(["-a", "scripted_agent:ScriptedAgent", "-o"])
+        .arg(scratch.path().join("jobs"))
+        .env("PYTHONPATH", &agents)
+        .env("OPENAI_BASE_URL", model.base_url())
+        .env("HARBOR_TELEMETRY", "0");
+    if knob::<u64>("SIDE_BY_SIDE_INIT", 1) == 1 {
+        command.arg("--extra-docker-compose").arg(&overlay);
+    }
+    let clock = side_by_side::RunClock::start().await;
+    let status = command.status().await.expect("starting harbor");
+    let figures = clock.summary(&model, tasks);
+    assert!(status.success(), "harbor run: {status}");
+    let job = scratch.path().join("jobs/side-by-side");
+    let rewards: Vec<f64> = std::fs::read_dir(&job)
+        .unwrap()
+        .filter_map(|entry| {
+            let result = entry.unwrap().path().join("result.json");
+            let text = std::fs::read_to_string(result).ok()?;
+            let result: Value = serde_json::from_str(&text).unwrap();
+            Some(
+                result["verifier_result"]["rewards"]["reward"]
+                    .as_f64()
+                    .unwrap_or(0.0),
+            )
+        })
+        .collect();
+    assert_eq!(rewards.len(), tasks, "a result for every trial");
+    let passed = rewards.iter().filter(|reward| **reward >= 1.0).count();
+    assert_eq!(
+        model.request_count(),
+        2 * tasks,
+        "two model requests a trial"
+    );
+    eprintln!(
+        "BENCH harbor, {at_once} at once: {tasks} trials ({passed} passed, model {latency:?} a \
+         request) in {figures}"
+    );
+    assert_eq!(passed, tasks, "every trial passed: {rewards:?}");
 }

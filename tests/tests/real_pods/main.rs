@@ -40,6 +40,7 @@ use trajectory_tests::{TestNamespace, client, wait_until};
 mod harbor;
 mod kills;
 mod pulls;
+mod side_by_side;
 mod throughput;
 
 /// Everything one test needs: the real node (checked to hold the worker image), a namespace, the

@@ -13,6 +13,7 @@ use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
 use trajectory_operator::api::{Phase, TrajectoryRun};
+use trajectory_testkit::knob;
 use trajectory_tests::e2e::phase_of;
 use trajectory_tests::real_pods::{HOW_TO_RUN, jsonl_lines, registry};
 
@@ -228,16 +229,10 @@ async fn images_next_in_line_are_pulled_ahead_and_their_pods_wait_less() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a benchmark: run it with --ignored (docs/benchmarks.md)"]
 async fn bench_pull_share_with_and_without_prefetch() {
-    let number = |name: &str, default: usize| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
     let (count, mib, rows) = (
-        number("PULL_BENCH_IMAGES", 40),
-        number("PULL_BENCH_MIB", 64),
-        number("PULL_BENCH_ROWS", 2),
+        knob::<usize>("PULL_BENCH_IMAGES", 40),
+        knob::<usize>("PULL_BENCH_MIB", 64),
+        knob::<usize>("PULL_BENCH_ROWS", 2),
     );
     let setup = Setup::new("pods-pull-bench").await;
     for (name, prefetch) in [("without", 0), ("with", 4)] {

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use trajectory_operator::api::Phase;
+use trajectory_testkit::knob;
 use trajectory_tests::e2e::phase_of;
 use trajectory_tests::real_pods::{HOW_TO_RUN, jsonl_lines, registry};
 
@@ -33,14 +34,8 @@ fn write_rows(setup: &Setup, rows: usize, image: Option<&str>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a benchmark: run it with --ignored (docs/benchmarks.md)"]
 async fn bench_trajectories_per_node_hour() {
-    let number = |name: &str, default: u64| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
-    let rows = usize::try_from(number("THROUGHPUT_BENCH_ROWS", 96)).unwrap();
-    let latency = Duration::from_millis(number("THROUGHPUT_BENCH_LATENCY_MS", 500));
+    let rows = knob::<usize>("THROUGHPUT_BENCH_ROWS", 96);
+    let latency = Duration::from_millis(knob::<u64>("THROUGHPUT_BENCH_LATENCY_MS", 500));
     let setup = Setup::new("pods-throughput").await;
     let image = format!("{}/tasks/glibc:1", registry(HOW_TO_RUN));
     let model = scripted_model(latency, "echo hi from $(pwd)").await;
