@@ -69,3 +69,23 @@ python_312_or_later() {
 	done
 	return 1
 }
+
+# stop_pids SIGNAL_WAIT_S PID...: SIGTERM, wait up to SIGNAL_WAIT_S for exit, then SIGKILL.
+stop_pids() {
+	local wait_s="$1" pid
+	shift
+	[[ $# -gt 0 ]] || return 0
+	kill -TERM "$@" 2>/dev/null || true
+	local deadline=$((SECONDS + wait_s)) left
+	while :; do
+		left=()
+		for pid in "$@"; do
+			! kill -0 "${pid}" 2>/dev/null || left+=("${pid}")
+		done
+		[[ ${#left[@]} -gt 0 ]] || return 0
+		((SECONDS < deadline)) || break
+		sleep 0.2
+	done
+	kill -KILL "${left[@]}" 2>/dev/null || true
+	sleep 0.2
+}

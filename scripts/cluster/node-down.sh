@@ -19,6 +19,8 @@ set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib.sh"
+# shellcheck source=scripts/lib.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/../lib.sh"
 
 QUIET=0
 [[ "${1:-}" != "--quiet" ]] || QUIET=1
@@ -44,26 +46,6 @@ cmdline_has() {
 	local cmdline
 	cmdline="$(tr '\0' ' ' 2>/dev/null <"/proc/$1/cmdline")" || return 1
 	[[ "${cmdline}" == *"$2"* ]]
-}
-
-# stop_pids SIGNAL_WAIT_S PID...: SIGTERM, wait up to SIGNAL_WAIT_S for exit, then SIGKILL.
-stop_pids() {
-	local wait_s="$1" pid
-	shift
-	[[ $# -gt 0 ]] || return 0
-	kill -TERM "$@" 2>/dev/null || true
-	local deadline=$((SECONDS + wait_s)) left
-	while :; do
-		left=()
-		for pid in "$@"; do
-			! kill -0 "${pid}" 2>/dev/null || left+=("${pid}")
-		done
-		[[ ${#left[@]} -gt 0 ]] || return 0
-		((SECONDS < deadline)) || break
-		sleep 0.2
-	done
-	kill -KILL "${left[@]}" 2>/dev/null || true
-	sleep 0.2
 }
 
 # recorded_pid NAME: the pid of component NAME, if that process is ours (names the state directory).

@@ -30,6 +30,8 @@
 #   dockerd arguments, split on spaces), HARBOR_DOCKERD_WAIT (seconds to wait for it; default 60).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=scripts/lib.sh
+source "${HERE}/../lib.sh"
 
 log() { printf '[with-docker %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() {
@@ -136,26 +138,13 @@ cleanup() {
 		containerd_pid="$(cat "${MANAGED_CONTAINERD_PIDFILE}" 2>/dev/null || true)"
 		if kill -0 "${dockerd_pid}" 2>/dev/null; then
 			log "stopping dockerd ${dockerd_pid}"
-			kill -TERM "${dockerd_pid}" 2>/dev/null || true
 			# dockerd gives running containers their stop timeout (10 s), then stops its containerd.
-			for _ in $(seq 1 600); do
-				kill -0 "${dockerd_pid}" 2>/dev/null || break
-				sleep 0.1
-			done
-			if kill -0 "${dockerd_pid}" 2>/dev/null; then
-				log "dockerd ${dockerd_pid} did not exit within 60 s: killing it"
-				kill -KILL "${dockerd_pid}" 2>/dev/null || true
-			fi
+			stop_pids 60 "${dockerd_pid}"
 		fi
 		wait "${dockerd_pid}" 2>/dev/null || true
 		if [[ -n "${containerd_pid}" ]] && kill -0 "${containerd_pid}" 2>/dev/null; then
 			log "dockerd's containerd ${containerd_pid} outlived it: stopping it"
-			kill -TERM "${containerd_pid}" 2>/dev/null || true
-			for _ in $(seq 1 100); do
-				kill -0 "${containerd_pid}" 2>/dev/null || break
-				sleep 0.1
-			done
-			kill -KILL "${containerd_pid}" 2>/dev/null || true
+			stop_pids 10 "${containerd_pid}"
 		fi
 		restore_iptables
 		for link in $(ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | grep -E '^(docker0|br-[0-9a-f]{12})$' |
